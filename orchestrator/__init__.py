@@ -1,0 +1,28 @@
+"""Distributed PyTorch training on Ray, with the speed-up checklist applied automatically.
+
+The Python API the CLI wraps; attributes are imported on first use so `import orchestrator` stays light:
+
+    from orchestrator import load_config, train
+    result = train(load_config("examples/digits.yaml", ["optim.lr=1e-3"]))
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from orchestrator.config import Config, load_config
+    from orchestrator.launch import TrainResult, train
+
+__all__ = ["Config", "TrainResult", "load_config", "train"]
+
+_HOMES = {"Config": "orchestrator.config", "load_config": "orchestrator.config",
+          "TrainResult": "orchestrator.launch", "train": "orchestrator.launch"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'orchestrator' has no attribute '{name}'")
+    import importlib
+
+    return getattr(importlib.import_module(_HOMES[name]), name)

@@ -1,0 +1,274 @@
+"""The one typed config tree: defaults < YAML file < `--set dotted.key=value`, validated before Ray starts."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from orchestrator.errors import ConfigError
+from orchestrator.registry import suggest
+from pipelines.config import DataConfig
+
+Precision = Literal["auto", "bf16", "fp16", "fp32"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(BaseModel):
+    """A registered model by `name`, or a user's `entrypoint: "module:function"`; other keys are its kwargs."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field("mlp", description="Registered model: mlp, cnn.")
+    entrypoint: str | None = Field(None, description="'module:function' building a torch Module; overrides name.")
+    num_classes: int | None = Field(None, ge=2, description="Output classes; null = from the label column's max.")
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+    @model_validator(mode="after")
+    def _check_kwargs(self) -> ModelConfig:
+        from orchestrator.models import model_builder
+
+        builder = model_builder(self.name, self.entrypoint)
+        params = inspect.signature(builder).parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return self
+        allowed = [p for p in params if p not in ("in_features", "num_classes", "self")]
+        for key in self.kwargs:
+            if key not in allowed:
+                raise ValueError(f"model '{self.entrypoint or self.name}' takes no option '{key}'"
+                                 f"{suggest(key, allowed)}; its options: {allowed}")
+        return self
+
+
+class TrainConfig(_Section):
+    """Length of training, batch arithmetic, precision and cadence of logging/eval."""
+
+    max_steps: int | None = Field(300, ge=1, description="Optimizer steps; or set epochs instead.")
+    epochs: float | None = Field(None, gt=0, description="Passes over the training set (converted to steps).")
+    global_batch_size: int = Field(128, ge=1, description="Samples per optimizer step, summed over all workers.")
+    micro_batch_size: int | None = Field(None, ge=1, description="Samples per forward pass per worker; derived.")
+    grad_accum_steps: int | None = Field(None, ge=1, description="Micro-batches per optimizer step; derived.")
+    precision: Precision = Field("auto", description="auto picks bf16 where the device supports it.")
+    compile: bool = Field(False, description="Wrap the model in torch.compile (falls back to eager on failure).")
+    seed: int = 0
+    log_every: int = Field(25, ge=1, description="Steps between reports (each report is a barrier; keep it >= 10).")
+    eval_every: int | None = Field(100, ge=1, description="Steps between validation passes; also at the end.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _epochs_replace_steps(cls, data: Any) -> Any:
+        # Asking for epochs means "not the default max_steps"; both given explicitly is a contradiction.
+        if isinstance(data, dict) and data.get("epochs") is not None and "max_steps" not in data:
+            data = {**data, "max_steps": None}
+        return data
+
+    @model_validator(mode="after")
+    def _one_length(self) -> TrainConfig:
+        if (self.max_steps is None) == (self.epochs is None):
+            raise ValueError("set exactly one of train.max_steps and train.epochs")
+        return self
+
+
+class OptimConfig(_Section):
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(3.0e-3, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    momentum: float | None = Field(None, ge=0, lt=1, description="SGD only (default 0.9).")
+    warmup_steps: int = Field(20, ge=0, description="Linear warmup from 0 to lr.")
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final lr as a fraction of lr (cosine/linear).")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm; null = no clip.")
+
+    @model_validator(mode="after")
+    def _no_dead_options(self) -> OptimConfig:
+        if self.name != "sgd" and self.momentum is not None:
+            raise ValueError(f"optim.momentum has no effect with optim.name={self.name}; remove it or use sgd")
+        if self.schedule == "constant" and self.min_lr_ratio:
+            raise ValueError("optim.min_lr_ratio has no effect with optim.schedule=constant; remove it")
+        return self
+
+
+class ScalingConfig(_Section):
+    num_workers: int = Field(2, ge=1, description="Ray Train workers (one DDP rank each).")
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(1.0, gt=0, description="Logical CPUs per worker (also its torch threads).")
+
+
+class CheckpointConfig(_Section):
+    every: int = Field(100, ge=1, description="Steps between checkpoints; the last step is always saved.")
+    keep: int = Field(2, ge=1, description="Checkpoints kept in storage.")
+
+
+class StorageConfig(_Section):
+    path: str = Field("runs", description="Where Ray Train writes checkpoints and results.")
+
+
+class FailureConfig(_Section):
+    max_failures: int = Field(3, ge=-1, description="Worker-group restarts from the last checkpoint; -1 = unlimited.")
+
+
+class TrackingConfig(_Section):
+    enabled: bool = True
+    uri: str = Field("sqlite:///mlruns.db", description="MLflow tracking URI (SQLite file or http server).")
+    experiment: str = "default"
+
+
+class Config(_Section):
+    """Everything one experiment needs; see examples/*.yaml."""
+
+    experiment: str = Field("digits-mlp", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)  # type: ignore[arg-type]
+    train: TrainConfig = Field(default_factory=TrainConfig)  # type: ignore[arg-type]
+    optim: OptimConfig = Field(default_factory=OptimConfig)  # type: ignore[arg-type]
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig)  # type: ignore[arg-type]
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)  # type: ignore[arg-type]
+    storage: StorageConfig = Field(default_factory=StorageConfig)  # type: ignore[arg-type]
+    failure: FailureConfig = Field(default_factory=FailureConfig)  # type: ignore[arg-type]
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)  # type: ignore[arg-type]
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Config:
+        if self.train.precision == "fp16" and not self.scaling.use_gpu:
+            raise ValueError("train.precision=fp16 needs a GPU (scaling.use_gpu=true); on CPU use bf16 or fp32")
+        self._derive_batch()
+        return self
+
+    def _derive_batch(self) -> None:
+        """global = micro x accum x workers: given global and one of the others, derive the third."""
+        t, workers = self.train, self.scaling.num_workers
+        if "global_batch_size" not in t.model_fields_set and t.micro_batch_size and t.grad_accum_steps:
+            object.__setattr__(t, "global_batch_size", t.micro_batch_size * t.grad_accum_steps * workers)
+        per_worker, rest = divmod(t.global_batch_size, workers)
+        if rest:
+            raise ValueError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
+                             f"scaling.num_workers={workers}")
+        if t.micro_batch_size is None:
+            accum = t.grad_accum_steps or 1
+            if per_worker % accum:
+                raise ValueError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
+                                 f"grad_accum_steps={accum} x num_workers={workers}")
+            micro = per_worker // accum
+        else:
+            micro = t.micro_batch_size
+            accum, rest = divmod(per_worker, micro)
+            if rest or accum == 0 or (t.grad_accum_steps is not None and t.grad_accum_steps != accum):
+                raise ValueError(
+                    f"train.global_batch_size={t.global_batch_size} must equal micro_batch_size={micro} x "
+                    f"grad_accum_steps={t.grad_accum_steps or 'N'} x num_workers={workers}"
+                )
+        # Bypass validate_assignment: the pair is only consistent once both are set.
+        object.__setattr__(t, "micro_batch_size", micro)
+        object.__setattr__(t, "grad_accum_steps", accum)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for depth, key in enumerate(keys[:-1]):
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {dotted}: '{'.'.join(keys[: depth + 1])}' is a value, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """'optim.lr=1e-3' -> ('optim.lr', 0.001); the value is parsed as YAML (numbers, lists, null)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set '{item}' must look like section.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    # YAML 1.1 reads '1e-3' as a string; users mean a number.
+    if isinstance(value, str):
+        try:
+            value = float(value) if any(c in value for c in ".eE") else value
+        except ValueError:
+            pass
+    return key.strip(), value
+
+
+def _field_names(loc: tuple[Any, ...]) -> list[str]:
+    """The valid keys of the section at `loc` (for 'did you mean')."""
+    model: Any = Config
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return []
+        model = field.annotation
+    return list(model.model_fields)
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """One line per problem, naming the dotted key and, for typos, the closest valid key."""
+    lines = []
+    for err in exc.errors():
+        loc = tuple(p for p in err["loc"] if isinstance(p, str))
+        key = ".".join(loc) or "config"
+        if err["type"] == "extra_forbidden":
+            section = "".join(f"{p}." for p in loc[:-1])
+            lines.append(f"unknown config key '{key}'{suggest(loc[-1], _field_names(loc[:-1]), section)}")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"config key '{key}': {msg}" if loc else f"config: {msg}")
+    return "; ".join(lines)
+
+
+def config_from_dict(tree: dict[str, Any]) -> Config:
+    """Validate a plain dict (as loaded from YAML, or as shipped to a Ray worker)."""
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults < YAML file < overrides; raises ConfigError with one clear line."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"config file '{path}' not found")
+        try:
+            loaded = yaml.safe_load(file.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file '{path}' is not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file '{path}' must hold a mapping of sections, got {type(loaded).__name__}")
+        tree = loaded or {}
+    for item in overrides or []:
+        _set_dotted(tree, *parse_override(item))
+    return config_from_dict(tree)
+
+
+def to_dict(config: Config) -> dict[str, Any]:
+    """The resolved config as plain data (crosses into Ray workers, saved with the run)."""
+    return config.model_dump(mode="json")
+
+
+def to_yaml(config: Config) -> str:
+    return yaml.safe_dump(to_dict(config), sort_keys=False)
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'optim': {'lr': 1}} -> {'optim.lr': 1} (MLflow params)."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat

@@ -1,0 +1,244 @@
+"""Driver side of `orchestrator train`: check data, join or start Ray, build the TorchTrainer, track in MLflow."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orchestrator.config import Config, config_from_dict, flatten, to_dict, to_yaml
+from orchestrator.errors import ConfigError, UserError
+from orchestrator.tracking import Tracker, start_tracker, ui_command
+from pipelines.datasets import build_datasets, inspect_datasets
+from pipelines.sources import DatasetInfo
+
+
+class RunFailedError(UserError):
+    """Training stopped for good (failure budget spent, or an error every retry hits)."""
+
+
+@dataclass
+class TrainResult:
+    """What `train()` returns: the last reported metrics, where the final checkpoint is, and the MLflow run."""
+
+    config: Config
+    metrics: dict[str, Any]
+    checkpoint_path: str | None
+    run_dir: str
+    run_id: str | None
+    tracking_uri: str | None
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def resolve_for_data(config: Config, infos: dict[str, DatasetInfo]) -> Config:
+    """Fill in what the data decides: the number of classes and, when epochs are given, the step count."""
+    train = infos["train"]
+    if "val" in infos and infos["val"].feature_dim != train.feature_dim:
+        raise ConfigError(f"data.val has {infos['val'].feature_dim} feature values per row but data.train has "
+                          f"{train.feature_dim}: both splits must have the same columns")
+    tree = to_dict(config)
+    if config.model.num_classes is None:
+        if train.num_classes < 2:
+            raise ConfigError(f"cannot infer the number of classes from '{config.data.label}' statistics: "
+                              "set model.num_classes")
+        tree["model"]["num_classes"] = train.num_classes
+    t = config.train
+    micro_per_epoch = train.num_rows // config.scaling.num_workers // t.micro_batch_size  # type: ignore[operator]
+    if micro_per_epoch == 0:
+        raise ConfigError(f"data.train has {train.num_rows} rows, fewer than one micro-batch "
+                          f"({t.micro_batch_size}) per worker: lower train.global_batch_size")
+    if t.epochs is not None:
+        tree["train"]["max_steps"] = max(1, math.ceil(t.epochs * micro_per_epoch / t.grad_accum_steps))  # type: ignore[operator]
+        tree["train"]["epochs"] = None
+    return config_from_dict(tree)
+
+
+def connect_ray(address: str | None, config: Config) -> bool:
+    """Join `address` / $RAY_ADDRESS if given, else start a private local cluster. True if we started it."""
+    import ray
+
+    address = address or os.environ.get("RAY_ADDRESS")
+    if ray.is_initialized():
+        return False
+    # Ray's own INFO lines (per-report, per-epoch) would bury the progress lines; warnings still show.
+    logging_config = ray.LoggingConfig(log_level="WARNING")
+    if address:
+        ray.init(address=address, logging_config=logging_config)
+        return False
+    # Ray Data's read tasks need CPUs beside the workers', or ingest waits forever on a small machine.
+    needed = math.ceil(config.scaling.num_workers * config.scaling.cpus_per_worker) + 2
+    # Local workers inherit this environment: make the user's own modules (model entrypoints) importable.
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH")] if p)
+    # The dashboard serves the state API that Ray Train's controller polls; bound to localhost only.
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=True,
+             dashboard_host="127.0.0.1", logging_config=logging_config)
+    return True
+
+
+def build_trainer(config: Config, spec: dict[str, Any], datasets: dict[str, Any], run_name: str,
+                  callbacks: list[Any]) -> Any:
+    import ray
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    # Preserve order so two runs (and a resumed run) see the same batches on the same ranks.
+    options = ray.train.DataConfig.default_ingest_options()
+    options.preserve_order = True
+    s = config.scaling
+    return TorchTrainer(
+        _worker_entry,
+        train_loop_config=spec,
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker={"CPU": s.cpus_per_worker},
+        ),
+        run_config=ray.train.RunConfig(
+            name=run_name,
+            storage_path=_storage_path(config),
+            failure_config=ray.train.FailureConfig(max_failures=config.failure.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.checkpoint.keep),
+            callbacks=callbacks,
+            logging_config=ray.LoggingConfig(log_level="WARNING"),  # per-report INFO lines bury progress
+        ),
+        datasets=datasets,
+        dataset_config=ray.train.DataConfig(datasets_to_split="all", execution_options=options),
+    )
+
+
+def _worker_entry(spec: dict[str, Any]) -> dict[str, Any]:
+    # Imported in the worker only: the driver never needs the loop's modules.
+    from orchestrator.train.worker import train_worker
+
+    return train_worker(spec)
+
+
+def _storage_path(config: Config) -> str:
+    path = config.storage.path
+    return path if "://" in path else os.path.abspath(path)
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The last 'SomeError: message' line of a Ray failure, which is what the user needs to read."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    for line in reversed(lines):
+        head = line.split(":", 1)[0]
+        if head.endswith(("Error", "Exception")) and " " not in head:
+            return line
+    return lines[-1] if lines else type(exc).__name__
+
+
+def _log_final_artifacts(tracker: Tracker, config: Config, checkpoint_path: str | None,
+                         history: list[dict[str, Any]]) -> None:
+    import torch
+
+    from orchestrator.plots import plot_history
+    from orchestrator.train.checkpoint import load_state
+
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.yaml").write_text(to_yaml(config))
+        tracker.log_artifact(Path(tmp) / "config.yaml")
+        if checkpoint_path:
+            from ray.train import Checkpoint
+
+            with Checkpoint(checkpoint_path).as_directory() as directory:
+                torch.save(load_state(directory)["model"], Path(tmp) / "model.pt")
+            tracker.log_artifact(Path(tmp) / "model.pt", "model")
+        if history:
+            tracker.log_artifact(plot_history(history, Path(tmp) / "learning_curves.png"), "plots")
+
+
+def train(config: Config, address: str | None = None, verbose: bool = True) -> TrainResult:
+    """Run one distributed training job and return its result. Raises UserError subclasses on bad input."""
+    infos = inspect_datasets(config.data)  # before any cluster resource is taken
+    config = resolve_for_data(config, infos)
+    run_name = f"{config.experiment}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = os.path.join(_storage_path(config), run_name)
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # otherwise worker prints appear twice
+
+    tracker = start_tracker(config.tracking, run_name)
+    tracker.log_params(flatten(to_dict(config)))
+    tracker.set_tags({"orchestrator.run_dir": run_dir, "orchestrator.train_rows": str(infos["train"].num_rows)})
+    try:
+        started_ray = connect_ray(address, config)
+        try:
+            result = _fit(config, infos, run_name, run_dir, tracker, verbose)
+        finally:
+            if started_ray:
+                import ray
+
+                ray.shutdown()
+    except KeyboardInterrupt:
+        tracker.finish("KILLED")
+        raise
+    except BaseException:
+        tracker.finish("FAILED")
+        raise
+    tracker.finish("FINISHED")
+    return result
+
+
+def _fit(config: Config, infos: dict[str, DatasetInfo], run_name: str, run_dir: str, tracker: Tracker,
+         verbose: bool) -> TrainResult:
+    import ray
+    import ray.train
+    from ray.data import DataContext
+    from ray.util.queue import Queue
+
+    from orchestrator.progress import ForwardReports, ReportConsumer, progress_line
+
+    if not run_dir.startswith(("s3://", "gs://")):
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        Path(run_dir, "config.yaml").write_text(to_yaml(config))
+    total = config.train.max_steps or 0
+    history: list[dict[str, Any]] = []
+    started = time.monotonic()
+
+    def handle(report: dict[str, Any]) -> None:
+        if report.get("event") == "worker_failure":
+            print(f"worker {report['rank']} failed: {report['error']} (restarting from the last checkpoint)",
+                  file=sys.stderr)
+            tracker.set_tags({f"orchestrator.failure.{len(history)}": report["error"]})
+            return
+        history.append(report)
+        tracker.log_metrics(report, step=report["step"])
+        if "precision" in report:
+            tracker.set_tags({"orchestrator.precision": report["precision"]})
+        if verbose:
+            print(progress_line(report, total, started), flush=True)
+
+    queue = Queue(actor_options={"num_cpus": 0})
+    spec = {"config": to_dict(config), "in_features": infos["train"].feature_dim}
+    context = DataContext.get_current()
+    context.execution_options.preserve_order = True
+    context.print_on_execution_start = False  # one log line per epoch per dataset otherwise
+    context.enable_progress_bars = False
+    datasets = build_datasets(config.data, infos, ray.cluster_resources().get("object_store_memory", 0))
+    trainer = build_trainer(config, spec, datasets, run_name, [ForwardReports(queue)])
+    try:
+        with ReportConsumer(queue, handle):
+            result = trainer.fit()
+    except ray.train.TrainingFailedError as exc:
+        raise RunFailedError(f"training failed: {_root_cause(exc)} (run directory: {run_dir})") from None
+    checkpoint_path = result.checkpoint.path if result.checkpoint else None
+    _log_final_artifacts(tracker, config, checkpoint_path, history)
+    return TrainResult(
+        config=config, metrics=dict(result.metrics or {}), checkpoint_path=checkpoint_path, run_dir=run_dir,
+        run_id=tracker.run_id, tracking_uri=getattr(tracker, "uri", None), history=history,
+    )
+
+
+def summary(result: TrainResult) -> str:
+    """The lines printed after a run: final accuracy, where things are, and how to look at them."""
+    m = result.metrics
+    lines = [f"finished {result.config.experiment}: step {m.get('step')}, train loss {m.get('train_loss', float('nan')):.4f}"]
+    if "val_accuracy" in m:
+        lines.append(f"final validation accuracy: {m['val_accuracy']:.4f} (val loss {m['val_loss']:.4f})")
+    lines.append(f"checkpoint: {result.checkpoint_path}")
+    if result.run_id:
+        lines.append(f"MLflow run id: {result.run_id}")
+        lines.append(f"open the MLflow UI: {ui_command(result.tracking_uri or '')}")
+    return "\n".join(lines)

@@ -1,0 +1,116 @@
+"""MLflow on the driver: one run per `orchestrator train`. A failing tracking call warns and never stops training."""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Protocol
+
+from orchestrator.config import TrackingConfig
+from orchestrator.errors import UserError
+
+# A dead tracking server would otherwise stall training for minutes (7 retries, 120 s timeout by default).
+_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15",
+                  "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
+
+
+class Tracker(Protocol):
+    run_id: str | None
+
+    def log_params(self, params: dict[str, Any]) -> None: ...
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+    def set_tags(self, tags: dict[str, str]) -> None: ...
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
+    def finish(self, status: str) -> None: ...
+
+
+def resolve_uri(uri: str) -> str:
+    """Make a relative SQLite path absolute, so Ray processes and the printed UI command use the same file."""
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
+        return prefix + os.path.abspath(uri[len(prefix):])
+    return uri
+
+
+class NullTracker:
+    """Used when tracking.enabled is false."""
+
+    run_id: str | None = None
+
+    def log_params(self, params: dict[str, Any]) -> None: ...
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+    def set_tags(self, tags: dict[str, str]) -> None: ...
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
+    def finish(self, status: str) -> None: ...
+
+
+class MlflowTracker:
+    """Wraps the MLflow client with explicit run ids (no global active run, safe from callback threads)."""
+
+    def __init__(self, cfg: TrackingConfig, run_name: str) -> None:
+        for key, value in _HTTP_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+        from mlflow.tracking import MlflowClient
+
+        self.uri = resolve_uri(cfg.uri)
+        self._client = MlflowClient(tracking_uri=self.uri)
+        self._failed: set[str] = set()
+        try:
+            experiment = self._client.get_experiment_by_name(cfg.experiment)
+            experiment_id = (experiment.experiment_id if experiment
+                             else self._client.create_experiment(cfg.experiment))
+            self.run_id: str | None = self._client.create_run(experiment_id, run_name=run_name).info.run_id
+        except Exception as exc:  # unreachable server, bad URI, locked database...
+            raise UserError(f"MLflow tracking at '{self.uri}' is unavailable ({type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0] if str(exc) else ''}): start the server, fix tracking.uri, "
+                            "or set tracking.enabled=false") from None
+
+    def _safe(self, what: str, call: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            call(*args, **kwargs)
+        except Exception as exc:
+            if what not in self._failed:  # warn once per kind of call, not once per step
+                self._failed.add(what)
+                warnings.warn(f"MLflow {what} failed ({type(exc).__name__}: {exc}); training continues",
+                              stacklevel=2)
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        batch = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        for i in range(0, len(batch), 100):  # MLflow caps a batch at 100 params
+            self._safe("log_params", self._client.log_batch, self.run_id, params=batch[i:i + 100])
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()
+                 if isinstance(v, int | float) and math.isfinite(v)]
+        self._safe("log_metrics", self._client.log_batch, self.run_id, metrics=batch)
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        self._safe("set_tags", self._client.log_batch, self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        self._safe("log_artifact", self._client.log_artifact, self.run_id, str(path), artifact_path)
+
+    def finish(self, status: str) -> None:
+        self._safe("set_terminated", self._client.set_terminated, self.run_id, status)
+
+
+def start_tracker(cfg: TrackingConfig, run_name: str) -> Tracker:
+    return MlflowTracker(cfg, run_name) if cfg.enabled else NullTracker()
+
+
+def ui_command(uri: str) -> str:
+    """The exact command that opens the MLflow UI on these results."""
+    if uri.startswith(("http://", "https://")):
+        return f"open {uri}"
+    return f"mlflow ui --backend-store-uri {uri} --port 5000   # then open http://127.0.0.1:5000"

@@ -1,0 +1,91 @@
+"""The function every Ray Train worker runs: rebuild the config, wire model/optimizer/data, call `loop.run`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from typing import Any
+
+import numpy as np
+import ray.train
+import ray.train.torch
+import torch
+
+from orchestrator.config import config_from_dict
+from orchestrator.models import build_model
+from orchestrator.train.checkpoint import load_state
+from orchestrator.train.loop import Parts, restore, run
+from orchestrator.train.optim import build_optimizer
+from orchestrator.train.precision import Precision, resolve_precision
+from pipelines.batches import FeatureCollate
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def quiet_report_log() -> None:
+    """Ray 2.60 logs every report at INFO under a logger named by file path, which RunConfig's logging_config
+    does not reach (it filters 'ray.train*' names); silence just that logger so progress stays readable."""
+    try:
+        from ray.train.v2._internal.execution import context
+    except ImportError:  # another Ray version: nothing to work around
+        return
+    logging.getLogger(context.__file__).setLevel(logging.WARNING)
+
+
+def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """Entry point passed to TorchTrainer. `spec` = {"config": resolved config dict, "in_features": int}."""
+    quiet_report_log()
+    cfg = config_from_dict(spec["config"])
+    t = cfg.train
+    device = ray.train.torch.get_device()
+    # Same seed on every rank: identical initial weights (DDP also broadcasts rank 0's at wrap time).
+    seed_everything(t.seed)
+    mode = resolve_precision(t.precision, device)
+    model = build_model(cfg.model.name, cfg.model.entrypoint, spec["in_features"], cfg.model.num_classes,
+                        cfg.model.kwargs)
+    if t.compile:
+        model = torch.compile(model)  # type: ignore[assignment]
+    model = ray.train.torch.prepare_model(model)
+    optimizer, scheduler = build_optimizer(model, cfg.optim, t.max_steps)  # type: ignore[arg-type]
+    parts = Parts(model, optimizer, scheduler, Precision(mode, device), device, cfg.optim.max_grad_norm)
+
+    progress = None
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            progress = restore(parts, load_state(directory))
+
+    collate = FeatureCollate(cfg.data.features, cfg.data.label)
+    train_shard = ray.train.get_dataset_shard("train")
+
+    def train_batches(epoch: int) -> Any:
+        return train_shard.iter_torch_batches(
+            batch_size=t.micro_batch_size, prefetch_batches=cfg.data.prefetch_batches,
+            collate_fn=collate, drop_last=True,  # equal batch counts on every rank keep the collectives aligned
+        )
+
+    val_batches = None
+    if cfg.data.val is not None:
+        val_shard = ray.train.get_dataset_shard("val")
+
+        def val_batches() -> Any:
+            return val_shard.iter_torch_batches(batch_size=t.micro_batch_size, collate_fn=collate,
+                                                prefetch_batches=cfg.data.prefetch_batches)
+
+    context = ray.train.get_context()
+    first_report = True
+
+    def report(metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
+        nonlocal first_report
+        if first_report:  # facts only a worker knows, sent once
+            metrics = {**metrics, "precision": mode, "worker_pid": os.getpid(), "world_rank": context.get_world_rank()}
+            first_report = False
+        ckpt = ray.train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
+        ray.train.report(metrics, checkpoint=ckpt)
+
+    return run(cfg, parts, train_batches, val_batches, report, progress)
