@@ -1,0 +1,18 @@
+# The two commands the README starts with: `make train` and `make test`. Both set everything up first.
+.PHONY: setup train test lint bench
+
+setup:
+	@bash scripts/setup.sh
+
+train: setup
+	@test -d data/digits/train || .venv/bin/orchestrator prepare digits --out data/digits
+	.venv/bin/orchestrator train $(ARGS)
+
+test: setup
+	.venv/bin/python -m pytest -q $(PYTEST_ARGS)
+
+lint: setup
+	.venv/bin/ruff check orchestrator pipelines tests bench
+
+bench: setup
+	.venv/bin/python bench/overhead.py

@@ -1,0 +1,51 @@
+"""Import directions from DESIGN.md, enforced by scanning the source, and a light package import."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def offenders(folder: str, banned: tuple[str, ...]) -> list[str]:
+    found = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        for name in imports(path):
+            if any(name == b or name.startswith(b + ".") for b in banned):
+                found.append(f"{path.relative_to(ROOT)} imports {name}")
+    return found
+
+
+def test_pipelines_never_import_orchestrator() -> None:
+    assert offenders("pipelines", ("orchestrator",)) == []
+
+
+def test_worker_side_imports_no_driver_sdks() -> None:
+    assert offenders("orchestrator/train", ("mlflow", "ray.tune", "orchestrator.launch", "orchestrator.tracking",
+                                            "orchestrator.cli", "boto3")) == []
+
+
+def test_scan_finds_a_violation(tmp_path: Path) -> None:
+    probe = tmp_path / "x.py"
+    probe.write_text("from mlflow.tracking import MlflowClient\nimport ray.tune\n")
+    assert imports(probe) == {"mlflow.tracking", "ray.tune"}
+
+
+def test_package_import_is_light() -> None:
+    code = ("import sys, orchestrator; heavy = [m for m in ('torch', 'ray', 'mlflow') if m in sys.modules]; "
+            "print(','.join(heavy))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == ""

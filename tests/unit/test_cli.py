@@ -1,0 +1,59 @@
+"""CLI errors that happen before Ray starts: non-zero exit and one line naming the problem."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "orchestrator", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=120)
+
+
+def test_bad_config_key_exits_non_zero_naming_it() -> None:
+    out = cli("train", "--set", "optim.learning_rate=0.1")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == ["error: unknown config key 'optim.learning_rate'"]
+
+
+def test_typo_gets_a_suggestion(tmp_path: Path) -> None:
+    (tmp_path / "exp.yaml").write_text("optim:\n  wieght_decay: 0.1\n")
+    out = cli("show-config", "--config", str(tmp_path / "exp.yaml"))
+    assert out.returncode == 2
+    assert "unknown config key 'optim.wieght_decay' (did you mean 'optim.weight_decay'?)" in out.stderr
+
+
+def test_missing_data_path_exits_non_zero_naming_it(tmp_path: Path) -> None:
+    out = cli("train", "--set", f"data.train={tmp_path}/absent")
+    assert out.returncode == 2
+    assert f"data path '{tmp_path}/absent' does not exist" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_missing_column_exits_non_zero_naming_it(digits_dir: str) -> None:
+    out = cli("train", "--set", f"data.train={digits_dir}/train", "--set", f"data.val={digits_dir}/val",
+              "--set", "data.features=[pixles]")
+    assert out.returncode == 2
+    assert "column(s) ['pixles'] not found" in out.stderr
+
+
+def test_show_config_prints_resolved_yaml() -> None:
+    out = cli("show-config", "--set", "optim.lr=1e-3", "--set", "scaling.num_workers=1")
+    assert out.returncode == 0, out.stderr
+    import yaml
+
+    tree = yaml.safe_load(out.stdout)
+    assert tree["optim"]["lr"] == pytest.approx(1e-3)
+    assert tree["train"]["micro_batch_size"] == 128  # derived for one worker
+
+
+def test_prepare_writes_shards(tmp_path: Path) -> None:
+    out = cli("prepare", "synthetic", "--out", str(tmp_path), "--rows", "100", "--shards", "2")
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in (tmp_path / "train").iterdir()) == ["part-00000.parquet", "part-00001.parquet"]

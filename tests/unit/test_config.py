@@ -1,0 +1,112 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orchestrator.config import flatten, load_config, parse_override, to_dict
+from orchestrator.errors import ConfigError
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "exp.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_file_then_overrides_take_precedence(tmp_path: Path) -> None:
+    path = write(tmp_path, "optim: {lr: 0.01, warmup_steps: 7}\nscaling: {num_workers: 4}\n")
+    cfg = load_config(path, ["optim.lr=1e-3", "train.global_batch_size=64"])
+    assert cfg.optim.lr == pytest.approx(1e-3)  # --set beats the file
+    assert cfg.optim.warmup_steps == 7  # file beats the default
+    assert cfg.optim.weight_decay == 0.01  # default kept
+    assert cfg.scaling.num_workers == 4
+    assert (cfg.train.micro_batch_size, cfg.train.grad_accum_steps) == (16, 1)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["train.global_batch_size=256", "train.micro_batch_size=32"], (256, 32, 4)),
+        (["train.global_batch_size=256", "train.grad_accum_steps=4"], (256, 32, 4)),
+        (["train.micro_batch_size=8", "train.grad_accum_steps=4"], (64, 8, 4)),
+        (["train.global_batch_size=64"], (64, 32, 1)),
+    ],
+)
+def test_any_two_batch_sizes_derive_the_third(overrides: list[str], expected: tuple[int, int, int]) -> None:
+    t = load_config(None, overrides).train  # 2 workers by default
+    assert (t.global_batch_size, t.micro_batch_size, t.grad_accum_steps) == expected
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["optim.lrr=1"], "unknown config key 'optim.lrr' (did you mean 'optim.lr'?)"),
+        (["trian.max_steps=3"], "unknown config key 'trian' (did you mean 'train'?)"),
+        (["model.hiden=[8]"], "takes no option 'hiden' (did you mean 'hidden'?)"),
+        (["model.name=mlpp"], "unknown model 'mlpp' (did you mean 'mlp'?)"),
+        (["optim.lr=-1"], "config key 'optim.lr': Input should be greater than 0"),
+        (["train.precision=fp8"], "config key 'train.precision'"),
+        (["train.precision=fp16"], "fp16 needs a GPU"),
+        (["train.global_batch_size=100", "scaling.num_workers=3"], "not divisible by scaling.num_workers=3"),
+        (["train.global_batch_size=128", "train.micro_batch_size=48"], "must equal micro_batch_size=48"),
+        (["train.epochs=2", "train.max_steps=10"], "set exactly one of train.max_steps and train.epochs"),
+        (["optim.momentum=0.9"], "optim.momentum has no effect with optim.name=adamw"),
+        (["optim.schedule=constant", "optim.min_lr_ratio=0.1"], "min_lr_ratio has no effect"),
+        (["model.entrypoint=no_such_module:build"], "cannot import module 'no_such_module'"),
+        (["optim.lr"], "must look like section.key=value"),
+    ],
+)
+def test_bad_config_names_the_key(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert message in str(info.value)
+
+
+def test_file_errors_are_clear(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "optim: {lr: [1,\n"))
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(write(tmp_path, "- 1\n- 2\n"))
+
+
+def test_epochs_replace_the_default_step_count() -> None:
+    cfg = load_config(None, ["train.epochs=3"])
+    assert cfg.train.max_steps is None and cfg.train.epochs == 3
+
+
+def test_override_values_parse_as_yaml() -> None:
+    assert parse_override("model.hidden=[32, 16]") == ("model.hidden", [32, 16])
+    assert parse_override("optim.lr=1e-3") == ("optim.lr", pytest.approx(1e-3))
+    assert parse_override("data.val=null") == ("data.val", None)
+    assert parse_override("experiment=abc") == ("experiment", "abc")
+
+
+def test_resolved_config_round_trips_and_flattens() -> None:
+    cfg = load_config(None, ["model.hidden=[32]"])
+    again = load_config(None, [])
+    assert again != cfg
+    tree = to_dict(cfg)
+    assert tree["model"]["hidden"] == [32]
+    flat = flatten(tree)
+    assert flat["optim.lr"] == cfg.optim.lr and flat["model.hidden"] == [32]
+    from orchestrator.config import config_from_dict
+
+    assert config_from_dict(tree) == cfg  # what crosses into workers rebuilds the same tree
+
+
+def test_user_entrypoint_options_are_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "my_models.py").write_text(
+        "import torch\n"
+        "def build(in_features, num_classes, width=8):\n"
+        "    return torch.nn.Linear(in_features, num_classes)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = load_config(None, ["model.entrypoint=my_models:build", "model.width=4"])
+    assert cfg.model.kwargs == {"width": 4}
+    with pytest.raises(ConfigError, match="takes no option 'depth'"):
+        load_config(None, ["model.entrypoint=my_models:build", "model.depth=4"])
+    with pytest.raises(ConfigError, match="has no callable 'nope'"):
+        load_config(None, ["model.entrypoint=my_models:nope"])

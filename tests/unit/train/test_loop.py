@@ -1,0 +1,163 @@
+"""The loop in-process (no Ray): accumulation equivalence, precision paths, reports, checkpoints and resume."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from orchestrator.config import Config, load_config
+from orchestrator.errors import ConfigError
+from orchestrator.models import build_model
+from orchestrator.train.checkpoint import Progress, load_state
+from orchestrator.train.loop import NonFiniteLossError, Parts, restore, run, train_step
+from orchestrator.train.optim import build_optimizer
+from orchestrator.train.precision import Precision, resolve_precision
+
+CPU = torch.device("cpu")
+
+
+def make_parts(cfg: Config, mode: str = "fp32", seed: int = 0) -> Parts:
+    torch.manual_seed(seed)
+    model = build_model(cfg.model.name, None, 16, 4, cfg.model.kwargs)
+    optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.train.max_steps or 1)
+    return Parts(model, optimizer, scheduler, Precision(mode, CPU), CPU, cfg.optim.max_grad_norm)  # type: ignore[arg-type]
+
+
+def dataset(rows: int = 256, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 16, generator=g)
+    return x, (x[:, :4].argmax(dim=1))  # learnable labels
+
+
+def batches(x: torch.Tensor, y: torch.Tensor, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(x[i:i + size], y[i:i + size]) for i in range(0, len(y) - size + 1, size)]
+
+
+def config(*overrides: str) -> Config:
+    base = ["scaling.num_workers=1", "train.global_batch_size=32", "model.hidden=[32]", "optim.warmup_steps=2", "train.max_steps=8",
+            "train.log_every=2", "train.eval_every=4", "checkpoint.every=4"]
+    return load_config(None, [*base, *overrides])
+
+
+def test_accumulation_4x8_equals_1x32() -> None:
+    cfg = config("optim.max_grad_norm=null")
+    x, y = dataset(32)
+    one, four = make_parts(cfg), make_parts(cfg)
+    train_step(one, [(x, y)])
+    train_step(four, batches(x, y, 8))
+    for a, b in zip(one.model.parameters(), four.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_clipping_bounds_the_update_and_reports_the_true_norm() -> None:
+    cfg = config("optim.max_grad_norm=1e-3")
+    parts = make_parts(cfg)
+    x, y = dataset(32)
+    _, norm = train_step(parts, [(x, y)])
+    assert float(norm) > 1e-3  # the norm before clipping is what gets reported
+
+
+def test_bf16_autocast_runs_on_cpu_and_keeps_fp32_params() -> None:
+    cfg = config()
+    parts = make_parts(cfg, mode="bf16")
+    x, y = dataset(64)
+    with parts.precision.autocast():
+        assert parts.model(x).dtype == torch.bfloat16
+    loss, _ = train_step(parts, batches(x, y, 16))
+    assert torch.isfinite(loss)
+    assert all(p.dtype == torch.float32 for p in parts.model.parameters())
+    assert parts.precision.scaler is None
+
+
+def test_precision_resolution() -> None:
+    assert resolve_precision("fp32", CPU) == "fp32"
+    assert resolve_precision("auto", CPU) in ("bf16", "fp32")
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        resolve_precision("fp16", CPU)
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.reports: list[tuple[dict[str, Any], dict[str, Any] | None]] = []
+
+    def __call__(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
+        self.reports.append((metrics, load_state(checkpoint_dir) if checkpoint_dir else None))
+
+
+def test_run_reports_on_schedule_evaluates_and_learns() -> None:
+    cfg = config("train.max_steps=40", "train.log_every=10", "train.eval_every=20", "checkpoint.every=20",
+                 "optim.lr=0.01")
+    parts = make_parts(cfg)
+    x, y = dataset(256)
+    report = Recorder()
+    final = run(cfg, parts, lambda epoch: batches(x, y, cfg.train.micro_batch_size),
+                lambda: batches(x, y, 64), report)
+    steps = [m["step"] for m, _ in report.reports]
+    assert steps == [10, 20, 30, 40]
+    assert [ckpt is not None for _, ckpt in report.reports] == [False, True, False, True]
+    assert "val_accuracy" in report.reports[1][0] and "val_accuracy" not in report.reports[0][0]
+    assert report.reports[-1][0]["train_loss"] < report.reports[0][0]["train_loss"]
+    assert final["val_accuracy"] > 0.7
+    assert final["samples_seen"] == 40 * cfg.train.global_batch_size
+    # Steps run across epoch boundaries: 40 x 32 rows = 5 passes over 256 rows, the last (index 4) complete.
+    assert final["epoch"] == 4
+
+
+def test_resume_from_mid_epoch_checkpoint_is_bitwise_exact() -> None:
+    # 256 rows / 32 per step = 8 steps per epoch; the checkpoint at step 4 is mid-epoch.
+    cfg = config("train.max_steps=12", "checkpoint.every=4", "model.dropout=0.2", "data.val=null")
+    x, y = dataset(256)
+    source = lambda epoch: batches(x, y, cfg.train.micro_batch_size)  # noqa: E731
+
+    straight = make_parts(cfg)
+    run(cfg, straight, source, None, Recorder())
+
+    first = make_parts(cfg)
+    short = cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_steps": 4})})
+    recorder = Recorder()
+    run(short, first, source, None, recorder)
+    state = copy.deepcopy(recorder.reports[-1][1])
+    assert state is not None and state["progress"]["batch_in_epoch"] == 4
+
+    torch.manual_seed(123)  # a fresh process would start from other RNG state
+    resumed = make_parts(cfg, seed=99)
+    progress = restore(resumed, state)
+    assert progress == Progress(step=4, samples_seen=128, epoch=0, batch_in_epoch=4)
+    run(cfg, resumed, source, None, Recorder(), progress)
+    for a, b in zip(straight.model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_non_finite_loss_stops_with_a_clear_error_and_no_checkpoint() -> None:
+    cfg = config("train.max_steps=4", "train.log_every=2")
+    parts = make_parts(cfg)
+    x, y = dataset(64)
+    x[3, 0] = float("nan")
+    report = Recorder()
+    with pytest.raises(NonFiniteLossError, match="lower optim.lr"):
+        run(cfg, parts, lambda epoch: batches(x, y, 32), None, report)
+    assert report.reports == []
+
+
+def test_checkpoint_holds_everything_for_resume(tmp_path: Path) -> None:
+    cfg = config("train.max_steps=4")
+    report = Recorder()
+    x, y = dataset(128)
+    run(cfg, make_parts(cfg), lambda epoch: batches(x, y, 32), None, report)
+    state = report.reports[-1][1]
+    assert state is not None
+    assert set(state) == {"model", "optimizer", "scheduler", "precision", "progress", "rng"}
+    assert not any(k.startswith("module.") for k in state["model"])
+    assert state["progress"]["step"] == 4 and len(state["rng"]) == 1
+
+
+def test_tiny_training_split_is_a_clear_error() -> None:
+    from orchestrator.errors import UserError
+
+    cfg = config()
+    with pytest.raises(UserError, match="smaller than one micro-batch"):
+        run(cfg, make_parts(cfg), lambda epoch: [], None, Recorder())
