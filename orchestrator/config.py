@@ -118,7 +118,8 @@ class FailureConfig(_Section):
 
 class TrackingConfig(_Section):
     enabled: bool = True
-    uri: str = Field("sqlite:///mlruns.db", description="MLflow tracking URI (SQLite file or http server).")
+    uri: str | None = Field(None, description="MLflow tracking URI (SQLite file or http server); null = "
+                            "$MLFLOW_TRACKING_URI, else sqlite:///mlruns.db in the working directory.")
     experiment: str = "default"
 
 

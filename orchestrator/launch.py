@@ -234,7 +234,8 @@ def _fit(config: Config, infos: dict[str, DatasetInfo], run_name: str, run_dir: 
 def summary(result: TrainResult) -> str:
     """The lines printed after a run: final accuracy, where things are, and how to look at them."""
     m = result.metrics
-    lines = [f"finished {result.config.experiment}: step {m.get('step')}, train loss {m.get('train_loss', float('nan')):.4f}"]
+    lines = [f"finished {result.config.experiment}: step {m.get('step')}, "
+             f"train loss {m.get('train_loss', float('nan')):.4f}"]
     if "val_accuracy" in m:
         lines.append(f"final validation accuracy: {m['val_accuracy']:.4f} (val loss {m['val_loss']:.4f})")
     lines.append(f"checkpoint: {result.checkpoint_path}")

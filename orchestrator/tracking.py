@@ -26,8 +26,13 @@ class Tracker(Protocol):
     def finish(self, status: str) -> None: ...
 
 
-def resolve_uri(uri: str) -> str:
-    """Make a relative SQLite path absolute, so Ray processes and the printed UI command use the same file."""
+DEFAULT_URI = "sqlite:///mlruns.db"
+
+
+def resolve_uri(uri: str | None) -> str:
+    """The configured URI, else $MLFLOW_TRACKING_URI (set by cluster runtime envs), else a local SQLite file.
+    A relative SQLite path becomes absolute, so Ray processes and the printed UI command use the same file."""
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
     prefix = "sqlite:///"
     if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
         return prefix + os.path.abspath(uri[len(prefix):])

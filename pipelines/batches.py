@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import numpy as np
 import pyarrow as pa
 import torch
@@ -42,3 +44,25 @@ class FeatureCollate(ArrowBatchCollateFn):
 
     def __call__(self, batch: pa.Table) -> tuple[torch.Tensor, torch.Tensor]:
         return collate_arrow(batch, self.features, self.label)
+
+
+# Ray Data costs about 2.5 ms per batch handed to a worker, whatever its size (measured: 0.35-0.48M rows/s at
+# 256 rows, 1.3M rows/s at 1024), so workers fetch large chunks and slice micro-batches out of them as views.
+FETCH_ROWS = 4096
+
+
+def fetch_size(micro_batch_size: int) -> int:
+    """Rows per fetch from Ray Data: a whole number of micro-batches, at least one, about FETCH_ROWS."""
+    return micro_batch_size * max(1, FETCH_ROWS // micro_batch_size)
+
+
+def split_batches(
+    chunks: Iterable[tuple[torch.Tensor, torch.Tensor]], size: int, drop_last: bool
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Slice fetched chunks into batches of `size` rows. Only the epoch's last chunk can be short (chunks are
+    fetched without drop_last), so with drop_last exactly the rows of an incomplete final batch are dropped."""
+    for x, y in chunks:
+        for start in range(0, len(y), size):
+            if drop_last and start + size > len(y):
+                break
+            yield x[start:start + size], y[start:start + size]

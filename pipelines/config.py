@@ -16,7 +16,8 @@ class DataConfig(BaseModel):
     val: str | None = Field("data/digits/val", description="Parquet shards for validation; null disables eval.")
     features: list[str] = Field(["pixels"], min_length=1, description="Feature columns, concatenated in order.")
     label: str = Field("label", description="Integer class label column.")
-    prefetch_batches: int = Field(2, ge=0, description="Batches each worker prefetches ahead of the loop.")
+    prefetch_batches: int = Field(2, ge=0, description="Fetches (of ~4096 rows, sliced into micro-batches) each "
+                                  "worker prefetches ahead of the loop.")
     cache: Literal["auto", "none", "memory"] = Field(
         "auto",
         description="memory: decode once and keep the blocks in Ray's object store for later epochs (Ray Data "

@@ -18,7 +18,7 @@ from orchestrator.train.checkpoint import load_state
 from orchestrator.train.loop import Parts, restore, run
 from orchestrator.train.optim import build_optimizer
 from orchestrator.train.precision import Precision, resolve_precision
-from pipelines.batches import FeatureCollate
+from pipelines.batches import FeatureCollate, fetch_size, split_batches
 
 
 def seed_everything(seed: int) -> None:
@@ -63,19 +63,24 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
     collate = FeatureCollate(cfg.data.features, cfg.data.label)
     train_shard = ray.train.get_dataset_shard("train")
 
+    fetch = fetch_size(t.micro_batch_size)  # type: ignore[arg-type]
+
+    def batches(shard: Any, drop_last: bool) -> Any:
+        chunks = shard.iter_torch_batches(batch_size=fetch, prefetch_batches=cfg.data.prefetch_batches,
+                                          collate_fn=collate)
+        return split_batches(chunks, t.micro_batch_size, drop_last)  # type: ignore[arg-type]
+
     def train_batches(epoch: int) -> Any:
-        return train_shard.iter_torch_batches(
-            batch_size=t.micro_batch_size, prefetch_batches=cfg.data.prefetch_batches,
-            collate_fn=collate, drop_last=True,  # equal batch counts on every rank keep the collectives aligned
-        )
+        # Every rank holds the same number of rows (equal split), so dropping the incomplete last micro-batch
+        # leaves equal batch counts on every rank and the collectives stay aligned.
+        return batches(train_shard, drop_last=True)
 
     val_batches = None
     if cfg.data.val is not None:
         val_shard = ray.train.get_dataset_shard("val")
 
         def val_batches() -> Any:
-            return val_shard.iter_torch_batches(batch_size=t.micro_batch_size, collate_fn=collate,
-                                                prefetch_batches=cfg.data.prefetch_batches)
+            return batches(val_shard, drop_last=False)
 
     context = ray.train.get_context()
     first_report = True

@@ -110,3 +110,15 @@ def test_user_entrypoint_options_are_checked(tmp_path: Path, monkeypatch: pytest
         load_config(None, ["model.entrypoint=my_models:build", "model.depth=4"])
     with pytest.raises(ConfigError, match="has no callable 'nope'"):
         load_config(None, ["model.entrypoint=my_models:nope"])
+
+
+def test_tracking_uri_falls_back_to_environment_then_local_sqlite(monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Path) -> None:
+    from orchestrator.tracking import resolve_uri
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert resolve_uri(None) == f"sqlite:///{tmp_path}/mlruns.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.internal:5000")
+    assert resolve_uri(None) == "http://mlflow.internal:5000"
+    assert resolve_uri("sqlite:////abs/x.db") == "sqlite:////abs/x.db"  # the config wins

@@ -38,8 +38,8 @@ def batches(x: torch.Tensor, y: torch.Tensor, size: int) -> list[tuple[torch.Ten
 
 
 def config(*overrides: str) -> Config:
-    base = ["scaling.num_workers=1", "train.global_batch_size=32", "model.hidden=[32]", "optim.warmup_steps=2", "train.max_steps=8",
-            "train.log_every=2", "train.eval_every=4", "checkpoint.every=4"]
+    base = ["scaling.num_workers=1", "train.global_batch_size=32", "model.hidden=[32]", "optim.warmup_steps=2",
+            "train.max_steps=8", "train.log_every=2", "train.eval_every=4", "checkpoint.every=4"]
     return load_config(None, [*base, *overrides])
 
 
