@@ -1,0 +1,190 @@
+"""`ray job submit -- orchestrator train` against a real Ray head + worker node (separate `ray start` processes)
+with the project's runtime env, tracked by a real `mlflow server` over HTTP and read back through its REST API.
+With AWS credentials in the environment, none of them may appear in MLflow or the job logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYEXAMPLEKEY-test"
+KEY_ID = "AKIAORCHESTRATORTEST1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(check: Any, what: str, timeout: float = 120.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            result = check()
+            if result:
+                return result
+        except Exception:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"{what} not ready after {timeout:.0f} s")
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    """Stop a process this module started (by PID), escalating to SIGKILL."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
+def http_json(url: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    root = tmp_path_factory.mktemp("mlflow")
+    port = free_port()
+    log = open(root / "server.log", "wb")  # noqa: SIM115 - closed at teardown
+    process = subprocess.Popen(
+        [str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
+         "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port)],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: urllib.request.urlopen(f"{uri}/health", timeout=5).status == 200, "mlflow server")
+        yield uri
+    finally:
+        stop(process)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def ray_nodes() -> Iterator[tuple[str, dict[str, str]]]:
+    """A head node (with dashboard + job server) and one worker node, as `ray start --block` processes."""
+    temp_dir = tempfile.mkdtemp(prefix="rayjt", dir="/tmp")  # short: Ray's unix socket paths have a length limit
+    gcs, dashboard = free_port(), free_port()
+    env = {
+        **os.environ,
+        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",  # the job's driver finds `orchestrator` here
+        "RAY_AUTH_MODE": "disabled",  # the suite's one mode, for every process (see README)
+        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+        "AWS_ACCESS_KEY_ID": KEY_ID,
+        "AWS_SECRET_ACCESS_KEY": SECRET,
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    common = ["--block", "--disable-usage-stats", "--min-worker-port", "0", "--max-worker-port", "0"]
+    head = subprocess.Popen(
+        [str(BIN / "ray"), "start", "--head", "--port", str(gcs), "--dashboard-port", str(dashboard),
+         "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--num-cpus", "4",
+         "--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
+         "--metrics-export-port", str(free_port()), "--temp-dir", temp_dir, *common],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    worker = None
+    address = f"http://127.0.0.1:{dashboard}"
+    try:
+        wait_for(lambda: urllib.request.urlopen(f"{address}/api/version", timeout=5).status == 200, "Ray head")
+        worker = subprocess.Popen(
+            [str(BIN / "ray"), "start", "--address", f"127.0.0.1:{gcs}", "--num-cpus", "2",
+             "--dashboard-agent-listen-port", str(free_port()), "--metrics-export-port", str(free_port()), *common],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        wait_for(lambda: alive_nodes(address) == 2, "worker node")
+        yield address, env
+    finally:
+        for process in (worker, head):
+            if process is not None:
+                stop(process)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def alive_nodes(address: str) -> int:
+    nodes = http_json(f"{address}/nodes?view=summary")["data"]["summary"]
+    return sum(1 for n in nodes if n["raylet"]["state"] == "ALIVE")
+
+
+def job_runtime_env(tmp_path: Path, tracking_uri: str) -> Path:
+    """The project's runtime env, minus the pip section: these local nodes already run from the project's .venv
+    (on a cloud cluster the nodes are set up the same way by cluster/*.yaml)."""
+    runtime_env = yaml.safe_load((ROOT / "cluster" / "runtime_env.yaml").read_text())
+    runtime_env.pop("pip", None)
+    runtime_env["working_dir"] = str(ROOT)
+    runtime_env["env_vars"] = {**runtime_env["env_vars"], "MLFLOW_TRACKING_URI": tracking_uri,
+                               "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}
+    path = tmp_path / "runtime_env.yaml"
+    path.write_text(yaml.safe_dump(runtime_env))
+    return path
+
+
+def test_job_submit_trains_on_two_nodes_and_tracks_to_mlflow_server(
+    ray_nodes: tuple[str, dict[str, str]], mlflow_server: str, digits_dir: str, tmp_path: Path
+) -> None:
+    address, env = ray_nodes
+    submission_id = f"orchestrator-test-{int(time.time())}"
+    command = [
+        str(BIN / "ray"), "job", "submit", "--address", address, "--submission-id", submission_id,
+        "--runtime-env", str(job_runtime_env(tmp_path, mlflow_server)), "--",
+        "orchestrator", "train", "--config", "examples/digits.yaml",
+        "--set", f"data.train={digits_dir}/train", "--set", f"data.val={digits_dir}/val",
+        "--set", "train.max_steps=60", "--set", "train.log_every=20", "--set", "train.eval_every=60",
+        "--set", f"storage.path={tmp_path}/runs", "--set", "tracking.uri=null",  # from the runtime env
+        "--set", "tracking.experiment=jobs", "--set", "scaling.num_workers=2",
+    ]
+    submit = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    logs = subprocess.run([str(BIN / "ray"), "job", "logs", "--address", address, submission_id], env=env,
+                          capture_output=True, text=True, timeout=60).stdout
+    status = http_json(f"{address}/api/jobs/{submission_id}")["status"]
+    assert status == "SUCCEEDED", f"{submit.stdout[-3000:]}\n{submit.stderr[-3000:]}"
+    assert "final validation accuracy" in logs and "MLflow run id" in logs
+
+    # Read the run back through the REST API the MLflow UI uses.
+    experiment = http_json(f"{mlflow_server}/api/2.0/mlflow/experiments/get-by-name?experiment_name=jobs")
+    runs = http_json(f"{mlflow_server}/api/2.0/mlflow/runs/search",
+                     {"experiment_ids": [experiment["experiment"]["experiment_id"]]})["runs"]
+    assert len(runs) == 1
+    run = runs[0]
+    assert run["info"]["status"] == "FINISHED"
+    assert run["info"]["run_id"] in logs  # the id the job printed is the run on the server
+    metrics = {m["key"]: m["value"] for m in run["data"]["metrics"]}
+    assert metrics["val_accuracy"] > 0.8 and metrics["world_size"] == 2
+    params = {p["key"]: p["value"] for p in run["data"]["params"]}
+    assert params["train.max_steps"] == "60"
+
+    # No credential anywhere: params, tags, artifacts, job logs.
+    from mlflow.tracking import MlflowClient
+
+    tags = {t["key"]: t["value"] for t in run["data"].get("tags", [])}
+    blobs = [json.dumps(params), json.dumps(tags), logs, submit.stdout, submit.stderr]
+    artifacts = Path(MlflowClient(mlflow_server).download_artifacts(run["info"]["run_id"], "", str(tmp_path / "a")))
+    files = [p for p in artifacts.rglob("*") if p.is_file()]
+    assert {"config.yaml", "model.pt", "learning_curves.png"} <= {p.name for p in files}
+    for secret in (SECRET, KEY_ID):
+        assert not any(secret in blob for blob in blobs)
+        assert not any(secret.encode() in p.read_bytes() for p in files)
