@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from orchestrator.errors import ConfigError
 from orchestrator.registry import suggest
@@ -55,10 +55,18 @@ class TrainConfig(_Section):
     max_steps: int | None = Field(300, ge=1, description="Optimizer steps; or set epochs instead.")
     epochs: float | None = Field(None, gt=0, description="Passes over the training set (converted to steps).")
     global_batch_size: int = Field(128, ge=1, description="Samples per optimizer step, summed over all workers.")
-    micro_batch_size: int | None = Field(None, ge=1, description="Samples per forward pass per worker; derived.")
+    micro_batch_size: int | Literal["auto"] | None = Field(
+        None, description="Samples per forward pass per worker; derived, or `auto`: the largest that fits memory."
+    )
     grad_accum_steps: int | None = Field(None, ge=1, description="Micro-batches per optimizer step; derived.")
     precision: Precision = Field("auto", description="auto picks bf16 where the device supports it.")
     compile: bool = Field(False, description="Wrap the model in torch.compile (falls back to eager on failure).")
+    memory_budget_gb: float | None = Field(
+        None, gt=0, description="CPU only, with micro_batch_size=auto: memory one worker may use for the model, "
+        "its gradients, optimizer state and activations (default: half the node's RAM over its workers)."
+    )
+    peak_tflops: float | None = Field(None, gt=0, description="Peak TFLOP/s of one device, for MFU on devices "
+                                      "missing from the built-in table (CPUs, new GPUs).")
     seed: int = 0
     log_every: int = Field(25, ge=1, description="Steps between reports (each report is a barrier; keep it >= 10).")
     eval_every: int | None = Field(100, ge=1, description="Steps between validation passes; also at the end.")
@@ -123,6 +131,38 @@ class TrackingConfig(_Section):
     experiment: str = "default"
 
 
+class TuneConfig(_Section):
+    """`orchestrator tune`: a search space over dotted config keys; each trial is a full training run."""
+
+    space: dict[str, Any] = Field(default_factory=dict, description="Dotted key -> {loguniform|uniform|randint: "
+                                  "[low, high]} or {choice|grid: [values]}, e.g. optim.lr: {loguniform: [1e-4, 0.1]}.")
+    metric: str = Field("val_accuracy", description="A metric the training loop reports; its last value ranks trials.")
+    mode: Literal["max", "min"] | None = Field(None, description="null: max for accuracy and throughput, else min.")
+    num_samples: int = Field(8, ge=1, description="Trials to sample (a grid is expanded once per sample).")
+    scheduler: Literal["asha", "fifo", "none"] = Field("asha", description="asha stops weak trials early; "
+                                                       "fifo/none runs every trial to the end.")
+    grace_period: int = Field(50, ge=1, description="ASHA: steps every trial runs before it may be stopped.")
+    reduction_factor: float = Field(3.0, gt=1, description="ASHA: keep the top 1/reduction_factor at each rung.")
+    searcher: Literal["random", "optuna"] = Field("random", description="random sampling, or Optuna's TPE.")
+    max_concurrent_trials: int | None = Field(None, ge=1, description="null: cluster CPUs / CPUs per trial.")
+    seed: int | None = Field(None, description="Seed of the searcher's sampling, for a repeatable study.")
+
+    @field_validator("space", mode="before")
+    @classmethod
+    def _parse_space(cls, value: Any) -> Any:
+        from orchestrator.search import parse_space
+
+        return parse_space(value, Config) if isinstance(value, dict) else value
+
+    @model_validator(mode="after")
+    def _no_dead_options(self) -> TuneConfig:
+        dead = {"grace_period", "reduction_factor"} & self.model_fields_set
+        if self.scheduler != "asha" and dead:
+            raise ValueError(f"tune.{sorted(dead)[0]} has no effect with tune.scheduler={self.scheduler}; "
+                             "remove it or use asha")
+        return self
+
+
 class Config(_Section):
     """Everything one experiment needs; see examples/*.yaml."""
 
@@ -136,6 +176,7 @@ class Config(_Section):
     storage: StorageConfig = Field(default_factory=StorageConfig)  # type: ignore[arg-type]
     failure: FailureConfig = Field(default_factory=FailureConfig)  # type: ignore[arg-type]
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)  # type: ignore[arg-type]
+    tune: TuneConfig = Field(default_factory=TuneConfig)  # type: ignore[arg-type]
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
@@ -147,12 +188,19 @@ class Config(_Section):
     def _derive_batch(self) -> None:
         """global = micro x accum x workers: given global and one of the others, derive the third."""
         t, workers = self.train, self.scaling.num_workers
-        if "global_batch_size" not in t.model_fields_set and t.micro_batch_size and t.grad_accum_steps:
+        if ("global_batch_size" not in t.model_fields_set and isinstance(t.micro_batch_size, int)
+                and t.grad_accum_steps):
             object.__setattr__(t, "global_batch_size", t.micro_batch_size * t.grad_accum_steps * workers)
         per_worker, rest = divmod(t.global_batch_size, workers)
         if rest:
             raise ValueError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
                              f"scaling.num_workers={workers}")
+        if t.micro_batch_size == "auto":
+            if t.grad_accum_steps is not None:
+                raise ValueError("train.grad_accum_steps is derived when micro_batch_size=auto; remove it")
+            return  # each worker measures what fits, then derives the accumulation (train/worker.py)
+        if t.memory_budget_gb is not None:
+            raise ValueError("train.memory_budget_gb has no effect unless train.micro_batch_size=auto")
         if t.micro_batch_size is None:
             accum = t.grad_accum_steps or 1
             if per_worker % accum:

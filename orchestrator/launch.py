@@ -109,6 +109,21 @@ def build_trainer(config: Config, spec: dict[str, Any], datasets: dict[str, Any]
     )
 
 
+def build_run(config: Config, infos: dict[str, DatasetInfo], run_name: str, callbacks: list[Any]) -> Any:
+    """Datasets and TorchTrainer for one run, in this process's Ray Data context (the driver for `train`, the
+    trial actor for each Tune trial)."""
+    import ray
+    from ray.data import DataContext
+
+    spec = {"config": to_dict(config), "in_features": infos["train"].feature_dim}
+    context = DataContext.get_current()
+    context.execution_options.preserve_order = True
+    context.print_on_execution_start = False  # one log line per epoch per dataset otherwise
+    context.enable_progress_bars = False
+    datasets = build_datasets(config.data, infos, ray.cluster_resources().get("object_store_memory", 0))
+    return build_trainer(config, spec, datasets, run_name, callbacks)
+
+
 def _worker_entry(spec: dict[str, Any]) -> dict[str, Any]:
     # Imported in the worker only: the driver never needs the loop's modules.
     from orchestrator.train.worker import train_worker
@@ -185,7 +200,6 @@ def _fit(config: Config, infos: dict[str, DatasetInfo], run_name: str, run_dir: 
          verbose: bool) -> TrainResult:
     import ray
     import ray.train
-    from ray.data import DataContext
     from ray.util.queue import Queue
 
     from orchestrator.progress import ForwardReports, ReportConsumer, progress_line
@@ -211,13 +225,7 @@ def _fit(config: Config, infos: dict[str, DatasetInfo], run_name: str, run_dir: 
             print(progress_line(report, total, started), flush=True)
 
     queue = Queue(actor_options={"num_cpus": 0})
-    spec = {"config": to_dict(config), "in_features": infos["train"].feature_dim}
-    context = DataContext.get_current()
-    context.execution_options.preserve_order = True
-    context.print_on_execution_start = False  # one log line per epoch per dataset otherwise
-    context.enable_progress_bars = False
-    datasets = build_datasets(config.data, infos, ray.cluster_resources().get("object_store_memory", 0))
-    trainer = build_trainer(config, spec, datasets, run_name, [ForwardReports(queue)])
+    trainer = build_run(config, infos, run_name, [ForwardReports(queue)])
     try:
         with ReportConsumer(queue, handle):
             result = trainer.fit()

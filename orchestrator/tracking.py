@@ -54,7 +54,9 @@ class NullTracker:
 class MlflowTracker:
     """Wraps the MLflow client with explicit run ids (no global active run, safe from callback threads)."""
 
-    def __init__(self, cfg: TrackingConfig, run_name: str) -> None:
+    def __init__(self, cfg: TrackingConfig, run_name: str, tags: dict[str, str] | None = None,
+                 run_id: str | None = None) -> None:
+        """A new run, or with `run_id` the existing run reopened (a resumed Tune study or trial)."""
         for key, value in _HTTP_DEFAULTS.items():
             os.environ.setdefault(key, value)
         from mlflow.tracking import MlflowClient
@@ -64,9 +66,13 @@ class MlflowTracker:
         self._failed: set[str] = set()
         try:
             experiment = self._client.get_experiment_by_name(cfg.experiment)
-            experiment_id = (experiment.experiment_id if experiment
-                             else self._client.create_experiment(cfg.experiment))
-            self.run_id: str | None = self._client.create_run(experiment_id, run_name=run_name).info.run_id
+            self.experiment_id = (experiment.experiment_id if experiment
+                                  else self._client.create_experiment(cfg.experiment))
+            if run_id is not None:
+                self._client.update_run(run_id, status="RUNNING")
+            else:
+                run_id = self._client.create_run(self.experiment_id, run_name=run_name, tags=tags).info.run_id
+            self.run_id: str | None = run_id
         except Exception as exc:  # unreachable server, bad URI, locked database...
             raise UserError(f"MLflow tracking at '{self.uri}' is unavailable ({type(exc).__name__}: "
                             f"{str(exc).splitlines()[0] if str(exc) else ''}): start the server, fix tracking.uri, "
@@ -109,9 +115,20 @@ class MlflowTracker:
     def finish(self, status: str) -> None:
         self._safe("set_terminated", self._client.set_terminated, self.run_id, status)
 
+    def find_run(self, tags: dict[str, str]) -> str | None:
+        """The newest run of this experiment carrying all `tags` (how a resumed study finds its trials' runs)."""
+        query = " and ".join(f"tags.`{k}` = '{v}'" for k, v in tags.items())
+        try:
+            runs = self._client.search_runs([self.experiment_id], query, max_results=1,
+                                            order_by=["attributes.start_time DESC"])
+        except Exception:
+            return None
+        return runs[0].info.run_id if runs else None
 
-def start_tracker(cfg: TrackingConfig, run_name: str) -> Tracker:
-    return MlflowTracker(cfg, run_name) if cfg.enabled else NullTracker()
+
+def start_tracker(cfg: TrackingConfig, run_name: str, tags: dict[str, str] | None = None,
+                  run_id: str | None = None) -> Tracker:
+    return MlflowTracker(cfg, run_name, tags, run_id) if cfg.enabled else NullTracker()
 
 
 def ui_command(uri: str) -> str:
