@@ -41,7 +41,7 @@ def bare_loop(data: Path, cfg, steps: int, threads: int, interval: int) -> list[
     for step in range(1, steps + 1):
         if position + batch > len(y):
             position = 0
-        loss, _ = train_step(parts, [(x[position:position + batch], y[position:position + batch])])
+        loss = train_step(parts, [(x[position:position + batch], y[position:position + batch])]).loss_sum
         position += batch
         if step % interval == 0:
             float(loss)  # same host sync the orchestrated loop does at a report

@@ -8,6 +8,7 @@ import math
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -20,7 +21,10 @@ import torch.nn.functional as F
 from orchestrator.config import Config
 from orchestrator.errors import UserError
 from orchestrator.train.checkpoint import Progress, capture_rng, restore_rng, save_state, unwrap
+from orchestrator.train.memory import cuda_memory_stats, is_oom, release_cached_memory
 from orchestrator.train.precision import Precision
+from orchestrator.train.system import node_stats
+from orchestrator.train.timing import PhaseTimer, count_flops, peak_flops
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -45,18 +49,30 @@ class Parts:
     precision: Precision
     device: torch.device
     max_grad_norm: float | None = None
+    split: int = 1  # each micro-batch is cut in this many pieces (doubled after an out-of-memory error)
+    oom_retries: int = 0
+    eager_model: torch.nn.Module | None = None  # set when `model` is compiled: the fallback if compiling fails
 
 
 @dataclass
 class Interval:
     """Sums since the last report; losses stay on the device so no step waits for a host sync."""
 
+    timer: PhaseTimer
     loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    targets: int = 0  # samples, or tokens for a language model
     samples: int = 0
     steps: int = 0
+    micro: int = 0  # micro-batch size actually run (smaller after an out-of-memory retry)
     grad_norm_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
-    data_wait_s: float = 0.0
-    started: float = field(default_factory=time.perf_counter)
+
+
+IGNORE_INDEX = -100  # targets with this value (padding) count neither in the loss nor in its normaliser
+
+
+def loss_sum(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy; one form for classes (B, C) vs (B,) and next tokens (B, T, V) vs (B, T)."""
+    return F.cross_entropy(logits.float().flatten(0, -2), y.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
 
 
 def _world() -> tuple[int, int]:
@@ -73,32 +89,91 @@ def _all_reduce(values: list[float], device: torch.device) -> list[float]:
     return tensor.tolist()
 
 
-def train_step(parts: Parts, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward/backward every micro-batch, then one optimizer step. Returns (summed loss, grad norm)."""
+def train_step(parts: Parts, micro_batches: list[Batch], timer: PhaseTimer | None = None) -> StepResult:
+    """Forward/backward every micro-batch, then one optimizer step.
+
+    After an out-of-memory error in a micro-batch whose gradients are not yet being all-reduced, the step is
+    redone with every micro-batch cut in two (twice the accumulation): the same samples and the same
+    normaliser, so the same update.
+    """
+    timer = timer or PhaseTimer(parts.device)
+    # Normalise by the targets (samples, or tokens) of the whole step on all ranks, not per micro-batch: then
+    # k micro-batches of size b give the gradient of one batch of k*b, and DDP's mean over ranks (hence the
+    # world factor) gives the mean over the global batch even when ranks hold different token counts.
+    targets = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches).to(torch.float32)
+    world = _world()[1]
+    if world > 1:
+        dist.all_reduce(targets)
+    scale = world / targets.clamp(min=1)
+    pieces = [piece for x, y in micro_batches for piece in zip(x.chunk(parts.split), y.chunk(parts.split), strict=True)]
+    synced = [False]
+    try:
+        step_loss = _forward_backward(parts, pieces, scale, timer, synced)
+    except Exception as exc:
+        if not is_oom(exc) or synced[0]:
+            raise  # an OOM inside DDP's all-reduce cannot be undone on one rank alone
+        parts.optimizer.zero_grad(set_to_none=True)
+        release_cached_memory(parts.device)
+        parts.split *= 2
+        parts.oom_retries += 1
+        warnings.warn(f"out of memory: retrying the step with micro-batches cut in {parts.split} "
+                      "(same global batch, more accumulation)", stacklevel=2)
+        return train_step(parts, micro_batches, timer)
+    with timer.phase("compute"):
+        parts.precision.unscale_(parts.optimizer)
+        max_norm = parts.max_grad_norm if parts.max_grad_norm is not None else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(parts.model.parameters(), max_norm)
+        parts.precision.step(parts.optimizer)
+        parts.optimizer.zero_grad(set_to_none=True)
+        parts.scheduler.step()
+    return StepResult(step_loss, grad_norm.detach(), int(sum(len(y) for _, y in micro_batches)))
+
+
+@dataclass
+class StepResult:
+    loss_sum: torch.Tensor  # summed over this rank's targets
+    grad_norm: torch.Tensor
+    samples: int
+
+
+def _forward_backward(parts: Parts, pieces: list[Batch], scale: torch.Tensor, timer: PhaseTimer,
+                      synced: list[bool]) -> torch.Tensor:
     model, precision = parts.model, parts.precision
     model.train()
-    # Normalise by the samples of the whole step (not per micro-batch), so k micro-batches of size b give the
-    # same gradient as one batch of k*b. DDP then averages over ranks, which all hold equal step sizes.
-    step_samples = sum(len(y) for _, y in micro_batches)
-    loss_sum = torch.zeros((), device=parts.device)
-    for i, (x, y) in enumerate(micro_batches):
-        is_last = i == len(micro_batches) - 1
+    total = torch.zeros((), device=parts.device)
+    seconds: list[float] = []
+    forward_s = 0.0
+    for i, (x, y) in enumerate(pieces):
+        is_last = i == len(pieces) - 1
+        started = time.perf_counter()
         # Skip DDP's gradient all-reduce for every micro-batch but the last: the forward must be inside
         # no_sync too, because DDP arms its reducer during forward.
         sync = nullcontext() if is_last or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
             with precision.autocast():
                 logits = model(x)
-            loss = F.cross_entropy(logits.float(), y, reduction="sum")
-            precision.backward(loss / step_samples)
-        loss_sum += loss.detach()
-    precision.unscale_(parts.optimizer)
-    max_norm = parts.max_grad_norm if parts.max_grad_norm is not None else math.inf
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    precision.step(parts.optimizer)
-    parts.optimizer.zero_grad(set_to_none=True)
-    parts.scheduler.step()
-    return loss_sum, grad_norm.detach()
+            loss = loss_sum(logits, y)
+            forward_s = _elapsed(started, parts.device)
+            synced[0] = is_last and hasattr(model, "no_sync")
+            precision.backward(loss * scale)
+        total += loss.detach()
+        seconds.append(_elapsed(started, parts.device))
+    # The all-reduce overlaps the last backward; what it adds beyond compute is the exposed sync time.
+    if not synced[0]:
+        sync_s = 0.0
+    elif len(seconds) > 1:
+        sync_s = max(0.0, seconds[-1] - sum(seconds[:-1]) / (len(seconds) - 1))
+    else:  # no unsynced piece to compare with: backward costs about twice the forward's FLOPs
+        sync_s = max(0.0, seconds[-1] - 3 * forward_s)
+    timer.add("compute", sum(seconds) - sync_s)
+    timer.add("sync", sync_s)
+    return total
+
+
+def _elapsed(started: float, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
 
 
 @torch.no_grad()
@@ -107,15 +182,16 @@ def evaluate(parts: Parts, batches: Iterable[Batch]) -> dict[str, float]:
     # The bare module: DDP's forward would broadcast buffers, a collective that ranks must not call unevenly.
     model = unwrap(parts.model)
     model.eval()
-    loss = correct = count = 0.0
+    sums = torch.zeros(3, dtype=torch.float64, device=parts.device)  # loss, correct, targets
     for x, y in batches:
         with parts.precision.autocast():
             logits = model(x.to(parts.device, non_blocking=True))
         y = y.to(parts.device, non_blocking=True)
-        loss += float(F.cross_entropy(logits.float(), y, reduction="sum"))
-        correct += float((logits.argmax(dim=1) == y).sum())
-        count += len(y)
-    loss, correct, count = _all_reduce([loss, correct, count], parts.device)
+        valid = y != IGNORE_INDEX
+        sums += torch.stack([loss_sum(logits, y).double(), ((logits.argmax(dim=-1) == y) & valid).sum().double(),
+                             valid.sum().double()])
+    loss, correct, count = _all_reduce(sums.tolist(), parts.device)
+    release_cached_memory(parts.device)
     if count == 0:
         raise UserError("the validation split gave no rows to any worker: add rows or set data.val to null")
     return {"val_loss": loss / count, "val_accuracy": correct / count}
@@ -183,23 +259,32 @@ def run(
 ) -> dict[str, Any]:
     """Train to `cfg.train.max_steps`, reporting every `log_every` steps; returns the last reported metrics."""
     t = cfg.train
-    assert t.max_steps is not None and t.grad_accum_steps is not None  # resolved by the driver
+    assert t.max_steps is not None and isinstance(t.grad_accum_steps, int)  # resolved before the loop
     progress = progress or Progress()
     rank, world = _world()
     stream = micro_batches(train_batches, progress, parts.device)
-    interval = Interval()
+    peak = peak_flops(parts.device, t.peak_tflops)
+    interval = Interval(PhaseTimer(parts.device))
     metrics: dict[str, Any] = {}
+    first: dict[str, Any] = {}  # one-off facts sent with the first report
     while progress.step < t.max_steps:
-        waited = time.perf_counter()
-        batch = [next(stream) for _ in range(t.grad_accum_steps)]
-        interval.data_wait_s += time.perf_counter() - waited
-        loss_sum, grad_norm = train_step(parts, batch)
+        with interval.timer.phase("data_wait"):
+            batch = [next(stream) for _ in range(t.grad_accum_steps)]
+        if "flops_per_sample" not in first:
+            first["flops_per_sample"] = _flops_per_sample(parts, *batch[0])
+        if progress.step == 0 and parts.eager_model is not None:
+            result, first["compile_s"] = _first_compiled_step(parts, batch)
+            interval = Interval(PhaseTimer(parts.device))  # compilation is not training time
+        else:
+            result = train_step(parts, batch, interval.timer)
         progress.step += 1
         progress.samples_seen += t.global_batch_size
-        interval.loss_sum = interval.loss_sum.to(loss_sum.device) + loss_sum
-        interval.grad_norm_sum = interval.grad_norm_sum.to(grad_norm.device) + grad_norm
-        interval.samples += sum(len(y) for _, y in batch)
+        interval.loss_sum = interval.loss_sum.to(result.loss_sum.device) + result.loss_sum
+        interval.grad_norm_sum = interval.grad_norm_sum.to(result.grad_norm.device) + result.grad_norm
+        interval.targets += int(sum(int((y != IGNORE_INDEX).sum()) for _, y in batch))
+        interval.samples += result.samples
         interval.steps += 1
+        interval.micro = -(-len(batch[0][1]) // parts.split)
 
         # Every decision below depends on the step number only, so all ranks make the same collective calls.
         step, last = progress.step, progress.step == t.max_steps
@@ -207,44 +292,92 @@ def run(
         do_ckpt = last or step % cfg.checkpoint.every == 0
         if not (do_eval or do_ckpt or step % t.log_every == 0):
             continue
-        metrics = _interval_metrics(interval, progress, parts, world)
+        # Raises on a non-finite loss before anything is evaluated or saved: a broken model is never persisted.
+        metrics = _interval_metrics(interval, progress, parts, world, peak)
         if do_eval:
-            metrics |= evaluate(parts, val_batches())  # type: ignore[misc]
+            with interval.timer.phase("eval"):
+                metrics |= evaluate(parts, val_batches())  # type: ignore[misc]
         checkpoint_dir = None
-        if do_ckpt:
-            # Never persist a broken model: _interval_metrics has already raised on a non-finite loss.
-            rng_states = _gather_rng()
-            if rank == 0:
-                checkpoint_dir = tempfile.mkdtemp(prefix="orchestrator-ckpt-")
-                save_state(checkpoint_dir, checkpoint_state(parts, progress, rng_states))
+        with interval.timer.phase("checkpoint"):
+            if do_ckpt:
+                rng_states = _gather_rng()
+                if rank == 0:
+                    checkpoint_dir = tempfile.mkdtemp(prefix="orchestrator-ckpt-")
+                    save_state(checkpoint_dir, checkpoint_state(parts, progress, rng_states))
+        metrics |= interval.timer.shares() | cuda_memory_stats(parts.device) | node_stats(world)
+        metrics |= first
+        if peak and first["flops_per_sample"]:  # model FLOPs utilisation of the devices, during training steps
+            metrics["mfu"] = first["flops_per_sample"] * metrics["samples_per_s"] / (peak * world)
+        first = {"flops_per_sample": first["flops_per_sample"]}
         try:
             report(metrics, checkpoint_dir)
         finally:
             if checkpoint_dir:
                 shutil.rmtree(checkpoint_dir, ignore_errors=True)
-        interval = Interval()
+        interval = Interval(PhaseTimer(parts.device))
     return metrics
 
 
-def _interval_metrics(interval: Interval, progress: Progress, parts: Parts, world: int) -> dict[str, Any]:
-    loss_sum, samples = _all_reduce([float(interval.loss_sum), float(interval.samples)], parts.device)
-    loss = loss_sum / max(samples, 1)
+def _flops_per_sample(parts: Parts, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Forward + backward FLOPs per sample, counted once on the bare module (no DDP hooks, no compilation)."""
+    model = unwrap(parts.model)
+
+    def step() -> None:
+        with parts.precision.autocast():
+            logits = model(x)
+        loss_sum(logits, y).backward()
+
+    # Dropout draws random numbers: fork the RNG so counting leaves the training stream (and exact resume) intact.
+    with torch.random.fork_rng(devices=[parts.device] if parts.device.type == "cuda" else []):
+        flops = count_flops(step)
+    model.zero_grad(set_to_none=True)
+    return flops / max(len(y), 1)
+
+
+def _first_compiled_step(parts: Parts, batch: list[Batch]) -> tuple[StepResult, float]:
+    """The first step of a compiled model compiles it: timed apart, and on failure the model runs eagerly."""
+    started = time.perf_counter()
+    try:
+        result = train_step(parts, batch)
+    except Exception as exc:
+        if is_oom(exc):
+            raise
+        warnings.warn(f"torch.compile failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+                      "continuing in eager mode", stacklevel=2)
+        parts.optimizer.zero_grad(set_to_none=True)
+        parts.model, parts.eager_model = parts.eager_model, None  # type: ignore[assignment]
+        result = train_step(parts, batch)
+    parts.eager_model = None
+    return result, _elapsed(started, parts.device)
+
+
+def _interval_metrics(interval: Interval, progress: Progress, parts: Parts, world: int,
+                      peak: float | None) -> dict[str, Any]:
+    loss_sum_, targets, samples = _all_reduce(
+        [float(interval.loss_sum), float(interval.targets), float(interval.samples)], parts.device)
+    loss = loss_sum_ / max(targets, 1)
     if not math.isfinite(loss):
         raise NonFiniteLossError(
             f"training loss became {loss} by step {progress.step}: lower optim.lr, raise optim.warmup_steps, "
             "set optim.max_grad_norm, or use train.precision=bf16/fp32"
         )
-    # The interval starts after the previous report, so eval, checkpoint and report time are not in it.
-    elapsed = time.perf_counter() - interval.started
-    return {
+    timer = interval.timer
+    seconds = max(timer.training_seconds, 1e-9)
+    metrics = {
         "step": progress.step,
         "epoch": progress.epoch,
         "samples_seen": progress.samples_seen,
         "train_loss": loss,
         "lr": parts.optimizer.param_groups[0]["lr"],
         "grad_norm": float(interval.grad_norm_sum) / max(interval.steps, 1),
-        "samples_per_s": samples / max(elapsed, 1e-9),
-        "data_wait_frac": interval.data_wait_s / max(elapsed, 1e-9),
+        "samples_per_s": samples / seconds,
+        "data_wait_frac": timer.seconds["data_wait"] / seconds,
         "skipped_steps": parts.precision.skipped_steps,
+        "oom_retries": parts.oom_retries,
+        "micro_batch_size": interval.micro,
         "world_size": world,
     }
+    if targets != samples:  # a language model: targets are tokens
+        metrics["tokens_per_s"] = targets / seconds
+    return metrics
+

@@ -57,7 +57,7 @@ def test_clipping_bounds_the_update_and_reports_the_true_norm() -> None:
     cfg = config("optim.max_grad_norm=1e-3")
     parts = make_parts(cfg)
     x, y = dataset(32)
-    _, norm = train_step(parts, [(x, y)])
+    norm = train_step(parts, [(x, y)]).grad_norm
     assert float(norm) > 1e-3  # the norm before clipping is what gets reported
 
 
@@ -67,7 +67,7 @@ def test_bf16_autocast_runs_on_cpu_and_keeps_fp32_params() -> None:
     x, y = dataset(64)
     with parts.precision.autocast():
         assert parts.model(x).dtype == torch.bfloat16
-    loss, _ = train_step(parts, batches(x, y, 16))
+    loss = train_step(parts, batches(x, y, 16)).loss_sum
     assert torch.isfinite(loss)
     assert all(p.dtype == torch.float32 for p in parts.model.parameters())
     assert parts.precision.scaler is None

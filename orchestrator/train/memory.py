@@ -1,0 +1,110 @@
+"""Device-memory care: the largest micro-batch that fits, out-of-memory detection, CUDA memory statistics."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+
+import torch
+
+from orchestrator.errors import ConfigError
+
+GIB = 1024**3
+
+
+def is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """Hand cached blocks back to the driver at phase changes (after probing, after eval)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def cuda_memory_stats(device: torch.device) -> dict[str, float]:
+    """Allocated / reserved / peak GiB and the reserved-minus-allocated gap (cached but unused: fragmentation)."""
+    if device.type != "cuda":
+        return {}
+    allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+    stats = {
+        "memory/allocated_gb": allocated / GIB,
+        "memory/reserved_gb": reserved / GIB,
+        "memory/peak_allocated_gb": torch.cuda.max_memory_allocated(device) / GIB,
+        "memory/reserved_unused_gb": (reserved - allocated) / GIB,
+    }
+    torch.cuda.reset_peak_memory_stats(device)
+    return stats
+
+
+def divisors_descending(n: int) -> list[int]:
+    return sorted((d for d in range(1, n + 1) if n % d == 0), reverse=True)
+
+
+def activation_bytes_per_sample(model: torch.nn.Module, sample: torch.Tensor, loss: Callable) -> float:
+    """Bytes autograd keeps for backward per sample, measured on a small batch (each storage counted once;
+    parameters are not activations and are counted in `state_bytes`)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = loss(model(sample))
+    out.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(seen.values()) / len(sample)
+
+
+def state_bytes(model: torch.nn.Module, optimizer_slots: int) -> int:
+    """Parameters + gradients + optimizer state (AdamW keeps 2 slots per parameter, SGD with momentum 1)."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return params * (2 + optimizer_slots)
+
+
+def fit_micro_batch_cpu(per_worker: int, state: int, per_sample: float, budget_bytes: float) -> int:
+    """Largest divisor of the per-worker batch whose estimated footprint fits the budget."""
+    for size in divisors_descending(per_worker):
+        if state + size * per_sample <= budget_bytes:
+            return size
+    raise ConfigError(
+        f"the model needs {state / GIB:.2f} GiB for weights, gradients and optimizer state plus "
+        f"{per_sample / 1024**2:.2f} MiB per sample, more than train.memory_budget_gb={budget_bytes / GIB:g} "
+        "allows even at micro-batch 1: raise the budget or use a smaller model"
+    )
+
+
+def fit_micro_batch_cuda(per_worker: int, try_step: Callable[[int], None], device: torch.device) -> int:
+    """Largest divisor of the per-worker batch for which a real forward+backward+optimizer step does not run out
+    of memory. Sizes are tried from small to large (doubling through the divisors), stopping at the first OOM."""
+    sizes = sorted(divisors_descending(per_worker))
+
+    def fits(size: int) -> bool:
+        try:
+            try_step(size)
+            return True
+        except Exception as exc:  # only OOM is expected; anything else is re-raised
+            if not is_oom(exc):
+                raise
+            return False
+        finally:
+            release_cached_memory(device)
+
+    best, failed, index = 0, None, 0
+    while index < len(sizes):
+        if not fits(sizes[index]):
+            failed = sizes[index]
+            break
+        best = sizes[index]
+        # Next candidate: the smallest divisor at least twice as large (or simply the next one).
+        index = next((i for i in range(index + 1, len(sizes)) if sizes[i] >= 2 * best), index + 1)
+    if failed is not None:  # between the last fit and the first OOM, take the largest that fits
+        best = next((s for s in reversed(sizes) if best < s < failed and fits(s)), best)
+    if best == 0:
+        raise ConfigError("not even a micro-batch of 1 fits in GPU memory: use a smaller model or a larger GPU")
+    return best
