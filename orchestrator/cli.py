@@ -1,4 +1,4 @@
-"""`orchestrator train | prepare | show-config`: each subcommand is a few lines around one API call."""
+"""`orchestrator train | tune | prepare | show-config`: each subcommand is a few lines around one API call."""
 
 from __future__ import annotations
 
@@ -23,6 +23,12 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model on a local or existing Ray cluster")
     _config_args(train)
     train.add_argument("--address", help="join this Ray cluster (default: $RAY_ADDRESS, else start a local one)")
+
+    tune = sub.add_parser("tune", help="search hyperparameters (tune section): every trial a distributed run")
+    _config_args(tune)
+    tune.add_argument("--address", help="join this Ray cluster (default: $RAY_ADDRESS, else start a local one)")
+    tune.add_argument("--fresh", action="store_true", help="delete the study's saved state and start it over "
+                      "(default: continue an interrupted study)")
 
     show = sub.add_parser("show-config", help="print the resolved config as YAML")
     _config_args(show)
@@ -61,6 +67,13 @@ def run_command(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     if args.command == "show-config":
         print(to_yaml(config), end="")
+        return 0
+
+    if args.command == "tune":
+        from orchestrator.tune import summary as tune_summary
+        from orchestrator.tune import tune
+
+        print(tune_summary(tune(config, address=args.address, fresh=args.fresh)))
         return 0
 
     from orchestrator.launch import summary, train

@@ -1,0 +1,158 @@
+"""What the driver does while a study runs: one MLflow child run per trial, and a live table of trials.
+
+A `ray.tune.Callback` runs in the driver process (DESIGN: only the driver talks to MLflow). ASHA stops a trial by
+killing its actor, so nothing after the trial's last report runs inside it: the callback closes child runs from here.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import Any
+
+from ray.tune import Callback
+
+from orchestrator.config import TrackingConfig, flatten, to_dict
+from orchestrator.search import TRAIN_METRICS, VAL_METRICS, trial_config
+from orchestrator.tracking import MlflowTracker
+
+_METRICS = set(TRAIN_METRICS + VAL_METRICS)
+
+
+def trial_status(last: dict[str, Any], max_steps: int, errored: bool = False) -> str:
+    """completed (reached max_steps) | stopped (early, by the scheduler) | error | running (no final result yet)."""
+    if errored:
+        return "error"
+    if not last.get("done"):
+        return "running"
+    return "completed" if last.get("step", 0) >= max_steps else "stopped"
+
+
+def format_table(rows: list[dict[str, Any]], keys: list[str], metric: str) -> str:
+    """Fixed-width table: trial, status, each searched key, step, metric."""
+    header = ["trial", "status", *keys, "step", metric]
+    cells = [header]
+    for row in rows:
+        value = row.get("metric")
+        cells.append([row["trial_id"], row["status"], *(_short(row["params"].get(k)) for k in keys),
+                      str(row.get("step") or "-"), "-" if value is None else f"{value:.4f}"])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if 1e-3 <= abs(value) < 1e4 or value == 0 else f"{value:.2e}"
+    return "-" if value is None else str(value)
+
+
+class StudyCallback(Callback):
+    """Child runs (tag mlflow.parentRunId) with params and step metrics, closed with a terminal status and an
+    `orchestrator.stop_reason` tag; prints the trial table on every status change and every `table_every_s`."""
+
+    def __init__(self, study: str, tree: dict[str, Any], keys: list[str], metric: str, max_steps: int,
+                 tracking: TrackingConfig | None, parent_run_id: str | None, verbose: bool = True,
+                 table_every_s: float = 30.0) -> None:
+        self.study, self.tree, self.keys, self.metric, self.max_steps = study, tree, keys, metric, max_steps
+        self.tracking, self.parent_run_id = tracking, parent_run_id
+        self.verbose, self.table_every_s = verbose, table_every_s
+        self._runtime()
+
+    def _runtime(self) -> None:
+        self._runs: dict[str, MlflowTracker] = {}
+        self._parent: MlflowTracker | None = None
+        self._printed = 0.0
+        self._started = time.monotonic()
+
+    # Tune pickles its callbacks with the study (for Tuner.restore): keep settings, drop clients and open runs.
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._runtime()
+
+    def _run(self, trial: Any) -> MlflowTracker | None:
+        if self.tracking is None or self.parent_run_id is None:
+            return None
+        if trial.trial_id in self._runs:
+            return self._runs[trial.trial_id]
+        try:
+            if self._parent is None:  # reopening the parent only to search it; its status is the driver's
+                self._parent = MlflowTracker(self.tracking, self.study, run_id=self.parent_run_id)
+            tags = {"mlflow.parentRunId": self.parent_run_id, "orchestrator.study": self.study,
+                    "orchestrator.trial_id": trial.trial_id}
+            existing = self._parent.find_run({"orchestrator.trial_id": trial.trial_id,
+                                              "orchestrator.study": self.study})
+            run = MlflowTracker(self.tracking, f"{self.study}-{trial.trial_id}", tags=tags, run_id=existing)
+            if existing is None:
+                config = to_dict(trial_config(self.tree, trial.config))
+                config.pop("tune")
+                run.log_params(flatten(config))
+        except Exception as exc:  # tracking never stops the study
+            print(f"warning: no MLflow run for trial {trial.trial_id}: {exc}", file=sys.stderr)
+            return None
+        self._runs[trial.trial_id] = run
+        return run
+
+    def _close(self, trial: Any, errored: bool) -> None:
+        run = self._runs.pop(trial.trial_id, None) or self._run(trial)
+        if run is None:
+            return
+        status = trial_status(trial.last_result or {}, self.max_steps, errored)
+        reason = {"completed": "max_steps", "stopped": "asha", "error": "error", "running": "interrupted"}[status]
+        tags = {"orchestrator.stop_reason": reason}
+        if errored and trial.error_file:
+            tags["orchestrator.error_file"] = str(trial.error_file)
+        run.set_tags(tags)
+        run.finish({"completed": "FINISHED", "stopped": "FINISHED", "error": "FAILED"}.get(status, "KILLED"))
+
+    def on_trial_start(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        self._run(trial)
+        self._table(trials)
+
+    def on_trial_result(self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any],
+                        **info: Any) -> None:
+        run = self._run(trial)
+        if run is not None and "step" in result:
+            metrics = {k: v for k, v in result.items() if k in _METRICS and isinstance(v, int | float)
+                       and math.isfinite(v)}
+            run.log_metrics(metrics, step=int(result["step"]))
+        self._table(trials)
+
+    def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        self._close(trial, errored=False)
+        self._table(trials, force=True)
+
+    def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        self._close(trial, errored=True)
+        self._table(trials, force=True)
+
+    def on_experiment_end(self, trials: list[Any], **info: Any) -> None:
+        for trial_id in list(self._runs):  # still open: the study was interrupted; resuming reopens them
+            run = self._runs.pop(trial_id)
+            run.set_tags({"orchestrator.stop_reason": "interrupted"})
+            run.finish("KILLED")
+
+    def rows(self, trials: list[Any]) -> list[dict[str, Any]]:
+        rows = []
+        for trial in trials:
+            last = trial.last_result or {}
+            status = ("pending" if trial.status == "PENDING" else
+                      trial_status(last, self.max_steps, errored=trial.status == "ERROR"))
+            rows.append({"trial_id": trial.trial_id, "status": status, "params": trial.config,
+                         "step": last.get("step"), "metric": last.get(self.metric)})
+        return rows
+
+    def _table(self, trials: list[Any], force: bool = False) -> None:
+        now = time.monotonic()
+        if not self.verbose or (not force and now - self._printed < self.table_every_s):
+            return
+        self._printed = now
+        rows = self.rows(trials)
+        counts = {s: sum(r["status"] == s for r in rows) for s in ("running", "completed", "stopped", "error")}
+        elapsed = int(now - self._started)
+        print(f"\n[{elapsed // 60}:{elapsed % 60:02d}] {self.study}: "
+              + ", ".join(f"{n} {s}" for s, n in counts.items()), flush=True)
+        print(format_table(rows, self.keys, self.metric), flush=True)

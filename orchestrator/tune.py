@@ -1,0 +1,377 @@
+"""Driver side of `orchestrator tune`: a Ray Tune study whose every trial is a full Ray Train run.
+
+The study is named from the experiment (`<experiment>-tune`) and lives at `<storage.path>/<study>`: running the
+same command again continues it (Tuner.restore) unless `fresh`. Each trial is a Tune function trainable that builds
+and fits its own TorchTrainer, forwarding rank 0's reports to Tune (the Train V2 pattern; `Tuner(TorchTrainer)`
+is not supported). MLflow holds one parent run per study and one child run per trial (see trials.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from orchestrator.config import Config, flatten, to_dict, to_yaml
+from orchestrator.errors import ConfigError, UserError
+from orchestrator.launch import RunFailedError, _root_cause, _storage_path, build_run, connect_ray, resolve_for_data
+from orchestrator.search import (
+    check_capacity,
+    check_study,
+    domains,
+    max_concurrent,
+    resolved_mode,
+    trial_config,
+    user_tree,
+    widest_trial,
+)
+from orchestrator.tracking import Tracker, start_tracker, ui_command
+from pipelines.datasets import inspect_datasets
+from pipelines.sources import DatasetInfo
+
+STATE_FILE = "orchestrator-study.json"
+
+
+@dataclass
+class TrialSummary:
+    """One trial as the study ended: status is completed | stopped (early, by ASHA) | error | running."""
+
+    trial_id: str
+    params: dict[str, Any]
+    status: str
+    steps: int
+    metric: float | None
+    history: list[dict[str, Any]] = field(default_factory=list)
+    checkpoint_path: str | None = None
+
+
+@dataclass
+class TuneResult:
+    """What `tune()` returns: the best trial, its ready-to-train config (also written to `best_config_path`)."""
+
+    config: Config
+    best: TrialSummary
+    trials: list[TrialSummary]
+    metric: str
+    mode: str
+    best_config_path: str
+    study_path: str
+    parent_run_id: str | None
+    tracking_uri: str | None
+    resumed: bool
+
+
+def study_name(config: Config) -> str:
+    return f"{config.experiment}-tune"
+
+
+def _run_trial(params: dict[str, Any], *, tree: dict[str, Any], infos: dict[str, DatasetInfo],
+               trials_path: str) -> None:
+    """The Tune trainable, run in the trial's actor: one TorchTrainer whose reports go to Tune.
+
+    Its Train run is named by the trial id under `trials_path`, so a trial restarted by a resumed study
+    continues from its own latest checkpoint."""
+    import ray.train
+    from ray import tune as ray_tune
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    config = resolve_for_data(trial_config(tree, {**params, "storage.path": trials_path}), infos)
+    trial_id = ray_tune.get_context().get_trial_id()
+    trainer = build_run(config, infos, trial_id, [TuneReportCallback()])
+    try:
+        trainer.fit()
+    except ray.train.TrainingFailedError as exc:
+        raise RunFailedError(f"trial {trial_id} failed: {_root_cause(exc)}") from None
+
+
+def best_yaml(tree: dict[str, Any], params: dict[str, Any], header: str = "") -> str:
+    """The full config with the best values, minus the tune section: `orchestrator train` takes it unchanged."""
+    config = to_dict(trial_config(tree, params))
+    config.pop("tune")
+    return header + yaml.safe_dump(config, sort_keys=False)
+
+
+# ---- the study on storage: where it is, whether it can be resumed, what it was started with ----
+
+def _fs(path: str) -> tuple[Any, str]:
+    import pyarrow.fs
+
+    if "://" in path:
+        return pyarrow.fs.FileSystem.from_uri(path)
+    return pyarrow.fs.LocalFileSystem(), path
+
+
+def _join(base: str, name: str) -> str:
+    return f"{base.rstrip('/')}/{name}" if "://" in base else os.path.join(base, name)
+
+
+def _read_state(study_path: str) -> dict[str, Any] | None:
+    fs, path = _fs(_join(study_path, STATE_FILE))
+    try:
+        with fs.open_input_stream(path) as f:
+            return json.loads(f.read())
+    except (FileNotFoundError, OSError, ValueError):
+        return None
+
+
+def _write_state(study_path: str, state: dict[str, Any]) -> None:
+    fs, path = _fs(study_path)
+    fs.create_dir(path, recursive=True)
+    with fs.open_output_stream(_join(path, STATE_FILE)) as f:
+        f.write(json.dumps(state, indent=1).encode())
+
+
+def _delete(path: str) -> None:
+    fs, inner = _fs(path)
+    import pyarrow.fs
+
+    if fs.get_file_info(inner).type != pyarrow.fs.FileType.NotFound:
+        fs.delete_dir(inner)
+
+
+def _fingerprint(config: Config) -> dict[str, Any]:
+    return json.loads(json.dumps(flatten(to_dict(config)), default=str))
+
+
+def _check_same_study(state: dict[str, Any], config: Config, study: str, study_path: str) -> None:
+    old, new = state.get("config", {}), _fingerprint(config)
+    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    if changed:
+        raise ConfigError(f"study '{study}' at {study_path} was started with a different config "
+                          f"({', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''} differ): pass --fresh "
+                          "to start it over, or set a new experiment name")
+
+
+# ---- building and running the Tuner ----
+
+def _scheduler(config: Config, max_steps: int) -> Any:
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    t = config.tune
+    if t.scheduler != "asha":
+        return FIFOScheduler()
+    # time_attr=step (not Tune's iteration count): a trial resumed from its Train checkpoint keeps its position.
+    return ASHAScheduler(time_attr="step", max_t=max_steps, grace_period=t.grace_period,
+                         reduction_factor=t.reduction_factor)
+
+
+def _searcher(config: Config) -> Any:
+    t = config.tune
+    if t.searcher == "random":
+        from ray.tune.search import BasicVariantGenerator
+
+        return BasicVariantGenerator(random_state=t.seed)
+    try:
+        from ray.tune.search.optuna import OptunaSearch
+    except ImportError:
+        raise UserError("tune.searcher=optuna needs the optuna package: pip install 'orchestrator[tune]'") from None
+
+    class IntervalOptunaSearch(OptunaSearch):
+        """Validation metrics come only at eval steps; Optuna's pruning reports need them, so skip the rest."""
+
+        def on_trial_result(self, trial_id: str, result: dict[str, Any]) -> None:
+            if self.metric in result:
+                super().on_trial_result(trial_id, result)
+
+    return IntervalOptunaSearch(seed=t.seed)
+
+
+def _fit(config: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo], max_steps: int, study: str,
+         study_path: str, resume: bool, callback: Any, concurrency: int) -> Any:
+    from ray import tune as ray_tune
+
+    trainable = ray_tune.with_resources(
+        ray_tune.with_parameters(_run_trial, tree=tree, infos=infos, trials_path=study_path + "-trials"),
+        {"cpu": 0.01},  # the trial's actor only waits on its TorchTrainer; {"cpu": 0} is refused
+    )
+    if resume:
+        # Finished trials stay finished; unfinished ones restart and their Train runs resume from checkpoints.
+        # Errored ones stay errored: the same config would fail the same way.
+        return ray_tune.Tuner.restore(study_path, trainable, resume_unfinished=True).fit()
+    t = config.tune
+    tuner = ray_tune.Tuner(
+        trainable,
+        param_space={key: domain.to_tune() for key, domain in domains(config).items()},
+        tune_config=ray_tune.TuneConfig(
+            metric=t.metric, mode=resolved_mode(config), num_samples=t.num_samples,
+            scheduler=_scheduler(config, max_steps), search_alg=_searcher(config),
+            max_concurrent_trials=concurrency,
+        ),
+        run_config=ray_tune.RunConfig(
+            name=study, storage_path=study_path.rsplit("/", 1)[0], callbacks=[callback],
+            verbose=0,  # the callback prints the trial table
+        ),
+    )
+    return tuner.fit()
+
+
+def _summaries(grid: Any, tree: dict[str, Any], infos: dict[str, DatasetInfo], metric: str) -> list[TrialSummary]:
+    from orchestrator.trials import trial_status
+
+    trials = []
+    for result in grid:
+        last = dict(result.metrics or {})
+        params = dict(result.config or {})
+        max_steps = resolve_for_data(trial_config(tree, params), infos).train.max_steps or 0
+        frame = result.metrics_dataframe
+        history: list[dict[str, Any]] = []
+        if frame is not None and "step" in frame:
+            keep = [c for c in ("step", "train_loss", "val_loss", "val_accuracy", metric) if c in frame]
+            history = [{k: v for k, v in row.items() if v == v} for row in frame[list(dict.fromkeys(keep))]
+                       .to_dict("records")]  # v == v drops NaN (reports without eval)
+        trials.append(TrialSummary(
+            trial_id=str(last.get("trial_id") or Path(result.path).name), params=params,
+            status=trial_status(last, max_steps, errored=result.error is not None),
+            steps=int(last.get("step", 0)), metric=last.get(metric), history=history,
+            checkpoint_path=last.get("checkpoint_path"),
+        ))
+    return trials
+
+
+def pick_best(trials: list[TrialSummary], mode: str) -> TrialSummary | None:
+    """Best final metric among trials that ran to the end (an early-stopped trial's value is from fewer steps);
+    among all trials with a value when none completed."""
+    scored = [t for t in trials if t.metric is not None]
+    pool = [t for t in scored if t.status == "completed"] or scored
+    if not pool:
+        return None
+    return (max if mode == "max" else min)(pool, key=lambda t: t.metric)  # type: ignore[arg-type,return-value]
+
+
+def tune(config: Config, address: str | None = None, fresh: bool = False, verbose: bool = True) -> TuneResult:
+    """Run (or resume) the hyperparameter study described by `config.tune`. Bad input raises ConfigError
+    before any trial starts; an interrupted study raises KeyboardInterrupt after saving its state."""
+    check_study(config)
+    infos = inspect_datasets(config.data)
+    base = resolve_for_data(config, infos)
+    tree = user_tree(config)
+    study = study_name(config)
+    study_path = _join(_storage_path(config), study)
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    # Validation metrics arrive only at eval steps; Tune would otherwise fail every report without one.
+    # check_study has already made sure the loop reports the metric.
+    os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
+
+    started_ray = connect_ray(address, widest_trial(base))
+    try:
+        import ray
+        from ray import tune as ray_tune
+
+        check_capacity(config, ray.cluster_resources())
+        concurrency = max_concurrent(config, ray.cluster_resources().get("CPU", 1.0))
+        if fresh:
+            _delete(study_path)
+            _delete(study_path + "-trials")
+        state = _read_state(study_path) if ray_tune.Tuner.can_restore(study_path) else None
+        if state is not None:
+            _check_same_study(state, config, study, study_path)
+        tracker = start_tracker(config.tracking, study, run_id=state.get("parent_run_id") if state else None,
+                                tags={"orchestrator.study": study, "orchestrator.role": "study"})
+        if state is None:
+            tracker.log_params(flatten(to_dict(config)))
+            tracker.set_tags({"orchestrator.scheduler": config.tune.scheduler,
+                              "orchestrator.searcher": config.tune.searcher,
+                              "orchestrator.search_space": json.dumps(config.tune.space)})
+            _write_state(study_path, {"config": _fingerprint(config), "parent_run_id": tracker.run_id})
+        if verbose:
+            what = "resuming" if state else "starting"
+            print(f"{what} study {study} at {study_path}: {config.tune.num_samples} samples, up to {concurrency} "
+                  f"trials at once, scheduler {config.tune.scheduler}, searcher {config.tune.searcher}", flush=True)
+        return _run_study(config, base, tree, infos, study, study_path, state is not None, tracker, concurrency,
+                          verbose)
+    finally:
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+
+
+def _run_study(config: Config, base: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo], study: str,
+               study_path: str, resumed: bool, tracker: Tracker, concurrency: int, verbose: bool) -> TuneResult:
+    from orchestrator.trials import StudyCallback
+
+    metric, mode = config.tune.metric, resolved_mode(config)
+    max_steps = base.train.max_steps or 0
+    callback = StudyCallback(study, tree, list(config.tune.space), metric, max_steps,
+                             config.tracking if config.tracking.enabled else None, tracker.run_id, verbose)
+    try:
+        grid = _fit(config, tree, infos, max_steps, study, study_path, resumed, callback, concurrency)
+        trials = _summaries(grid, tree, infos, metric)
+    except KeyboardInterrupt:
+        tracker.finish("KILLED")
+        raise
+    except BaseException:
+        tracker.finish("FAILED")
+        raise
+    if any(t.status == "running" for t in trials):  # Tune caught Ctrl+C and saved the study
+        tracker.finish("KILLED")
+        print(f"study {study} interrupted: run the same command again to continue it", file=sys.stderr)
+        raise KeyboardInterrupt
+    best = pick_best(trials, mode)
+    if best is None:
+        tracker.finish("FAILED")
+        raise UserError(f"no trial of study {study} reported {metric}: see the trial errors above "
+                        f"(logs under {study_path})")
+    result = _record(config, tree, trials, best, metric, mode, study, study_path, tracker, resumed)
+    tracker.finish("FINISHED")
+    return result
+
+
+def _record(config: Config, tree: dict[str, Any], trials: list[TrialSummary], best: TrialSummary, metric: str,
+            mode: str, study: str, study_path: str, tracker: Tracker, resumed: bool) -> TuneResult:
+    """best.yaml, plots and the best trial on the parent run."""
+    from orchestrator.plots import plot_lr_sweep, plot_trial_curves
+
+    values = ", ".join(f"{k}={v}" for k, v in best.params.items())
+    header = (f"# Best of study {study}: trial {best.trial_id}, {metric}={best.metric:.4f} with {values}.\n"
+              "# Train it: orchestrator train --config <this file>\n")
+    out = Path(study_path) if "://" not in study_path else Path.cwd() / study
+    out.mkdir(parents=True, exist_ok=True)
+    best_path = out / "best.yaml"
+    best_path.write_text(best_yaml(tree, best.params, header))
+    keys = list(config.tune.space)
+    plots = [plot_lr_sweep(trials, keys, metric, out / "metric_vs_lr.png"),
+             plot_trial_curves(trials, metric, out / "learning_curves.png")]
+    tracker.log_artifact(best_path)
+    for plot in plots:
+        tracker.log_artifact(plot, "plots")
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "study.yaml").write_text(to_yaml(config))
+        tracker.log_artifact(Path(tmp) / "study.yaml")
+    tracker.log_metrics({f"best_{metric}": best.metric or 0.0,
+                         **{f"trials_{s}": sum(t.status == s for t in trials)
+                            for s in ("completed", "stopped", "error")}}, step=best.steps)
+    tracker.set_tags({"orchestrator.best_trial": best.trial_id, "orchestrator.best_params": json.dumps(best.params),
+                      "orchestrator.best_config": str(best_path)})
+    return TuneResult(
+        config=trial_config(tree, best.params), best=best, trials=trials, metric=metric, mode=mode,
+        best_config_path=str(best_path), study_path=study_path, parent_run_id=tracker.run_id,
+        tracking_uri=getattr(tracker, "uri", None), resumed=resumed,
+    )
+
+
+def summary(result: TuneResult) -> str:
+    """The lines printed after a study: the table, the best trial, and how to train it."""
+    from orchestrator.trials import format_table
+
+    rows = [{"trial_id": t.trial_id, "status": t.status, "params": t.params, "step": t.steps, "metric": t.metric}
+            for t in result.trials]
+    counts = {s: sum(t.status == s for t in result.trials) for s in ("completed", "stopped", "error")}
+    b = result.best
+    lines = [format_table(rows, list(b.params), result.metric), "",
+             f"study {Path(result.study_path).name}{' (resumed)' if result.resumed else ''}: {len(result.trials)} "
+             f"trials, {counts['completed']} completed, {counts['stopped']} stopped early, {counts['error']} failed",
+             f"best trial {b.trial_id}: {result.metric} {b.metric:.4f} at step {b.steps} with "
+             + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in b.params.items()),
+             f"best config: {result.best_config_path}",
+             f"train it: orchestrator train --config {result.best_config_path}"]
+    if result.parent_run_id:
+        lines.append(f"MLflow parent run id: {result.parent_run_id}")
+        lines.append(f"open the MLflow UI: {ui_command(result.tracking_uri or '')}")
+    return "\n".join(lines)
