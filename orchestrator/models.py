@@ -63,3 +63,55 @@ def build_model(name: str, entrypoint: str | None, in_features: int, num_classes
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model builder '{entrypoint or name}' returned {type(model).__name__}, not a torch Module")
     return model
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_head: int, dropout: float) -> None:
+        super().__init__()
+        self.n_head, self.dropout = n_head, dropout
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in self.qkv(x).split(c, dim=2))
+        # Fused attention kernel (flash / memory-efficient where available), causal mask built in.
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                       dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, n_head: int, dropout: float) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_head, dropout)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model),
+                                 nn.Dropout(dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A small GPT-style decoder. `in_features` is the context length, `num_classes` the vocabulary size."""
+
+    def __init__(self, in_features: int, num_classes: int, d_model: int = 128, n_layer: int = 2, n_head: int = 4,
+                 dropout: float = 0.0) -> None:
+        super().__init__()
+        if d_model % n_head:
+            raise ConfigError(f"model 'gpt': d_model={d_model} must be divisible by n_head={n_head}")
+        self.token = nn.Embedding(num_classes, d_model)
+        self.position = nn.Embedding(in_features, d_model)
+        self.blocks = nn.Sequential(*(Block(d_model, n_head, dropout) for _ in range(n_layer)))
+        self.ln = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, num_classes, bias=False)
+        self.head.weight = self.token.weight  # tied input/output embeddings
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.head(self.ln(self.blocks(self.token(tokens) + self.position(positions))))
+
+
+MODELS.register("gpt")(GPT)

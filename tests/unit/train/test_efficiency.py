@@ -1,0 +1,204 @@
+"""Efficiency features in-process: auto micro-batch, OOM retry, compile, time breakdown, MFU, GPT."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from orchestrator.config import load_config
+from orchestrator.errors import ConfigError
+from orchestrator.models import GPT
+from orchestrator.train.loop import Parts, loss_sum, run, train_step
+from orchestrator.train.memory import (
+    activation_bytes_per_sample,
+    divisors_descending,
+    fit_micro_batch_cpu,
+    fit_micro_batch_cuda,
+    state_bytes,
+)
+from orchestrator.train.optim import build_optimizer
+from orchestrator.train.precision import Precision
+from orchestrator.train.timing import PhaseTimer, peak_flops
+
+CPU = torch.device("cpu")
+
+
+def parts_for(model: torch.nn.Module, *overrides: str) -> Parts:
+    cfg = load_config(None, ["scaling.num_workers=1", "optim.max_grad_norm=null", *overrides])
+    optimizer, scheduler = build_optimizer(model, cfg.optim, 100)
+    return Parts(model, optimizer, scheduler, Precision("fp32", CPU), CPU, cfg.optim.max_grad_norm)
+
+
+def test_auto_micro_batch_fits_a_known_footprint_and_keeps_the_global_batch() -> None:
+    # Linear(64 -> 1000) + cross-entropy keeps per sample: the input (64 floats), the log-softmax (1000 floats)
+    # and the target (one int64) = 4264 bytes; weights + grads + 2 AdamW slots = 4 x 65,000 params x 4 bytes.
+    model = torch.nn.Linear(64, 1000)
+    x, y = torch.rand(8, 64), torch.randint(0, 1000, (8,))
+    per_sample = activation_bytes_per_sample(model, x, lambda logits: loss_sum(logits, y))
+    assert per_sample == pytest.approx(4264, rel=0.05)
+    state = state_bytes(model, optimizer_slots=2)
+    assert state == 65_000 * 4 * 4
+    budget = state + 300 * 4264  # room for ~300 samples
+    per_worker = 1024
+    micro = fit_micro_batch_cpu(per_worker, state, per_sample, budget)
+    assert micro == 256  # the largest divisor of 1024 that fits
+    assert micro * (per_worker // micro) == per_worker  # accumulation keeps the global batch exactly
+    with pytest.raises(ConfigError, match="raise the budget"):
+        fit_micro_batch_cpu(per_worker, state, per_sample, state / 2)
+
+
+def test_cuda_probe_logic_finds_the_largest_fitting_divisor() -> None:
+    tried = []
+
+    def try_step(size: int) -> None:
+        tried.append(size)
+        if size > 40:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    assert fit_micro_batch_cuda(96, try_step, CPU) == 32
+    assert tried[0] == 1 and max(tried) <= 96
+    assert divisors_descending(12) == [12, 6, 4, 3, 2, 1]
+
+    def broken(size: int) -> None:
+        raise ValueError("not an OOM")
+
+    with pytest.raises(ValueError):
+        fit_micro_batch_cuda(8, broken, CPU)
+
+
+class OomAbove(torch.nn.Module):
+    """Raises an out-of-memory error for batches larger than `limit`, like a GPU that is full."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(x) > self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        return self.net(x)
+
+
+def test_oom_retry_gives_the_same_weights_as_an_uninterrupted_step() -> None:
+    g = torch.Generator().manual_seed(0)
+    micro = [(torch.randn(16, 16, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(2)]
+    reference, retried = parts_for(OomAbove(limit=1000)), parts_for(OomAbove(limit=8))
+    train_step(reference, micro)
+    with pytest.warns(UserWarning, match="out of memory: retrying"):
+        train_step(retried, micro)
+    assert (retried.split, retried.oom_retries) == (2, 1)
+    for a, b in zip(reference.model.parameters(), retried.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.metrics: list[dict[str, Any]] = []
+
+    def __call__(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
+        self.metrics.append(metrics)
+
+
+def run_digits_like(*overrides: str, delay: float = 0.0, model: torch.nn.Module | None = None,
+                    eager: torch.nn.Module | None = None) -> list[dict[str, Any]]:
+    cfg = load_config(None, ["scaling.num_workers=1", "train.global_batch_size=32", "train.max_steps=20",
+                             "train.log_every=10", "train.eval_every=20", "checkpoint.every=20",
+                             "train.precision=fp32", *overrides])
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 16, generator=g)
+    y = x[:, :4].argmax(dim=1)
+    torch.manual_seed(0)
+    if model is None:
+        model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    parts = parts_for(model, *overrides)
+    parts.eager_model = eager
+
+    def batches(epoch: int) -> Any:
+        for i in range(0, 256, 32):
+            time.sleep(delay)  # a slow reader
+            yield x[i:i + 32], y[i:i + 32]
+
+    recorder = Recorder()
+    run(cfg, parts, batches, lambda: [(x, y)], recorder)
+    return recorder.metrics
+
+
+def test_time_breakdown_adds_up_and_data_wait_rises_with_a_slow_reader() -> None:
+    fast = run_digits_like()
+    slow = run_digits_like(delay=0.03)
+    for metrics in (fast[-1], slow[-1]):
+        shares = [v for k, v in metrics.items() if k.startswith("time/")]
+        assert sum(shares) == pytest.approx(1.0, abs=1e-6)
+        assert metrics["time/compute_frac"] > 0 and metrics["time/eval_frac"] > 0
+    assert slow[-1]["time/data_wait_frac"] > max(0.4, 3 * fast[-1]["time/data_wait_frac"])
+    assert slow[-1]["data_wait_frac"] > fast[-1]["data_wait_frac"]
+    # Counted, not estimated: forward 2 x (16x64 + 64x4); backward 2 x 2 x 64x4 for the last layer but only the
+    # weight gradient (2 x 16x64) for the first, whose input needs no gradient.
+    assert fast[0]["flops_per_sample"] == 2 * (16 * 64 + 64 * 4) + 4 * 64 * 4 + 2 * 16 * 64
+    assert "mfu" not in fast[0]  # no known peak for a CPU
+    assert any(k.startswith("system/") and k.endswith("/cpu_percent") for k in fast[0])
+
+
+def test_mfu_with_a_configured_peak() -> None:
+    metrics = run_digits_like("train.peak_tflops=0.001")[-1]
+    expected = metrics["flops_per_sample"] * metrics["samples_per_s"] / 1e9
+    assert metrics["mfu"] == pytest.approx(expected)
+    assert peak_flops(CPU, 2.0) == 2e12 and peak_flops(CPU, None) is None
+
+
+def test_phase_timer_bills_time_to_phases() -> None:
+    timer = PhaseTimer(CPU)
+    with timer.phase("eval"):
+        time.sleep(0.05)
+    shares = timer.shares()
+    assert shares["time/eval_frac"] > 0.8 and timer.training_seconds == 0
+
+
+@pytest.mark.slow
+def test_compile_on_and_off_both_train() -> None:
+    eager = run_digits_like()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    compiled = run_digits_like(model=torch.compile(net), eager=net)
+    assert compiled[0]["compile_s"] > 0 and "compile_s" not in eager[0]
+    assert compiled[-1]["train_loss"] < compiled[0]["train_loss"]
+    assert compiled[-1]["val_accuracy"] == pytest.approx(eager[-1]["val_accuracy"], abs=0.05)
+
+
+class NotCompilable(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def test_a_model_that_fails_to_compile_falls_back_to_eager() -> None:
+    net = NotCompilable()
+    compiled = torch.compile(net, backend=failing_backend)
+    with pytest.warns(UserWarning, match="torch.compile failed .* continuing in eager mode"):
+        metrics = run_digits_like(model=compiled, eager=net)
+    assert metrics[-1]["step"] == 20 and metrics[-1]["train_loss"] < metrics[0]["train_loss"]
+
+
+def failing_backend(graph: Any, example_inputs: Any) -> Any:
+    raise RuntimeError("this backend cannot compile anything")
+
+
+def test_gpt_learns_a_repeating_byte_sequence() -> None:
+    torch.manual_seed(0)
+    model = GPT(in_features=16, num_classes=256, d_model=32, n_layer=1, n_head=2)
+    parts = parts_for(model, "optim.lr=0.01", "optim.warmup_steps=0")
+    text = torch.tensor(list(b"abcdefgh" * 40))
+    windows = text.unfold(0, 17, 8)  # (B, 17): inputs and next-token targets
+    x, y = windows[:, :-1], windows[:, 1:]
+    first = float(train_step(parts, [(x, y)]).loss_sum) / y.numel()
+    for _ in range(30):
+        last = float(train_step(parts, [(x, y)]).loss_sum) / y.numel()
+    assert last < first / 3
