@@ -7,6 +7,7 @@ import os
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from orchestrator.config import Config, config_from_dict, flatten, to_dict, to_y
 from orchestrator.errors import ConfigError, UserError
 from orchestrator.tracking import Tracker, start_tracker, ui_command
 from pipelines.datasets import build_datasets, inspect_datasets
+from pipelines.order import create_epoch_clock
 from pipelines.sources import DatasetInfo
 
 
@@ -115,12 +117,17 @@ def build_run(config: Config, infos: dict[str, DatasetInfo], run_name: str, call
     import ray
     from ray.data import DataContext
 
-    spec = {"config": to_dict(config), "in_features": infos["train"].feature_dim}
+    # The workers advance this clock each epoch; the train reader draws that epoch's shard order from it.
+    clock = f"orchestrator-epoch-{run_name}-{uuid.uuid4().hex[:8]}" if config.data.shuffle else None
+    if clock:
+        create_epoch_clock(clock)
+    spec = {"config": to_dict(config), "in_features": infos["train"].feature_dim, "epoch_clock": clock}
     context = DataContext.get_current()
     context.execution_options.preserve_order = True
     context.print_on_execution_start = False  # one log line per epoch per dataset otherwise
     context.enable_progress_bars = False
-    datasets = build_datasets(config.data, infos, ray.cluster_resources().get("object_store_memory", 0))
+    datasets = build_datasets(config.data, infos, ray.cluster_resources().get("object_store_memory", 0),
+                              seed=config.train.seed, epoch_clock=clock)
     return build_trainer(config, spec, datasets, run_name, callbacks)
 
 

@@ -1,10 +1,52 @@
-"""Typed configuration of the data layer (embedded in the orchestrator's config as `data`)."""
+"""Typed configuration of the data layer (embedded in the orchestrator's config as `data`).
+
+No credentials live here: this model is logged as MLflow params. S3 credentials come from the standard AWS chain.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MEMORY_CACHE_VALUES = ("auto", "none", "memory")
+
+
+class S3Config(BaseModel):
+    """Object-store options (AWS S3 or any S3-compatible endpoint). Credentials are never configured here."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    endpoint: str | None = Field(None, description="Endpoint URL, e.g. http://minio:9000; null = "
+                                 "$AWS_ENDPOINT_URL_S3, else $AWS_ENDPOINT_URL, else AWS.")
+    region: str | None = Field(None, description="null = the AWS chain's region (AWS_REGION, profile), else us-east-1.")
+    anonymous: bool = Field(False, description="Unsigned requests (public buckets); no credentials are looked up.")
+    max_attempts: int = Field(4, ge=1, le=20, description="Attempts per request for transient errors (5xx, SlowDown, "
+                              "dropped connections), with exponential backoff; access errors are never retried.")
+    connect_timeout_s: float = Field(5.0, gt=0, description="Seconds to wait for a TCP connection.")
+    request_timeout_s: float = Field(60.0, gt=0, description="Seconds to wait for one request.")
+
+
+class Normalize(BaseModel):
+    """x -> (x - mean) / std on the feature columns (or `columns`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mean: float = 0.0
+    std: float = Field(1.0, gt=0)
+    columns: list[str] | None = None
+
+
+class Cast(BaseModel):
+    """Cast the feature columns (or `columns`) to a float dtype; lists keep their shape."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dtype: Literal["float16", "float32", "float64"]
+    columns: list[str] | None = None
+
+
+TRANSFORMS: dict[str, type[BaseModel]] = {"normalize": Normalize, "cast": Cast}
 
 
 class DataConfig(BaseModel):
@@ -12,17 +54,31 @@ class DataConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    train: str = Field("data/digits/train", description="Directory (or file) of Parquet shards for training.")
+    train: str = Field("data/digits/train", description="Directory, file or s3://bucket/prefix of Parquet shards.")
     val: str | None = Field("data/digits/val", description="Parquet shards for validation; null disables eval.")
     features: list[str] = Field(["pixels"], min_length=1, description="Feature columns, concatenated in order.")
     label: str = Field("label", description="Integer class label column.")
     prefetch_batches: int = Field(2, ge=0, description="Fetches (of ~4096 rows, sliced into micro-batches) each "
                                   "worker prefetches ahead of the loop.")
-    cache: Literal["auto", "none", "memory"] = Field(
+    read_parallelism: int | None = Field(None, ge=1, description="Most shard reads running at once (Ray Data "
+                                         "read concurrency); null = as many as Ray has CPUs for.")
+    cache: str = Field(
         "auto",
         description="memory: decode once and keep the blocks in Ray's object store for later epochs (Ray Data "
-        "otherwise re-reads every epoch); auto: memory when the files use under 5% of the object store.",
+        "otherwise re-reads every epoch); auto: memory when the files use under 5% of the object store; none; "
+        "or a directory: a node-local disk cache of remote (s3://) shards.",
     )
+    cache_max_gb: float | None = Field(None, gt=0, description="Size cap of the disk cache per node (LRU "
+                                       "eviction); default 50. Only with cache: DIR.")
+    shuffle: bool = Field(True, description="Shard order drawn per (train.seed, epoch); false = sorted by name.")
+    shuffle_buffer: int | None = Field(None, ge=2, description="Rows in each worker's local shuffle buffer "
+                                       "(seeded per seed, epoch, rank); null = no row shuffle within shards.")
+    transforms: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Per-batch transforms run in Ray Data map_batches, in order, e.g. "
+        "[{normalize: {mean: 0.5, std: 0.25}}, {cast: float32}].",
+    )
+    s3: S3Config = Field(default_factory=S3Config)  # type: ignore[arg-type]
 
     @field_validator("features")
     @classmethod
@@ -30,3 +86,54 @@ class DataConfig(BaseModel):
         if len(set(value)) != len(value):
             raise ValueError(f"feature columns must be unique, got {value}")
         return value
+
+    @field_validator("transforms", mode="before")
+    @classmethod
+    def _parse_transforms(cls, value: Any) -> Any:
+        if not isinstance(value, list):
+            return value
+        parsed = []
+        for item in value:
+            if not isinstance(item, dict) or len(item) != 1:
+                raise ValueError(f"each transform is a one-key mapping such as {{cast: float32}}, got {item!r}")
+            (name, args), = item.items()
+            if name not in TRANSFORMS:
+                raise ValueError(f"unknown transform '{name}'; valid: {sorted(TRANSFORMS)}")
+            if name == "cast" and isinstance(args, str):
+                args = {"dtype": args}
+            model = TRANSFORMS[name].model_validate(args or {})
+            parsed.append({name: model.model_dump(exclude_none=True)})
+        return parsed
+
+    @field_validator("cache")
+    @classmethod
+    def _cache_value(cls, value: str) -> str:
+        # A typo such as 'memroy' must not silently become a cache directory.
+        if value not in MEMORY_CACHE_VALUES and "/" not in value and not value.startswith("~"):
+            raise ValueError(f"'{value}' is neither auto/none/memory nor a directory path "
+                             f"(write ./{value} for a directory)")
+        return value
+
+    @model_validator(mode="after")
+    def _cache_needs_remote(self) -> DataConfig:
+        if self.disk_cache is not None and not any(is_remote(p) for p in (self.train, self.val) if p):
+            raise ValueError(f"a disk cache ({self.cache}) has no effect on local data: set data.cache to "
+                             "none/auto/memory, or read from s3://")
+        if self.cache_max_gb is not None and self.disk_cache is None:
+            raise ValueError("data.cache_max_gb has no effect without a disk cache (data.cache: DIR); remove it")
+        for item in self.transforms:
+            for args in item.values():
+                unknown = [c for c in args.get("columns") or [] if c not in self.features]
+                if unknown:
+                    raise ValueError(f"transform columns {unknown} are not in data.features {self.features}")
+        return self
+
+    @property
+    def disk_cache(self) -> str | None:
+        """The disk cache directory, or None when `cache` is auto/none/memory."""
+        return None if self.cache in MEMORY_CACHE_VALUES else self.cache
+
+
+def is_remote(uri: str) -> bool:
+    """True for object-store URIs (s3://), false for local paths."""
+    return uri.startswith("s3://")

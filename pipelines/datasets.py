@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
+from pipelines.cache import DiskCache
 from pipelines.config import DataConfig
 from pipelines.sources import DatasetInfo, inspect_parquet
 
@@ -13,9 +15,9 @@ if TYPE_CHECKING:
 
 def inspect_datasets(cfg: DataConfig) -> dict[str, DatasetInfo]:
     """Check the train (and val) shards before Ray starts; raises `DataError` naming the problem."""
-    infos = {"train": inspect_parquet(cfg.train, cfg.features, cfg.label)}
+    infos = {"train": inspect_parquet(cfg.train, cfg.features, cfg.label, cfg.s3)}
     if cfg.val is not None:
-        infos["val"] = inspect_parquet(cfg.val, cfg.features, cfg.label)
+        infos["val"] = inspect_parquet(cfg.val, cfg.features, cfg.label, cfg.s3)
     return infos
 
 
@@ -30,14 +32,34 @@ def use_memory_cache(cfg: DataConfig, infos: dict[str, DatasetInfo], object_stor
 
 
 def build_datasets(
-    cfg: DataConfig, infos: dict[str, DatasetInfo], object_store_bytes: float
+    cfg: DataConfig, infos: dict[str, DatasetInfo], object_store_bytes: float, *, seed: int = 0,
+    epoch_clock: str | None = None,
 ) -> dict[str, ray.data.Dataset]:
-    """Parquet readers over the already-checked files. Streaming (nothing read until a worker iterates) unless
-    the memory cache applies: then blocks are decoded once into the object store (never into the driver)."""
+    """Streaming readers over the already-checked shards (nothing is read until a worker iterates), with the
+    configured transforms in `map_batches`. The train shards are read in (seed, epoch) order when `cfg.shuffle`
+    and `epoch_clock` names the clock the workers advance. With the memory cache the blocks are decoded once into
+    the object store (never into the driver) and the shard order of epoch 0 is kept."""
     import ray.data
 
+    from pipelines.reader import ShardDatasource
+    from pipelines.transforms import apply_transforms
+
     columns = [*cfg.features, cfg.label]
-    datasets = {name: ray.data.read_parquet(info.files, columns=columns) for name, info in infos.items()}
+    cache = DiskCache(cfg.disk_cache, cfg.cache_max_gb) if cfg.disk_cache else None
+    datasets = {}
+    for name, info in infos.items():
+        assert info.storage is not None  # set by inspect_parquet
+        source = ShardDatasource(
+            info.storage, info.objects, info.file_rows, columns, seed=seed,
+            shuffle=cfg.shuffle and name == "train", epoch_clock=epoch_clock if name == "train" else None,
+            cache=cache if info.storage.remote else None,
+        )
+        ds = ray.data.read_datasource(source, concurrency=cfg.read_parallelism)
+        if cfg.transforms:
+            # batch_size=None: whole blocks, fused into the read task (no extra hop through the object store).
+            ds = ds.map_batches(functools.partial(apply_transforms, transforms=cfg.transforms, features=cfg.features),
+                                batch_format="pyarrow", batch_size=None, zero_copy_batch=True)
+        datasets[name] = ds
     if use_memory_cache(cfg, infos, object_store_bytes):
         datasets = {name: ds.materialize() for name, ds in datasets.items()}
     return datasets

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipelines.config import S3Config
 from pipelines.errors import DataError
+from pipelines.storage import Storage, open_storage, storage_error
 
 
 def _table(x: np.ndarray, y: np.ndarray, feature_column: str) -> pa.Table:
@@ -21,34 +22,69 @@ def _table(x: np.ndarray, y: np.ndarray, feature_column: str) -> pa.Table:
     })
 
 
-def write_shard(table: pa.Table, path: Path) -> None:
-    """Write one shard atomically: readers see the old file or the complete new one, never half of it."""
-    tmp = path.with_name(f".{path.name}.tmp")
+def write_shard(table: pa.Table, storage: Storage, path: str) -> None:
+    """Write one shard so that readers see the old object or the complete new one, never half of it."""
+    buffer = pa.BufferOutputStream()
     # Random floats barely compress and dictionary encoding inflates them, so it is off.
-    pq.write_table(table, tmp, use_dictionary=False, row_group_size=max(1, min(len(table), 65536)))
+    pq.write_table(table, buffer, use_dictionary=False, row_group_size=max(1, min(len(table), 65536)))
+    data = buffer.getvalue()
+    fs = storage.filesystem()
+    if storage.remote:
+        # The shard is fully serialised before anything is sent, so an encoding error uploads nothing. S3 makes an
+        # object visible only when its PUT (or CompleteMultipartUpload, which pyarrow uses for large objects)
+        # succeeds: a failed or interrupted upload leaves no object, and readers never see a partial one.
+        try:
+            with fs.open_output_stream(path) as out:
+                out.write(data)
+        except OSError as exc:
+            raise storage_error(exc, storage, "writing", path) from None
+        return
+    # Local disk has no such guarantee: write a hidden temporary file, then rename it over the target.
+    tmp = f"{os.path.dirname(path)}/.{os.path.basename(path)}.tmp"
+    with fs.open_output_stream(tmp) as out:
+        out.write(data)
     os.replace(tmp, path)
 
 
-def _write_split(out: Path, split: str, x: np.ndarray, y: np.ndarray, shards: int) -> None:
-    directory = out / split
-    directory.mkdir(parents=True, exist_ok=True)
+def _write_split(out: Storage, split: str, x: np.ndarray, y: np.ndarray, shards: int) -> None:
+    directory = out.join(split)
+    out.filesystem().create_dir(directory, recursive=True)
     for i, idx in enumerate(np.array_split(np.arange(len(y)), shards)):
-        write_shard(_table(x[idx], y[idx], "pixels"), directory / f"part-{i:05d}.parquet")
+        write_shard(_table(x[idx], y[idx], "pixels"), out, f"{directory}/part-{i:05d}.parquet")
 
 
-def _check_out(out: str, shards: int) -> Path:
-    if "://" in out:
-        raise DataError(f"--out {out}: only local directories are supported as an output")
+def _check_out(out: str, shards: int, s3: S3Config | None) -> Storage:
     if shards < 1:
         raise DataError(f"--shards must be at least 1, got {shards}")
-    return Path(out)
+    storage = open_storage(out, s3)
+    if storage.remote:
+        _check_bucket(storage)
+    return storage
 
 
-def prepare_digits(out: str, shards: int = 4, val_fraction: float = 0.2, seed: int = 0) -> dict[str, int]:
-    """scikit-learn's bundled 8x8 digits (1,797 real images, no download), scaled to [0, 1], split train/val."""
+def _check_bucket(storage: Storage) -> None:
+    """Fail before generating any data when the bucket is missing or not writable by these credentials."""
+    bucket = storage.root.partition("/")[0]
+    try:
+        storage.client().head_bucket(Bucket=bucket)
+    except Exception as exc:
+        code = str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
+        if code in ("404", "NoSuchBucket"):
+            raise DataError(f"bucket '{bucket}' does not exist ({storage.uri}): create it first, or fix the "
+                            "bucket name or the endpoint ($AWS_ENDPOINT_URL)") from None
+        if code in ("403", "AccessDenied"):
+            raise DataError(f"access denied writing {storage.uri}: grant the credentials from the standard AWS "
+                            "chain write access to the bucket (not retried)") from None
+        raise storage_error(exc, storage, "writing", storage.root) from None
+
+
+def prepare_digits(out: str, shards: int = 4, val_fraction: float = 0.2, seed: int = 0,
+                   s3: S3Config | None = None) -> dict[str, int]:
+    """scikit-learn's bundled 8x8 digits (1,797 real images, no download), scaled to [0, 1], split train/val.
+    `out` is a local directory or s3://bucket/prefix."""
     from sklearn.datasets import load_digits
 
-    root = _check_out(out, shards)
+    root = _check_out(out, shards, s3)
     digits = load_digits()
     x = (digits.data / 16.0).astype(np.float32)
     y = digits.target.astype(np.int64)
@@ -61,28 +97,30 @@ def prepare_digits(out: str, shards: int = 4, val_fraction: float = 0.2, seed: i
 
 
 def _synthetic_split(
-    directory: Path, rows: int, shards: int, centres: np.ndarray, seed: int, stream: int
+    out: Storage, split: str, rows: int, shards: int, centres: np.ndarray, seed: int, stream: int
 ) -> None:
     """Gaussian clusters around fixed class centres, written one shard at a time so memory stays bounded."""
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = out.join(split)
+    out.filesystem().create_dir(directory, recursive=True)
     classes, features = centres.shape
     for i, size in enumerate(len(part) for part in np.array_split(np.arange(rows), shards)):
         rng = np.random.default_rng([seed, stream, i])
         y = rng.integers(0, classes, size=size)
         x = centres[y] + rng.normal(0.0, 1.0, size=(size, features)).astype(np.float32)
-        write_shard(_table(x, y, "features"), directory / f"part-{i:05d}.parquet")
+        write_shard(_table(x, y, "features"), out, f"{directory}/part-{i:05d}.parquet")
 
 
 def prepare_synthetic(
-    out: str, rows: int, shards: int, features: int = 64, classes: int = 10, val_rows: int = 0, seed: int = 0
+    out: str, rows: int, shards: int, features: int = 64, classes: int = 10, val_rows: int = 0, seed: int = 0,
+    s3: S3Config | None = None,
 ) -> dict[str, int]:
-    """A learnable classification set of any size (for benchmarks and streaming tests)."""
-    root = _check_out(out, shards)
+    """A learnable classification set of any size (for benchmarks and streaming tests), local or s3://."""
+    root = _check_out(out, shards, s3)
     if rows < shards:
         raise DataError(f"--rows ({rows}) must be at least --shards ({shards})")
     # Train and val share the class centres (same task) but draw their rows from different streams.
     centres = np.random.default_rng(seed).normal(0.0, 1.0, size=(classes, features)).astype(np.float32)
-    _synthetic_split(root / "train", rows, shards, centres, seed, stream=0)
+    _synthetic_split(root, "train", rows, shards, centres, seed, stream=0)
     if val_rows:
-        _synthetic_split(root / "val", val_rows, 1, centres, seed, stream=1)
+        _synthetic_split(root, "val", val_rows, 1, centres, seed, stream=1)
     return {"train": rows, "val": val_rows}

@@ -6,14 +6,15 @@ never loads the dataset.
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from pipelines.config import S3Config
 from pipelines.errors import DataError
+from pipelines.storage import ObjectInfo, Storage, open_storage, storage_error
 
 
 @dataclass(frozen=True)
@@ -26,26 +27,17 @@ class DatasetInfo:
     num_bytes: int
     feature_dim: int
     num_classes: int
+    # Where the shards live and each shard's size/version/row count, for the readers (same order as `files`).
+    storage: Storage | None = field(default=None, repr=False)
+    objects: list[ObjectInfo] = field(default_factory=list, repr=False)
+    file_rows: list[int] = field(default_factory=list, repr=False)
 
 
-def list_parquet_files(path: str) -> tuple[pafs.FileSystem, list[pafs.FileInfo]]:
-    """The filesystem and the Parquet files at `path` (a file or a directory, searched recursively), sorted."""
-    local = os.path.abspath(path)
-    fs = pafs.LocalFileSystem()
-    info = fs.get_file_info(local)
-    if info.type == pafs.FileType.NotFound:
-        raise DataError(
-            f"data path '{path}' does not exist: create it with `orchestrator prepare digits --out DIR` "
-            "or point data.train / data.val at your Parquet shards"
-        )
-    if info.type == pafs.FileType.File:
-        return fs, [info]
-    entries = fs.get_file_info(pafs.FileSelector(local, recursive=True))
-    files = sorted((e for e in entries if e.type == pafs.FileType.File and e.path.endswith(".parquet")),
-                   key=lambda e: e.path)
-    if not files:
-        raise DataError(f"data path '{path}' holds no .parquet files: write shards there first")
-    return fs, files
+def list_parquet_files(path: str, s3: S3Config | None = None) -> tuple[Storage, list[ObjectInfo]]:
+    """The storage and the Parquet files at `path` (a file, a directory searched recursively, or an
+    s3://bucket/prefix), sorted by path. Raises DataError naming the path when there are none."""
+    storage = open_storage(path, s3)
+    return storage, storage.list_objects(".parquet")
 
 
 def _feature_width(field: pa.Field, file: str) -> int:
@@ -74,19 +66,31 @@ def _label_max(meta: pq.FileMetaData, column: int) -> int | None:
     return best
 
 
-def inspect_parquet(path: str, features: list[str], label: str) -> DatasetInfo:
+def read_footer(storage: Storage, path: str) -> pq.FileMetaData:
+    """One shard's Parquet footer; a corrupt file or an S3 failure becomes a DataError naming the object."""
+    try:
+        with storage.filesystem().open_input_file(path) as handle:
+            return pq.read_metadata(handle)
+    except pa.ArrowInvalid as exc:
+        raise DataError(f"corrupt Parquet file {storage.uri_of(path)}: {exc}; rewrite or remove it") from None
+    except OSError as exc:
+        if storage.remote:
+            raise storage_error(exc, storage, "reading", path) from None
+        raise DataError(f"corrupt Parquet file {path}: {exc}; rewrite or remove it") from None
+
+
+def inspect_parquet(path: str, features: list[str], label: str, s3: S3Config | None = None) -> DatasetInfo:
     """Check every shard's footer (readable, same schema, configured columns present) and summarise it."""
-    fs, entries = list_parquet_files(path)
-    files = [e.path for e in entries]
+    storage, objects = list_parquet_files(path, s3)
+    files = [o.path for o in objects]
+    # Footers from an object store are one round trip each: fetch them concurrently (order is kept).
+    with ThreadPoolExecutor(max_workers=16 if storage.remote else 1) as pool:
+        footers = list(pool.map(lambda f: read_footer(storage, f), files))
     first_schema: pa.Schema | None = None
     num_rows = 0
     label_max: int | None = -1
-    for file in files:
-        try:
-            with fs.open_input_file(file) as handle:
-                meta = pq.read_metadata(handle)
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise DataError(f"corrupt Parquet file {file}: {exc}; rewrite or remove it") from exc
+    for file, meta in zip(files, footers, strict=True):
+        file = storage.uri_of(file)
         schema = meta.schema.to_arrow_schema()
         missing = [c for c in [*features, label] if c not in schema.names]
         if missing:
@@ -100,7 +104,8 @@ def inspect_parquet(path: str, features: list[str], label: str) -> DatasetInfo:
             if not schema.field(name).type.equals(first_schema.field(name).type):
                 raise DataError(
                     f"schema mismatch in {file}: column '{name}' is {schema.field(name).type} but "
-                    f"{files[0]} has {first_schema.field(name).type}; rewrite the shards with one schema"
+                    f"{storage.uri_of(files[0])} has {first_schema.field(name).type}; rewrite the shards with one "
+                    "schema"
                 )
         num_rows += meta.num_rows
         if label_max is not None and meta.num_rows:
@@ -109,13 +114,17 @@ def inspect_parquet(path: str, features: list[str], label: str) -> DatasetInfo:
     assert first_schema is not None  # list_parquet_files never returns an empty list
     label_type = first_schema.field(label).type
     if not pa.types.is_integer(label_type):
-        raise DataError(f"label column '{label}' in {files[0]} has type {label_type}: class labels must be integers")
-    feature_dim = sum(_feature_width(first_schema.field(name), files[0]) for name in features)
+        raise DataError(f"label column '{label}' in {storage.uri_of(files[0])} has type {label_type}: class labels "
+                        "must be integers")
+    feature_dim = sum(_feature_width(first_schema.field(name), storage.uri_of(files[0])) for name in features)
     return DatasetInfo(
         path=path,
         files=files,
         num_rows=num_rows,
-        num_bytes=sum(e.size or 0 for e in entries),
+        num_bytes=sum(o.size for o in objects),
         feature_dim=feature_dim,
         num_classes=(label_max + 1) if label_max is not None and label_max >= 0 else 0,
+        storage=storage,
+        objects=objects,
+        file_rows=[meta.num_rows for meta in footers],
     )

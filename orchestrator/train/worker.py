@@ -19,6 +19,7 @@ from orchestrator.train.loop import Parts, restore, run
 from orchestrator.train.optim import build_optimizer
 from orchestrator.train.precision import Precision, resolve_precision
 from pipelines.batches import FeatureCollate, fetch_size, split_batches
+from pipelines.order import local_shuffle_seed, set_epoch
 
 
 def seed_everything(seed: int) -> None:
@@ -62,18 +63,27 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     collate = FeatureCollate(cfg.data.features, cfg.data.label)
     train_shard = ray.train.get_dataset_shard("train")
+    context = ray.train.get_context()
 
     fetch = fetch_size(t.micro_batch_size)  # type: ignore[arg-type]
 
-    def batches(shard: Any, drop_last: bool) -> Any:
+    def batches(shard: Any, drop_last: bool, shuffle_seed: int | None = None) -> Any:
+        buffer = cfg.data.shuffle_buffer if shuffle_seed is not None else None
         chunks = shard.iter_torch_batches(batch_size=fetch, prefetch_batches=cfg.data.prefetch_batches,
-                                          collate_fn=collate)
+                                          collate_fn=collate, local_shuffle_buffer_size=buffer,
+                                          local_shuffle_seed=shuffle_seed)
         return split_batches(chunks, t.micro_batch_size, drop_last)  # type: ignore[arg-type]
 
     def train_batches(epoch: int) -> Any:
+        # Before this rank starts the epoch: the reader draws the epoch's shard order from the clock once all
+        # ranks have arrived (streaming_split's epoch barrier), so a resumed run re-reads the same order.
+        if spec.get("epoch_clock"):
+            set_epoch(spec["epoch_clock"], epoch)
+        # Seeded per (seed, epoch, rank): a re-streamed epoch after a restart shuffles identically.
+        seed = local_shuffle_seed(t.seed, epoch, context.get_world_rank()) if cfg.data.shuffle_buffer else None
         # Every rank holds the same number of rows (equal split), so dropping the incomplete last micro-batch
         # leaves equal batch counts on every rank and the collectives stay aligned.
-        return batches(train_shard, drop_last=True)
+        return batches(train_shard, drop_last=True, shuffle_seed=seed)
 
     val_batches = None
     if cfg.data.val is not None:

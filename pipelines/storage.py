@@ -1,0 +1,228 @@
+"""Where shards live: one pyarrow filesystem + root path for a local path or an s3:// URI.
+
+Every reader and writer (inspection, Ray Data read tasks, `prepare`, the disk cache) goes through `Storage`, so S3
+and local data take the same code path. S3 credentials come only from the standard AWS chain, resolved once by a
+boto3 Session on the driver and carried (never printed) inside the picklable `Storage`, so read tasks on other
+nodes need no AWS variables of their own.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlparse
+
+import pyarrow.fs as pafs
+
+from pipelines.config import S3Config, is_remote
+from pipelines.errors import DataError
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One shard: its path inside the filesystem, size, and a version that changes when it is rewritten
+    (the ETag on S3, the modification time in ns on local disk)."""
+
+    path: str
+    size: int
+    version: str
+
+
+class _Secret:
+    """Resolved credentials; repr and str never show them (they may end up in logs via a repr of Storage)."""
+
+    def __init__(self, access_key: str, secret_key: str, token: str | None) -> None:
+        self.access_key, self.secret_key, self.token = access_key, secret_key, token
+
+    def __repr__(self) -> str:
+        return "<credentials hidden>"
+
+    __str__ = __repr__
+
+
+@dataclass
+class Storage:
+    """A resolved location. Picklable (crosses into Ray tasks); the filesystem is rebuilt lazily per process."""
+
+    uri: str
+    root: str  # path inside the filesystem: absolute local path, or bucket/prefix without s3://
+    s3: S3Config | None = None
+    endpoint: str | None = None
+    region: str | None = None
+    secret: _Secret | None = field(default=None, repr=False)
+    _fs: pafs.FileSystem | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def remote(self) -> bool:
+        return self.s3 is not None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_fs": None}
+
+    def filesystem(self) -> pafs.FileSystem:
+        if self._fs is None:
+            self._fs = self._build_fs()
+        return self._fs
+
+    def _build_fs(self) -> pafs.FileSystem:
+        if self.s3 is None:
+            return pafs.LocalFileSystem()
+        kwargs: dict[str, Any] = {
+            "region": self.region,
+            "connect_timeout": self.s3.connect_timeout_s,
+            "request_timeout": self.s3.request_timeout_s,
+            # Transient errors (5xx, SlowDown, dropped connections) are retried with exponential backoff;
+            # access errors are not retryable in the AWS SDK, so they fail at once.
+            "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=self.s3.max_attempts),
+        }
+        if self.endpoint:
+            url = urlparse(self.endpoint)
+            kwargs["endpoint_override"] = url.netloc or url.path
+            kwargs["scheme"] = url.scheme or "https"
+        if self.s3.anonymous:
+            kwargs["anonymous"] = True
+        elif self.secret is not None:
+            kwargs.update(access_key=self.secret.access_key, secret_key=self.secret.secret_key,
+                          session_token=self.secret.token)
+        return pafs.S3FileSystem(**kwargs)
+
+    def client(self) -> Any:
+        """A boto3 S3 client with the same endpoint, region, credentials and retry budget (used for listing,
+        which needs ETags that pyarrow does not expose)."""
+        import boto3
+        from botocore import UNSIGNED
+        from botocore.config import Config
+
+        assert self.s3 is not None
+        config = Config(retries={"total_max_attempts": self.s3.max_attempts, "mode": "standard"},
+                        connect_timeout=self.s3.connect_timeout_s, read_timeout=self.s3.request_timeout_s,
+                        signature_version=UNSIGNED if self.s3.anonymous else None)
+        creds = {}
+        if self.secret is not None and not self.s3.anonymous:
+            creds = {"aws_access_key_id": self.secret.access_key, "aws_secret_access_key": self.secret.secret_key,
+                     "aws_session_token": self.secret.token}
+        return boto3.client("s3", endpoint_url=self.endpoint, region_name=self.region, config=config, **creds)
+
+    def uri_of(self, path: str) -> str:
+        """The user-facing name of a path inside this storage (s3://bucket/key or the local path)."""
+        return f"s3://{path}" if self.remote else path
+
+    def join(self, *parts: str) -> str:
+        return "/".join([self.root.rstrip("/"), *parts])
+
+    def list_objects(self, suffix: str = ".parquet") -> list[ObjectInfo]:
+        """The objects under the root whose names end in `suffix`, sorted by path; DataError if none."""
+        objects = self._list_s3() if self.remote else self._list_local()
+        if objects is None and self.remote:
+            raise DataError(f"no objects under '{self.uri}' (missing or empty prefix): write shards there with "
+                            f"`orchestrator prepare synthetic --out {self.uri} --rows N`, or fix data.train / data.val")
+        if objects is None:
+            raise DataError(f"data path '{self.uri}' does not exist: create it with `orchestrator prepare digits "
+                            "--out DIR` (or s3://bucket/prefix) or point data.train / data.val at your Parquet shards")
+        picked = [o for o in objects if o.path.endswith(suffix) and not os.path.basename(o.path).startswith((".", "_"))]
+        if not picked:
+            raise DataError(f"data path '{self.uri}' holds no {suffix} files: write shards there first")
+        return sorted(picked, key=lambda o: o.path)
+
+    def _list_local(self) -> list[ObjectInfo] | None:
+        """Files under the root; None when the root does not exist."""
+        fs = self.filesystem()
+        info = fs.get_file_info(self.root)
+        if info.type == pafs.FileType.NotFound:
+            return None
+        entries = [info] if info.type == pafs.FileType.File else fs.get_file_info(
+            pafs.FileSelector(self.root, recursive=True))
+        return [ObjectInfo(e.path, e.size or 0, str(e.mtime_ns)) for e in entries if e.type == pafs.FileType.File]
+
+    def _list_s3(self) -> list[ObjectInfo] | None:
+        """Objects under the prefix; None when there are none (S3 has no empty directories)."""
+        bucket, _, prefix = self.root.partition("/")
+        client = self.client()
+        found = []
+        try:
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+                for obj in page.get("Contents", []):
+                    key = obj["Key"]
+                    # "s3://b/p" means the object p or the "folder" p/, not p-other.parquet.
+                    if prefix and key != prefix and not key.startswith(prefix.rstrip("/") + "/"):
+                        continue
+                    found.append(ObjectInfo(f"{bucket}/{key}", int(obj["Size"]), obj["ETag"].strip('"')))
+        except Exception as exc:
+            raise storage_error(exc, self, "listing") from None
+        return found or None
+
+
+def resolve_endpoint(s3: S3Config) -> str | None:
+    """The endpoint URL, honouring the variables boto3 itself honours (service-specific one first)."""
+    return s3.endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+def open_storage(uri: str, s3: S3Config | None = None) -> Storage:
+    """Resolve a local path or s3://bucket/prefix; for S3, resolve endpoint, region and credentials now."""
+    if not is_remote(uri):
+        if "://" in uri:
+            raise DataError(f"'{uri}': only local paths and s3://bucket/prefix are supported")
+        return Storage(uri=uri, root=os.path.abspath(uri))
+    s3 = s3 or S3Config()
+    root = uri.removeprefix("s3://").strip("/")
+    if not root or root.startswith("/"):
+        raise DataError(f"'{uri}' names no bucket: write s3://bucket/prefix")
+    import boto3
+
+    session = boto3.Session()
+    secret = None
+    if not s3.anonymous:
+        creds = session.get_credentials()
+        if creds is None:
+            raise DataError(f"no AWS credentials found for {uri}: set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or "
+                            "AWS_PROFILE, log in with SSO, or run on a node with an instance role; for a public "
+                            "bucket set data.s3.anonymous: true")
+        frozen = creds.get_frozen_credentials()
+        secret = _Secret(frozen.access_key, frozen.secret_key, frozen.token)
+    region = s3.region or session.region_name or "us-east-1"
+    return Storage(uri=uri, root=root, s3=s3, endpoint=resolve_endpoint(s3), region=region, secret=secret)
+
+
+def resolve_filesystem(uri: str, s3: S3Config | None = None) -> tuple[pafs.FileSystem, str]:
+    """(pyarrow filesystem, root path inside it) for a local path or s3:// URI. The root has no s3:// prefix,
+    which is what pyarrow and `ray.data.read_parquet(paths, filesystem=fs)` expect."""
+    storage = open_storage(uri, s3)
+    return storage.filesystem(), storage.root
+
+
+_DENIED = ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "AllAccessDisabled",
+           "ACCESS_DENIED", "INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH", "EXPIRED_TOKEN", "HTTP status 403")
+_TRANSIENT = ("SlowDown", "ServiceUnavailable", "InternalError", "SLOW_DOWN", "SERVICE_UNAVAILABLE",
+              "INTERNAL_FAILURE", "HTTP status 5", "503", "500")
+_UNREACHABLE = ("NETWORK_CONNECTION", "curlCode", "EndpointConnectionError", "ConnectTimeout", "ReadTimeout",
+                "ConnectionClosedError", "Could not connect")
+
+
+def storage_error(exc: BaseException, storage: Storage, action: str, path: str | None = None) -> DataError:
+    """Turn a boto3/pyarrow failure into one DataError that names the object and the fix."""
+    what = storage.uri_of(path) if path else storage.uri
+    text = f"{type(exc).__name__}: {exc}"
+    code = ""
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        code = str(response.get("Error", {}).get("Code", ""))
+        text = f"{code} {response.get('ResponseMetadata', {}).get('HTTPStatusCode', '')} {text}"
+    detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+    attempts = storage.s3.max_attempts if storage.s3 else 1
+    bucket = storage.root.partition("/")[0]
+    if "NoSuchBucket" in text or "NO_SUCH_BUCKET" in text:
+        return DataError(f"bucket '{bucket}' does not exist ({what}): create it, or fix the bucket name or "
+                         "data.s3.endpoint")
+    if any(marker in text for marker in _DENIED):
+        return DataError(f"access denied {action} {what} ({detail}): grant the credentials from the standard AWS "
+                         "chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, SSO, instance role) read "
+                         "access, or set data.s3.anonymous: true for a public bucket (not retried)")
+    if any(marker in text for marker in _UNREACHABLE):
+        return DataError(f"S3 endpoint {storage.endpoint or 'AWS'} unreachable {action} {what} after {attempts} "
+                         f"attempts with backoff ({detail}): check data.s3.endpoint / $AWS_ENDPOINT_URL and the "
+                         "network, or raise data.s3.max_attempts")
+    if any(marker in text for marker in _TRANSIENT):
+        return DataError(f"S3 kept failing ({code or detail}) {action} {what} after {attempts} attempts with "
+                         "backoff: the store is throttling or unavailable; retry later or raise data.s3.max_attempts")
+    return DataError(f"S3 error {action} {what}: {detail}")
