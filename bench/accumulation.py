@@ -78,9 +78,9 @@ def main() -> None:
     torch.set_num_threads(2)
     one, four = in_process(args.micro, args.rounds, args.samples)
     print(f"MLP 64-512-512-10, fp32, micro-batch {args.micro}, {args.rounds} alternating rounds")
-    print(f"one process  accum 1: {statistics.median(one):9,.0f} samples/s   accum 4: "
-          f"{statistics.median(four):9,.0f} samples/s   ratio 4/1: {statistics.median(four) / statistics.median(one):.3f}"
-          "   (target >= 0.98)")
+    one_rate, four_rate = statistics.median(one), statistics.median(four)
+    print(f"one process  accum 1: {one_rate:9,.0f} samples/s   accum 4: {four_rate:9,.0f} samples/s   "
+          f"ratio 4/1: {four_rate / one_rate:.3f}   (target >= 0.98)")
     if args.ddp:
         rate1, rate4 = ddp(args.micro, args.ddp_steps)
         print(f"2 DDP workers accum 1: {rate1:9,.0f} samples/s   accum 4: {rate4:9,.0f} samples/s   "
