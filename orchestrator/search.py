@@ -133,7 +133,8 @@ def check_key(key: str, root: type[BaseModel]) -> None:
                                  f"'{key}.{next(iter(inner.model_fields))}'")
             return
         if not is_section:
-            raise ValueError(f"search space key '{key}': '{prefix}{part}' is a value, not a section")
+            raise ValueError(f"search space key '{key}': '{prefix}{part}' is a value, not a section "
+                             f"(a search space is {{kind: [..]}} with kind one of {', '.join(KINDS)})")
         model = inner
 
 

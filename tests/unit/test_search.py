@@ -1,0 +1,182 @@
+"""Search spaces without Ray: parsing, the checks that run before any trial, trial configs, best.yaml, the table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from orchestrator.config import load_config
+from orchestrator.errors import ConfigError
+from orchestrator.search import (
+    TRAIN_METRICS,
+    VAL_METRICS,
+    Domain,
+    check_capacity,
+    check_study,
+    max_concurrent,
+    trial_config,
+    user_tree,
+)
+from orchestrator.trials import format_table, trial_status
+
+LR = "tune.space.optim.lr.loguniform=[1e-4, 1e-1]"
+
+
+def study(*overrides: str) -> Any:
+    return load_config(None, ["train.max_steps=100", *overrides])
+
+
+def test_space_in_both_spellings_parses_to_dotted_keys() -> None:
+    nested = study(LR, "tune.space.optim.warmup_steps.choice=[0, 20, 50]")
+    dotted = study("tune.space={optim.lr: {loguniform: [1.0e-4, 0.1]}, optim.warmup_steps: {choice: [0, 20, 50]}}")
+    assert nested.tune.space == dotted.tune.space == {
+        "optim.lr": {"loguniform": [0.0001, 0.1]}, "optim.warmup_steps": {"choice": [0, 20, 50]}}
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("tune.space.optim.lrr.loguniform=[1e-4, 1e-1]", "'optim.lrr' is not a config key (did you mean 'optim.lr'?)"),
+    ("tune.space.optimm.lr.loguniform=[1e-4, 1e-1]", "'optimm.lr' is not a config key (did you mean 'optim'?)"),
+    ("tune.space.optim.lr.loguniform=[1e-1, 1e-4]", "range [0.1, 0.0001] is empty or inverted"),
+    ("tune.space.optim.lr.uniform=[0.1, 0.1]", "is empty or inverted"),
+    ("tune.space.optim.lr.uniform=[]", "needs a non-empty list"),
+    ("tune.space.optim.warmup_steps.choice=[]", "needs a non-empty list"),
+    ("tune.space.optim.lr.loguniform=[0, 0.1]", "loguniform needs low > 0"),
+    ("tune.space.optim.warmup_steps.randint=[0, 2.5]", "randint needs integer bounds"),
+    ("tune.space={optim.lr: 0.1}", "must be one of"),
+    ("tune.space.optim.lr.between=[1, 2]", "'optim.lr' is a value, not a section (a search space is {kind: [..]}"),
+    ("tune.space.storage.path.choice=[a, b]", "shared by the whole study"),
+    ("tune.space.optim.choice=[1]", "is a section"),
+])
+def test_bad_space_is_one_clear_line_at_load(override: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        study(override)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ([], "tune.space is empty"),
+    ([LR, "tune.metric=val_acc"], "never reported by the training loop (did you mean 'tune.metric=val_accuracy'?)"),
+    ([LR, "data.val=null"], "only reported with a validation split: set data.val"),
+    ([LR, "tune.grace_period=100"], "ASHA could never stop a trial early"),
+    (["tune.space.train.max_steps.choice=[50, 100]"], "ASHA's budget is the training length"),
+    (["tune.space.optim.warmup_steps.choice=[-5, 20]"], "optim.warmup_steps=-5 would be invalid"),
+    (["tune.space.model.hiden.choice=[[64], [128]]"], "takes no option 'hiden' (did you mean 'hidden'?)"),
+    (["tune.space.scaling.num_workers.choice=[1, 3]", "train.global_batch_size=64"], "not divisible"),
+    (["tune.space.optim.lr.grid=[0.01, 0.1]", "tune.searcher=optuna"], "only the random searcher expands"),
+])
+def test_bad_study_is_refused_before_any_trial(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        check_study(study(*overrides))
+    assert message in str(info.value)
+
+
+def test_dead_asha_option_is_refused() -> None:
+    with pytest.raises(ConfigError, match="tune.grace_period has no effect with tune.scheduler=fifo"):
+        study(LR, "tune.scheduler=fifo", "tune.grace_period=10")
+
+
+def test_good_study_passes_and_mode_follows_the_metric() -> None:
+    from orchestrator.search import resolved_mode
+
+    cfg = study(LR, "tune.space.model.hidden.choice=[[64], [128, 128]]")
+    check_study(cfg)
+    assert resolved_mode(cfg) == "max"
+    assert resolved_mode(study(LR, "tune.metric=val_loss")) == "min"
+    assert resolved_mode(study(LR, "tune.metric=val_loss", "tune.mode=max")) == "max"
+
+
+def test_domains_map_to_tune_with_inclusive_randint() -> None:
+    pytest.importorskip("ray.tune")
+    lr = Domain("loguniform", (1e-4, 1e-1)).to_tune()
+    assert (lr.lower, lr.upper) == (1e-4, 1e-1)
+    warm = Domain("randint", (0, 50)).to_tune()
+    assert (warm.lower, warm.upper) == (0, 51)
+    assert Domain("grid", (1, 2)).to_tune() == {"grid_search": [1, 2]}
+
+
+def test_trial_config_rederives_batch_for_a_searched_worker_count() -> None:
+    base = study(LR, "scaling.num_workers=2", "train.global_batch_size=128")
+    assert base.train.micro_batch_size == 64
+    trial = trial_config(user_tree(base), {"scaling.num_workers": 4, "optim.lr": 0.02})
+    assert trial.train.micro_batch_size == 32 and trial.optim.lr == 0.02
+    assert base.optim.lr != 0.02  # the base config is untouched
+
+
+def test_best_yaml_loads_unchanged_with_the_best_values(tmp_path: Path) -> None:
+    from orchestrator.tune import best_yaml
+
+    base = study(LR, "tune.space.optim.warmup_steps.choice=[0, 20]", "scaling.num_workers=1", "model.hidden=[32]")
+    path = tmp_path / "best.yaml"
+    path.write_text(best_yaml(user_tree(base), {"optim.lr": 0.0123, "optim.warmup_steps": 20}, "# best\n"))
+    text = path.read_text()
+    assert text.startswith("# best\n") and "tune:" not in text
+    loaded = load_config(path)
+    assert loaded.optim.lr == 0.0123 and loaded.optim.warmup_steps == 20
+    assert loaded.model.kwargs == {"hidden": [32]} and loaded.train.max_steps == 100
+    assert loaded.tune.space == {}  # nothing tune-only left: `orchestrator train` takes it as is
+
+
+def test_concurrency_and_capacity_follow_the_widest_trial() -> None:
+    cfg = study(LR, "scaling.num_workers=2", "train.global_batch_size=128")
+    assert max_concurrent(cfg, cluster_cpus=9) == 4  # one CPU kept for Ray Data's read tasks
+    assert max_concurrent(cfg, cluster_cpus=2) == 1
+    assert max_concurrent(study(LR, "tune.max_concurrent_trials=3"), cluster_cpus=64) == 3
+    wide = study(LR, "tune.space.scaling.num_workers.choice=[1, 8]", "train.global_batch_size=128")
+    assert max_concurrent(wide, cluster_cpus=17) == 2
+    check_capacity(wide, {"CPU": 8.0})
+    with pytest.raises(ConfigError, match=r"a trial needs 8 CPUs .* the Ray cluster has 4"):
+        check_capacity(wide, {"CPU": 4.0})
+    with pytest.raises(ConfigError, match="needs 2 GPUs"):
+        check_capacity(study(LR, "scaling.num_workers=2", "scaling.use_gpu=true"), {"CPU": 16.0, "GPU": 1.0})
+
+
+def test_metric_list_matches_what_the_loop_reports() -> None:
+    """tune.metric may only name what loop.py reports: fails if the loop stops reporting a listed key."""
+    from orchestrator.models import build_model
+    from orchestrator.train.loop import Parts, run
+    from orchestrator.train.optim import build_optimizer
+    from orchestrator.train.precision import Precision
+
+    cfg = load_config(None, ["scaling.num_workers=1", "train.global_batch_size=16", "train.max_steps=4",
+                             "train.log_every=2", "train.eval_every=4", "model.hidden=[8]", "train.precision=fp32"])
+    cpu = torch.device("cpu")
+    model = build_model("mlp", None, 4, 2, {"hidden": [8]})
+    optimizer, scheduler = build_optimizer(model, cfg.optim, 4)
+    parts = Parts(model, optimizer, scheduler, Precision("fp32", cpu), cpu, 1.0)
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    data = [(x[i:i + 16], y[i:i + 16]) for i in range(0, 64, 16)]
+    reports: list[dict[str, Any]] = []
+    run(cfg, parts, lambda epoch: data, lambda: data, lambda metrics, ckpt: reports.append(metrics))
+    # Subsets: a new loop metric is only searchable once listed; a listed metric must really be reported.
+    assert set(TRAIN_METRICS) <= set(reports[0]) and not set(VAL_METRICS) & set(reports[0])
+    assert set(TRAIN_METRICS + VAL_METRICS) <= set(reports[-1])
+
+
+def test_trial_status_and_table() -> None:
+    assert trial_status({"done": True, "step": 40}, 40) == "completed"
+    assert trial_status({"done": True, "step": 10}, 40) == "stopped"
+    assert trial_status({"step": 10}, 40) == "running"
+    assert trial_status({}, 40, errored=True) == "error"
+    table = format_table([{"trial_id": "a_00000", "status": "stopped", "params": {"optim.lr": 0.00012},
+                           "step": 10, "metric": 0.5}], ["optim.lr"], "val_accuracy")
+    header, row = table.splitlines()
+    assert header.split() == ["trial", "status", "optim.lr", "step", "val_accuracy"]
+    assert row.split() == ["a_00000", "stopped", "1.20e-04", "10", "0.5000"]
+
+
+def test_only_driver_modules_import_ray_tune() -> None:
+    import ast
+
+    root = Path(__file__).resolve().parents[2] / "orchestrator"
+    found = set()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n == "ray.tune" or n.startswith("ray.tune.") for n in names):
+                found.add(path.relative_to(root).as_posix())
+    assert found and found <= {"tune.py", "trials.py", "search.py"}, found
