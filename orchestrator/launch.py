@@ -266,7 +266,7 @@ def run_summary(history: list[dict[str, Any]]) -> dict[str, float]:
     summary: dict[str, float] = {}
     keys = {k for report in history for k in report if k.startswith("time/")}
     for key in sorted(keys):
-        summary[f"summary/{key.removeprefix('time/')}"] = statistics.fmean(r.get(key, 0.0) for r in history)
+        summary[f"summary/{key}"] = statistics.fmean(r.get(key, 0.0) for r in history)
     for key in ("samples_per_s", "tokens_per_s", "mfu", "data_wait_frac"):
         values = [r[key] for r in history if key in r]
         if values:
@@ -280,8 +280,8 @@ def breakdown_line(summary: dict[str, float]) -> str:
     """'time: compute 71% | sync 4% | data wait 2% | eval 6% | checkpoint 3% | other 14%'"""
     names = [("compute", "compute"), ("sync", "sync"), ("data_wait", "data wait"), ("eval", "eval"),
              ("checkpoint", "checkpoint"), ("other", "other")]
-    parts = [f"{label} {summary[f'summary/{key}_frac']:.0%}" for key, label in names
-             if f"summary/{key}_frac" in summary]
+    parts = [f"{label} {summary[f'summary/time/{key}_frac']:.0%}" for key, label in names
+             if f"summary/time/{key}_frac" in summary]
     return "time: " + " | ".join(parts) if parts else ""
 
 

@@ -45,10 +45,9 @@ def test_two_workers_learn_digits_and_mlflow_has_the_run(ray_cluster: None, tmp_
     assert params["optim.lr"] == "0.003" and params["scaling.num_workers"] == "2"
     assert params["model.num_classes"] == "10"  # resolved from the data, logged as resolved
     for key in ("train_loss", "lr", "grad_norm", "samples_per_s", "val_loss", "val_accuracy", "time/compute_frac",
-                "time/data_wait_frac", "summary/compute_frac", "summary/samples_per_s", "flops_per_sample"):
+                "time/data_wait_frac", "summary/time/compute_frac", "summary/samples_per_s", "flops_per_sample"):
         assert key in mlrun.data.metrics, key
-    shares = [v for k, v in mlrun.data.metrics.items() if k.startswith("summary/") and k.endswith("_frac")
-              and k != "summary/data_wait_frac"]
+    shares = [v for k, v in mlrun.data.metrics.items() if k.startswith("summary/time/")]
     assert sum(shares) == pytest.approx(1.0, abs=0.01)
     assert any(k.startswith("system/") and k.endswith("/memory_used_gb") for k in mlrun.data.metrics)
     losses = client.get_metric_history(result.run_id, "train_loss")
