@@ -70,8 +70,8 @@ def run_command(args: argparse.Namespace) -> int:
         return 0
 
     if args.command == "tune":
-        from orchestrator.tune import summary as tune_summary
-        from orchestrator.tune import tune
+        from orchestrator.study import summary as tune_summary
+        from orchestrator.study import tune
 
         print(tune_summary(tune(config, address=args.address, fresh=args.fresh)))
         return 0

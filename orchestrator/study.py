@@ -1,4 +1,4 @@
-"""Driver side of `orchestrator tune`: a Ray Tune study whose every trial is a full Ray Train run.
+"""Driver side of `orchestrator tune` (the study): a Ray Tune study whose every trial is a full Ray Train run.
 
 The study is named from the experiment (`<experiment>-tune`) and lives at `<storage.path>/<study>`: running the
 same command again continues it (Tuner.restore) unless `fresh`. Each trial is a Tune function trainable that builds

@@ -107,7 +107,7 @@ def test_trial_config_rederives_batch_for_a_searched_worker_count() -> None:
 
 
 def test_best_yaml_loads_unchanged_with_the_best_values(tmp_path: Path) -> None:
-    from orchestrator.tune import best_yaml
+    from orchestrator.study import best_yaml
 
     base = study(LR, "tune.space.optim.warmup_steps.choice=[0, 20]", "scaling.num_workers=1", "model.hidden=[32]")
     path = tmp_path / "best.yaml"
@@ -179,4 +179,4 @@ def test_only_driver_modules_import_ray_tune() -> None:
                      [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             if any(n == "ray.tune" or n.startswith("ray.tune.") for n in names):
                 found.add(path.relative_to(root).as_posix())
-    assert found and found <= {"tune.py", "trials.py", "search.py"}, found
+    assert found and found <= {"study.py", "trials.py", "search.py"}, found
