@@ -141,8 +141,10 @@ class TuneConfig(_Section):
     num_samples: int = Field(8, ge=1, description="Trials to sample (a grid is expanded once per sample).")
     scheduler: Literal["asha", "fifo", "none"] = Field("asha", description="asha stops weak trials early; "
                                                        "fifo/none runs every trial to the end.")
-    grace_period: int = Field(50, ge=1, description="ASHA: steps every trial runs before it may be stopped.")
-    reduction_factor: float = Field(3.0, gt=1, description="ASHA: keep the top 1/reduction_factor at each rung.")
+    grace_period: int | None = Field(None, ge=1, description="ASHA: steps every trial runs before it may be "
+                                     "stopped; null = 50.")
+    reduction_factor: float | None = Field(None, gt=1, description="ASHA: keep the top 1/reduction_factor at "
+                                           "each rung; null = 3.")
     searcher: Literal["random", "optuna"] = Field("random", description="random sampling, or Optuna's TPE.")
     max_concurrent_trials: int | None = Field(None, ge=1, description="null: cluster CPUs / CPUs per trial.")
     seed: int | None = Field(None, description="Seed of the searcher's sampling, for a repeatable study.")
@@ -154,11 +156,17 @@ class TuneConfig(_Section):
 
         return parse_space(value, Config) if isinstance(value, dict) else value
 
+    @property
+    def asha(self) -> tuple[int, float]:
+        """(grace_period, reduction_factor) with their defaults."""
+        return self.grace_period or 50, self.reduction_factor or 3.0
+
     @model_validator(mode="after")
     def _no_dead_options(self) -> TuneConfig:
-        dead = {"grace_period", "reduction_factor"} & self.model_fields_set
+        # By value, not by fields_set: a saved full config (nulls included) must load again.
+        dead = [k for k in ("grace_period", "reduction_factor") if getattr(self, k) is not None]
         if self.scheduler != "asha" and dead:
-            raise ValueError(f"tune.{sorted(dead)[0]} has no effect with tune.scheduler={self.scheduler}; "
+            raise ValueError(f"tune.{dead[0]} has no effect with tune.scheduler={self.scheduler}; "
                              "remove it or use asha")
         return self
 

@@ -206,8 +206,8 @@ def check_study(config: Config) -> None:
         if budget:
             raise ConfigError(f"tune.space searches {', '.join(sorted(budget))}, but ASHA's budget is the training "
                               "length: fix it, or set tune.scheduler=fifo")
-        if config.train.max_steps is not None and t.grace_period >= config.train.max_steps:
-            raise ConfigError(f"tune.grace_period={t.grace_period} is not below train.max_steps="
+        if config.train.max_steps is not None and t.asha[0] >= config.train.max_steps:
+            raise ConfigError(f"tune.grace_period={t.asha[0]} is not below train.max_steps="
                               f"{config.train.max_steps}: ASHA could never stop a trial early; lower it or set "
                               "tune.scheduler=fifo")
     tree = user_tree(config)

@@ -157,8 +157,9 @@ def _scheduler(config: Config, max_steps: int) -> Any:
     if t.scheduler != "asha":
         return FIFOScheduler()
     # time_attr=step (not Tune's iteration count): a trial resumed from its Train checkpoint keeps its position.
-    return ASHAScheduler(time_attr="step", max_t=max_steps, grace_period=t.grace_period,
-                         reduction_factor=t.reduction_factor)
+    grace_period, reduction_factor = t.asha
+    return ASHAScheduler(time_attr="step", max_t=max_steps, grace_period=grace_period,
+                         reduction_factor=reduction_factor)
 
 
 def _searcher(config: Config) -> Any:

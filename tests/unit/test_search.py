@@ -74,9 +74,15 @@ def test_bad_study_is_refused_before_any_trial(overrides: list[str], message: st
     assert message in str(info.value)
 
 
-def test_dead_asha_option_is_refused() -> None:
+def test_dead_asha_option_is_refused_and_a_saved_config_loads_again() -> None:
+    from orchestrator.config import config_from_dict, to_dict
+
     with pytest.raises(ConfigError, match="tune.grace_period has no effect with tune.scheduler=fifo"):
         study(LR, "tune.scheduler=fifo", "tune.grace_period=10")
+    for scheduler in ("fifo", "asha"):
+        cfg = study(LR, f"tune.scheduler={scheduler}")
+        assert config_from_dict(to_dict(cfg)) == cfg  # what resolve_for_data and saved config.yaml do
+    assert study(LR).tune.asha == (50, 3.0)
 
 
 def test_good_study_passes_and_mode_follows_the_metric() -> None:

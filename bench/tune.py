@@ -1,0 +1,80 @@
+"""How much of a full grid's training ASHA spends to find a configuration as good as the grid's best.
+
+The same small grid (learning rates x warmups, digits, 1-worker trials) is run twice on one local Ray cluster:
+once with every trial trained to the end (FIFO), once with ASHA stopping weak trials early. Printed:
+
+    ratio = trial-steps the ASHA study spent / trial-steps of the full grid   (target <= 0.4)
+
+counted only if ASHA's best trial is within 1% of the full grid's best (else the search failed and no ratio
+applies). Trial-steps, not seconds: trial start-up dominates wall time on a small machine and would hide the
+saving; wall times are printed beside it.
+
+    .venv/bin/python bench/tune.py [--steps 120 --lrs 1e-4,1e-3,3e-3,1e-2,3e-2,1e-1 --warmups 0,50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")  # reports cost 2 s each otherwise
+os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+from orchestrator import load_config, tune  # noqa: E402
+from pipelines.prepare import prepare_digits  # noqa: E402
+
+
+def run_study(name: str, root: str, data: str, args: argparse.Namespace, scheduler: list[str]) -> tuple[float, int,
+                                                                                                        float]:
+    config = load_config(None, [
+        f"experiment={name}", f"data.train={data}/train", f"data.val={data}/val", f"storage.path={root}/runs",
+        "tracking.enabled=false", "scaling.num_workers=1", "model.hidden=[128]", f"train.max_steps={args.steps}",
+        "train.log_every=10", "train.eval_every=10", f"checkpoint.every={args.steps}",
+        f"tune.space.optim.lr.grid=[{args.lrs}]", f"tune.space.optim.warmup_steps.grid=[{args.warmups}]",
+        "tune.num_samples=1", "tune.max_concurrent_trials=2", *scheduler])
+    started = time.monotonic()
+    result = tune(config, fresh=True, verbose=False)
+    spent = sum(t.steps for t in result.trials)
+    stopped = sum(t.status == "stopped" for t in result.trials)
+    print(f"{name}: {len(result.trials)} trials, {stopped} stopped early, {spent} trial-steps, best val_accuracy "
+          f"{result.best.metric:.4f} ({result.best.params}), {time.monotonic() - started:.0f} s", flush=True)
+    return result.best.metric or 0.0, spent, time.monotonic() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--lrs", default="1e-4,1e-3,3e-3,1e-2,3e-2,1e-1")
+    parser.add_argument("--warmups", default="0,50")
+    parser.add_argument("--grace", type=int, default=20)
+    parser.add_argument("--reduction", type=float, default=3)
+    args = parser.parse_args()
+
+    import ray
+
+    ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
+             logging_config=ray.LoggingConfig(log_level="WARNING"))
+    try:
+        with tempfile.TemporaryDirectory() as root:
+            data = os.path.join(root, "digits")
+            prepare_digits(data)
+            grid_best, grid_steps, grid_s = run_study("bench-grid", root, data, args, ["tune.scheduler=fifo"])
+            asha_best, asha_steps, asha_s = run_study("bench-asha", root, data, args, [
+                "tune.scheduler=asha", f"tune.grace_period={args.grace}", f"tune.reduction_factor={args.reduction}"])
+    finally:
+        ray.shutdown()
+    within = asha_best >= 0.99 * grid_best
+    print(f"grid: {grid_steps} trial-steps, best {grid_best:.4f}, {grid_s:.0f} s | ASHA: {asha_steps} trial-steps, "
+          f"best {asha_best:.4f} ({'within' if within else 'NOT within'} 1% of the grid's best), {asha_s:.0f} s")
+    if within:
+        print(f"ASHA trial-steps / full grid trial-steps = {asha_steps / grid_steps:.2f} (target <= 0.4); "
+              f"wall time ratio {asha_s / grid_s:.2f}")
+    else:
+        print("ASHA did not find a configuration within 1% of the grid's best: no ratio")
+
+
+if __name__ == "__main__":
+    main()
