@@ -37,7 +37,7 @@ class MotoServer:
         self._out = open(self.log, "wb")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen([str(MOTO), "-H", "127.0.0.1", "-p", str(self.port)], stdout=self._out,
                                         stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 90  # a loaded machine can take a while
         while True:
             try:
                 urllib.request.urlopen(f"{self.url}/moto-api/", timeout=1)
@@ -50,7 +50,8 @@ class MotoServer:
 
     def requests(self, method: str, path_prefix: str) -> list[str]:
         """Request lines seen so far, e.g. requests("GET", "/bucket/train/")."""
-        pattern = re.compile(rf'"{method} ({re.escape(path_prefix)}\S*) HTTP')
+        # werkzeug colours some status lines: skip the ANSI escape codes before the method.
+        pattern = re.compile(rf'"(?:\x1b\[[0-9;]*m)*{method} ({re.escape(path_prefix)}\S*) HTTP')
         return [m.group(1) for m in pattern.finditer(self.log.read_text(errors="replace"))]
 
     def stop(self) -> None:

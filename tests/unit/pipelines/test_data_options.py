@@ -1,0 +1,129 @@
+"""Data options without Ray or a server: config checks, transforms, shard order, the disk cache's LRU and
+versioning, and the streaming reader over local shards."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from pydantic import ValidationError
+
+from pipelines.cache import DiskCache
+from pipelines.config import DataConfig
+from pipelines.order import local_shuffle_seed, shard_order
+from pipelines.prepare import prepare_synthetic
+from pipelines.reader import ShardDatasource
+from pipelines.sources import inspect_parquet
+from pipelines.storage import ObjectInfo, open_storage, resolve_filesystem
+from pipelines.transforms import apply_transforms
+
+
+def test_config_accepts_s3_cache_dir_and_transforms() -> None:
+    cfg = DataConfig(train="s3://bucket/train", val=None, cache="/mnt/cache", cache_max_gb=2,
+                     transforms=[{"normalize": {"mean": 0.5, "std": 0.25}}, {"cast": "float16"}])
+    assert cfg.disk_cache == "/mnt/cache"
+    assert cfg.transforms == [{"normalize": {"mean": 0.5, "std": 0.25}}, {"cast": {"dtype": "float16"}}]
+    assert DataConfig.model_validate(cfg.model_dump()) == cfg  # survives the trip to the workers
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"cache": "memroy"}, "neither auto/none/memory nor a directory"),
+    ({"cache": "./cache"}, "has no effect on local data"),
+    ({"cache_max_gb": 3}, "cache_max_gb has no effect without a disk cache"),
+    ({"transforms": [{"scale": 2}]}, "unknown transform 'scale'"),
+    ({"transforms": [{"cast": "int8"}]}, "dtype"),
+    ({"transforms": [{"normalize": {"std": 0}}]}, "greater than 0"),
+    ({"transforms": [{"cast": {"dtype": "float32", "columns": ["nope"]}}]}, r"\['nope'\] are not in data.features"),
+    ({"s3": {"secret_key": "x"}}, "Extra inputs are not permitted"),
+])
+def test_config_refuses(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        DataConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_transforms_normalize_and_cast_lists_and_scalars() -> None:
+    table = pa.table({
+        "v": pa.FixedSizeListArray.from_arrays(pa.array(np.arange(4, dtype=np.float32)), 2),
+        "s": pa.array([2, 4], pa.int64()),
+        "label": pa.array([0, 1]),
+    })
+    out = apply_transforms(table, [{"normalize": {"mean": 1.0, "std": 2.0}}, {"cast": {"dtype": "float16"}}],
+                           ["v", "s"])
+    assert out.column("v").to_pylist() == [[-0.5, 0.0], [0.5, 1.0]]
+    assert out.column("s").to_pylist() == [0.5, 1.5]
+    assert out.schema.field("v").type.value_type == pa.float16() and out.schema.field("s").type == pa.float16()
+    assert out.column("label").to_pylist() == [0, 1]  # the label is never transformed
+
+
+def test_shard_order_is_a_deterministic_permutation_per_epoch() -> None:
+    items = list(range(20))
+    orders = [shard_order(items, seed=1, epoch=e) for e in range(3)]
+    assert all(sorted(o) == items for o in orders)
+    assert orders[0] != orders[1] != orders[2]
+    assert orders[1] == shard_order(items, seed=1, epoch=1)  # a restart redraws the same order
+    assert shard_order(items, seed=2, epoch=1) != orders[1]
+    assert shard_order(items, seed=1, epoch=1, shuffle=False) == items
+    assert local_shuffle_seed(0, 1, 0) == local_shuffle_seed(0, 1, 0) != local_shuffle_seed(0, 1, 1)
+
+
+def test_reader_follows_the_epoch_order_and_streams_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    prepare_synthetic(str(tmp_path), rows=4000, shards=5, features=3, classes=2)
+    info = inspect_parquet(str(tmp_path / "train"), ["features"], "label")
+    epoch = {"now": 0}
+    monkeypatch.setattr("pipelines.reader.current_epoch", lambda name: epoch["now"])
+    source = ShardDatasource(info.storage, info.objects, info.file_rows, ["features", "label"],  # type: ignore[arg-type]
+                             seed=7, shuffle=True, epoch_clock="clock", block_bytes=1024)
+    for e in range(3):
+        epoch["now"] = e
+        tasks = source.get_read_tasks(1)
+        assert [t.metadata.input_files[0] for t in tasks] == shard_order(info.files, 7, e)
+        assert sum(t.metadata.num_rows for t in tasks) == 4000
+    tables = list(tasks[0]())
+    assert len(tables) > 1 and sum(len(t) for t in tables) == 800  # one shard in several small blocks
+
+
+def test_resolve_filesystem_local_and_s3_roots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fs, root = resolve_filesystem(str(tmp_path))
+    assert root == str(tmp_path) and fs.type_name == "local"
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:19")  # the service-specific one wins, as in boto3
+    storage = open_storage("s3://bucket/some/prefix/")
+    assert (storage.root, storage.endpoint, storage.region) == ("bucket/some/prefix", "http://127.0.0.1:19",
+                                                                storage.region or "us-east-1")
+    assert storage.filesystem().type_name == "s3"
+
+
+def _shard(path: Path, rows: int) -> ObjectInfo:
+    pq.write_table(pa.table({"x": pa.array(np.arange(rows, dtype=np.float64))}), path)
+    stat = path.stat()
+    return ObjectInfo(str(path), stat.st_size, str(stat.st_mtime_ns))
+
+
+def test_disk_cache_hits_refetches_changed_objects_and_evicts_lru(tmp_path: Path) -> None:
+    storage = open_storage(str(tmp_path / "src"))
+    (tmp_path / "src").mkdir()
+    objs = [_shard(tmp_path / "src" / f"{i}.parquet", 1000) for i in range(3)]
+    cache = DiskCache(str(tmp_path / "cache"), max_gb=(objs[0].size * 2.5) / 1e9)  # room for two shards
+    for obj in objs[:2]:
+        assert pq.read_table(cache.open(storage, obj)).num_rows == 1000
+    assert (cache.stats().misses, cache.stats().hits) == (2, 0)
+    time.sleep(0.02)
+    cache.open(storage, objs[0])  # a hit refreshes objs[0]: objs[1] is now least recently used
+    cache.open(storage, objs[2])  # over the cap: evicts objs[1]
+    stats = cache.stats()
+    assert (stats.hits, stats.misses, stats.evictions) == (1, 3, 1)
+    assert stats.bytes_downloaded == sum(o.size for o in objs)
+    cache.open(storage, objs[0])
+    assert cache.stats().hits == 2  # objs[0] survived
+    cache.open(storage, objs[1])
+    assert cache.stats().misses == 4  # objs[1] had been evicted
+    # A rewritten object (new size/version) is fetched again, never served stale.
+    changed = _shard(tmp_path / "src" / "0.parquet", 10)
+    assert pq.read_table(cache.open(storage, changed)).num_rows == 10
+    assert cache.stats().misses == 5
