@@ -69,8 +69,8 @@ def _flatten(raw: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _number(value: Any) -> Any:
-    """YAML 1.1 reads '1e-4' as a string; users mean a number."""
-    if isinstance(value, str):
+    """YAML 1.1 reads '1e-4' as a string; users mean a number ('adamw' stays a string)."""
+    if isinstance(value, str) and any(c.isdigit() for c in value):
         try:
             return float(value)
         except ValueError:
@@ -85,9 +85,9 @@ def parse_domain(key: str, spec: Any) -> Domain:
     kind, values = next(iter(spec.items()))
     if not isinstance(values, list) or not values:
         raise ValueError(f"search space '{key}': {kind} needs a non-empty list, got {values!r}")
+    values = [_number(v) for v in values]
     if kind in LISTS:
         return Domain(kind, tuple(values))
-    values = [_number(v) for v in values]
     if len(values) != 2 or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
         raise ValueError(f"search space '{key}': {kind} needs [low, high] numbers, got {values!r}")
     low, high = values

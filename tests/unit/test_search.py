@@ -34,6 +34,9 @@ def test_space_in_both_spellings_parses_to_dotted_keys() -> None:
     dotted = study("tune.space={optim.lr: {loguniform: [1.0e-4, 0.1]}, optim.warmup_steps: {choice: [0, 20, 50]}}")
     assert nested.tune.space == dotted.tune.space == {
         "optim.lr": {"loguniform": [0.0001, 0.1]}, "optim.warmup_steps": {"choice": [0, 20, 50]}}
+    # YAML 1.1 reads 1e-3 as a string: numbers in lists too, names left alone.
+    listed = study("tune.space.optim.lr.grid=[1e-3, 3e-2]", "tune.space.optim.name.choice=[adamw, sgd]")
+    assert listed.tune.space == {"optim.lr": {"grid": [0.001, 0.03]}, "optim.name": {"choice": ["adamw", "sgd"]}}
 
 
 @pytest.mark.parametrize(("override", "message"), [
