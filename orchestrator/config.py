@@ -70,6 +70,16 @@ class TrainConfig(_Section):
     seed: int = 0
     log_every: int = Field(25, ge=1, description="Steps between reports (each report is a barrier; keep it >= 10).")
     eval_every: int | None = Field(100, ge=1, description="Steps between validation passes; also at the end.")
+    sync: Literal["ddp", "local_sgd"] = Field(
+        "ddp", description="ddp: all-reduce gradients every step; local_sgd: each worker takes sync_every "
+        "optimizer steps alone, then the workers average their parameters (~sync_every x less communication)."
+    )
+    sync_every: int | None = Field(None, ge=1, description="local_sgd: optimizer steps between parameter "
+                                   "averages (null = 8). Evaluation, checkpoints and the last step also average.")
+    outer_lr: float | None = Field(None, gt=0, description="local_sgd: step size on the averaged change since the "
+                                   "last sync (null = 1.0, plain averaging; 0.7 with outer_momentum, DiLoCo's).")
+    outer_momentum: float | None = Field(None, gt=0, lt=1, description="local_sgd: Nesterov momentum of the outer "
+                                         "step on the averaged change (DiLoCo uses 0.9); null = none.")
 
     @model_validator(mode="before")
     @classmethod
@@ -83,7 +93,18 @@ class TrainConfig(_Section):
     def _one_length(self) -> TrainConfig:
         if (self.max_steps is None) == (self.epochs is None):
             raise ValueError("set exactly one of train.max_steps and train.epochs")
+        # By value, not by fields_set: a saved full config (nulls included) must load again.
+        dead = [k for k in ("sync_every", "outer_lr", "outer_momentum") if getattr(self, k) is not None]
+        if self.sync == "ddp" and dead:
+            raise ValueError(f"train.{dead[0]} has no effect with train.sync=ddp; remove it or set "
+                             "train.sync=local_sgd")
         return self
+
+    @property
+    def local_sgd(self) -> tuple[int, float, float | None]:
+        """(sync_every, outer_lr, outer_momentum) with their defaults."""
+        outer_lr = self.outer_lr if self.outer_lr is not None else (0.7 if self.outer_momentum else 1.0)
+        return self.sync_every or 8, outer_lr, self.outer_momentum
 
 
 class OptimConfig(_Section):

@@ -23,6 +23,7 @@ from orchestrator.errors import UserError
 from orchestrator.train.checkpoint import Progress, capture_rng, restore_rng, save_state, unwrap
 from orchestrator.train.memory import cuda_memory_stats, is_oom, release_cached_memory
 from orchestrator.train.precision import Precision
+from orchestrator.train.sync import LocalSGD, grad_bytes
 from orchestrator.train.system import node_stats
 from orchestrator.train.timing import PhaseTimer, count_flops, peak_flops
 
@@ -52,6 +53,8 @@ class Parts:
     split: int = 1  # each micro-batch is cut in this many pieces (doubled after an out-of-memory error)
     oom_retries: int = 0
     eager_model: torch.nn.Module | None = None  # set when `model` is compiled: the fallback if compiling fails
+    local_sgd: LocalSGD | None = None  # set for train.sync=local_sgd: no gradient all-reduce, periodic averaging
+    comm_bytes: int = 0  # bytes this rank has put into all-reduces of gradients, parameters and normalisers
 
 
 @dataclass
@@ -65,6 +68,7 @@ class Interval:
     steps: int = 0
     micro: int = 0  # micro-batch size actually run (smaller after an out-of-memory retry)
     grad_norm_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    comm_start: int = 0  # Parts.comm_bytes when the interval began
 
 
 IGNORE_INDEX = -100  # targets with this value (padding) count neither in the loss nor in its normaliser
@@ -101,9 +105,11 @@ def train_step(parts: Parts, micro_batches: list[Batch], timer: PhaseTimer | Non
     # k micro-batches of size b give the gradient of one batch of k*b, and DDP's mean over ranks (hence the
     # world factor) gives the mean over the global batch even when ranks hold different token counts.
     targets = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches).to(torch.float32)
-    world = _world()[1]
+    # Local SGD: each rank's step is its own (no gradient mean), so the normaliser is its own targets too.
+    world = _world()[1] if parts.local_sgd is None else 1
     if world > 1:
         dist.all_reduce(targets)
+        parts.comm_bytes += targets.element_size()
     scale = world / targets.clamp(min=1)
     pieces = [piece for x, y in micro_batches for piece in zip(x.chunk(parts.split), y.chunk(parts.split), strict=True)]
     synced = [False]
@@ -148,14 +154,18 @@ def _forward_backward(parts: Parts, pieces: list[Batch], scale: torch.Tensor, ti
         started = time.perf_counter()
         # Skip DDP's gradient all-reduce for every micro-batch but the last: the forward must be inside
         # no_sync too, because DDP arms its reducer during forward.
-        sync = nullcontext() if is_last or not hasattr(model, "no_sync") else model.no_sync()
+        # Under local SGD no micro-batch is all-reduced: ranks step alone and average parameters later.
+        ddp = hasattr(model, "no_sync") and parts.local_sgd is None
+        sync = nullcontext() if (is_last and ddp) or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
             with precision.autocast():
                 logits = model(x)
             loss = loss_sum(logits, y)
             forward_s = _elapsed(started, parts.device)
-            synced[0] = is_last and hasattr(model, "no_sync")
+            synced[0] = is_last and ddp
             precision.backward(loss * scale)
+            if synced[0] and _world()[1] > 1:
+                parts.comm_bytes += grad_bytes(model)
         total += loss.detach()
         seconds.append(_elapsed(started, parts.device))
     # The all-reduce overlaps the last backward; what it adds beyond compute is the exposed sync time.
@@ -225,6 +235,7 @@ def checkpoint_state(parts: Parts, progress: Progress, rng_states: list[dict[str
         "precision": parts.precision.state_dict(),
         "progress": asdict(progress),
         "rng": rng_states,  # one entry per rank
+        **({"local_sgd": parts.local_sgd.state_dict()} if parts.local_sgd else {}),
     }
 
 
@@ -234,6 +245,8 @@ def restore(parts: Parts, state: dict[str, Any]) -> Progress:
     parts.optimizer.load_state_dict(state["optimizer"])
     parts.scheduler.load_state_dict(state["scheduler"])
     parts.precision.load_state_dict(state["precision"])
+    if parts.local_sgd is not None:
+        parts.local_sgd.load_state_dict(state.get("local_sgd", {}), unwrap(parts.model))
     rank, world = _world()
     if len(state["rng"]) == world:
         restore_rng(state["rng"][rank])
@@ -267,6 +280,8 @@ def run(
     interval = Interval(PhaseTimer(parts.device))
     metrics: dict[str, Any] = {}
     first: dict[str, Any] = {}  # one-off facts sent with the first report
+    if parts.local_sgd is not None and not parts.local_sgd.anchor:
+        parts.local_sgd.start(unwrap(parts.model))
     while progress.step < t.max_steps:
         with interval.timer.phase("data_wait"):
             batch = [next(stream) for _ in range(t.grad_accum_steps)]
@@ -274,7 +289,7 @@ def run(
             first["flops_per_sample"] = _flops_per_sample(parts, *batch[0])
         if progress.step == 0 and parts.eager_model is not None:
             result, first["compile_s"] = _first_compiled_step(parts, batch)
-            interval = Interval(PhaseTimer(parts.device))  # compilation is not training time
+            interval = Interval(PhaseTimer(parts.device), comm_start=parts.comm_bytes)  # compiling isn't training
         else:
             result = train_step(parts, batch, interval.timer)
         progress.step += 1
@@ -290,6 +305,10 @@ def run(
         step, last = progress.step, progress.step == t.max_steps
         do_eval = val_batches is not None and (last or (t.eval_every is not None and step % t.eval_every == 0))
         do_ckpt = last or step % cfg.checkpoint.every == 0
+        if parts.local_sgd is not None and (parts.local_sgd.due(step) or do_eval or do_ckpt):
+            # Also before eval and checkpoints, so both see (and save) the one averaged model.
+            with interval.timer.phase("sync"):
+                parts.comm_bytes += parts.local_sgd.average(unwrap(parts.model))
         if not (do_eval or do_ckpt or step % t.log_every == 0):
             continue
         # Raises on a non-finite loss before anything is evaluated or saved: a broken model is never persisted.
@@ -305,6 +324,8 @@ def run(
                     checkpoint_dir = tempfile.mkdtemp(prefix="orchestrator-ckpt-")
                     save_state(checkpoint_dir, checkpoint_state(parts, progress, rng_states))
         metrics |= interval.timer.shares() | cuda_memory_stats(parts.device) | node_stats(world)
+        # Wall seconds of this interval (the driver's cost ledger splits them by the time/* shares).
+        metrics["interval_s"] = time.perf_counter() - interval.timer.started
         metrics |= first
         if peak and first["flops_per_sample"]:  # model FLOPs utilisation of the devices, during training steps
             metrics["mfu"] = first["flops_per_sample"] * metrics["samples_per_s"] / (peak * world)
@@ -314,7 +335,7 @@ def run(
         finally:
             if checkpoint_dir:
                 shutil.rmtree(checkpoint_dir, ignore_errors=True)
-        interval = Interval(PhaseTimer(parts.device))
+        interval = Interval(PhaseTimer(parts.device), comm_start=parts.comm_bytes)
     return metrics
 
 
@@ -376,6 +397,10 @@ def _interval_metrics(interval: Interval, progress: Progress, parts: Parts, worl
         "oom_retries": parts.oom_retries,
         "micro_batch_size": interval.micro,
         "world_size": world,
+        # What DDP vs local SGD costs the network: bytes one rank put into all-reduces since it started, and in
+        # this interval per sample of the global batch (the eval/checkpoint average of this report included).
+        "comm_bytes": parts.comm_bytes,
+        "comm_bytes_per_sample": (parts.comm_bytes - interval.comm_start) / max(samples, 1),
     }
     if targets != samples:  # a language model: targets are tokens
         metrics["tokens_per_s"] = targets / seconds

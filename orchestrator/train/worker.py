@@ -18,6 +18,7 @@ from orchestrator.train.checkpoint import load_state
 from orchestrator.train.loop import Parts, restore, run
 from orchestrator.train.optim import build_optimizer
 from orchestrator.train.precision import Precision, resolve_precision
+from orchestrator.train.sync import build_local_sgd
 from pipelines.batches import FeatureCollate, fetch_size, split_batches
 from pipelines.order import local_shuffle_seed, set_epoch
 
@@ -53,7 +54,8 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
         model = torch.compile(model)  # type: ignore[assignment]
     model = ray.train.torch.prepare_model(model)
     optimizer, scheduler = build_optimizer(model, cfg.optim, t.max_steps)  # type: ignore[arg-type]
-    parts = Parts(model, optimizer, scheduler, Precision(mode, device), device, cfg.optim.max_grad_norm)
+    parts = Parts(model, optimizer, scheduler, Precision(mode, device), device, cfg.optim.max_grad_norm,
+                  local_sgd=build_local_sgd(t.sync, *t.local_sgd))
 
     progress = None
     checkpoint = ray.train.get_checkpoint()

@@ -1,0 +1,145 @@
+"""DDP vs local SGD in a real two-process gloo group (torch.multiprocessing, no Ray): parameters agree across
+ranks right after every sync and differ between syncs; the bytes all-reduced per sample drop ~sync_every x;
+the outer Nesterov step and the config checks."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from orchestrator.config import load_config
+from orchestrator.errors import ConfigError
+from orchestrator.models import build_model
+from orchestrator.train.loop import Parts, run
+from orchestrator.train.optim import build_optimizer
+from orchestrator.train.precision import Precision
+from orchestrator.train.sync import LocalSGD, build_local_sgd
+
+CPU = torch.device("cpu")
+H = 4
+STEPS = 12
+
+
+def _config(*overrides: str) -> Any:
+    return load_config(None, ["scaling.num_workers=2", "train.global_batch_size=32", "model.hidden=[32]",
+                              f"train.max_steps={STEPS}", "train.log_every=2", "train.eval_every=null",
+                              f"checkpoint.every={STEPS}", "train.precision=fp32", "optim.warmup_steps=2",
+                              "data.val=null", *overrides])
+
+
+def _checksum(model: torch.nn.Module) -> list[float]:
+    return [float(p.detach().double().sum()) for p in model.parameters()]
+
+
+def _train(rank: int, *overrides: str) -> list[dict[str, Any]]:
+    cfg = _config(*overrides)
+    t = cfg.train
+    torch.manual_seed(0)  # the same initial weights on both ranks (DDP would broadcast rank 0's anyway)
+    model = torch.nn.parallel.DistributedDataParallel(build_model("mlp", None, 16, 4, {"hidden": [32]}))
+    optimizer, scheduler = build_optimizer(model, cfg.optim, STEPS)
+    parts = Parts(model, optimizer, scheduler, Precision("fp32", CPU), CPU, cfg.optim.max_grad_norm,
+                  local_sgd=build_local_sgd(t.sync, *t.local_sgd))
+    g = torch.Generator().manual_seed(100 + rank)  # different data per rank, as a sharded dataset gives
+    x = torch.randn(512, 16, generator=g)
+    y = x[:, :4].argmax(dim=1)
+    reports: list[dict[str, Any]] = []
+
+    def report(metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
+        reports.append({"step": metrics["step"], "checksum": _checksum(model), "comm": metrics["comm_bytes"],
+                        "per_sample": metrics["comm_bytes_per_sample"]})
+
+    run(cfg, parts, lambda epoch: [(x[i:i + 16], y[i:i + 16]) for i in range(0, 512, 16)], None, report)
+    return reports
+
+
+def _worker(rank: int, store: str, out: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        results = {
+            "ddp": _train(rank),
+            "local": _train(rank, "train.sync=local_sgd", f"train.sync_every={H}"),
+            "diloco": _train(rank, "train.sync=local_sgd", f"train.sync_every={H}", "train.outer_momentum=0.9"),
+        }
+    finally:
+        dist.destroy_process_group()
+    torch.save(results, f"{out}/rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, list[dict[str, Any]]]]:
+    tmp = tmp_path_factory.mktemp("gloo")
+    mp.spawn(_worker, args=(str(tmp / "store"), str(tmp)), nprocs=2, join=True)
+    return [torch.load(tmp / f"rank{r}.pt") for r in (0, 1)]
+
+
+@pytest.mark.parametrize("mode", ["local", "diloco"])
+def test_parameters_agree_right_after_each_sync_and_drift_between(
+        two_ranks: list[dict[str, list[dict[str, Any]]]], mode: str) -> None:
+    a, b = two_ranks[0][mode], two_ranks[1][mode]
+    assert [r["step"] for r in a] == [2, 4, 6, 8, 10, 12]
+    for ra, rb in zip(a, b, strict=True):
+        if ra["step"] % H == 0:  # synced at this step: bitwise the same model on both ranks
+            assert ra["checksum"] == rb["checksum"], ra["step"]
+        else:  # local steps on different data: the ranks have drifted apart
+            assert ra["checksum"] != rb["checksum"], ra["step"]
+
+
+def test_ddp_ranks_always_agree(two_ranks: list[dict[str, list[dict[str, Any]]]]) -> None:
+    for ra, rb in zip(two_ranks[0]["ddp"], two_ranks[1]["ddp"], strict=True):
+        assert ra["checksum"] == pytest.approx(rb["checksum"], abs=1e-6)
+
+
+def test_local_sgd_all_reduces_about_sync_every_times_fewer_bytes(
+        two_ranks: list[dict[str, list[dict[str, Any]]]]) -> None:
+    params = sum(p.numel() for p in build_model("mlp", None, 16, 4, {"hidden": [32]}).parameters())
+    ddp, local = two_ranks[0]["ddp"][-1]["comm"], two_ranks[0]["local"][-1]["comm"]
+    # DDP: one gradient all-reduce of every fp32 parameter per step, plus a 4-byte normaliser.
+    assert ddp == STEPS * (params * 4 + 4)
+    # Local SGD: one parameter all-reduce per sync_every steps, nothing in between.
+    assert local == STEPS // H * params * 4
+    assert ddp / local == pytest.approx(H, rel=0.01)
+    assert two_ranks[0]["ddp"][-1]["per_sample"] == pytest.approx((params * 4 + 4) / 32)
+
+
+def test_outer_nesterov_step_on_the_averaged_change() -> None:
+    model = torch.nn.Linear(2, 1, bias=False)
+    sgd = LocalSGD(every=2, outer_lr=0.7, outer_momentum=0.9)
+    sgd.start(model)
+    anchor = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight -= 0.1  # the local steps moved the weights by -0.1
+    sgd.average(model)  # one process: the average is itself, then the outer step
+    # delta = 0.1, momentum = 0.1, Nesterov update = 0.1 + 0.9 * 0.1 = 0.19, times the outer lr 0.7
+    torch.testing.assert_close(model.weight.detach(), anchor - 0.7 * 0.19)
+    torch.testing.assert_close(sgd.anchor[0], model.weight.detach())
+
+
+def test_plain_average_is_untouched_by_the_outer_step() -> None:
+    model = torch.nn.Linear(2, 1)
+    sgd = LocalSGD(every=2)
+    sgd.start(model)
+    with torch.no_grad():
+        model.weight += 1.0
+    before = model.weight.detach().clone()
+    assert sgd.average(model) == 0  # nothing to all-reduce in one process
+    torch.testing.assert_close(model.weight.detach(), before)
+
+
+def test_sync_options_need_local_sgd(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="train.sync_every has no effect with train.sync=ddp"):
+        load_config(None, ["train.sync_every=8"])
+    with pytest.raises(ConfigError, match="train.outer_momentum has no effect"):
+        load_config(None, ["train.outer_momentum=0.9"])
+    with pytest.raises(ConfigError, match="train.outer_momentum"):
+        load_config(None, ["train.sync=local_sgd", "train.outer_momentum=1.5"])
+    t = load_config(None, ["train.sync=local_sgd"]).train
+    assert t.local_sgd == (8, 1.0, None)
+    assert load_config(None, ["train.sync=local_sgd", "train.outer_momentum=0.9"]).train.local_sgd == (8, 0.7, 0.9)
