@@ -12,8 +12,8 @@ import pytest
 import torch
 from recording_model import read_runs
 
-from orchestrator import load_config, train
-from orchestrator.launch import TrainResult
+from orchestrator.config import load_config
+from orchestrator.launch import TrainResult, train
 from orchestrator.train.checkpoint import load_state
 
 pytestmark = pytest.mark.slow

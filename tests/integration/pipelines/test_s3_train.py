@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from s3_server import MotoServer
 
-from orchestrator import load_config, train
+from orchestrator.config import load_config
+from orchestrator.launch import train
 from pipelines.cache import cache_stats
 from pipelines.config import S3Config
 from pipelines.prepare import prepare_digits

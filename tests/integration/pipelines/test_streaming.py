@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import load_config, train
+from orchestrator.config import load_config
+from orchestrator.launch import train
 from pipelines.prepare import prepare_synthetic
 from pipelines.sources import inspect_parquet
 
@@ -35,9 +36,11 @@ def small_store_ray() -> Iterator[None]:
 
 
 def spilled_bytes() -> int:
+    import ray
     from ray._private.internal_api import memory_summary
 
-    summary = memory_summary(stats_only=True)
+    # This test's own cluster, by address: other Ray instances may be running on a shared machine.
+    summary = memory_summary(address=ray.get_runtime_context().gcs_address, stats_only=True)
     match = re.search(r"Spilled (\d+) MiB", summary)
     return int(match.group(1)) * 1024**2 if match else 0
 
