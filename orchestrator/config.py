@@ -152,6 +152,33 @@ class TrackingConfig(_Section):
     experiment: str = "default"
 
 
+class CostConfig(_Section):
+    """The cost ledger: node-hours of a run times a price per node-hour (a node type of cluster/prices.yaml or a
+    price given here), split into productive training and overheads. Unpriced, only node-hours are logged."""
+
+    node_type: str | None = Field(None, description="A node type of the price table (head, gpu_a100, gpu_h100, "
+                                  "gpu_spot); also decides how many nodes the workers occupy.")
+    cloud: Literal["aws", "gcp", "azure"] = Field("aws", description="Which cloud's prices to use.")
+    spot: bool | None = Field(None, description="Spot price instead of on-demand; null = how the launcher YAML "
+                              "starts that node type (gpu_spot: spot).")
+    price_per_hour: float | None = Field(None, ge=0, description="$ per node-hour; overrides the price table.")
+    prices_file: str | None = Field(None, description="Price table YAML; null = cluster/prices.yaml of the "
+                                    "checkout (or of the working directory on a cluster).")
+    nodes: int | None = Field(None, ge=1, description="Nodes the run occupies; null = the workers' GPUs (or CPUs) "
+                              "over the node type's, rounded up; 1 without a node type.")
+
+    @model_validator(mode="after")
+    def _no_dead_options(self) -> CostConfig:
+        if self.node_type is None and (self.spot is not None or self.prices_file is not None):
+            raise ValueError("cost.spot and cost.prices_file have no effect without cost.node_type; set it "
+                             "(e.g. gpu_a100) or give cost.price_per_hour")
+        return self
+
+    @property
+    def priced(self) -> bool:
+        return self.node_type is not None or self.price_per_hour is not None
+
+
 class TuneConfig(_Section):
     """`orchestrator tune`: a search space over dotted config keys; each trial is a full training run."""
 
@@ -169,6 +196,9 @@ class TuneConfig(_Section):
     searcher: Literal["random", "optuna"] = Field("random", description="random sampling, or Optuna's TPE.")
     max_concurrent_trials: int | None = Field(None, ge=1, description="null: cluster CPUs / CPUs per trial.")
     seed: int | None = Field(None, description="Seed of the searcher's sampling, for a repeatable study.")
+    rank_by: Literal["metric", "metric_per_dollar"] = Field(
+        "metric", description="Pick the best trial by its metric, or by metric per dollar of its run (needs a "
+        "priced cost section and a metric to maximise).")
 
     @field_validator("space", mode="before")
     @classmethod
@@ -206,6 +236,7 @@ class Config(_Section):
     failure: FailureConfig = Field(default_factory=FailureConfig)  # type: ignore[arg-type]
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)  # type: ignore[arg-type]
     tune: TuneConfig = Field(default_factory=TuneConfig)  # type: ignore[arg-type]
+    cost: CostConfig = Field(default_factory=CostConfig)  # type: ignore[arg-type]
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:

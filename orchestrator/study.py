@@ -49,6 +49,11 @@ class TrialSummary:
     metric: float | None
     history: list[dict[str, Any]] = field(default_factory=list)
     checkpoint_path: str | None = None
+    cost: Any = None  # orchestrator.cost.Ledger of the trial's run
+
+    @property
+    def usd(self) -> float | None:
+        return self.cost.usd if self.cost is not None else None
 
 
 @dataclass
@@ -65,6 +70,8 @@ class TuneResult:
     parent_run_id: str | None
     tracking_uri: str | None
     resumed: bool
+    rank_by: str = "metric"
+    cost: dict[str, float] = field(default_factory=dict)  # the study's cost/* metrics (summed over trials)
 
 
 def study_name(config: Config) -> str:
@@ -212,7 +219,9 @@ def _fit(config: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo], ma
     return tuner.fit()
 
 
-def _summaries(grid: Any, tree: dict[str, Any], infos: dict[str, DatasetInfo], metric: str) -> list[TrialSummary]:
+def _summaries(grid: Any, tree: dict[str, Any], infos: dict[str, DatasetInfo], metric: str,
+               pricing: Any = None) -> list[TrialSummary]:
+    from orchestrator.cost import build_ledger
     from orchestrator.trials import trial_status
 
     trials = []
@@ -222,6 +231,12 @@ def _summaries(grid: Any, tree: dict[str, Any], infos: dict[str, DatasetInfo], m
         max_steps = resolve_for_data(trial_config(tree, params), infos).train.max_steps or 0
         frame = result.metrics_dataframe
         history: list[dict[str, Any]] = []
+        ledger = None
+        if frame is not None and "step" in frame and pricing is not None:
+            # The trial's clock is Tune's time_total_s: from its actor's start, Train start-up included.
+            rows = [{k: v for k, v in row.items() if v == v} for row in frame.to_dict("records")]
+            wall = max((r.get("time_total_s", 0.0) for r in rows), default=0.0)
+            ledger = build_ledger(rows, wall, pricing, elapsed_key="time_total_s")
         if frame is not None and "step" in frame:
             keep = [c for c in ("step", "train_loss", "val_loss", "val_accuracy", metric) if c in frame]
             history = [{k: v for k, v in row.items() if v == v} for row in frame[list(dict.fromkeys(keep))]
@@ -230,27 +245,49 @@ def _summaries(grid: Any, tree: dict[str, Any], infos: dict[str, DatasetInfo], m
             trial_id=str(last.get("trial_id") or Path(result.path).name), params=params,
             status=trial_status(last, max_steps, errored=result.error is not None),
             steps=int(last.get("step", 0)), metric=last.get(metric), history=history,
-            checkpoint_path=last.get("checkpoint_path"),
+            checkpoint_path=last.get("checkpoint_path"), cost=ledger,
         ))
     return trials
 
 
-def pick_best(trials: list[TrialSummary], mode: str) -> TrialSummary | None:
+def pick_best(trials: list[TrialSummary], mode: str, rank_by: str = "metric") -> TrialSummary | None:
     """Best final metric among trials that ran to the end (an early-stopped trial's value is from fewer steps);
-    among all trials with a value when none completed."""
+    among all trials with a value when none completed. rank_by=metric_per_dollar: metric / the trial's $."""
     scored = [t for t in trials if t.metric is not None]
+    if rank_by == "metric_per_dollar":
+        scored = [t for t in scored if t.usd]
     pool = [t for t in scored if t.status == "completed"] or scored
     if not pool:
         return None
+    if rank_by == "metric_per_dollar":
+        return max(pool, key=lambda t: t.metric / t.usd)  # type: ignore[operator]
     return (max if mode == "max" else min)(pool, key=lambda t: t.metric)  # type: ignore[arg-type,return-value]
+
+
+def check_rank_by(config: Config) -> None:
+    """metric_per_dollar needs prices and a metric where more is better; raises ConfigError otherwise."""
+    from orchestrator.search import resolved_mode
+
+    if config.tune.rank_by != "metric_per_dollar":
+        return
+    if not config.cost.priced:
+        raise ConfigError("tune.rank_by=metric_per_dollar needs prices: set cost.node_type (see "
+                          "cluster/prices.yaml) or cost.price_per_hour")
+    if resolved_mode(config) != "max":
+        raise ConfigError(f"tune.rank_by=metric_per_dollar divides {config.tune.metric} by dollars, which only "
+                          "makes sense for a metric to maximise: use a metric such as val_accuracy, or rank_by=metric")
 
 
 def tune(config: Config, address: str | None = None, fresh: bool = False, verbose: bool = True) -> TuneResult:
     """Run (or resume) the hyperparameter study described by `config.tune`. Bad input raises ConfigError
     before any trial starts; an interrupted study raises KeyboardInterrupt after saving its state."""
+    from orchestrator.cost import resolve_pricing
+
     check_study(config)
+    check_rank_by(config)
     infos = inspect_datasets(config.data)
     base = resolve_for_data(config, infos)
+    pricing = resolve_pricing(base)  # before any trial: an unknown node type is a config error
     tree = user_tree(config)
     study = study_name(config)
     study_path = _join(_storage_path(config), study)
@@ -285,7 +322,7 @@ def tune(config: Config, address: str | None = None, fresh: bool = False, verbos
             print(f"{what} study {study} at {study_path}: {config.tune.num_samples} samples, up to {concurrency} "
                   f"trials at once, scheduler {config.tune.scheduler}, searcher {config.tune.searcher}", flush=True)
         return _run_study(config, base, tree, infos, study, study_path, state is not None, tracker, concurrency,
-                          verbose)
+                          verbose, pricing)
     finally:
         if started_ray:
             import ray
@@ -294,16 +331,18 @@ def tune(config: Config, address: str | None = None, fresh: bool = False, verbos
 
 
 def _run_study(config: Config, base: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo], study: str,
-               study_path: str, resumed: bool, tracker: Tracker, concurrency: int, verbose: bool) -> TuneResult:
+               study_path: str, resumed: bool, tracker: Tracker, concurrency: int, verbose: bool,
+               pricing: Any = None) -> TuneResult:
     from orchestrator.trials import StudyCallback
 
     metric, mode = config.tune.metric, resolved_mode(config)
     max_steps = base.train.max_steps or 0
     callback = StudyCallback(study, tree, list(config.tune.space), metric, max_steps,
-                             config.tracking if config.tracking.enabled else None, tracker.run_id, verbose)
+                             config.tracking if config.tracking.enabled else None, tracker.run_id, verbose,
+                             pricing=pricing)
     try:
         grid = _fit(config, tree, infos, max_steps, study, study_path, resumed, callback, concurrency)
-        trials = _summaries(grid, tree, infos, metric)
+        trials = _summaries(grid, tree, infos, metric, pricing)
     except KeyboardInterrupt:
         tracker.finish("KILLED")
         raise
@@ -314,7 +353,7 @@ def _run_study(config: Config, base: Config, tree: dict[str, Any], infos: dict[s
         tracker.finish("KILLED")
         print(f"study {study} interrupted: run the same command again to continue it", file=sys.stderr)
         raise KeyboardInterrupt
-    best = pick_best(trials, mode)
+    best = pick_best(trials, mode, config.tune.rank_by)
     if best is None:
         tracker.finish("FAILED")
         raise UserError(f"no trial of study {study} reported {metric}: see the trial errors above "
@@ -345,15 +384,18 @@ def _record(config: Config, tree: dict[str, Any], trials: list[TrialSummary], be
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "study.yaml").write_text(to_yaml(config))
         tracker.log_artifact(Path(tmp) / "study.yaml")
+    from orchestrator.cost import study_metrics
+
+    cost = study_metrics([t.cost for t in trials if t.cost is not None])
     tracker.log_metrics({f"best_{metric}": best.metric or 0.0,
                          **{f"trials_{s}": sum(t.status == s for t in trials)
-                            for s in ("completed", "stopped", "error")}}, step=best.steps)
+                            for s in ("completed", "stopped", "error")}, **cost}, step=best.steps)
     tracker.set_tags({"orchestrator.best_trial": best.trial_id, "orchestrator.best_params": json.dumps(best.params),
                       "orchestrator.best_config": str(best_path)})
     return TuneResult(
         config=trial_config(tree, best.params), best=best, trials=trials, metric=metric, mode=mode,
         best_config_path=str(best_path), study_path=study_path, parent_run_id=tracker.run_id,
-        tracking_uri=getattr(tracker, "uri", None), resumed=resumed,
+        tracking_uri=getattr(tracker, "uri", None), resumed=resumed, rank_by=config.tune.rank_by, cost=cost,
     )
 
 
@@ -361,8 +403,8 @@ def summary(result: TuneResult) -> str:
     """The lines printed after a study: the table, the best trial, and how to train it."""
     from orchestrator.trials import format_table
 
-    rows = [{"trial_id": t.trial_id, "status": t.status, "params": t.params, "step": t.steps, "metric": t.metric}
-            for t in result.trials]
+    rows = [{"trial_id": t.trial_id, "status": t.status, "params": t.params, "step": t.steps, "metric": t.metric,
+             "usd": t.usd} for t in result.trials]
     counts = {s: sum(t.status == s for t in result.trials) for s in ("completed", "stopped", "error")}
     b = result.best
     lines = [format_table(rows, list(b.params), result.metric), "",
@@ -370,9 +412,19 @@ def summary(result: TuneResult) -> str:
              f"trials, {counts['completed']} completed, {counts['stopped']} stopped early, {counts['error']} failed",
              f"best trial {b.trial_id}: {result.metric} {b.metric:.4f} at step {b.steps} with "
              + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in b.params.items()),
+             *([f"ranked by {result.metric} per dollar: {b.metric / b.usd:.4g} per $ (${b.usd:.4f})"]
+               if result.rank_by == "metric_per_dollar" and b.usd else []),
+             *([_study_cost_line(result.cost)] if result.cost else []),
              f"best config: {result.best_config_path}",
              f"train it: orchestrator train --config {result.best_config_path}"]
     if result.parent_run_id:
         lines.append(f"MLflow parent run id: {result.parent_run_id}")
         lines.append(f"open the MLflow UI: {ui_command(result.tracking_uri or '')}")
     return "\n".join(lines)
+
+
+def _study_cost_line(cost: dict[str, float]) -> str:
+    """'study cost: $0.0421 over 3 trials, 0.0140 node-hours, productive 38%'"""
+    usd = f"${cost['cost/usd']:.4f}" if "cost/usd" in cost else "unpriced"
+    return (f"study cost: {usd} over {cost['cost/trials']:.0f} trials, {cost['cost/node_hours']:.4f} node-hours, "
+            f"productive {cost.get('cost/productive_frac', 0.0):.0%}")

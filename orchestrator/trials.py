@@ -14,10 +14,12 @@ from typing import Any
 from ray.tune import Callback
 
 from orchestrator.config import TrackingConfig, flatten, to_dict
+from orchestrator.cost import Pricing, build_ledger
 from orchestrator.search import TRAIN_METRICS, VAL_METRICS, trial_config
 from orchestrator.tracking import MlflowTracker
 
 _METRICS = set(TRAIN_METRICS + VAL_METRICS)
+_LEDGER_KEYS = {"step", "interval_s", "time_total_s"}
 
 
 def trial_status(last: dict[str, Any], max_steps: int, errored: bool = False) -> str:
@@ -30,13 +32,15 @@ def trial_status(last: dict[str, Any], max_steps: int, errored: bool = False) ->
 
 
 def format_table(rows: list[dict[str, Any]], keys: list[str], metric: str) -> str:
-    """Fixed-width table: trial, status, each searched key, step, metric."""
-    header = ["trial", "status", *keys, "step", metric]
+    """Fixed-width table: trial, status, each searched key, step, metric (and $ when rows carry `usd`)."""
+    priced = any(row.get("usd") is not None for row in rows)
+    header = ["trial", "status", *keys, "step", metric, *(["$"] if priced else [])]
     cells = [header]
     for row in rows:
         value = row.get("metric")
+        usd = [f"{row['usd']:.4f}" if row.get("usd") is not None else "-"] if priced else []
         cells.append([row["trial_id"], row["status"], *(_short(row["params"].get(k)) for k in keys),
-                      str(row.get("step") or "-"), "-" if value is None else f"{value:.4f}"])
+                      str(row.get("step") or "-"), "-" if value is None else f"{value:.4f}", *usd])
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
 
@@ -53,14 +57,16 @@ class StudyCallback(Callback):
 
     def __init__(self, study: str, tree: dict[str, Any], keys: list[str], metric: str, max_steps: int,
                  tracking: TrackingConfig | None, parent_run_id: str | None, verbose: bool = True,
-                 table_every_s: float = 30.0) -> None:
+                 table_every_s: float = 30.0, pricing: Pricing | None = None) -> None:
         self.study, self.tree, self.keys, self.metric, self.max_steps = study, tree, keys, metric, max_steps
+        self.pricing = pricing
         self.tracking, self.parent_run_id = tracking, parent_run_id
         self.verbose, self.table_every_s = verbose, table_every_s
         self._runtime()
 
     def _runtime(self) -> None:
         self._runs: dict[str, MlflowTracker] = {}
+        self._timeline: dict[str, list[dict[str, Any]]] = {}  # per trial: what its cost ledger needs
         self._parent: MlflowTracker | None = None
         self._printed = 0.0
         self._started = time.monotonic()
@@ -103,6 +109,11 @@ class StudyCallback(Callback):
         status = trial_status(trial.last_result or {}, self.max_steps, errored)
         reason = {"completed": "max_steps", "stopped": "asha", "error": "error", "running": "interrupted"}[status]
         tags = {"orchestrator.stop_reason": reason}
+        timeline = self._timeline.pop(trial.trial_id, [])
+        if self.pricing is not None and timeline:
+            ledger = build_ledger(timeline, max(r.get("time_total_s", 0.0) for r in timeline), self.pricing,
+                                  elapsed_key="time_total_s")
+            run.log_metrics(ledger.metrics(), step=int(timeline[-1]["step"]))
         if errored and trial.error_file:
             tags["orchestrator.error_file"] = str(trial.error_file)
         run.set_tags(tags)
@@ -119,6 +130,9 @@ class StudyCallback(Callback):
             metrics = {k: v for k, v in result.items() if k in _METRICS and isinstance(v, int | float)
                        and math.isfinite(v)}
             run.log_metrics(metrics, step=int(result["step"]))
+        if "step" in result and "interval_s" in result:
+            self._timeline.setdefault(trial.trial_id, []).append(
+                {k: v for k, v in result.items() if k in _LEDGER_KEYS or k.startswith("time/")})
         self._table(trials)
 
     def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:

@@ -1,0 +1,180 @@
+"""The cost ledger (driver side): node-hours of a run or Tune trial times a price per node-hour, split into
+productive training and the overheads around it.
+
+The split comes from the reports: each carries its interval's wall seconds (`interval_s`) and the shares of that
+interval per phase (`time/<phase>_frac`), plus when it reached the driver (`elapsed_s` since the run started,
+or Tune's `time_total_s`). From those: start-up is everything before the first interval began; restarts are the
+time between intervals lost to failures (the restart gap and the steps redone from the last checkpoint); shutdown
+is everything after the last report (teardown, final artifacts).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from orchestrator.config import Config, CostConfig
+from orchestrator.errors import ConfigError
+
+# Ledger parts, in display order. `productive` is compute + gradient/parameter sync: the training itself.
+PARTS = ("productive", "startup", "restarts", "data_wait", "eval", "checkpoint", "other", "shutdown")
+_LABELS = {"productive": "productive", "startup": "start-up", "restarts": "restarts", "data_wait": "data wait",
+           "eval": "eval", "checkpoint": "checkpoint", "other": "other", "shutdown": "shutdown"}
+_PHASE_PART = {"compute": "productive", "sync": "productive", "data_wait": "data_wait", "eval": "eval",
+               "checkpoint": "checkpoint", "other": "other"}
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """What one node-hour costs and how many nodes the run holds (picklable: Tune ships it with the callback)."""
+
+    nodes: int
+    usd_per_node_hour: float | None  # None: unpriced, node-hours only
+    description: str  # e.g. "2 x gpu_a100 (aws, on-demand, $32.77/h)"
+
+
+def default_prices_file() -> Path:
+    """cluster/prices.yaml of this checkout; on a cluster job, the one in the working directory."""
+    checkout = Path(__file__).resolve().parents[1] / "cluster" / "prices.yaml"
+    return checkout if checkout.is_file() else Path.cwd() / "cluster" / "prices.yaml"
+
+
+def load_prices(path: str | Path | None = None) -> dict[str, dict[str, dict[str, Any]]]:
+    file = Path(path) if path else default_prices_file()
+    if not file.is_file():
+        raise ConfigError(f"price table '{file}' not found: set cost.prices_file, or cost.price_per_hour instead "
+                          "of cost.node_type")
+    try:
+        table = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"price table '{file}' is not valid YAML: {exc}") from None
+    if not isinstance(table, dict):
+        raise ConfigError(f"price table '{file}' must map cloud -> node type -> prices")
+    return table
+
+
+def resolve_pricing(config: Config, world_size: int | None = None) -> Pricing:
+    """The run's nodes and price per node-hour, from the config and the price table; raises ConfigError naming a
+    missing node type or price. `world_size` (elastic runs: the largest size seen) overrides the config's."""
+    cost: CostConfig = config.cost
+    s = config.scaling
+    workers = world_size or (s.num_workers if isinstance(s.num_workers, int) else min(s.num_workers))
+    if cost.node_type is None:
+        nodes = cost.nodes or 1
+        price = cost.price_per_hour
+        what = f"{nodes} node{'s' * (nodes > 1)}" + (f" at ${price:g}/h" if price is not None else "")
+        return Pricing(nodes, price, what)
+    table = load_prices(cost.prices_file).get(cost.cloud) or {}
+    entry = table.get(cost.node_type)
+    if not isinstance(entry, dict):
+        raise ConfigError(f"cost.node_type={cost.node_type} is not in the {cost.cloud} price table; known: "
+                          f"{sorted(table)}")
+    spot = cost.spot if cost.spot is not None else entry.get("market") == "spot"
+    market = "spot" if spot else "on_demand"
+    price = cost.price_per_hour if cost.price_per_hour is not None else entry.get(market)
+    if price is None:
+        raise ConfigError(f"the price table has no {market} price for {cost.cloud} {cost.node_type}: add it or set "
+                          "cost.price_per_hour")
+    nodes = cost.nodes or _nodes_for(workers, s.use_gpu, s.cpus_per_worker, entry)
+    market_name = "spot" if spot else "on-demand"
+    return Pricing(nodes, float(price), f"{nodes} x {cost.node_type} ({cost.cloud}, {market_name}, ${price:g}/h)")
+
+
+def _nodes_for(workers: int, use_gpu: bool, cpus_per_worker: float, entry: dict[str, Any]) -> int:
+    if use_gpu and entry.get("gpus"):
+        return max(1, math.ceil(workers / entry["gpus"]))  # one GPU per worker
+    cpus = entry.get("cpus") or 1
+    return max(1, math.ceil(workers * cpus_per_worker / cpus))
+
+
+@dataclass
+class Ledger:
+    wall_s: float
+    pricing: Pricing
+    seconds: dict[str, float] = field(default_factory=dict)  # per part; they sum to wall_s
+
+    @property
+    def node_hours(self) -> float:
+        return self.pricing.nodes * self.wall_s / 3600
+
+    @property
+    def usd(self) -> float | None:
+        price = self.pricing.usd_per_node_hour
+        return None if price is None else self.node_hours * price
+
+    def frac(self, part: str) -> float:
+        return self.seconds.get(part, 0.0) / self.wall_s if self.wall_s > 0 else 0.0
+
+    def metrics(self) -> dict[str, float]:
+        """MLflow metrics: cost/usd, cost/productive_usd, cost/overhead_usd, cost/node_hours, cost/<part>_frac."""
+        out = {"cost/wall_s": self.wall_s, "cost/node_hours": self.node_hours, "cost/nodes": float(self.pricing.nodes)}
+        out |= {f"cost/{part}_frac": self.frac(part) for part in PARTS}
+        usd = self.usd
+        if usd is not None:
+            out |= {"cost/usd": usd, "cost/usd_per_node_hour": float(self.pricing.usd_per_node_hour or 0.0),
+                    "cost/productive_usd": usd * self.frac("productive"),
+                    "cost/overhead_usd": usd * (1 - self.frac("productive"))}
+        return out
+
+    def line(self) -> str:
+        """'cost: $0.0183 for 0.0022 node-hours (2 x gpu_a100 ...) | productive 41% | start-up 35% | ...'"""
+        usd = self.usd
+        head = (f"cost: ${usd:.4f}" if usd is not None else "cost: unpriced (set cost.node_type or "
+                "cost.price_per_hour)") + f" for {self.node_hours:.4f} node-hours ({self.pricing.description}, " \
+                                          f"{self.wall_s:.0f} s)"
+        shares = [f"{_LABELS[p]} {self.frac(p):.0%}" for p in PARTS if p == "productive" or self.frac(p) >= 0.005]
+        return " | ".join([head, *shares])
+
+
+def build_ledger(history: list[dict[str, Any]], wall_s: float, pricing: Pricing, failures: int = 0,
+                 elapsed_key: str = "elapsed_s") -> Ledger:
+    """Split `wall_s` by the reports (see the module docstring). A report whose step is reported again later
+    (work redone after a restart) counts as restart time, not as its phases."""
+    seconds = dict.fromkeys(PARTS, 0.0)
+    timed = [r for r in history if elapsed_key in r and "interval_s" in r]
+    if not timed:
+        seconds["startup"] = wall_s
+        return Ledger(wall_s, pricing, seconds)
+    last_index = {int(r["step"]): i for i, r in enumerate(timed)}  # the kept report of every step
+    kept = [r for i, r in enumerate(timed) if last_index[int(r["step"])] == i]
+    redone = len(timed) > len(kept)
+    first, last = timed[0], timed[-1]
+    seconds["startup"] = max(0.0, first[elapsed_key] - first["interval_s"])
+    for report in kept:
+        shares = {phase: report.get(f"time/{phase}_frac", 0.0) for phase in _PHASE_PART}
+        for phase, share in shares.items():
+            seconds[_PHASE_PART[phase]] += share * report["interval_s"]
+    # Between the first interval's start and the last report, what the kept intervals do not cover: report
+    # transport in a healthy run, restarts (gap + redone steps) after a failure.
+    gap = max(0.0, last[elapsed_key] - seconds["startup"] - sum(r["interval_s"] for r in kept))
+    seconds["restarts" if failures or redone else "other"] += gap
+    seconds["shutdown"] = max(0.0, wall_s - last[elapsed_key])
+    # Clock skew between worker intervals and driver arrivals can overshoot by a little: keep the sum = wall_s.
+    total = sum(seconds.values())
+    if total > wall_s > 0:
+        seconds = {k: v * wall_s / total for k, v in seconds.items()}
+    else:
+        seconds["other"] += wall_s - total
+    return Ledger(wall_s, pricing, seconds)
+
+
+def study_metrics(ledgers: list[Ledger]) -> dict[str, float]:
+    """Summed over a study's trials: what the trials held (concurrent trials each count their own nodes)."""
+    if not ledgers:
+        return {}
+    wall = sum(ledger.wall_s * ledger.pricing.nodes for ledger in ledgers)
+    out = {"cost/node_hours": sum(ledger.node_hours for ledger in ledgers), "cost/trials": float(len(ledgers))}
+    if wall > 0:
+        for part in PARTS:
+            out[f"cost/{part}_frac"] = sum(ledger.seconds.get(part, 0.0) * ledger.pricing.nodes
+                                           for ledger in ledgers) / wall
+    usds = [ledger.usd for ledger in ledgers]
+    if all(u is not None for u in usds):
+        total = sum(u for u in usds if u is not None)
+        out |= {"cost/usd": total, "cost/productive_usd": total * out.get("cost/productive_frac", 0.0),
+                "cost/overhead_usd": total * (1 - out.get("cost/productive_frac", 0.0))}
+    return out
