@@ -189,3 +189,16 @@ def test_only_driver_modules_import_ray_tune() -> None:
             if any(n == "ray.tune" or n.startswith("ray.tune.") for n in names):
                 found.add(path.relative_to(root).as_posix())
     assert found and found <= {"study.py", "trials.py", "search.py"}, found
+
+
+def test_cli_tune_refuses_bad_input_with_one_line() -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "orchestrator", "tune", "--config", "examples/digits-tune.yaml",
+                          "--set", "tune.metric=val_acc"], capture_output=True, text=True, cwd=root, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "error: tune.metric=val_acc is never reported by the training loop (did you mean "
+        "'tune.metric=val_accuracy'?); reported: " + ", ".join(TRAIN_METRICS + VAL_METRICS)]
