@@ -23,6 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model on a local or existing Ray cluster")
     _config_args(train)
     train.add_argument("--address", help="join this Ray cluster (default: $RAY_ADDRESS, else start a local one)")
+    train.add_argument("--resume", action="store_true", help="continue the latest run of this experiment in "
+                       "storage.path from its latest checkpoint, in the same MLflow run (a new run if there is none)")
 
     tune = sub.add_parser("tune", help="search hyperparameters (tune section): every trial a distributed run")
     _config_args(tune)
@@ -78,7 +80,7 @@ def run_command(args: argparse.Namespace) -> int:
 
     from orchestrator.launch import summary, train
 
-    print(summary(train(config, address=args.address)))
+    print(summary(train(config, address=args.address, resume=args.resume)))
     return 0
 
 

@@ -108,6 +108,16 @@ class GPT(nn.Module):
         self.ln = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, num_classes, bias=False)
         self.head.weight = self.token.weight  # tied input/output embeddings
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        # Small initial weights (GPT-2's 0.02): with the tied unit-variance default, the first logits would have a
+        # spread of sqrt(d_model) and the loss would start far above ln(vocabulary).
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)

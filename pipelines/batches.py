@@ -20,12 +20,21 @@ def _column_matrix(column: pa.ChunkedArray) -> np.ndarray:
     return array.to_numpy(zero_copy_only=False).astype(np.float32, copy=False).reshape(-1, 1)
 
 
-def collate_arrow(table: pa.Table, features: list[str], label: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack the feature columns into one float32 tensor: one tensor per batch is the fastest path into torch."""
+def collate_arrow(table: pa.Table, features: list[str], label: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack the feature columns into one float32 tensor: one tensor per batch is the fastest path into torch.
+    Without a label the single column holds token sequences: inputs are tokens[:-1], targets tokens[1:]."""
+    if label is None:
+        tokens = _token_matrix(table.column(features[0]))
+        return _tensor(tokens[:, :-1]), _tensor(tokens[:, 1:])
     parts = [_column_matrix(table.column(name)) for name in features]
     x = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
     y = table.column(label).combine_chunks().to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
     return _tensor(x), _tensor(y)
+
+
+def _token_matrix(column: pa.ChunkedArray) -> np.ndarray:
+    array = column.combine_chunks()
+    return array.flatten().to_numpy(zero_copy_only=False).astype(np.int64).reshape(-1, array.type.list_size)
 
 
 def _tensor(array: np.ndarray) -> torch.Tensor:
@@ -37,7 +46,7 @@ def _tensor(array: np.ndarray) -> torch.Tensor:
 class FeatureCollate(ArrowBatchCollateFn):
     """Collate for `iter_torch_batches`: Arrow batch in, `(x, y)` tensors out (moved to the device by Ray)."""
 
-    def __init__(self, features: list[str], label: str) -> None:
+    def __init__(self, features: list[str], label: str | None) -> None:
         super().__init__()
         self.features = list(features)
         self.label = label

@@ -57,7 +57,8 @@ class DataConfig(BaseModel):
     train: str = Field("data/digits/train", description="Directory, file or s3://bucket/prefix of Parquet shards.")
     val: str | None = Field("data/digits/val", description="Parquet shards for validation; null disables eval.")
     features: list[str] = Field(["pixels"], min_length=1, description="Feature columns, concatenated in order.")
-    label: str = Field("label", description="Integer class label column.")
+    label: str | None = Field("label", description="Integer class label column; null = next-token prediction on "
+                              "the single token column in `features` (a language model).")
     prefetch_batches: int = Field(2, ge=0, description="Fetches (of ~4096 rows, sliced into micro-batches) each "
                                   "worker prefetches ahead of the loop.")
     read_parallelism: int | None = Field(None, ge=1, description="Most shard reads running at once (Ray Data "
@@ -79,6 +80,18 @@ class DataConfig(BaseModel):
         "[{normalize: {mean: 0.5, std: 0.25}}, {cast: float32}].",
     )
     s3: S3Config = Field(default_factory=S3Config)  # type: ignore[arg-type]
+
+    @model_validator(mode="after")
+    def _one_token_column(self) -> DataConfig:
+        if self.label is None and len(self.features) != 1:
+            raise ValueError(f"data.label=null (next-token prediction) needs exactly one token column in "
+                             f"data.features, got {self.features}")
+        return self
+
+    @property
+    def columns(self) -> list[str]:
+        """The columns read from Parquet."""
+        return [*self.features, *([self.label] if self.label else [])]
 
     @field_validator("features")
     @classmethod

@@ -44,7 +44,7 @@ def build_datasets(
     from pipelines.reader import ShardDatasource
     from pipelines.transforms import apply_transforms
 
-    columns = [*cfg.features, cfg.label]
+    columns = cfg.columns
     cache = DiskCache(cfg.disk_cache, cfg.cache_max_gb) if cfg.disk_cache else None
     datasets = {}
     for name, info in infos.items():

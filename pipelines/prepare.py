@@ -124,3 +124,38 @@ def prepare_synthetic(
     if val_rows:
         _synthetic_split(root, "val", val_rows, 1, centres, seed, stream=1)
     return {"train": rows, "val": val_rows}
+
+
+VOCAB_SIZE = 256  # byte-level tokens
+
+
+def prepare_text(inputs: list[str], out: str, seq_len: int, shards: int = 4, val_fraction: float = 0.1,
+                 s3: S3Config | None = None) -> dict[str, int]:
+    """Byte-tokenise local text files into fixed-length sequences of seq_len + 1 tokens (inputs and next-token
+    targets), consecutive sequences overlapping by one token so every byte transition is a target once. The last
+    `val_fraction` of the sequences is the validation split."""
+    if seq_len < 1:
+        raise DataError(f"--seq-len must be at least 1, got {seq_len}")
+    root = _check_out(out, shards, s3)
+    data = bytearray()
+    for name in inputs:
+        try:
+            with open(name, "rb") as handle:
+                data += handle.read() + b"\n"
+        except OSError as exc:
+            raise DataError(f"cannot read text file '{name}': {exc.strerror}") from None
+    tokens = np.frombuffer(bytes(data), dtype=np.uint8)
+    count = (len(tokens) - 1) // seq_len
+    if count < 2:
+        raise DataError(f"the input has {len(tokens)} bytes, too few for two sequences of --seq-len {seq_len}")
+    windows = np.lib.stride_tricks.sliding_window_view(tokens, seq_len + 1)[::seq_len][:count]
+    n_val = max(1, int(round(count * val_fraction)))
+    for split, rows, parts in (("train", windows[:-n_val], shards), ("val", windows[-n_val:], 1)):
+        directory = root.join(split)
+        root.filesystem().create_dir(directory, recursive=True)
+        for i, idx in enumerate(np.array_split(np.arange(len(rows)), min(parts, len(rows)))):
+            flat = pa.array(np.ascontiguousarray(rows[idx]).ravel())
+            table = pa.table({"tokens": pa.FixedSizeListArray.from_arrays(flat, seq_len + 1)})
+            table = table.replace_schema_metadata({"vocab_size": str(VOCAB_SIZE)})
+            write_shard(table, root, f"{directory}/part-{i:05d}.parquet")
+    return {"train": count - n_val, "val": n_val}

@@ -79,8 +79,10 @@ def read_footer(storage: Storage, path: str) -> pq.FileMetaData:
         raise DataError(f"corrupt Parquet file {path}: {exc}; rewrite or remove it") from None
 
 
-def inspect_parquet(path: str, features: list[str], label: str, s3: S3Config | None = None) -> DatasetInfo:
-    """Check every shard's footer (readable, same schema, configured columns present) and summarise it."""
+def inspect_parquet(path: str, features: list[str], label: str | None, s3: S3Config | None = None) -> DatasetInfo:
+    """Check every shard's footer (readable, same schema, configured columns present) and summarise it.
+    With `label=None` the single feature column holds token sequences (next-token prediction)."""
+    columns = [*features, *([label] if label else [])]
     storage, objects = list_parquet_files(path, s3)
     files = [o.path for o in objects]
     # Footers from an object store are one round trip each: fetch them concurrently (order is kept).
@@ -92,7 +94,7 @@ def inspect_parquet(path: str, features: list[str], label: str, s3: S3Config | N
     for file, meta in zip(files, footers, strict=True):
         file = storage.uri_of(file)
         schema = meta.schema.to_arrow_schema()
-        missing = [c for c in [*features, label] if c not in schema.names]
+        missing = [c for c in columns if c not in schema.names]
         if missing:
             raise DataError(
                 f"column(s) {missing} not found in {file} (it has {schema.names}): "
@@ -100,7 +102,7 @@ def inspect_parquet(path: str, features: list[str], label: str, s3: S3Config | N
             )
         if first_schema is None:
             first_schema = schema
-        for name in [*features, label]:
+        for name in columns:
             if not schema.field(name).type.equals(first_schema.field(name).type):
                 raise DataError(
                     f"schema mismatch in {file}: column '{name}' is {schema.field(name).type} but "
@@ -108,10 +110,12 @@ def inspect_parquet(path: str, features: list[str], label: str, s3: S3Config | N
                     "schema"
                 )
         num_rows += meta.num_rows
-        if label_max is not None and meta.num_rows:
+        if label is not None and label_max is not None and meta.num_rows:
             file_max = _label_max(meta, schema.get_field_index(label))
             label_max = None if file_max is None else max(label_max, file_max)
     assert first_schema is not None  # list_parquet_files never returns an empty list
+    if label is None:
+        return _token_info(path, files, objects, footers, first_schema, features[0], storage)
     label_type = first_schema.field(label).type
     if not pa.types.is_integer(label_type):
         raise DataError(f"label column '{label}' in {storage.uri_of(files[0])} has type {label_type}: class labels "
@@ -127,4 +131,20 @@ def inspect_parquet(path: str, features: list[str], label: str, s3: S3Config | N
         storage=storage,
         objects=objects,
         file_rows=[meta.num_rows for meta in footers],
+    )
+
+
+def _token_info(path: str, files: list[str], objects: list[ObjectInfo], footers: list[pq.FileMetaData], schema: pa.Schema,
+                column: str, storage: Storage) -> DatasetInfo:
+    """Token sequences: a fixed-size list of integers per row; the vocabulary size comes from the schema metadata
+    that `orchestrator prepare text` writes (else model.num_classes must say it)."""
+    field = schema.field(column)
+    if not (pa.types.is_fixed_size_list(field.type) and pa.types.is_integer(field.type.value_type)):
+        raise DataError(f"token column '{column}' in {storage.uri_of(files[0])} has type {field.type}: next-token "
+                        "prediction (data.label=null) needs a fixed-size list of integer token ids")
+    vocab = int((schema.metadata or {}).get(b"vocab_size", b"0"))
+    return DatasetInfo(
+        path=path, files=files, num_rows=sum(m.num_rows for m in footers), num_bytes=sum(o.size for o in objects),
+        feature_dim=field.type.list_size, num_classes=vocab, storage=storage, objects=objects,
+        file_rows=[m.num_rows for m in footers],
     )

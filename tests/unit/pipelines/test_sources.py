@@ -89,3 +89,33 @@ def test_non_integer_label_and_ragged_features_are_refused(tmp_path: Path) -> No
     pq.write_table(pa.table({"x": pa.array([[1.0], [1.0, 2.0]]), "label": pa.array([0, 1])}), tmp_path / "a.parquet")
     with pytest.raises(DataError, match="fixed-size list"):
         inspect_parquet(str(tmp_path), ["x"], "label")
+
+
+def test_text_becomes_next_token_sequences(tmp_path: Path) -> None:
+    from pipelines.prepare import prepare_text
+
+    source = tmp_path / "a.txt"
+    source.write_bytes(bytes(range(256)) * 4)
+    counts = prepare_text([str(source)], str(tmp_path / "out"), seq_len=16, shards=2)
+    assert counts["train"] + counts["val"] == (1024 + 1 - 1) // 16  # +1: the newline appended after each file
+    info = inspect_parquet(str(tmp_path / "out" / "train"), ["tokens"], None)
+    assert (info.feature_dim, info.num_classes, info.num_rows) == (17, 256, counts["train"])
+    x, y = collate_arrow(pq.read_table(info.files[0]).slice(1, 2), ["tokens"], None)
+    assert x.shape == y.shape == (2, 16) and x.dtype == y.dtype
+    assert x[0].tolist() == list(range(16, 32)) and y[0].tolist() == list(range(17, 33))  # targets shifted by one
+    with pytest.raises(DataError, match="fixed-size list of integer token ids"):
+        prepare_digits(str(tmp_path / "d"))
+        inspect_parquet(str(tmp_path / "d" / "train"), ["pixels"], None)
+    with pytest.raises(DataError, match="too few for two sequences"):
+        prepare_text([str(source)], str(tmp_path / "short"), seq_len=4096)
+
+
+def test_language_model_needs_exactly_one_token_column() -> None:
+    from pydantic import ValidationError
+
+    from pipelines.config import DataConfig
+
+    assert DataConfig(features=["tokens"], label=None).columns == ["tokens"]
+    assert DataConfig().columns == ["pixels", "label"]
+    with pytest.raises(ValidationError, match="exactly one token column"):
+        DataConfig(features=["a", "b"], label=None)

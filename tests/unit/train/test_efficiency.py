@@ -130,7 +130,7 @@ def run_digits_like(*overrides: str, delay: float = 0.0, model: torch.nn.Module 
 
 def test_time_breakdown_adds_up_and_data_wait_rises_with_a_slow_reader() -> None:
     fast = run_digits_like()
-    slow = run_digits_like(delay=0.03)
+    slow = run_digits_like(delay=0.1)
     for metrics in (fast[-1], slow[-1]):
         shares = [v for k, v in metrics.items() if k.startswith("time/")]
         assert sum(shares) == pytest.approx(1.0, abs=1e-6)
