@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -68,6 +69,8 @@ class TrainConfig(_Section):
     peak_tflops: float | None = Field(None, gt=0, description="Peak TFLOP/s of one device, for MFU on devices "
                                       "missing from the built-in table (CPUs, new GPUs).")
     seed: int = 0
+    max_nonfinite_steps: int = Field(10, ge=0, description="Steps with a NaN/inf loss or gradient that are skipped "
+                                     "(no update) before training stops with an error.")
     log_every: int = Field(25, ge=1, description="Steps between reports (each report is a barrier; keep it >= 10).")
     eval_every: int | None = Field(100, ge=1, description="Steps between validation passes; also at the end.")
     sync: Literal["ddp", "local_sgd"] = Field(
@@ -127,22 +130,72 @@ class OptimConfig(_Section):
 
 
 class ScalingConfig(_Section):
-    num_workers: int = Field(2, ge=1, description="Ray Train workers (one DDP rank each).")
+    num_workers: int | list[int] = Field(2, description="Ray Train workers (one DDP rank each), or [min, max] for "
+                                         "an elastic group that grows and shrinks with the cluster.")
     use_gpu: bool = False
     cpus_per_worker: float = Field(1.0, gt=0, description="Logical CPUs per worker (also its torch threads).")
+    resize_check_s: float | None = Field(None, gt=0, description="Elastic only: seconds between Ray Train's checks "
+                                         "for room to grow the group (Ray's default: 60).")
+
+    @field_validator("num_workers")
+    @classmethod
+    def _worker_range(cls, value: int | list[int]) -> int | list[int]:
+        if isinstance(value, int):
+            if value < 1:
+                raise ValueError(f"must be at least 1, got {value}")
+            return value
+        if len(value) != 2:
+            raise ValueError(f"give a count or [min, max], got {value}")
+        low, high = value
+        if low < 1 or low > high:
+            raise ValueError(f"[min, max] needs 1 <= min <= max, got {value}")
+        return low if low == high else [low, high]
+
+    @model_validator(mode="after")
+    def _no_dead_resize_check(self) -> ScalingConfig:
+        if self.resize_check_s is not None and not self.elastic:
+            raise ValueError("scaling.resize_check_s has no effect with a fixed num_workers; remove it or give "
+                             "num_workers as [min, max]")
+        return self
+
+    @property
+    def elastic(self) -> bool:
+        return isinstance(self.num_workers, list)
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers[0] if isinstance(self.num_workers, list) else self.num_workers
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers[1] if isinstance(self.num_workers, list) else self.num_workers
+
+    @property
+    def world_sizes(self) -> range:
+        return range(self.min_workers, self.max_workers + 1)
 
 
 class CheckpointConfig(_Section):
     every: int = Field(100, ge=1, description="Steps between checkpoints; the last step is always saved.")
-    keep: int = Field(2, ge=1, description="Checkpoints kept in storage.")
+    keep: int = Field(2, ge=1, description="Checkpoints kept in storage (older ones are deleted only after a newer "
+                      "one is complete and registered).")
+    upload: Literal["async", "sync"] = Field("async", description="async: training continues while rank 0 copies "
+                                             "the checkpoint to storage; sync: the step waits for the copy.")
+    on_preemption: bool = Field(True, description="Save a checkpoint at the next report once Ray announces that a "
+                                "node of the run is being drained (spot reclaim, autoscaler scale-down).")
 
 
 class StorageConfig(_Section):
-    path: str = Field("runs", description="Where Ray Train writes checkpoints and results.")
+    path: str = Field("runs", description="Where Ray Train writes checkpoints and results: a directory shared by all "
+                      "nodes, or s3://bucket/prefix (endpoint and credentials as for data.s3).")
 
 
 class FailureConfig(_Section):
     max_failures: int = Field(3, ge=-1, description="Worker-group restarts from the last checkpoint; -1 = unlimited.")
+    max_preemption_failures: int = Field(-1, ge=-1, description="Restarts after a drained (preempted) node went "
+                                         "away, counted apart from max_failures; -1 = unlimited.")
+    preemption_grace_s: float = Field(0.0, ge=0, description="Seconds the surviving workers may run past a drain "
+                                      "deadline (e.g. to finish a checkpoint upload).")
 
 
 class TrackingConfig(_Section):
@@ -247,20 +300,25 @@ class Config(_Section):
 
     def _derive_batch(self) -> None:
         """global = micro x accum x workers: given global and one of the others, derive the third."""
-        t, workers = self.train, self.scaling.num_workers
+        t, workers = self.train, self.scaling.max_workers
         if ("global_batch_size" not in t.model_fields_set and isinstance(t.micro_batch_size, int)
                 and t.grad_accum_steps):
             object.__setattr__(t, "global_batch_size", t.micro_batch_size * t.grad_accum_steps * workers)
         per_worker, rest = divmod(t.global_batch_size, workers)
-        if rest:
-            raise ValueError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
-                             f"scaling.num_workers={workers}")
+        for size in self.scaling.world_sizes:
+            if t.global_batch_size % size:
+                raise ValueError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
+                                 f"scaling.num_workers={size}" + (" (every world size of an elastic group must "
+                                                                  "divide it)" if self.scaling.elastic else ""))
         if t.micro_batch_size == "auto":
             if t.grad_accum_steps is not None:
                 raise ValueError("train.grad_accum_steps is derived when micro_batch_size=auto; remove it")
             return  # each worker measures what fits, then derives the accumulation (train/worker.py)
         if t.memory_budget_gb is not None:
             raise ValueError("train.memory_budget_gb has no effect unless train.micro_batch_size=auto")
+        if self.scaling.elastic:
+            self._derive_elastic_batch()
+            return
         if t.micro_batch_size is None:
             accum = t.grad_accum_steps or 1
             if per_worker % accum:
@@ -276,6 +334,26 @@ class Config(_Section):
                     f"grad_accum_steps={t.grad_accum_steps or 'N'} x num_workers={workers}"
                 )
         # Bypass validate_assignment: the pair is only consistent once both are set.
+        object.__setattr__(t, "micro_batch_size", micro)
+        object.__setattr__(t, "grad_accum_steps", accum)
+
+    def _derive_elastic_batch(self) -> None:
+        """An elastic group keeps the micro-batch and the global batch; each world size gets its own accumulation
+        (global = micro x accum x world), derived again in the worker. The resolved accumulation is the one at max."""
+        t, sizes = self.train, self.scaling.world_sizes
+        micro = t.micro_batch_size
+        if micro is None:  # the largest micro-batch that divides the per-worker batch at every world size
+            micro = math.gcd(*(t.global_batch_size // w for w in sizes))
+        assert isinstance(micro, int)
+        for size in sizes:
+            if (t.global_batch_size // size) % micro:
+                raise ValueError(f"train.global_batch_size={t.global_batch_size} over {size} workers is not a multiple "
+                                 f"of micro_batch_size={micro}: pick a micro-batch dividing the per-worker batch at "
+                                 f"every size in scaling.num_workers={self.scaling.num_workers}, or leave it unset")
+        accum = t.global_batch_size // (micro * self.scaling.max_workers)
+        if t.grad_accum_steps is not None and t.grad_accum_steps != accum:
+            raise ValueError("train.grad_accum_steps is derived for each world size when scaling.num_workers is "
+                             "[min, max]; remove it")
         object.__setattr__(t, "micro_batch_size", micro)
         object.__setattr__(t, "grad_accum_steps", accum)
 

@@ -35,6 +35,7 @@ class TrainResult:
     run_id: str | None
     tracking_uri: str | None
     history: list[dict[str, Any]] = field(default_factory=list)
+    cost: Any = None  # orchestrator.cost.Ledger: node-hours, $ and the productive/overhead split
 
 
 def resolve_for_data(config: Config, infos: dict[str, DatasetInfo]) -> Config:
@@ -50,13 +51,13 @@ def resolve_for_data(config: Config, infos: dict[str, DatasetInfo]) -> Config:
                               "set model.num_classes")
         tree["model"]["num_classes"] = train.num_classes
     t = config.train
-    rows_per_worker = train.num_rows // config.scaling.num_workers
+    rows_per_worker = train.num_rows // config.scaling.max_workers
     smallest = t.micro_batch_size if isinstance(t.micro_batch_size, int) else 1
     if rows_per_worker < smallest:
         raise ConfigError(f"data.train has {train.num_rows} rows, fewer than one micro-batch "
                           f"({smallest}) per worker: lower train.global_batch_size")
     if t.epochs is not None:
-        per_worker_step = t.global_batch_size // config.scaling.num_workers
+        per_worker_step = t.global_batch_size // config.scaling.max_workers
         tree["train"]["max_steps"] = max(1, math.ceil(t.epochs * rows_per_worker / per_worker_step))
         tree["train"]["epochs"] = None
     return config_from_dict(tree)
@@ -75,7 +76,7 @@ def connect_ray(address: str | None, config: Config) -> bool:
         ray.init(address=address, logging_config=logging_config)
         return False
     # Ray Data's read tasks need CPUs beside the workers', or ingest waits forever on a small machine.
-    needed = math.ceil(config.scaling.num_workers * config.scaling.cpus_per_worker) + 2
+    needed = math.ceil(config.scaling.max_workers * config.scaling.cpus_per_worker) + 2
     # Local workers inherit this environment: make the user's own modules (model entrypoints) importable.
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH")] if p)
     # The dashboard serves the state API that Ray Train's controller polls; bound to localhost only.
@@ -98,12 +99,20 @@ def build_trainer(config: Config, spec: dict[str, Any], datasets: dict[str, Any]
         _worker_entry,
         train_loop_config=spec,
         scaling_config=ray.train.ScalingConfig(
-            num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker={"CPU": s.cpus_per_worker},
+            num_workers=(s.min_workers, s.max_workers) if s.elastic else s.num_workers, use_gpu=s.use_gpu,
+            resources_per_worker={"CPU": s.cpus_per_worker},
+            **({"elastic_resize_monitor_interval_s": s.resize_check_s} if s.resize_check_s else {}),
         ),
         run_config=ray.train.RunConfig(
             name=run_name,
-            storage_path=_storage_path(config),
-            failure_config=ray.train.FailureConfig(max_failures=config.failure.max_failures),
+            **_storage_args(config),
+            failure_config=ray.train.FailureConfig(
+                max_failures=config.failure.max_failures,
+                max_preemption_failures=config.failure.max_preemption_failures,
+                preemption_grace_s=config.failure.preemption_grace_s,
+            ),
+            # Ray deletes an old checkpoint only after a newer one is registered (complete), so the one a run
+            # resumes from stays until a newer complete one replaces it.
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.checkpoint.keep),
             callbacks=callbacks,
             logging_config=ray.LoggingConfig(log_level="WARNING"),  # per-report INFO lines bury progress
@@ -157,6 +166,17 @@ def _storage_path(config: Config) -> str:
 def _root_cause(exc: BaseException) -> str:
     """The last 'SomeError: message' line of a Ray failure, which is what the user needs to read."""
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+def _storage_args(config: Config) -> dict[str, Any]:
+    """RunConfig storage: a local path, or for s3:// the data layer's S3 filesystem (same endpoint, region and
+    credentials) with the path inside it, which is what Ray expects alongside storage_filesystem."""
+    from orchestrator.runs import open_run_storage
+
+    storage = open_run_storage(config)
+    if not storage.remote:
+        return {"storage_path": storage.root}
+    return {"storage_path": storage.root, "storage_filesystem": storage.filesystem()}
+
+
     for line in reversed(lines):
         head = line.split(":", 1)[0]
         if head.endswith(("Error", "Exception")) and " " not in head:
@@ -165,7 +185,7 @@ def _root_cause(exc: BaseException) -> str:
 
 
 def _log_final_artifacts(tracker: Tracker, config: Config, checkpoint_path: str | None,
-                         history: list[dict[str, Any]]) -> None:
+                         history: list[dict[str, Any]], checkpoint: Any = None) -> None:
     import torch
 
     from orchestrator.plots import plot_history
@@ -177,28 +197,40 @@ def _log_final_artifacts(tracker: Tracker, config: Config, checkpoint_path: str 
         if checkpoint_path:
             from ray.train import Checkpoint
 
-            with Checkpoint(checkpoint_path).as_directory() as directory:
+            # The Checkpoint itself when given: it carries its filesystem (an S3 endpoint and credentials).
+            with (checkpoint or Checkpoint(checkpoint_path)).as_directory() as directory:
                 torch.save(load_state(directory)["model"], Path(tmp) / "model.pt")
             tracker.log_artifact(Path(tmp) / "model.pt", "model")
         if history:
             tracker.log_artifact(plot_history(history, Path(tmp) / "learning_curves.png"), "plots")
 
 
-def train(config: Config, address: str | None = None, verbose: bool = True) -> TrainResult:
-    """Run one distributed training job and return its result. Raises UserError subclasses on bad input."""
+def train(config: Config, address: str | None = None, verbose: bool = True, resume: bool = False) -> TrainResult:
+    """Run one distributed training job and return its result. Raises UserError subclasses on bad input.
+    With `resume`, continue the latest run of this experiment in storage (its Ray Train run from the latest
+    checkpoint, and its MLflow run); without an earlier run, start a new one."""
+    from orchestrator.cost import resolve_pricing
+
+    t0 = time.monotonic()  # the cost ledger bills from here: start-up includes Ray and data set-up
     infos = inspect_datasets(config.data)  # before any cluster resource is taken
     config = resolve_for_data(config, infos)
-    run_name = f"{config.experiment}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = os.path.join(_storage_path(config), run_name)
+    resolve_pricing(config)  # an unknown node type fails now, not after training
+    place, record = _place_run(config, resume, verbose)
+    run_name, run_dir = place.name, place.uri
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # otherwise worker prints appear twice
 
-    tracker = start_tracker(config.tracking, run_name)
+    tracker = start_tracker(config.tracking, run_name, run_id=_reopen_id(config, record))
+    if record:
+        tracker.set_tags({f"orchestrator.resume.{time.strftime('%Y%m%d-%H%M%S')}": "driver restarted with --resume"})
     tracker.log_params(flatten(to_dict(config)))
     tracker.set_tags({"orchestrator.run_dir": run_dir, "orchestrator.train_rows": str(infos["train"].num_rows)})
     try:
         started_ray = connect_ray(address, config)
         try:
-            result = _fit(config, infos, run_name, run_dir, tracker, verbose)
+    place.write_text("config.yaml", to_yaml(config))
+    place.write_record({"run_name": run_name, "mlflow_run_id": tracker.run_id,
+                        "tracking_uri": getattr(tracker, "uri", None)})
+            result = _fit(config, infos, run_name, run_dir, tracker, verbose, t0)
         finally:
             if started_ray:
                 import ray
@@ -215,29 +247,82 @@ def train(config: Config, address: str | None = None, verbose: bool = True) -> T
 
 
 def _fit(config: Config, infos: dict[str, DatasetInfo], run_name: str, run_dir: str, tracker: Tracker,
-         verbose: bool) -> TrainResult:
+         verbose: bool, t0: float | None = None) -> TrainResult:
     import ray
+def _checkpoint_uri(config: Config, path: str) -> str:
+    """Ray's checkpoint path as the user names it: s3://... for S3 storage (Ray keeps it without the scheme)."""
+    return f"s3://{path}" if config.storage.path.startswith("s3://") and "://" not in path else path
+
+
+def _events(previous: dict[str, Any] | None, report: dict[str, Any], n: int) -> list[tuple[dict[str, str], str]]:
+    """MLflow tags (and a printed line) for what a report reveals: a resized worker group, a drain checkpoint."""
+    events = []
+    world = report.get("world_size")
+    if previous is not None and world is not None and previous.get("world_size") not in (None, world):
+        text = f"step {report['step']}: {previous['world_size']} -> {world} workers"
+        if "global_batch" in report:
+            text += f", global batch {report['global_batch']} (accumulation {report.get('grad_accum_steps')})"
+        events.append(({f"orchestrator.resize.{n}": text}, f"worker group resized at {text}"))
+    if report.get("drain_checkpoint"):
+        text = f"step {report['step']}: a node is being drained; checkpoint saved"
+        events.append(({f"orchestrator.drain.{n}": text}, text))
+    return events
+
+
+def _place_run(config: Config, resume: bool, verbose: bool) -> tuple[Any, dict[str, Any] | None]:
+    """The run's place in storage and, when resuming, its record (MLflow run id)."""
+    from orchestrator.runs import latest_run, new_run, open_run_storage
+
+    storage = open_run_storage(config)
+    place = latest_run(storage, config.experiment) if resume else None
+    if place is None:
+        if resume:
+            print(f"no earlier run of '{config.experiment}' in {storage.uri}: starting a new one", file=sys.stderr)
+        return new_run(storage, config.experiment), None
+    if verbose:
+        print(f"resuming run {place.uri} from its latest checkpoint", file=sys.stderr)
+    return place, place.read_record() or {}
+
+
+def _reopen_id(config: Config, record: dict[str, Any] | None) -> str | None:
+    """The MLflow run to continue: the resumed run's, if it was tracked at the same URI."""
+    from orchestrator.tracking import resolve_uri
+
+    if not record or not record.get("mlflow_run_id") or not config.tracking.enabled:
+        return None
+    if record.get("tracking_uri") != resolve_uri(config.tracking.uri):
+        print(f"the resumed run was tracked at {record.get('tracking_uri')}, not {resolve_uri(config.tracking.uri)}: "
+              "starting a new MLflow run", file=sys.stderr)
+        return None
+    return str(record["mlflow_run_id"])
+
+
     import ray.train
     from ray.util.queue import Queue
 
     from orchestrator.progress import ForwardReports, ReportConsumer, progress_line
 
-    if not run_dir.startswith(("s3://", "gs://")):
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
-        Path(run_dir, "config.yaml").write_text(to_yaml(config))
     total = config.train.max_steps or 0
     history: list[dict[str, Any]] = []
     started = time.monotonic()
 
     def handle(report: dict[str, Any]) -> None:
         if report.get("event") == "worker_failure":
+    t0 = started if t0 is None else t0
+    failures: list[float] = []
             print(f"worker {report['rank']} failed: {report['error']} (restarting from the last checkpoint)",
                   file=sys.stderr)
-            tracker.set_tags({f"orchestrator.failure.{len(history)}": report["error"]})
+            step = history[-1]["step"] if history else 0
+            tracker.set_tags({f"orchestrator.failure.{len(failures)}": f"after step {step}: {report['error']}"})
+            failures.append(time.monotonic() - t0)
             return
         history.append(report)
         tracker.log_metrics(report, step=report["step"])
         if "precision" in report:
+        for tag, line in _events(history[-1] if history else None, report, len(history)):
+            tracker.set_tags(tag)
+            print(line, file=sys.stderr)
+        report["elapsed_s"] = time.monotonic() - t0  # when it arrived: the cost ledger's timeline
             tracker.set_tags({"orchestrator.precision": report["precision"]})
         if verbose:
             print(progress_line(report, total, started), flush=True)
@@ -249,19 +334,29 @@ def _fit(config: Config, infos: dict[str, DatasetInfo], run_name: str, run_dir: 
             result = trainer.fit()
     except ray.train.TrainingFailedError as exc:
         raise RunFailedError(f"training failed: {_root_cause(exc)} (run directory: {run_dir})") from None
-    checkpoint_path = result.checkpoint.path if result.checkpoint else None
+    checkpoint_path = _checkpoint_uri(config, result.checkpoint.path) if result.checkpoint else None
     if history:
         tracker.log_metrics(run_summary(history), step=history[-1]["step"])
-    _log_final_artifacts(tracker, config, checkpoint_path, history)
+    _log_final_artifacts(tracker, config, checkpoint_path, history, result.checkpoint)
+    ledger = _cost(config, history, time.monotonic() - t0, len(failures))
+    tracker.log_metrics(ledger.metrics(), step=history[-1]["step"] if history else 0)
     return TrainResult(
         config=config, metrics=dict(result.metrics or {}), checkpoint_path=checkpoint_path, run_dir=run_dir,
-        run_id=tracker.run_id, tracking_uri=getattr(tracker, "uri", None), history=history,
+        run_id=tracker.run_id, tracking_uri=getattr(tracker, "uri", None), history=history, cost=ledger,
     )
 
 
 def run_summary(history: list[dict[str, Any]]) -> dict[str, float]:
     """Whole-run figures from the reports: mean time shares, median throughput and MFU, compile time."""
     import statistics
+def _cost(config: Config, history: list[dict[str, Any]], wall_s: float, failures: int) -> Any:
+    from orchestrator.cost import build_ledger, resolve_pricing
+
+    # An elastic group is billed at the largest size it reached.
+    world = max((int(r["world_size"]) for r in history if "world_size" in r), default=None)
+    return build_ledger(history, wall_s, resolve_pricing(config, world), failures)
+
+
 
     summary: dict[str, float] = {}
     keys = {k for report in history for k in report if k.startswith("time/")}
@@ -304,5 +399,7 @@ def summary(result: TrainResult) -> str:
     lines.append(f"checkpoint: {result.checkpoint_path}")
     if result.run_id:
         lines.append(f"MLflow run id: {result.run_id}")
+    if result.cost is not None:
+        lines.append(result.cost.line())
         lines.append(f"open the MLflow UI: {ui_command(result.tracking_uri or '')}")
     return "\n".join(lines)

@@ -134,8 +134,8 @@ def inspect_parquet(path: str, features: list[str], label: str | None, s3: S3Con
     )
 
 
-def _token_info(path: str, files: list[str], objects: list[ObjectInfo], footers: list[pq.FileMetaData], schema: pa.Schema,
-                column: str, storage: Storage) -> DatasetInfo:
+def _token_info(path: str, files: list[str], objects: list[ObjectInfo], footers: list[pq.FileMetaData],
+                schema: pa.Schema, column: str, storage: Storage) -> DatasetInfo:
     """Token sequences: a fixed-size list of integers per row; the vocabulary size comes from the schema metadata
     that `orchestrator prepare text` writes (else model.num_classes must say it)."""
     field = schema.field(column)
