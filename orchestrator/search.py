@@ -229,7 +229,7 @@ def widest_trial(config: Config) -> Config:
 
 def trial_cpus(config: Config) -> float:
     s = widest_trial(config).scaling
-    return s.num_workers * s.cpus_per_worker
+    return s.max_workers * s.cpus_per_worker
 
 
 def max_concurrent(config: Config, cluster_cpus: float) -> int:
@@ -243,12 +243,12 @@ def max_concurrent(config: Config, cluster_cpus: float) -> int:
 def check_capacity(config: Config, resources: dict[str, float]) -> None:
     """Refuse a study whose trials could never be scheduled on this cluster."""
     s = widest_trial(config).scaling
-    need = s.num_workers * s.cpus_per_worker
+    need = s.max_workers * s.cpus_per_worker
     have = resources.get("CPU", 0.0)
     if need > have:
         raise ConfigError(f"a trial needs {need:g} CPUs (scaling.num_workers={s.num_workers} x "
                           f"scaling.cpus_per_worker={s.cpus_per_worker:g}) but the Ray cluster has {have:g}: "
                           "lower scaling.num_workers or scaling.cpus_per_worker, or add nodes")
-    if s.use_gpu and s.num_workers > resources.get("GPU", 0.0):
+    if s.use_gpu and s.max_workers > resources.get("GPU", 0.0):
         raise ConfigError(f"a trial needs {s.num_workers} GPUs (scaling.num_workers with scaling.use_gpu) but the "
                           f"Ray cluster has {resources.get('GPU', 0.0):g}: lower scaling.num_workers or add GPU nodes")

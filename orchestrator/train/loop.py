@@ -14,6 +14,7 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -68,6 +69,8 @@ class Interval:
     steps: int = 0
     micro: int = 0  # micro-batch size actually run (smaller after an out-of-memory retry)
     grad_norm_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    loss_targets: int = 0  # targets of the steps that were applied (a skipped non-finite step has no loss to show)
+    skipped: int = 0
     comm_start: int = 0  # Parts.comm_bytes when the interval began
 
 
@@ -125,14 +128,37 @@ def train_step(parts: Parts, micro_batches: list[Batch], timer: PhaseTimer | Non
         warnings.warn(f"out of memory: retrying the step with micro-batches cut in {parts.split} "
                       "(same global batch, more accumulation)", stacklevel=2)
         return train_step(parts, micro_batches, timer)
+    samples = int(sum(len(y) for _, y in micro_batches))
     with timer.phase("compute"):
         parts.precision.unscale_(parts.optimizer)
         max_norm = parts.max_grad_norm if parts.max_grad_norm is not None else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(parts.model.parameters(), max_norm)
+        if _non_finite_anywhere(step_loss, grad_norm, parts):
+            # No update from this step; its samples are consumed and the LR schedule (indexed by samples) moves
+            # on, as after a step the fp16 scaler skips.
+            parts.optimizer.zero_grad(set_to_none=True)
+            parts.precision.skip()
+            with warnings.catch_warnings():  # torch warns when the schedule moves before any optimizer step
+                warnings.simplefilter("ignore", UserWarning)
+                parts.scheduler.step()
+            return StepResult(step_loss, grad_norm.detach(), samples, skipped=True)
         parts.precision.step(parts.optimizer)
         parts.optimizer.zero_grad(set_to_none=True)
         parts.scheduler.step()
-    return StepResult(step_loss, grad_norm.detach(), int(sum(len(y) for _, y in micro_batches)))
+    return StepResult(step_loss, grad_norm.detach(), samples)
+
+
+def _non_finite_anywhere(step_loss: torch.Tensor, grad_norm: torch.Tensor, parts: Parts) -> bool:
+    """True on every rank if any rank's loss (or the gradient) is NaN/inf. Losses differ per rank, and skipping on
+    one rank only would leave the ranks' weights apart and their collectives misaligned: so all-reduce a flag.
+    With fp16 the GradScaler already skips overflowing gradients, so only the loss is judged."""
+    bad = ~torch.isfinite(step_loss)
+    if parts.precision.scaler is None:
+        bad = bad | ~torch.isfinite(grad_norm)
+    flag = bad.to(torch.float32).reshape(1)
+    if _world()[1] > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 @dataclass
@@ -140,6 +166,7 @@ class StepResult:
     loss_sum: torch.Tensor  # summed over this rank's targets
     grad_norm: torch.Tensor
     samples: int
+    skipped: bool = False  # non-finite loss or gradient on some rank: no update was applied
 
 
 def _forward_backward(parts: Parts, pieces: list[Batch], scale: torch.Tensor, timer: PhaseTimer,
@@ -240,7 +267,8 @@ def checkpoint_state(parts: Parts, progress: Progress, rng_states: list[dict[str
 
 
 def restore(parts: Parts, state: dict[str, Any]) -> Progress:
-    """Load a checkpoint written by `checkpoint_state`; RNG streams are restored when the world size matches."""
+    """Load a checkpoint written by `checkpoint_state`. At the same world size every rank gets its RNG streams and
+    data position back (an exact resume); after a resize the run continues at the next epoch boundary."""
     unwrap(parts.model).load_state_dict(state["model"])
     parts.optimizer.load_state_dict(state["optimizer"])
     parts.scheduler.load_state_dict(state["scheduler"])
@@ -248,9 +276,25 @@ def restore(parts: Parts, state: dict[str, Any]) -> Progress:
     if parts.local_sgd is not None:
         parts.local_sgd.load_state_dict(state.get("local_sgd", {}), unwrap(parts.model))
     rank, world = _world()
+    progress = Progress(**state["progress"])
     if len(state["rng"]) == world:
         restore_rng(state["rng"][rank])
-    return Progress(**state["progress"])
+        return progress
+    # Resized: Ray Data splits an epoch's rows into one stream per rank, so the old ranks' skip counts describe a
+    # different split and skipping them here would miss some rows and repeat others. Finish the interrupted epoch
+    # early instead (none of its rows is seen twice) and start the next one. New RNG streams, drawn per (step, rank).
+    torch.manual_seed(int(np.random.default_rng([progress.step, rank]).integers(2**62)))
+    if progress.batch_in_epoch:
+        progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
+    return progress
+
+
+def _check_finite_weights(parts: Parts, step: int) -> None:
+    """A non-finite model is never checkpointed (it would poison every resume). Parameters are identical on all
+    ranks at a checkpoint, so every rank reaches the same verdict."""
+    if not all(bool(torch.isfinite(p).all()) for p in unwrap(parts.model).parameters()):
+        raise NonFiniteLossError(f"the model weights are not finite at step {step}: not checkpointing them; lower "
+                                 "optim.lr or set optim.max_grad_norm, and resume from the last checkpoint")
 
 
 def _gather_rng() -> list[dict[str, Any]]:
@@ -269,8 +313,11 @@ def run(
     val_batches: Callable[[], Iterable[Batch]] | None,
     report: ReportFn,
     progress: Progress | None = None,
+    preempted: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
-    """Train to `cfg.train.max_steps`, reporting every `log_every` steps; returns the last reported metrics."""
+    """Train to `cfg.train.max_steps`, reporting every `log_every` steps; returns the last reported metrics.
+    `preempted` (a barrier, called at report steps) tells whether a node of the run is being drained: the next
+    report then carries a checkpoint."""
     t = cfg.train
     assert t.max_steps is not None and isinstance(t.grad_accum_steps, int)  # resolved before the loop
     progress = progress or Progress()
@@ -280,6 +327,7 @@ def run(
     interval = Interval(PhaseTimer(parts.device))
     metrics: dict[str, Any] = {}
     first: dict[str, Any] = {}  # one-off facts sent with the first report
+    drain_saved = False
     if parts.local_sgd is not None and not parts.local_sgd.anchor:
         parts.local_sgd.start(unwrap(parts.model))
     while progress.step < t.max_steps:
@@ -294,9 +342,22 @@ def run(
             result = train_step(parts, batch, interval.timer)
         progress.step += 1
         progress.samples_seen += t.global_batch_size
-        interval.loss_sum = interval.loss_sum.to(result.loss_sum.device) + result.loss_sum
-        interval.grad_norm_sum = interval.grad_norm_sum.to(result.grad_norm.device) + result.grad_norm
-        interval.targets += int(sum(int((y != IGNORE_INDEX).sum()) for _, y in batch))
+        step_targets = int(sum(int((y != IGNORE_INDEX).sum()) for _, y in batch))
+        if result.skipped:
+            progress.nonfinite_skipped += 1
+            interval.skipped += 1
+            if progress.nonfinite_skipped > t.max_nonfinite_steps:
+                raise NonFiniteLossError(
+                    f"{progress.nonfinite_skipped} steps had a non-finite loss or gradient (the last at step "
+                    f"{progress.step}), more than train.max_nonfinite_steps={t.max_nonfinite_steps}: lower optim.lr, "
+                    "raise optim.warmup_steps, set optim.max_grad_norm, use train.precision=bf16/fp32, or check "
+                    "the data for NaN/inf values"
+                )
+        else:
+            interval.loss_sum = interval.loss_sum.to(result.loss_sum.device) + result.loss_sum
+            interval.grad_norm_sum = interval.grad_norm_sum.to(result.grad_norm.device) + result.grad_norm
+            interval.loss_targets += step_targets
+        interval.targets += step_targets
         interval.samples += result.samples
         interval.steps += 1
         interval.micro = -(-len(batch[0][1]) // parts.split)
@@ -306,20 +367,28 @@ def run(
         do_eval = val_batches is not None and (last or (t.eval_every is not None and step % t.eval_every == 0))
         do_ckpt = last or step % cfg.checkpoint.every == 0
         if parts.local_sgd is not None and (parts.local_sgd.due(step) or do_eval or do_ckpt):
+        at_report = do_eval or do_ckpt or step % t.log_every == 0
+        saving_for_drain = False
+        if at_report and preempted is not None and not drain_saved and preempted():
+            # Once per drain notice: the node is going away, so save the progress since the last checkpoint now.
+            do_ckpt = saving_for_drain = drain_saved = True
             # Also before eval and checkpoints, so both see (and save) the one averaged model.
             with interval.timer.phase("sync"):
                 parts.comm_bytes += parts.local_sgd.average(unwrap(parts.model))
-        if not (do_eval or do_ckpt or step % t.log_every == 0):
+        if not at_report:
             continue
         # Raises on a non-finite loss before anything is evaluated or saved: a broken model is never persisted.
         metrics = _interval_metrics(interval, progress, parts, world, peak)
         if do_eval:
+        if saving_for_drain:
+            metrics["drain_checkpoint"] = 1
             with interval.timer.phase("eval"):
                 metrics |= evaluate(parts, val_batches())  # type: ignore[misc]
         checkpoint_dir = None
         with interval.timer.phase("checkpoint"):
             if do_ckpt:
                 rng_states = _gather_rng()
+                _check_finite_weights(parts, step)
                 if rank == 0:
                     checkpoint_dir = tempfile.mkdtemp(prefix="orchestrator-ckpt-")
                     save_state(checkpoint_dir, checkpoint_state(parts, progress, rng_states))
@@ -374,10 +443,11 @@ def _first_compiled_step(parts: Parts, batch: list[Batch]) -> tuple[StepResult, 
 
 def _interval_metrics(interval: Interval, progress: Progress, parts: Parts, world: int,
                       peak: float | None) -> dict[str, Any]:
-    loss_sum_, targets, samples = _all_reduce(
-        [float(interval.loss_sum), float(interval.targets), float(interval.samples)], parts.device)
-    loss = loss_sum_ / max(targets, 1)
-    if not math.isfinite(loss):
+    loss_sum_, targets, samples, loss_targets = _all_reduce(
+        [float(interval.loss_sum), float(interval.targets), float(interval.samples), float(interval.loss_targets)],
+        parts.device)
+    loss = loss_sum_ / loss_targets if loss_targets else math.nan  # nan: every step of the interval was skipped
+    if loss_targets and not math.isfinite(loss):
         raise NonFiniteLossError(
             f"training loss became {loss} by step {progress.step}: lower optim.lr, raise optim.warmup_steps, "
             "set optim.max_grad_norm, or use train.precision=bf16/fp32"
@@ -390,11 +460,12 @@ def _interval_metrics(interval: Interval, progress: Progress, parts: Parts, worl
         "samples_seen": progress.samples_seen,
         "train_loss": loss,
         "lr": parts.optimizer.param_groups[0]["lr"],
-        "grad_norm": float(interval.grad_norm_sum) / max(interval.steps, 1),
+        "grad_norm": float(interval.grad_norm_sum) / max(interval.steps - interval.skipped, 1),
         "samples_per_s": samples / seconds,
         "data_wait_frac": timer.seconds["data_wait"] / seconds,
         "skipped_steps": parts.precision.skipped_steps,
         "oom_retries": parts.oom_retries,
+        "nonfinite_skipped": progress.nonfinite_skipped,
         "micro_batch_size": interval.micro,
         "world_size": world,
         # What DDP vs local SGD costs the network: bytes one rank put into all-reduces since it started, and in

@@ -71,6 +71,12 @@ class Precision:
         self.skipped_steps += not applied
         return applied
 
+    def skip(self) -> None:
+        """Close a step dropped for a non-finite loss without an update: the scaler has unscaled this step's
+        gradients and must be updated (and backs off its scale) before the next one."""
+        if self.scaler:
+            self.scaler.update()
+
     def state_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "skipped_steps": self.skipped_steps,
                 "scaler": self.scaler.state_dict() if self.scaler else None}

@@ -133,7 +133,7 @@ def test_resume_from_mid_epoch_checkpoint_is_bitwise_exact() -> None:
 
 
 def test_non_finite_loss_stops_with_a_clear_error_and_no_checkpoint() -> None:
-    cfg = config("train.max_steps=4", "train.log_every=2")
+    cfg = config("train.max_steps=4", "train.log_every=2", "train.max_nonfinite_steps=0")
     parts = make_parts(cfg)
     x, y = dataset(64)
     x[3, 0] = float("nan")

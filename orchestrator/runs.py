@@ -1,0 +1,91 @@
+"""Where a run lives in storage (local directory or S3, through the data layer's `Storage`): its name, the record
+that lets `orchestrator train --resume` continue it (same Ray Train run, same MLflow run), and finding the latest.
+
+Ray Train resumes a run when it is launched again with the same RunConfig name and storage; so a run's name is
+chosen once (`<experiment>-<YYYYmmdd-HHMMSS>`) and a resumed driver finds it again in storage.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow.fs as pafs
+
+from orchestrator.config import Config
+from pipelines.config import is_remote
+from pipelines.storage import Storage, open_storage
+
+RUN_RECORD = "orchestrator-run.json"
+
+
+def open_run_storage(config: Config) -> Storage:
+    """storage.path resolved like data paths: S3 through the same endpoint, region and credential chain."""
+    path = config.storage.path
+    return open_storage(path, config.data.s3 if is_remote(path) else None)
+
+
+@dataclass
+class RunPlace:
+    storage: Storage
+    name: str
+
+    @property
+    def path(self) -> str:
+        """Inside the filesystem (no s3:// prefix)."""
+        return self.storage.join(self.name)
+
+    @property
+    def uri(self) -> str:
+        return self.storage.uri_of(self.path)
+
+    def read_record(self) -> dict[str, Any] | None:
+        try:
+            with self.storage.filesystem().open_input_stream(f"{self.path}/{RUN_RECORD}") as f:
+                return dict(json.loads(f.read()))
+        except (OSError, ValueError):
+            return None
+
+    def write_record(self, record: dict[str, Any]) -> None:
+        fs = self.storage.filesystem()
+        fs.create_dir(self.path, recursive=True)
+        with fs.open_output_stream(f"{self.path}/{RUN_RECORD}") as f:
+            f.write(json.dumps(record, indent=1).encode())
+
+    def write_text(self, name: str, text: str) -> None:
+        fs = self.storage.filesystem()
+        fs.create_dir(self.path, recursive=True)
+        with fs.open_output_stream(f"{self.path}/{name}") as f:
+            f.write(text.encode())
+
+
+def _run_names(storage: Storage, experiment: str) -> list[str]:
+    pattern = re.compile(rf"^{re.escape(experiment)}-\d{{8}}-\d{{6}}(-\d+)?$")
+    infos = storage.filesystem().get_file_info(pafs.FileSelector(storage.root, allow_not_found=True))
+    names = [i.base_name for i in infos if i.type == pafs.FileType.Directory and pattern.match(i.base_name)]
+
+    def order(name: str) -> tuple[str, int]:
+        rest = name[len(experiment) + 1:]  # YYYYmmdd-HHMMSS[-n]
+        return rest[:15], int(rest[16:] or 0)
+
+    return sorted(names, key=order)
+
+
+def latest_run(storage: Storage, experiment: str) -> RunPlace | None:
+    """The newest run of `experiment` in storage, by the start time in its name."""
+    names = _run_names(storage, experiment)
+    return RunPlace(storage, names[-1]) if names else None
+
+
+def new_run(storage: Storage, experiment: str) -> RunPlace:
+    """A fresh, unused run name (a name already in storage would make Ray Train resume that run)."""
+    base = f"{experiment}-{time.strftime('%Y%m%d-%H%M%S')}"
+    taken = set(_run_names(storage, experiment))
+    name, n = base, 1
+    while name in taken:
+        n += 1
+        name = f"{base}-{n}"
+    return RunPlace(storage, name)

@@ -1,0 +1,57 @@
+"""Which checkpoint a (re)started worker group loads, and how rank 0 hands a new one to Ray Train.
+
+Ray Train registers a checkpoint only after its copy into storage returned, and resumes from the latest registered
+one, so a worker killed while writing or copying a checkpoint leaves it unregistered. On top of that every
+checkpoint carries a manifest written last (`checkpoint.py`); a registered checkpoint whose files do not match it
+(storage damaged or pruned behind Ray's back) is passed over for the newest complete one before it.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+import warnings
+from typing import Any
+
+import pyarrow.fs as pafs
+import ray.train
+
+from orchestrator.train.checkpoint import check_complete, manifest_step
+
+_NAME = re.compile(r"^checkpoint_(\d+)_")
+
+
+def checkpoint_dir_name(step: int) -> str:
+    """'checkpoint_00000120_3fa2c1': sorts by step; unique, so a step redone after a fallback never reuses (and
+    Ray's retention never deletes) the directory of another checkpoint."""
+    return f"checkpoint_{step:08d}_{uuid.uuid4().hex[:6]}"
+
+
+def _step(filesystem: Any, path: str) -> int | None:
+    match = _NAME.match(path.rstrip("/").rsplit("/", 1)[-1])
+    return int(match.group(1)) if match else manifest_step(filesystem, path)
+
+
+def loadable_checkpoint(checkpoint: ray.train.Checkpoint | None) -> ray.train.Checkpoint | None:
+    """`checkpoint` if complete, else the newest complete checkpoint of the same run that is older; None if none."""
+    if checkpoint is None:
+        return None
+    fs, path = checkpoint.filesystem, checkpoint.path.rstrip("/")
+    reason = check_complete(fs, path)
+    if reason is None:
+        return checkpoint
+    limit = _step(fs, path)
+    parent = path.rsplit("/", 1)[0]
+    candidates = []
+    for info in fs.get_file_info(pafs.FileSelector(parent, allow_not_found=True)):
+        step = _step(fs, info.path) if info.type == pafs.FileType.Directory and info.path != path else None
+        if step is not None and (limit is None or step < limit):
+            candidates.append((step, info.path))
+    for step, candidate in sorted(candidates, reverse=True):
+        if check_complete(fs, candidate) is None:
+            warnings.warn(f"checkpoint {path} is incomplete ({reason}); resuming from step {step} ({candidate})",
+                          stacklevel=2)
+            return ray.train.Checkpoint(candidate, filesystem=fs)
+    warnings.warn(f"checkpoint {path} is incomplete ({reason}) and no complete one precedes it: starting over",
+                  stacklevel=2)
+    return None

@@ -1,0 +1,172 @@
+"""Reliability in-process (no Ray): non-finite steps skipped and budgeted, complete-or-invisible checkpoints and
+the fallback past an incomplete one, the data position after a resize, drain checkpoints, elastic batch config."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import pytest
+import torch
+from test_loop import Recorder, batches, config, dataset, make_parts
+
+from orchestrator.config import load_config
+from orchestrator.errors import ConfigError
+from orchestrator.train.checkpoint import MANIFEST, STATE_FILE, check_complete, load_state, save_state
+from orchestrator.train.loop import NonFiniteLossError, restore, run
+
+
+class NanOnce(torch.nn.Module):
+    """Returns NaN logits on its `at`-th training forward."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(16, 4)
+        self.at, self.calls = at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.net(x)
+        if self.training:
+            self.calls += 1
+            if self.calls == self.at:
+                return out * float("nan")
+        return out
+
+
+def test_a_nan_batch_is_skipped_counted_and_never_reaches_the_weights() -> None:
+    cfg = config("train.max_steps=6", "train.log_every=3", "checkpoint.every=3")
+    parts = make_parts(cfg)
+    # The loop counts FLOPs with one forward first: the 3rd forward is step 2's.
+    parts.model = NanOnce(at=3)
+    parts.optimizer = torch.optim.SGD(parts.model.parameters(), lr=0.1)
+    parts.scheduler = torch.optim.lr_scheduler.LambdaLR(parts.optimizer, lambda step: 1.0)
+    before = copy.deepcopy(parts.model.state_dict())
+    report = Recorder()
+    x, y = dataset(64)
+    run(cfg, parts, lambda epoch: batches(x, y, 32), None, report)
+    metrics = [m for m, _ in report.reports]
+    assert [m["nonfinite_skipped"] for m in metrics] == [1, 1]
+    assert all(torch.isfinite(torch.tensor(m["train_loss"])) for m in metrics)
+    final = report.reports[-1][1]
+    assert final is not None and final["progress"]["nonfinite_skipped"] == 1 and final["progress"]["step"] == 6
+    assert all(torch.isfinite(v).all() for v in final["model"].values())
+    assert not torch.equal(before["net.weight"], final["model"]["net.weight"])
+
+
+def test_the_non_finite_budget_stops_the_run_with_a_clear_error() -> None:
+    cfg = config("train.max_steps=6", "train.log_every=3", "train.max_nonfinite_steps=2")
+    parts = make_parts(cfg)
+    x, y = dataset(64)
+    x[0, 0] = float("nan")  # in the first batch of every epoch: steps 1, 3, 5
+    with pytest.raises(NonFiniteLossError, match=r"3 steps .* more than train.max_nonfinite_steps=2"):
+        run(cfg, parts, lambda epoch: batches(x, y, 32), None, Recorder())
+
+
+def test_non_finite_weights_are_never_checkpointed() -> None:
+    cfg = config("train.max_steps=4", "train.log_every=2", "checkpoint.every=2")
+    parts = make_parts(cfg)
+    with torch.no_grad():
+        next(parts.model.parameters())[0, 0] = float("inf")
+    report = Recorder()
+    x, y = dataset(64)
+    with pytest.raises(NonFiniteLossError):
+        run(cfg, parts, lambda epoch: batches(x, y, 32), None, report)
+    assert all(ckpt is None for _, ckpt in report.reports)
+
+
+def write_checkpoint(root: Path, step: int) -> Path:
+    directory = root / f"checkpoint_{step:08d}_abcdef"
+    directory.mkdir(parents=True)
+    save_state(directory, {"progress": {"step": step}, "model": {"w": torch.full((256,), float(step))}})
+    return directory
+
+
+def test_a_checkpoint_is_complete_only_with_its_manifest_and_every_byte(tmp_path: Path) -> None:
+    fs = pafs.LocalFileSystem()
+    good = write_checkpoint(tmp_path, 5)
+    assert check_complete(fs, str(good)) is None
+    assert not list(good.glob(".*"))  # no temporary files left
+    truncated = write_checkpoint(tmp_path, 10)
+    data = (truncated / STATE_FILE).read_bytes()
+    (truncated / STATE_FILE).write_bytes(data[: len(data) // 2])  # a copy cut off by a kill
+    assert "state.pt has" in (check_complete(fs, str(truncated)) or "")
+    unfinished = write_checkpoint(tmp_path, 15)
+    (unfinished / MANIFEST).unlink()  # killed before the manifest, which is written last
+    assert "no readable manifest" in (check_complete(fs, str(unfinished)) or "")
+
+
+def test_an_incomplete_latest_checkpoint_falls_back_to_the_previous_complete_one(tmp_path: Path) -> None:
+    import ray.train
+
+    from orchestrator.train.resume import loadable_checkpoint
+
+    write_checkpoint(tmp_path, 5)
+    write_checkpoint(tmp_path, 10)
+    latest = write_checkpoint(tmp_path, 15)
+    (latest / STATE_FILE).write_bytes(b"\0" * 10)
+    newer = write_checkpoint(tmp_path, 20)  # not the one Ray registered: never a fallback for an older one
+    (newer / MANIFEST).unlink()
+    with pytest.warns(UserWarning, match="resuming from step 10"):
+        chosen = loadable_checkpoint(ray.train.Checkpoint(str(latest)))
+    assert chosen is not None and load_state(chosen.path)["progress"]["step"] == 10
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert loadable_checkpoint(ray.train.Checkpoint(str(tmp_path / "checkpoint_00000005_abcdef"))) is not None
+
+
+def test_resume_after_a_resize_continues_at_the_next_epoch_boundary() -> None:
+    cfg = config("train.max_steps=3", "train.log_every=3", "checkpoint.every=3")
+    report = Recorder()
+    x, y = dataset(256)
+    run(cfg, make_parts(cfg), lambda epoch: batches(x, y, 32), None, report)
+    state = report.reports[-1][1]
+    assert state is not None
+    same = restore(make_parts(cfg), copy.deepcopy(state))
+    assert (same.epoch, same.batch_in_epoch) == (0, 3)  # same world size: exact position
+    state["rng"] = state["rng"] * 2  # written by a 2-worker group, loaded by 1
+    resized = restore(make_parts(cfg), state)
+    assert (resized.step, resized.epoch, resized.batch_in_epoch) == (3, 1, 0)
+
+
+def test_a_drain_notice_adds_one_checkpoint_at_the_next_report() -> None:
+    cfg = config("train.max_steps=8", "train.log_every=2", "checkpoint.every=8")
+    calls: list[int] = []
+
+    def preempted() -> bool:
+        calls.append(1)
+        return len(calls) >= 2  # the notice arrives before the second report
+
+    report = Recorder()
+    x, y = dataset(256)
+    run(cfg, make_parts(cfg), lambda epoch: batches(x, y, 32), None, report, preempted=preempted)
+    saved = [(m["step"], m.get("drain_checkpoint")) for m, ckpt in report.reports if ckpt is not None]
+    assert saved == [(4, 1), (8, None)]
+    assert len(calls) == 2  # not asked again once saved
+
+
+@pytest.mark.parametrize(("workers", "micro", "accum"), [("[1,2]", 64, 1), ("[2,3]", 20, 2), ("[1,4]", 10, 3)])
+def test_elastic_groups_keep_the_global_batch_at_every_size(workers: str, micro: int, accum: int) -> None:
+    global_batch = {"[1,2]": 128, "[2,3]": 120, "[1,4]": 120}[workers]
+    cfg = load_config(None, [f"scaling.num_workers={workers}", f"train.global_batch_size={global_batch}"])
+    assert (cfg.train.micro_batch_size, cfg.train.grad_accum_steps) == (micro, accum)
+    for world in cfg.scaling.world_sizes:
+        assert global_batch % (micro * world) == 0
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["scaling.num_workers=[2,3]", "train.global_batch_size=128"], "not divisible by scaling.num_workers=3"),
+    (["scaling.num_workers=[3,2]"], "1 <= min <= max"),
+    (["scaling.num_workers=[0,2]"], "1 <= min <= max"),
+    (["scaling.num_workers=[1,2,3]"], "give a count or \\[min, max\\]"),
+    (["scaling.resize_check_s=5"], "no effect with a fixed num_workers"),
+    (["scaling.num_workers=[1,2]", "train.global_batch_size=96", "train.micro_batch_size=64"],
+     "not a multiple of micro_batch_size=64"),
+    (["scaling.num_workers=[1,2]", "train.global_batch_size=128", "train.grad_accum_steps=4"],
+     "derived for each world size"),
+])
+def test_elastic_config_errors_name_the_key_and_the_fix(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
