@@ -12,12 +12,14 @@ import ray.train
 import ray.train.torch
 import torch
 
-from orchestrator.config import config_from_dict
+from orchestrator.config import Config, config_from_dict
+from orchestrator.errors import ConfigError
 from orchestrator.models import build_model
 from orchestrator.train.checkpoint import load_state
 from orchestrator.train.loop import Parts, restore, run
 from orchestrator.train.optim import build_optimizer
 from orchestrator.train.precision import Precision, resolve_precision
+from orchestrator.train.resume import checkpoint_dir_name, loadable_checkpoint
 from orchestrator.train.sync import build_local_sgd
 from pipelines.batches import FeatureCollate, fetch_size, split_batches
 from pipelines.order import local_shuffle_seed, set_epoch
@@ -39,10 +41,24 @@ def quiet_report_log() -> None:
     logging.getLogger(context.__file__).setLevel(logging.WARNING)
 
 
+def for_world_size(cfg: Config, world: int) -> Config:
+    """The accumulation for the world size this group actually has: an elastic group keeps its micro-batch and
+    global batch across resizes (global = micro x accum x world; the config checked every size in range)."""
+    t = cfg.train
+    if not isinstance(t.micro_batch_size, int):
+        return cfg  # auto: measured below, at this world size
+    accum, rest = divmod(t.global_batch_size, t.micro_batch_size * world)
+    if rest or not accum:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not micro_batch_size="
+                          f"{t.micro_batch_size} x accumulation x {world} workers: fix scaling.num_workers")
+    return cfg.model_copy(update={"train": t.model_copy(update={"grad_accum_steps": accum})})
+
+
 def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Entry point passed to TorchTrainer. `spec` = {"config": resolved config dict, "in_features": int}."""
     quiet_report_log()
     cfg = config_from_dict(spec["config"])
+    cfg = for_world_size(cfg, ray.train.get_context().get_world_size())
     t = cfg.train
     device = ray.train.torch.get_device()
     # Same seed on every rank: identical initial weights (DDP also broadcasts rank 0's at wrap time).
@@ -58,7 +74,7 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
                   local_sgd=build_local_sgd(t.sync, *t.local_sgd))
 
     progress = None
-    checkpoint = ray.train.get_checkpoint()
+    checkpoint = loadable_checkpoint(ray.train.get_checkpoint())
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
             progress = restore(parts, load_state(directory))
@@ -99,10 +115,27 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     def report(metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
         nonlocal first_report
-        if first_report:  # facts only a worker knows, sent once
-            metrics = {**metrics, "precision": mode, "worker_pid": os.getpid(), "world_rank": context.get_world_rank()}
+        if first_report:  # facts only a worker knows, sent once per (re)start
+            metrics = {**metrics, "precision": mode, "grad_accum_steps": t.grad_accum_steps,
+                       "global_batch": t.micro_batch_size * t.grad_accum_steps * context.get_world_size(),
+                       "worker_pid": os.getpid(), "world_rank": context.get_world_rank()}
             first_report = False
-        ckpt = ray.train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
-        ray.train.report(metrics, checkpoint=ckpt)
+        if checkpoint_dir is None:
+            ray.train.report(metrics)
+            return
+        mode_ = ray.train.CheckpointUploadMode.SYNC
+        if cfg.checkpoint.upload == "async":
+            # Ray copies in a background thread and deletes the directory when done, while the loop deletes the
+            # directory it handed over as soon as report returns: hand Ray a renamed one (a rename, not a copy).
+            handed, checkpoint_dir = checkpoint_dir, f"{checkpoint_dir}-upload"
+            os.rename(handed, checkpoint_dir)
+            mode_ = ray.train.CheckpointUploadMode.ASYNC
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(checkpoint_dir),
+                         checkpoint_dir_name=checkpoint_dir_name(metrics["step"]), checkpoint_upload_mode=mode_)
 
-    return run(cfg, parts, train_batches, val_batches, report, progress)
+    def preempted() -> bool:
+        # A barrier (rank 0's view broadcast to all); the loop calls it at report steps only.
+        return ray.train.get_preemption_info() is not None
+
+    return run(cfg, parts, train_batches, val_batches, report, progress,
+               preempted if cfg.checkpoint.on_preemption else None)
