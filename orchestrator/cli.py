@@ -1,4 +1,4 @@
-"""`orchestrator train | tune | prepare | show-config`: each subcommand is a few lines around one API call."""
+"""`orchestrator train | tune | doctor | prepare | show-config`: each subcommand is a few lines around one API call."""
 
 from __future__ import annotations
 
@@ -32,6 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--fresh", action="store_true", help="delete the study's saved state and start it over "
                       "(default: continue an interrupted study)")
 
+    doctor = sub.add_parser("doctor", help="diagnose a finished or running run from its MLflow record and "
+                            "print the config changes to try")
+    doctor.add_argument("run_id", metavar="RUN_ID", help="MLflow run id (printed at the end of train and tune)")
+    doctor.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else "
+                        "sqlite:///mlruns.db in the working directory)")
+
     show = sub.add_parser("show-config", help="print the resolved config as YAML")
     _config_args(show)
 
@@ -53,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_command(args: argparse.Namespace) -> int:
+    if args.command == "doctor":
+        from orchestrator.doctor import doctor
+        from orchestrator.doctor import summary as doctor_summary
+
+        print(doctor_summary(args.run_id, doctor(args.run_id, args.tracking_uri)))
+        return 0
+
     if args.command == "prepare":
         from pipelines.prepare import prepare_digits, prepare_synthetic
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from orchestrator.config import Config
 from orchestrator.errors import UserError
 from orchestrator.train.checkpoint import Progress, capture_rng, restore_rng, save_state, unwrap
-from orchestrator.train.memory import cuda_memory_stats, is_oom, release_cached_memory
+from orchestrator.train.memory import cuda_memory_stats, device_facts, is_oom, release_cached_memory
 from orchestrator.train.precision import Precision
 from orchestrator.train.sync import LocalSGD, grad_bytes
 from orchestrator.train.system import node_stats
@@ -335,6 +335,7 @@ def run(
             batch = [next(stream) for _ in range(t.grad_accum_steps)]
         if "flops_per_sample" not in first:
             first["flops_per_sample"] = _flops_per_sample(parts, *batch[0])
+            first |= device_facts(parts.device)  # what `orchestrator doctor` judges precision and memory against
         if progress.step == 0 and parts.eager_model is not None:
             result, first["compile_s"] = _first_compiled_step(parts, batch)
             interval = Interval(PhaseTimer(parts.device), comm_start=parts.comm_bytes)  # compiling isn't training
@@ -366,12 +367,12 @@ def run(
         step, last = progress.step, progress.step == t.max_steps
         do_eval = val_batches is not None and (last or (t.eval_every is not None and step % t.eval_every == 0))
         do_ckpt = last or step % cfg.checkpoint.every == 0
-        if parts.local_sgd is not None and (parts.local_sgd.due(step) or do_eval or do_ckpt):
         at_report = do_eval or do_ckpt or step % t.log_every == 0
         saving_for_drain = False
         if at_report and preempted is not None and not drain_saved and preempted():
             # Once per drain notice: the node is going away, so save the progress since the last checkpoint now.
             do_ckpt = saving_for_drain = drain_saved = True
+        if parts.local_sgd is not None and (parts.local_sgd.due(step) or do_eval or do_ckpt):
             # Also before eval and checkpoints, so both see (and save) the one averaged model.
             with interval.timer.phase("sync"):
                 parts.comm_bytes += parts.local_sgd.average(unwrap(parts.model))
@@ -379,16 +380,16 @@ def run(
             continue
         # Raises on a non-finite loss before anything is evaluated or saved: a broken model is never persisted.
         metrics = _interval_metrics(interval, progress, parts, world, peak)
-        if do_eval:
         if saving_for_drain:
             metrics["drain_checkpoint"] = 1
+        if do_eval:
             with interval.timer.phase("eval"):
                 metrics |= evaluate(parts, val_batches())  # type: ignore[misc]
         checkpoint_dir = None
         with interval.timer.phase("checkpoint"):
             if do_ckpt:
-                rng_states = _gather_rng()
                 _check_finite_weights(parts, step)
+                rng_states = _gather_rng()
                 if rank == 0:
                     checkpoint_dir = tempfile.mkdtemp(prefix="orchestrator-ckpt-")
                     save_state(checkpoint_dir, checkpoint_state(parts, progress, rng_states))
@@ -464,8 +465,8 @@ def _interval_metrics(interval: Interval, progress: Progress, parts: Parts, worl
         "samples_per_s": samples / seconds,
         "data_wait_frac": timer.seconds["data_wait"] / seconds,
         "skipped_steps": parts.precision.skipped_steps,
-        "oom_retries": parts.oom_retries,
         "nonfinite_skipped": progress.nonfinite_skipped,
+        "oom_retries": parts.oom_retries,
         "micro_batch_size": interval.micro,
         "world_size": world,
         # What DDP vs local SGD costs the network: bytes one rank put into all-reduces since it started, and in

@@ -23,6 +23,14 @@ def release_cached_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def device_facts(device: torch.device) -> dict[str, float]:
+    """Numbers about the device, reported once: is it a GPU, does it support bf16, how much memory it has."""
+    if device.type != "cuda":
+        return {"device/cuda": 0.0}
+    return {"device/cuda": 1.0, "device/bf16_supported": float(torch.cuda.is_bf16_supported()),
+            "device/memory_total_gb": torch.cuda.get_device_properties(device).total_memory / GIB}
+
+
 def cuda_memory_stats(device: torch.device) -> dict[str, float]:
     """Allocated / reserved / peak GiB and the reserved-minus-allocated gap (cached but unused: fragmentation)."""
     if device.type != "cuda":
