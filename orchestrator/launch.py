@@ -47,8 +47,9 @@ def resolve_for_data(config: Config, infos: dict[str, DatasetInfo]) -> Config:
     tree = to_dict(config)
     if config.model.num_classes is None:
         if train.num_classes < 2:
-            raise ConfigError(f"cannot infer the number of classes from '{config.data.label}' statistics: "
-                              "set model.num_classes")
+            source = (f"'{config.data.label}' statistics" if config.data.label
+                      else "the token column's vocab_size metadata")
+            raise ConfigError(f"cannot infer the number of classes from {source}: set model.num_classes")
         tree["model"]["num_classes"] = train.num_classes
     t = config.train
     rows_per_worker = train.num_rows // config.scaling.max_workers
@@ -141,7 +142,9 @@ def build_run(config: Config, infos: dict[str, DatasetInfo], run_name: str, call
     clock = f"orchestrator-epoch-{run_name}-{uuid.uuid4().hex[:8]}" if config.data.shuffle else None
     if clock:
         create_epoch_clock(clock)
-    spec = {"config": to_dict(config), "in_features": infos["train"].feature_dim, "epoch_clock": clock}
+    # A language model's rows are seq_len + 1 tokens: inputs and the next-token targets shifted by one.
+    in_features = infos["train"].feature_dim - (1 if config.data.label is None else 0)
+    spec = {"config": to_dict(config), "in_features": in_features, "epoch_clock": clock}
     context = DataContext.get_current()
     context.execution_options.preserve_order = True
     context.print_on_execution_start = False  # one log line per epoch per dataset otherwise
@@ -163,9 +166,6 @@ def _storage_path(config: Config) -> str:
     return path if "://" in path else os.path.abspath(path)
 
 
-def _root_cause(exc: BaseException) -> str:
-    """The last 'SomeError: message' line of a Ray failure, which is what the user needs to read."""
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
 def _storage_args(config: Config) -> dict[str, Any]:
     """RunConfig storage: a local path, or for s3:// the data layer's S3 filesystem (same endpoint, region and
     credentials) with the path inside it, which is what Ray expects alongside storage_filesystem."""
@@ -177,6 +177,9 @@ def _storage_args(config: Config) -> dict[str, Any]:
     return {"storage_path": storage.root, "storage_filesystem": storage.filesystem()}
 
 
+def _root_cause(exc: BaseException) -> str:
+    """The last 'SomeError: message' line of a Ray failure, which is what the user needs to read."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     for line in reversed(lines):
         head = line.split(":", 1)[0]
         if head.endswith(("Error", "Exception")) and " " not in head:
@@ -224,12 +227,12 @@ def train(config: Config, address: str | None = None, verbose: bool = True, resu
         tracker.set_tags({f"orchestrator.resume.{time.strftime('%Y%m%d-%H%M%S')}": "driver restarted with --resume"})
     tracker.log_params(flatten(to_dict(config)))
     tracker.set_tags({"orchestrator.run_dir": run_dir, "orchestrator.train_rows": str(infos["train"].num_rows)})
-    try:
-        started_ray = connect_ray(address, config)
-        try:
     place.write_text("config.yaml", to_yaml(config))
     place.write_record({"run_name": run_name, "mlflow_run_id": tracker.run_id,
                         "tracking_uri": getattr(tracker, "uri", None)})
+    try:
+        started_ray = connect_ray(address, config)
+        try:
             result = _fit(config, infos, run_name, run_dir, tracker, verbose, t0)
         finally:
             if started_ray:
@@ -246,9 +249,6 @@ def train(config: Config, address: str | None = None, verbose: bool = True, resu
     return result
 
 
-def _fit(config: Config, infos: dict[str, DatasetInfo], run_name: str, run_dir: str, tracker: Tracker,
-         verbose: bool, t0: float | None = None) -> TrainResult:
-    import ray
 def _checkpoint_uri(config: Config, path: str) -> str:
     """Ray's checkpoint path as the user names it: s3://... for S3 storage (Ray keeps it without the scheme)."""
     return f"s3://{path}" if config.storage.path.startswith("s3://") and "://" not in path else path
@@ -297,6 +297,9 @@ def _reopen_id(config: Config, record: dict[str, Any] | None) -> str | None:
     return str(record["mlflow_run_id"])
 
 
+def _fit(config: Config, infos: dict[str, DatasetInfo], run_name: str, run_dir: str, tracker: Tracker,
+         verbose: bool, t0: float | None = None) -> TrainResult:
+    import ray
     import ray.train
     from ray.util.queue import Queue
 
@@ -305,24 +308,24 @@ def _reopen_id(config: Config, record: dict[str, Any] | None) -> str | None:
     total = config.train.max_steps or 0
     history: list[dict[str, Any]] = []
     started = time.monotonic()
+    t0 = started if t0 is None else t0
+    failures: list[float] = []
 
     def handle(report: dict[str, Any]) -> None:
         if report.get("event") == "worker_failure":
-    t0 = started if t0 is None else t0
-    failures: list[float] = []
+            failures.append(time.monotonic() - t0)
             print(f"worker {report['rank']} failed: {report['error']} (restarting from the last checkpoint)",
                   file=sys.stderr)
             step = history[-1]["step"] if history else 0
             tracker.set_tags({f"orchestrator.failure.{len(failures)}": f"after step {step}: {report['error']}"})
-            failures.append(time.monotonic() - t0)
             return
-        history.append(report)
-        tracker.log_metrics(report, step=report["step"])
-        if "precision" in report:
         for tag, line in _events(history[-1] if history else None, report, len(history)):
             tracker.set_tags(tag)
             print(line, file=sys.stderr)
         report["elapsed_s"] = time.monotonic() - t0  # when it arrived: the cost ledger's timeline
+        history.append(report)
+        tracker.log_metrics(report, step=report["step"])
+        if "precision" in report:
             tracker.set_tags({"orchestrator.precision": report["precision"]})
         if verbose:
             print(progress_line(report, total, started), flush=True)
@@ -346,9 +349,6 @@ def _reopen_id(config: Config, record: dict[str, Any] | None) -> str | None:
     )
 
 
-def run_summary(history: list[dict[str, Any]]) -> dict[str, float]:
-    """Whole-run figures from the reports: mean time shares, median throughput and MFU, compile time."""
-    import statistics
 def _cost(config: Config, history: list[dict[str, Any]], wall_s: float, failures: int) -> Any:
     from orchestrator.cost import build_ledger, resolve_pricing
 
@@ -357,6 +357,9 @@ def _cost(config: Config, history: list[dict[str, Any]], wall_s: float, failures
     return build_ledger(history, wall_s, resolve_pricing(config, world), failures)
 
 
+def run_summary(history: list[dict[str, Any]]) -> dict[str, float]:
+    """Whole-run figures from the reports: mean time shares, median throughput and MFU, compile time."""
+    import statistics
 
     summary: dict[str, float] = {}
     keys = {k for report in history for k in report if k.startswith("time/")}
@@ -396,10 +399,10 @@ def summary(result: TrainResult) -> str:
         if "summary/mfu" in figures:
             throughput += f", MFU {figures['summary/mfu']:.1%}"
         lines.append(throughput)
+    if result.cost is not None:
+        lines.append(result.cost.line())
     lines.append(f"checkpoint: {result.checkpoint_path}")
     if result.run_id:
         lines.append(f"MLflow run id: {result.run_id}")
-    if result.cost is not None:
-        lines.append(result.cost.line())
         lines.append(f"open the MLflow UI: {ui_command(result.tracking_uri or '')}")
     return "\n".join(lines)
