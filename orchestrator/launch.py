@@ -82,8 +82,23 @@ def connect_ray(address: str | None, config: Config) -> bool:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH")] if p)
     # The dashboard serves the state API that Ray Train's controller polls; bound to localhost only.
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=True,
-             dashboard_host="127.0.0.1", logging_config=logging_config)
+             dashboard_host="127.0.0.1", dashboard_port=pin_state_api(), logging_config=logging_config)
     return True
+
+
+def pin_state_api() -> int:
+    """A free dashboard port, exported as RAY_API_SERVER_ADDRESS for the local cluster about to start.
+
+    Ray Train's placement-group cleaner looks its cluster up with no address; when another Ray instance runs on
+    the same machine that lookup fails, the cleaner dies, and every run whose controller is killed (each trial
+    ASHA stops) keeps its CPUs for good. Ray processes inherit this environment, so they find this cluster."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
+    return port
 
 
 def build_trainer(config: Config, spec: dict[str, Any], datasets: dict[str, Any], run_name: str,

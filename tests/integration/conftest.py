@@ -15,7 +15,10 @@ def ray_cluster() -> Iterator[None]:
     here = str(Path(__file__).parent)
     # Workers inherit the environment: they can import the test's own model module, like a user's.
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [here, os.environ.get("PYTHONPATH")] if p)
-    ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1")
+    from orchestrator.launch import pin_state_api
+
+    ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
+             dashboard_port=pin_state_api())  # see pin_state_api: other Ray instances on this machine
     try:
         yield
     finally:
