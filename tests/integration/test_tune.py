@@ -24,7 +24,7 @@ def study_config(tmp_path: Path, digits_dir: str, *overrides: str) -> Config:
         "train.eval_every=10", "checkpoint.every=40",
         "tune.space.optim.lr.loguniform=[1e-4, 1e-1]", "tune.space.optim.warmup_steps.choice=[0, 10]",
         "tune.num_samples=4", "tune.grace_period=10", "tune.reduction_factor=2", "tune.seed=3",
-        "tune.max_concurrent_trials=2", *overrides])
+        "tune.max_concurrent_trials=2", "cost.price_per_hour=2.0", *overrides])
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +74,21 @@ def test_mlflow_parent_and_child_runs_all_end(study: tuple[TuneResult, Path]) ->
         assert float(run.data.params["optim.lr"]) == pytest.approx(t.params["optim.lr"])
         steps = [m.step for m in client.get_metric_history(run.info.run_id, "val_accuracy")]
         assert steps == list(range(10, t.steps + 1, 10))
+
+
+def test_every_trial_and_the_study_have_a_cost(study: tuple[TuneResult, Path]) -> None:
+    from mlflow.tracking import MlflowClient
+
+    result, _ = study
+    usds = [t.usd for t in result.trials]
+    assert all(u is not None and u > 0 for u in usds)
+    client = MlflowClient(result.tracking_uri)
+    parent = client.get_run(result.parent_run_id).data.metrics
+    assert parent["cost/usd"] == pytest.approx(sum(usds))  # type: ignore[arg-type]
+    assert 0 < parent["cost/productive_frac"] < 1
+    experiment = client.get_experiment_by_name("tune-tests").experiment_id
+    children = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{result.parent_run_id}'")
+    assert all(r.data.metrics.get("cost/usd", 0) > 0 for r in children)
 
 
 def test_best_yaml_validates_and_trains(study: tuple[TuneResult, Path]) -> None:
