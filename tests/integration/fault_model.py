@@ -1,0 +1,64 @@
+"""A user model (loaded through `model.entrypoint`) with fault-injection knobs for the reliability tests:
+- `step_s`: sleep per training forward, so a run lasts long enough to be killed from outside mid-run;
+- `nan_call`/`nan_rank`: NaN logits on that rank's n-th training forward (one rank only: the skip must be agreed);
+- `die_in_checkpoint`: SIGKILL the worker halfway through writing its n-th checkpoint (state.pt is being pickled),
+  once (a marker file remembers it).
+The weights are an ordinary MLP; the extra state is an empty marker, so runs with and without faults compare."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import ray.train
+import torch
+
+
+class _KillWhilePickled:
+    """Pickled inside torch.save: kills this process there, halfway through the checkpoint file."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        Path(self.marker).write_text(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)  # never reached
+        return (dict, ())
+
+
+class Faulty(torch.nn.Module):
+    def __init__(self, in_features: int, num_classes: int, step_s: float, nan_call: int, nan_rank: int,
+                 die_in_checkpoint: int, marker: str) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(in_features, 32), torch.nn.ReLU(),
+                                       torch.nn.Linear(32, num_classes))
+        self.step_s, self.nan_call, self.nan_rank = step_s, nan_call, nan_rank
+        self.die_in_checkpoint, self.marker = die_in_checkpoint, marker
+        self.calls = self.saves = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.net(x)
+        if self.training:
+            self.calls += 1
+            time.sleep(self.step_s)
+            if self.calls == self.nan_call and ray.train.get_context().get_world_rank() == self.nan_rank:
+                out = out * float("nan")
+        return out
+
+    def get_extra_state(self) -> Any:
+        self.saves += 1
+        if self.saves == self.die_in_checkpoint and not Path(self.marker).exists():
+            return {"boom": _KillWhilePickled(self.marker)}
+        return {}
+
+    def set_extra_state(self, state: Any) -> None:
+        pass
+
+
+def build(in_features: int, num_classes: int, step_s: float = 0.0, nan_call: int = 0, nan_rank: int = 0,
+          die_in_checkpoint: int = 0, marker: str = "") -> torch.nn.Module:
+    return Faulty(in_features, num_classes, step_s, nan_call, nan_rank, die_in_checkpoint, marker)

@@ -1,0 +1,115 @@
+"""A real multi-node Ray cluster on this machine (`ray.cluster_utils.Cluster`: one raylet per node): an elastic
+[1, 2] group grows when a node joins and shrinks when one is lost, keeping the global batch; each resize and the
+failure are MLflow tags."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator import load_config
+from orchestrator.launch import TrainResult, train
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+NODE = {"num_cpus": 2}  # one 1.5-CPU training worker fits per node; the head (1 CPU) takes none
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    from ray.cluster_utils import Cluster
+
+    here = str(Path(__file__).parent)
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S")}
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [here, saved["PYTHONPATH"]] if p)
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "15"  # a lost node can leave a stale resource view
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": True,
+                                                            "dashboard_host": "127.0.0.1"})
+    try:
+        cluster.add_node(**NODE)
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        import ray
+
+        ray.shutdown()
+        cluster.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def alive_workers() -> list[Any]:
+    from ray.util.state import list_actors
+
+    return [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.class_name == "RayTrainWorker"]
+
+
+def wait_for(check: Any, what: str, timeout: float = 120.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            found = check()
+        except Exception:  # the state API can fail while a node goes away
+            found = None
+        if found:
+            return found
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} not seen within {timeout:.0f} s")
+
+
+def test_elastic_group_grows_and_shrinks_across_nodes_with_a_constant_global_batch(
+        cluster: Any, tmp_path: Path, digits_dir: str) -> None:
+    from mlflow.tracking import MlflowClient
+
+    config = load_config(None, [
+        f"data.train={digits_dir}/train", "data.val=null", f"storage.path={tmp_path}/runs",
+        f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.experiment=elastic",
+        "scaling.num_workers=[1,2]", "scaling.cpus_per_worker=1.5", "scaling.resize_check_s=1",
+        "train.global_batch_size=64", "train.max_steps=300", "train.log_every=5", "checkpoint.every=5",
+        "train.precision=fp32", "failure.max_failures=4", "model.entrypoint=fault_model:build", "model.step_s=0.04",
+    ])
+    assert (config.train.micro_batch_size, config.train.grad_accum_steps) == (32, 1)
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["result"] = train(config, address=cluster.address, verbose=False)
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    wait_for(lambda: len(alive_workers()) == 1 and list((tmp_path / "runs").glob("*/checkpoint_*")),
+             "one worker and a checkpoint")
+    joined = cluster.add_node(**NODE)  # room for a second worker: the group restarts at 2 from the checkpoint
+    wait_for(lambda: len(alive_workers()) == 2, "the group grown to 2 workers")
+    time.sleep(3)  # a few steps at 2 workers, across the two nodes
+    cluster.remove_node(joined, allow_graceful=False)  # the node is lost: the group shrinks to 1 and continues
+    thread.join(timeout=480)
+    assert not thread.is_alive(), "training did not finish"
+    assert "error" not in outcome, outcome.get("error")
+    result: TrainResult = outcome["result"]
+    assert result.metrics["step"] == 300
+
+    sizes = [r["world_size"] for r in result.history]
+    changes = [b for a, b in zip(sizes, sizes[1:], strict=False) if a != b]
+    assert sizes[0] == 1 and changes[:2] == [2, 1], sizes
+    # micro x accumulation x world = 64 at every size: accumulation 2 with one worker, 1 with two.
+    starts = [r for r in result.history if "global_batch" in r]
+    assert {r["global_batch"] for r in starts} == {64}
+    assert {(r["world_size"], r["grad_accum_steps"]) for r in starts} == {(1, 2), (2, 1)}
+
+    tags = MlflowClient(result.tracking_uri).get_run(result.run_id).data.tags
+    resizes = sorted(v for k, v in tags.items() if k.startswith("orchestrator.resize."))
+    assert any("1 -> 2 workers, global batch 64" in v for v in resizes), resizes
+    assert any("2 -> 1 workers, global batch 64" in v for v in resizes), resizes
+    assert any(k.startswith("orchestrator.failure.") for k in tags)

@@ -1,0 +1,206 @@
+"""Fault injection on a real local Ray cluster (no mocks): a worker SIGKILLed by PID mid-epoch, a worker killed while
+writing a checkpoint (local and S3 storage), a killed driver resumed with `orchestrator train --resume`, and a
+NaN on one rank. Resumed runs must end with the same weights, bit for bit, as uninterrupted ones (fp32 on CPU:
+same data order, same reduction order, same RNG streams)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow.fs as pafs
+import pytest
+import torch
+
+from orchestrator import load_config
+from orchestrator.launch import TrainResult, train
+from orchestrator.train.checkpoint import check_complete, load_state
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+BIN = Path(sys.executable).parent
+
+
+def overrides(tmp: Path, digits: str, *extra: str) -> list[str]:
+    return [f"data.train={digits}/train", "data.val=null", f"storage.path={tmp}/runs", "tracking.enabled=false",
+            "scaling.num_workers=2", "train.global_batch_size=64", "train.precision=fp32", "train.log_every=5",
+            "checkpoint.every=10", "failure.max_failures=2", "model.entrypoint=fault_model:build", *extra]
+
+
+def run(tmp: Path, digits: str, *extra: str) -> TrainResult:
+    return train(load_config(None, overrides(tmp, digits, *extra)), verbose=False)
+
+
+def weights(path: str, filesystem: Any = None) -> dict[str, torch.Tensor]:
+    if filesystem is None:
+        state = load_state(path)
+    else:
+        import ray.train
+
+        with ray.train.Checkpoint(path, filesystem=filesystem).as_directory() as directory:
+            state = load_state(directory)
+    return {k: v for k, v in state["model"].items() if not k.endswith("_extra_state")}
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs from the uninterrupted run"
+
+
+@pytest.fixture(scope="module")
+def clean(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory, digits_dir: str) -> dict[str, torch.Tensor]:
+    """The uninterrupted reference: 60 steps of 64 rows on 2 workers (about 2.7 epochs of digits)."""
+    result = run(tmp_path_factory.mktemp("clean"), digits_dir, "train.max_steps=60")
+    return weights(result.checkpoint_path)  # type: ignore[arg-type]
+
+
+def wait_for(check: Any, what: str, timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        time.sleep(0.05)
+    raise TimeoutError(f"{what} not seen within {timeout:.0f} s")
+
+
+def complete_checkpoints(runs: Path) -> list[Path]:
+    fs = pafs.LocalFileSystem()
+    return [p for p in runs.glob("*/checkpoint_0*") if check_complete(fs, str(p)) is None]
+
+
+def test_worker_killed_by_pid_mid_epoch_ends_with_the_uninterrupted_weights(
+        clean: dict[str, torch.Tensor], tmp_path: Path, digits_dir: str) -> None:
+    from ray.util.state import list_actors
+
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["result"] = run(tmp_path, digits_dir, "train.max_steps=60", "model.step_s=0.01")
+        except BaseException as exc:  # re-raised in the test thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    wait_for(lambda: complete_checkpoints(tmp_path / "runs"), "the first checkpoint")
+    workers = wait_for(lambda: [a for a in list_actors(filters=[("state", "=", "ALIVE")])
+                                if a.class_name == "RayTrainWorker" and a.pid], "the training workers")
+    os.kill(workers[-1].pid, signal.SIGKILL)  # mid-epoch: an epoch of digits is ~22 steps, checkpoints every 10
+    thread.join(timeout=180)
+    assert "error" not in outcome, outcome.get("error")
+    result: TrainResult = outcome["result"]
+    assert result.metrics["step"] == 60
+    steps = [r["step"] for r in result.history]
+    assert len(steps) > len(set(steps)), "no step was reported twice: the worker was not killed mid-run"
+    assert_same(weights(result.checkpoint_path), clean)  # type: ignore[arg-type]
+
+
+def test_worker_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(
+        clean: dict[str, torch.Tensor], tmp_path: Path, digits_dir: str) -> None:
+    marker = tmp_path / "killed"
+    # Killed inside the 3rd checkpoint (step 30), halfway through pickling state.pt.
+    result = run(tmp_path, digits_dir, "train.max_steps=60", "model.die_in_checkpoint=3", f"model.marker={marker}",
+                 "checkpoint.keep=2")
+    assert marker.exists(), "the worker was never killed"
+    assert result.metrics["step"] == 60
+    # Killed while writing the checkpoint of step k: resumed from step k - 10, so exactly step k - 5 is reported
+    # twice (k itself was never reported: its checkpoint never existed).
+    steps = [r["step"] for r in result.history]
+    (again,) = {s for s in steps if steps.count(s) > 1}
+    assert steps == [*range(5, again + 5, 5), *range(again, 65, 5)], steps
+    assert_same(weights(result.checkpoint_path), clean)  # type: ignore[arg-type]
+    # Retention kept the newest complete ones; nothing incomplete was ever registered or left behind.
+    names = sorted(p.name for p in Path(result.run_dir).glob("checkpoint_0*"))
+    assert [n[:19] for n in names] == ["checkpoint_00000050", "checkpoint_00000060"]
+    assert len(complete_checkpoints(tmp_path / "runs")) == 2
+
+
+@pytest.fixture(scope="module")
+def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from s3_server import MotoServer
+
+    server = MotoServer(tmp_path_factory.mktemp("moto"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_checkpoints_on_s3_are_atomic_too(clean: dict[str, torch.Tensor], tmp_path: Path, digits_dir: str,
+                                          moto: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import boto3
+    from s3_server import FAKE_ENV
+
+    for key, value in FAKE_ENV.items():
+        monkeypatch.setenv(key, value)
+    bucket = f"ckpt-{uuid.uuid4().hex[:10]}"
+    boto3.client("s3", endpoint_url=moto.url, region_name="us-east-1").create_bucket(Bucket=bucket)
+    marker = tmp_path / "killed"
+    result = run(tmp_path, digits_dir, "train.max_steps=60", f"storage.path=s3://{bucket}/runs",
+                 f"data.s3.endpoint={moto.url}", "model.die_in_checkpoint=3", f"model.marker={marker}")
+    assert marker.exists()
+    assert result.checkpoint_path and result.checkpoint_path.startswith(f"s3://{bucket}/runs/")
+    from pipelines.storage import open_storage
+
+    fs = open_storage(f"s3://{bucket}/runs", result.config.data.s3).filesystem()
+    path = result.checkpoint_path.removeprefix("s3://")
+    assert check_complete(fs, path) is None
+    assert_same(weights(path, fs), clean)
+
+
+def test_a_nan_on_one_rank_is_skipped_on_every_rank_and_counted(ray_cluster: None, tmp_path: Path,
+                                                                 digits_dir: str) -> None:
+    # Rank 1's 4th training forward (step 3; the 1st forward counts FLOPs) gives NaN logits.
+    result = run(tmp_path, digits_dir, "train.max_steps=10", "model.nan_call=4", "model.nan_rank=1")
+    assert result.metrics["nonfinite_skipped"] == 1 and result.metrics["step"] == 10
+    assert all(torch.isfinite(v).all() for v in weights(result.checkpoint_path).values())  # type: ignore[arg-type]
+    with pytest.raises(Exception, match="max_nonfinite_steps=0"):
+        run(tmp_path, digits_dir, "train.max_steps=10", "model.nan_call=4", "model.nan_rank=1",
+            "train.max_nonfinite_steps=0", "failure.max_failures=0")
+
+
+def test_killed_driver_resumes_with_the_same_run_and_mlflow_run(ray_cluster: None, tmp_path: Path,
+                                                                 digits_dir: str) -> None:
+    import ray
+    from mlflow.tracking import MlflowClient
+
+    config = tmp_path / "exp.yaml"
+    config.write_text("experiment: resume-me\n")
+    sets = [a for o in overrides(tmp_path, digits_dir, "train.max_steps=40", "model.step_s=0.02",
+                                 "tracking.enabled=true", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db")
+            for a in ("--set", o)]
+    command = [str(BIN / "orchestrator"), "train", "--config", str(config),
+               "--address", ray.get_runtime_context().gcs_address, *sets]
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: complete_checkpoints(tmp_path / "runs"), "the first checkpoint", timeout=120)
+    finally:
+        first.kill()  # SIGKILL: no cleanup, like a lost head node shell or an OOM-killed driver
+        first.wait(timeout=30)
+    (run_dir,) = (tmp_path / "runs").glob("resume-me-*")
+    run_id = json.loads((run_dir / "orchestrator-run.json").read_text())["mlflow_run_id"]
+
+    resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=180)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    steps = [int(s) for s in re.findall(r"^step (\d+)/40", resumed.stdout, re.MULTILINE)]
+    assert steps and steps[0] > 10 and steps[-1] == 40, steps  # continued, not redone from step 5
+    assert f"MLflow run id: {run_id}" in resumed.stdout
+    assert "resuming run" in resumed.stderr
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("default").experiment_id])
+    assert [r.info.run_id for r in runs] == [run_id] and runs[0].info.status == "FINISHED"
+    logged = [m.step for m in client.get_metric_history(run_id, "train_loss")]
+    assert min(logged) == 5 and max(logged) == 40
