@@ -15,6 +15,7 @@ import pytest
 
 from orchestrator import load_config
 from orchestrator.launch import TrainResult, train
+from orchestrator.train.checkpoint import load_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -91,8 +92,9 @@ def test_elastic_group_grows_and_shrinks_across_nodes_with_a_constant_global_bat
     wait_for(lambda: len(alive_workers()) == 1 and list((tmp_path / "runs").glob("*/checkpoint_*")),
              "one worker and a checkpoint")
     joined = cluster.add_node(**NODE)  # room for a second worker: the group restarts at 2 from the checkpoint
-    wait_for(lambda: len(alive_workers()) == 2, "the group grown to 2 workers")
-    time.sleep(3)  # a few steps at 2 workers, across the two nodes
+    # Trained at 2 workers across the two nodes: a checkpoint written by the grown group (one RNG state per rank).
+    wait_for(lambda: any(len(load_state(p)["rng"]) == 2 for p in (tmp_path / "runs").glob("*/checkpoint_0*")),
+             "a checkpoint of the 2-worker group")
     cluster.remove_node(joined, allow_graceful=False)  # the node is lost: the group shrinks to 1 and continues
     thread.join(timeout=480)
     assert not thread.is_alive(), "training did not finish"
