@@ -55,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     synthetic.add_argument("--classes", type=int, default=10)
     synthetic.add_argument("--val-rows", type=int, default=0)
     synthetic.add_argument("--seed", type=int, default=0)
+    text = kinds.add_parser("text", help="byte-tokenised local text files as fixed-length token sequences")
+    text.add_argument("--input", nargs="+", required=True, metavar="FILE")
+    text.add_argument("--out", required=True)
+    text.add_argument("--seq-len", type=int, default=128)
+    text.add_argument("--shards", type=int, default=4)
+    text.add_argument("--val-fraction", type=float, default=0.1)
     return parser
 
 
@@ -67,10 +73,13 @@ def run_command(args: argparse.Namespace) -> int:
         return 0
 
     if args.command == "prepare":
-        from pipelines.prepare import prepare_digits, prepare_synthetic
+        from pipelines.prepare import prepare_digits, prepare_synthetic, prepare_text
 
         if args.dataset == "digits":
             counts = prepare_digits(args.out, shards=args.shards, seed=args.seed)
+        elif args.dataset == "text":
+            counts = prepare_text(args.input, args.out, seq_len=args.seq_len, shards=args.shards,
+                                  val_fraction=args.val_fraction)
         else:
             counts = prepare_synthetic(args.out, rows=args.rows, shards=args.shards, features=args.features,
                                        classes=args.classes, val_rows=args.val_rows, seed=args.seed)

@@ -8,15 +8,25 @@ import random
 from typing import Any
 
 import numpy as np
+import psutil
 import ray.train
 import ray.train.torch
 import torch
+import torch.distributed as dist
 
 from orchestrator.config import Config, config_from_dict
 from orchestrator.errors import ConfigError
 from orchestrator.models import build_model
-from orchestrator.train.checkpoint import load_state
-from orchestrator.train.loop import Parts, restore, run
+from orchestrator.train.checkpoint import load_state, unwrap
+from orchestrator.train.loop import Batch, Parts, loss_sum, restore, run
+from orchestrator.train.memory import (
+    GIB,
+    activation_bytes_per_sample,
+    fit_micro_batch_cpu,
+    fit_micro_batch_cuda,
+    release_cached_memory,
+    state_bytes,
+)
 from orchestrator.train.optim import build_optimizer
 from orchestrator.train.precision import Precision, resolve_precision
 from orchestrator.train.resume import checkpoint_dir_name, loadable_checkpoint
@@ -39,6 +49,63 @@ def quiet_report_log() -> None:
     except ImportError:  # another Ray version: nothing to work around
         return
     logging.getLogger(context.__file__).setLevel(logging.WARNING)
+
+
+def probe_batch(size: int, in_features: int, num_classes: int, tokens: bool, device: torch.device) -> Batch:
+    """Random inputs of the training batch's shape, for memory probing: features and a class, or a sequence of
+    `in_features` tokens and its next-token targets."""
+    if tokens:
+        sequence = torch.randint(0, num_classes, (size, in_features + 1), device=device)
+        return sequence[:, :-1], sequence[:, 1:]
+    return (torch.rand(size, in_features, device=device), torch.randint(0, num_classes, (size,), device=device))
+
+
+def choose_micro_batch(cfg: Config, parts: Parts, in_features: int) -> int:
+    """The largest micro-batch (a divisor of the per-worker batch) that fits, agreed by all ranks (their minimum)."""
+    context = ray.train.get_context()
+    world, device = context.get_world_size(), parts.device
+    per_worker = cfg.train.global_batch_size // world
+    model = unwrap(parts.model)
+    classes = cfg.model.num_classes or 2
+    # Dropout in the probes must not move the training RNG streams.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        if device.type == "cuda":
+            saved = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+            def try_step(size: int) -> None:
+                x, y = probe_batch(size, in_features, classes, cfg.data.label is None, device)
+                with parts.precision.autocast():
+                    logits = model(x)
+                loss_sum(logits, y).backward()
+                parts.optimizer.step()  # allocates the optimizer state, part of the footprint
+                parts.optimizer.zero_grad(set_to_none=True)
+
+            try:
+                size = fit_micro_batch_cuda(per_worker, try_step, device)
+            finally:
+                model.load_state_dict(saved)
+                parts.optimizer.state.clear()
+        else:
+            budget = (cfg.train.memory_budget_gb * GIB if cfg.train.memory_budget_gb
+                      else psutil.virtual_memory().total / 2 / context.get_local_world_size())
+            x, y = probe_batch(min(per_worker, 8), in_features, classes, cfg.data.label is None, device)
+            per_sample = activation_bytes_per_sample(model, x, lambda logits: loss_sum(logits, y))
+            slots = 2 if cfg.optim.name == "adamw" else 1
+            size = fit_micro_batch_cpu(per_worker, state_bytes(model, slots), per_sample, budget)
+    agreed = torch.tensor([size], device=device)
+    if world > 1:
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    size = int(agreed.item())
+    if context.get_world_rank() == 0:
+        print(f"auto micro-batch: {size} per worker x {per_worker // size} accumulation x {world} workers "
+              f"= global batch {cfg.train.global_batch_size}", flush=True)
+    return size
+
+
+def with_micro_batch(cfg: Config, micro: int) -> Config:
+    per_worker = cfg.train.global_batch_size // ray.train.get_context().get_world_size()
+    train = cfg.train.model_copy(update={"micro_batch_size": micro, "grad_accum_steps": per_worker // micro})
+    return cfg.model_copy(update={"train": train})
 
 
 def for_world_size(cfg: Config, world: int) -> Config:
@@ -66,12 +133,20 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
     mode = resolve_precision(t.precision, device)
     model = build_model(cfg.model.name, cfg.model.entrypoint, spec["in_features"], cfg.model.num_classes,
                         cfg.model.kwargs)
-    if t.compile:
-        model = torch.compile(model)  # type: ignore[assignment]
     model = ray.train.torch.prepare_model(model)
     optimizer, scheduler = build_optimizer(model, cfg.optim, t.max_steps)  # type: ignore[arg-type]
     parts = Parts(model, optimizer, scheduler, Precision(mode, device), device, cfg.optim.max_grad_norm,
                   local_sgd=build_local_sgd(t.sync, *t.local_sgd))
+    if t.micro_batch_size == "auto":
+        # Before the checkpoint is loaded: probing touches weights and optimizer state, then puts them back.
+        cfg = with_micro_batch(cfg, choose_micro_batch(cfg, parts, spec["in_features"]))
+        t = cfg.train
+        release_cached_memory(device)
+    if t.compile:
+        # Compile the DDP-wrapped model (DDP's optimizer splits graphs at bucket boundaries); keep the eager one
+        # as the fallback if compilation fails on the first step.
+        parts.eager_model = parts.model
+        parts.model = torch.compile(parts.model)  # type: ignore[assignment]
 
     progress = None
     checkpoint = loadable_checkpoint(ray.train.get_checkpoint())
