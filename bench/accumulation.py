@@ -18,9 +18,9 @@ import torch
 
 from orchestrator import load_config, train
 from orchestrator.models import mlp
-from orchestrator.train.loop import Parts, train_step
-from orchestrator.train.optim import build_optimizer
-from orchestrator.train.precision import Precision
+from orchestrator.training.loop import Parts, train_step
+from orchestrator.training.optim import build_optimizer
+from orchestrator.training.precision import Precision
 
 
 def rate(parts: Parts, micro: int, accum: int, steps: int) -> float:

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout, nothing installed
 
 from orchestrator.models import GPT  # noqa: E402  (torch-only modules: no pydantic, Ray or MLflow needed)
-from orchestrator.train.memory import GIB, fit_micro_batch_cuda, release_cached_memory  # noqa: E402
-from orchestrator.train.timing import count_flops, peak_flops  # noqa: E402
+from orchestrator.training.memory import GIB, fit_micro_batch_cuda, release_cached_memory  # noqa: E402
+from orchestrator.training.timing import count_flops, peak_flops  # noqa: E402
 
 
 def make_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: int, seq: int, vocab: int,
@@ -115,7 +115,7 @@ def main() -> None:
     if len(rows) == 4:
         print(f"compile gain (bf16): {rows[3][1] / rows[2][1]:.2f}x")
     if peak is None:
-        print("MFU: peak FLOP/s unknown for this device (see orchestrator/train/timing.py PEAK_FLOPS)")
+        print("MFU: peak FLOP/s unknown for this device (see orchestrator/training/timing.py PEAK_FLOPS)")
 
 
 if __name__ == "__main__":

@@ -171,7 +171,7 @@ def build_run(config: Config, infos: dict[str, DatasetInfo], run_name: str, call
 
 def _worker_entry(spec: dict[str, Any]) -> dict[str, Any]:
     # Imported in the worker only: the driver never needs the loop's modules.
-    from orchestrator.train.worker import train_worker
+    from orchestrator.training.worker import train_worker
 
     return train_worker(spec)
 
@@ -207,7 +207,7 @@ def _log_final_artifacts(tracker: Tracker, config: Config, checkpoint_path: str 
     import torch
 
     from orchestrator.plots import plot_history
-    from orchestrator.train.checkpoint import load_state
+    from orchestrator.training.checkpoint import load_state
 
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.yaml").write_text(to_yaml(config))

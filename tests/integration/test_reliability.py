@@ -24,7 +24,7 @@ import torch
 
 from orchestrator import load_config
 from orchestrator.launch import TrainResult, train
-from orchestrator.train.checkpoint import check_complete, load_state
+from orchestrator.training.checkpoint import check_complete, load_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -12,7 +12,7 @@ import torch
 
 from orchestrator import load_config, train
 from orchestrator.launch import TrainResult
-from orchestrator.train.checkpoint import load_state
+from orchestrator.training.checkpoint import load_state
 
 pytestmark = pytest.mark.slow
 

@@ -34,7 +34,7 @@ def test_pipelines_never_import_orchestrator() -> None:
 
 
 def test_worker_side_imports_no_driver_sdks() -> None:
-    assert offenders("orchestrator/train", ("mlflow", "ray.tune", "orchestrator.launch", "orchestrator.tracking",
+    assert offenders("orchestrator/training", ("mlflow", "ray.tune", "orchestrator.launch", "orchestrator.tracking",
                                             "orchestrator.cli", "boto3")) == []
 
 
@@ -49,3 +49,11 @@ def test_package_import_is_light() -> None:
             "print(','.join(heavy))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == ""
+
+
+def test_exported_functions_are_not_shadowed_by_subpackages() -> None:
+    # A subpackage named like an exported function replaces it once imported (orchestrator.train did).
+    code = ("import orchestrator.training.loop, orchestrator.study, orchestrator.launch\n"
+            "from orchestrator import train, tune\n"
+            "assert callable(train) and callable(tune), (train, tune)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, capture_output=True)

@@ -14,7 +14,7 @@ from recording_model import read_runs
 
 from orchestrator.config import load_config
 from orchestrator.launch import TrainResult, train
-from orchestrator.train.checkpoint import load_state
+from orchestrator.training.checkpoint import load_state
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from orchestrator.config import OptimConfig
-from orchestrator.train.optim import build_optimizer, lr_factor
+from orchestrator.training.optim import build_optimizer, lr_factor
 
 
 def test_warmup_then_cosine_at_known_steps() -> None:

@@ -12,10 +12,10 @@ import torch
 from orchestrator.config import Config, load_config
 from orchestrator.errors import ConfigError
 from orchestrator.models import build_model
-from orchestrator.train.checkpoint import Progress, load_state
-from orchestrator.train.loop import NonFiniteLossError, Parts, restore, run, train_step
-from orchestrator.train.optim import build_optimizer
-from orchestrator.train.precision import Precision, resolve_precision
+from orchestrator.training.checkpoint import Progress, load_state
+from orchestrator.training.loop import NonFiniteLossError, Parts, restore, run, train_step
+from orchestrator.training.optim import build_optimizer
+from orchestrator.training.precision import Precision, resolve_precision
 
 CPU = torch.device("cpu")
 

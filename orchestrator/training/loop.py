@@ -21,12 +21,12 @@ import torch.nn.functional as F
 
 from orchestrator.config import Config
 from orchestrator.errors import UserError
-from orchestrator.train.checkpoint import Progress, capture_rng, restore_rng, save_state, unwrap
-from orchestrator.train.memory import cuda_memory_stats, device_facts, is_oom, release_cached_memory
-from orchestrator.train.precision import Precision
-from orchestrator.train.sync import LocalSGD, grad_bytes
-from orchestrator.train.system import node_stats
-from orchestrator.train.timing import PhaseTimer, count_flops, peak_flops
+from orchestrator.training.checkpoint import Progress, capture_rng, restore_rng, save_state, unwrap
+from orchestrator.training.memory import cuda_memory_stats, device_facts, is_oom, release_cached_memory
+from orchestrator.training.precision import Precision
+from orchestrator.training.sync import LocalSGD, grad_bytes
+from orchestrator.training.system import node_stats
+from orchestrator.training.timing import PhaseTimer, count_flops, peak_flops
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

@@ -16,7 +16,7 @@ from typing import Any
 import pyarrow.fs as pafs
 import ray.train
 
-from orchestrator.train.checkpoint import check_complete, manifest_step
+from orchestrator.training.checkpoint import check_complete, manifest_step
 
 _NAME = re.compile(r"^checkpoint_(\d+)_")
 

@@ -11,17 +11,17 @@ import torch
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError
 from orchestrator.models import GPT
-from orchestrator.train.loop import Parts, loss_sum, run, train_step
-from orchestrator.train.memory import (
+from orchestrator.training.loop import Parts, loss_sum, run, train_step
+from orchestrator.training.memory import (
     activation_bytes_per_sample,
     divisors_descending,
     fit_micro_batch_cpu,
     fit_micro_batch_cuda,
     state_bytes,
 )
-from orchestrator.train.optim import build_optimizer
-from orchestrator.train.precision import Precision
-from orchestrator.train.timing import PhaseTimer, peak_flops
+from orchestrator.training.optim import build_optimizer
+from orchestrator.training.precision import Precision
+from orchestrator.training.timing import PhaseTimer, peak_flops
 
 CPU = torch.device("cpu")
 

@@ -14,8 +14,8 @@ from test_loop import Recorder, batches, config, dataset, make_parts
 
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError
-from orchestrator.train.checkpoint import MANIFEST, STATE_FILE, check_complete, load_state, save_state
-from orchestrator.train.loop import NonFiniteLossError, restore, run
+from orchestrator.training.checkpoint import MANIFEST, STATE_FILE, check_complete, load_state, save_state
+from orchestrator.training.loop import NonFiniteLossError, restore, run
 
 
 class NanOnce(torch.nn.Module):
@@ -100,7 +100,7 @@ def test_a_checkpoint_is_complete_only_with_its_manifest_and_every_byte(tmp_path
 def test_an_incomplete_latest_checkpoint_falls_back_to_the_previous_complete_one(tmp_path: Path) -> None:
     import ray.train
 
-    from orchestrator.train.resume import loadable_checkpoint
+    from orchestrator.training.resume import loadable_checkpoint
 
     write_checkpoint(tmp_path, 5)
     write_checkpoint(tmp_path, 10)

@@ -16,10 +16,10 @@ import torch.multiprocessing as mp
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError
 from orchestrator.models import build_model
-from orchestrator.train.loop import Parts, run
-from orchestrator.train.optim import build_optimizer
-from orchestrator.train.precision import Precision
-from orchestrator.train.sync import LocalSGD, build_local_sgd
+from orchestrator.training.loop import Parts, run
+from orchestrator.training.optim import build_optimizer
+from orchestrator.training.precision import Precision
+from orchestrator.training.sync import LocalSGD, build_local_sgd
 
 CPU = torch.device("cpu")
 H = 4

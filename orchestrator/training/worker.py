@@ -17,9 +17,9 @@ import torch.distributed as dist
 from orchestrator.config import Config, config_from_dict
 from orchestrator.errors import ConfigError
 from orchestrator.models import build_model
-from orchestrator.train.checkpoint import load_state, unwrap
-from orchestrator.train.loop import Batch, Parts, loss_sum, restore, run
-from orchestrator.train.memory import (
+from orchestrator.training.checkpoint import load_state, unwrap
+from orchestrator.training.loop import Batch, Parts, loss_sum, restore, run
+from orchestrator.training.memory import (
     GIB,
     activation_bytes_per_sample,
     fit_micro_batch_cpu,
@@ -27,10 +27,10 @@ from orchestrator.train.memory import (
     release_cached_memory,
     state_bytes,
 )
-from orchestrator.train.optim import build_optimizer
-from orchestrator.train.precision import Precision, resolve_precision
-from orchestrator.train.resume import checkpoint_dir_name, loadable_checkpoint
-from orchestrator.train.sync import build_local_sgd
+from orchestrator.training.optim import build_optimizer
+from orchestrator.training.precision import Precision, resolve_precision
+from orchestrator.training.resume import checkpoint_dir_name, loadable_checkpoint
+from orchestrator.training.sync import build_local_sgd
 from pipelines.batches import FeatureCollate, fetch_size, split_batches
 from pipelines.order import local_shuffle_seed, set_epoch
 
