@@ -15,7 +15,7 @@ import pytest
 
 from orchestrator import load_config
 from orchestrator.launch import TrainResult, train
-from orchestrator.train.checkpoint import load_state
+from orchestrator.training.checkpoint import load_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -27,9 +27,11 @@ def cluster() -> Iterator[Any]:
     from ray.cluster_utils import Cluster
 
     here = str(Path(__file__).parent)
-    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S")}
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S",
+                                            "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S")}
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [here, saved["PYTHONPATH"]] if p)
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "15"  # a lost node can leave a stale resource view
+    os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = "0.5"  # Ray Train's drain watcher (default 5 s)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": True,
                                                             "dashboard_host": "127.0.0.1"})
     try:
@@ -115,3 +117,53 @@ def test_elastic_group_grows_and_shrinks_across_nodes_with_a_constant_global_bat
     assert any("1 -> 2 workers, global batch 64" in v for v in resizes), resizes
     assert any("2 -> 1 workers, global batch 64" in v for v in resizes), resizes
     assert any(k.startswith("orchestrator.failure.") for k in tags)
+
+
+def test_a_drained_node_triggers_a_checkpoint_before_it_goes(cluster: Any, tmp_path: Path, digits_dir: str) -> None:
+    """A spot reclaim notice, as the autoscaler sends it: `ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION`."""
+    import subprocess
+    import sys
+
+    from mlflow.tracking import MlflowClient
+
+    config = load_config(None, [
+        f"data.train={digits_dir}/train", "data.val=null", f"storage.path={tmp_path}/runs",
+        f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.experiment=drain",
+        "scaling.num_workers=[1,2]", "scaling.cpus_per_worker=1.5", "scaling.resize_check_s=1",
+        "train.global_batch_size=64", "train.max_steps=300", "train.log_every=5", "checkpoint.every=1000",
+        "train.precision=fp32", "failure.max_failures=4", "model.entrypoint=fault_model:build", "model.step_s=0.04",
+    ])
+    spot = cluster.add_node(**NODE)
+    cluster.wait_for_nodes()
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["result"] = train(config, address=cluster.address, verbose=False)
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    wait_for(lambda: len(alive_workers()) == 2, "2 workers on 2 nodes")
+    time.sleep(2)
+    drain = subprocess.run(
+        [str(Path(sys.executable).with_name("ray")), "drain-node", "--address", cluster.address, "--node-id",
+         spot.node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim (test)",
+         "--deadline-remaining-seconds", "30"], capture_output=True, text=True, timeout=60)
+    assert drain.returncode == 0, drain.stderr
+    # No periodic checkpoint before step 300: only the drain notice can write one.
+    wait_for(lambda: list((tmp_path / "runs").glob("*/checkpoint_0*")), "the drain checkpoint")
+    cluster.remove_node(spot, allow_graceful=False)  # the reclaim
+    thread.join(timeout=480)
+    assert "error" not in outcome, outcome.get("error")
+    result: TrainResult = outcome["result"]
+    assert result.metrics["step"] == 300
+    drained = [r["step"] for r in result.history if r.get("drain_checkpoint")]
+    assert len(drained) >= 1
+    tags = MlflowClient(result.tracking_uri).get_run(result.run_id).data.tags
+    assert any(k.startswith("orchestrator.drain.") and "checkpoint saved" in v for k, v in tags.items())
+    # After the loss, one worker resumed from the drain checkpoint, not from scratch.
+    sizes = [r["world_size"] for r in result.history]
+    shrunk = next(i for i in range(1, len(sizes)) if sizes[i] == 1 and 2 in sizes[:i])
+    assert result.history[shrunk]["step"] > drained[0]
