@@ -1,0 +1,37 @@
+"""Run places in storage: fresh names never reuse a run's name, --resume finds the newest run, records round-trip."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from orchestrator.cli import build_parser
+from orchestrator.config import load_config
+from orchestrator.runs import latest_run, new_run, open_run_storage
+
+
+def test_resume_finds_the_newest_run_of_the_experiment_only(tmp_path: Path) -> None:
+    config = load_config(None, [f"storage.path={tmp_path}", "experiment=exp"])
+    storage = open_run_storage(config)
+    assert latest_run(storage, "exp") is None  # nothing yet: --resume starts a new run
+    for name in ("exp-20260101-000000", "exp-20260102-000000", "exp-20260102-000000-2", "exp-other-20270101-000000",
+                 "expo-20270101-000000"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "exp-20290101-000000.txt").write_text("a file, not a run")
+    place = latest_run(storage, "exp")
+    assert place is not None and place.name == "exp-20260102-000000-2"
+    place.write_record({"mlflow_run_id": "abc"})
+    assert latest_run(storage, "exp").read_record() == {"mlflow_run_id": "abc"}  # type: ignore[union-attr]
+
+
+def test_a_new_run_never_takes_an_existing_name(tmp_path: Path) -> None:
+    storage = open_run_storage(load_config(None, [f"storage.path={tmp_path}"]))
+    first = new_run(storage, "exp")
+    Path(first.path).mkdir()
+    second = new_run(storage, "exp")
+    assert second.name != first.name
+
+
+def test_train_takes_resume() -> None:
+    args = build_parser().parse_args(["train", "--resume"])
+    assert args.resume is True
+    assert build_parser().parse_args(["train"]).resume is False
