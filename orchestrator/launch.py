@@ -101,6 +101,15 @@ def pin_state_api() -> int:
     return port
 
 
+def shutdown_local_ray() -> None:
+    """Stop the local cluster `connect_ray` started and forget its state-API address, so nothing started later in
+    this process (or inherited by its children) looks for a cluster that is gone."""
+    import ray
+
+    ray.shutdown()
+    os.environ.pop("RAY_API_SERVER_ADDRESS", None)
+
+
 def build_trainer(config: Config, spec: dict[str, Any], datasets: dict[str, Any], run_name: str,
                   callbacks: list[Any]) -> Any:
     import ray
@@ -251,9 +260,7 @@ def train(config: Config, address: str | None = None, verbose: bool = True, resu
             result = _fit(config, infos, run_name, run_dir, tracker, verbose, t0)
         finally:
             if started_ray:
-                import ray
-
-                ray.shutdown()
+                shutdown_local_ray()
     except KeyboardInterrupt:
         tracker.finish("KILLED")
         raise

@@ -20,7 +20,15 @@ import yaml
 
 from orchestrator.config import Config, flatten, to_dict, to_yaml
 from orchestrator.errors import ConfigError, UserError
-from orchestrator.launch import RunFailedError, _root_cause, _storage_path, build_run, connect_ray, resolve_for_data
+from orchestrator.launch import (
+    RunFailedError,
+    _root_cause,
+    _storage_path,
+    build_run,
+    connect_ray,
+    resolve_for_data,
+    shutdown_local_ray,
+)
 from orchestrator.search import (
     check_capacity,
     check_study,
@@ -325,9 +333,7 @@ def tune(config: Config, address: str | None = None, fresh: bool = False, verbos
                           verbose, pricing)
     finally:
         if started_ray:
-            import ray
-
-            ray.shutdown()
+            shutdown_local_ray()
 
 
 def _run_study(config: Config, base: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo], study: str,

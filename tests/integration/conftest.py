@@ -22,4 +22,6 @@ def ray_cluster() -> Iterator[None]:
     try:
         yield
     finally:
-        ray.shutdown()
+        from orchestrator.launch import shutdown_local_ray
+
+        shutdown_local_ray()

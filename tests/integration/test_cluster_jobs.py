@@ -95,6 +95,8 @@ def ray_nodes() -> Iterator[tuple[str, dict[str, str]]]:
         "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",  # the job's driver finds `orchestrator` here
         "RAY_AUTH_MODE": "disabled",  # the suite's one mode, for every process (see README)
         "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+        # This cluster's state API, for Train's placement-group cleaner in the job (other Ray instances may run).
+        "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{dashboard}",
         "AWS_ACCESS_KEY_ID": KEY_ID,
         "AWS_SECRET_ACCESS_KEY": SECRET,
         "AWS_DEFAULT_REGION": "us-east-1",
