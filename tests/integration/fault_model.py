@@ -1,8 +1,8 @@
 """A user model (loaded through `model.entrypoint`) with fault-injection knobs for the reliability tests:
 - `step_s`: sleep per training forward, so a run lasts long enough to be killed from outside mid-run;
 - `nan_call`/`nan_rank`: NaN logits on that rank's n-th training forward (one rank only: the skip must be agreed);
-- `die_in_checkpoint`: SIGKILL the worker halfway through writing its n-th checkpoint (state.pt is being pickled),
-  once (a marker file remembers it).
+- `die_in_checkpoint`: SIGKILL the worker halfway through writing its n-th checkpoint (while torch.save pickles
+  state.pt; counted by picklings, since state_dict() is also called elsewhere), once (a marker file remembers it).
 The weights are an ordinary MLP; the extra state is an empty marker, so runs with and without faults compare."""
 
 from __future__ import annotations
@@ -18,15 +18,19 @@ import torch
 
 
 class _KillWhilePickled:
-    """Pickled inside torch.save: kills this process there, halfway through the checkpoint file."""
+    """Pickled inside torch.save: on the n-th pickling kills this process there, halfway through the file."""
 
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
+    pickled = 0
+
+    def __init__(self, marker: str, at: int) -> None:
+        self.marker, self.at = marker, at
 
     def __reduce__(self) -> Any:
-        Path(self.marker).write_text(str(os.getpid()))
-        os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(60)  # never reached
+        _KillWhilePickled.pickled += 1
+        if _KillWhilePickled.pickled == self.at and not Path(self.marker).exists():
+            Path(self.marker).write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(60)  # never reached
         return (dict, ())
 
 
@@ -38,7 +42,7 @@ class Faulty(torch.nn.Module):
                                        torch.nn.Linear(32, num_classes))
         self.step_s, self.nan_call, self.nan_rank = step_s, nan_call, nan_rank
         self.die_in_checkpoint, self.marker = die_in_checkpoint, marker
-        self.calls = self.saves = 0
+        self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.net(x)
@@ -50,10 +54,7 @@ class Faulty(torch.nn.Module):
         return out
 
     def get_extra_state(self) -> Any:
-        self.saves += 1
-        if self.saves == self.die_in_checkpoint and not Path(self.marker).exists():
-            return {"boom": _KillWhilePickled(self.marker)}
-        return {}
+        return {"boom": _KillWhilePickled(self.marker, self.die_in_checkpoint)} if self.die_in_checkpoint else {}
 
     def set_extra_state(self, state: Any) -> None:
         pass
