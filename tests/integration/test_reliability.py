@@ -94,7 +94,8 @@ def test_worker_killed_by_pid_mid_epoch_ends_with_the_uninterrupted_weights(
 
     thread = threading.Thread(target=target)
     thread.start()
-    wait_for(lambda: complete_checkpoints(tmp_path / "runs"), "the first checkpoint")
+    # Two in storage: the first is registered by then (Ray registers them in order, after their upload).
+    wait_for(lambda: len(complete_checkpoints(tmp_path / "runs")) >= 2, "two checkpoints")
     workers = wait_for(lambda: [a for a in list_actors(filters=[("state", "=", "ALIVE")])
                                 if a.class_name == "RayTrainWorker" and a.pid], "the training workers")
     os.kill(workers[-1].pid, signal.SIGKILL)  # mid-epoch: an epoch of digits is ~22 steps, checkpoints every 10
