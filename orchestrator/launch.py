@@ -14,7 +14,7 @@ from typing import Any
 
 from orchestrator.config import Config, config_from_dict, flatten, to_dict, to_yaml
 from orchestrator.errors import ConfigError, UserError
-from orchestrator.tracking import Tracker, start_tracker, ui_command
+from orchestrator.tracking import Tracker, closed_on_error, start_tracker, ui_command
 from pipelines.datasets import build_datasets, inspect_datasets
 from pipelines.order import create_epoch_clock
 from pipelines.sources import DatasetInfo
@@ -254,19 +254,13 @@ def train(config: Config, address: str | None = None, verbose: bool = True, resu
     place.write_text("config.yaml", to_yaml(config))
     place.write_record({"run_name": run_name, "mlflow_run_id": tracker.run_id,
                         "tracking_uri": getattr(tracker, "uri", None)})
-    try:
+    with closed_on_error(tracker):
         started_ray = connect_ray(address, config)
         try:
             result = _fit(config, infos, run_name, run_dir, tracker, verbose, t0)
         finally:
             if started_ray:
                 shutdown_local_ray()
-    except KeyboardInterrupt:
-        tracker.finish("KILLED")
-        raise
-    except BaseException:
-        tracker.finish("FAILED")
-        raise
     tracker.finish("FINISHED")
     return result
 

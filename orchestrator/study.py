@@ -39,7 +39,7 @@ from orchestrator.search import (
     user_tree,
     widest_trial,
 )
-from orchestrator.tracking import Tracker, start_tracker, ui_command
+from orchestrator.tracking import Tracker, closed_on_error, start_tracker, ui_command
 from pipelines.datasets import inspect_datasets
 from pipelines.sources import DatasetInfo
 
@@ -346,15 +346,9 @@ def _run_study(config: Config, base: Config, tree: dict[str, Any], infos: dict[s
     callback = StudyCallback(study, tree, list(config.tune.space), metric, max_steps,
                              config.tracking if config.tracking.enabled else None, tracker.run_id, verbose,
                              pricing=pricing)
-    try:
+    with closed_on_error(tracker):
         grid = _fit(config, tree, infos, max_steps, study, study_path, resumed, callback, concurrency)
         trials = _summaries(grid, tree, infos, metric, pricing)
-    except KeyboardInterrupt:
-        tracker.finish("KILLED")
-        raise
-    except BaseException:
-        tracker.finish("FAILED")
-        raise
     if any(t.status == "running" for t in trials):  # Tune caught Ctrl+C and saved the study
         tracker.finish("KILLED")
         print(f"study {study} interrupted: run the same command again to continue it", file=sys.stderr)

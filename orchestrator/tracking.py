@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -124,6 +126,19 @@ class MlflowTracker:
         except Exception:
             return None
         return runs[0].info.run_id if runs else None
+
+
+@contextmanager
+def closed_on_error(tracker: Tracker) -> Iterator[None]:
+    """A run interrupted by Ctrl+C ends KILLED, one that raised ends FAILED (never left RUNNING)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        tracker.finish("KILLED")
+        raise
+    except BaseException:
+        tracker.finish("FAILED")
+        raise
 
 
 def start_tracker(cfg: TrackingConfig, run_name: str, tags: dict[str, str] | None = None,
