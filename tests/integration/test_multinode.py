@@ -22,6 +22,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 NODE = {"num_cpus": 2}  # one 1.5-CPU training worker fits per node; the head (1 CPU) takes none
 
 
+def train_in_background(config: Any, address: str) -> tuple[threading.Thread, dict[str, Any]]:
+    """Start `train` on a thread, so the test can change the cluster under it; the outcome holds result or error."""
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["result"] = train(config, address=address, verbose=False)
+        except BaseException as exc:  # re-raised by the test's assertions
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    return thread, outcome
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
     from ray.cluster_utils import Cluster
@@ -81,16 +96,7 @@ def test_elastic_group_grows_and_shrinks_across_nodes_with_a_constant_global_bat
         "train.precision=fp32", "failure.max_failures=4", "model.entrypoint=fault_model:build", "model.step_s=0.04",
     ])
     assert (config.train.micro_batch_size, config.train.grad_accum_steps) == (32, 1)
-    outcome: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            outcome["result"] = train(config, address=cluster.address, verbose=False)
-        except BaseException as exc:
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=target)
-    thread.start()
+    thread, outcome = train_in_background(config, cluster.address)
     wait_for(lambda: len(alive_workers()) == 1 and list((tmp_path / "runs").glob("*/checkpoint_*")),
              "one worker and a checkpoint")
     joined = cluster.add_node(**NODE)  # room for a second worker: the group restarts at 2 from the checkpoint
@@ -138,16 +144,7 @@ def test_a_drained_node_triggers_a_checkpoint_before_it_goes(cluster: Any, tmp_p
     ])
     spot = cluster.add_node(**NODE)
     cluster.wait_for_nodes()
-    outcome: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            outcome["result"] = train(config, address=cluster.address, verbose=False)
-        except BaseException as exc:
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=target)
-    thread.start()
+    thread, outcome = train_in_background(config, cluster.address)
     wait_for(lambda: len(alive_workers()) == 2, "2 workers on 2 nodes")
     time.sleep(2)
     drain = subprocess.run(
