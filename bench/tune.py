@@ -9,7 +9,7 @@ counted only if ASHA's best trial is within 1% of the full grid's best (else the
 applies). Trial-steps, not seconds: trial start-up dominates wall time on a small machine and would hide the
 saving; wall times are printed beside it.
 
-    .venv/bin/python bench/tune.py [--steps 120 --lrs 1e-3,1e-2,1e-1 --warmups 0,50]
+    .venv/bin/python bench/tune.py [--steps 120 --lrs 3e-4,1e-3,3e-3,1e-2,3e-2,1e-1 --warmups 0,50 --grace 10]
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ def run_study(name: str, root: str, data: str, args: argparse.Namespace, schedul
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--lrs", default="1e-3,1e-2,1e-1")
+    parser.add_argument("--lrs", default="3e-4,1e-3,3e-3,1e-2,3e-2,1e-1")
     parser.add_argument("--warmups", default="0,50")
-    parser.add_argument("--grace", type=int, default=20)
+    parser.add_argument("--grace", type=int, default=10)
     parser.add_argument("--reduction", type=float, default=3)
     args = parser.parse_args()
 
