@@ -14,6 +14,7 @@ from typing import Any
 
 from orchestrator.config import Config, config_from_dict, flatten, to_dict, to_yaml
 from orchestrator.errors import ConfigError, UserError
+from orchestrator.runs import RUN_CONFIG, RunPlace, latest_run, new_run, open_run_storage
 from orchestrator.tracking import Tracker, closed_on_error, start_tracker, ui_command
 from pipelines.datasets import build_datasets, inspect_datasets
 from pipelines.order import create_epoch_clock
@@ -193,8 +194,6 @@ def _storage_path(config: Config) -> str:
 def _storage_args(config: Config) -> dict[str, Any]:
     """RunConfig storage: a local path, or for s3:// the data layer's S3 filesystem (same endpoint, region and
     credentials) with the path inside it, which is what Ray expects alongside storage_filesystem."""
-    from orchestrator.runs import open_run_storage
-
     storage = open_run_storage(config)
     if not storage.remote:
         return {"storage_path": storage.root}
@@ -251,7 +250,7 @@ def train(config: Config, address: str | None = None, verbose: bool = True, resu
         tracker.set_tags({f"orchestrator.resume.{time.strftime('%Y%m%d-%H%M%S')}": "driver restarted with --resume"})
     tracker.log_params(flatten(to_dict(config)))
     tracker.set_tags({"orchestrator.run_dir": run_dir, "orchestrator.train_rows": str(infos["train"].num_rows)})
-    place.write_text("config.yaml", to_yaml(config))
+    place.write_text(RUN_CONFIG, to_yaml(config))
     place.write_record({"run_name": run_name, "mlflow_run_id": tracker.run_id,
                         "tracking_uri": getattr(tracker, "uri", None)})
     with closed_on_error(tracker):
@@ -285,16 +284,15 @@ def _events(previous: dict[str, Any] | None, report: dict[str, Any], n: int) -> 
     return events
 
 
-def _place_run(config: Config, resume: bool, verbose: bool) -> tuple[Any, dict[str, Any] | None]:
+def _place_run(config: Config, resume: bool, verbose: bool) -> tuple[RunPlace, dict[str, Any] | None]:
     """The run's place in storage and, when resuming, its record (MLflow run id)."""
-    from orchestrator.runs import latest_run, new_run, open_run_storage
-
     storage = open_run_storage(config)
     place = latest_run(storage, config.experiment) if resume else None
     if place is None:
         if resume:
             print(f"no earlier run of '{config.experiment}' in {storage.uri}: starting a new one", file=sys.stderr)
         return new_run(storage, config.experiment), None
+    place.check_resumable(config)
     if verbose:
         print(f"resuming run {place.uri} from its latest checkpoint", file=sys.stderr)
     return place, place.read_record() or {}

@@ -15,11 +15,21 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from orchestrator.config import Config
+from orchestrator.config import Config, flatten, to_dict
+from orchestrator.errors import ConfigError
 from pipelines.config import is_remote
 from pipelines.storage import Storage, open_storage
 
 RUN_RECORD = "orchestrator-run.json"
+RUN_CONFIG = "config.yaml"
+
+# What `--resume` may change: how the run is watched, fed, placed and billed, and how the global batch is split
+# (as after an elastic resize). Everything else (model, data, global batch, precision, optimizer and schedule, step
+# budget) defines the training the checkpoints are part of.
+RESUMABLE_CHANGES = ("train.log_every", "train.eval_every", "train.max_nonfinite_steps", "train.micro_batch_size",
+                     "train.grad_accum_steps", "checkpoint.", "tracking.", "failure.", "cost.", "scaling.",
+                     "data.prefetch_batches",
+                     "data.read_parallelism", "data.cache", "data.cache_max_gb", "data.s3.")
 
 
 def open_run_storage(config: Config) -> Storage:
@@ -54,6 +64,29 @@ class RunPlace:
         fs.create_dir(self.path, recursive=True)
         with fs.open_output_stream(f"{self.path}/{RUN_RECORD}") as f:
             f.write(json.dumps(record, indent=1).encode())
+
+    def read_text(self, name: str) -> str | None:
+        try:
+            with self.storage.filesystem().open_input_stream(f"{self.path}/{name}") as f:
+                return bytes(f.read()).decode()
+        except OSError:
+            return None
+
+    def check_resumable(self, config: Config) -> None:
+        """Refuse to continue this run with a config that would train something else than its checkpoints hold."""
+        import yaml
+
+        saved = self.read_text(RUN_CONFIG)
+        if saved is None:
+            return  # the run stopped before it saved its config: nothing was trained yet
+        old, new = flatten(yaml.safe_load(saved) or {}), flatten(to_dict(config))
+        changed = sorted(k for k in old.keys() | new.keys()
+                         if old.get(k) != new.get(k) and not k.startswith(RESUMABLE_CHANGES))
+        if changed:
+            shown = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:4])
+            raise ConfigError(f"--resume: run {self.uri} was trained with a different config ({shown}"
+                              f"{' ...' if len(changed) > 4 else ''}): set those back to continue it, or run without "
+                              "--resume to start a new run")
 
     def write_text(self, name: str, text: str) -> None:
         fs = self.storage.filesystem()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from orchestrator.cli import build_parser
 from orchestrator.config import load_config
 from orchestrator.runs import latest_run, new_run, open_run_storage
@@ -35,3 +37,21 @@ def test_train_takes_resume() -> None:
     args = build_parser().parse_args(["train", "--resume"])
     assert args.resume is True
     assert build_parser().parse_args(["train"]).resume is False
+
+
+def test_resume_refuses_a_config_that_trains_something_else(tmp_path: Path) -> None:
+    from orchestrator.config import to_yaml
+    from orchestrator.errors import ConfigError
+
+    config = load_config(None, [f"storage.path={tmp_path}", "experiment=exp", "train.max_steps=40"])
+    place = new_run(open_run_storage(config), "exp")
+    place.check_resumable(config)  # no saved config yet: the run never got going
+    place.write_text("config.yaml", to_yaml(config))
+    # Watching, feeding, placing and billing the run may change...
+    place.check_resumable(load_config(None, [f"storage.path={tmp_path}", "experiment=exp", "train.max_steps=40",
+                                             "train.log_every=5", "scaling.num_workers=1", "data.prefetch_batches=8",
+                                             "failure.max_failures=9", "tracking.enabled=false"]))
+    # ...what is trained may not.
+    with pytest.raises(ConfigError, match=r"optim\.lr: 0\.003 -> 0\.1.*train\.max_steps: 40 -> 80.*without --resume"):
+        place.check_resumable(load_config(None, [f"storage.path={tmp_path}", "experiment=exp", "train.max_steps=80",
+                                                 "optim.lr=0.1"]))
