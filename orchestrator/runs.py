@@ -27,7 +27,7 @@ RUN_CONFIG = "config.yaml"
 # (as after an elastic resize). Everything else (model, data, global batch, precision, optimizer and schedule, step
 # budget) defines the training the checkpoints are part of.
 RESUMABLE_CHANGES = ("train.log_every", "train.eval_every", "train.max_nonfinite_steps", "train.micro_batch_size",
-                     "train.grad_accum_steps", "checkpoint.", "tracking.", "failure.", "cost.", "scaling.",
+                     "train.grad_accum_steps", "checkpoint.", "storage.", "tracking.", "failure.", "cost.", "scaling.",
                      "data.prefetch_batches",
                      "data.read_parallelism", "data.cache", "data.cache_max_gb", "data.s3.")
 
