@@ -133,6 +133,9 @@ class ScalingConfig(_Section):
     num_workers: int | list[int] = Field(2, description="Ray Train workers (one DDP rank each), or [min, max] for "
                                          "an elastic group that grows and shrinks with the cluster.")
     use_gpu: bool = False
+    accelerator_type: str | None = Field(None, description="GPU type every worker must run on, e.g. A100, H100, "
+                                         "A10G (Ray's accelerator_type:<T> node resource; the cluster YAMLs in "
+                                         "cluster/ declare it per node type). null: any GPU.")
     cpus_per_worker: float = Field(1.0, gt=0, description="Logical CPUs per worker (also its torch threads).")
     resize_check_s: float | None = Field(None, gt=0, description="Elastic only: seconds between Ray Train's checks "
                                          "for room to grow the group (Ray's default: 60).")
@@ -152,10 +155,12 @@ class ScalingConfig(_Section):
         return low if low == high else [low, high]
 
     @model_validator(mode="after")
-    def _no_dead_resize_check(self) -> ScalingConfig:
+    def _no_dead_options(self) -> ScalingConfig:
         if self.resize_check_s is not None and not self.elastic:
             raise ValueError("scaling.resize_check_s has no effect with a fixed num_workers; remove it or give "
                              "num_workers as [min, max]")
+        if self.accelerator_type is not None and not self.use_gpu:
+            raise ValueError("scaling.accelerator_type needs scaling.use_gpu=true")
         return self
 
     @property
@@ -173,6 +178,22 @@ class ScalingConfig(_Section):
     @property
     def world_sizes(self) -> range:
         return range(self.min_workers, self.max_workers + 1)
+
+    def shortfall(self, resources: dict[str, float]) -> str | None:
+        """What a cluster with `resources` (ray.cluster_resources()) lacks for the largest worker group, or None."""
+        need, have = self.max_workers * self.cpus_per_worker, resources.get("CPU", 0.0)
+        if need > have:
+            return (f"{need:g} CPUs (scaling.num_workers={self.num_workers} x scaling.cpus_per_worker="
+                    f"{self.cpus_per_worker:g}) but the Ray cluster has {have:g}: lower scaling.num_workers or "
+                    "scaling.cpus_per_worker, or add nodes")
+        if self.use_gpu and self.max_workers > resources.get("GPU", 0.0):
+            return (f"{self.max_workers} GPUs (scaling.num_workers with scaling.use_gpu) but the Ray cluster has "
+                    f"{resources.get('GPU', 0.0):g}: lower scaling.num_workers or add GPU nodes")
+        if self.accelerator_type and f"accelerator_type:{self.accelerator_type}" not in resources:
+            types = sorted(k.split(":", 1)[1] for k in resources if k.startswith("accelerator_type:"))
+            return (f"{self.accelerator_type} GPUs (scaling.accelerator_type) but the Ray cluster has "
+                    f"{', '.join(types) or 'no typed GPUs'}: change or remove scaling.accelerator_type")
+        return None
 
 
 class CheckpointConfig(_Section):

@@ -87,6 +87,12 @@ def connect_ray(address: str | None, config: Config) -> bool:
     return True
 
 
+def ray_resources() -> dict[str, float]:
+    import ray
+
+    return dict(ray.cluster_resources())
+
+
 def pin_state_api() -> int:
     """A free dashboard port, exported as RAY_API_SERVER_ADDRESS for the local cluster about to start.
 
@@ -126,7 +132,7 @@ def build_trainer(config: Config, spec: dict[str, Any], datasets: dict[str, Any]
         train_loop_config=spec,
         scaling_config=ray.train.ScalingConfig(
             num_workers=(s.min_workers, s.max_workers) if s.elastic else s.num_workers, use_gpu=s.use_gpu,
-            resources_per_worker={"CPU": s.cpus_per_worker},
+            resources_per_worker={"CPU": s.cpus_per_worker}, accelerator_type=s.accelerator_type,
             **({"elastic_resize_monitor_interval_s": s.resize_check_s} if s.resize_check_s else {}),
         ),
         run_config=ray.train.RunConfig(
@@ -256,6 +262,10 @@ def train(config: Config, address: str | None = None, verbose: bool = True, resu
     with closed_on_error(tracker):
         started_ray = connect_ray(address, config)
         try:
+            # A local cluster cannot grow: a worker group it can never hold would wait forever.
+            missing = config.scaling.shortfall(ray_resources()) if started_ray else None
+            if missing:
+                raise ConfigError(f"this run needs {missing}")
             result = _fit(config, infos, run_name, run_dir, tracker, verbose, t0)
         finally:
             if started_ray:

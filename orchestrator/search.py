@@ -240,15 +240,9 @@ def max_concurrent(config: Config, cluster_cpus: float) -> int:
     return max(1, int((cluster_cpus - 1) // trial_cpus(config)))
 
 
+
 def check_capacity(config: Config, resources: dict[str, float]) -> None:
     """Refuse a study whose trials could never be scheduled on this cluster."""
-    s = widest_trial(config).scaling
-    need = s.max_workers * s.cpus_per_worker
-    have = resources.get("CPU", 0.0)
-    if need > have:
-        raise ConfigError(f"a trial needs {need:g} CPUs (scaling.num_workers={s.num_workers} x "
-                          f"scaling.cpus_per_worker={s.cpus_per_worker:g}) but the Ray cluster has {have:g}: "
-                          "lower scaling.num_workers or scaling.cpus_per_worker, or add nodes")
-    if s.use_gpu and s.max_workers > resources.get("GPU", 0.0):
-        raise ConfigError(f"a trial needs {s.num_workers} GPUs (scaling.num_workers with scaling.use_gpu) but the "
-                          f"Ray cluster has {resources.get('GPU', 0.0):g}: lower scaling.num_workers or add GPU nodes")
+    missing = widest_trial(config).scaling.shortfall(resources)
+    if missing:
+        raise ConfigError(f"a trial needs {missing}")

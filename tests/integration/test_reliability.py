@@ -197,6 +197,12 @@ def test_killed_driver_resumes_with_the_same_run_and_mlflow_run(ray_cluster: Non
     (run_dir,) = (tmp_path / "runs").glob("resume-me-*")
     run_id = json.loads((run_dir / "orchestrator-run.json").read_text())["mlflow_run_id"]
 
+    # A changed model/optimizer would not be the same run: refused before MLflow or Ray is touched.
+    refused = subprocess.run([*command, "--resume", "--set", "optim.lr=0.5"], capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode == 2 and "optim.lr:" in refused.stderr and "-> 0.5" in refused.stderr, refused.stderr
+    assert "without --resume to start a new run" in refused.stderr
+
     resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=180)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     steps = [int(s) for s in re.findall(r"^step (\d+)/40", resumed.stdout, re.MULTILINE)]

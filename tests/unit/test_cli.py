@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,3 +58,16 @@ def test_prepare_writes_shards(tmp_path: Path) -> None:
     out = cli("prepare", "synthetic", "--out", str(tmp_path), "--rows", "100", "--shards", "2")
     assert out.returncode == 0, out.stderr
     assert sorted(p.name for p in (tmp_path / "train").iterdir()) == ["part-00000.parquet", "part-00001.parquet"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_a_gpu_run_on_a_local_cluster_without_gpus_stops_instead_of_waiting(tmp_path: Path, digits_dir: str) -> None:
+    """A local cluster never grows: a worker group it cannot hold is refused once Ray is up, not waited for."""
+    out = cli("train", "--set", f"data.train={digits_dir}/train", "--set", f"data.val={digits_dir}/val",
+              "--set", "scaling.use_gpu=true", "--set", "scaling.num_workers=1", "--set", "tracking.enabled=false",
+              cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "error: this run needs 1 GPUs (scaling.num_workers with scaling.use_gpu) but the Ray cluster has 0" \
+        in out.stderr
+    assert "Traceback" not in out.stderr

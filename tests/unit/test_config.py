@@ -53,6 +53,7 @@ def test_any_two_batch_sizes_derive_the_third(overrides: list[str], expected: tu
         (["train.epochs=2", "train.max_steps=10"], "set exactly one of train.max_steps and train.epochs"),
         (["optim.momentum=0.9"], "optim.momentum has no effect with optim.name=adamw"),
         (["optim.schedule=constant", "optim.min_lr_ratio=0.1"], "min_lr_ratio has no effect"),
+        (["scaling.accelerator_type=H100"], "scaling.accelerator_type needs scaling.use_gpu=true"),
         (["model.entrypoint=no_such_module:build"], "cannot import module 'no_such_module'"),
         (["optim.lr"], "must look like section.key=value"),
     ],

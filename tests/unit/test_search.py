@@ -141,6 +141,10 @@ def test_concurrency_and_capacity_follow_the_widest_trial() -> None:
         check_capacity(wide, {"CPU": 4.0})
     with pytest.raises(ConfigError, match="needs 2 GPUs"):
         check_capacity(study(LR, "scaling.num_workers=2", "scaling.use_gpu=true"), {"CPU": 16.0, "GPU": 1.0})
+    typed = study(LR, "scaling.num_workers=2", "scaling.use_gpu=true", "scaling.accelerator_type=H100")
+    check_capacity(typed, {"CPU": 16.0, "GPU": 8.0, "accelerator_type:H100": 1.0})
+    with pytest.raises(ConfigError, match=r"needs H100 GPUs \(scaling.accelerator_type\) but the Ray cluster has A100"):
+        check_capacity(typed, {"CPU": 16.0, "GPU": 8.0, "accelerator_type:A100": 1.0})
 
 
 def test_metric_list_matches_what_the_loop_reports() -> None:
