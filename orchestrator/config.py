@@ -198,6 +198,9 @@ class ScalingConfig(_Section):
 
 class CheckpointConfig(_Section):
     every: int = Field(100, ge=1, description="Steps between checkpoints; the last step is always saved.")
+    every_minutes: float | None = Field(None, gt=0, description="Also save at the first report step once this many "
+                                        "minutes passed since the last checkpoint (by rank 0's clock): a cadence "
+                                        "that holds whatever a step costs. null: steps only.")
     keep: int = Field(2, ge=1, description="Checkpoints kept in storage (older ones are deleted only after a newer "
                       "one is complete and registered).")
     upload: Literal["async", "sync"] = Field("async", description="async: training continues while rank 0 copies "

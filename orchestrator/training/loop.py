@@ -297,6 +297,16 @@ def _check_finite_weights(parts: Parts, step: int) -> None:
                                  "optim.lr or set optim.max_grad_norm, and resume from the last checkpoint")
 
 
+def _rank0_says(flag: bool, device: torch.device) -> bool:
+    """Rank 0's value on every rank: a decision from a local clock must be the same everywhere, or the ranks'
+    collective calls (checkpoint RNG gather, report) would no longer line up."""
+    if _world()[1] == 1:
+        return flag
+    tensor = torch.tensor([float(flag)], device=device)
+    dist.broadcast(tensor, src=0)
+    return bool(tensor.item())
+
+
 def _gather_rng() -> list[dict[str, Any]]:
     rank, world = _world()
     if world == 1:
@@ -328,6 +338,7 @@ def run(
     metrics: dict[str, Any] = {}
     first: dict[str, Any] = {}  # one-off facts sent with the first report
     drain_saved = False
+    last_saved = time.monotonic()  # for checkpoint.every_minutes
     if parts.local_sgd is not None and not parts.local_sgd.anchor:
         parts.local_sgd.start(unwrap(parts.model))
     while progress.step < t.max_steps:
@@ -372,6 +383,8 @@ def run(
         if at_report and preempted is not None and not drain_saved and preempted():
             # Once per drain notice: the node is going away, so save the progress since the last checkpoint now.
             do_ckpt = saving_for_drain = drain_saved = True
+        if at_report and not do_ckpt and cfg.checkpoint.every_minutes is not None:
+            do_ckpt = _rank0_says(time.monotonic() - last_saved >= cfg.checkpoint.every_minutes * 60, parts.device)
         if parts.local_sgd is not None and (parts.local_sgd.due(step) or do_eval or do_ckpt):
             # Also before eval and checkpoints, so both see (and save) the one averaged model.
             with interval.timer.phase("sync"):
@@ -393,6 +406,7 @@ def run(
                 if rank == 0:
                     checkpoint_dir = tempfile.mkdtemp(prefix="orchestrator-ckpt-")
                     save_state(checkpoint_dir, checkpoint_state(parts, progress, rng_states))
+                last_saved = time.monotonic()
         metrics |= interval.timer.shares() | cuda_memory_stats(parts.device) | node_stats(world)
         # Wall seconds of this interval (the driver's cost ledger splits them by the time/* shares).
         metrics["interval_s"] = time.perf_counter() - interval.timer.started

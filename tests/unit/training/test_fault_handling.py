@@ -170,3 +170,17 @@ def test_elastic_config_errors_name_the_key_and_the_fix(overrides: list[str], me
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
 
+
+
+def test_a_time_cadence_adds_checkpoints_at_report_steps_only() -> None:
+    x, y = dataset(256)
+
+    def saved_steps(*overrides: str) -> list[int]:
+        cfg = config("train.max_steps=8", "train.log_every=2", "checkpoint.every=8", *overrides)
+        report = Recorder()
+        run(cfg, make_parts(cfg), lambda epoch: batches(x, y, 32), None, report)
+        return [m["step"] for m, ckpt in report.reports if ckpt is not None]
+
+    assert saved_steps() == [8]
+    assert saved_steps("checkpoint.every_minutes=1e-9") == [2, 4, 6, 8]  # always due: every report saves
+    assert saved_steps("checkpoint.every_minutes=60") == [8]

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError
 from orchestrator.models import build_model
-from orchestrator.training.loop import Parts, run
+from orchestrator.training.loop import Parts, _rank0_says, run
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.precision import Precision
 from orchestrator.training.sync import LocalSGD, build_local_sgd
@@ -67,6 +67,8 @@ def _worker(rank: int, store: str, out: str) -> None:
             "ddp": _train(rank),
             "local": _train(rank, "train.sync=local_sgd", f"train.sync_every={H}"),
             "diloco": _train(rank, "train.sync=local_sgd", f"train.sync_every={H}", "train.outer_momentum=0.9"),
+            # Each rank's own clock says something else; every rank must act on rank 0's.
+            "rank0_says": [_rank0_says(rank == 0, torch.device("cpu")), _rank0_says(rank == 1, torch.device("cpu"))],
         }
     finally:
         dist.destroy_process_group()
@@ -90,6 +92,10 @@ def test_parameters_agree_right_after_each_sync_and_drift_between(
             assert ra["checksum"] == rb["checksum"], ra["step"]
         else:  # local steps on different data: the ranks have drifted apart
             assert ra["checksum"] != rb["checksum"], ra["step"]
+
+
+def test_a_clock_decision_is_rank_0s_on_every_rank(two_ranks: list[dict[str, Any]]) -> None:
+    assert [r["rank0_says"] for r in two_ranks] == [[True, False], [True, False]]
 
 
 def test_ddp_ranks_always_agree(two_ranks: list[dict[str, list[dict[str, Any]]]]) -> None:
