@@ -28,8 +28,7 @@ RUN_CONFIG = "config.yaml"
 # budget) defines the training the checkpoints are part of.
 RESUMABLE_CHANGES = ("train.log_every", "train.eval_every", "train.max_nonfinite_steps", "train.micro_batch_size",
                      "train.grad_accum_steps", "checkpoint.", "storage.", "tracking.", "failure.", "cost.", "scaling.",
-                     "data.prefetch_batches",
-                     "data.read_parallelism", "data.cache", "data.cache_max_gb", "data.s3.")
+                     "data.prefetch_batches", "data.read_parallelism", "data.cache", "data.cache_max_gb", "data.s3.")
 
 
 def open_run_storage(config: Config) -> Storage:

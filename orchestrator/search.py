@@ -240,7 +240,6 @@ def max_concurrent(config: Config, cluster_cpus: float) -> int:
     return max(1, int((cluster_cpus - 1) // trial_cpus(config)))
 
 
-
 def check_capacity(config: Config, resources: dict[str, float]) -> None:
     """Refuse a study whose trials could never be scheduled on this cluster."""
     missing = widest_trial(config).scaling.shortfall(resources)
