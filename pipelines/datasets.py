@@ -54,7 +54,10 @@ def build_datasets(
             shuffle=cfg.shuffle and name == "train", epoch_clock=epoch_clock if name == "train" else None,
             cache=cache if info.storage.remote else None,
         )
-        ds = ray.data.read_datasource(source, concurrency=cfg.read_parallelism)
+        # One output block per shard (split further only by DataContext.target_max_block_size): Ray Data would
+        # otherwise cut every shard into pieces to reach its 200-block minimum, and each block costs a
+        # fixed overhead on its way to the workers (measured: 1.6x the rows/s with 16 shards).
+        ds = ray.data.read_datasource(source, concurrency=cfg.read_parallelism, override_num_blocks=len(info.objects))
         if cfg.transforms:
             # batch_size=None: whole blocks, fused into the read task (no extra hop through the object store).
             ds = ds.map_batches(functools.partial(apply_transforms, transforms=cfg.transforms, features=cfg.features),
