@@ -64,12 +64,12 @@ class Interval:
 
     timer: PhaseTimer
     loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
-    targets: int = 0  # samples, or tokens for a language model
+    targets: torch.Tensor | int = 0  # samples, or tokens for a language model (on the device: no host sync)
     samples: int = 0
     steps: int = 0
     micro: int = 0  # micro-batch size actually run (smaller after an out-of-memory retry)
     grad_norm_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
-    loss_targets: int = 0  # targets of the steps that were applied (a skipped non-finite step has no loss to show)
+    loss_targets: torch.Tensor | int = 0  # targets of the applied steps (a skipped non-finite step shows no loss)
     skipped: int = 0
     comm_start: int = 0  # Parts.comm_bytes when the interval began
 
@@ -107,7 +107,8 @@ def train_step(parts: Parts, micro_batches: list[Batch], timer: PhaseTimer | Non
     # Normalise by the targets (samples, or tokens) of the whole step on all ranks, not per micro-batch: then
     # k micro-batches of size b give the gradient of one batch of k*b, and DDP's mean over ranks (hence the
     # world factor) gives the mean over the global batch even when ranks hold different token counts.
-    targets = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches).to(torch.float32)
+    local_targets = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches).to(torch.float32)
+    targets = local_targets.clone()
     # Local SGD: each rank's step is its own (no gradient mean), so the normaliser is its own targets too.
     world = _world()[1] if parts.local_sgd is None else 1
     if world > 1:
@@ -141,11 +142,11 @@ def train_step(parts: Parts, micro_batches: list[Batch], timer: PhaseTimer | Non
             with warnings.catch_warnings():  # torch warns when the schedule moves before any optimizer step
                 warnings.simplefilter("ignore", UserWarning)
                 parts.scheduler.step()
-            return StepResult(step_loss, grad_norm.detach(), samples, skipped=True)
+            return StepResult(step_loss, grad_norm.detach(), samples, local_targets, skipped=True)
         parts.precision.step(parts.optimizer)
         parts.optimizer.zero_grad(set_to_none=True)
         parts.scheduler.step()
-    return StepResult(step_loss, grad_norm.detach(), samples)
+    return StepResult(step_loss, grad_norm.detach(), samples, local_targets)
 
 
 def _non_finite_anywhere(step_loss: torch.Tensor, grad_norm: torch.Tensor, parts: Parts) -> bool:
@@ -166,6 +167,7 @@ class StepResult:
     loss_sum: torch.Tensor  # summed over this rank's targets
     grad_norm: torch.Tensor
     samples: int
+    targets: torch.Tensor  # this rank's targets (samples, or tokens) in the step, on the device
     skipped: bool = False  # non-finite loss or gradient on some rank: no update was applied
 
 
@@ -354,7 +356,6 @@ def run(
             result = train_step(parts, batch, interval.timer)
         progress.step += 1
         progress.samples_seen += t.global_batch_size
-        step_targets = int(sum(int((y != IGNORE_INDEX).sum()) for _, y in batch))
         if result.skipped:
             progress.nonfinite_skipped += 1
             interval.skipped += 1
@@ -368,8 +369,8 @@ def run(
         else:
             interval.loss_sum = interval.loss_sum.to(result.loss_sum.device) + result.loss_sum
             interval.grad_norm_sum = interval.grad_norm_sum.to(result.grad_norm.device) + result.grad_norm
-            interval.loss_targets += step_targets
-        interval.targets += step_targets
+            interval.loss_targets = interval.loss_targets + result.targets.double()
+        interval.targets = interval.targets + result.targets.double()  # float64: token counts pass 2**24
         interval.samples += result.samples
         interval.steps += 1
         interval.micro = -(-len(batch[0][1]) // parts.split)
