@@ -31,7 +31,7 @@ from orchestrator.training.optim import build_optimizer
 from orchestrator.training.precision import Precision, resolve_precision
 from orchestrator.training.resume import checkpoint_dir_name, loadable_checkpoint
 from orchestrator.training.sync import build_local_sgd
-from pipelines.batches import FeatureCollate, fetch_size, split_batches
+from pipelines.batches import EpochReplay, FeatureCollate, fetch_size, split_batches
 from pipelines.order import local_shuffle_seed, set_epoch
 
 
@@ -167,7 +167,12 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
                                           local_shuffle_seed=shuffle_seed)
         return split_batches(chunks, t.micro_batch_size, drop_last)  # type: ignore[arg-type]
 
+    # Replayed only without a shuffle buffer: its order changes per epoch.
+    replay_train = EpochReplay() if spec.get("in_memory") and not cfg.data.shuffle_buffer else None
+
     def train_batches(epoch: int) -> Any:
+        if replay_train is not None and replay_train.batches is not None:
+            return replay_train([])
         # Before this rank starts the epoch: the reader draws the epoch's shard order from the clock once all
         # ranks have arrived (streaming_split's epoch barrier), so a resumed run re-reads the same order.
         if spec.get("epoch_clock"):
@@ -176,14 +181,19 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
         seed = local_shuffle_seed(t.seed, epoch, context.get_world_rank()) if cfg.data.shuffle_buffer else None
         # Every rank holds the same number of rows (equal split), so dropping the incomplete last micro-batch
         # leaves equal batch counts on every rank and the collectives stay aligned.
-        return batches(train_shard, drop_last=True, shuffle_seed=seed)
+        stream = batches(train_shard, drop_last=True, shuffle_seed=seed)
+        return replay_train(stream) if replay_train is not None else stream
 
     val_batches = None
     if cfg.data.val is not None:
         val_shard = ray.train.get_dataset_shard("val")
+        replay_val = EpochReplay() if spec.get("in_memory") else None
 
         def val_batches() -> Any:
-            return batches(val_shard, drop_last=False)
+            if replay_val is not None and replay_val.batches is not None:
+                return replay_val([])
+            stream = batches(val_shard, drop_last=False)
+            return replay_val(stream) if replay_val is not None else stream
 
     context = ray.train.get_context()
     first_report = True

@@ -1,0 +1,38 @@
+"""Slicing fetched chunks into micro-batches, and replaying a complete pass of an in-memory dataset."""
+
+from __future__ import annotations
+
+import torch
+
+from pipelines.batches import EpochReplay, fetch_size, split_batches
+
+
+def chunks(rows: int, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    ids = torch.arange(rows)
+    return [(ids[i:i + size].float().unsqueeze(1), ids[i:i + size]) for i in range(0, rows, size)]
+
+
+def test_micro_batches_are_cut_from_chunks_and_only_the_short_last_one_is_dropped() -> None:
+    assert fetch_size(64) == 4096 and fetch_size(5000) == 5000
+    kept = [y.tolist() for _, y in split_batches(chunks(10, 4), 2, drop_last=True)]
+    assert kept == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    assert [len(y) for _, y in split_batches(chunks(11, 4), 2, drop_last=True)] == [2, 2, 2, 2, 2]
+    assert [len(y) for _, y in split_batches(chunks(11, 4), 2, drop_last=False)] == [2, 2, 2, 2, 2, 1]
+
+
+def test_a_complete_pass_is_replayed_and_an_unfinished_one_is_not_kept() -> None:
+    streamed: list[int] = []
+
+    def stream() -> object:
+        for x, y in chunks(6, 2):
+            streamed.append(int(y[0]))
+            yield x, y
+
+    replay = EpochReplay()
+    first = replay(stream())
+    next(first)  # training ended after one batch: nothing is kept
+    assert replay.batches is None
+    assert [y.tolist() for _, y in replay(stream())] == [[0, 1], [2, 3], [4, 5]]
+    streamed.clear()
+    assert [y.tolist() for _, y in replay(stream())] == [[0, 1], [2, 3], [4, 5]]
+    assert streamed == []  # the replay did not touch the stream
