@@ -16,7 +16,7 @@ from orchestrator.config import Config, config_from_dict, flatten, to_dict, to_y
 from orchestrator.errors import ConfigError, UserError
 from orchestrator.runs import RUN_CONFIG, RunPlace, latest_run, new_run, open_run_storage
 from orchestrator.tracking import Tracker, closed_on_error, start_tracker, ui_command
-from pipelines.datasets import build_datasets, inspect_datasets, use_memory_cache
+from pipelines.datasets import build_datasets, inspect_datasets, replay_epochs
 from pipelines.order import create_epoch_clock
 from pipelines.sources import DatasetInfo
 
@@ -176,9 +176,8 @@ def build_run(config: Config, infos: dict[str, DatasetInfo], run_name: str, call
     # A language model's rows are seq_len + 1 tokens: inputs and the next-token targets shifted by one.
     in_features = infos["train"].feature_dim - (1 if config.data.label is None else 0)
     store_bytes = ray.cluster_resources().get("object_store_memory", 0)
-    # In memory, every epoch has epoch 0's order: workers then replay their first pass instead of re-streaming.
     spec = {"config": to_dict(config), "in_features": in_features, "epoch_clock": clock,
-            "in_memory": use_memory_cache(config.data, infos, store_bytes)}
+            "replay_epochs": replay_epochs(config.data, infos, store_bytes)}
     context = DataContext.get_current()
     context.execution_options.preserve_order = True
     context.print_on_execution_start = False  # one log line per epoch per dataset otherwise

@@ -25,10 +25,20 @@ def inspect_datasets(cfg: DataConfig) -> dict[str, DatasetInfo]:
 AUTO_CACHE_SHARE = 0.05
 
 
+def is_small(infos: dict[str, DatasetInfo], object_store_bytes: float) -> bool:
+    return sum(info.num_bytes for info in infos.values()) < AUTO_CACHE_SHARE * object_store_bytes
+
+
 def use_memory_cache(cfg: DataConfig, infos: dict[str, DatasetInfo], object_store_bytes: float) -> bool:
     if cfg.cache != "auto":
         return cfg.cache == "memory"
-    return sum(info.num_bytes for info in infos.values()) < AUTO_CACHE_SHARE * object_store_bytes
+    return is_small(infos, object_store_bytes)
+
+
+def replay_epochs(cfg: DataConfig, infos: dict[str, DatasetInfo], object_store_bytes: float) -> bool:
+    """Whether workers may keep their first pass and replay it every epoch: the dataset is held in memory (so
+    every epoch has epoch 0's order) and small (a worker's copy is cheap even when `cache: memory` is forced)."""
+    return use_memory_cache(cfg, infos, object_store_bytes) and is_small(infos, object_store_bytes)
 
 
 def build_datasets(

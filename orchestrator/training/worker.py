@@ -168,7 +168,7 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
         return split_batches(chunks, t.micro_batch_size, drop_last)  # type: ignore[arg-type]
 
     # Replayed only without a shuffle buffer: its order changes per epoch.
-    replay_train = EpochReplay() if spec.get("in_memory") and not cfg.data.shuffle_buffer else None
+    replay_train = EpochReplay() if spec.get("replay_epochs") and not cfg.data.shuffle_buffer else None
 
     def train_batches(epoch: int) -> Any:
         if replay_train is not None and replay_train.batches is not None:
@@ -187,7 +187,7 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
     val_batches = None
     if cfg.data.val is not None:
         val_shard = ray.train.get_dataset_shard("val")
-        replay_val = EpochReplay() if spec.get("in_memory") else None
+        replay_val = EpochReplay() if spec.get("replay_epochs") else None
 
         def val_batches() -> Any:
             if replay_val is not None and replay_val.batches is not None:

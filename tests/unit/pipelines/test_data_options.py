@@ -127,3 +127,17 @@ def test_disk_cache_hits_refetches_changed_objects_and_evicts_lru(tmp_path: Path
     changed = _shard(tmp_path / "src" / "0.parquet", 10)
     assert pq.read_table(cache.open(storage, changed)).num_rows == 10
     assert cache.stats().misses == 5
+
+
+def test_only_small_datasets_held_in_memory_are_replayed_by_workers() -> None:
+    from pipelines.datasets import replay_epochs, use_memory_cache
+    from pipelines.sources import DatasetInfo
+
+    infos = {"train": DatasetInfo("d", ["a.parquet"], num_rows=10, num_bytes=1000, feature_dim=4, num_classes=2)}
+    store = 100_000  # 1000 bytes < 5%: small
+    auto, memory, none = (DataConfig(train="d", cache=c) for c in ("auto", "memory", "none"))
+    assert use_memory_cache(auto, infos, store) and replay_epochs(auto, infos, store)
+    assert not use_memory_cache(none, infos, store) and not replay_epochs(none, infos, store)
+    # Forced into memory but large: held in the object store, not copied into every worker as well.
+    assert use_memory_cache(memory, infos, 10_000) and not replay_epochs(memory, infos, 10_000)
+    assert not use_memory_cache(auto, infos, 10_000)
