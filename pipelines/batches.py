@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -78,22 +78,27 @@ def split_batches(
 
 
 class EpochReplay:
-    """Keeps the batches of one complete pass to hand them out again. For a dataset held in memory (`cache:
+    """Keeps the batches of one complete pass to hand them out again. For a small dataset held in memory (`cache:
     memory|auto`), whose order is the same every epoch, replaying costs nothing, while restarting Ray Data's
-    streaming_split costs ~0.1-0.3 s per epoch: most of an epoch's time for a small dataset."""
+    streaming_split costs ~0.1-0.3 s per epoch: most of an epoch's time for a small dataset. With `keep` false
+    every pass streams."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: bool) -> None:
+        self.keep = keep
         self.batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
-    def __call__(self, stream: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[tuple[torch.Tensor,
-                                                                                              torch.Tensor]]:
-        """Replay the recorded pass if there is one; else pass `stream` through, recording it. A pass left
-        unfinished (training ended mid-epoch) is not kept."""
+    def __call__(self, stream: Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]]
+                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The recorded pass if there is one; else a new `stream()`, recorded when kept. A pass left unfinished
+        (training ended mid-epoch) is not kept."""
         if self.batches is not None:
             yield from self.batches
             return
+        if not self.keep:
+            yield from stream()
+            return
         seen = []
-        for batch in stream:
+        for batch in stream():
             seen.append(batch)
             yield batch
         self.batches = seen

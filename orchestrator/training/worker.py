@@ -168,11 +168,12 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
         return split_batches(chunks, t.micro_batch_size, drop_last)  # type: ignore[arg-type]
 
     # Replayed only without a shuffle buffer: its order changes per epoch.
-    replay_train = EpochReplay() if spec.get("replay_epochs") and not cfg.data.shuffle_buffer else None
+    replay_train = EpochReplay(keep=bool(spec.get("replay_epochs")) and not cfg.data.shuffle_buffer)
 
     def train_batches(epoch: int) -> Any:
-        if replay_train is not None and replay_train.batches is not None:
-            return replay_train([])
+        return replay_train(lambda: stream_train(epoch))
+
+    def stream_train(epoch: int) -> Any:
         # Before this rank starts the epoch: the reader draws the epoch's shard order from the clock once all
         # ranks have arrived (streaming_split's epoch barrier), so a resumed run re-reads the same order.
         if spec.get("epoch_clock"):
@@ -181,19 +182,15 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
         seed = local_shuffle_seed(t.seed, epoch, context.get_world_rank()) if cfg.data.shuffle_buffer else None
         # Every rank holds the same number of rows (equal split), so dropping the incomplete last micro-batch
         # leaves equal batch counts on every rank and the collectives stay aligned.
-        stream = batches(train_shard, drop_last=True, shuffle_seed=seed)
-        return replay_train(stream) if replay_train is not None else stream
+        return batches(train_shard, drop_last=True, shuffle_seed=seed)
 
     val_batches = None
     if cfg.data.val is not None:
         val_shard = ray.train.get_dataset_shard("val")
-        replay_val = EpochReplay() if spec.get("replay_epochs") else None
+        replay_val = EpochReplay(keep=bool(spec.get("replay_epochs")))
 
         def val_batches() -> Any:
-            if replay_val is not None and replay_val.batches is not None:
-                return replay_val([])
-            stream = batches(val_shard, drop_last=False)
-            return replay_val(stream) if replay_val is not None else stream
+            return replay_val(lambda: batches(val_shard, drop_last=False))
 
     context = ray.train.get_context()
     first_report = True

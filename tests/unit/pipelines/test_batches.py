@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from pipelines.batches import EpochReplay, fetch_size, split_batches
@@ -23,16 +25,21 @@ def test_micro_batches_are_cut_from_chunks_and_only_the_short_last_one_is_droppe
 def test_a_complete_pass_is_replayed_and_an_unfinished_one_is_not_kept() -> None:
     streamed: list[int] = []
 
-    def stream() -> object:
+    def stream() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for x, y in chunks(6, 2):
             streamed.append(int(y[0]))
             yield x, y
 
-    replay = EpochReplay()
-    first = replay(stream())
+    replay = EpochReplay(keep=True)
+    first = replay(stream)
     next(first)  # training ended after one batch: nothing is kept
     assert replay.batches is None
-    assert [y.tolist() for _, y in replay(stream())] == [[0, 1], [2, 3], [4, 5]]
+    assert [y.tolist() for _, y in replay(stream)] == [[0, 1], [2, 3], [4, 5]]
     streamed.clear()
-    assert [y.tolist() for _, y in replay(stream())] == [[0, 1], [2, 3], [4, 5]]
+    assert [y.tolist() for _, y in replay(stream)] == [[0, 1], [2, 3], [4, 5]]
     assert streamed == []  # the replay did not touch the stream
+
+    passing = EpochReplay(keep=False)
+    for _ in range(2):
+        assert [y.tolist() for _, y in passing(stream)] == [[0, 1], [2, 3], [4, 5]]
+    assert passing.batches is None and streamed == [0, 2, 4, 0, 2, 4]
