@@ -37,6 +37,18 @@ def train_in_background(config: Any, address: str) -> tuple[threading.Thread, di
     return thread, outcome
 
 
+def elastic_config(tmp_path: Path, digits_dir: str, experiment: str, checkpoint_every: int) -> Any:
+    """A [1, 2] group with one 1.5-CPU worker per node, 300 slowed steps (model.step_s) at global batch 64."""
+    return load_config(None, [
+        f"data.train={digits_dir}/train", "data.val=null", f"storage.path={tmp_path}/runs",
+        f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"tracking.experiment={experiment}",
+        "scaling.num_workers=[1,2]", "scaling.cpus_per_worker=1.5", "scaling.resize_check_s=1",
+        "train.global_batch_size=64", "train.max_steps=300", "train.log_every=5", "train.precision=fp32",
+        f"checkpoint.every={checkpoint_every}", "failure.max_failures=4", "model.entrypoint=fault_model:build",
+        "model.step_s=0.04",
+    ])
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
     from ray.cluster_utils import Cluster
@@ -88,13 +100,7 @@ def test_elastic_group_grows_and_shrinks_across_nodes_with_a_constant_global_bat
         cluster: Any, tmp_path: Path, digits_dir: str) -> None:
     from mlflow.tracking import MlflowClient
 
-    config = load_config(None, [
-        f"data.train={digits_dir}/train", "data.val=null", f"storage.path={tmp_path}/runs",
-        f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.experiment=elastic",
-        "scaling.num_workers=[1,2]", "scaling.cpus_per_worker=1.5", "scaling.resize_check_s=1",
-        "train.global_batch_size=64", "train.max_steps=300", "train.log_every=5", "checkpoint.every=5",
-        "train.precision=fp32", "failure.max_failures=4", "model.entrypoint=fault_model:build", "model.step_s=0.04",
-    ])
+    config = elastic_config(tmp_path, digits_dir, "elastic", checkpoint_every=5)
     assert (config.train.micro_batch_size, config.train.grad_accum_steps) == (32, 1)
     thread, outcome = train_in_background(config, cluster.address)
     wait_for(lambda: len(alive_workers()) == 1 and list((tmp_path / "runs").glob("*/checkpoint_*")),
@@ -132,13 +138,7 @@ def test_a_drained_node_triggers_a_checkpoint_before_it_goes(cluster: Any, tmp_p
 
     from mlflow.tracking import MlflowClient
 
-    config = load_config(None, [
-        f"data.train={digits_dir}/train", "data.val=null", f"storage.path={tmp_path}/runs",
-        f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.experiment=drain",
-        "scaling.num_workers=[1,2]", "scaling.cpus_per_worker=1.5", "scaling.resize_check_s=1",
-        "train.global_batch_size=64", "train.max_steps=300", "train.log_every=5", "checkpoint.every=1000",
-        "train.precision=fp32", "failure.max_failures=4", "model.entrypoint=fault_model:build", "model.step_s=0.04",
-    ])
+    config = elastic_config(tmp_path, digits_dir, "drain", checkpoint_every=1000)
     spot = cluster.add_node(**NODE)
     cluster.wait_for_nodes()
     thread, outcome = train_in_background(config, cluster.address)

@@ -245,7 +245,7 @@ def test_node_counts_follow_the_elastic_range(cloud: str, launcher: dict[str, di
     meta = cfg["metadata"]["orchestrator"]
     lo, hi = meta["elastic_num_workers"]
     gpus_per_worker = meta["gpus_per_worker"]
-    assert 1 <= lo <= hi
+    assert lo >= 1 and hi >= lo, (lo, hi)  # read from the launcher YAML
 
     types = cfg["available_node_types"]
     head = types[cfg["head_node_type"]]
