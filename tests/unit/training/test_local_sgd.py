@@ -5,6 +5,7 @@ the outer Nesterov step and the config checks."""
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessExitedException
 
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError
@@ -62,23 +64,33 @@ def _worker(rank: int, store: str, out: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    try:
-        results = {
-            "ddp": _train(rank),
-            "local": _train(rank, "train.sync=local_sgd", f"train.sync_every={H}"),
-            "diloco": _train(rank, "train.sync=local_sgd", f"train.sync_every={H}", "train.outer_momentum=0.9"),
-            # Each rank's own clock says something else; every rank must act on rank 0's.
-            "rank0_says": [_rank0_says(rank == 0, torch.device("cpu")), _rank0_says(rank == 1, torch.device("cpu"))],
-        }
-    finally:
-        dist.destroy_process_group()
+    results = {
+        "ddp": _train(rank),
+        "local": _train(rank, "train.sync=local_sgd", f"train.sync_every={H}"),
+        "diloco": _train(rank, "train.sync=local_sgd", f"train.sync_every={H}", "train.outer_momentum=0.9"),
+        # Each rank's own clock says something else; every rank must act on rank 0's.
+        "rank0_says": [_rank0_says(rank == 0, torch.device("cpu")), _rank0_says(rank == 1, torch.device("cpu"))],
+    }
     torch.save(results, f"{out}/rank{rank}.pt")
+    # Leave together: a rank that closes its sockets while the other's gloo thread still reads them makes that
+    # rank abort ("Connection closed by peer" -> SIGABRT) on a loaded machine.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, list[dict[str, Any]]]]:
-    tmp = tmp_path_factory.mktemp("gloo")
-    mp.spawn(_worker, args=(str(tmp / "store"), str(tmp)), nprocs=2, join=True)
+    for attempt in (1, 2):
+        tmp = tmp_path_factory.mktemp("gloo")
+        try:
+            mp.spawn(_worker, args=(str(tmp / "store"), str(tmp)), nprocs=2, join=True)
+            break
+        except ProcessExitedException as e:
+            # A rank killed by a signal (not a Python error in the code under test): on a loaded CI machine gloo's
+            # transport has aborted a process once in many runs. Say so, and run the group once more.
+            if attempt == 2 or e.signal_name is None:
+                raise
+            warnings.warn(f"two-rank gloo group: {e}; running it again", stacklevel=1)
     return [torch.load(tmp / f"rank{r}.pt") for r in (0, 1)]
 
 
