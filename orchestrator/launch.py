@@ -80,7 +80,8 @@ def connect_ray(address: str | None, config: Config) -> bool:
     # Ray Data's read tasks need CPUs beside the workers', or ingest waits forever on a small machine.
     needed = math.ceil(config.scaling.max_workers * config.scaling.cpus_per_worker) + 2
     # Local workers inherit this environment: make the user's own modules (model entrypoints) importable.
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH")] if p)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([os.getcwd(), *paths]))  # once, however many runs
     # The dashboard serves the state API that Ray Train's controller polls; bound to localhost only.
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=True,
              dashboard_host="127.0.0.1", dashboard_port=pin_state_api(), logging_config=logging_config)
@@ -362,6 +363,7 @@ def _fit(config: Config, infos: dict[str, DatasetInfo], run_name: str, run_dir: 
             result = trainer.fit()
     except ray.train.TrainingFailedError as exc:
         raise RunFailedError(f"training failed: {_root_cause(exc)} (run directory: {run_dir})") from None
+    _remove_unregistered_checkpoints(result)
     checkpoint_path = _checkpoint_uri(config, result.checkpoint.path) if result.checkpoint else None
     if history:
         tracker.log_metrics(run_summary(history), step=history[-1]["step"])
@@ -372,6 +374,19 @@ def _fit(config: Config, infos: dict[str, DatasetInfo], run_name: str, run_dir: 
         config=config, metrics=dict(result.metrics or {}), checkpoint_path=checkpoint_path, run_dir=run_dir,
         run_id=tracker.run_id, tracking_uri=getattr(tracker, "uri", None), history=history, cost=ledger,
     )
+
+
+def _remove_unregistered_checkpoints(result: Any) -> None:
+    """Delete what a worker killed mid-checkpoint left in storage: Ray never registered it, so its retention
+    (`checkpoint.keep`) would never delete it and it would stay forever. Only after a run that finished."""
+    from orchestrator.training.resume import unregistered_checkpoints
+
+    registered = [c.path for c, _ in result.best_checkpoints or []]
+    registered += [result.checkpoint.path] if result.checkpoint else []
+    for path in unregistered_checkpoints(result.filesystem, result.path, registered):
+        result.filesystem.delete_dir(path)
+        print(f"removed unregistered checkpoint {path} (left by a worker that died while saving it)",
+              file=sys.stderr)
 
 
 def _cost(config: Config, history: list[dict[str, Any]], wall_s: float, failures: int) -> Any:

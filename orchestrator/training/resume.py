@@ -19,6 +19,7 @@ import ray.train
 from orchestrator.training.checkpoint import check_complete, manifest_step
 
 _NAME = re.compile(r"^checkpoint_(\d+)_")
+_OURS = re.compile(r"^checkpoint_\d{8}_[0-9a-f]{6}$")  # exactly what checkpoint_dir_name makes
 
 
 def checkpoint_dir_name(step: int) -> str:
@@ -30,6 +31,15 @@ def checkpoint_dir_name(step: int) -> str:
 def _step(filesystem: Any, path: str) -> int | None:
     match = _NAME.match(path.rstrip("/").rsplit("/", 1)[-1])
     return int(match.group(1)) if match else manifest_step(filesystem, path)
+
+
+def unregistered_checkpoints(filesystem: Any, run_path: str, registered: list[str]) -> list[str]:
+    """Checkpoint directories of a finished run that Ray Train never registered (a worker died while writing or
+    copying them) and so never deletes: what is left beside the `registered` ones."""
+    kept = {p.rstrip("/") for p in registered}
+    infos = filesystem.get_file_info(pafs.FileSelector(run_path.rstrip("/"), allow_not_found=True))
+    return sorted(i.path for i in infos if i.type == pafs.FileType.Directory and _OURS.match(i.base_name)
+                  and i.path.rstrip("/") not in kept)
 
 
 def loadable_checkpoint(checkpoint: ray.train.Checkpoint | None) -> ray.train.Checkpoint | None:

@@ -196,6 +196,9 @@ def test_killed_driver_resumes_with_the_same_run_and_mlflow_run(ray_cluster: Non
         first.wait(timeout=30)
     (run_dir,) = (tmp_path / "runs").glob("resume-me-*")
     run_id = json.loads((run_dir / "orchestrator-run.json").read_text())["mlflow_run_id"]
+    # What a kill during Ray's copy into storage leaves: a half-copied checkpoint Ray never registered.
+    (orphan := run_dir / "checkpoint_00000015_0a1b2c").mkdir()
+    (orphan / "state.pt").write_bytes(b"\x80\x02half a pickle")
 
     # A changed model/optimizer would not be the same run: refused before MLflow or Ray is touched.
     refused = subprocess.run([*command, "--resume", "--set", "optim.lr=0.5"], capture_output=True, text=True,
@@ -209,6 +212,10 @@ def test_killed_driver_resumes_with_the_same_run_and_mlflow_run(ray_cluster: Non
     assert steps and steps[0] > 10 and steps[-1] == 40, steps  # continued, not redone from step 5
     assert f"MLflow run id: {run_id}" in resumed.stdout
     assert "resuming run" in resumed.stderr
+    # The finished run removed the never-registered copy and kept every registered checkpoint, all complete.
+    assert not orphan.exists() and f"removed unregistered checkpoint {orphan}" in resumed.stderr
+    kept = sorted(p.name[:19] for p in run_dir.glob("checkpoint_0*"))
+    assert kept[-1] == "checkpoint_00000040" and len(complete_checkpoints(tmp_path / "runs")) == len(kept), kept
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("default").experiment_id])
     assert [r.info.run_id for r in runs] == [run_id] and runs[0].info.status == "FINISHED"

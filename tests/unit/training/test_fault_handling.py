@@ -116,6 +116,19 @@ def test_an_incomplete_latest_checkpoint_falls_back_to_the_previous_complete_one
         assert loadable_checkpoint(ray.train.Checkpoint(str(tmp_path / "checkpoint_00000005_abcdef"))) is not None
 
 
+def test_only_our_never_registered_checkpoint_dirs_are_left_over(tmp_path: Path) -> None:
+    from orchestrator.training.resume import unregistered_checkpoints
+
+    kept = [write_checkpoint(tmp_path, step) for step in (10, 20)]
+    orphan = write_checkpoint(tmp_path, 15)
+    for other in ("checkpoint_manager_snapshot.json", "checkpoint_tmp_x", "notes"):
+        (tmp_path / other).mkdir()  # Ray's and the user's own entries are not ours to delete
+    fs = pafs.LocalFileSystem()
+    assert unregistered_checkpoints(fs, str(tmp_path), [str(p) for p in kept]) == [str(orphan)]
+    assert unregistered_checkpoints(fs, str(tmp_path), [str(p) + "/" for p in [*kept, orphan]]) == []
+    assert unregistered_checkpoints(fs, str(tmp_path / "missing"), []) == []
+
+
 def test_resume_after_a_resize_continues_at_the_next_epoch_boundary() -> None:
     cfg = config("train.max_steps=3", "train.log_every=3", "checkpoint.every=3")
     report = Recorder()
