@@ -19,6 +19,7 @@ from orchestrator.tracking import Tracker, closed_on_error, start_tracker, ui_co
 from pipelines.datasets import build_datasets, inspect_datasets, replay_epochs
 from pipelines.order import create_epoch_clock
 from pipelines.sources import DatasetInfo
+from pipelines.storage import Storage
 
 
 class RunFailedError(UserError):
@@ -118,7 +119,7 @@ def shutdown_local_ray() -> None:
     os.environ.pop("RAY_API_SERVER_ADDRESS", None)
 
 
-def build_trainer(config: Config, spec: dict[str, Any], datasets: dict[str, Any], run_name: str,
+def build_trainer(config: Config, spec: dict[str, Any], datasets: dict[str, Any], place: RunPlace,
                   callbacks: list[Any]) -> Any:
     import ray
     import ray.train
@@ -137,8 +138,8 @@ def build_trainer(config: Config, spec: dict[str, Any], datasets: dict[str, Any]
             **({"elastic_resize_monitor_interval_s": s.resize_check_s} if s.resize_check_s else {}),
         ),
         run_config=ray.train.RunConfig(
-            name=run_name,
-            **_storage_args(config),
+            name=place.name,
+            **storage_args(place.storage),
             failure_config=ray.train.FailureConfig(
                 max_failures=config.failure.max_failures,
                 max_preemption_failures=config.failure.max_preemption_failures,
@@ -164,14 +165,14 @@ def _worker_env(config: Config) -> dict[str, str]:
     return {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
 
-def build_run(config: Config, infos: dict[str, DatasetInfo], run_name: str, callbacks: list[Any]) -> Any:
+def build_run(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, callbacks: list[Any]) -> Any:
     """Datasets and TorchTrainer for one run, in this process's Ray Data context (the driver for `train`, the
     trial actor for each Tune trial)."""
     import ray
     from ray.data import DataContext
 
     # The workers advance this clock each epoch; the train reader draws that epoch's shard order from it.
-    clock = f"orchestrator-epoch-{run_name}-{uuid.uuid4().hex[:8]}" if config.data.shuffle else None
+    clock = f"orchestrator-epoch-{place.name}-{uuid.uuid4().hex[:8]}" if config.data.shuffle else None
     if clock:
         create_epoch_clock(clock)
     # A language model's rows are seq_len + 1 tokens: inputs and the next-token targets shifted by one.
@@ -184,7 +185,7 @@ def build_run(config: Config, infos: dict[str, DatasetInfo], run_name: str, call
     context.print_on_execution_start = False  # one log line per epoch per dataset otherwise
     context.enable_progress_bars = False
     datasets = build_datasets(config.data, infos, store_bytes, seed=config.train.seed, epoch_clock=clock)
-    return build_trainer(config, spec, datasets, run_name, callbacks)
+    return build_trainer(config, spec, datasets, place, callbacks)
 
 
 def _worker_entry(spec: dict[str, Any]) -> dict[str, Any]:
@@ -194,15 +195,10 @@ def _worker_entry(spec: dict[str, Any]) -> dict[str, Any]:
     return train_worker(spec)
 
 
-def _storage_path(config: Config) -> str:
-    path = config.storage.path
-    return path if "://" in path else os.path.abspath(path)
-
-
-def _storage_args(config: Config) -> dict[str, Any]:
-    """RunConfig storage: a local path, or for s3:// the data layer's S3 filesystem (same endpoint, region and
-    credentials) with the path inside it, which is what Ray expects alongside storage_filesystem."""
-    storage = open_run_storage(config)
+def storage_args(storage: Storage) -> dict[str, Any]:
+    """Train's and Tune's RunConfig storage: a local path, or for s3:// the data layer's S3 filesystem (same
+    endpoint, region and credentials) with the path inside it, which is what Ray expects beside storage_filesystem.
+    Resolved on the driver: trial actors and workers need no credentials of their own."""
     if not storage.remote:
         return {"storage_path": storage.root}
     return {"storage_path": storage.root, "storage_filesystem": storage.filesystem()}
@@ -268,7 +264,7 @@ def train(config: Config, address: str | None = None, verbose: bool = True, resu
             missing = config.scaling.shortfall(ray_resources()) if started_ray else None
             if missing:
                 raise ConfigError(f"this run needs {missing}")
-            result = _fit(config, infos, run_name, run_dir, tracker, verbose, t0)
+            result = _fit(config, infos, place, tracker, verbose, t0)
         finally:
             if started_ray:
                 shutdown_local_ray()
@@ -323,7 +319,7 @@ def _reopen_id(config: Config, record: dict[str, Any] | None) -> str | None:
     return str(record["mlflow_run_id"])
 
 
-def _fit(config: Config, infos: dict[str, DatasetInfo], run_name: str, run_dir: str, tracker: Tracker,
+def _fit(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, tracker: Tracker,
          verbose: bool, t0: float | None = None) -> TrainResult:
     import ray
     import ray.train
@@ -357,12 +353,12 @@ def _fit(config: Config, infos: dict[str, DatasetInfo], run_name: str, run_dir: 
             print(progress_line(report, total, started), flush=True)
 
     queue = Queue(actor_options={"num_cpus": 0})
-    trainer = build_run(config, infos, run_name, [ForwardReports(queue)])
+    trainer = build_run(config, infos, place, [ForwardReports(queue)])
     try:
         with ReportConsumer(queue, handle):
             result = trainer.fit()
     except ray.train.TrainingFailedError as exc:
-        raise RunFailedError(f"training failed: {_root_cause(exc)} (run directory: {run_dir})") from None
+        raise RunFailedError(f"training failed: {_root_cause(exc)} (run directory: {place.uri})") from None
     _remove_unregistered_checkpoints(result)
     checkpoint_path = _checkpoint_uri(config, result.checkpoint.path) if result.checkpoint else None
     if history:
@@ -371,7 +367,7 @@ def _fit(config: Config, infos: dict[str, DatasetInfo], run_name: str, run_dir: 
     ledger = _cost(config, history, time.monotonic() - t0, len(failures))
     tracker.log_metrics(ledger.metrics(), step=history[-1]["step"] if history else 0)
     return TrainResult(
-        config=config, metrics=dict(result.metrics or {}), checkpoint_path=checkpoint_path, run_dir=run_dir,
+        config=config, metrics=dict(result.metrics or {}), checkpoint_path=checkpoint_path, run_dir=place.uri,
         run_id=tracker.run_id, tracking_uri=getattr(tracker, "uri", None), history=history, cost=ledger,
     )
 

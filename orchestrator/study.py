@@ -23,12 +23,13 @@ from orchestrator.errors import ConfigError, UserError
 from orchestrator.launch import (
     RunFailedError,
     _root_cause,
-    _storage_path,
     build_run,
     connect_ray,
     resolve_for_data,
     shutdown_local_ray,
+    storage_args,
 )
+from orchestrator.runs import RunPlace, open_run_storage
 from orchestrator.search import (
     check_capacity,
     check_study,
@@ -42,6 +43,7 @@ from orchestrator.search import (
 from orchestrator.tracking import Tracker, closed_on_error, start_tracker, ui_command
 from pipelines.datasets import inspect_datasets
 from pipelines.sources import DatasetInfo
+from pipelines.storage import Storage
 
 STATE_FILE = "orchestrator-study.json"
 
@@ -86,19 +88,24 @@ def study_name(config: Config) -> str:
     return f"{config.experiment}-tune"
 
 
+def _trials(study: RunPlace) -> Storage:
+    """Where the trials' Train runs live: beside the Tune experiment, on the same storage."""
+    return study.storage.below(f"{study.name}-trials")
+
+
 def _run_trial(params: dict[str, Any], *, tree: dict[str, Any], infos: dict[str, DatasetInfo],
-               trials_path: str) -> None:
+               trials: Storage) -> None:
     """The Tune trainable, run in the trial's actor: one TorchTrainer whose reports go to Tune.
 
-    Its Train run is named by the trial id under `trials_path`, so a trial restarted by a resumed study
-    continues from its own latest checkpoint."""
+    Its Train run is named by the trial id under `trials`, so a trial restarted by a resumed study continues
+    from its own latest checkpoint."""
     import ray.train
     from ray import tune as ray_tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    config = resolve_for_data(trial_config(tree, {**params, "storage.path": trials_path}), infos)
+    config = resolve_for_data(trial_config(tree, {**params, "storage.path": trials.uri}), infos)
     trial_id = ray_tune.get_context().get_trial_id()
-    trainer = build_run(config, infos, trial_id, [TuneReportCallback()])
+    trainer = build_run(config, infos, RunPlace(trials, trial_id), [TuneReportCallback()])
     try:
         trainer.fit()
     except ray.train.TrainingFailedError as exc:
@@ -114,40 +121,20 @@ def best_yaml(tree: dict[str, Any], params: dict[str, Any], header: str = "") ->
 
 # ---- the study on storage: where it is, whether it can be resumed, what it was started with ----
 
-def _fs(path: str) -> tuple[Any, str]:
-    import pyarrow.fs
-
-    if "://" in path:
-        return pyarrow.fs.FileSystem.from_uri(path)
-    return pyarrow.fs.LocalFileSystem(), path
-
-
-def _join(base: str, name: str) -> str:
-    return f"{base.rstrip('/')}/{name}" if "://" in base else os.path.join(base, name)
-
-
-def _read_state(study_path: str) -> dict[str, Any] | None:
-    fs, path = _fs(_join(study_path, STATE_FILE))
+def _read_state(place: RunPlace) -> dict[str, Any] | None:
+    text = place.read_text(STATE_FILE)
     try:
-        with fs.open_input_stream(path) as f:
-            return json.loads(f.read())
-    except (FileNotFoundError, OSError, ValueError):
+        return json.loads(text) if text else None
+    except ValueError:
         return None
 
 
-def _write_state(study_path: str, state: dict[str, Any]) -> None:
-    fs, path = _fs(study_path)
-    fs.create_dir(path, recursive=True)
-    with fs.open_output_stream(_join(path, STATE_FILE)) as f:
-        f.write(json.dumps(state, indent=1).encode())
-
-
-def _delete(path: str) -> None:
-    fs, inner = _fs(path)
+def _delete(storage: Storage, path: str) -> None:
     import pyarrow.fs
 
-    if fs.get_file_info(inner).type != pyarrow.fs.FileType.NotFound:
-        fs.delete_dir(inner)
+    fs = storage.filesystem()
+    if fs.get_file_info(path).type != pyarrow.fs.FileType.NotFound:
+        fs.delete_dir(path)
 
 
 def _fingerprint(config: Config) -> dict[str, Any]:
@@ -198,18 +185,20 @@ def _searcher(config: Config) -> Any:
     return IntervalOptunaSearch(seed=t.seed)
 
 
-def _fit(config: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo], max_steps: int, study: str,
-         study_path: str, resume: bool, callback: Any, concurrency: int) -> Any:
+def _fit(config: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo], max_steps: int, place: RunPlace,
+         resume: bool, callback: Any, concurrency: int) -> Any:
     from ray import tune as ray_tune
 
     trainable = ray_tune.with_resources(
-        ray_tune.with_parameters(_run_trial, tree=tree, infos=infos, trials_path=study_path + "-trials"),
+        ray_tune.with_parameters(_run_trial, tree=tree, infos=infos, trials=_trials(place)),
         {"cpu": 0.01},  # the trial's actor only waits on its TorchTrainer; {"cpu": 0} is refused
     )
+    storage = storage_args(place.storage)
     if resume:
         # Finished trials stay finished; unfinished ones restart and their Train runs resume from checkpoints.
         # Errored ones stay errored: the same config would fail the same way.
-        return ray_tune.Tuner.restore(study_path, trainable, resume_unfinished=True).fit()
+        return ray_tune.Tuner.restore(place.path, trainable, resume_unfinished=True,
+                                      storage_filesystem=storage.get("storage_filesystem")).fit()
     t = config.tune
     tuner = ray_tune.Tuner(
         trainable,
@@ -220,7 +209,7 @@ def _fit(config: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo], ma
             max_concurrent_trials=concurrency,
         ),
         run_config=ray_tune.RunConfig(
-            name=study, storage_path=study_path.rsplit("/", 1)[0], callbacks=[callback],
+            name=place.name, **storage, callbacks=[callback],
             verbose=0,  # the callback prints the trial table
         ),
     )
@@ -298,7 +287,7 @@ def tune(config: Config, address: str | None = None, fresh: bool = False, verbos
     pricing = resolve_pricing(base)  # before any trial: an unknown node type is a config error
     tree = user_tree(config)
     study = study_name(config)
-    study_path = _join(_storage_path(config), study)
+    place = RunPlace(open_run_storage(config), study)
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     # Validation metrics arrive only at eval steps; Tune would otherwise fail every report without one.
     # check_study has already made sure the loop reports the metric.
@@ -312,11 +301,12 @@ def tune(config: Config, address: str | None = None, fresh: bool = False, verbos
         check_capacity(config, ray.cluster_resources())
         concurrency = max_concurrent(config, ray.cluster_resources().get("CPU", 1.0))
         if fresh:
-            _delete(study_path)
-            _delete(study_path + "-trials")
-        state = _read_state(study_path) if ray_tune.Tuner.can_restore(study_path) else None
+            _delete(place.storage, place.path)
+            _delete(place.storage, _trials(place).root)
+        restorable = ray_tune.Tuner.can_restore(place.path, storage_args(place.storage).get("storage_filesystem"))
+        state = _read_state(place) if restorable else None
         if state is not None:
-            _check_same_study(state, config, study, study_path)
+            _check_same_study(state, config, study, place.uri)
         tracker = start_tracker(config.tracking, study, run_id=state.get("parent_run_id") if state else None,
                                 tags={"orchestrator.study": study, "orchestrator.role": "study"})
         if state is None:
@@ -324,30 +314,31 @@ def tune(config: Config, address: str | None = None, fresh: bool = False, verbos
             tracker.set_tags({"orchestrator.scheduler": config.tune.scheduler,
                               "orchestrator.searcher": config.tune.searcher,
                               "orchestrator.search_space": json.dumps(config.tune.space)})
-            _write_state(study_path, {"config": _fingerprint(config), "parent_run_id": tracker.run_id})
+            place.write_text(STATE_FILE, json.dumps({"config": _fingerprint(config), "parent_run_id": tracker.run_id},
+                                                    indent=1))
         if verbose:
             what = "resuming" if state else "starting"
-            print(f"{what} study {study} at {study_path}: {config.tune.num_samples} samples, up to {concurrency} "
+            print(f"{what} study {study} at {place.uri}: {config.tune.num_samples} samples, up to {concurrency} "
                   f"trials at once, scheduler {config.tune.scheduler}, searcher {config.tune.searcher}", flush=True)
-        return _run_study(config, base, tree, infos, study, study_path, state is not None, tracker, concurrency,
-                          verbose, pricing)
+        return _run_study(config, base, tree, infos, place, state is not None, tracker, concurrency, verbose,
+                          pricing)
     finally:
         if started_ray:
             shutdown_local_ray()
 
 
-def _run_study(config: Config, base: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo], study: str,
-               study_path: str, resumed: bool, tracker: Tracker, concurrency: int, verbose: bool,
-               pricing: Any = None) -> TuneResult:
+def _run_study(config: Config, base: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo], place: RunPlace,
+               resumed: bool, tracker: Tracker, concurrency: int, verbose: bool, pricing: Any = None) -> TuneResult:
     from orchestrator.trials import StudyCallback
 
     metric, mode = config.tune.metric, resolved_mode(config)
     max_steps = base.train.max_steps or 0
+    study, study_path = place.name, place.uri
     callback = StudyCallback(study, tree, list(config.tune.space), metric, max_steps,
                              config.tracking if config.tracking.enabled else None, tracker.run_id, verbose,
                              pricing=pricing)
     with closed_on_error(tracker):
-        grid = _fit(config, tree, infos, max_steps, study, study_path, resumed, callback, concurrency)
+        grid = _fit(config, tree, infos, max_steps, place, resumed, callback, concurrency)
         trials = _summaries(grid, tree, infos, metric, pricing)
     if any(t.status == "running" for t in trials):  # Tune caught Ctrl+C and saved the study
         tracker.finish("KILLED")

@@ -9,7 +9,7 @@ nodes need no AWS variables of their own.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlparse
 
@@ -110,6 +110,11 @@ class Storage:
 
     def join(self, *parts: str) -> str:
         return "/".join([self.root.rstrip("/"), *parts])
+
+    def below(self, name: str) -> Storage:
+        """The same store, endpoint and credentials, rooted at `name` under this root."""
+        root = self.join(name)
+        return replace(self, uri=self.uri_of(root), root=root, _fs=None)
 
     def list_objects(self, suffix: str = ".parquet") -> list[ObjectInfo]:
         """The objects under the root whose names end in `suffix`, sorted by path; DataError if none."""
