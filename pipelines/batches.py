@@ -81,24 +81,41 @@ class EpochReplay:
     """Keeps the batches of one complete pass to hand them out again. For a small dataset held in memory (`cache:
     memory|auto`), whose order is the same every epoch, replaying costs nothing, while restarting Ray Data's
     streaming_split costs ~0.1-0.3 s per epoch: most of an epoch's time for a small dataset. With `keep` false
-    every pass streams."""
+    every pass streams.
 
-    def __init__(self, keep: bool) -> None:
+    `reshuffle(epoch)` gives the seed of a later epoch's order: its rows are this rank's pass permuted, cut into
+    micro-batches of the same size (epoch 0 is the pass as streamed). An epoch's order depends only on the pass and
+    the seed, so a worker that starts inside a later epoch (a restart) reads the pass first and then hands out
+    exactly the batches an uninterrupted worker would have."""
+
+    def __init__(self, keep: bool, reshuffle: Callable[[int], int] | None = None) -> None:
         self.keep = keep
+        self.reshuffle = reshuffle
         self.batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
-    def __call__(self, stream: Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]]
+    def __call__(self, stream: Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]], epoch: int = 0
                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """The recorded pass if there is one; else a new `stream()`, recorded when kept. A pass left unfinished
-        (training ended mid-epoch) is not kept."""
-        if self.batches is not None:
-            yield from self.batches
-            return
+        """The recorded pass in `epoch`'s order if there is one; else a new `stream()`, recorded when kept. A pass
+        left unfinished (training ended mid-epoch) is not kept."""
         if not self.keep:
             yield from stream()
             return
-        seen = []
-        for batch in stream():
-            seen.append(batch)
-            yield batch
-        self.batches = seen
+        if self.batches is None and (epoch == 0 or self.reshuffle is None):
+            seen = []
+            for batch in stream():
+                seen.append(batch)
+                yield batch
+            self.batches = seen
+            return
+        if self.batches is None:
+            self.batches = list(stream())
+        yield from self._in_order_of(epoch)
+
+    def _in_order_of(self, epoch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        batches = self.batches or []
+        if self.reshuffle is None or epoch == 0 or not batches:
+            return batches
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(self.reshuffle(epoch)))
+        size = len(batches[0][0])
+        return list(zip(x[order].split(size), y[order].split(size), strict=True))

@@ -167,11 +167,14 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
                                           local_shuffle_seed=shuffle_seed)
         return split_batches(chunks, t.micro_batch_size, drop_last)  # type: ignore[arg-type]
 
-    # Replayed only without a shuffle buffer: its order changes per epoch.
-    replay_train = EpochReplay(keep=bool(spec.get("replay_epochs")) and not cfg.data.shuffle_buffer)
+    # Replayed only without a shuffle buffer (its order changes per epoch as it streams); with data.shuffle each
+    # later epoch replays this rank's rows in a new order, seeded per (seed, epoch, rank).
+    rank = context.get_world_rank()
+    replay_train = EpochReplay(keep=bool(spec.get("replay_epochs")) and not cfg.data.shuffle_buffer,
+                               reshuffle=(lambda e: local_shuffle_seed(t.seed, e, rank)) if cfg.data.shuffle else None)
 
     def train_batches(epoch: int) -> Any:
-        return replay_train(lambda: stream_train(epoch))
+        return replay_train(lambda: stream_train(epoch), epoch)
 
     def stream_train(epoch: int) -> Any:
         # Before this rank starts the epoch: the reader draws the epoch's shard order from the clock once all
@@ -179,7 +182,7 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
         if spec.get("epoch_clock"):
             set_epoch(spec["epoch_clock"], epoch)
         # Seeded per (seed, epoch, rank): a re-streamed epoch after a restart shuffles identically.
-        seed = local_shuffle_seed(t.seed, epoch, context.get_world_rank()) if cfg.data.shuffle_buffer else None
+        seed = local_shuffle_seed(t.seed, epoch, rank) if cfg.data.shuffle_buffer else None
         # Every rank holds the same number of rows (equal split), so dropping the incomplete last micro-batch
         # leaves equal batch counts on every rank and the collectives stay aligned.
         return batches(train_shard, drop_last=True, shuffle_seed=seed)

@@ -111,16 +111,18 @@ def test_worker_killed_by_pid_mid_epoch_ends_with_the_uninterrupted_weights(
 def test_worker_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(
         clean: dict[str, torch.Tensor], tmp_path: Path, digits_dir: str) -> None:
     marker = tmp_path / "killed"
-    # Killed inside the 3rd checkpoint (step 30), halfway through pickling state.pt.
-    result = run(tmp_path, digits_dir, "train.max_steps=60", "model.die_in_checkpoint=3", f"model.marker={marker}",
+    # Killed inside the 4th checkpoint (step 40), halfway through pickling state.pt.
+    result = run(tmp_path, digits_dir, "train.max_steps=60", "model.die_in_checkpoint=4", f"model.marker={marker}",
                  "checkpoint.keep=2")
     assert marker.exists(), "the worker was never killed"
     assert result.metrics["step"] == 60
-    # Killed while pickling the checkpoint of step 30: the restart (whose first report carries the worker's facts)
-    # resumed from step 20's checkpoint. A report the controller had not collected before the kill may be missing.
+    # Killed while pickling the checkpoint of step 40: the restart (whose first report carries the worker's facts)
+    # resumed from step 30's checkpoint, 8 steps into the 2nd epoch (22 steps each): the new workers read the pass,
+    # then replay that epoch's reshuffled order from its 9th micro-batch. A report the controller had not collected
+    # before the kill may be missing.
     starts = [r["step"] for r in result.history if "world_rank" in r]
-    assert starts == [5, 25], [r["step"] for r in result.history]
-    assert [r["step"] for r in result.history][-8:] == list(range(25, 65, 5))
+    assert starts == [5, 35], [r["step"] for r in result.history]
+    assert [r["step"] for r in result.history][-6:] == list(range(35, 65, 5))
     assert_same(weights(result.checkpoint_path), clean)  # type: ignore[arg-type]
     # Retention kept the newest complete ones; nothing incomplete was ever registered or left behind.
     names = sorted(p.name for p in Path(result.run_dir).glob("checkpoint_0*"))

@@ -43,3 +43,27 @@ def test_a_complete_pass_is_replayed_and_an_unfinished_one_is_not_kept() -> None
     for _ in range(2):
         assert [y.tolist() for _, y in passing(stream)] == [[0, 1], [2, 3], [4, 5]]
     assert passing.batches is None and streamed == [0, 2, 4, 0, 2, 4]
+
+
+def test_later_epochs_replay_the_pass_reshuffled_and_a_restart_inside_one_gets_the_same_batches() -> None:
+    def stream() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        yield from chunks(12, 3)
+
+    def seed(epoch: int) -> int:
+        return 1000 + epoch
+
+    clean = EpochReplay(keep=True, reshuffle=seed)
+    epochs = [[y.tolist() for _, y in clean(stream, e)] for e in range(3)]
+    assert epochs[0] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]  # the pass as streamed
+    for later in epochs[1:]:  # every row once, whole micro-batches, in a new order
+        assert sorted(sum(later, [])) == list(range(12)) and all(len(b) == 3 for b in later)
+        assert later != epochs[0]
+    assert epochs[1] != epochs[2]
+    # A worker restarted inside epoch 2 reads the pass, then hands out epoch 2's batches, features with labels.
+    restarted = EpochReplay(keep=True, reshuffle=seed)
+    batches = list(restarted(stream, 2))
+    assert [y.tolist() for _, y in batches] == epochs[2]
+    assert all(torch.equal(x[:, 0], y.float()) for x, y in batches)
+    # Without reshuffle every epoch is the streamed pass.
+    plain = EpochReplay(keep=True)
+    assert [[y.tolist() for _, y in plain(stream, e)] for e in range(2)] == [epochs[0], epochs[0]]
