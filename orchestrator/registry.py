@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import difflib
-import importlib
 from collections.abc import Callable, Iterable
 from typing import Generic, TypeVar
 
 from orchestrator.errors import ConfigError
+from pipelines.entrypoints import load_function
 
 T = TypeVar("T")
 
@@ -45,14 +45,7 @@ def suggest(name: str, candidates: Iterable[str], prefix: str = "") -> str:
 
 def load_entrypoint(spec: str) -> Callable[..., object]:
     """Import `module:function`, with a clear error when either part is missing."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"entrypoint '{spec}' must look like 'package.module:function'")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"entrypoint '{spec}': cannot import module '{module_name}' ({exc}); "
-                          "is it installed or on PYTHONPATH?") from exc
-    if not callable(getattr(module, attr, None)):
-        raise ConfigError(f"entrypoint '{spec}': module '{module_name}' has no callable '{attr}'")
-    return getattr(module, attr)
+        return load_function(spec)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc

@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pipelines.entrypoints import load_function
+
 MEMORY_CACHE_VALUES = ("auto", "none", "memory")
 
 
@@ -46,7 +48,24 @@ class Cast(BaseModel):
     columns: list[str] | None = None
 
 
-TRANSFORMS: dict[str, type[BaseModel]] = {"normalize": Normalize, "cast": Cast}
+class Call(BaseModel):
+    """Your own per-batch function, `fn: "module:function"`, called as fn(batch, **kwargs) with the batch as a
+    pyarrow Table; it returns the transformed Table. The module must import on every node (PYTHONPATH, or the
+    job's working_dir)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    fn: str
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("fn")
+    @classmethod
+    def _importable(cls, value: str) -> str:
+        load_function(value)  # fail at config time, not in a read task mid-epoch
+        return value
+
+
+TRANSFORMS: dict[str, type[BaseModel]] = {"normalize": Normalize, "cast": Cast, "call": Call}
 
 
 class DataConfig(BaseModel):
@@ -77,7 +96,7 @@ class DataConfig(BaseModel):
     transforms: list[dict[str, Any]] = Field(
         default_factory=list,
         description="Per-batch transforms run in Ray Data map_batches, in order, e.g. "
-        "[{normalize: {mean: 0.5, std: 0.25}}, {cast: float32}].",
+        "[{normalize: {mean: 0.5, std: 0.25}}, {cast: float32}, {call: my_module:fn}].",
     )
     s3: S3Config = Field(default_factory=S3Config)  # type: ignore[arg-type]
 
@@ -112,8 +131,8 @@ class DataConfig(BaseModel):
             (name, args), = item.items()
             if name not in TRANSFORMS:
                 raise ValueError(f"unknown transform '{name}'; valid: {sorted(TRANSFORMS)}")
-            if name == "cast" and isinstance(args, str):
-                args = {"dtype": args}
+            if isinstance(args, str):  # the shorthands {cast: float32} and {call: module:function}
+                args = {"cast": {"dtype": args}, "call": {"fn": args}}.get(name, args)
             model = TRANSFORMS[name].model_validate(args or {})
             parsed.append({name: model.model_dump(exclude_none=True)})
         return parsed

@@ -9,6 +9,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipelines.entrypoints import load_function
+from pipelines.errors import DataError
+
 _DTYPES = {"float16": pa.float16(), "float32": pa.float32(), "float64": pa.float64()}
 
 
@@ -39,6 +42,9 @@ def apply_transforms(table: pa.Table, transforms: list[dict[str, Any]], features
     """Apply the configured transforms in order to the feature columns (or each transform's `columns`)."""
     for item in transforms:
         (name, args), = item.items()
+        if name == "call":
+            table = _call(table, args["fn"], args.get("kwargs") or {})
+            continue
         fn = _normalize(args.get("mean", 0.0), args.get("std", 1.0)) if name == "normalize" else _cast(args["dtype"])
         for column in args.get("columns") or features:
             index = table.schema.get_field_index(column)
@@ -46,12 +52,9 @@ def apply_transforms(table: pa.Table, transforms: list[dict[str, Any]], features
     return table
 
 
-class TransformBatches:
-    """The `map_batches` callable (pyarrow batches in and out); picklable, holds plain config data only."""
-
-    def __init__(self, transforms: list[dict[str, Any]], features: list[str]) -> None:
-        self.transforms = transforms
-        self.features = list(features)
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        return apply_transforms(batch, self.transforms, self.features)
+def _call(table: pa.Table, spec: str, kwargs: dict[str, Any]) -> pa.Table:
+    out = load_function(spec)(table, **kwargs)
+    if not isinstance(out, pa.Table):
+        raise DataError(f"transform {spec} returned {type(out).__name__}, not a pyarrow.Table: return the batch "
+                        "it was given, transformed")
+    return out

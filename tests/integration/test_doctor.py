@@ -1,6 +1,7 @@
-"""`orchestrator doctor` and the cost ledger on a real run: prefetch disabled and a reader that re-reads every
-epoch (cache off, digits' ~11 steps per epoch), so the loop mostly waits for data; doctor must name the data
-pipeline first. The same run's MLflow record carries the cost metrics and the summary prints the ledger."""
+"""`orchestrator doctor` and the cost ledger on a real run: prefetch disabled and a slowed reader (a user transform
+that sleeps on every block, re-read every epoch with the cache off), so the loop mostly waits for data; doctor must
+name the data pipeline first. The same run's MLflow record carries the cost metrics and the summary prints the
+ledger."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def test_doctor_names_the_data_pipeline_first_and_the_run_has_a_cost(
         f"data.train={digits_dir}/train", f"data.val={digits_dir}/val", f"storage.path={tmp_path}/runs",
         f"tracking.uri={uri}", "tracking.experiment=tests", "scaling.num_workers=2", "train.max_steps=40",
         "train.log_every=10", "train.eval_every=40", "checkpoint.every=40", "data.prefetch_batches=0",
-        "data.cache=none", "cost.price_per_hour=3.6",
+        "data.cache=none", "data.transforms=[{call: {fn: 'slow_reader:slow', kwargs: {seconds: 0.1}}}]",
+        "cost.price_per_hour=3.6",
     ]), verbose=False)
     assert result.run_id is not None
 

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from pipelines.cache import DiskCache
 from pipelines.config import DataConfig
+from pipelines.errors import DataError
 from pipelines.order import local_shuffle_seed, shard_order
 from pipelines.prepare import prepare_synthetic
 from pipelines.reader import ShardDatasource
@@ -39,6 +40,9 @@ def test_config_accepts_s3_cache_dir_and_transforms() -> None:
     ({"transforms": [{"normalize": {"std": 0}}]}, "greater than 0"),
     ({"transforms": [{"cast": {"dtype": "float32", "columns": ["nope"]}}]}, r"\['nope'\] are not in data.features"),
     ({"s3": {"secret_key": "x"}}, "Extra inputs are not permitted"),
+    ({"transforms": [{"call": "no_such_module_here:fn"}]}, "cannot import module 'no_such_module_here'"),
+    ({"transforms": [{"call": "pipelines.transforms"}]}, "must look like 'package.module:function'"),
+    ({"transforms": [{"call": "pipelines.transforms:nothing"}]}, "has no callable 'nothing'"),
 ])
 def test_config_refuses(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
@@ -57,6 +61,25 @@ def test_transforms_normalize_and_cast_lists_and_scalars() -> None:
     assert out.column("s").to_pylist() == [0.5, 1.5]
     assert out.schema.field("v").type.value_type == pa.float16() and out.schema.field("s").type == pa.float16()
     assert out.column("label").to_pylist() == [0, 1]  # the label is never transformed
+
+
+def test_a_call_transform_runs_your_function_on_each_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "my_transforms.py").write_text(
+        "import pyarrow.compute as pc\n"
+        "def scale(batch, factor=1):\n"
+        "    i = batch.schema.get_field_index('s')\n"
+        "    return batch.set_column(i, 's', pc.multiply(batch.column(i), factor))\n"
+        "def broken(batch):\n"
+        "    return batch.to_pydict()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = DataConfig(transforms=[{"call": "my_transforms:scale"},
+                                 {"call": {"fn": "my_transforms:scale", "kwargs": {"factor": 3}}}])
+    assert cfg.transforms == [{"call": {"fn": "my_transforms:scale", "kwargs": {}}},
+                              {"call": {"fn": "my_transforms:scale", "kwargs": {"factor": 3}}}]
+    out = apply_transforms(pa.table({"s": [1, 2], "label": [0, 1]}), cfg.transforms, ["s"])
+    assert out.column("s").to_pylist() == [3, 6] and out.column("label").to_pylist() == [0, 1]
+    with pytest.raises(DataError, match="my_transforms:broken returned dict, not a pyarrow.Table"):
+        apply_transforms(pa.table({"s": [1]}), [{"call": {"fn": "my_transforms:broken"}}], ["s"])
 
 
 def test_shard_order_is_a_deterministic_permutation_per_epoch() -> None:
