@@ -1,10 +1,18 @@
+"""Shared integration fixtures: one local Ray per module, one real S3 endpoint (moto_server over HTTP) per session,
+fake AWS credentials per test."""
+
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # s3_server.py, the test model modules
+
+from s3_server import FAKE_ENV, MotoServer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -25,3 +33,21 @@ def ray_cluster() -> Iterator[None]:
         from orchestrator.launch import shutdown_local_ray
 
         shutdown_local_ray()
+
+
+@pytest.fixture(scope="session")
+def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
+    server = MotoServer(tmp_path_factory.mktemp("moto"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture()
+def aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fake credentials in the standard chain for this test only (and no stray endpoint/profile)."""
+    for key, value in FAKE_ENV.items():
+        monkeypatch.setenv(key, value)
+    for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(key, raising=False)

@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -130,25 +129,10 @@ def test_worker_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(
     assert len(complete_checkpoints(tmp_path / "runs")) == 2
 
 
-@pytest.fixture(scope="module")
-def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    sys.path.insert(0, str(Path(__file__).parent))
-    from s3_server import MotoServer
-
-    server = MotoServer(tmp_path_factory.mktemp("moto"))
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 def test_checkpoints_on_s3_are_atomic_too(clean: dict[str, torch.Tensor], tmp_path: Path, digits_dir: str,
-                                          moto: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+                                          moto: Any, aws_env: None) -> None:
     import boto3
-    from s3_server import FAKE_ENV
 
-    for key, value in FAKE_ENV.items():
-        monkeypatch.setenv(key, value)
     bucket = f"ckpt-{uuid.uuid4().hex[:10]}"
     boto3.client("s3", endpoint_url=moto.url, region_name="us-east-1").create_bucket(Bucket=bucket)
     marker = tmp_path / "killed"

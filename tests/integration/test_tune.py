@@ -4,7 +4,7 @@ back through MlflowClient; best.yaml trained as written; re-running continues th
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -115,37 +115,24 @@ def test_rerunning_continues_the_study_and_a_changed_one_is_refused(study: tuple
         tune(study_config(tmp_path, digits_dir, "tune.num_samples=5"), verbose=False)
 
 
-@pytest.fixture(scope="module")
-def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    sys.path.insert(0, str(Path(__file__).parent))
-    from s3_server import MotoServer
-
-    server = MotoServer(tmp_path_factory.mktemp("moto"))
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 def test_a_study_on_s3_keeps_its_state_and_trials_there_and_resumes(
-        ray_cluster: None, tmp_path: Path, digits_dir: str, moto: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        ray_cluster: None, tmp_path: Path, digits_dir: str, moto: Any, aws_env: None,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     import boto3
-    from s3_server import FAKE_ENV
 
-    # Credentials on the driver only (the cluster's processes started without them): trial actors and workers
-    # use the storage the driver resolved.
-    for key, value in FAKE_ENV.items():
-        monkeypatch.setenv(key, value)
+    # Credentials on the driver only (aws_env; the cluster's processes started without them): trial actors and
+    # workers use the storage the driver resolved.
     monkeypatch.chdir(tmp_path)  # best.yaml of a study on S3 is written to ./<study>/
+    bucket = f"studies-{uuid.uuid4().hex[:10]}"
     s3 = boto3.client("s3", endpoint_url=moto.url, region_name="us-east-1")
-    s3.create_bucket(Bucket="studies")
-    config = study_config(tmp_path, digits_dir, "experiment=digits-s3", "storage.path=s3://studies/runs",
+    s3.create_bucket(Bucket=bucket)
+    config = study_config(tmp_path, digits_dir, "experiment=digits-s3", f"storage.path=s3://{bucket}/runs",
                           f"data.s3.endpoint={moto.url}", "tune.num_samples=2",
                           "train.max_steps=20", "checkpoint.every=10")
     result = tune(config, verbose=False)
-    assert result.study_path == "s3://studies/runs/digits-s3-tune"
+    assert result.study_path == f"s3://{bucket}/runs/digits-s3-tune"
     assert {t.status for t in result.trials} <= {"completed", "stopped"}
-    keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket="studies")
+    keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket)
             for o in page.get("Contents", [])]
     assert "runs/digits-s3-tune/orchestrator-study.json" in keys
     for t in result.trials:  # each trial's Train run checkpointed into the bucket, beside the study
