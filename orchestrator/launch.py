@@ -379,10 +379,13 @@ def _remove_unregistered_checkpoints(result: Any) -> None:
 
     registered = [c.path for c, _ in result.best_checkpoints or []]
     registered += [result.checkpoint.path] if result.checkpoint else []
-    for path in unregistered_checkpoints(result.filesystem, result.path, registered):
-        result.filesystem.delete_dir(path)
-        print(f"removed unregistered checkpoint {path} (left by a worker that died while saving it)",
-              file=sys.stderr)
+    try:
+        for path in unregistered_checkpoints(result.filesystem, result.path, registered):
+            result.filesystem.delete_dir(path)
+            print(f"removed unregistered checkpoint {path} (left by a worker that died while saving it)",
+                  file=sys.stderr)
+    except OSError as exc:  # tidying must not fail a run that finished
+        print(f"warning: could not remove unregistered checkpoints under {result.path}: {exc}", file=sys.stderr)
 
 
 def _cost(config: Config, history: list[dict[str, Any]], wall_s: float, failures: int) -> Any:
