@@ -89,12 +89,6 @@ def connect_ray(address: str | None, config: Config) -> bool:
     return True
 
 
-def ray_resources() -> dict[str, float]:
-    import ray
-
-    return dict(ray.cluster_resources())
-
-
 def pin_state_api() -> int:
     """A free dashboard port, exported as RAY_API_SERVER_ADDRESS for the local cluster about to start.
 
@@ -260,8 +254,10 @@ def train(config: Config, address: str | None = None, verbose: bool = True, resu
     with closed_on_error(tracker):
         started_ray = connect_ray(address, config)
         try:
+            import ray
+
             # A local cluster cannot grow: a worker group it can never hold would wait forever.
-            missing = config.scaling.shortfall(ray_resources()) if started_ray else None
+            missing = config.scaling.shortfall(ray.cluster_resources()) if started_ray else None
             if missing:
                 raise ConfigError(f"this run needs {missing}")
             result = _fit(config, infos, place, tracker, verbose, t0)

@@ -51,18 +51,16 @@ class RunPlace:
     def uri(self) -> str:
         return self.storage.uri_of(self.path)
 
-    def read_record(self) -> dict[str, Any] | None:
+    def read_record(self, name: str = RUN_RECORD) -> dict[str, Any] | None:
+        """A JSON record kept beside the run (the run record by default); None if missing or unreadable."""
+        text = self.read_text(name)
         try:
-            with self.storage.filesystem().open_input_stream(f"{self.path}/{RUN_RECORD}") as f:
-                return dict(json.loads(f.read()))
-        except (OSError, ValueError):
+            return dict(json.loads(text)) if text else None
+        except ValueError:
             return None
 
-    def write_record(self, record: dict[str, Any]) -> None:
-        fs = self.storage.filesystem()
-        fs.create_dir(self.path, recursive=True)
-        with fs.open_output_stream(f"{self.path}/{RUN_RECORD}") as f:
-            f.write(json.dumps(record, indent=1).encode())
+    def write_record(self, record: dict[str, Any], name: str = RUN_RECORD) -> None:
+        self.write_text(name, json.dumps(record, indent=1))
 
     def read_text(self, name: str) -> str | None:
         try:

@@ -121,14 +121,6 @@ def best_yaml(tree: dict[str, Any], params: dict[str, Any], header: str = "") ->
 
 # ---- the study on storage: where it is, whether it can be resumed, what it was started with ----
 
-def _read_state(place: RunPlace) -> dict[str, Any] | None:
-    text = place.read_text(STATE_FILE)
-    try:
-        return json.loads(text) if text else None
-    except ValueError:
-        return None
-
-
 def _delete(storage: Storage, path: str) -> None:
     import pyarrow.fs
 
@@ -304,7 +296,7 @@ def tune(config: Config, address: str | None = None, fresh: bool = False, verbos
             _delete(place.storage, place.path)
             _delete(place.storage, _trials(place).root)
         restorable = ray_tune.Tuner.can_restore(place.path, storage_args(place.storage).get("storage_filesystem"))
-        state = _read_state(place) if restorable else None
+        state = place.read_record(STATE_FILE) if restorable else None
         if state is not None:
             _check_same_study(state, config, study, place.uri)
         tracker = start_tracker(config.tracking, study, run_id=state.get("parent_run_id") if state else None,
@@ -314,8 +306,7 @@ def tune(config: Config, address: str | None = None, fresh: bool = False, verbos
             tracker.set_tags({"orchestrator.scheduler": config.tune.scheduler,
                               "orchestrator.searcher": config.tune.searcher,
                               "orchestrator.search_space": json.dumps(config.tune.space)})
-            place.write_text(STATE_FILE, json.dumps({"config": _fingerprint(config), "parent_run_id": tracker.run_id},
-                                                    indent=1))
+            place.write_record({"config": _fingerprint(config), "parent_run_id": tracker.run_id}, STATE_FILE)
         if verbose:
             what = "resuming" if state else "starting"
             print(f"{what} study {study} at {place.uri}: {config.tune.num_samples} samples, up to {concurrency} "
