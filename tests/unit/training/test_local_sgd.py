@@ -61,6 +61,8 @@ def _train(rank: int, *overrides: str) -> list[dict[str, Any]]:
 
 
 def _worker(rank: int, store: str, out: str) -> None:
+    # This rank's stderr (C++ included: an abort's "terminate called ..." line) to a file the fixture can show.
+    os.dup2(os.open(f"{out}/rank{rank}.err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
@@ -72,9 +74,7 @@ def _worker(rank: int, store: str, out: str) -> None:
         "rank0_says": [_rank0_says(rank == 0, torch.device("cpu")), _rank0_says(rank == 1, torch.device("cpu"))],
     }
     torch.save(results, f"{out}/rank{rank}.pt")
-    # Leave together: a rank that closes its sockets while the other's gloo thread still reads them makes that
-    # rank abort ("Connection closed by peer" -> SIGABRT) on a loaded machine.
-    dist.barrier()
+    dist.barrier()  # leave together: neither rank closes its sockets while the other may still read them
     dist.destroy_process_group()
 
 
@@ -86,11 +86,14 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, list[d
             mp.spawn(_worker, args=(str(tmp / "store"), str(tmp)), nprocs=2, join=True)
             break
         except ProcessExitedException as e:
-            # A rank killed by a signal (not a Python error in the code under test): on a loaded CI machine gloo's
-            # transport has aborted a process once in many runs. Say so, and run the group once more.
+            # A rank killed by a signal (not a Python error in the code under test): after the integration tests,
+            # in about one full-suite run in three, a rank aborts (cause not found; its stderr is shown). Say so,
+            # and run the group once more.
             if attempt == 2 or e.signal_name is None:
                 raise
-            warnings.warn(f"two-rank gloo group: {e}; running it again", stacklevel=1)
+            tails = {r: (tmp / f"rank{r}.err").read_text(errors="replace")[-600:] for r in (0, 1)
+                     if (tmp / f"rank{r}.err").exists()}
+            warnings.warn(f"two-rank gloo group: {e}; running it again. stderr: {tails}", stacklevel=1)
     return [torch.load(tmp / f"rank{r}.pt") for r in (0, 1)]
 
 
