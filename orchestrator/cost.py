@@ -21,11 +21,12 @@ from orchestrator.config import Config, CostConfig
 from orchestrator.errors import ConfigError
 
 # Ledger parts, in display order. `productive` is compute + gradient/parameter sync: the training itself.
-PARTS = ("productive", "startup", "restarts", "data_wait", "eval", "checkpoint", "other", "shutdown")
+# `report` is time the workers spent blocked in Ray Train's report (a barrier that also waits for the controller).
+PARTS = ("productive", "startup", "restarts", "data_wait", "eval", "checkpoint", "report", "other", "shutdown")
 _LABELS = {"productive": "productive", "startup": "start-up", "restarts": "restarts", "data_wait": "data wait",
-           "eval": "eval", "checkpoint": "checkpoint", "other": "other", "shutdown": "shutdown"}
+           "eval": "eval", "checkpoint": "checkpoint", "report": "report", "other": "other", "shutdown": "shutdown"}
 _PHASE_PART = {"compute": "productive", "sync": "productive", "data_wait": "data_wait", "eval": "eval",
-               "checkpoint": "checkpoint", "other": "other"}
+               "checkpoint": "checkpoint", "report": "report", "other": "other"}
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,12 @@ MANIFEST = "manifest.json"
 
 @dataclass
 class Progress:
-    """Where training stands. `batch_in_epoch` counts this rank's micro-batches already consumed in `epoch`."""
+    """Where training stands. `rows_in_epoch` counts this rank's rows already trained on in `epoch`."""
 
     step: int = 0
     samples_seen: int = 0
     epoch: int = 0
-    batch_in_epoch: int = 0
+    rows_in_epoch: int = 0
     nonfinite_skipped: int = 0  # steps skipped for a NaN/inf loss or gradient (budget: train.max_nonfinite_steps)
 
 

@@ -99,9 +99,9 @@ def _all_reduce(values: list[float], device: torch.device) -> list[float]:
 def train_step(parts: Parts, micro_batches: list[Batch], timer: PhaseTimer | None = None) -> StepResult:
     """Forward/backward every micro-batch, then one optimizer step.
 
-    After an out-of-memory error in a micro-batch whose gradients are not yet being all-reduced, the step is
-    redone with every micro-batch cut in two (twice the accumulation): the same samples and the same
-    normaliser, so the same update.
+    After an out-of-memory error on any rank before DDP's gradient all-reduce, every rank redoes the step with
+    each micro-batch cut in two (twice the accumulation): the same samples and the same normaliser, so the same
+    update.
     """
     timer = timer or PhaseTimer(parts.device)
     # Normalise by the targets (samples, or tokens) of the whole step on all ranks, not per micro-batch: then
@@ -115,20 +115,16 @@ def train_step(parts: Parts, micro_batches: list[Batch], timer: PhaseTimer | Non
         dist.all_reduce(targets)
         parts.comm_bytes += targets.element_size()
     scale = world / targets.clamp(min=1)
-    pieces = [piece for x, y in micro_batches for piece in zip(x.chunk(parts.split), y.chunk(parts.split), strict=True)]
-    synced = [False]
-    try:
-        step_loss = _forward_backward(parts, pieces, scale, timer, synced)
-    except Exception as exc:
-        if not is_oom(exc) or synced[0]:
-            raise  # an OOM inside DDP's all-reduce cannot be undone on one rank alone
+    while True:
+        pieces = [piece for x, y in micro_batches
+                  for piece in zip(x.chunk(parts.split), y.chunk(parts.split), strict=True)]
+        step_loss = _forward_backward(parts, pieces, scale, timer)
+        if step_loss is not None:
+            break
         parts.optimizer.zero_grad(set_to_none=True)
         release_cached_memory(parts.device)
         parts.split *= 2
         parts.oom_retries += 1
-        warnings.warn(f"out of memory: retrying the step with micro-batches cut in {parts.split} "
-                      "(same global batch, more accumulation)", stacklevel=2)
-        return train_step(parts, micro_batches, timer)
     samples = int(sum(len(y) for _, y in micro_batches))
     with timer.phase("compute"):
         parts.precision.unscale_(parts.optimizer)
@@ -149,6 +145,14 @@ def train_step(parts: Parts, micro_batches: list[Batch], timer: PhaseTimer | Non
     return StepResult(step_loss, grad_norm.detach(), samples, local_targets)
 
 
+def _any_rank(flag: torch.Tensor) -> bool:
+    """True on every rank if `flag` is true on any rank (a MAX all-reduce; the flag itself in one process)."""
+    flag = flag.to(torch.float32).reshape(1)
+    if _world()[1] > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def _non_finite_anywhere(step_loss: torch.Tensor, grad_norm: torch.Tensor, parts: Parts) -> bool:
     """True on every rank if any rank's loss (or the gradient) is NaN/inf. Losses differ per rank, and skipping on
     one rank only would leave the ranks' weights apart and their collectives misaligned: so all-reduce a flag.
@@ -156,10 +160,7 @@ def _non_finite_anywhere(step_loss: torch.Tensor, grad_norm: torch.Tensor, parts
     bad = ~torch.isfinite(step_loss)
     if parts.precision.scaler is None:
         bad = bad | ~torch.isfinite(grad_norm)
-    flag = bad.to(torch.float32).reshape(1)
-    if _world()[1] > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    return _any_rank(bad)
 
 
 @dataclass
@@ -171,34 +172,55 @@ class StepResult:
     skipped: bool = False  # non-finite loss or gradient on some rank: no update was applied
 
 
-def _forward_backward(parts: Parts, pieces: list[Batch], scale: torch.Tensor, timer: PhaseTimer,
-                      synced: list[bool]) -> torch.Tensor:
-    model, precision = parts.model, parts.precision
+def _forward_backward(parts: Parts, pieces: list[Batch], scale: torch.Tensor,
+                      timer: PhaseTimer) -> torch.Tensor | None:
+    """Forward and backward of every piece, accumulating gradients; returns the summed loss, or None when some rank
+    ran out of memory before DDP's gradient all-reduce (every rank then redoes the step with smaller pieces)."""
+    model = parts.model
     model.train()
+    # DDP all-reduces gradients in the backward of the last piece only: every piece but the last runs under
+    # no_sync. Under local SGD no piece is all-reduced: ranks step alone and average parameters later.
+    ddp = hasattr(model, "no_sync") and parts.local_sgd is None
+    # With several ranks, an OOM retry is decided together before the synced piece: a rank redoing the step alone
+    # would meet the others' gradient all-reduce with collectives of its own (gloo aborts, NCCL hangs).
+    together = ddp and _world()[1] > 1 and len(pieces) > 1
     total = torch.zeros((), device=parts.device)
     seconds: list[float] = []
     forward_s = 0.0
-    for i, (x, y) in enumerate(pieces):
-        is_last = i == len(pieces) - 1
+
+    def piece(x: torch.Tensor, y: torch.Tensor, synced: bool) -> None:
+        nonlocal total, forward_s
         started = time.perf_counter()
-        # Skip DDP's gradient all-reduce for every micro-batch but the last: the forward must be inside
-        # no_sync too, because DDP arms its reducer during forward.
-        # Under local SGD no micro-batch is all-reduced: ranks step alone and average parameters later.
-        ddp = hasattr(model, "no_sync") and parts.local_sgd is None
-        sync = nullcontext() if (is_last and ddp) or not hasattr(model, "no_sync") else model.no_sync()
-        with sync:
-            with precision.autocast():
+        # The forward must be inside no_sync too, because DDP arms its reducer during forward.
+        with nullcontext() if synced or not hasattr(model, "no_sync") else model.no_sync():
+            with parts.precision.autocast():
                 logits = model(x)
             loss = loss_sum(logits, y)
             forward_s = _elapsed(started, parts.device)
-            synced[0] = is_last and ddp
-            precision.backward(loss * scale)
-            if synced[0] and _world()[1] > 1:
-                parts.comm_bytes += grad_bytes(model)
+            parts.precision.backward(loss * scale)
+        if synced and _world()[1] > 1:
+            parts.comm_bytes += grad_bytes(model)
         total += loss.detach()
         seconds.append(_elapsed(started, parts.device))
+
+    out_of_memory = False
+    try:
+        for x, y in pieces[:-1] if ddp else pieces:
+            piece(x, y, synced=False)
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        out_of_memory = True
+        warnings.warn(f"out of memory: retrying the step with micro-batches cut in {parts.split * 2} "
+                      "(same global batch, more accumulation)", stacklevel=3)
+    if together:
+        out_of_memory = _any_rank(torch.tensor(out_of_memory))
+    if out_of_memory:
+        return None
+    if ddp:  # an OOM in here is not retried: it may strike inside the all-reduce, which one rank cannot undo
+        piece(*pieces[-1], synced=True)
     # The all-reduce overlaps the last backward; what it adds beyond compute is the exposed sync time.
-    if not synced[0]:
+    if not (ddp and _world()[1] > 1):
         sync_s = 0.0
     elif len(seconds) > 1:
         sync_s = max(0.0, seconds[-1] - sum(seconds[:-1]) / (len(seconds) - 1))
@@ -239,55 +261,89 @@ def evaluate(parts: Parts, batches: Iterable[Batch]) -> dict[str, float]:
 def micro_batches(
     train_batches: Callable[[int], Iterable[Batch]], progress: Progress, device: torch.device
 ) -> Iterator[Batch]:
-    """Endless stream over epochs that keeps `progress` at the data position, skipping on resume what was
-    already trained on (the epoch is re-read from its start: resume granularity is one micro-batch)."""
+    """Endless stream over epochs that keeps `progress` at the data position, skipping on resume the rows already
+    trained on (the epoch is re-read from its start). The position counts rows, not micro-batches: a resumed run
+    may cut micro-batches of another size (auto, or a changed train.micro_batch_size) and still sees every row once."""
     while True:
-        produced = False
-        for index, (x, y) in enumerate(train_batches(progress.epoch)):
+        produced, skip = False, progress.rows_in_epoch
+        for x, y in train_batches(progress.epoch):
             produced = True
-            if index < progress.batch_in_epoch:
+            if skip >= len(y):
+                skip -= len(y)
                 continue
-            progress.batch_in_epoch = index + 1
+            x, y, skip = x[skip:], y[skip:], 0  # a micro-batch straddling the position: only its untrained rows
+            progress.rows_in_epoch += len(y)
             yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if not produced:
             raise UserError("the training split is smaller than one micro-batch per worker: "
                             "add rows, or lower train.global_batch_size / scaling.num_workers")
         progress.epoch += 1
-        progress.batch_in_epoch = 0
+        progress.rows_in_epoch = 0
 
 
-def checkpoint_state(parts: Parts, progress: Progress, rng_states: list[dict[str, Any]]) -> dict[str, Any]:
-    return {
+def checkpoint_state(parts: Parts, progress: Progress, ranks: list[dict[str, Any]], micro_batch_size: int
+                     ) -> dict[str, Any]:
+    """Everything for an exact resume. `ranks` holds what differs per rank (`rank_state`, gathered on rank 0);
+    `micro_batch_size` lets an auto-sized run resume with the micro-batch it ran with (the same rounding)."""
+    state = {
         "model": unwrap(parts.model).state_dict(),
-        "optimizer": parts.optimizer.state_dict(),
         "scheduler": parts.scheduler.state_dict(),
-        "precision": parts.precision.state_dict(),
         "progress": asdict(progress),
-        "rng": rng_states,  # one entry per rank
-        **({"local_sgd": parts.local_sgd.state_dict()} if parts.local_sgd else {}),
+        "rng": [r["rng"] for r in ranks],  # one entry per rank
+        "micro_batch_size": micro_batch_size,
     }
+    if parts.local_sgd is None:  # DDP: one optimizer state, the same on every rank
+        return state | {"optimizer": parts.optimizer.state_dict(), "precision": parts.precision.state_dict()}
+    # Local SGD: each rank's optimizer moments (and fp16 loss scale) follow its own data; keep them all.
+    return state | {"optimizer": [r["optimizer"] for r in ranks], "precision": [r["precision"] for r in ranks],
+                    "local_sgd": parts.local_sgd.state_dict()}
+
+
+def rank_state(parts: Parts) -> dict[str, Any]:
+    """What this rank contributes to a checkpoint beyond the shared model: its RNG streams, and under local SGD its
+    own optimizer and precision state (on the CPU, so any rank can load it)."""
+    state: dict[str, Any] = {"rng": capture_rng()}
+    if parts.local_sgd is not None:
+        state |= {"optimizer": _to_cpu(parts.optimizer.state_dict()), "precision": parts.precision.state_dict()}
+    return state
+
+
+def _to_cpu(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.cpu()
+    if isinstance(tree, dict):
+        return {k: _to_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_to_cpu(v) for v in tree)
+    return tree
 
 
 def restore(parts: Parts, state: dict[str, Any]) -> Progress:
-    """Load a checkpoint written by `checkpoint_state`. At the same world size every rank gets its RNG streams and
-    data position back (an exact resume); after a resize the run continues at the next epoch boundary."""
+    """Load a checkpoint written by `checkpoint_state`. At the same world size every rank gets its RNG streams,
+    optimizer state (its own under local SGD) and data position back (an exact resume); after a resize the run
+    continues at the next epoch boundary."""
+    rank, world = _world()
+    same_world = len(state["rng"]) == world
     unwrap(parts.model).load_state_dict(state["model"])
-    parts.optimizer.load_state_dict(state["optimizer"])
+    optimizer, precision = state["optimizer"], state["precision"]
+    if parts.local_sgd is not None:
+        # After a resize there is no state of "this rank": every rank starts from rank 0's.
+        optimizer, precision = optimizer[rank if same_world else 0], precision[rank if same_world else 0]
+    parts.optimizer.load_state_dict(optimizer)
     parts.scheduler.load_state_dict(state["scheduler"])
-    parts.precision.load_state_dict(state["precision"])
+    parts.precision.load_state_dict(precision)
     if parts.local_sgd is not None:
         parts.local_sgd.load_state_dict(state.get("local_sgd", {}), unwrap(parts.model))
-    rank, world = _world()
     progress = Progress(**state["progress"])
-    if len(state["rng"]) == world:
+    if same_world:
         restore_rng(state["rng"][rank])
         return progress
-    # Resized: Ray Data splits an epoch's rows into one stream per rank, so the old ranks' skip counts describe a
+    # Resized: Ray Data splits an epoch's rows into one stream per rank, so the old ranks' positions describe a
     # different split and skipping them here would miss some rows and repeat others. Finish the interrupted epoch
     # early instead (none of its rows is seen twice) and start the next one. New RNG streams, drawn per (step, rank).
     torch.manual_seed(int(np.random.default_rng([progress.step, rank]).integers(2**62)))
-    if progress.batch_in_epoch:
-        progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
+    if progress.rows_in_epoch:
+        progress.epoch, progress.rows_in_epoch = progress.epoch + 1, 0
     return progress
 
 
@@ -309,13 +365,14 @@ def _rank0_says(flag: bool, device: torch.device) -> bool:
     return bool(tensor.item())
 
 
-def _gather_rng() -> list[dict[str, Any]]:
+def _gather_rank_states(parts: Parts) -> list[dict[str, Any]]:
+    """Every rank's `rank_state`, in rank order, on rank 0 (the checkpoint writer); an empty list elsewhere."""
     rank, world = _world()
     if world == 1:
-        return [capture_rng()]
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, capture_rng())
-    return gathered
+        return [rank_state(parts)]
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(rank_state(parts), gathered, dst=0)
+    return gathered or []
 
 
 def run(
@@ -349,7 +406,7 @@ def run(
         if "flops_per_sample" not in first:
             first["flops_per_sample"] = _flops_per_sample(parts, *batch[0])
             first |= device_facts(parts.device)  # what `orchestrator doctor` judges precision and memory against
-        if progress.step == 0 and parts.eager_model is not None:
+        if parts.eager_model is not None:  # the first step of this process, also after a resume: it compiles
             result, first["compile_s"] = _first_compiled_step(parts, batch)
             interval = Interval(PhaseTimer(parts.device), comm_start=parts.comm_bytes)  # compiling isn't training
         else:
@@ -403,10 +460,10 @@ def run(
         with interval.timer.phase("checkpoint"):
             if do_ckpt:
                 _check_finite_weights(parts, step)
-                rng_states = _gather_rng()
+                ranks = _gather_rank_states(parts)
                 if rank == 0:
                     checkpoint_dir = tempfile.mkdtemp(prefix="orchestrator-ckpt-")
-                    save_state(checkpoint_dir, checkpoint_state(parts, progress, rng_states))
+                    save_state(checkpoint_dir, checkpoint_state(parts, progress, ranks, t.micro_batch_size))
                 last_saved = time.monotonic()
         metrics |= interval.timer.shares() | cuda_memory_stats(parts.device) | node_stats(world)
         # Wall seconds of this interval (the driver's cost ledger splits them by the time/* shares).
@@ -415,12 +472,15 @@ def run(
         if peak and first["flops_per_sample"]:  # model FLOPs utilisation of the devices, during training steps
             metrics["mfu"] = first["flops_per_sample"] * metrics["samples_per_s"] / (peak * world)
         first = {"flops_per_sample": first["flops_per_sample"]}
-        try:
-            report(metrics, checkpoint_dir)
-        finally:
-            if checkpoint_dir:
-                shutil.rmtree(checkpoint_dir, ignore_errors=True)
+        # The next interval starts now: time blocked in the report (a barrier; Ray also waits for its controller)
+        # is billed to it as "report", so consecutive intervals tile the wall clock.
         interval = Interval(PhaseTimer(parts.device), comm_start=parts.comm_bytes)
+        with interval.timer.phase("report"):
+            try:
+                report(metrics, checkpoint_dir)
+            finally:
+                if checkpoint_dir:
+                    shutil.rmtree(checkpoint_dir, ignore_errors=True)
     return metrics
 
 

@@ -17,7 +17,7 @@ PEAK_FLOPS = {
     "V100": 125e12, "T4": 65e12, "RTX 4090": 165e12, "RTX 3090": 71e12,
 }
 
-PHASES = ("compute", "sync", "data_wait", "eval", "checkpoint")
+PHASES = ("compute", "sync", "data_wait", "eval", "checkpoint", "report")
 
 
 def peak_flops(device: torch.device, configured_tflops: float | None) -> float | None:
@@ -64,7 +64,7 @@ class PhaseTimer:
         self.seconds[name] += seconds
 
     def shares(self) -> dict[str, float]:
-        """Share of the interval's wall time per phase; `other` is the rest (logging, reports, Python)."""
+        """Share of the interval's wall time per phase; `other` is the rest (metrics, logging, Python)."""
         wall = max(time.perf_counter() - self.started, 1e-9)
         shares = {f"time/{name}_frac": self.seconds[name] / wall for name in PHASES}
         shares["time/other_frac"] = max(0.0, 1.0 - sum(shares.values()))

@@ -102,6 +102,16 @@ def choose_micro_batch(cfg: Config, parts: Parts, in_features: int) -> int:
     return size
 
 
+def checkpoint_micro_batch(state: dict[str, Any] | None, per_worker: int, world: int) -> int | None:
+    """The micro-batch an auto-sized run checkpointed with, when this group resumes it at the same world size: a
+    new measurement may pick another size (the CPU budget depends on how many workers share a node, the GPU probe
+    on fragmentation), and with it another summation order and end-of-epoch remainder than the run it continues."""
+    if state is None or not state.get("micro_batch_size") or len(state["rng"]) != world:
+        return None
+    micro = int(state["micro_batch_size"])
+    return micro if per_worker % micro == 0 else None
+
+
 def with_micro_batch(cfg: Config, micro: int) -> Config:
     per_worker = cfg.train.global_batch_size // ray.train.get_context().get_world_size()
     train = cfg.train.model_copy(update={"micro_batch_size": micro, "grad_accum_steps": per_worker // micro})
@@ -137,9 +147,20 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
     optimizer, scheduler = build_optimizer(model, cfg.optim, t.max_steps)  # type: ignore[arg-type]
     parts = Parts(model, optimizer, scheduler, Precision(mode, device), device, cfg.optim.max_grad_norm,
                   local_sgd=build_local_sgd(t.sync, *t.local_sgd))
+    state = None
+    checkpoint = loadable_checkpoint(ray.train.get_checkpoint())
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            state = load_state(directory)
     if t.micro_batch_size == "auto":
-        # Before the checkpoint is loaded: probing touches weights and optimizer state, then puts them back.
-        cfg = with_micro_batch(cfg, choose_micro_batch(cfg, parts, spec["in_features"]))
+        # Before the checkpoint is restored: probing touches weights and optimizer state, then puts them back.
+        world = ray.train.get_context().get_world_size()
+        micro = checkpoint_micro_batch(state, t.global_batch_size // world, world)
+        if micro is None:
+            micro = choose_micro_batch(cfg, parts, spec["in_features"])
+        elif ray.train.get_context().get_world_rank() == 0:
+            print(f"auto micro-batch: {micro} per worker, as in the checkpoint", flush=True)
+        cfg = with_micro_batch(cfg, micro)
         t = cfg.train
         release_cached_memory(device)
     if t.compile:
@@ -148,11 +169,8 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
         parts.eager_model = parts.model
         parts.model = torch.compile(parts.model)  # type: ignore[assignment]
 
-    progress = None
-    checkpoint = loadable_checkpoint(ray.train.get_checkpoint())
-    if checkpoint is not None:
-        with checkpoint.as_directory() as directory:
-            progress = restore(parts, load_state(directory))
+    progress = restore(parts, state) if state is not None else None
+    del state  # the model and optimizer hold their copies now
 
     collate = FeatureCollate(cfg.data.features, cfg.data.label)
     train_shard = ray.train.get_dataset_shard("train")

@@ -108,7 +108,7 @@ def run_digits_like(*overrides: str, delay: float = 0.0, model: torch.nn.Module 
                     eager: torch.nn.Module | None = None) -> list[dict[str, Any]]:
     cfg = load_config(None, ["scaling.num_workers=1", "train.global_batch_size=32", "train.max_steps=20",
                              "train.log_every=10", "train.eval_every=20", "checkpoint.every=20",
-                             "train.precision=fp32", *overrides])
+                             "train.precision=fp32", "optim.warmup_steps=5", *overrides])
     g = torch.Generator().manual_seed(1)
     x = torch.randn(256, 16, generator=g)
     y = x[:, :4].argmax(dim=1)
@@ -202,3 +202,13 @@ def test_gpt_learns_a_repeating_byte_sequence() -> None:
     for _ in range(30):
         last = float(train_step(parts, [(x, y)]).loss_sum) / y.numel()
     assert last < first / 3
+
+
+def test_auto_micro_batch_resumes_with_the_checkpoints_size_at_the_same_world_size() -> None:
+    from orchestrator.training.worker import checkpoint_micro_batch
+
+    state = {"micro_batch_size": 8, "rng": [{}, {}]}  # written by a 2-worker group
+    assert checkpoint_micro_batch(state, per_worker=32, world=2) == 8
+    assert checkpoint_micro_batch(state, per_worker=64, world=1) is None  # resized: measure again
+    assert checkpoint_micro_batch(state, per_worker=12, world=2) is None  # 8 does not divide the batch
+    assert checkpoint_micro_batch(None, per_worker=32, world=2) is None

@@ -137,10 +137,10 @@ def test_resume_after_a_resize_continues_at_the_next_epoch_boundary() -> None:
     state = report.reports[-1][1]
     assert state is not None
     same = restore(make_parts(cfg), copy.deepcopy(state))
-    assert (same.epoch, same.batch_in_epoch) == (0, 3)  # same world size: exact position
+    assert (same.epoch, same.rows_in_epoch) == (0, 96)  # same world size: exact position
     state["rng"] = state["rng"] * 2  # written by a 2-worker group, loaded by 1
     resized = restore(make_parts(cfg), state)
-    assert (resized.step, resized.epoch, resized.batch_in_epoch) == (3, 1, 0)
+    assert (resized.step, resized.epoch, resized.rows_in_epoch) == (3, 1, 0)
 
 
 def test_a_drain_notice_adds_one_checkpoint_at_the_next_report() -> None:

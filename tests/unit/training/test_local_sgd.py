@@ -4,16 +4,12 @@ the outer Nesterov step and the config checks."""
 
 from __future__ import annotations
 
-import os
-import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch.multiprocessing.spawn import ProcessExitedException
+from gloo import run_two_ranks
 
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError
@@ -60,41 +56,19 @@ def _train(rank: int, *overrides: str) -> list[dict[str, Any]]:
     return reports
 
 
-def _worker(rank: int, store: str, out: str) -> None:
-    # This rank's stderr (C++ included: an abort's "terminate called ..." line) to a file the fixture can show.
-    os.dup2(os.open(f"{out}/rank{rank}.err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    results = {
+def _both_modes(rank: int, shared: Path) -> dict[str, Any]:
+    return {
         "ddp": _train(rank),
         "local": _train(rank, "train.sync=local_sgd", f"train.sync_every={H}"),
         "diloco": _train(rank, "train.sync=local_sgd", f"train.sync_every={H}", "train.outer_momentum=0.9"),
         # Each rank's own clock says something else; every rank must act on rank 0's.
         "rank0_says": [_rank0_says(rank == 0, torch.device("cpu")), _rank0_says(rank == 1, torch.device("cpu"))],
     }
-    torch.save(results, f"{out}/rank{rank}.pt")
-    dist.barrier()  # leave together: neither rank closes its sockets while the other may still read them
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, list[dict[str, Any]]]]:
-    for attempt in (1, 2):
-        tmp = tmp_path_factory.mktemp("gloo")
-        try:
-            mp.spawn(_worker, args=(str(tmp / "store"), str(tmp)), nprocs=2, join=True)
-            break
-        except ProcessExitedException as e:
-            # A rank killed by a signal (not a Python error in the code under test): after the integration tests,
-            # in about one full-suite run in three, a rank aborts (cause not found; its stderr is shown). Say so,
-            # and run the group once more.
-            if attempt == 2 or e.signal_name is None:
-                raise
-            tails = {r: (tmp / f"rank{r}.err").read_text(errors="replace")[-600:] for r in (0, 1)
-                     if (tmp / f"rank{r}.err").exists()}
-            warnings.warn(f"two-rank gloo group: {e}; running it again. stderr: {tails}", stacklevel=1)
-    return [torch.load(tmp / f"rank{r}.pt") for r in (0, 1)]
+    return run_two_ranks(_both_modes, tmp_path_factory.mktemp("gloo"))
 
 
 @pytest.mark.parametrize("mode", ["local", "diloco"])

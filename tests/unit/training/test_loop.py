@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,7 @@ from orchestrator.config import Config, load_config
 from orchestrator.errors import ConfigError
 from orchestrator.models import build_model
 from orchestrator.training.checkpoint import Progress, load_state
-from orchestrator.training.loop import NonFiniteLossError, Parts, restore, run, train_step
+from orchestrator.training.loop import NonFiniteLossError, Parts, micro_batches, restore, run, train_step
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.precision import Precision, resolve_precision
 
@@ -121,12 +123,12 @@ def test_resume_from_mid_epoch_checkpoint_is_bitwise_exact() -> None:
     recorder = Recorder()
     run(short, first, source, None, recorder)
     state = copy.deepcopy(recorder.reports[-1][1])
-    assert state is not None and state["progress"]["batch_in_epoch"] == 4
+    assert state is not None and state["progress"]["rows_in_epoch"] == 128
 
     torch.manual_seed(123)  # a fresh process would start from other RNG state
     resumed = make_parts(cfg, seed=99)
     progress = restore(resumed, state)
-    assert progress == Progress(step=4, samples_seen=128, epoch=0, batch_in_epoch=4)
+    assert progress == Progress(step=4, samples_seen=128, epoch=0, rows_in_epoch=128)
     run(cfg, resumed, source, None, Recorder(), progress)
     for a, b in zip(straight.model.parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(a, b)
@@ -150,7 +152,8 @@ def test_checkpoint_holds_everything_for_resume(tmp_path: Path) -> None:
     run(cfg, make_parts(cfg), lambda epoch: batches(x, y, 32), None, report)
     state = report.reports[-1][1]
     assert state is not None
-    assert set(state) == {"model", "optimizer", "scheduler", "precision", "progress", "rng"}
+    assert set(state) == {"model", "optimizer", "scheduler", "precision", "progress", "rng", "micro_batch_size"}
+    assert state["micro_batch_size"] == 32
     assert not any(k.startswith("module.") for k in state["model"])
     assert state["progress"]["step"] == 4 and len(state["rng"]) == 1
 
@@ -161,3 +164,76 @@ def test_tiny_training_split_is_a_clear_error() -> None:
     cfg = config()
     with pytest.raises(UserError, match="smaller than one micro-batch"):
         run(cfg, make_parts(cfg), lambda epoch: [], None, Recorder())
+
+
+@pytest.mark.parametrize("new_micro", [4, 16])
+def test_resume_with_another_micro_batch_trains_every_row_once(new_micro: int) -> None:
+    # A checkpoint after one step of 4 micro-batches of 8 (rows 0..31); auto micro-batching or --resume may run
+    # the rest with another micro-batch size: the next two steps must be rows 32..95, none twice, none skipped.
+    x, y = dataset(256)
+    ids = torch.arange(256.0)
+    x = torch.cat([x, ids[:, None]], dim=1)  # the last column names the row
+
+    def source(micro: int) -> Any:
+        return lambda epoch: batches(x, y, micro)
+
+    old = config("train.micro_batch_size=8", "train.max_steps=1", "checkpoint.every=1", "data.val=null",
+                 "optim.warmup_steps=0")
+    report = Recorder()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(17, 4)
+    optimizer, scheduler = build_optimizer(model, old.optim, 3)
+    run(old, Parts(model, optimizer, scheduler, Precision("fp32", CPU), CPU), source(8), None, report)
+    state = report.reports[-1][1]
+    assert state is not None
+
+    progress = restore(Parts(model, optimizer, scheduler, Precision("fp32", CPU), CPU), copy.deepcopy(state))
+    stream = micro_batches(source(new_micro), progress, CPU)
+    seen = [int(i) for _ in range(64 // new_micro) for i in next(stream)[0][:, -1]]
+    assert seen == list(range(32, 96))
+
+
+def test_compile_failing_after_a_resume_falls_back_to_eager_once() -> None:
+    cfg = config("train.max_steps=8", "checkpoint.every=4", "data.val=null")
+    x, y = dataset(256)
+    short = cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_steps": 4})})
+    report = Recorder()
+    run(short, make_parts(cfg), lambda epoch: batches(x, y, 32), None, report)
+    state = report.reports[-1][1]
+    assert state is not None
+
+    parts = make_parts(cfg)
+    parts.eager_model = parts.model
+    parts.model = torch.compile(parts.model, backend=_failing_backend)  # type: ignore[assignment]
+    progress = restore(parts, state)
+    resumed = Recorder()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(cfg, parts, lambda epoch: batches(x, y, 32), None, resumed, progress)
+    assert [m["step"] for m, _ in resumed.reports] == [6, 8]
+    assert sum("torch.compile failed" in str(w.message) for w in caught) == 1
+    assert parts.eager_model is None and not hasattr(parts.model, "_orig_mod")
+    assert resumed.reports[0][0]["compile_s"] > 0  # timed apart, not in the first interval's throughput
+
+
+def _failing_backend(graph: Any, example_inputs: Any) -> Any:
+    raise RuntimeError("no C compiler on this node")
+
+
+def test_time_blocked_in_report_is_billed_to_an_interval() -> None:
+    # Ray's report blocks (a barrier, and a poll interval in the controller): the wall clock between two report
+    # calls is the interval, report included, so the intervals tile the run with no gap.
+    cfg = config("train.max_steps=8", "train.log_every=2", "checkpoint.every=8", "data.val=null")
+    x, y = dataset(256)
+    calls: list[tuple[float, dict[str, Any]]] = []
+
+    def slow_report(metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
+        calls.append((time.perf_counter(), metrics))
+        time.sleep(0.3)
+
+    run(cfg, make_parts(cfg), lambda epoch: batches(x, y, 32), None, slow_report)
+    for (before, _), (at, metrics) in zip(calls, calls[1:], strict=False):
+        assert metrics["interval_s"] == pytest.approx(at - before, abs=0.02)
+        assert metrics["time/report_frac"] == pytest.approx(0.3 / metrics["interval_s"], abs=0.05)
+        assert sum(v for k, v in metrics.items() if k.startswith("time/")) == pytest.approx(1.0, abs=1e-6)
+    assert calls[0][1]["time/report_frac"] == 0.0

@@ -1,0 +1,137 @@
+"""Decisions that every rank must take together, in a real two-process gloo group (no Ray): an out-of-memory
+retry on one rank only, and an exact local-SGD resume where each rank's optimizer state is its own."""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from gloo import run_two_ranks
+from torch.nn.parallel import DistributedDataParallel
+
+from orchestrator.config import Config, load_config
+from orchestrator.models import build_model
+from orchestrator.training.checkpoint import load_state
+from orchestrator.training.loop import Parts, restore, run, train_step
+from orchestrator.training.optim import build_optimizer
+from orchestrator.training.precision import Precision
+from orchestrator.training.sync import build_local_sgd
+
+CPU = torch.device("cpu")
+
+
+def _config(*overrides: str) -> Config:
+    return load_config(None, ["scaling.num_workers=2", "model.hidden=[32]", "train.precision=fp32",
+                              "optim.warmup_steps=2", "train.eval_every=null", "data.val=null", *overrides])
+
+
+def _parts(model: torch.nn.Module, cfg: Config) -> Parts:
+    t = cfg.train
+    optimizer, scheduler = build_optimizer(model, cfg.optim, t.max_steps or 1)
+    return Parts(model, optimizer, scheduler, Precision("fp32", CPU), CPU, cfg.optim.max_grad_norm,
+                 local_sgd=build_local_sgd(t.sync, *t.local_sgd))
+
+
+class OomOnce(torch.nn.Module):
+    """Raises an out-of-memory error the first time it sees a batch larger than `limit`, like a full GPU."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        self.limit, self.raised = limit, False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(x) > self.limit and not self.raised:
+            self.raised = True
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        return self.net(x)
+
+
+def _oom_on_rank_1(rank: int, shared: Path) -> dict[str, Any]:
+    # Two steps of two micro-batches of 16 per rank; rank 1 runs out of memory in its first (unsynced) one.
+    cfg = _config("train.global_batch_size=64", "train.micro_batch_size=16", "train.max_steps=2",
+                  "optim.warmup_steps=1", "optim.max_grad_norm=null")
+    g = torch.Generator().manual_seed(100 + rank)  # different data per rank, as a sharded dataset gives
+    steps = [[(torch.randn(16, 16, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(2)]
+             for _ in range(2)]
+    out: dict[str, Any] = {}
+    for name, limit in (("clean", 1000), ("oom", 8 if rank == 1 else 1000)):
+        parts = _parts(DistributedDataParallel(OomOnce(limit)), cfg)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for micro in steps:
+                train_step(parts, micro)
+        out[name] = {"params": [p.detach().clone() for p in parts.model.parameters()], "split": parts.split,
+                     "retries": parts.oom_retries, "warnings": [str(w.message) for w in caught]}
+    return out
+
+
+def _local_sgd_resume(rank: int, shared: Path) -> dict[str, Any]:
+    # Local SGD, H=4, dropout (so every rank's RNG stream matters); the checkpoint at step 8 is mid-epoch.
+    cfg = _config("train.global_batch_size=32", "train.max_steps=12", "train.log_every=4", "checkpoint.every=4",
+                  "train.sync=local_sgd", "train.sync_every=4", "model.dropout=0.2")
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(512, 16, generator=g)
+    y = x[:, :4].argmax(dim=1)
+
+    def source(epoch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(x[i:i + 16], y[i:i + 16]) for i in range(0, 512, 16)]
+
+    def fresh(seed: int) -> Parts:
+        torch.manual_seed(seed)
+        return _parts(DistributedDataParallel(build_model("mlp", None, 16, 4, {"hidden": [32], "dropout": 0.2})), cfg)
+
+    torch.manual_seed(7)
+    straight = fresh(0)
+    run(cfg, straight, source, None, lambda metrics, checkpoint_dir: None)
+
+    def keep(metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
+        if checkpoint_dir and metrics["step"] == 8:  # rank 0 writes it; storage is shared
+            shutil.copytree(checkpoint_dir, shared / "checkpoint")
+
+    torch.manual_seed(7)
+    first = fresh(0)
+    run(cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_steps": 8})}), first, source, None, keep)
+    dist.barrier()
+    torch.manual_seed(123 + rank)  # a restarted worker starts from other RNG state
+    resumed = fresh(99)
+    progress = restore(resumed, load_state(shared / "checkpoint"))
+    restored_at = progress.step
+    run(cfg, resumed, source, None, lambda metrics, checkpoint_dir: None, progress)
+    return {"straight": [p.detach().clone() for p in straight.model.parameters()],
+            "resumed": [p.detach().clone() for p in resumed.model.parameters()], "step": restored_at}
+
+
+@pytest.fixture(scope="module")
+def oom(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_two_ranks(_oom_on_rank_1, tmp_path_factory.mktemp("oom"))
+
+
+def test_an_oom_on_one_rank_makes_every_rank_retry_the_step(oom: list[dict[str, Any]]) -> None:
+    for result in oom:
+        assert (result["oom"]["split"], result["oom"]["retries"]) == (2, 1)
+        assert (result["clean"]["split"], result["clean"]["retries"]) == (1, 0)
+    # Only the rank that ran out of memory says so; the other retries quietly, as agreed.
+    assert [sum("out of memory" in w for w in r["oom"]["warnings"]) for r in oom] == [0, 1]
+
+
+def test_the_retried_steps_give_the_weights_of_an_oom_free_run(oom: list[dict[str, Any]]) -> None:
+    for result in oom:
+        for clean, retried in zip(result["clean"]["params"], result["oom"]["params"], strict=True):
+            torch.testing.assert_close(retried, clean, atol=1e-6, rtol=0)
+    for a, b in zip(oom[0]["oom"]["params"], oom[1]["oom"]["params"], strict=True):
+        assert torch.equal(a, b)  # DDP: the ranks hold one model
+
+
+def test_local_sgd_resume_restores_every_ranks_own_optimizer_state(tmp_path: Path) -> None:
+    ranks = run_two_ranks(_local_sgd_resume, tmp_path)
+    for result in ranks:
+        assert result["step"] == 8
+        for straight, resumed in zip(result["straight"], result["resumed"], strict=True):
+            assert torch.equal(straight, resumed)
