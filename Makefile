@@ -1,5 +1,5 @@
 # The two commands the README starts with: `make train` and `make test`. Both set everything up first.
-.PHONY: setup train test lint bench
+.PHONY: setup train test lint bench mutate
 
 setup:
 	@bash scripts/setup.sh
@@ -16,3 +16,6 @@ lint: setup
 
 bench: setup
 	.venv/bin/python bench/overhead.py
+
+mutate: setup  # plant known bugs in a copy of the package and check the tests catch each (about a minute)
+	.venv/bin/python scripts/mutate.py

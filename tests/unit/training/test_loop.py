@@ -45,22 +45,50 @@ def config(*overrides: str) -> Config:
     return load_config(None, [*base, *overrides])
 
 
-def test_accumulation_4x8_equals_1x32() -> None:
-    cfg = config("optim.max_grad_norm=null")
+def sgd_config(*overrides: str) -> Config:
+    """Plain SGD at lr 1 with a constant schedule: a step moves every parameter by exactly minus its gradient, so a
+    wrong gradient scale shows in the update (one AdamW step is nearly blind to it)."""
+    return config("optim.name=sgd", "optim.momentum=0", "optim.weight_decay=0", "optim.lr=1", "optim.warmup_steps=0",
+                  "optim.schedule=constant", "optim.max_grad_norm=null", *overrides)
+
+
+def mean_gradient(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    """The reference: the gradient of the mean cross-entropy over the whole batch, by autograd alone."""
+    model.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    grads = [p.grad.detach().clone() for p in model.parameters()]  # type: ignore[union-attr]
+    model.zero_grad()
+    return grads
+
+
+def update(before: list[torch.Tensor], model: torch.nn.Module) -> list[torch.Tensor]:
+    return [b - p.detach() for b, p in zip(before, model.parameters(), strict=True)]
+
+
+@pytest.mark.parametrize("micro", [32, 8])
+def test_a_step_applies_the_mean_gradient_of_the_whole_batch(micro: int) -> None:
+    # 1 x 32 and 4 x 8 (accumulated under one normaliser) must both move by the batch-mean gradient.
+    cfg = sgd_config()
     x, y = dataset(32)
-    one, four = make_parts(cfg), make_parts(cfg)
-    train_step(one, [(x, y)])
-    train_step(four, batches(x, y, 8))
-    for a, b in zip(one.model.parameters(), four.model.parameters(), strict=True):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    parts = make_parts(cfg)
+    before = [p.detach().clone() for p in parts.model.parameters()]
+    expected = mean_gradient(parts.model, x, y)
+    train_step(parts, batches(x, y, micro))
+    for moved, grad in zip(update(before, parts.model), expected, strict=True):
+        torch.testing.assert_close(moved, grad, atol=1e-6, rtol=1e-5)
 
 
 def test_clipping_bounds_the_update_and_reports_the_true_norm() -> None:
-    cfg = config("optim.max_grad_norm=1e-3")
+    cfg = sgd_config("optim.max_grad_norm=1e-3")
     parts = make_parts(cfg)
     x, y = dataset(32)
+    before = [p.detach().clone() for p in parts.model.parameters()]
+    true_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in mean_gradient(parts.model, x, y)]))
     norm = train_step(parts, [(x, y)]).grad_norm
-    assert float(norm) > 1e-3  # the norm before clipping is what gets reported
+    moved = torch.linalg.vector_norm(torch.stack([u.norm() for u in update(before, parts.model)]))
+    assert float(true_norm) > 0.01  # so a missing clip would move the weights 10x further
+    assert float(moved) == pytest.approx(1e-3, rel=1e-3)  # lr 1: the update is the clipped gradient
+    assert float(norm) == pytest.approx(float(true_norm), rel=1e-5)  # the norm before clipping is reported
 
 
 def test_bf16_autocast_runs_on_cpu_and_keeps_fp32_params() -> None:

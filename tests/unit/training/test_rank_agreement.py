@@ -53,22 +53,36 @@ class OomOnce(torch.nn.Module):
         return self.net(x)
 
 
-def _oom_on_rank_1(rank: int, shared: Path) -> dict[str, Any]:
-    # Two steps of two micro-batches of 16 per rank; rank 1 runs out of memory in its first (unsynced) one.
-    cfg = _config("train.global_batch_size=64", "train.micro_batch_size=16", "train.max_steps=2",
-                  "optim.warmup_steps=1", "optim.max_grad_norm=null")
+SGD = ["optim.name=sgd", "optim.momentum=0", "optim.weight_decay=0", "optim.lr=1", "optim.warmup_steps=0",
+       "optim.schedule=constant", "optim.max_grad_norm=null"]  # an update is exactly minus the gradient
+
+
+def _rows(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + rank)  # different data per rank, as a sharded dataset gives
-    steps = [[(torch.randn(16, 16, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(2)]
-             for _ in range(2)]
+    return torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g)
+
+
+def _steps(rank: int, shared: Path) -> dict[str, Any]:
+    # One step of two micro-batches of 16 per rank (global batch 64). Rank 1 runs out of memory in its first
+    # (unsynced) micro-batch, after rank 0 has already accumulated gradients from its own.
+    cfg = _config("train.global_batch_size=64", "train.micro_batch_size=16", "train.max_steps=1", *SGD)
+    x, y = _rows(rank)
+    both = [_rows(r) for r in (0, 1)]
     out: dict[str, Any] = {}
     for name, limit in (("clean", 1000), ("oom", 8 if rank == 1 else 1000)):
         parts = _parts(DistributedDataParallel(OomOnce(limit)), cfg)
+        before = [p.detach().clone() for p in parts.model.parameters()]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for micro in steps:
-                train_step(parts, micro)
-        out[name] = {"params": [p.detach().clone() for p in parts.model.parameters()], "split": parts.split,
-                     "retries": parts.oom_retries, "warnings": [str(w.message) for w in caught]}
+            train_step(parts, [(x[:16], y[:16]), (x[16:], y[16:])])
+        out[name] = {"update": [b - p.detach() for b, p in zip(before, parts.model.parameters(), strict=True)],
+                     "split": parts.split, "retries": parts.oom_retries,
+                     "warnings": [str(w.message) for w in caught]}
+    # The reference: the mean cross-entropy gradient over the global batch (both ranks' rows), by autograd alone.
+    reference = OomOnce(1000)
+    torch.nn.functional.cross_entropy(reference(torch.cat([b[0] for b in both])),
+                                      torch.cat([b[1] for b in both])).backward()
+    out["expected"] = [p.grad for p in reference.parameters()]
     return out
 
 
@@ -109,23 +123,31 @@ def _local_sgd_resume(rank: int, shared: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def oom(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run_two_ranks(_oom_on_rank_1, tmp_path_factory.mktemp("oom"))
+def steps(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_two_ranks(_steps, tmp_path_factory.mktemp("steps"))
 
 
-def test_an_oom_on_one_rank_makes_every_rank_retry_the_step(oom: list[dict[str, Any]]) -> None:
-    for result in oom:
+def test_a_ddp_step_applies_the_mean_gradient_of_the_global_batch(steps: list[dict[str, Any]]) -> None:
+    # Normalised over both micro-batches and both ranks: neither 2x (no world factor) nor per micro-batch.
+    for result in steps:
+        for moved, grad in zip(result["clean"]["update"], result["expected"], strict=True):
+            torch.testing.assert_close(moved, grad, atol=1e-6, rtol=1e-5)
+
+
+def test_an_oom_on_one_rank_makes_every_rank_retry_the_step(steps: list[dict[str, Any]]) -> None:
+    for result in steps:
         assert (result["oom"]["split"], result["oom"]["retries"]) == (2, 1)
         assert (result["clean"]["split"], result["clean"]["retries"]) == (1, 0)
     # Only the rank that ran out of memory says so; the other retries quietly, as agreed.
-    assert [sum("out of memory" in w for w in r["oom"]["warnings"]) for r in oom] == [0, 1]
+    assert [sum("out of memory" in w for w in r["oom"]["warnings"]) for r in steps] == [0, 1]
 
 
-def test_the_retried_steps_give_the_weights_of_an_oom_free_run(oom: list[dict[str, Any]]) -> None:
-    for result in oom:
-        for clean, retried in zip(result["clean"]["params"], result["oom"]["params"], strict=True):
-            torch.testing.assert_close(retried, clean, atol=1e-6, rtol=0)
-    for a, b in zip(oom[0]["oom"]["params"], oom[1]["oom"]["params"], strict=True):
+def test_the_retried_step_applies_the_gradient_of_an_oom_free_step(steps: list[dict[str, Any]]) -> None:
+    # Rank 0 had accumulated its first micro-batch before the retry: those gradients must be dropped, not doubled.
+    for result in steps:
+        for retried, grad in zip(result["oom"]["update"], result["expected"], strict=True):
+            torch.testing.assert_close(retried, grad, atol=1e-6, rtol=1e-5)
+    for a, b in zip(steps[0]["oom"]["update"], steps[1]["oom"]["update"], strict=True):
         assert torch.equal(a, b)  # DDP: the ranks hold one model
 
 
