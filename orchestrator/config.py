@@ -9,16 +9,27 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from orchestrator.errors import ConfigError
 from orchestrator.registry import suggest
 from pipelines.config import DataConfig
 
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
+MAX_SEED = 2**32 - 1  # numpy's global seed (set on every worker) takes no more
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf/nan pass gt/ge bounds (inf > 0) and then poison a schedule, a timeout or a price: refuse them.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+def _key_error(loc: tuple[str, ...], message: str, value: Any) -> ValidationError:
+    """A validation error placed at the config key `loc`: a cross-field check in a model validator otherwise has
+    no location, and the user's one line would not name the key to change."""
+    details = InitErrorDetails(type=PydanticCustomError("value_error", "{message}", {"message": message}),
+                               loc=loc, input=value)
+    return ValidationError.from_exception_data("Config", [details])
 
 
 class ModelConfig(BaseModel):
@@ -68,7 +79,7 @@ class TrainConfig(_Section):
     )
     peak_tflops: float | None = Field(None, gt=0, description="Peak TFLOP/s of one device, for MFU on devices "
                                       "missing from the built-in table (CPUs, new GPUs).")
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seeds the model init, the data order and the workers' RNGs.")
     max_nonfinite_steps: int = Field(10, ge=0, description="Steps with a NaN/inf loss or gradient that are skipped "
                                      "(no update) before training stops with an error.")
     log_every: int = Field(25, ge=1, description="Steps between reports (each report is a barrier; keep it >= 10).")
@@ -83,6 +94,14 @@ class TrainConfig(_Section):
                                    "last sync (null = 1.0, plain averaging; 0.7 with outer_momentum, DiLoCo's).")
     outer_momentum: float | None = Field(None, gt=0, lt=1, description="local_sgd: Nesterov momentum of the outer "
                                          "step on the averaged change (DiLoCo uses 0.9); null = none.")
+
+    @field_validator("micro_batch_size")
+    @classmethod
+    def _positive_micro_batch(cls, value: int | str | None) -> int | str | None:
+        # Checked here, not by Field(ge=1): the bound would apply to the union and report against its members.
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"must be at least 1, got {value}: set a positive size, auto, or null to derive it")
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -210,8 +229,8 @@ class CheckpointConfig(_Section):
 
 
 class StorageConfig(_Section):
-    path: str = Field("runs", description="Where Ray Train writes checkpoints and results: a directory shared by all "
-                      "nodes, or s3://bucket/prefix (endpoint and credentials as for data.s3).")
+    path: str = Field("runs", min_length=1, description="Where Ray Train writes checkpoints and results: a "
+                      "directory shared by all nodes, or s3://bucket/prefix (endpoint and credentials as for data.s3).")
 
 
 class FailureConfig(_Section):
@@ -226,7 +245,7 @@ class TrackingConfig(_Section):
     enabled: bool = True
     uri: str | None = Field(None, description="MLflow tracking URI (SQLite file or http server); null = "
                             "$MLFLOW_TRACKING_URI, else sqlite:///mlruns.db in the working directory.")
-    experiment: str = "default"
+    experiment: str = Field("default", min_length=1)
 
 
 class CostConfig(_Section):
@@ -272,7 +291,8 @@ class TuneConfig(_Section):
                                            "each rung; null = 3.")
     searcher: Literal["random", "optuna"] = Field("random", description="random sampling, or Optuna's TPE.")
     max_concurrent_trials: int | None = Field(None, ge=1, description="null: cluster CPUs / CPUs per trial.")
-    seed: int | None = Field(None, description="Seed of the searcher's sampling, for a repeatable study.")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Seed of the searcher's sampling, for a "
+                             "repeatable study.")
     rank_by: Literal["metric", "metric_per_dollar"] = Field(
         "metric", description="Pick the best trial by its metric, or by metric per dollar of its run (needs a "
         "priced cost section and a metric to maximise).")
@@ -319,6 +339,12 @@ class Config(_Section):
     def _cross_checks(self) -> Config:
         if self.train.precision == "fp16" and not self.scaling.use_gpu:
             raise ValueError("train.precision=fp16 needs a GPU (scaling.use_gpu=true); on CPU use bf16 or fp32")
+        warmup, steps = self.optim.warmup_steps, self.train.max_steps
+        # With epochs, the step count is known only with the data: launch.resolve_for_data checks it then.
+        if steps is not None and warmup >= steps:
+            raise _key_error(("optim", "warmup_steps"), f"optim.warmup_steps={warmup} must be below train.max_steps="
+                            f"{steps}, or the LR never reaches optim.lr nor decays: lower optim.warmup_steps or "
+                            "raise train.max_steps", warmup)
         self._derive_batch()
         return self
 

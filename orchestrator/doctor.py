@@ -11,6 +11,7 @@ import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from orchestrator.errors import UserError
 
@@ -118,8 +119,10 @@ def compile_small_kernels(run: RunRecord) -> Finding | None:
 
 
 def nonfinite_steps(run: RunRecord) -> Finding | None:
-    """Many steps skipped for NaN/inf loss or gradients (or fp16 overflow): the LR is too hot early on."""
-    skipped = (run.last("nonfinite_skipped") or 0) + (run.last("skipped_steps") or 0)
+    """Many steps skipped for a NaN/inf loss or gradient: the LR is too hot early on. Not `skipped_steps`: fp16's
+    GradScaler skips a step each time it lowers its loss scale (at the start, then ~1 per 2000 steps), which is
+    how it calibrates, not divergence."""
+    skipped = run.last("nonfinite_skipped") or 0
     steps = run.last("step") or 0
     if not steps or skipped / steps < 0.01 or skipped < 2:
         return None
@@ -133,8 +136,68 @@ def nonfinite_steps(run: RunRecord) -> Finding | None:
                    f"{int(skipped)} of {int(steps)} steps skipped for a non-finite loss or gradient", tuple(changes))
 
 
+Bound = tuple[float, bool]  # (value, exclusive): ge/le -> False, gt/lt -> True
+
+
+def field_bounds(key: str) -> tuple[Bound | None, Bound | None]:
+    """(lower, upper) bound of a dotted config key, from its pydantic field's Ge/Gt/Le/Lt; (None, None) for keys
+    the config does not bound (a model's own kwargs)."""
+    import annotated_types
+    from pydantic import BaseModel
+
+    from orchestrator.config import Config
+
+    model: Any = Config
+    *sections, leaf = key.split(".")
+    for name in sections:
+        section = model.model_fields.get(name)
+        model = section.annotation if section is not None else None
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return None, None
+    found = model.model_fields.get(leaf)
+    lower = upper = None
+    for meta in found.metadata if found is not None else []:
+        if isinstance(meta, annotated_types.Ge | annotated_types.Gt):
+            lower = (float(meta.ge if isinstance(meta, annotated_types.Ge) else meta.gt),
+                     isinstance(meta, annotated_types.Gt))
+        elif isinstance(meta, annotated_types.Le | annotated_types.Lt):
+            upper = (float(meta.le if isinstance(meta, annotated_types.Le) else meta.lt),
+                     isinstance(meta, annotated_types.Lt))
+    return lower, upper
+
+
+def _clamp(new: float, edge: float, bound: Bound, integer: bool, lower: bool) -> float:
+    """`new` (a range end moved past `edge`) kept on the valid side of the lower (or upper) `bound`: at an
+    inclusive bound; short of an exclusive one, which is itself invalid (halfway from the edge, one step for
+    integers)."""
+    value, exclusive = bound
+    side = 1 if lower else -1
+    if (new - value) * side > 0:
+        return new
+    if not exclusive:
+        return value
+    return value + side if integer else (edge + value) / 2
+
+
+def _widened(key: str, kind: str, low: float, high: float, lower_edge: bool) -> float | None:
+    """The new low (or high) of a range whose best value sits at that edge, kept within the field's bounds;
+    None when the range already reaches the bound."""
+    integer = kind == "randint"
+    lower, upper = field_bounds(key)
+    if lower is None and upper is None and low >= 0:
+        lower = (0.0, False)  # no bounds known (a model kwarg): sizes, rates, dropout do not turn negative
+    if lower_edge:
+        new = low / 10 if kind == "loguniform" else low - (high - low)
+        new = _clamp(new, low, lower, integer, lower=True) if lower is not None else new
+        return new if new < low else None
+    new = high * 10 if kind == "loguniform" else high + (high - low)
+    new = _clamp(new, high, upper, integer, lower=False) if upper is not None else new
+    return new if new > high else None
+
+
 def search_space_edge(run: RunRecord) -> Finding | None:
-    """A study whose best value sits at the edge of a searched range: the optimum may lie outside it."""
+    """A study whose best value sits at the edge of a searched range: the optimum may lie outside it. The wider
+    range stays within the key's own bounds (momentum < 1, weight decay >= 0)."""
     space, best = run.tags.get("orchestrator.search_space"), run.tags.get("orchestrator.best_params")
     if not space or not best:
         return None
@@ -148,15 +211,14 @@ def search_space_edge(run: RunRecord) -> Finding | None:
         scale = math.log if kind == "loguniform" else float
         span = scale(high) - scale(low)
         position = (scale(value) - scale(low)) / span if span else 0.5
-        widen = 10.0 if kind == "loguniform" else None
-        if position <= 0.1:
-            new_low = low / widen if widen else low - (high - low)
-            changes.append(f"tune.space.{key}: {{{kind}: [{new_low:.3g}, {high:.3g}]}}")
-        elif position >= 0.9:
-            new_high = high * widen if widen else high + (high - low)
-            changes.append(f"tune.space.{key}: {{{kind}: [{low:.3g}, {new_high:.3g}]}}")
-        else:
+        if 0.1 < position < 0.9:
             continue
+        new = _widened(key, kind, low, high, lower_edge=position <= 0.1)
+        if new is None:
+            continue
+        new_low, new_high = (new, high) if position <= 0.1 else (low, new)
+        # 6 digits: 3 would print 0.9995 (momentum widened toward its bound of 1) as the invalid 1.
+        changes.append(f"tune.space.{key}: {{{kind}: [{new_low:.6g}, {new_high:.6g}]}}")
         worst = max(worst, abs(position - 0.5))
     if not changes:
         return None

@@ -61,7 +61,14 @@ def resolve_for_data(config: Config, infos: dict[str, DatasetInfo]) -> Config:
                           f"({smallest}) per worker: lower train.global_batch_size")
     if t.epochs is not None:
         per_worker_step = t.global_batch_size // config.scaling.max_workers
-        tree["train"]["max_steps"] = max(1, math.ceil(t.epochs * rows_per_worker / per_worker_step))
+        steps = max(1, math.ceil(t.epochs * rows_per_worker / per_worker_step))
+        # Config validation could not check the warmup against a step count only the data decides.
+        if config.optim.warmup_steps >= steps:
+            raise ConfigError(f"config key 'optim.warmup_steps': optim.warmup_steps={config.optim.warmup_steps} "
+                              f"must be below the run's {steps} optimizer steps (train.epochs={t.epochs:g} over "
+                              f"{train.num_rows} rows at global batch {t.global_batch_size}): lower "
+                              "optim.warmup_steps or train longer")
+        tree["train"]["max_steps"] = steps
         tree["train"]["epochs"] = None
     return config_from_dict(tree)
 
@@ -191,8 +198,9 @@ def _worker_entry(spec: dict[str, Any]) -> dict[str, Any]:
 
 def storage_args(storage: Storage) -> dict[str, Any]:
     """Train's and Tune's RunConfig storage: a local path, or for s3:// the data layer's S3 filesystem (same
-    endpoint, region and credentials) with the path inside it, which is what Ray expects beside storage_filesystem.
-    Resolved on the driver: trial actors and workers need no credentials of their own."""
+    endpoint and region) with the path inside it, which is what Ray expects beside storage_filesystem.
+    The filesystem holds no key (Ray pickles it into every trial and Tune writes it into tuner.pkl in the bucket):
+    each process that unpickles it resolves and refreshes its own credentials from the standard AWS chain."""
     if not storage.remote:
         return {"storage_path": storage.root}
     return {"storage_path": storage.root, "storage_filesystem": storage.filesystem()}
@@ -410,9 +418,9 @@ def run_summary(history: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def breakdown_line(summary: dict[str, float]) -> str:
-    """'time: compute 71% | sync 4% | data wait 2% | eval 6% | checkpoint 3% | other 14%'"""
+    """'time: compute 71% | sync 4% | data wait 2% | eval 6% | checkpoint 3% | report 1% | other 13%'"""
     names = [("compute", "compute"), ("sync", "sync"), ("data_wait", "data wait"), ("eval", "eval"),
-             ("checkpoint", "checkpoint"), ("other", "other")]
+             ("checkpoint", "checkpoint"), ("report", "report"), ("other", "other")]
     parts = [f"{label} {summary[f'summary/time/{key}_frac']:.0%}" for key, label in names
              if f"summary/time/{key}_frac" in summary]
     return "time: " + " | ".join(parts) if parts else ""

@@ -12,6 +12,8 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -177,6 +179,27 @@ def _searcher(config: Config) -> Any:
     return IntervalOptunaSearch(seed=t.seed)
 
 
+@contextmanager
+def _credentials_stay_home() -> Iterator[None]:
+    """Stop Ray Tune from copying the driver's AWS_* credential variables into every trial actor's runtime_env
+    (ray.tune.execution.class_cache), where each node's runtime-env agent logs them in plain text, the dashboard
+    shows them and they stay frozen for the whole study (an STS/SSO token then expires mid-study). Trials, like
+    every other process, resolve credentials from their own node's standard chain."""
+    try:
+        from ray.tune.execution import class_cache
+
+        propagated: set[str] = class_cache.ENV_VARS_TO_PROPAGATE
+    except (ImportError, AttributeError):  # a Ray that does not copy them
+        yield
+        return
+    credentials = {name for name in propagated if name.startswith("AWS_")}
+    propagated.difference_update(credentials)
+    try:
+        yield
+    finally:
+        propagated.update(credentials)
+
+
 def _fit(config: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo], max_steps: int, place: RunPlace,
          resume: bool, callback: Any, concurrency: int) -> Any:
     from ray import tune as ray_tune
@@ -189,8 +212,10 @@ def _fit(config: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo], ma
     if resume:
         # Finished trials stay finished; unfinished ones restart and their Train runs resume from checkpoints.
         # Errored ones stay errored: the same config would fail the same way.
-        return ray_tune.Tuner.restore(place.path, trainable, resume_unfinished=True,
-                                      storage_filesystem=storage.get("storage_filesystem")).fit()
+        restored = ray_tune.Tuner.restore(place.path, trainable, resume_unfinished=True,
+                                          storage_filesystem=storage.get("storage_filesystem"))
+        with _credentials_stay_home():
+            return restored.fit()
     t = config.tune
     tuner = ray_tune.Tuner(
         trainable,
@@ -205,27 +230,29 @@ def _fit(config: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo], ma
             verbose=0,  # the callback prints the trial table
         ),
     )
-    return tuner.fit()
+    with _credentials_stay_home():
+        return tuner.fit()
 
 
-def _summaries(grid: Any, tree: dict[str, Any], infos: dict[str, DatasetInfo], metric: str,
-               pricing: Any = None) -> list[TrialSummary]:
-    from orchestrator.cost import build_ledger
+def _summaries(grid: Any, tree: dict[str, Any], infos: dict[str, DatasetInfo], metric: str) -> list[TrialSummary]:
+    from orchestrator.cost import build_ledger, resolve_pricing
     from orchestrator.trials import trial_status
 
     trials = []
     for result in grid:
         last = dict(result.metrics or {})
         params = dict(result.config or {})
-        max_steps = resolve_for_data(trial_config(tree, params), infos).train.max_steps or 0
+        resolved = resolve_for_data(trial_config(tree, params), infos)
+        max_steps = resolved.train.max_steps or 0
         frame = result.metrics_dataframe
         history: list[dict[str, Any]] = []
         ledger = None
-        if frame is not None and "step" in frame and pricing is not None:
+        if frame is not None and "step" in frame:
             # The trial's clock is Tune's time_total_s: from its actor's start, Train start-up included.
+            # Priced from the trial's own config: a searched num_workers changes the nodes it held.
             rows = [{k: v for k, v in row.items() if v == v} for row in frame.to_dict("records")]
             wall = max((r.get("time_total_s", 0.0) for r in rows), default=0.0)
-            ledger = build_ledger(rows, wall, pricing, elapsed_key="time_total_s")
+            ledger = build_ledger(rows, wall, resolve_pricing(resolved), elapsed_key="time_total_s")
         if frame is not None and "step" in frame:
             keep = [c for c in ("step", "train_loss", "val_loss", "val_accuracy", metric) if c in frame]
             history = [{k: v for k, v in row.items() if v == v} for row in frame[list(dict.fromkeys(keep))]
@@ -267,6 +294,27 @@ def check_rank_by(config: Config) -> None:
                           "makes sense for a metric to maximise: use a metric such as val_accuracy, or rank_by=metric")
 
 
+def check_trials(config: Config, base: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo]) -> None:
+    """What only the data decides (epochs -> steps; the warmup and ASHA's grace period against them) and each
+    trial's own nodes and price, for every searched value at its extremes: fails here, not in a trial or after
+    the study. `base` is `config` resolved for the data."""
+    from orchestrator.trials import trial_pricing
+
+    steps, grace = base.train.max_steps or 0, config.tune.asha[0]
+    # check_study compares a given train.max_steps; epochs make theirs here. Ray's ASHAScheduler would assert.
+    if config.train.epochs is not None and config.tune.scheduler == "asha" and grace >= steps:
+        raise ConfigError(f"tune.grace_period={grace} is not below the run's {steps} optimizer steps (train.epochs="
+                          f"{config.train.epochs:g}): ASHA could never stop a trial early; lower it, train longer, "
+                          "or set tune.scheduler=fifo")
+    for key, domain in domains(config).items():
+        for value in domain.extremes():
+            try:
+                trial_pricing(tree, {key: value}, infos)
+            except ConfigError as exc:
+                raise ConfigError(f"tune.space.{key}: a trial with {key}={value!r} would be invalid ({exc}); "
+                                  "narrow the range") from None
+
+
 def tune(config: Config, address: str | None = None, fresh: bool = False, verbose: bool = True) -> TuneResult:
     """Run (or resume) the hyperparameter study described by `config.tune`. Bad input raises ConfigError
     before any trial starts; an interrupted study raises KeyboardInterrupt after saving its state."""
@@ -276,8 +324,9 @@ def tune(config: Config, address: str | None = None, fresh: bool = False, verbos
     check_rank_by(config)
     infos = inspect_datasets(config.data)
     base = resolve_for_data(config, infos)
-    pricing = resolve_pricing(base)  # before any trial: an unknown node type is a config error
+    resolve_pricing(base)  # before any trial: an unknown node type is a config error
     tree = user_tree(config)
+    check_trials(config, base, tree, infos)
     study = study_name(config)
     place = RunPlace(open_run_storage(config), study)
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
@@ -311,15 +360,14 @@ def tune(config: Config, address: str | None = None, fresh: bool = False, verbos
             what = "resuming" if state else "starting"
             print(f"{what} study {study} at {place.uri}: {config.tune.num_samples} samples, up to {concurrency} "
                   f"trials at once, scheduler {config.tune.scheduler}, searcher {config.tune.searcher}", flush=True)
-        return _run_study(config, base, tree, infos, place, state is not None, tracker, concurrency, verbose,
-                          pricing)
+        return _run_study(config, base, tree, infos, place, state is not None, tracker, concurrency, verbose)
     finally:
         if started_ray:
             shutdown_local_ray()
 
 
 def _run_study(config: Config, base: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo], place: RunPlace,
-               resumed: bool, tracker: Tracker, concurrency: int, verbose: bool, pricing: Any = None) -> TuneResult:
+               resumed: bool, tracker: Tracker, concurrency: int, verbose: bool) -> TuneResult:
     from orchestrator.trials import StudyCallback
 
     metric, mode = config.tune.metric, resolved_mode(config)
@@ -327,10 +375,10 @@ def _run_study(config: Config, base: Config, tree: dict[str, Any], infos: dict[s
     study, study_path = place.name, place.uri
     callback = StudyCallback(study, tree, list(config.tune.space), metric, max_steps,
                              config.tracking if config.tracking.enabled else None, tracker.run_id, verbose,
-                             pricing=pricing)
+                             infos=infos)
     with closed_on_error(tracker):
         grid = _fit(config, tree, infos, max_steps, place, resumed, callback, concurrency)
-        trials = _summaries(grid, tree, infos, metric, pricing)
+        trials = _summaries(grid, tree, infos, metric)
     if any(t.status == "running" for t in trials):  # Tune caught Ctrl+C and saved the study
         tracker.finish("KILLED")
         print(f"study {study} interrupted: run the same command again to continue it", file=sys.stderr)

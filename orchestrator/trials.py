@@ -9,14 +9,18 @@ from __future__ import annotations
 import math
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 from ray.tune import Callback
 
 from orchestrator.config import TrackingConfig, flatten, to_dict
-from orchestrator.cost import Pricing, build_ledger
+from orchestrator.cost import Pricing, build_ledger, resolve_pricing
+from orchestrator.errors import ConfigError
+from orchestrator.launch import resolve_for_data
 from orchestrator.search import TRAIN_METRICS, VAL_METRICS, trial_config
 from orchestrator.tracking import MlflowTracker
+from pipelines.sources import DatasetInfo
 
 _METRICS = set(TRAIN_METRICS + VAL_METRICS)
 _LEDGER_KEYS = {"step", "interval_s", "time_total_s"}
@@ -29,6 +33,12 @@ def trial_status(last: dict[str, Any], max_steps: int, errored: bool = False) ->
     if not last.get("done"):
         return "running"
     return "completed" if last.get("step", 0) >= max_steps else "stopped"
+
+
+def trial_pricing(tree: dict[str, Any], params: dict[str, Any], infos: dict[str, DatasetInfo]) -> Pricing:
+    """One trial's nodes and price, from its own resolved config: a searched scaling.num_workers (or cost key)
+    changes what the trial holds, so the study's base config cannot price it."""
+    return resolve_pricing(resolve_for_data(trial_config(tree, params), infos))
 
 
 def format_table(rows: list[dict[str, Any]], keys: list[str], metric: str) -> str:
@@ -57,9 +67,12 @@ class StudyCallback(Callback):
 
     def __init__(self, study: str, tree: dict[str, Any], keys: list[str], metric: str, max_steps: int,
                  tracking: TrackingConfig | None, parent_run_id: str | None, verbose: bool = True,
-                 table_every_s: float = 30.0, pricing: Pricing | None = None) -> None:
+                 table_every_s: float = 30.0, infos: dict[str, DatasetInfo] | None = None) -> None:
         self.study, self.tree, self.keys, self.metric, self.max_steps = study, tree, keys, metric, max_steps
-        self.pricing = pricing
+        # What pricing a trial needs of the data (None: no cost ledger). Only the sizes: the callback is pickled
+        # into the study's saved state, which has no use for shard lists or storage handles.
+        self.infos = None if infos is None else {
+            split: replace(info, files=[], storage=None, objects=[], file_rows=[]) for split, info in infos.items()}
         self.tracking, self.parent_run_id = tracking, parent_run_id
         self.verbose, self.table_every_s = verbose, table_every_s
         self._runtime()
@@ -110,14 +123,23 @@ class StudyCallback(Callback):
         reason = {"completed": "max_steps", "stopped": "asha", "error": "error", "running": "interrupted"}[status]
         tags = {"orchestrator.stop_reason": reason}
         timeline = self._timeline.pop(trial.trial_id, [])
-        if self.pricing is not None and timeline:
-            ledger = build_ledger(timeline, max(r.get("time_total_s", 0.0) for r in timeline), self.pricing,
+        pricing = self._pricing(trial) if timeline else None
+        if pricing is not None:
+            ledger = build_ledger(timeline, max(r.get("time_total_s", 0.0) for r in timeline), pricing,
                                   elapsed_key="time_total_s")
             run.log_metrics(ledger.metrics(), step=int(timeline[-1]["step"]))
         if errored and trial.error_file:
             tags["orchestrator.error_file"] = str(trial.error_file)
         run.set_tags(tags)
         run.finish({"completed": "FINISHED", "stopped": "FINISHED", "error": "FAILED"}.get(status, "KILLED"))
+
+    def _pricing(self, trial: Any) -> Pricing | None:
+        if self.infos is None:
+            return None
+        try:
+            return trial_pricing(self.tree, trial.config, self.infos)
+        except ConfigError:  # a trial whose config is invalid has already failed; tracking never stops the study
+            return None
 
     def on_trial_start(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         self._run(trial)

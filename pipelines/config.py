@@ -17,7 +17,7 @@ MEMORY_CACHE_VALUES = ("auto", "none", "memory")
 class S3Config(BaseModel):
     """Object-store options (AWS S3 or any S3-compatible endpoint). Credentials are never configured here."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # inf passes gt=0; nan poisons a timeout
 
     endpoint: str | None = Field(None, description="Endpoint URL, e.g. http://minio:9000; null = "
                                  "$AWS_ENDPOINT_URL_S3, else $AWS_ENDPOINT_URL, else AWS.")
@@ -32,7 +32,7 @@ class S3Config(BaseModel):
 class Normalize(BaseModel):
     """x -> (x - mean) / std on the feature columns (or `columns`)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # would turn every feature into inf/nan
 
     mean: float = 0.0
     std: float = Field(1.0, gt=0)
@@ -71,9 +71,10 @@ TRANSFORMS: dict[str, type[BaseModel]] = {"normalize": Normalize, "cast": Cast, 
 class DataConfig(BaseModel):
     """Where the training data lives and how it is streamed into the workers."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    train: str = Field("data/digits/train", description="Directory, file or s3://bucket/prefix of Parquet shards.")
+    train: str = Field("data/digits/train", min_length=1,
+                       description="Directory, file or s3://bucket/prefix of Parquet shards.")
     val: str | None = Field("data/digits/val", description="Parquet shards for validation; null disables eval.")
     features: list[str] = Field(["pixels"], min_length=1, description="Feature columns, concatenated in order.")
     label: str | None = Field("label", description="Integer class label column; null = next-token prediction on "
@@ -90,9 +91,13 @@ class DataConfig(BaseModel):
     )
     cache_max_gb: float | None = Field(None, gt=0, description="Size cap of the disk cache per node (LRU "
                                        "eviction); default 50. Only with cache: DIR.")
-    shuffle: bool = Field(True, description="Shard order drawn per (train.seed, epoch); false = sorted by name.")
+    shuffle: bool = Field(True, description="A new order every epoch, drawn per (train.seed, epoch): the shard "
+                          "order when streamed from storage, the order of the decoded blocks for cache: memory "
+                          "data over 5% of the object store; small in-memory data replayed by the workers is "
+                          "permuted per (seed, epoch, rank) within each worker. false = shards sorted by name.")
     shuffle_buffer: int | None = Field(None, ge=2, description="Rows in each worker's local shuffle buffer "
-                                       "(seeded per seed, epoch, rank); null = no row shuffle within shards.")
+                                       "(seeded per seed, epoch, rank); null = no row shuffle within shards or "
+                                       "blocks. With small in-memory data it replaces the workers' replay.")
     transforms: list[dict[str, Any]] = Field(
         default_factory=list,
         description="Per-batch transforms run in Ray Data map_batches, in order, e.g. "

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from pipelines.cache import DiskCache
 from pipelines.config import DataConfig
+from pipelines.order import current_epoch, shard_order
 from pipelines.sources import DatasetInfo, inspect_parquet
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     import ray.data
 
 
@@ -41,6 +44,89 @@ def replay_epochs(cfg: DataConfig, infos: dict[str, DatasetInfo], object_store_b
     return use_memory_cache(cfg, infos, object_store_bytes) and is_small(infos, object_store_bytes)
 
 
+def reorders_memory_blocks(cfg: DataConfig, infos: dict[str, DatasetInfo], object_store_bytes: float) -> bool:
+    """Whether the train data is held in memory yet streamed again every epoch (not small enough for workers to
+    replay): then each epoch hands out the decoded blocks in that epoch's (seed, epoch) order, as `cache: none`
+    does with the shards. Replayed data keeps epoch 0's order; the workers reshuffle their own pass instead."""
+    return (cfg.shuffle and use_memory_cache(cfg, infos, object_store_bytes)
+            and not replay_epochs(cfg, infos, object_store_bytes))
+
+
+@dataclass(frozen=True)
+class MemoryBlock:
+    """One decoded block held in Ray's object store (or the rows [start, start + rows) of it)."""
+
+    ref: Any  # ray.ObjectRef of a pyarrow.Table
+    start: int
+    rows: int
+    size_bytes: int
+
+
+def _read_block(block: MemoryBlock) -> list[pa.Table]:
+    import ray
+
+    table = ray.get(block.ref)
+    return [table if block.start == 0 and block.rows == table.num_rows else table.slice(block.start, block.rows)]
+
+
+def memory_blocks(ds: ray.data.Dataset) -> list[MemoryBlock]:
+    """The blocks of a materialised dataset, in its order (references only: nothing is copied)."""
+    blocks = []
+    for bundle in ds.iter_internal_ref_bundles():
+        for entry, part in zip(bundle.blocks, bundle.slices, strict=True):
+            rows = entry.metadata.num_rows or 0
+            start, count = (0, rows) if part is None else (part.start_offset, part.num_rows)
+            size = (entry.metadata.size_bytes or 0) * count // max(rows, 1)
+            blocks.append(MemoryBlock(entry.ref, start, count, size))
+    return blocks
+
+
+def memory_blocks_source(blocks: list[MemoryBlock], seed: int, epoch_clock: str | None) -> Any:
+    """A Ray Data source over `blocks` that hands them out in the (seed, epoch) order of the epoch on the clock."""
+    return _memory_blocks_class()(blocks, seed, epoch_clock)
+
+
+@functools.cache
+def _memory_blocks_class() -> type:
+    """Defined on first use: importing Ray Data costs ~1 s, and the driver imports this module before it needs
+    Ray. Reachable as the module attribute `MemoryBlocksDatasource` (see `__getattr__`), so its instances pickle
+    by name into Ray's processes, which define it the same way when they unpickle one."""
+    from ray.data.block import BlockMetadata
+    from ray.data.datasource import Datasource, ReadTask
+
+    class MemoryBlocksDatasource(Datasource):
+        """Blocks already decoded into the object store, handed out in the order of the epoch on `epoch_clock`:
+        a permutation drawn from (seed, epoch), read when an execution (an epoch of streaming_split) starts, so a
+        restarted run re-streams an epoch in the same order. A read task copies its block into a new object: an
+        epoch costs a memory copy of the data, not a read and decode."""
+
+        def __init__(self, blocks: list[MemoryBlock], seed: int, epoch_clock: str | None) -> None:
+            self.blocks, self.seed, self.epoch_clock = blocks, seed, epoch_clock
+
+        def get_name(self) -> str:
+            return "MemoryBlocks"
+
+        def estimate_inmemory_data_size(self) -> int | None:
+            return sum(b.size_bytes for b in self.blocks)
+
+        def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
+                           data_context: Any = None) -> list[ReadTask]:
+            order = shard_order(self.blocks, self.seed, current_epoch(self.epoch_clock))
+            return [ReadTask(functools.partial(_read_block, b),
+                             BlockMetadata(num_rows=b.rows, size_bytes=b.size_bytes, input_files=None,
+                                           exec_stats=None), per_task_row_limit=per_task_row_limit)
+                    for b in order]
+
+    MemoryBlocksDatasource.__qualname__ = MemoryBlocksDatasource.__name__  # not a local of this function
+    return MemoryBlocksDatasource
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MemoryBlocksDatasource":
+        return _memory_blocks_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def build_datasets(
     cfg: DataConfig, infos: dict[str, DatasetInfo], object_store_bytes: float, *, seed: int = 0,
     epoch_clock: str | None = None,
@@ -48,7 +134,8 @@ def build_datasets(
     """Streaming readers over the already-checked shards (nothing is read until a worker iterates), with the
     configured transforms in `map_batches`. The train shards are read in (seed, epoch) order when `cfg.shuffle`
     and `epoch_clock` names the clock the workers advance. With the memory cache the blocks are decoded once into
-    the object store (never into the driver) and the shard order of epoch 0 is kept."""
+    the object store (never into the driver); small data keeps the shard order of epoch 0 (the workers replay and
+    reshuffle it), larger data is handed out block by block in (seed, epoch) order (`reorders_memory_blocks`)."""
     import ray.data
 
     from pipelines.reader import ShardDatasource
@@ -56,12 +143,15 @@ def build_datasets(
 
     columns = cfg.columns
     cache = DiskCache(cfg.disk_cache, cfg.cache_max_gb) if cfg.disk_cache else None
+    reorder = epoch_clock is not None and reorders_memory_blocks(cfg, infos, object_store_bytes)
     datasets = {}
     for name, info in infos.items():
         assert info.storage is not None  # set by inspect_parquet
+        # Reordered blocks are decoded in name order once; the epoch's permutation is applied to the blocks.
+        shuffled = cfg.shuffle and name == "train" and not reorder
         source = ShardDatasource(
             info.storage, info.objects, info.file_rows, columns, seed=seed,
-            shuffle=cfg.shuffle and name == "train", epoch_clock=epoch_clock if name == "train" else None,
+            shuffle=shuffled, epoch_clock=epoch_clock if shuffled else None,
             cache=cache if info.storage.remote else None,
         )
         # One output block per shard (split further only by DataContext.target_max_block_size): Ray Data would
@@ -75,4 +165,9 @@ def build_datasets(
         datasets[name] = ds
     if use_memory_cache(cfg, infos, object_store_bytes):
         datasets = {name: ds.materialize() for name, ds in datasets.items()}
+    if reorder:
+        blocks = memory_blocks(datasets["train"])
+        # The materialised dataset is dropped; the block references keep its blocks in the object store.
+        datasets["train"] = ray.data.read_datasource(memory_blocks_source(blocks, seed, epoch_clock),
+                                                     override_num_blocks=max(len(blocks), 1))
     return datasets

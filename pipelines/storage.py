@@ -1,9 +1,10 @@
 """Where shards live: one pyarrow filesystem + root path for a local path or an s3:// URI.
 
 Every reader and writer (inspection, Ray Data read tasks, `prepare`, the disk cache) goes through `Storage`, so S3
-and local data take the same code path. S3 credentials come only from the standard AWS chain, resolved once by a
-boto3 Session on the driver and carried (never printed) inside the picklable `Storage`, so read tasks on other
-nodes need no AWS variables of their own.
+and local data take the same code path. S3 credentials come only from the standard AWS chain, and never travel:
+`Storage` (pickled into read tasks, trials and Train's RunConfig, and so into Tune's state in the bucket) holds
+no key. Each process resolves them from its own chain (environment, profile, SSO, web identity, instance role)
+and the AWS SDKs refresh temporary ones, so a run outlives the lifetime of any one token.
 """
 
 from __future__ import annotations
@@ -29,28 +30,16 @@ class ObjectInfo:
     version: str
 
 
-class _Secret:
-    """Resolved credentials; repr and str never show them (they may end up in logs via a repr of Storage)."""
-
-    def __init__(self, access_key: str, secret_key: str, token: str | None) -> None:
-        self.access_key, self.secret_key, self.token = access_key, secret_key, token
-
-    def __repr__(self) -> str:
-        return "<credentials hidden>"
-
-    __str__ = __repr__
-
-
 @dataclass
 class Storage:
-    """A resolved location. Picklable (crosses into Ray tasks); the filesystem is rebuilt lazily per process."""
+    """A resolved location. Picklable (crosses into Ray tasks) and credential-free: the filesystem is rebuilt
+    lazily per process, with that process's own credential chain."""
 
     uri: str
     root: str  # path inside the filesystem: absolute local path, or bucket/prefix without s3://
     s3: S3Config | None = None
     endpoint: str | None = None
     region: str | None = None
-    secret: _Secret | None = field(default=None, repr=False)
     _fs: pafs.FileSystem | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -82,14 +71,14 @@ class Storage:
             kwargs["scheme"] = url.scheme or "https"
         if self.s3.anonymous:
             kwargs["anonymous"] = True
-        elif self.secret is not None:
-            kwargs.update(access_key=self.secret.access_key, secret_key=self.secret.secret_key,
-                          session_token=self.secret.token)
+        # Otherwise no keys: pyarrow then uses the AWS SDK's default chain in this process, re-resolved and
+        # refreshed as it goes, and its pickle (Ray ships this object to trials and writes it into tuner.pkl)
+        # carries no credential.
         return pafs.S3FileSystem(**kwargs)
 
     def client(self) -> Any:
-        """A boto3 S3 client with the same endpoint, region, credentials and retry budget (used for listing,
-        which needs ETags that pyarrow does not expose)."""
+        """A boto3 S3 client with the same endpoint, region and retry budget, and this process's credentials as
+        the standard chain gives them now (used for listing, which needs ETags that pyarrow does not expose)."""
         import boto3
         from botocore import UNSIGNED
         from botocore.config import Config
@@ -98,11 +87,9 @@ class Storage:
         config = Config(retries={"total_max_attempts": self.s3.max_attempts, "mode": "standard"},
                         connect_timeout=self.s3.connect_timeout_s, read_timeout=self.s3.request_timeout_s,
                         signature_version=UNSIGNED if self.s3.anonymous else None)
-        creds = {}
-        if self.secret is not None and not self.s3.anonymous:
-            creds = {"aws_access_key_id": self.secret.access_key, "aws_secret_access_key": self.secret.secret_key,
-                     "aws_session_token": self.secret.token}
-        return boto3.client("s3", endpoint_url=self.endpoint, region_name=self.region, config=config, **creds)
+        # A fresh Session: botocore caches credentials per session, so rotated ones in the environment or the
+        # shared files are seen; refreshable ones (SSO, role, web identity) refresh inside it.
+        return boto3.Session().client("s3", endpoint_url=self.endpoint, region_name=self.region, config=config)
 
     def uri_of(self, path: str) -> str:
         """The user-facing name of a path inside this storage (s3://bucket/key or the local path)."""
@@ -112,7 +99,7 @@ class Storage:
         return "/".join([self.root.rstrip("/"), *parts])
 
     def below(self, name: str) -> Storage:
-        """The same store, endpoint and credentials, rooted at `name` under this root."""
+        """The same store and endpoint, rooted at `name` under this root."""
         root = self.join(name)
         return replace(self, uri=self.uri_of(root), root=root, _fs=None)
 
@@ -164,7 +151,8 @@ def resolve_endpoint(s3: S3Config) -> str | None:
 
 
 def open_storage(uri: str, s3: S3Config | None = None) -> Storage:
-    """Resolve a local path or s3://bucket/prefix; for S3, resolve endpoint, region and credentials now."""
+    """Resolve a local path or s3://bucket/prefix; for S3, resolve endpoint and region now, and check that the
+    standard chain has credentials (not kept: every process that touches the data resolves its own)."""
     if not is_remote(uri):
         if "://" in uri:
             raise DataError(f"'{uri}': only local paths and s3://bucket/prefix are supported")
@@ -176,17 +164,12 @@ def open_storage(uri: str, s3: S3Config | None = None) -> Storage:
     import boto3
 
     session = boto3.Session()
-    secret = None
-    if not s3.anonymous:
-        creds = session.get_credentials()
-        if creds is None:
-            raise DataError(f"no AWS credentials found for {uri}: set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or "
-                            "AWS_PROFILE, log in with SSO, or run on a node with an instance role; for a public "
-                            "bucket set data.s3.anonymous: true")
-        frozen = creds.get_frozen_credentials()
-        secret = _Secret(frozen.access_key, frozen.secret_key, frozen.token)
+    if not s3.anonymous and session.get_credentials() is None:
+        raise DataError(f"no AWS credentials found for {uri}: set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or "
+                        "AWS_PROFILE, log in with SSO, or run on a node with an instance role; for a public "
+                        "bucket set data.s3.anonymous: true")
     region = s3.region or session.region_name or "us-east-1"
-    return Storage(uri=uri, root=root, s3=s3, endpoint=resolve_endpoint(s3), region=region, secret=secret)
+    return Storage(uri=uri, root=root, s3=s3, endpoint=resolve_endpoint(s3), region=region)
 
 
 def resolve_filesystem(uri: str, s3: S3Config | None = None) -> tuple[pafs.FileSystem, str]:
@@ -196,38 +179,58 @@ def resolve_filesystem(uri: str, s3: S3Config | None = None) -> tuple[pafs.FileS
     return storage.filesystem(), storage.root
 
 
-_DENIED = ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "AllAccessDisabled",
-           "ACCESS_DENIED", "INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH", "EXPIRED_TOKEN", "HTTP status 403")
-_TRANSIENT = ("SlowDown", "ServiceUnavailable", "InternalError", "SLOW_DOWN", "SERVICE_UNAVAILABLE",
-              "INTERNAL_FAILURE", "HTTP status 5", "503", "500")
-_UNREACHABLE = ("NETWORK_CONNECTION", "curlCode", "EndpointConnectionError", "ConnectTimeout", "ReadTimeout",
-                "ConnectionClosedError", "Could not connect")
+# What the store answered, matched exactly: botocore's error code (also the HTTP status as a string for HEAD
+# requests, which have no body) and pyarrow's S3 error type. Never substrings of the message: it may name a key
+# such as part-00500.parquet.
+_NO_BUCKET = {"NoSuchBucket", "NO_SUCH_BUCKET"}
+_DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "AllAccessDisabled",
+           "ACCESS_DENIED", "INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH", "INVALID_CLIENT_TOKEN_ID",
+           "INVALID_SIGNATURE", "MISSING_AUTHENTICATION_TOKEN", "UNRECOGNIZED_CLIENT"}
+_TRANSIENT = {"SlowDown", "ServiceUnavailable", "InternalError", "Throttling", "RequestTimeout", "SLOW_DOWN",
+              "SERVICE_UNAVAILABLE", "INTERNAL_FAILURE", "THROTTLING", "REQUEST_TIMEOUT"}
+_UNREACHABLE = {"NETWORK_CONNECTION"}
+# Connection failures raise no code: botocore's and Python's connection and timeout errors, by class.
+_UNREACHABLE_TYPES = {"EndpointConnectionError", "ConnectionError", "HTTPClientError", "TimeoutError"}
+# pyarrow: "... AWS Error SLOW_DOWN during GetObject operation: ...", and for a code the SDK does not know,
+# "AWS Error UNKNOWN (HTTP status 503) during ..." (arrow/filesystem/s3_internal.h).
+_ARROW_ERROR = r"AWS Error (\[code \d+\]|\w+)(?: \(HTTP status (\d{3})\))? during "
+
+
+def _error_code(exc: BaseException) -> tuple[str, int | None]:
+    """(error code, HTTP status) of a boto3 or pyarrow S3 failure; ('', None) when it carries neither."""
+    import re
+
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):  # botocore ClientError
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return str(response.get("Error", {}).get("Code", "")), status if isinstance(status, int) else None
+    found = re.search(_ARROW_ERROR, str(exc))
+    if found:
+        return found[1], int(found[2]) if found[2] else None
+    return "", None
 
 
 def storage_error(exc: BaseException, storage: Storage, action: str, path: str | None = None) -> DataError:
     """Turn a boto3/pyarrow failure into one DataError that names the object and the fix."""
     what = storage.uri_of(path) if path else storage.uri
-    text = f"{type(exc).__name__}: {exc}"
-    code = ""
-    response = getattr(exc, "response", None)
-    if isinstance(response, dict):
-        code = str(response.get("Error", {}).get("Code", ""))
-        text = f"{code} {response.get('ResponseMetadata', {}).get('HTTPStatusCode', '')} {text}"
+    code, status = _error_code(exc)
+    if code.isdigit() and status is None:
+        status = int(code)
     detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
     attempts = storage.s3.max_attempts if storage.s3 else 1
     bucket = storage.root.partition("/")[0]
-    if "NoSuchBucket" in text or "NO_SUCH_BUCKET" in text:
+    if code in _NO_BUCKET:
         return DataError(f"bucket '{bucket}' does not exist ({what}): create it, or fix the bucket name or "
                          "data.s3.endpoint")
-    if any(marker in text for marker in _DENIED):
+    if code in _DENIED or status == 403:
         return DataError(f"access denied {action} {what} ({detail}): grant the credentials from the standard AWS "
                          "chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, SSO, instance role) read "
                          "access, or set data.s3.anonymous: true for a public bucket (not retried)")
-    if any(marker in text for marker in _UNREACHABLE):
+    if code in _UNREACHABLE or _UNREACHABLE_TYPES & {c.__name__ for c in type(exc).__mro__}:
         return DataError(f"S3 endpoint {storage.endpoint or 'AWS'} unreachable {action} {what} after {attempts} "
                          f"attempts with backoff ({detail}): check data.s3.endpoint / $AWS_ENDPOINT_URL and the "
                          "network, or raise data.s3.max_attempts")
-    if any(marker in text for marker in _TRANSIENT):
-        return DataError(f"S3 kept failing ({code or detail}) {action} {what} after {attempts} attempts with "
+    if code in _TRANSIENT or (status is not None and (status >= 500 or status == 429)):
+        return DataError(f"S3 kept failing ({code or status}) {action} {what} after {attempts} attempts with "
                          "backoff: the store is throttling or unavailable; retry later or raise data.s3.max_attempts")
     return DataError(f"S3 error {action} {what}: {detail}")

@@ -25,8 +25,13 @@ def ray_cluster() -> Iterator[None]:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [here, os.environ.get("PYTHONPATH")] if p)
     from orchestrator.launch import pin_state_api
 
-    ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
-             dashboard_port=pin_state_api())  # see pin_state_api: other Ray instances on this machine
+    # Ray's processes resolve S3 credentials from their own standard chain, like a user's nodes: they inherit
+    # the fake ones from the environment Ray starts in; the test process itself gets them per test (aws_env).
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in FAKE_ENV.items():
+            env.setenv(key, value)
+        ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
+                 dashboard_port=pin_state_api())  # see pin_state_api: other Ray instances on this machine
     try:
         yield
     finally:

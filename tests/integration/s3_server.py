@@ -54,6 +54,13 @@ class MotoServer:
         pattern = re.compile(rf'"(?:\x1b\[[0-9;]*m)*{method} ({re.escape(path_prefix)}\S*) HTTP')
         return [m.group(1) for m in pattern.finditer(self.log.read_text(errors="replace"))]
 
+    def require_auth(self) -> None:
+        """From now on refuse every request not signed with the access key of one of moto's IAM users (moto's
+        INITIAL_NO_AUTH_ACTION_COUNT, reset through its API so the set-up before needs no credentials)."""
+        request = urllib.request.Request(f"{self.url}/moto-api/reset-auth", data=b"0", method="POST",
+                                         headers={"Content-Type": "text/plain"})
+        urllib.request.urlopen(request, timeout=10).read()
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.terminate()  # our own child, by PID

@@ -151,11 +151,12 @@ def test_checkpoints_on_s3_are_atomic_too(clean: dict[str, torch.Tensor], tmp_pa
 def test_a_nan_on_one_rank_is_skipped_on_every_rank_and_counted(ray_cluster: None, tmp_path: Path,
                                                                  digits_dir: str) -> None:
     # Rank 1's 4th training forward (step 3; the 1st forward counts FLOPs) gives NaN logits.
-    result = run(tmp_path, digits_dir, "train.max_steps=10", "model.nan_call=4", "model.nan_rank=1")
+    result = run(tmp_path, digits_dir, "train.max_steps=10", "optim.warmup_steps=2", "model.nan_call=4",
+                 "model.nan_rank=1")
     assert result.metrics["nonfinite_skipped"] == 1 and result.metrics["step"] == 10
     assert all(torch.isfinite(v).all() for v in weights(result.checkpoint_path).values())  # type: ignore[arg-type]
     with pytest.raises(Exception, match="max_nonfinite_steps=0"):
-        run(tmp_path, digits_dir, "train.max_steps=10", "model.nan_call=4", "model.nan_rank=1",
+        run(tmp_path, digits_dir, "train.max_steps=10", "optim.warmup_steps=2", "model.nan_call=4", "model.nan_rank=1",
             "train.max_nonfinite_steps=0", "failure.max_failures=0")
 
 

@@ -89,8 +89,8 @@ def test_worker_crash_resumes_from_checkpoint(ray_cluster: None, tmp_path: Path,
     from mlflow.tracking import MlflowClient
 
     marker = tmp_path / "crashed"
-    result = run(tmp_path, digits_dir, "scaling.num_workers=2", "train.max_steps=20", "train.log_every=5",
-                 "checkpoint.every=5", "train.eval_every=20", "failure.max_failures=1",
+    result = run(tmp_path, digits_dir, "scaling.num_workers=2", "train.max_steps=20", "optim.warmup_steps=5",
+                 "train.log_every=5", "checkpoint.every=5", "train.eval_every=20", "failure.max_failures=1",
                  "model.entrypoint=faulty_model:build", f"model.marker={marker}", "model.after_calls=8")
     assert marker.exists(), "the worker never crashed"
     assert result.metrics["step"] == 20
@@ -107,8 +107,9 @@ def test_failure_budget_spent_is_one_clear_error(ray_cluster: None, tmp_path: Pa
 
     marker = tmp_path / "crashed"
     with pytest.raises(RunFailedError, match="training failed") as info:
-        run(tmp_path, digits_dir, "scaling.num_workers=1", "train.max_steps=20", "failure.max_failures=0",
-            "model.entrypoint=faulty_model:build", f"model.marker={marker}", "model.after_calls=3")
+        run(tmp_path, digits_dir, "scaling.num_workers=1", "train.max_steps=20", "optim.warmup_steps=5",
+            "failure.max_failures=0", "model.entrypoint=faulty_model:build", f"model.marker={marker}",
+            "model.after_calls=3")
     assert "run directory" in str(info.value)
     client = MlflowClient(f"sqlite:///{tmp_path}/mlruns.db")
     runs = client.search_runs([client.get_experiment_by_name("tests").experiment_id])

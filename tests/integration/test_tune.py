@@ -119,16 +119,21 @@ def test_a_study_on_s3_keeps_its_state_and_trials_there_and_resumes(
         ray_cluster: None, tmp_path: Path, digits_dir: str, moto: Any, aws_env: None,
         monkeypatch: pytest.MonkeyPatch) -> None:
     import boto3
+    import ray
 
-    # Credentials on the driver only (aws_env; the cluster's processes started without them): trial actors and
-    # workers use the storage the driver resolved.
+    # Each process resolves its own credentials from the standard chain: the Ray cluster's processes got theirs
+    # when it started (conftest), the driver has distinctive ones, which must not end up anywhere it writes.
+    canary = {"AWS_ACCESS_KEY_ID": "AKIASTUDYCANARY12345", "AWS_SECRET_ACCESS_KEY": "SECRET-canary-study-31415926",
+              "AWS_SESSION_TOKEN": "TOKEN-canary-study-27182818"}
+    for name, value in canary.items():
+        monkeypatch.setenv(name, value)
     monkeypatch.chdir(tmp_path)  # best.yaml of a study on S3 is written to ./<study>/
     bucket = f"studies-{uuid.uuid4().hex[:10]}"
     s3 = boto3.client("s3", endpoint_url=moto.url, region_name="us-east-1")
     s3.create_bucket(Bucket=bucket)
     config = study_config(tmp_path, digits_dir, "experiment=digits-s3", f"storage.path=s3://{bucket}/runs",
                           f"data.s3.endpoint={moto.url}", "tune.num_samples=2",
-                          "train.max_steps=20", "checkpoint.every=10")
+                          "train.max_steps=20", "checkpoint.every=10", "optim.warmup_steps=0")
     result = tune(config, verbose=False)
     assert result.study_path == f"s3://{bucket}/runs/digits-s3-tune"
     assert {t.status for t in result.trials} <= {"completed", "stopped"}
@@ -143,6 +148,18 @@ def test_a_study_on_s3_keeps_its_state_and_trials_there_and_resumes(
     again = tune(config, verbose=False)  # Tune restores the study from the bucket
     assert again.resumed and again.parent_run_id == result.parent_run_id
     assert {t.trial_id for t in again.trials} == {t.trial_id for t in result.trials}
+
+    # No credential in anything the study wrote: the bucket (tuner.pkl, trial state, checkpoints), the local
+    # directory (best.yaml, the MLflow database) and the Ray session's logs.
+    blobs = {f"s3://{bucket}/{o['Key']}": s3.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
+             for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket) for o in page.get("Contents", [])}
+    assert f"s3://{bucket}/runs/digits-s3-tune/tuner.pkl" in blobs and len(blobs) > 10
+    session = Path(ray._private.worker._global_node.get_session_dir_path())
+    files = [p for root in (tmp_path, session / "logs") for p in root.rglob("*") if p.is_file()]
+    assert any(p.name == "mlruns.db" for p in files)
+    blobs.update({str(p): p.read_bytes() for p in files})
+    for value in (*canary.values(), "testing-secret"):
+        assert not [name for name, blob in blobs.items() if value.encode() in blob], value
 
 
 def test_trials_wider_than_the_cluster_are_refused(ray_cluster: None, tmp_path: Path, digits_dir: str) -> None:

@@ -44,6 +44,32 @@ def test_missing_column_exits_non_zero_naming_it(digits_dir: str) -> None:
     assert "column(s) ['pixles'] not found" in out.stderr
 
 
+@pytest.mark.parametrize(("override", "key"), [
+    ("train.micro_batch_size=0", "train.micro_batch_size"),  # was a ZeroDivisionError traceback
+    ("train.micro_batch_size=-4", "train.micro_batch_size"),  # was accepted: accumulation -16
+    ("train.max_steps=12", "optim.warmup_steps"),  # the default warmup of 20 never ends
+    ("train.seed=-1", "train.seed"),
+    ("optim.lr=.inf", "optim.lr"),
+    ("data.s3.connect_timeout_s=.inf", "data.s3.connect_timeout_s"),
+    ("storage.path=", "storage.path"),
+])
+def test_bad_value_exits_with_one_line_naming_the_key(override: str, key: str) -> None:
+    out = cli("show-config", "--set", override)
+    assert out.returncode == 2, out.stdout
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: config key '{key}': "), out.stderr
+
+
+def test_warmup_longer_than_the_epochs_is_refused_before_ray_starts(tmp_path: Path, digits_dir: str) -> None:
+    out = cli("train", "--set", f"data.train={digits_dir}/train", "--set", f"data.val={digits_dir}/val",
+              "--set", "train.epochs=1", "--set", "tracking.enabled=false", "--set", f"storage.path={tmp_path}/runs",
+              cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == [
+        "error: config key 'optim.warmup_steps': optim.warmup_steps=20 must be below the run's 12 optimizer steps "
+        "(train.epochs=1 over 1438 rows at global batch 128): lower optim.warmup_steps or train longer"]
+
+
 def test_show_config_prints_resolved_yaml() -> None:
     out = cli("show-config", "--set", "optim.lr=1e-3", "--set", "scaling.num_workers=1")
     assert out.returncode == 0, out.stderr

@@ -56,12 +56,51 @@ def test_any_two_batch_sizes_derive_the_third(overrides: list[str], expected: tu
         (["scaling.accelerator_type=H100"], "scaling.accelerator_type needs scaling.use_gpu=true"),
         (["model.entrypoint=no_such_module:build"], "cannot import module 'no_such_module'"),
         (["optim.lr"], "must look like section.key=value"),
+        # Values that used to pass and crash later (ZeroDivisionError, workers' IndexError, numpy's seed check)
+        # or silently misbehave (an LR that never reaches its peak).
+        (["train.micro_batch_size=0"], "config key 'train.micro_batch_size': must be at least 1"),
+        (["train.micro_batch_size=-4"], "config key 'train.micro_batch_size': must be at least 1"),
+        (["train.micro_batch_size=-4", "scaling.num_workers=[1, 2]"], "config key 'train.micro_batch_size'"),
+        (["train.max_steps=12"], "config key 'optim.warmup_steps': optim.warmup_steps=20 must be below "
+                                 "train.max_steps=12"),
+        (["train.max_steps=20"], "config key 'optim.warmup_steps': optim.warmup_steps=20 must be below"),
+        (["train.seed=-1"], "config key 'train.seed': Input should be greater than or equal to 0"),
+        (["train.seed=4294967296"], "config key 'train.seed': Input should be less than or equal to 4294967295"),
+        (["tune.seed=-1"], "config key 'tune.seed': Input should be greater than or equal to 0"),
+        (["optim.lr=.inf"], "config key 'optim.lr': Input should be a finite number"),
+        (["optim.weight_decay=.inf"], "config key 'optim.weight_decay': Input should be a finite number"),
+        (["train.epochs=.inf"], "config key 'train.epochs': Input should be a finite number"),
+        (["data.s3.request_timeout_s=.inf"], "config key 'data.s3.request_timeout_s': Input should be a finite"),
+        (["data.transforms=[{normalize: {mean: .nan}}]"], "config key 'data.transforms.mean': Input should be a "
+                                                          "finite number"),
+        (["failure.preemption_grace_s=.inf"], "config key 'failure.preemption_grace_s': Input should be a finite"),
+        (["cost.price_per_hour=.inf"], "config key 'cost.price_per_hour': Input should be a finite number"),
+        (["tracking.experiment="], "config key 'tracking.experiment': String should have at least 1 character"),
+        (["storage.path="], "config key 'storage.path': String should have at least 1 character"),
+        (["data.train="], "config key 'data.train': String should have at least 1 character"),
     ],
 )
 def test_bad_config_names_the_key(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(None, overrides)
     assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_warmup_must_fit_the_steps_epochs_make(tmp_path: Path) -> None:
+    from orchestrator.launch import resolve_for_data
+    from pipelines.sources import DatasetInfo
+
+    # The default config (warmup 20, global batch 128, 2 workers) for one epoch of 1438 rows: 12 steps.
+    infos = {"train": DatasetInfo("train", [], num_rows=1438, num_bytes=0, feature_dim=64, num_classes=10)}
+    with pytest.raises(ConfigError) as info:
+        resolve_for_data(load_config(None, ["train.epochs=1"]), infos)
+    assert str(info.value) == ("config key 'optim.warmup_steps': optim.warmup_steps=20 must be below the run's 12 "
+                               "optimizer steps (train.epochs=1 over 1438 rows at global batch 128): lower "
+                               "optim.warmup_steps or train longer")
+    resolved = resolve_for_data(load_config(None, ["train.epochs=1", "optim.warmup_steps=11"]), infos)
+    assert (resolved.train.max_steps, resolved.optim.warmup_steps) == (12, 11)
+    assert load_config(None, ["train.max_steps=12", "optim.warmup_steps=0"]).train.max_steps == 12
 
 
 def test_file_errors_are_clear(tmp_path: Path) -> None:

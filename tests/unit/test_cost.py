@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -86,3 +87,72 @@ def test_pricing_errors_name_the_key(tmp_path: Path) -> None:
         resolve_pricing(load_config(None, ["cost.node_type=head", f"cost.prices_file={tmp_path}/none.yaml"]))
     with pytest.raises(ConfigError, match="cost.spot and cost.prices_file have no effect without cost.node_type"):
         load_config(None, ["cost.spot=true"])
+
+
+# ---- a study whose trials search scaling.num_workers: each trial is billed for its own nodes ----
+
+def _trial_study() -> tuple[dict[str, Any], dict[str, Any]]:
+    from orchestrator.search import user_tree
+    from pipelines.sources import DatasetInfo
+
+    # gpu_spot nodes hold one GPU each: 2 workers occupy 2 nodes, 8 workers 8 nodes.
+    base = load_config(None, ["train.max_steps=100", "scaling.use_gpu=true", "cost.node_type=gpu_spot",
+                              "tune.space.scaling.num_workers.choice=[2, 8]", "tune.rank_by=metric_per_dollar"])
+    infos = {"train": DatasetInfo("train", [], num_rows=4096, num_bytes=0, feature_dim=64, num_classes=10)}
+    return user_tree(base), infos
+
+
+def _tune_reports(wall: float) -> list[dict[str, Any]]:
+    """What Tune records for a trial: its reports, each with the trial's clock (time_total_s)."""
+    return [{**report(step, elapsed=wall * step / 100), "time_total_s": wall * step / 100} for step in (50, 100)]
+
+
+def test_study_bills_each_trial_for_its_own_searched_worker_count() -> None:
+    import pandas as pd
+
+    from orchestrator.study import _summaries, pick_best
+
+    tree, infos = _trial_study()
+    results = []
+    for trial_id, workers, accuracy in (("small", 2, 0.90), ("large", 8, 0.92)):
+        rows = _tune_reports(wall=3600.0)
+        results.append(SimpleNamespace(
+            metrics={**rows[-1], "trial_id": trial_id, "done": True, "val_accuracy": accuracy},
+            config={"scaling.num_workers": workers}, metrics_dataframe=pd.DataFrame(rows), error=None,
+            path=f"/tmp/{trial_id}"))
+    small, large = _summaries(results, tree, infos, "val_accuracy")
+    assert (small.cost.pricing.nodes, large.cost.pricing.nodes) == (2, 8)
+    assert large.usd == pytest.approx(4 * small.usd)  # same wall time, four times the nodes
+    # 0.92 per 8 node-hours is a worse buy than 0.90 per 2: billed at the base size, "large" would win.
+    assert pick_best([small, large], "max", "metric_per_dollar") is small
+
+
+def test_study_callback_logs_each_trial_ledger_at_its_own_size() -> None:
+    from orchestrator.trials import StudyCallback
+
+    tree, infos = _trial_study()
+    callback = StudyCallback("s", tree, ["scaling.num_workers"], "val_accuracy", 100, None, None, verbose=False,
+                             infos=infos)
+    logged: dict[str, dict[str, float]] = {}
+    for trial_id, workers in (("small", 2), ("large", 8)):
+        trial = SimpleNamespace(trial_id=trial_id, config={"scaling.num_workers": workers}, status="RUNNING",
+                                last_result={"step": 100, "done": True}, error_file=None)
+        callback._runs[trial_id] = SimpleNamespace(  # stands in for the trial's MLflow child run
+            log_metrics=lambda metrics, step, trial_id=trial_id: logged.setdefault(trial_id, metrics),
+            set_tags=lambda tags: None, finish=lambda status: None)
+        for row in _tune_reports(wall=3600.0):
+            callback.on_trial_result(0, [trial], trial, row)
+        callback.on_trial_complete(0, [trial], trial)
+    assert (logged["small"]["cost/nodes"], logged["large"]["cost/nodes"]) == (2.0, 8.0)
+    assert logged["large"]["cost/usd"] == pytest.approx(4 * logged["small"]["cost/usd"])
+
+
+def test_time_blocked_in_reports_is_its_own_part_not_restarts() -> None:
+    # Intervals include the time their workers sat in the previous report (here 4 s of each 10 s): with a failure
+    # in the run, only the real restart gap is billed as restarts, and the blocked time shows as "report".
+    blocked = {"compute": 0.4, "report": 0.4, "data_wait": 0.05, "other": 0.05}
+    history = [report(10, 30.0, **blocked), report(20, 40.0, **blocked), report(30, 65.0, **blocked)]
+    ledger = build_ledger(history, wall_s=70.0, pricing=PRICED, failures=1)
+    assert ledger.seconds["report"] == pytest.approx(12.0)
+    assert ledger.seconds["restarts"] == pytest.approx(15.0)  # 65 - 20 (start-up) - 3 x 10 (intervals)
+    assert "report 17%" in ledger.line()

@@ -116,3 +116,47 @@ def test_findings_are_sorted_by_severity_then_strength_and_printed_as_set_flags(
                                   nonfinite_steps, search_space_edge])
 def test_rules_stay_quiet_on_an_empty_record(rule) -> None:  # type: ignore[no-untyped-def]
     assert rule(RunRecord()) is None
+
+
+def space_tags(space: dict[str, object], best: dict[str, object]) -> dict[str, str]:
+    return {"orchestrator.search_space": json.dumps(space), "orchestrator.best_params": json.dumps(best)}
+
+
+def test_widening_stops_at_the_fields_own_bounds() -> None:
+    # optim.momentum is in [0, 1): a best 0.95 at the top of [0.5, 0.95] may widen toward 1, never to or past it.
+    momentum = search_space_edge(RunRecord({}, {}, space_tags({"optim.momentum": {"uniform": [0.5, 0.95]}},
+                                                              {"optim.momentum": 0.95})))
+    assert momentum is not None and len(momentum.changes) == 1
+    upper = float(momentum.changes[0].rsplit(", ", 1)[1].rstrip("]}"))
+    assert 0.95 < upper < 1.0, momentum.changes
+    # optim.min_lr_ratio is in [0, 1]: widening stops at 1.
+    ratio = search_space_edge(RunRecord({}, {}, space_tags({"optim.min_lr_ratio": {"uniform": [0.1, 0.6]}},
+                                                           {"optim.min_lr_ratio": 0.6})))
+    assert ratio is not None and ratio.changes == ("tune.space.optim.min_lr_ratio: {uniform: [0.1, 1]}",)
+
+
+def test_no_widening_past_a_bound_the_range_already_touches() -> None:
+    # weight_decay >= 0 and warmup_steps >= 0: a best value at 0 has nowhere lower to look.
+    space = {"optim.weight_decay": {"uniform": [0.0, 0.1]}, "optim.warmup_steps": {"randint": [0, 50]},
+             "optim.min_lr_ratio": {"uniform": [0.5, 1.0]}}
+    best = {"optim.weight_decay": 0.0, "optim.warmup_steps": 0, "optim.min_lr_ratio": 1.0}
+    assert search_space_edge(RunRecord({}, {}, space_tags(space, best))) is None
+    # An unbounded side still widens. A model kwarg has no bounds in the config: a range of non-negative
+    # values (sizes, dropout) is not widened into negatives.
+    top = search_space_edge(RunRecord({}, {}, space_tags(
+        {"optim.weight_decay": {"uniform": [0.0, 0.1]}, "model.dropout": {"uniform": [0.1, 0.3]}},
+        {"optim.weight_decay": 0.1, "model.dropout": 0.1})))
+    assert top is not None and top.changes == ("tune.space.optim.weight_decay: {uniform: [0, 0.2]}",
+                                               "tune.space.model.dropout: {uniform: [0, 0.3]}")
+
+
+def test_fp16_loss_scale_calibration_skips_are_not_divergence() -> None:
+    # GradScaler skips a step whenever it lowers the loss scale: at the start and every ~2000 steps. Healthy.
+    fp16 = record({"skipped_steps": [1.0, 2.0, 3.0, 3.0], "nonfinite_skipped": [0.0] * 4},
+                  {"train.precision": "fp16"})
+    assert nonfinite_steps(fp16) is None
+    assert diagnose(fp16) == []
+    diverging = record({"skipped_steps": [1.0, 2.0, 3.0, 3.0], "nonfinite_skipped": [0.0, 2.0, 4.0, 6.0]},
+                       {"train.precision": "fp16"})
+    finding = nonfinite_steps(diverging)
+    assert finding is not None and "6 of 100 steps" in finding.title

@@ -115,6 +115,32 @@ def test_trial_config_rederives_batch_for_a_searched_worker_count() -> None:
     assert base.optim.lr != 0.02  # the base config is untouched
 
 
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["tune.scheduler=fifo", "tune.space.optim.warmup_steps.choice=[0, 50]"],
+     "tune.space.optim.warmup_steps: a trial with optim.warmup_steps=50 would be invalid (config key "
+     "'optim.warmup_steps': optim.warmup_steps=50 must be below the run's 12 optimizer steps"),
+    ([LR], "tune.grace_period=50 is not below the run's 12 optimizer steps (train.epochs=1)"),
+    (["tune.scheduler=fifo", "tune.space.cost.node_type.choice=[gpu_spot, gpu_b300]"],
+     "tune.space.cost.node_type: a trial with cost.node_type='gpu_b300' would be invalid (cost.node_type=gpu_b300 "
+     "is not in the aws price table"),
+])
+def test_what_the_data_decides_is_checked_for_every_trial_before_any_starts(overrides: list[str],
+                                                                            message: str) -> None:
+    """With epochs, steps are known only with the data: each searched extreme is resolved and priced up front."""
+    from orchestrator.launch import resolve_for_data
+    from orchestrator.study import check_trials
+    from pipelines.sources import DatasetInfo
+
+    infos = {"train": DatasetInfo("train", [], num_rows=1438, num_bytes=0, feature_dim=64, num_classes=10)}
+    cfg = load_config(None, ["train.epochs=1", "optim.warmup_steps=5", "scaling.use_gpu=true", *overrides])
+    check_study(cfg)  # nothing to see without the data
+    with pytest.raises(ConfigError) as info:
+        check_trials(cfg, resolve_for_data(cfg, infos), user_tree(cfg), infos)
+    assert message in str(info.value)
+    fine = load_config(None, ["train.epochs=1", "optim.warmup_steps=5", "tune.grace_period=4", LR])
+    check_trials(fine, resolve_for_data(fine, infos), user_tree(fine), infos)
+
+
 def test_best_yaml_loads_unchanged_with_the_best_values(tmp_path: Path) -> None:
     from orchestrator.study import best_yaml
 
@@ -155,7 +181,8 @@ def test_metric_list_matches_what_the_loop_reports() -> None:
     from orchestrator.training.precision import Precision
 
     cfg = load_config(None, ["scaling.num_workers=1", "train.global_batch_size=16", "train.max_steps=4",
-                             "train.log_every=2", "train.eval_every=4", "model.hidden=[8]", "train.precision=fp32"])
+                             "train.log_every=2", "train.eval_every=4", "model.hidden=[8]", "train.precision=fp32",
+                             "optim.warmup_steps=1"])
     cpu = torch.device("cpu")
     model = build_model("mlp", None, 4, 2, {"hidden": [8]})
     optimizer, scheduler = build_optimizer(model, cfg.optim, 4)

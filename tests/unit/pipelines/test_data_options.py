@@ -93,6 +93,15 @@ def test_shard_order_is_a_deterministic_permutation_per_epoch() -> None:
     assert local_shuffle_seed(0, 1, 0) == local_shuffle_seed(0, 1, 0) != local_shuffle_seed(0, 1, 1)
 
 
+def test_orders_and_seeds_are_the_documented_draws() -> None:
+    # Fixed expected values, not the function compared with itself: a change of the draw (dropping the epoch, or
+    # the rank) changes what every resumed run and every second run reads.
+    assert [shard_order(list(range(8)), seed=1, epoch=e) for e in range(3)] == [
+        [5, 0, 1, 4, 2, 6, 3, 7], [6, 1, 4, 0, 3, 2, 5, 7], [6, 0, 7, 5, 1, 4, 3, 2]]
+    assert [[local_shuffle_seed(0, e, r) for r in range(2)] for e in range(3)] == [
+        [1684815930, 1342986804], [1341869963, 659679018], [1426735593, 420068032]]
+
+
 def test_reader_follows_the_epoch_order_and_streams_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     prepare_synthetic(str(tmp_path), rows=4000, shards=5, features=3, classes=2)
     info = inspect_parquet(str(tmp_path / "train"), ["features"], "label")
@@ -164,3 +173,46 @@ def test_only_small_datasets_held_in_memory_are_replayed_by_workers() -> None:
     # Forced into memory but large: held in the object store, not copied into every worker as well.
     assert use_memory_cache(memory, infos, 10_000) and not replay_epochs(memory, infos, 10_000)
     assert not use_memory_cache(auto, infos, 10_000)
+
+
+def test_memory_cached_data_not_replayed_is_reordered_per_epoch() -> None:
+    from pipelines.datasets import reorders_memory_blocks
+    from pipelines.sources import DatasetInfo
+
+    infos = {"train": DatasetInfo("d", ["a.parquet"], num_rows=10, num_bytes=1000, feature_dim=4, num_classes=2)}
+    memory, auto, none = (DataConfig(train="d", cache=c) for c in ("memory", "auto", "none"))
+    # Held in memory but not small (1000 bytes > 5% of 10_000): streamed each epoch, its blocks reordered.
+    assert reorders_memory_blocks(memory, infos, 10_000)
+    assert not reorders_memory_blocks(memory.model_copy(update={"shuffle": False}), infos, 10_000)
+    assert not reorders_memory_blocks(memory, infos, 100_000)  # small: replayed (and reshuffled) by the workers
+    assert not reorders_memory_blocks(auto, infos, 100_000)
+    assert not reorders_memory_blocks(none, infos, 10_000)  # streamed from storage in the epoch's shard order
+
+
+def test_memory_blocks_are_handed_out_in_the_epoch_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pickle
+
+    import pipelines.datasets
+    from pipelines.datasets import MemoryBlock, memory_blocks_source
+
+    # Stand-ins for the object refs: the order is all that is read until a task runs.
+    blocks = [MemoryBlock(pa.table({"id": np.arange(10 * i, 10 * i + 10)}), 0, 10, 80) for i in range(8)]
+    epoch = {"now": 0}
+    monkeypatch.setattr("pipelines.datasets.current_epoch", lambda name: epoch["now"])
+    monkeypatch.setattr("ray.get", lambda ref: ref)
+    source = memory_blocks_source(blocks, 3, "clock")
+    assert source.estimate_inmemory_data_size() == 640
+    orders = []
+    for e in (0, 1, 2, 1):
+        epoch["now"] = e
+        tasks = source.get_read_tasks(1)
+        assert [t.metadata.num_rows for t in tasks] == [10] * 8
+        orders.append([next(iter(t())).column("id")[0].as_py() // 10 for t in tasks])
+        assert orders[-1] == shard_order(list(range(8)), 3, e)  # the permutation shards get under cache: none
+    assert orders[0] != orders[1] != orders[2] and orders[3] == orders[1]  # same epoch, same order (a restart)
+    # A block seen through a slice reads only its rows.
+    part = memory_blocks_source([MemoryBlock(blocks[1].ref, 2, 5, 40)], 3, "clock")
+    assert next(iter(part.get_read_tasks(1)[0]())).column("id").to_pylist() == [12, 13, 14, 15, 16]
+    # Ray's processes unpickle the source by its module-level name.
+    assert type(source) is pipelines.datasets.MemoryBlocksDatasource
+    assert type(pickle.loads(pickle.dumps(source))) is type(source)

@@ -15,7 +15,8 @@ from test_loop import Recorder, batches, config, dataset, make_parts
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError
 from orchestrator.training.checkpoint import MANIFEST, STATE_FILE, check_complete, load_state, save_state
-from orchestrator.training.loop import NonFiniteLossError, restore, run
+from orchestrator.training.loop import NonFiniteLossError, restore, run, train_step
+from orchestrator.training.optim import lr_factor
 
 
 class NanOnce(torch.nn.Module):
@@ -129,17 +130,23 @@ def test_only_our_never_registered_checkpoint_dirs_are_left_over(tmp_path: Path)
 
 
 def test_resume_after_a_resize_continues_at_the_next_epoch_boundary() -> None:
-    cfg = config("train.max_steps=3", "train.log_every=3", "checkpoint.every=3")
+    cfg = config("train.max_steps=8", "train.log_every=3", "checkpoint.every=3")  # an 8-step schedule
+    short = cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_steps": 3})})
     report = Recorder()
     x, y = dataset(256)
-    run(cfg, make_parts(cfg), lambda epoch: batches(x, y, 32), None, report)
+    run(short, make_parts(cfg), lambda epoch: batches(x, y, 32), None, report)
     state = report.reports[-1][1]
     assert state is not None
     same = restore(make_parts(cfg), copy.deepcopy(state))
     assert (same.epoch, same.rows_in_epoch) == (0, 96)  # same world size: exact position
     state["rng"] = state["rng"] * 2  # written by a 2-worker group, loaded by 1
-    resized = restore(make_parts(cfg), state)
+    parts = make_parts(cfg)
+    resized = restore(parts, state)
     assert (resized.step, resized.epoch, resized.rows_in_epoch) == (3, 1, 0)
+    # The LR schedule is indexed by optimizer steps at a fixed global batch: the next step runs at step 3's LR and
+    # leaves step 4's, as in the run that was not resized.
+    train_step(parts, batches(x, y, 32)[:1])
+    assert parts.optimizer.param_groups[0]["lr"] == pytest.approx(cfg.optim.lr * lr_factor(4, cfg.optim, 8))
 
 
 def test_a_drain_notice_adds_one_checkpoint_at_the_next_report() -> None:

@@ -1,5 +1,6 @@
-"""Decisions that every rank must take together, in a real two-process gloo group (no Ray): an out-of-memory
-retry on one rank only, and an exact local-SGD resume where each rank's optimizer state is its own."""
+"""What two ranks must get right together, in a real two-process gloo group (no Ray): the gradient of the global
+batch, an out-of-memory retry on one rank only, and an exact resume (each rank's own RNG stream; under local SGD
+each rank's own optimizer state)."""
 
 from __future__ import annotations
 
@@ -86,10 +87,11 @@ def _steps(rank: int, shared: Path) -> dict[str, Any]:
     return out
 
 
-def _local_sgd_resume(rank: int, shared: Path) -> dict[str, Any]:
-    # Local SGD, H=4, dropout (so every rank's RNG stream matters); the checkpoint at step 8 is mid-epoch.
+def _resume(rank: int, shared: Path, *overrides: str) -> dict[str, Any]:
+    """12 steps straight, and 8 steps + a resume from the step-8 checkpoint (mid-epoch) to 12, on two ranks with
+    dropout and per-rank RNG streams, so every rank's own RNG state and data position must come back."""
     cfg = _config("train.global_batch_size=32", "train.max_steps=12", "train.log_every=4", "checkpoint.every=4",
-                  "train.sync=local_sgd", "train.sync_every=4", "model.dropout=0.2")
+                  "model.dropout=0.2", *overrides)
     g = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(512, 16, generator=g)
     y = x[:, :4].argmax(dim=1)
@@ -98,28 +100,41 @@ def _local_sgd_resume(rank: int, shared: Path) -> dict[str, Any]:
         return [(x[i:i + 16], y[i:i + 16]) for i in range(0, 512, 16)]
 
     def fresh(seed: int) -> Parts:
-        torch.manual_seed(seed)
-        return _parts(DistributedDataParallel(build_model("mlp", None, 16, 4, {"hidden": [32], "dropout": 0.2})), cfg)
+        torch.manual_seed(seed)  # the same initial weights on both ranks
+        parts = _parts(DistributedDataParallel(build_model("mlp", None, 16, 4, {"hidden": [32], "dropout": 0.2})),
+                       cfg)
+        torch.manual_seed(7 + rank)  # but each rank's own dropout stream
+        return parts
 
-    torch.manual_seed(7)
     straight = fresh(0)
     run(cfg, straight, source, None, lambda metrics, checkpoint_dir: None)
 
+    where = shared / "-".join(["checkpoint", *overrides])
+
     def keep(metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
         if checkpoint_dir and metrics["step"] == 8:  # rank 0 writes it; storage is shared
-            shutil.copytree(checkpoint_dir, shared / "checkpoint")
+            shutil.copytree(checkpoint_dir, where)
 
-    torch.manual_seed(7)
     first = fresh(0)
     run(cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_steps": 8})}), first, source, None, keep)
     dist.barrier()
-    torch.manual_seed(123 + rank)  # a restarted worker starts from other RNG state
     resumed = fresh(99)
-    progress = restore(resumed, load_state(shared / "checkpoint"))
+    torch.manual_seed(123 + rank)  # a restarted worker starts from other RNG state
+    progress = restore(resumed, load_state(where))
     restored_at = progress.step
     run(cfg, resumed, source, None, lambda metrics, checkpoint_dir: None, progress)
     return {"straight": [p.detach().clone() for p in straight.model.parameters()],
             "resumed": [p.detach().clone() for p in resumed.model.parameters()], "step": restored_at}
+
+
+def _resumes(rank: int, shared: Path) -> dict[str, Any]:
+    return {"ddp": _resume(rank, shared),
+            "local_sgd": _resume(rank, shared, "train.sync=local_sgd", "train.sync_every=4")}
+
+
+@pytest.fixture(scope="module")
+def resumes(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_two_ranks(_resumes, tmp_path_factory.mktemp("resumes"))
 
 
 @pytest.fixture(scope="module")
@@ -151,9 +166,10 @@ def test_the_retried_step_applies_the_gradient_of_an_oom_free_step(steps: list[d
         assert torch.equal(a, b)  # DDP: the ranks hold one model
 
 
-def test_local_sgd_resume_restores_every_ranks_own_optimizer_state(tmp_path: Path) -> None:
-    ranks = run_two_ranks(_local_sgd_resume, tmp_path)
-    for result in ranks:
-        assert result["step"] == 8
-        for straight, resumed in zip(result["straight"], result["resumed"], strict=True):
+@pytest.mark.parametrize("sync", ["ddp", "local_sgd"])
+def test_a_resume_on_two_ranks_is_bitwise_exact(resumes: list[dict[str, Any]], sync: str) -> None:
+    # Every rank's own RNG stream (dropout) and data position; under local SGD also its own optimizer moments.
+    for result in resumes:
+        assert result[sync]["step"] == 8
+        for straight, resumed in zip(result[sync]["straight"], result[sync]["resumed"], strict=True):
             assert torch.equal(straight, resumed)
