@@ -90,6 +90,9 @@ def run_command(args: argparse.Namespace) -> int:
 
     config = load_config(args.config, args.overrides)
     if args.command == "show-config":
+        from orchestrator.models import check_model_options
+
+        check_model_options(config.model)  # what train and tune check before they take any resource
         print(to_yaml(config), end="")
         return 0
 

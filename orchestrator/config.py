@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import math
 from pathlib import Path
 from typing import Any, Literal
@@ -13,6 +12,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from orchestrator.errors import ConfigError
 from orchestrator.registry import suggest
+from orchestrator.space import parse_space
 from pipelines.config import DataConfig
 
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
@@ -43,22 +43,9 @@ class ModelConfig(BaseModel):
 
     @property
     def kwargs(self) -> dict[str, Any]:
+        """The model's own options, checked against its builder's signature by the driver (models.py), so that
+        loading a config imports neither torch nor the model zoo."""
         return dict(self.model_extra or {})
-
-    @model_validator(mode="after")
-    def _check_kwargs(self) -> ModelConfig:
-        from orchestrator.models import model_builder
-
-        builder = model_builder(self.name, self.entrypoint)
-        params = inspect.signature(builder).parameters
-        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            return self
-        allowed = [p for p in params if p not in ("in_features", "num_classes", "self")]
-        for key in self.kwargs:
-            if key not in allowed:
-                raise ValueError(f"model '{self.entrypoint or self.name}' takes no option '{key}'"
-                                 f"{suggest(key, allowed)}; its options: {allowed}")
-        return self
 
 
 class TrainConfig(_Section):
@@ -300,8 +287,6 @@ class TuneConfig(_Section):
     @field_validator("space", mode="before")
     @classmethod
     def _parse_space(cls, value: Any) -> Any:
-        from orchestrator.search import parse_space
-
         return parse_space(value, Config) if isinstance(value, dict) else value
 
     @property

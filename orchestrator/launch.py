@@ -41,7 +41,11 @@ class TrainResult:
 
 
 def resolve_for_data(config: Config, infos: dict[str, DatasetInfo]) -> Config:
-    """Fill in what the data decides: the number of classes and, when epochs are given, the step count."""
+    """Fill in what the data decides: the number of classes and, when epochs are given, the step count. Also checks
+    the model's options against its builder (the first driver step that may import the model zoo)."""
+    from orchestrator.models import check_model_options
+
+    check_model_options(config.model)
     train = infos["train"]
     if "val" in infos and infos["val"].feature_dim != train.feature_dim:
         raise ConfigError(f"data.val has {infos['val'].feature_dim} feature values per row but data.train has "

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
+from orchestrator.config import ModelConfig
 from orchestrator.errors import ConfigError
-from orchestrator.registry import Registry, load_entrypoint
+from orchestrator.registry import Registry, load_entrypoint, suggest
 
 ModelBuilder = Callable[..., nn.Module]
 MODELS: Registry[ModelBuilder] = Registry("model")
@@ -56,6 +58,24 @@ MODELS.register("cnn")(SmallCNN)
 def model_builder(name: str, entrypoint: str | None) -> ModelBuilder:
     """The builder for a config: a user's `module:function` wins over a registered name."""
     return load_entrypoint(entrypoint) if entrypoint else MODELS.get(name)  # type: ignore[return-value]
+
+
+def check_model_options(model: ModelConfig) -> None:
+    """The keys under `model:` beside name/entrypoint against the builder's signature; a typo fails on the driver,
+    before any resource is taken. Raises ConfigError naming the key and the close match."""
+    key = "model.entrypoint" if model.entrypoint else "model.name"
+    try:
+        builder = model_builder(model.name, model.entrypoint)
+    except ConfigError as exc:
+        raise ConfigError(f"config key '{key}': {exc}") from None
+    params = inspect.signature(builder).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    allowed = [p for p in params if p not in ("in_features", "num_classes", "self")]
+    for key in model.kwargs:
+        if key not in allowed:
+            raise ConfigError(f"config key 'model.{key}': model '{model.entrypoint or model.name}' takes no option "
+                              f"'{key}'{suggest(key, allowed)}; its options: {allowed}")
 
 
 def build_model(name: str, entrypoint: str | None, in_features: int, num_classes: int, kwargs: dict) -> nn.Module:

@@ -38,6 +38,7 @@ from orchestrator.search import (
     domains,
     max_concurrent,
     resolved_mode,
+    to_tune,
     trial_config,
     user_tree,
     widest_trial,
@@ -219,7 +220,7 @@ def _fit(config: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo], ma
     t = config.tune
     tuner = ray_tune.Tuner(
         trainable,
-        param_space={key: domain.to_tune() for key, domain in domains(config).items()},
+        param_space={key: to_tune(domain) for key, domain in domains(config).items()},
         tune_config=ray_tune.TuneConfig(
             metric=t.metric, mode=resolved_mode(config), num_samples=t.num_samples,
             scheduler=_scheduler(config, max_steps), search_alg=_searcher(config),

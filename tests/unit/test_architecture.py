@@ -33,9 +33,24 @@ def test_pipelines_never_import_orchestrator() -> None:
     assert offenders("pipelines", ("orchestrator",)) == []
 
 
-def test_worker_side_imports_no_driver_sdks() -> None:
-    assert offenders("orchestrator/training", ("mlflow", "ray.tune", "orchestrator.launch", "orchestrator.tracking",
-                                            "orchestrator.cli", "boto3")) == []
+DRIVER = ("orchestrator.cli", "orchestrator.launch", "orchestrator.study", "orchestrator.trials",
+          "orchestrator.search", "orchestrator.tracking", "orchestrator.runs", "orchestrator.cost",
+          "orchestrator.doctor", "orchestrator.plots", "orchestrator.progress")
+
+
+def test_worker_side_imports_no_driver_sdks_or_modules() -> None:
+    assert offenders("orchestrator/training", ("mlflow", "ray.tune", "boto3", *DRIVER)) == []
+
+
+def test_config_is_a_leaf() -> None:
+    # Loading a config imports no torch, no model zoo and no driver code (the search-space grammar is its own leaf).
+    banned = ("torch", "ray", "mlflow", "orchestrator.models", "orchestrator.training", *DRIVER)
+    for module in ("config.py", "space.py", "registry.py", "errors.py"):
+        found = [o for o in offenders("orchestrator", banned) if o.startswith(f"orchestrator/{module} ")]
+        assert found == [], found
+    code = "import sys, orchestrator.config; print(','.join(m for m in ('torch', 'ray') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == ""
 
 
 def test_scan_finds_a_violation(tmp_path: Path) -> None:

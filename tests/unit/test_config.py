@@ -6,6 +6,7 @@ import pytest
 
 from orchestrator.config import flatten, load_config, parse_override, to_dict
 from orchestrator.errors import ConfigError
+from orchestrator.models import check_model_options
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -43,8 +44,6 @@ def test_any_two_batch_sizes_derive_the_third(overrides: list[str], expected: tu
     [
         (["optim.lrr=1"], "unknown config key 'optim.lrr' (did you mean 'optim.lr'?)"),
         (["trian.max_steps=3"], "unknown config key 'trian' (did you mean 'train'?)"),
-        (["model.hiden=[8]"], "takes no option 'hiden' (did you mean 'hidden'?)"),
-        (["model.name=mlpp"], "unknown model 'mlpp' (did you mean 'mlp'?)"),
         (["optim.lr=-1"], "config key 'optim.lr': Input should be greater than 0"),
         (["train.precision=fp8"], "config key 'train.precision'"),
         (["train.precision=fp16"], "fp16 needs a GPU"),
@@ -54,7 +53,6 @@ def test_any_two_batch_sizes_derive_the_third(overrides: list[str], expected: tu
         (["optim.momentum=0.9"], "optim.momentum has no effect with optim.name=adamw"),
         (["optim.schedule=constant", "optim.min_lr_ratio=0.1"], "min_lr_ratio has no effect"),
         (["scaling.accelerator_type=H100"], "scaling.accelerator_type needs scaling.use_gpu=true"),
-        (["model.entrypoint=no_such_module:build"], "cannot import module 'no_such_module'"),
         (["optim.lr"], "must look like section.key=value"),
         # Values that used to pass and crash later (ZeroDivisionError, workers' IndexError, numpy's seed check)
         # or silently misbehave (an LR that never reaches its peak).
@@ -146,10 +144,28 @@ def test_user_entrypoint_options_are_checked(tmp_path: Path, monkeypatch: pytest
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = load_config(None, ["model.entrypoint=my_models:build", "model.width=4"])
     assert cfg.model.kwargs == {"width": 4}
+    check_model_options(cfg.model)
     with pytest.raises(ConfigError, match="takes no option 'depth'"):
-        load_config(None, ["model.entrypoint=my_models:build", "model.depth=4"])
+        check_model_options(load_config(None, ["model.entrypoint=my_models:build", "model.depth=4"]).model)
     with pytest.raises(ConfigError, match="has no callable 'nope'"):
-        load_config(None, ["model.entrypoint=my_models:nope"])
+        check_model_options(load_config(None, ["model.entrypoint=my_models:nope"]).model)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.hiden=[8]"], "config key 'model.hiden': model 'mlp' takes no option 'hiden' (did you mean 'hidden'?)"),
+        (["model.name=mlpp"], "config key 'model.name': unknown model 'mlpp' (did you mean 'mlp'?)"),
+        (["model.entrypoint=no_such_module:build"],
+         "config key 'model.entrypoint': entrypoint 'no_such_module:build': cannot import"),
+    ],
+)
+def test_model_options_are_checked_by_the_driver(overrides: list[str], message: str) -> None:
+    # The config loads without importing the model zoo; the driver checks the model before taking any resource.
+    config = load_config(None, overrides)
+    with pytest.raises(ConfigError) as info:
+        check_model_options(config.model)
+    assert message in str(info.value)
 
 
 def test_tracking_uri_falls_back_to_environment_then_local_sqlite(monkeypatch: pytest.MonkeyPatch,

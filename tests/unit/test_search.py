@@ -13,13 +13,14 @@ from orchestrator.errors import ConfigError
 from orchestrator.search import (
     TRAIN_METRICS,
     VAL_METRICS,
-    Domain,
     check_capacity,
     check_study,
     max_concurrent,
+    to_tune,
     trial_config,
     user_tree,
 )
+from orchestrator.space import Domain
 from orchestrator.trials import format_table, trial_status
 
 LR = "tune.space.optim.lr.loguniform=[1e-4, 1e-1]"
@@ -100,11 +101,11 @@ def test_good_study_passes_and_mode_follows_the_metric() -> None:
 
 def test_domains_map_to_tune_with_inclusive_randint() -> None:
     pytest.importorskip("ray.tune")
-    lr = Domain("loguniform", (1e-4, 1e-1)).to_tune()
+    lr = to_tune(Domain("loguniform", (1e-4, 1e-1)))
     assert (lr.lower, lr.upper) == (1e-4, 1e-1)
-    warm = Domain("randint", (0, 50)).to_tune()
+    warm = to_tune(Domain("randint", (0, 50)))
     assert (warm.lower, warm.upper) == (0, 51)
-    assert Domain("grid", (1, 2)).to_tune() == {"grid_search": [1, 2]}
+    assert to_tune(Domain("grid", (1, 2))) == {"grid_search": [1, 2]}
 
 
 def test_trial_config_rederives_batch_for_a_searched_worker_count() -> None:
