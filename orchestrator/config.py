@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -10,6 +9,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from orchestrator.batching import common_micro_batch, split_batch
 from orchestrator.errors import ConfigError
 from orchestrator.registry import suggest
 from orchestrator.space import parse_space
@@ -334,61 +334,39 @@ class Config(_Section):
         return self
 
     def _derive_batch(self) -> None:
-        """global = micro x accum x workers: given global and one of the others, derive the third."""
-        t, workers = self.train, self.scaling.max_workers
+        """global = micro x accum x workers (batching.py): given global and one of the others, derive the third."""
+        t, s = self.train, self.scaling
         if ("global_batch_size" not in t.model_fields_set and isinstance(t.micro_batch_size, int)
                 and t.grad_accum_steps):
-            object.__setattr__(t, "global_batch_size", t.micro_batch_size * t.grad_accum_steps * workers)
-        per_worker, rest = divmod(t.global_batch_size, workers)
-        for size in self.scaling.world_sizes:
+            object.__setattr__(t, "global_batch_size", t.micro_batch_size * t.grad_accum_steps * s.max_workers)
+        for size in s.world_sizes:
             if t.global_batch_size % size:
                 raise ValueError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
                                  f"scaling.num_workers={size}" + (" (every world size of an elastic group must "
-                                                                  "divide it)" if self.scaling.elastic else ""))
+                                                                  "divide it)" if s.elastic else ""))
         if t.micro_batch_size == "auto":
             if t.grad_accum_steps is not None:
                 raise ValueError("train.grad_accum_steps is derived when micro_batch_size=auto; remove it")
-            return  # each worker measures what fits, then derives the accumulation (train/worker.py)
+            return  # each worker measures what fits, then derives the accumulation (training/worker.py)
         if t.memory_budget_gb is not None:
             raise ValueError("train.memory_budget_gb has no effect unless train.micro_batch_size=auto")
-        if self.scaling.elastic:
-            self._derive_elastic_batch()
-            return
-        if t.micro_batch_size is None:
-            accum = t.grad_accum_steps or 1
-            if per_worker % accum:
-                raise ValueError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
-                                 f"grad_accum_steps={accum} x num_workers={workers}")
-            micro = per_worker // accum
+        if not s.elastic:
+            micro, accum = split_batch(t.global_batch_size, s.max_workers, t.micro_batch_size, t.grad_accum_steps)
         else:
-            micro = t.micro_batch_size
-            accum, rest = divmod(per_worker, micro)
-            if rest or accum == 0 or (t.grad_accum_steps is not None and t.grad_accum_steps != accum):
-                raise ValueError(
-                    f"train.global_batch_size={t.global_batch_size} must equal micro_batch_size={micro} x "
-                    f"grad_accum_steps={t.grad_accum_steps or 'N'} x num_workers={workers}"
-                )
+            # An elastic group keeps the micro-batch and the global batch; each world size gets its own accumulation
+            # (derived again in the worker). The resolved accumulation is the one at max.
+            micro = t.micro_batch_size or common_micro_batch(t.global_batch_size, s.world_sizes)
+            for size in s.world_sizes:
+                if (t.global_batch_size // size) % micro:
+                    raise ValueError(f"train.global_batch_size={t.global_batch_size} over {size} workers is not a "
+                                     f"multiple of micro_batch_size={micro}: pick a micro-batch dividing the "
+                                     f"per-worker batch at every size in scaling.num_workers={s.num_workers}, or "
+                                     "leave it unset")
+            micro, accum = split_batch(t.global_batch_size, s.max_workers, micro)
+            if t.grad_accum_steps is not None and t.grad_accum_steps != accum:
+                raise ValueError("train.grad_accum_steps is derived for each world size when scaling.num_workers "
+                                 "is [min, max]; remove it")
         # Bypass validate_assignment: the pair is only consistent once both are set.
-        object.__setattr__(t, "micro_batch_size", micro)
-        object.__setattr__(t, "grad_accum_steps", accum)
-
-    def _derive_elastic_batch(self) -> None:
-        """An elastic group keeps the micro-batch and the global batch; each world size gets its own accumulation
-        (global = micro x accum x world), derived again in the worker. The resolved accumulation is the one at max."""
-        t, sizes = self.train, self.scaling.world_sizes
-        micro = t.micro_batch_size
-        if micro is None:  # the largest micro-batch that divides the per-worker batch at every world size
-            micro = math.gcd(*(t.global_batch_size // w for w in sizes))
-        assert isinstance(micro, int)
-        for size in sizes:
-            if (t.global_batch_size // size) % micro:
-                raise ValueError(f"train.global_batch_size={t.global_batch_size} over {size} workers is not a multiple "
-                                 f"of micro_batch_size={micro}: pick a micro-batch dividing the per-worker batch at "
-                                 f"every size in scaling.num_workers={self.scaling.num_workers}, or leave it unset")
-        accum = t.global_batch_size // (micro * self.scaling.max_workers)
-        if t.grad_accum_steps is not None and t.grad_accum_steps != accum:
-            raise ValueError("train.grad_accum_steps is derived for each world size when scaling.num_workers is "
-                             "[min, max]; remove it")
         object.__setattr__(t, "micro_batch_size", micro)
         object.__setattr__(t, "grad_accum_steps", accum)
 

@@ -14,6 +14,7 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 
+from orchestrator.batching import split_batch
 from orchestrator.config import Config, config_from_dict
 from orchestrator.errors import ConfigError
 from orchestrator.models import build_model
@@ -112,23 +113,18 @@ def checkpoint_micro_batch(state: dict[str, Any] | None, per_worker: int, world:
     return micro if per_worker % micro == 0 else None
 
 
-def with_micro_batch(cfg: Config, micro: int) -> Config:
-    per_worker = cfg.train.global_batch_size // ray.train.get_context().get_world_size()
-    train = cfg.train.model_copy(update={"micro_batch_size": micro, "grad_accum_steps": per_worker // micro})
-    return cfg.model_copy(update={"train": train})
-
-
-def for_world_size(cfg: Config, world: int) -> Config:
-    """The accumulation for the world size this group actually has: an elastic group keeps its micro-batch and
-    global batch across resizes (global = micro x accum x world; the config checked every size in range)."""
+def for_world_size(cfg: Config, world: int, micro: int | None = None) -> Config:
+    """The config at the world size this group actually has (an elastic group keeps its micro-batch and global
+    batch across resizes), with `micro` when measured (auto): the accumulation derived once more, in batching.py."""
     t = cfg.train
-    if not isinstance(t.micro_batch_size, int):
-        return cfg  # auto: measured below, at this world size
-    accum, rest = divmod(t.global_batch_size, t.micro_batch_size * world)
-    if rest or not accum:
-        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not micro_batch_size="
-                          f"{t.micro_batch_size} x accumulation x {world} workers: fix scaling.num_workers")
-    return cfg.model_copy(update={"train": t.model_copy(update={"grad_accum_steps": accum})})
+    micro = micro if micro is not None else t.micro_batch_size if isinstance(t.micro_batch_size, int) else None
+    if micro is None:
+        return cfg  # auto: measured later, at this world size
+    try:
+        micro, accum = split_batch(t.global_batch_size, world, micro)
+    except ValueError as exc:
+        raise ConfigError(f"{exc}: fix scaling.num_workers") from None
+    return cfg.model_copy(update={"train": t.model_copy(update={"micro_batch_size": micro, "grad_accum_steps": accum})})
 
 
 def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -160,7 +156,7 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
             micro = choose_micro_batch(cfg, parts, spec["in_features"])
         elif ray.train.get_context().get_world_rank() == 0:
             print(f"auto micro-batch: {micro} per worker, as in the checkpoint", flush=True)
-        cfg = with_micro_batch(cfg, micro)
+        cfg = for_world_size(cfg, world, micro)
         t = cfg.train
         release_cached_memory(device)
     if t.compile:

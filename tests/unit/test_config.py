@@ -178,3 +178,19 @@ def test_tracking_uri_falls_back_to_environment_then_local_sqlite(monkeypatch: p
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.internal:5000")
     assert resolve_uri(None) == "http://mlflow.internal:5000"
     assert resolve_uri("sqlite:////abs/x.db") == "sqlite:////abs/x.db"  # the config wins
+
+
+def test_one_split_of_the_global_batch() -> None:
+    from orchestrator.batching import common_micro_batch, split_batch
+
+    assert split_batch(256, 2) == (128, 1)
+    assert split_batch(256, 2, accum=4) == (32, 4)
+    assert split_batch(256, 2, micro=32) == (32, 4)
+    assert split_batch(256, 2, micro=32, accum=4) == (32, 4)
+    for args, message in [((100, 3), "not divisible by scaling.num_workers=3"),
+                          ((128, 2, 48), "must equal micro_batch_size=48"),
+                          ((128, 2, 32, 3), "must equal micro_batch_size=32 x grad_accum_steps=3 x num_workers=2"),
+                          ((128, 2, None, 3), "not divisible by grad_accum_steps=3")]:
+        with pytest.raises(ValueError, match=message):
+            split_batch(*args)
+    assert common_micro_batch(120, range(2, 4)) == 20
