@@ -18,8 +18,9 @@ import torch
 
 from orchestrator import load_config, train
 from orchestrator.models import mlp
-from orchestrator.training.loop import Parts, train_step
+from orchestrator.training.loop import train_step
 from orchestrator.training.optim import build_optimizer
+from orchestrator.training.parts import Parts
 from orchestrator.training.precision import Precision
 
 

@@ -233,7 +233,7 @@ def _log_final_artifacts(tracker: Tracker, config: Config, checkpoint_path: str 
         if checkpoint_path:
             from ray.train import Checkpoint
 
-            # The Checkpoint itself when given: it carries its filesystem (an S3 endpoint and credentials).
+            # The Checkpoint itself when given: it carries its filesystem (an S3 endpoint; no credentials).
             with (checkpoint or Checkpoint(checkpoint_path)).as_directory() as directory:
                 torch.save(load_state(directory)["model"], Path(tmp) / "model.pt")
             tracker.log_artifact(Path(tmp) / "model.pt", "model")

@@ -1,13 +1,17 @@
-"""Turning Arrow record batches into the (features, labels) tensors the loop trains on."""
+"""Turning Arrow record batches into the (features, labels) micro-batches the loop trains on, per rank and epoch."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import torch
 from ray.data.collate_fn import ArrowBatchCollateFn
+
+from pipelines.config import DataConfig
+from pipelines.order import local_shuffle_seed, set_epoch
 
 
 def _column_matrix(column: pa.ChunkedArray) -> np.ndarray:
@@ -119,3 +123,45 @@ class EpochReplay:
         order = torch.randperm(len(x), generator=torch.Generator().manual_seed(self.reshuffle(epoch)))
         size = len(batches[0][0])
         return list(zip(x[order].split(size), y[order].split(size), strict=True))
+
+
+class RankBatches:
+    """The micro-batches one rank trains and validates on, epoch by epoch: fetched from its Ray Train dataset shards
+    in chunks of about FETCH_ROWS, sliced into micro-batches, the epoch's shard order set through the epoch clock,
+    shuffled per (seed, epoch, rank) with a shuffle buffer, and small in-memory data replayed (EpochReplay)."""
+
+    def __init__(self, data: DataConfig, train_shard: Any, val_shard: Any | None, micro_batch_size: int, seed: int,
+                 rank: int, epoch_clock: str | None, replay: bool) -> None:
+        self.data, self.train_shard, self.val_shard = data, train_shard, val_shard
+        self.micro, self.seed, self.rank, self.epoch_clock = micro_batch_size, seed, rank, epoch_clock
+        self.collate = FeatureCollate(data.features, data.label)
+        # Replayed only without a shuffle buffer (its order changes per epoch as it streams); with data.shuffle each
+        # later epoch replays this rank's rows in a new order, seeded per (seed, epoch, rank).
+        reshuffle = (lambda epoch: local_shuffle_seed(seed, epoch, rank)) if data.shuffle else None
+        self.replay_train = EpochReplay(keep=replay and not data.shuffle_buffer, reshuffle=reshuffle)
+        self.replay_val = EpochReplay(keep=replay)
+
+    def train(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self.replay_train(lambda: self._stream_train(epoch), epoch)
+
+    def val(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self.replay_val(lambda: self._batches(self.val_shard, drop_last=False))
+
+    def _stream_train(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        # Before this rank starts the epoch: the reader draws the epoch's shard order from the clock once all
+        # ranks have arrived (streaming_split's epoch barrier), so a resumed run re-reads the same order.
+        if self.epoch_clock:
+            set_epoch(self.epoch_clock, epoch)
+        # Seeded per (seed, epoch, rank): a re-streamed epoch after a restart shuffles identically.
+        seed = local_shuffle_seed(self.seed, epoch, self.rank) if self.data.shuffle_buffer else None
+        # Every rank holds the same number of rows (equal split), so dropping the incomplete last micro-batch
+        # leaves equal batch counts on every rank and the collectives stay aligned.
+        return self._batches(self.train_shard, drop_last=True, shuffle_seed=seed)
+
+    def _batches(self, shard: Any, drop_last: bool, shuffle_seed: int | None = None
+                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        chunks = shard.iter_torch_batches(
+            batch_size=fetch_size(self.micro), prefetch_batches=self.data.prefetch_batches, collate_fn=self.collate,
+            local_shuffle_buffer_size=self.data.shuffle_buffer if shuffle_seed is not None else None,
+            local_shuffle_seed=shuffle_seed)
+        return split_batches(chunks, self.micro, drop_last)

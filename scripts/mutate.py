@@ -29,6 +29,7 @@ class Mutant:
 
 
 LOOP = "orchestrator/training/loop.py"
+CHECKPOINT = "orchestrator/training/checkpoint.py"
 UNIT = "tests/unit/training"
 MUTANTS = (
     Mutant("loss normalised per micro-batch", LOOP,
@@ -44,24 +45,24 @@ MUTANTS = (
            "        parts.optimizer.zero_grad(set_to_none=True)\n        release_cached_memory(parts.device)",
            "        release_cached_memory(parts.device)", (f"{UNIT}/test_rank_agreement.py",)),
     Mutant("OOM retry decided per rank", LOOP,
-           "together = ddp and _world()[1] > 1 and len(pieces) > 1", "together = False",
+           "together = ddp and ranks.world()[1] > 1 and len(pieces) > 1", "together = False",
            (f"{UNIT}/test_rank_agreement.py",)),
     Mutant("data position counted in micro-batches", LOOP,
            "if skip >= len(y):\n                skip -= len(y)", "if skip >= 1:\n                skip -= 1",
            (f"{UNIT}/test_loop.py",)),
-    Mutant("local SGD resumes every rank from rank 0's optimizer", LOOP,
+    Mutant("local SGD resumes every rank from rank 0's optimizer", CHECKPOINT,
            "optimizer[rank if same_world else 0], precision[rank if same_world else 0]",
            "optimizer[0], precision[0]", (f"{UNIT}/test_rank_agreement.py",)),
-    Mutant("every rank resumes rank 0's RNG streams", LOOP,
+    Mutant("every rank resumes rank 0's RNG streams", CHECKPOINT,
            "restore_rng(state[\"rng\"][rank])", "restore_rng(state[\"rng\"][0])",
            (f"{UNIT}/test_rank_agreement.py",)),
-    Mutant("LR schedule restarts after a resume", LOOP,
+    Mutant("LR schedule restarts after a resume", CHECKPOINT,
            "    parts.scheduler.load_state_dict(state[\"scheduler\"])\n", "",
            (f"{UNIT}/test_fault_handling.py",)),
     Mutant("checkpoint fallback may pick a newer checkpoint", "orchestrator/training/resume.py",
            "if step is not None and (limit is None or step < limit):", "if step is not None:",
            (f"{UNIT}/test_fault_handling.py",)),
-    Mutant("checkpoint manifest ignores sizes", "orchestrator/training/checkpoint.py",
+    Mutant("checkpoint manifest ignores sizes", CHECKPOINT,
            "        if info.size != size:", "        if False:", (f"{UNIT}/test_fault_handling.py",)),
     Mutant("shard order ignores the epoch", "pipelines/order.py",
            "np.random.default_rng([seed, epoch]).permutation", "np.random.default_rng([seed]).permutation",

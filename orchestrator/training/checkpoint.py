@@ -12,6 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from orchestrator.training.parts import Parts
+from orchestrator.training.ranks import gather_to_rank0, world
+
 STATE_FILE = "state.pt"
 # Written last, listing every other file and its size: a checkpoint without it, or whose files do not match it, is
 # incomplete (a crash while writing or copying it) and is never loaded.
@@ -100,5 +103,70 @@ def load_state(directory: str | Path) -> dict[str, Any]:
     return torch.load(Path(directory) / STATE_FILE, map_location="cpu", weights_only=False)
 
 
-def progress_dict(progress: Progress) -> dict[str, int]:
-    return asdict(progress)
+def checkpoint_state(parts: Parts, progress: Progress, micro_batch_size: int) -> dict[str, Any] | None:
+    """Everything for an exact resume, on rank 0 (None on the others). A collective: every rank calls it, and
+    gives what differs per rank (`rank_state`). `micro_batch_size` lets an auto-sized run resume with the
+    micro-batch it ran with (the same rounding)."""
+    ranks = gather_to_rank0(rank_state(parts))
+    if not ranks:
+        return None
+    state = {
+        "model": unwrap(parts.model).state_dict(),
+        "scheduler": parts.scheduler.state_dict(),
+        "progress": asdict(progress),
+        "rng": [r["rng"] for r in ranks],  # one entry per rank
+        "micro_batch_size": micro_batch_size,
+    }
+    if parts.local_sgd is None:  # DDP: one optimizer state, the same on every rank
+        return state | {"optimizer": parts.optimizer.state_dict(), "precision": parts.precision.state_dict()}
+    # Local SGD: each rank's optimizer moments (and fp16 loss scale) follow its own data; keep them all.
+    return state | {"optimizer": [r["optimizer"] for r in ranks], "precision": [r["precision"] for r in ranks],
+                    "local_sgd": parts.local_sgd.state_dict()}
+
+
+def rank_state(parts: Parts) -> dict[str, Any]:
+    """What this rank contributes to a checkpoint beyond the shared model: its RNG streams, and under local SGD its
+    own optimizer and precision state (on the CPU, so any rank can load it)."""
+    state: dict[str, Any] = {"rng": capture_rng()}
+    if parts.local_sgd is not None:
+        state |= {"optimizer": _to_cpu(parts.optimizer.state_dict()), "precision": parts.precision.state_dict()}
+    return state
+
+
+def _to_cpu(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.cpu()
+    if isinstance(tree, dict):
+        return {k: _to_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_to_cpu(v) for v in tree)
+    return tree
+
+
+def restore(parts: Parts, state: dict[str, Any]) -> Progress:
+    """Load a checkpoint written by `checkpoint_state`. At the same world size every rank gets its RNG streams,
+    optimizer state (its own under local SGD) and data position back (an exact resume); after a resize the run
+    continues at the next epoch boundary."""
+    rank, size = world()
+    same_world = len(state["rng"]) == size
+    unwrap(parts.model).load_state_dict(state["model"])
+    optimizer, precision = state["optimizer"], state["precision"]
+    if parts.local_sgd is not None:
+        # After a resize there is no state of "this rank": every rank starts from rank 0's.
+        optimizer, precision = optimizer[rank if same_world else 0], precision[rank if same_world else 0]
+    parts.optimizer.load_state_dict(optimizer)
+    parts.scheduler.load_state_dict(state["scheduler"])
+    parts.precision.load_state_dict(precision)
+    if parts.local_sgd is not None:
+        parts.local_sgd.load_state_dict(state.get("local_sgd", {}), unwrap(parts.model))
+    progress = Progress(**state["progress"])
+    if same_world:
+        restore_rng(state["rng"][rank])
+        return progress
+    # Resized: Ray Data splits an epoch's rows into one stream per rank, so the old ranks' positions describe a
+    # different split and skipping them here would miss some rows and repeat others. Finish the interrupted epoch
+    # early instead (none of its rows is seen twice) and start the next one. New RNG streams, drawn per (step, rank).
+    torch.manual_seed(int(np.random.default_rng([progress.step, rank]).integers(2**62)))
+    if progress.rows_in_epoch:
+        progress.epoch, progress.rows_in_epoch = progress.epoch + 1, 0
+    return progress

@@ -9,9 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+from orchestrator.training import ranks
 
 
 def grad_bytes(model: torch.nn.Module) -> int:
@@ -41,7 +39,7 @@ class LocalSGD:
     @torch.no_grad()
     def average(self, model: torch.nn.Module) -> int:
         """Average across ranks (a collective: every rank calls it at the same step); returns bytes all-reduced."""
-        world = _world_size()
+        world = ranks.world()[1]
         params = [p for p in model.parameters() if p.requires_grad]
         buffers = [b for b in model.buffers() if b.is_floating_point()]
         tensors = params + buffers

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 from typing import Any
 
-import numpy as np
 import psutil
 import ray.train
 import ray.train.torch
@@ -17,9 +15,8 @@ import torch.distributed as dist
 from orchestrator.batching import split_batch
 from orchestrator.config import Config, config_from_dict
 from orchestrator.errors import ConfigError
-from orchestrator.models import build_model
-from orchestrator.training.checkpoint import load_state, unwrap
-from orchestrator.training.loop import Batch, Parts, loss_sum, restore, run
+from orchestrator.training.checkpoint import load_state, restore, unwrap
+from orchestrator.training.loop import Batch, loss_sum, run
 from orchestrator.training.memory import (
     GIB,
     activation_bytes_per_sample,
@@ -28,18 +25,9 @@ from orchestrator.training.memory import (
     release_cached_memory,
     state_bytes,
 )
-from orchestrator.training.optim import build_optimizer
-from orchestrator.training.precision import Precision, resolve_precision
+from orchestrator.training.parts import Parts, build_parts, compile_model
 from orchestrator.training.resume import checkpoint_dir_name, loadable_checkpoint
-from orchestrator.training.sync import build_local_sgd
-from pipelines.batches import EpochReplay, FeatureCollate, fetch_size, split_batches
-from pipelines.order import local_shuffle_seed, set_epoch
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+from pipelines.batches import RankBatches
 
 
 def quiet_report_log() -> None:
@@ -128,113 +116,73 @@ def for_world_size(cfg: Config, world: int, micro: int | None = None) -> Config:
 
 
 def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    """Entry point passed to TorchTrainer. `spec` = {"config": resolved config dict, "in_features": int}."""
+    """Entry point passed to TorchTrainer. `spec` = {"config": resolved config dict, "in_features": int,
+    "epoch_clock": name or None, "replay_epochs": bool}."""
     quiet_report_log()
-    cfg = config_from_dict(spec["config"])
-    cfg = for_world_size(cfg, ray.train.get_context().get_world_size())
-    t = cfg.train
+    context = ray.train.get_context()
+    world, rank = context.get_world_size(), context.get_world_rank()
+    cfg = for_world_size(config_from_dict(spec["config"]), world)
     device = ray.train.torch.get_device()
-    # Same seed on every rank: identical initial weights (DDP also broadcasts rank 0's at wrap time).
-    seed_everything(t.seed)
-    mode = resolve_precision(t.precision, device)
-    model = build_model(cfg.model.name, cfg.model.entrypoint, spec["in_features"], cfg.model.num_classes,
-                        cfg.model.kwargs)
-    model = ray.train.torch.prepare_model(model)
-    optimizer, scheduler = build_optimizer(model, cfg.optim, t.max_steps)  # type: ignore[arg-type]
-    parts = Parts(model, optimizer, scheduler, Precision(mode, device), device, cfg.optim.max_grad_norm,
-                  local_sgd=build_local_sgd(t.sync, *t.local_sgd))
-    state = None
-    checkpoint = loadable_checkpoint(ray.train.get_checkpoint())
-    if checkpoint is not None:
-        with checkpoint.as_directory() as directory:
-            state = load_state(directory)
-    if t.micro_batch_size == "auto":
+    parts = build_parts(cfg, spec["in_features"], device)
+    state = checkpoint_to_resume()
+    if cfg.train.micro_batch_size == "auto":
         # Before the checkpoint is restored: probing touches weights and optimizer state, then puts them back.
-        world = ray.train.get_context().get_world_size()
-        micro = checkpoint_micro_batch(state, t.global_batch_size // world, world)
+        micro = checkpoint_micro_batch(state, cfg.train.global_batch_size // world, world)
         if micro is None:
             micro = choose_micro_batch(cfg, parts, spec["in_features"])
-        elif ray.train.get_context().get_world_rank() == 0:
+        elif rank == 0:
             print(f"auto micro-batch: {micro} per worker, as in the checkpoint", flush=True)
         cfg = for_world_size(cfg, world, micro)
-        t = cfg.train
         release_cached_memory(device)
-    if t.compile:
-        # Compile the DDP-wrapped model (DDP's optimizer splits graphs at bucket boundaries); keep the eager one
-        # as the fallback if compilation fails on the first step.
-        parts.eager_model = parts.model
-        parts.model = torch.compile(parts.model)  # type: ignore[assignment]
-
+    if cfg.train.compile:
+        compile_model(parts)
     progress = restore(parts, state) if state is not None else None
     del state  # the model and optimizer hold their copies now
 
-    collate = FeatureCollate(cfg.data.features, cfg.data.label)
-    train_shard = ray.train.get_dataset_shard("train")
-    context = ray.train.get_context()
+    t = cfg.train
+    data = RankBatches(cfg.data, ray.train.get_dataset_shard("train"),
+                       ray.train.get_dataset_shard("val") if cfg.data.val is not None else None,
+                       t.micro_batch_size, t.seed, rank, spec.get("epoch_clock"),  # type: ignore[arg-type]
+                       replay=bool(spec.get("replay_epochs")))
+    # Facts only a worker knows, sent with the first report of every (re)start.
+    facts = {"precision": parts.precision.mode, "grad_accum_steps": t.grad_accum_steps,
+             "global_batch": t.micro_batch_size * t.grad_accum_steps * world,  # type: ignore[operator]
+             "worker_pid": os.getpid(), "world_rank": rank}
+    return run(cfg, parts, data.train, data.val if cfg.data.val is not None else None, RayReport(cfg.checkpoint.upload),
+               progress, preempted if cfg.checkpoint.on_preemption else None, facts)
 
-    fetch = fetch_size(t.micro_batch_size)  # type: ignore[arg-type]
 
-    def batches(shard: Any, drop_last: bool, shuffle_seed: int | None = None) -> Any:
-        buffer = cfg.data.shuffle_buffer if shuffle_seed is not None else None
-        chunks = shard.iter_torch_batches(batch_size=fetch, prefetch_batches=cfg.data.prefetch_batches,
-                                          collate_fn=collate, local_shuffle_buffer_size=buffer,
-                                          local_shuffle_seed=shuffle_seed)
-        return split_batches(chunks, t.micro_batch_size, drop_last)  # type: ignore[arg-type]
+def checkpoint_to_resume() -> dict[str, Any] | None:
+    """The state of the checkpoint Ray Train restarts this group from (the newest complete one), or None."""
+    checkpoint = loadable_checkpoint(ray.train.get_checkpoint())
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as directory:
+        return load_state(directory)
 
-    # Replayed only without a shuffle buffer (its order changes per epoch as it streams); with data.shuffle each
-    # later epoch replays this rank's rows in a new order, seeded per (seed, epoch, rank).
-    rank = context.get_world_rank()
-    replay_train = EpochReplay(keep=bool(spec.get("replay_epochs")) and not cfg.data.shuffle_buffer,
-                               reshuffle=(lambda e: local_shuffle_seed(t.seed, e, rank)) if cfg.data.shuffle else None)
 
-    def train_batches(epoch: int) -> Any:
-        return replay_train(lambda: stream_train(epoch), epoch)
+class RayReport:
+    """The loop's report function: `ray.train.report`, with the checkpoint directory handed over on rank 0."""
 
-    def stream_train(epoch: int) -> Any:
-        # Before this rank starts the epoch: the reader draws the epoch's shard order from the clock once all
-        # ranks have arrived (streaming_split's epoch barrier), so a resumed run re-reads the same order.
-        if spec.get("epoch_clock"):
-            set_epoch(spec["epoch_clock"], epoch)
-        # Seeded per (seed, epoch, rank): a re-streamed epoch after a restart shuffles identically.
-        seed = local_shuffle_seed(t.seed, epoch, rank) if cfg.data.shuffle_buffer else None
-        # Every rank holds the same number of rows (equal split), so dropping the incomplete last micro-batch
-        # leaves equal batch counts on every rank and the collectives stay aligned.
-        return batches(train_shard, drop_last=True, shuffle_seed=seed)
+    def __init__(self, upload: str) -> None:
+        self.upload = upload
 
-    val_batches = None
-    if cfg.data.val is not None:
-        val_shard = ray.train.get_dataset_shard("val")
-        replay_val = EpochReplay(keep=bool(spec.get("replay_epochs")))
-
-        def val_batches() -> Any:
-            return replay_val(lambda: batches(val_shard, drop_last=False))
-
-    context = ray.train.get_context()
-    first_report = True
-
-    def report(metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
-        nonlocal first_report
-        if first_report:  # facts only a worker knows, sent once per (re)start
-            metrics = {**metrics, "precision": mode, "grad_accum_steps": t.grad_accum_steps,
-                       "global_batch": t.micro_batch_size * t.grad_accum_steps * context.get_world_size(),
-                       "worker_pid": os.getpid(), "world_rank": context.get_world_rank()}
-            first_report = False
+    def __call__(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
         if checkpoint_dir is None:
             ray.train.report(metrics)
             return
-        mode_ = ray.train.CheckpointUploadMode.SYNC
-        if cfg.checkpoint.upload == "async":
+        mode = ray.train.CheckpointUploadMode.SYNC
+        if self.upload == "async":
             # Ray copies in a background thread and deletes the directory when done, while the loop deletes the
             # directory it handed over as soon as report returns: hand Ray a renamed one (a rename, not a copy).
             handed, checkpoint_dir = checkpoint_dir, f"{checkpoint_dir}-upload"
             os.rename(handed, checkpoint_dir)
-            mode_ = ray.train.CheckpointUploadMode.ASYNC
+            mode = ray.train.CheckpointUploadMode.ASYNC
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(checkpoint_dir),
-                         checkpoint_dir_name=checkpoint_dir_name(metrics["step"]), checkpoint_upload_mode=mode_)
+                         checkpoint_dir_name=checkpoint_dir_name(metrics["step"]), checkpoint_upload_mode=mode)
 
-    def preempted() -> bool:
-        # A barrier (rank 0's view broadcast to all); the loop calls it at report steps only.
-        return ray.train.get_preemption_info() is not None
 
-    return run(cfg, parts, train_batches, val_batches, report, progress,
-               preempted if cfg.checkpoint.on_preemption else None)
+def preempted() -> bool:
+    """Whether Ray is draining a node of this run. A barrier (rank 0's view broadcast to all); the loop calls it
+    at report steps only."""
+    return ray.train.get_preemption_info() is not None

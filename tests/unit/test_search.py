@@ -177,8 +177,9 @@ def test_concurrency_and_capacity_follow_the_widest_trial() -> None:
 def test_metric_list_matches_what_the_loop_reports() -> None:
     """tune.metric may only name what loop.py reports: fails if the loop stops reporting a listed key."""
     from orchestrator.models import build_model
-    from orchestrator.training.loop import Parts, run
+    from orchestrator.training.loop import run
     from orchestrator.training.optim import build_optimizer
+    from orchestrator.training.parts import Parts
     from orchestrator.training.precision import Precision
 
     cfg = load_config(None, ["scaling.num_workers=1", "train.global_batch_size=16", "train.max_steps=4",

@@ -8,9 +8,10 @@ import torch
 
 from orchestrator.config import load_config
 from orchestrator.models import GPT, mlp
-from orchestrator.training.loop import Parts, loss_sum, train_step
+from orchestrator.training.loop import loss_sum, train_step
 from orchestrator.training.memory import cuda_memory_stats, fit_micro_batch_cuda
 from orchestrator.training.optim import build_optimizer
+from orchestrator.training.parts import Parts
 from orchestrator.training.precision import Precision, resolve_precision
 
 pytestmark = pytest.mark.gpu

@@ -14,9 +14,10 @@ import torch
 from orchestrator.config import Config, load_config
 from orchestrator.errors import ConfigError
 from orchestrator.models import build_model
-from orchestrator.training.checkpoint import Progress, load_state
-from orchestrator.training.loop import NonFiniteLossError, Parts, micro_batches, restore, run, train_step
+from orchestrator.training.checkpoint import Progress, load_state, restore
+from orchestrator.training.loop import NonFiniteLossError, micro_batches, run, train_step
 from orchestrator.training.optim import build_optimizer
+from orchestrator.training.parts import Parts
 from orchestrator.training.precision import Precision, resolve_precision
 
 CPU = torch.device("cpu")

@@ -17,9 +17,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator.config import Config, load_config
 from orchestrator.models import build_model
-from orchestrator.training.checkpoint import load_state
-from orchestrator.training.loop import Parts, restore, run, train_step
+from orchestrator.training.checkpoint import load_state, restore
+from orchestrator.training.loop import run, train_step
 from orchestrator.training.optim import build_optimizer
+from orchestrator.training.parts import Parts
 from orchestrator.training.precision import Precision
 from orchestrator.training.sync import build_local_sgd
 

@@ -1,0 +1,52 @@
+"""The collectives the worker side uses to keep its ranks in step. Each is a plain value in a single process (no
+process group), so the loop runs unchanged in-process and under DDP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of this process's group; (0, 1) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """Element-wise sums across ranks, in float64."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    if world()[1] > 1:
+        dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def any_rank(flag: torch.Tensor) -> bool:
+    """True on every rank if `flag` is true on any rank (a MAX all-reduce)."""
+    flag = flag.to(torch.float32).reshape(1)
+    if world()[1] > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def rank0_says(flag: bool, device: torch.device) -> bool:
+    """Rank 0's value on every rank: a decision from a local clock must be the same everywhere, or the ranks'
+    collective calls (checkpoint gather, report) would no longer line up."""
+    if world()[1] == 1:
+        return flag
+    tensor = torch.tensor([float(flag)], device=device)
+    dist.broadcast(tensor, src=0)
+    return bool(tensor.item())
+
+
+def gather_to_rank0(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order, on rank 0 (an empty list on the others)."""
+    rank, size = world()
+    if size == 1:
+        return [obj]
+    gathered: list[Any] | None = [None] * size if rank == 0 else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered or []
