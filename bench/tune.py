@@ -55,7 +55,7 @@ def main() -> None:
 
     import ray
 
-    from orchestrator.launch import pin_state_api
+    from orchestrator.cluster import pin_state_api
 
     ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
              dashboard_port=pin_state_api(), logging_config=ray.LoggingConfig(log_level="WARNING"))

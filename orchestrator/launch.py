@@ -1,29 +1,24 @@
-"""Driver side of `orchestrator train`: check data, join or start Ray, build the TorchTrainer, track in MLflow."""
+"""`orchestrator train` on the driver: check the data, join or start Ray (cluster.py), build and fit the run
+(trainer.py), show progress, track it in MLflow and bill it."""
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.config import Config, config_from_dict, flatten, to_dict, to_yaml
-from orchestrator.errors import ConfigError, UserError
+from orchestrator.cluster import connect_ray, shutdown_local_ray
+from orchestrator.config import Config, flatten, to_dict, to_yaml
+from orchestrator.errors import ConfigError
 from orchestrator.runs import RUN_CONFIG, RunPlace, latest_run, new_run, open_run_storage
 from orchestrator.tracking import Tracker, closed_on_error, start_tracker, ui_command
-from pipelines.datasets import build_datasets, inspect_datasets, replay_epochs
-from pipelines.order import create_epoch_clock
+from orchestrator.trainer import RunFailedError, build_run, resolve_for_data, root_cause
+from pipelines.datasets import inspect_datasets
 from pipelines.sources import DatasetInfo
-from pipelines.storage import Storage
-
-
-class RunFailedError(UserError):
-    """Training stopped for good (failure budget spent, or an error every retry hits)."""
 
 
 @dataclass
@@ -38,186 +33,6 @@ class TrainResult:
     tracking_uri: str | None
     history: list[dict[str, Any]] = field(default_factory=list)
     cost: Any = None  # orchestrator.cost.Ledger: node-hours, $ and the productive/overhead split
-
-
-def resolve_for_data(config: Config, infos: dict[str, DatasetInfo]) -> Config:
-    """Fill in what the data decides: the number of classes and, when epochs are given, the step count. Also checks
-    the model's options against its builder (the first driver step that may import the model zoo)."""
-    from orchestrator.models import check_model_options
-
-    check_model_options(config.model)
-    train = infos["train"]
-    if "val" in infos and infos["val"].feature_dim != train.feature_dim:
-        raise ConfigError(f"data.val has {infos['val'].feature_dim} feature values per row but data.train has "
-                          f"{train.feature_dim}: both splits must have the same columns")
-    tree = to_dict(config)
-    if config.model.num_classes is None:
-        if train.num_classes < 2:
-            source = (f"'{config.data.label}' statistics" if config.data.label
-                      else "the token column's vocab_size metadata")
-            raise ConfigError(f"cannot infer the number of classes from {source}: set model.num_classes")
-        tree["model"]["num_classes"] = train.num_classes
-    t = config.train
-    rows_per_worker = train.num_rows // config.scaling.max_workers
-    smallest = t.micro_batch_size if isinstance(t.micro_batch_size, int) else 1
-    if rows_per_worker < smallest:
-        raise ConfigError(f"data.train has {train.num_rows} rows, fewer than one micro-batch "
-                          f"({smallest}) per worker: lower train.global_batch_size")
-    if t.epochs is not None:
-        per_worker_step = t.global_batch_size // config.scaling.max_workers
-        steps = max(1, math.ceil(t.epochs * rows_per_worker / per_worker_step))
-        # Config validation could not check the warmup against a step count only the data decides.
-        if config.optim.warmup_steps >= steps:
-            raise ConfigError(f"config key 'optim.warmup_steps': optim.warmup_steps={config.optim.warmup_steps} "
-                              f"must be below the run's {steps} optimizer steps (train.epochs={t.epochs:g} over "
-                              f"{train.num_rows} rows at global batch {t.global_batch_size}): lower "
-                              "optim.warmup_steps or train longer")
-        tree["train"]["max_steps"] = steps
-        tree["train"]["epochs"] = None
-    return config_from_dict(tree)
-
-
-def connect_ray(address: str | None, config: Config) -> bool:
-    """Join `address` / $RAY_ADDRESS if given, else start a private local cluster. True if we started it."""
-    import ray
-
-    address = address or os.environ.get("RAY_ADDRESS")
-    if ray.is_initialized():
-        return False
-    # Ray's own INFO lines (per-report, per-epoch) would bury the progress lines; warnings still show.
-    logging_config = ray.LoggingConfig(log_level="WARNING")
-    if address:
-        ray.init(address=address, logging_config=logging_config)
-        return False
-    # Ray Data's read tasks need CPUs beside the workers', or ingest waits forever on a small machine.
-    needed = math.ceil(config.scaling.max_workers * config.scaling.cpus_per_worker) + 2
-    # Local workers inherit this environment: make the user's own modules (model entrypoints) importable.
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([os.getcwd(), *paths]))  # once, however many runs
-    # The dashboard serves the state API that Ray Train's controller polls; bound to localhost only.
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=True,
-             dashboard_host="127.0.0.1", dashboard_port=pin_state_api(), logging_config=logging_config)
-    return True
-
-
-def pin_state_api() -> int:
-    """A free dashboard port, exported as RAY_API_SERVER_ADDRESS for the local cluster about to start.
-
-    Ray Train's placement-group cleaner looks its cluster up with no address; when another Ray instance runs on
-    the same machine that lookup fails, the cleaner dies, and every run whose controller is killed (each trial
-    ASHA stops) keeps its CPUs for good. Ray processes inherit this environment, so they find this cluster."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
-    return port
-
-
-def shutdown_local_ray() -> None:
-    """Stop the local cluster `connect_ray` started and forget its state-API address, so nothing started later in
-    this process (or inherited by its children) looks for a cluster that is gone."""
-    import ray
-
-    ray.shutdown()
-    os.environ.pop("RAY_API_SERVER_ADDRESS", None)
-
-
-def build_trainer(config: Config, spec: dict[str, Any], datasets: dict[str, Any], place: RunPlace,
-                  callbacks: list[Any]) -> Any:
-    import ray
-    import ray.train
-    from ray.train.torch import TorchTrainer
-
-    # Preserve order so two runs (and a resumed run) see the same batches on the same ranks.
-    options = ray.train.DataConfig.default_ingest_options()
-    options.preserve_order = True
-    s = config.scaling
-    return TorchTrainer(
-        _worker_entry,
-        train_loop_config=spec,
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=(s.min_workers, s.max_workers) if s.elastic else s.num_workers, use_gpu=s.use_gpu,
-            resources_per_worker={"CPU": s.cpus_per_worker}, accelerator_type=s.accelerator_type,
-            **({"elastic_resize_monitor_interval_s": s.resize_check_s} if s.resize_check_s else {}),
-        ),
-        run_config=ray.train.RunConfig(
-            name=place.name,
-            **storage_args(place.storage),
-            failure_config=ray.train.FailureConfig(
-                max_failures=config.failure.max_failures,
-                max_preemption_failures=config.failure.max_preemption_failures,
-                preemption_grace_s=config.failure.preemption_grace_s,
-            ),
-            # Ray deletes an old checkpoint only after a newer one is registered (complete), so the one a run
-            # resumes from stays until a newer complete one replaces it.
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.checkpoint.keep),
-            callbacks=callbacks,
-            logging_config=ray.LoggingConfig(log_level="WARNING"),  # per-report INFO lines bury progress
-            worker_runtime_env={"env_vars": _worker_env(config)},
-        ),
-        datasets=datasets,
-        dataset_config=ray.train.DataConfig(datasets_to_split="all", execution_options=options),
-    )
-
-
-def _worker_env(config: Config) -> dict[str, str]:
-    """Environment of the training workers: CUDA memory segments that grow in place (less fragmentation than
-    fixed-size blocks), unless the user chose an allocator setting."""
-    if not config.scaling.use_gpu or "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
-        return {}
-    return {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-
-
-def build_run(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, callbacks: list[Any]) -> Any:
-    """Datasets and TorchTrainer for one run, in this process's Ray Data context (the driver for `train`, the
-    trial actor for each Tune trial)."""
-    import ray
-    from ray.data import DataContext
-
-    # The workers advance this clock each epoch; the train reader draws that epoch's shard order from it.
-    clock = f"orchestrator-epoch-{place.name}-{uuid.uuid4().hex[:8]}" if config.data.shuffle else None
-    if clock:
-        create_epoch_clock(clock)
-    # A language model's rows are seq_len + 1 tokens: inputs and the next-token targets shifted by one.
-    in_features = infos["train"].feature_dim - (1 if config.data.label is None else 0)
-    store_bytes = ray.cluster_resources().get("object_store_memory", 0)
-    spec = {"config": to_dict(config), "in_features": in_features, "epoch_clock": clock,
-            "replay_epochs": replay_epochs(config.data, infos, store_bytes)}
-    context = DataContext.get_current()
-    context.execution_options.preserve_order = True
-    context.print_on_execution_start = False  # one log line per epoch per dataset otherwise
-    context.enable_progress_bars = False
-    datasets = build_datasets(config.data, infos, store_bytes, seed=config.train.seed, epoch_clock=clock)
-    return build_trainer(config, spec, datasets, place, callbacks)
-
-
-def _worker_entry(spec: dict[str, Any]) -> dict[str, Any]:
-    # Imported in the worker only: the driver never needs the loop's modules.
-    from orchestrator.training.worker import train_worker
-
-    return train_worker(spec)
-
-
-def storage_args(storage: Storage) -> dict[str, Any]:
-    """Train's and Tune's RunConfig storage: a local path, or for s3:// the data layer's S3 filesystem (same
-    endpoint and region) with the path inside it, which is what Ray expects beside storage_filesystem.
-    The filesystem holds no key (Ray pickles it into every trial and Tune writes it into tuner.pkl in the bucket):
-    each process that unpickles it resolves and refreshes its own credentials from the standard AWS chain."""
-    if not storage.remote:
-        return {"storage_path": storage.root}
-    return {"storage_path": storage.root, "storage_filesystem": storage.filesystem()}
-
-
-def _root_cause(exc: BaseException) -> str:
-    """The last 'SomeError: message' line of a Ray failure, which is what the user needs to read."""
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    for line in reversed(lines):
-        head = line.split(":", 1)[0]
-        if head.endswith(("Error", "Exception")) and " " not in head:
-            return line
-    return lines[-1] if lines else type(exc).__name__
 
 
 def _log_final_artifacts(tracker: Tracker, config: Config, checkpoint_path: str | None,
@@ -366,7 +181,7 @@ def _fit(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, tracker
         with ReportConsumer(queue, handle):
             result = trainer.fit()
     except ray.train.TrainingFailedError as exc:
-        raise RunFailedError(f"training failed: {_root_cause(exc)} (run directory: {place.uri})") from None
+        raise RunFailedError(f"training failed: {root_cause(exc)} (run directory: {place.uri})") from None
     _remove_unregistered_checkpoints(result)
     checkpoint_path = _checkpoint_uri(config, result.checkpoint.path) if result.checkpoint else None
     if history:

@@ -20,17 +20,9 @@ from typing import Any
 
 import yaml
 
+from orchestrator.cluster import connect_ray, shutdown_local_ray
 from orchestrator.config import Config, flatten, to_dict, to_yaml
 from orchestrator.errors import ConfigError, UserError
-from orchestrator.launch import (
-    RunFailedError,
-    _root_cause,
-    build_run,
-    connect_ray,
-    resolve_for_data,
-    shutdown_local_ray,
-    storage_args,
-)
 from orchestrator.runs import RunPlace, open_run_storage
 from orchestrator.search import (
     check_capacity,
@@ -44,6 +36,7 @@ from orchestrator.search import (
     widest_trial,
 )
 from orchestrator.tracking import Tracker, closed_on_error, start_tracker, ui_command
+from orchestrator.trainer import RunFailedError, build_run, resolve_for_data, root_cause, storage_args
 from pipelines.datasets import inspect_datasets
 from pipelines.sources import DatasetInfo
 from pipelines.storage import Storage
@@ -112,7 +105,7 @@ def _run_trial(params: dict[str, Any], *, tree: dict[str, Any], infos: dict[str,
     try:
         trainer.fit()
     except ray.train.TrainingFailedError as exc:
-        raise RunFailedError(f"trial {trial_id} failed: {_root_cause(exc)}") from None
+        raise RunFailedError(f"trial {trial_id} failed: {root_cause(exc)}") from None
 
 
 def best_yaml(tree: dict[str, Any], params: dict[str, Any], header: str = "") -> str:

@@ -17,9 +17,9 @@ from ray.tune import Callback
 from orchestrator.config import TrackingConfig, flatten, to_dict
 from orchestrator.cost import Pricing, build_ledger, resolve_pricing
 from orchestrator.errors import ConfigError
-from orchestrator.launch import resolve_for_data
 from orchestrator.search import TRAIN_METRICS, VAL_METRICS, trial_config
 from orchestrator.tracking import MlflowTracker
+from orchestrator.trainer import resolve_for_data
 from pipelines.sources import DatasetInfo
 
 _METRICS = set(TRAIN_METRICS + VAL_METRICS)

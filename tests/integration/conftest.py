@@ -23,7 +23,7 @@ def ray_cluster() -> Iterator[None]:
     here = str(Path(__file__).parent)
     # Workers inherit the environment: they can import the test's own model module, like a user's.
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [here, os.environ.get("PYTHONPATH")] if p)
-    from orchestrator.launch import pin_state_api
+    from orchestrator.cluster import pin_state_api
 
     # Ray's processes resolve S3 credentials from their own standard chain, like a user's nodes: they inherit
     # the fake ones from the environment Ray starts in; the test process itself gets them per test (aws_env).
@@ -35,7 +35,7 @@ def ray_cluster() -> Iterator[None]:
     try:
         yield
     finally:
-        from orchestrator.launch import shutdown_local_ray
+        from orchestrator.cluster import shutdown_local_ray
 
         shutdown_local_ray()
 

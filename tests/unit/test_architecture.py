@@ -33,9 +33,10 @@ def test_pipelines_never_import_orchestrator() -> None:
     assert offenders("pipelines", ("orchestrator",)) == []
 
 
-DRIVER = ("orchestrator.cli", "orchestrator.launch", "orchestrator.study", "orchestrator.trials",
-          "orchestrator.search", "orchestrator.tracking", "orchestrator.runs", "orchestrator.cost",
-          "orchestrator.doctor", "orchestrator.plots", "orchestrator.progress")
+DRIVER = ("orchestrator.cli", "orchestrator.launch", "orchestrator.cluster", "orchestrator.trainer",
+          "orchestrator.study", "orchestrator.trials", "orchestrator.search", "orchestrator.tracking",
+          "orchestrator.runs", "orchestrator.cost", "orchestrator.doctor", "orchestrator.plots",
+          "orchestrator.progress")
 
 
 def test_worker_side_imports_no_driver_sdks_or_modules() -> None:

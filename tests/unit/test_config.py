@@ -86,7 +86,7 @@ def test_bad_config_names_the_key(overrides: list[str], message: str) -> None:
 
 
 def test_warmup_must_fit_the_steps_epochs_make(tmp_path: Path) -> None:
-    from orchestrator.launch import resolve_for_data
+    from orchestrator.trainer import resolve_for_data
     from pipelines.sources import DatasetInfo
 
     # The default config (warmup 20, global batch 128, 2 workers) for one epoch of 1438 rows: 12 steps.

@@ -128,8 +128,8 @@ def test_trial_config_rederives_batch_for_a_searched_worker_count() -> None:
 def test_what_the_data_decides_is_checked_for_every_trial_before_any_starts(overrides: list[str],
                                                                             message: str) -> None:
     """With epochs, steps are known only with the data: each searched extreme is resolved and priced up front."""
-    from orchestrator.launch import resolve_for_data
     from orchestrator.study import check_trials
+    from orchestrator.trainer import resolve_for_data
     from pipelines.sources import DatasetInfo
 
     infos = {"train": DatasetInfo("train", [], num_rows=1438, num_bytes=0, feature_dim=64, num_classes=10)}

@@ -1,0 +1,56 @@
+"""The Ray cluster a driver runs on: join the one given (or $RAY_ADDRESS), or start a private local one sized for
+the run, and stop only what was started here."""
+
+from __future__ import annotations
+
+import math
+import os
+
+from orchestrator.config import Config
+
+
+def connect_ray(address: str | None, config: Config) -> bool:
+    """Join `address` / $RAY_ADDRESS if given, else start a private local cluster. True if we started it."""
+    import ray
+
+    address = address or os.environ.get("RAY_ADDRESS")
+    if ray.is_initialized():
+        return False
+    # Ray's own INFO lines (per-report, per-epoch) would bury the progress lines; warnings still show.
+    logging_config = ray.LoggingConfig(log_level="WARNING")
+    if address:
+        ray.init(address=address, logging_config=logging_config)
+        return False
+    # Ray Data's read tasks need CPUs beside the workers', or ingest waits forever on a small machine.
+    needed = math.ceil(config.scaling.max_workers * config.scaling.cpus_per_worker) + 2
+    # Local workers inherit this environment: make the user's own modules (model entrypoints) importable.
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([os.getcwd(), *paths]))  # once, however many runs
+    # The dashboard serves the state API that Ray Train's controller polls; bound to localhost only.
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=True,
+             dashboard_host="127.0.0.1", dashboard_port=pin_state_api(), logging_config=logging_config)
+    return True
+
+
+def pin_state_api() -> int:
+    """A free dashboard port, exported as RAY_API_SERVER_ADDRESS for the local cluster about to start.
+
+    Ray Train's placement-group cleaner looks its cluster up with no address; when another Ray instance runs on
+    the same machine that lookup fails, the cleaner dies, and every run whose controller is killed (each trial
+    ASHA stops) keeps its CPUs for good. Ray processes inherit this environment, so they find this cluster."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
+    return port
+
+
+def shutdown_local_ray() -> None:
+    """Stop the local cluster `connect_ray` started and forget its state-API address, so nothing started later in
+    this process (or inherited by its children) looks for a cluster that is gone."""
+    import ray
+
+    ray.shutdown()
+    os.environ.pop("RAY_API_SERVER_ADDRESS", None)

@@ -1,0 +1,154 @@
+"""What every driver (`train`, each Tune trial) builds a run from: the config resolved for the data, the datasets and
+the TorchTrainer, Train's storage arguments, and the one line a Ray failure boils down to."""
+
+from __future__ import annotations
+
+import math
+import os
+import uuid
+from typing import Any
+
+from orchestrator.config import Config, config_from_dict, to_dict
+from orchestrator.errors import ConfigError, UserError
+from orchestrator.runs import RunPlace
+from pipelines.datasets import build_datasets, replay_epochs
+from pipelines.order import create_epoch_clock
+from pipelines.sources import DatasetInfo
+from pipelines.storage import Storage
+
+
+class RunFailedError(UserError):
+    """Training stopped for good (failure budget spent, or an error every retry hits)."""
+
+
+def resolve_for_data(config: Config, infos: dict[str, DatasetInfo]) -> Config:
+    """Fill in what the data decides: the number of classes and, when epochs are given, the step count. Also checks
+    the model's options against its builder (the first driver step that may import the model zoo)."""
+    from orchestrator.models import check_model_options
+
+    check_model_options(config.model)
+    train = infos["train"]
+    if "val" in infos and infos["val"].feature_dim != train.feature_dim:
+        raise ConfigError(f"data.val has {infos['val'].feature_dim} feature values per row but data.train has "
+                          f"{train.feature_dim}: both splits must have the same columns")
+    tree = to_dict(config)
+    if config.model.num_classes is None:
+        if train.num_classes < 2:
+            source = (f"'{config.data.label}' statistics" if config.data.label
+                      else "the token column's vocab_size metadata")
+            raise ConfigError(f"cannot infer the number of classes from {source}: set model.num_classes")
+        tree["model"]["num_classes"] = train.num_classes
+    t = config.train
+    rows_per_worker = train.num_rows // config.scaling.max_workers
+    smallest = t.micro_batch_size if isinstance(t.micro_batch_size, int) else 1
+    if rows_per_worker < smallest:
+        raise ConfigError(f"data.train has {train.num_rows} rows, fewer than one micro-batch "
+                          f"({smallest}) per worker: lower train.global_batch_size")
+    if t.epochs is not None:
+        per_worker_step = t.global_batch_size // config.scaling.max_workers
+        steps = max(1, math.ceil(t.epochs * rows_per_worker / per_worker_step))
+        # Config validation could not check the warmup against a step count only the data decides.
+        if config.optim.warmup_steps >= steps:
+            raise ConfigError(f"config key 'optim.warmup_steps': optim.warmup_steps={config.optim.warmup_steps} "
+                              f"must be below the run's {steps} optimizer steps (train.epochs={t.epochs:g} over "
+                              f"{train.num_rows} rows at global batch {t.global_batch_size}): lower "
+                              "optim.warmup_steps or train longer")
+        tree["train"]["max_steps"] = steps
+        tree["train"]["epochs"] = None
+    return config_from_dict(tree)
+
+
+def build_trainer(config: Config, spec: dict[str, Any], datasets: dict[str, Any], place: RunPlace,
+                  callbacks: list[Any]) -> Any:
+    import ray
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    # Preserve order so two runs (and a resumed run) see the same batches on the same ranks.
+    options = ray.train.DataConfig.default_ingest_options()
+    options.preserve_order = True
+    s = config.scaling
+    return TorchTrainer(
+        _worker_entry,
+        train_loop_config=spec,
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=(s.min_workers, s.max_workers) if s.elastic else s.num_workers, use_gpu=s.use_gpu,
+            resources_per_worker={"CPU": s.cpus_per_worker}, accelerator_type=s.accelerator_type,
+            **({"elastic_resize_monitor_interval_s": s.resize_check_s} if s.resize_check_s else {}),
+        ),
+        run_config=ray.train.RunConfig(
+            name=place.name,
+            **storage_args(place.storage),
+            failure_config=ray.train.FailureConfig(
+                max_failures=config.failure.max_failures,
+                max_preemption_failures=config.failure.max_preemption_failures,
+                preemption_grace_s=config.failure.preemption_grace_s,
+            ),
+            # Ray deletes an old checkpoint only after a newer one is registered (complete), so the one a run
+            # resumes from stays until a newer complete one replaces it.
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.checkpoint.keep),
+            callbacks=callbacks,
+            logging_config=ray.LoggingConfig(log_level="WARNING"),  # per-report INFO lines bury progress
+            worker_runtime_env={"env_vars": _worker_env(config)},
+        ),
+        datasets=datasets,
+        dataset_config=ray.train.DataConfig(datasets_to_split="all", execution_options=options),
+    )
+
+
+def _worker_env(config: Config) -> dict[str, str]:
+    """Environment of the training workers: CUDA memory segments that grow in place (less fragmentation than
+    fixed-size blocks), unless the user chose an allocator setting."""
+    if not config.scaling.use_gpu or "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
+        return {}
+    return {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
+def build_run(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, callbacks: list[Any]) -> Any:
+    """Datasets and TorchTrainer for one run, in this process's Ray Data context (the driver for `train`, the
+    trial actor for each Tune trial)."""
+    import ray
+    from ray.data import DataContext
+
+    # The workers advance this clock each epoch; the train reader draws that epoch's shard order from it.
+    clock = f"orchestrator-epoch-{place.name}-{uuid.uuid4().hex[:8]}" if config.data.shuffle else None
+    if clock:
+        create_epoch_clock(clock)
+    # A language model's rows are seq_len + 1 tokens: inputs and the next-token targets shifted by one.
+    in_features = infos["train"].feature_dim - (1 if config.data.label is None else 0)
+    store_bytes = ray.cluster_resources().get("object_store_memory", 0)
+    spec = {"config": to_dict(config), "in_features": in_features, "epoch_clock": clock,
+            "replay_epochs": replay_epochs(config.data, infos, store_bytes)}
+    context = DataContext.get_current()
+    context.execution_options.preserve_order = True
+    context.print_on_execution_start = False  # one log line per epoch per dataset otherwise
+    context.enable_progress_bars = False
+    datasets = build_datasets(config.data, infos, store_bytes, seed=config.train.seed, epoch_clock=clock)
+    return build_trainer(config, spec, datasets, place, callbacks)
+
+
+def _worker_entry(spec: dict[str, Any]) -> dict[str, Any]:
+    # Imported in the worker only: the driver never needs the loop's modules.
+    from orchestrator.training.worker import train_worker
+
+    return train_worker(spec)
+
+
+def storage_args(storage: Storage) -> dict[str, Any]:
+    """Train's and Tune's RunConfig storage: a local path, or for s3:// the data layer's S3 filesystem (same
+    endpoint and region) with the path inside it, which is what Ray expects beside storage_filesystem.
+    The filesystem holds no key (Ray pickles it into every trial and Tune writes it into tuner.pkl in the bucket):
+    each process that unpickles it resolves and refreshes its own credentials from the standard AWS chain."""
+    if not storage.remote:
+        return {"storage_path": storage.root}
+    return {"storage_path": storage.root, "storage_filesystem": storage.filesystem()}
+
+
+def root_cause(exc: BaseException) -> str:
+    """The last 'SomeError: message' line of a Ray failure, which is what the user needs to read."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    for line in reversed(lines):
+        head = line.split(":", 1)[0]
+        if head.endswith(("Error", "Exception")) and " " not in head:
+            return line
+    return lines[-1] if lines else type(exc).__name__
