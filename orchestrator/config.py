@@ -434,20 +434,23 @@ def config_from_dict(tree: dict[str, Any]) -> Config:
         raise ConfigError(format_validation_error(exc)) from None
 
 
+def read_yaml_mapping(path: str | Path, what: str, missing_hint: str = "") -> dict[str, Any]:
+    """A YAML file holding a mapping (empty: {}); ConfigError naming `what` and the file otherwise."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"{what} '{path}' not found{missing_hint}")
+    try:
+        loaded = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what} '{path}' is not valid YAML: {exc}") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"{what} '{path}' must hold a mapping, got {type(loaded).__name__}")
+    return loaded or {}
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults < YAML file < overrides; raises ConfigError with one clear line."""
-    tree: dict[str, Any] = {}
-    if path is not None:
-        file = Path(path)
-        if not file.is_file():
-            raise ConfigError(f"config file '{path}' not found")
-        try:
-            loaded = yaml.safe_load(file.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file '{path}' is not valid YAML: {exc}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file '{path}' must hold a mapping of sections, got {type(loaded).__name__}")
-        tree = loaded or {}
+    tree = read_yaml_mapping(path, "config file") if path is not None else {}
     for item in overrides or []:
         _set_dotted(tree, *parse_override(item))
     return config_from_dict(tree)

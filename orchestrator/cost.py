@@ -15,9 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from orchestrator.config import Config, CostConfig
+from orchestrator.config import Config, CostConfig, read_yaml_mapping
 from orchestrator.errors import ConfigError
 
 # Ledger parts, in display order. `productive` is compute + gradient/parameter sync: the training itself.
@@ -45,17 +43,9 @@ def default_prices_file() -> Path:
 
 
 def load_prices(path: str | Path | None = None) -> dict[str, dict[str, dict[str, Any]]]:
-    file = Path(path) if path else default_prices_file()
-    if not file.is_file():
-        raise ConfigError(f"price table '{file}' not found: set cost.prices_file, or cost.price_per_hour instead "
-                          "of cost.node_type")
-    try:
-        table = yaml.safe_load(file.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"price table '{file}' is not valid YAML: {exc}") from None
-    if not isinstance(table, dict):
-        raise ConfigError(f"price table '{file}' must map cloud -> node type -> prices")
-    return table
+    """cloud -> node type -> prices, from cluster/prices.yaml or `path`."""
+    return read_yaml_mapping(path or default_prices_file(), "price table", ": set cost.prices_file, or "
+                             "cost.price_per_hour instead of cost.node_type")
 
 
 def resolve_pricing(config: Config, world_size: int | None = None) -> Pricing:

@@ -18,7 +18,7 @@ from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
 from pipelines.cache import DiskCache
-from pipelines.errors import DataError
+from pipelines.errors import DataError, corrupt_parquet
 from pipelines.order import current_epoch, shard_order
 from pipelines.storage import ObjectInfo, Storage, storage_error
 
@@ -34,7 +34,7 @@ def read_shard(storage: Storage, obj: ObjectInfo, cache: DiskCache | None, colum
             for batch in parquet.iter_batches(batch_size=batch_rows, columns=columns, use_threads=False):
                 yield pa.Table.from_batches([batch])
     except pa.ArrowInvalid as exc:
-        raise DataError(f"corrupt Parquet file {storage.uri_of(obj.path)}: {exc}; rewrite or remove it") from None
+        raise corrupt_parquet(storage.uri_of(obj.path), exc) from None
     except OSError as exc:
         if storage.remote:
             raise storage_error(exc, storage, "reading", obj.path) from None

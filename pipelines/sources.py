@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipelines.config import S3Config
-from pipelines.errors import DataError
+from pipelines.errors import DataError, corrupt_parquet
 from pipelines.storage import ObjectInfo, Storage, open_storage, storage_error
 
 
@@ -72,11 +72,11 @@ def read_footer(storage: Storage, path: str) -> pq.FileMetaData:
         with storage.filesystem().open_input_file(path) as handle:
             return pq.read_metadata(handle)
     except pa.ArrowInvalid as exc:
-        raise DataError(f"corrupt Parquet file {storage.uri_of(path)}: {exc}; rewrite or remove it") from None
+        raise corrupt_parquet(storage.uri_of(path), exc) from None
     except OSError as exc:
         if storage.remote:
             raise storage_error(exc, storage, "reading", path) from None
-        raise DataError(f"corrupt Parquet file {path}: {exc}; rewrite or remove it") from None
+        raise corrupt_parquet(path, exc) from None
 
 
 def inspect_parquet(path: str, features: list[str], label: str | None, s3: S3Config | None = None) -> DatasetInfo:
