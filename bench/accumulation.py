@@ -15,6 +15,7 @@ import tempfile
 import time
 
 import torch
+from _common import scratch_run
 
 from orchestrator import load_config, train
 from orchestrator.models import mlp
@@ -57,7 +58,7 @@ def ddp(micro: int, steps: int) -> tuple[float, float]:
         prepare_synthetic(f"{tmp}/data", rows=100_000, shards=8)
         for accum in (1, 4):
             cfg = load_config(None, [
-                f"data.train={tmp}/data/train", "data.val=null", "data.features=[features]", "data.cache=memory",
+                *scratch_run(f"{tmp}/data", f"{tmp}/runs"), "data.cache=memory",
                 "model.hidden=[512, 512]", "scaling.num_workers=2", f"train.micro_batch_size={micro}",
                 f"train.grad_accum_steps={accum}", f"train.global_batch_size={micro * accum * 2}",
                 f"train.max_steps={steps // accum}", f"train.log_every={max(1, steps // accum // 5)}",

@@ -24,6 +24,7 @@ from typing import Any
 import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
+from _common import scratch_run
 
 from pipelines.batches import FeatureCollate, collate_arrow
 from pipelines.config import DataConfig
@@ -114,10 +115,9 @@ def main() -> None:
           f"{ray_rates[0] / raw:.2f} first pass   (target >= 0.6)")
 
     result = train(load_config(None, [
-        f"data.train={tmp}/local/train", "data.val=null", "data.features=[features]", "data.cache=none",
+        *scratch_run(f"{tmp}/local", f"{tmp}/runs"), "data.cache=none",
         "scaling.num_workers=1", "scaling.cpus_per_worker=2", "train.global_batch_size=1024", "train.max_steps=300",
-        "train.log_every=50", "checkpoint.every=300", "model.hidden=[512,512]", f"storage.path={tmp}/runs",
-        "tracking.enabled=false",
+        "train.log_every=50", "checkpoint.every=300", "model.hidden=[512,512]",
     ]), verbose=False)
     waits = [r["data_wait_frac"] for r in result.history[1:]]  # the first interval holds the pipeline start
     print("2. data-wait share of step time, 1 worker (2 CPUs), MLP 64-512-512-10, batch 1024")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
+from _common import scratch_run
 
 from orchestrator import load_config, train
 from orchestrator.models import mlp
@@ -66,11 +67,10 @@ def main() -> None:
         data = Path(tmp) / "data"
         prepare_synthetic(str(data), rows=args.rows, shards=8, features=64, classes=10)
         cfg = load_config(None, [
-            f"data.train={data}/train", "data.val=null", "data.features=[features]", "data.cache=memory",
+            *scratch_run(data, f"{tmp}/runs"), "data.cache=memory",
             "model.hidden=[512, 512]", "scaling.num_workers=1", f"scaling.cpus_per_worker={args.threads}",
             f"train.global_batch_size={args.batch}", f"train.max_steps={args.steps}",
             f"train.precision={args.precision}", f"train.log_every={interval}", f"checkpoint.every={args.steps}",
-            f"storage.path={tmp}/runs", "tracking.enabled=false",
         ])
         # Bare runs before and after the orchestrated one, so drift of a shared machine hits both sides.
         bare = bare_loop(data, cfg, args.steps, args.threads, interval)

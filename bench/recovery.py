@@ -28,6 +28,8 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+from _common import scratch_run  # noqa: E402
+
 from orchestrator import load_config, train  # noqa: E402
 from orchestrator.launch import TrainResult  # noqa: E402
 from pipelines.prepare import prepare_synthetic  # noqa: E402
@@ -35,8 +37,7 @@ from pipelines.prepare import prepare_synthetic  # noqa: E402
 
 def config(data: Path, runs: Path, steps: int, every: int, upload: str, log_every: int) -> Any:
     return load_config(None, [
-        f"data.train={data}/train", "data.val=null", "data.features=[features]", f"storage.path={runs}",
-        "tracking.enabled=false", "scaling.num_workers=2", "train.global_batch_size=256", "train.precision=fp32",
+        *scratch_run(data, runs), "scaling.num_workers=2", "train.global_batch_size=256", "train.precision=fp32",
         "model.hidden=[1024, 1024]", f"train.max_steps={steps}", f"train.log_every={log_every}",
         f"checkpoint.every={every}", f"checkpoint.upload={upload}", "checkpoint.keep=2", "failure.max_failures=2",
     ])

@@ -12,15 +12,17 @@ import argparse
 import statistics
 import tempfile
 
+from _common import scratch_run
+
 from orchestrator import load_config, train
 
 
 def measure(data: str, runs: str, sync: list[str], steps: int, hidden: int) -> dict[str, float]:
     cfg = load_config(None, [
-        f"data.train={data}/train", f"data.val={data}/val", "data.features=[features]", "data.cache=memory",
+        *scratch_run(data, runs, val=True), "data.cache=memory",
         f"model.hidden=[{hidden}, {hidden}]", "scaling.num_workers=2", "train.global_batch_size=256",
         f"train.max_steps={steps}", f"train.log_every={steps // 8}", f"train.eval_every={steps}",
-        f"checkpoint.every={steps}", "train.precision=fp32", f"storage.path={runs}", "tracking.enabled=false",
+        f"checkpoint.every={steps}", "train.precision=fp32",
         *sync,
     ])
     history = train(cfg, verbose=False).history

@@ -23,6 +23,8 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")  # reports cos
 os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+from _common import scratch_run  # noqa: E402
+
 from orchestrator import load_config, tune  # noqa: E402
 from pipelines.prepare import prepare_digits  # noqa: E402
 
@@ -30,9 +32,9 @@ from pipelines.prepare import prepare_digits  # noqa: E402
 def run_study(name: str, root: str, data: str, args: argparse.Namespace, scheduler: list[str]) -> tuple[float, int,
                                                                                                         float]:
     config = load_config(None, [
-        f"experiment={name}", f"data.train={data}/train", f"data.val={data}/val", f"storage.path={root}/runs",
-        "tracking.enabled=false", "scaling.num_workers=1", "model.hidden=[128]", f"train.max_steps={args.steps}",
-        "train.log_every=10", "train.eval_every=10", f"checkpoint.every={args.steps}",
+        f"experiment={name}", *scratch_run(data, f"{root}/runs", val=True), "scaling.num_workers=1",
+        "model.hidden=[128]", f"train.max_steps={args.steps}", "train.log_every=10", "train.eval_every=10",
+        f"checkpoint.every={args.steps}",
         f"tune.space.optim.lr.grid=[{args.lrs}]", f"tune.space.optim.warmup_steps.grid=[{args.warmups}]",
         "tune.num_samples=1", "tune.max_concurrent_trials=2", *scheduler])
     started = time.monotonic()
