@@ -16,8 +16,10 @@ from recording_model import read_runs
 
 from orchestrator.config import load_config
 from orchestrator.launch import TrainResult, train
+from orchestrator.trainer import RunFailedError
 from orchestrator.training.checkpoint import load_state
 from pipelines.datasets import inspect_datasets, replay_epochs, use_memory_cache
+from pipelines.order import shard_order
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +34,7 @@ def ray_cluster() -> Iterator[None]:
     """This module's local Ray instance: ../conftest.py's, with a small object store."""
     import ray
 
-    from orchestrator.launch import pin_state_api, shutdown_local_ray
+    from orchestrator.cluster import pin_state_api, shutdown_local_ray
 
     here = str(Path(__file__).parents[1])  # the test model modules must import in the workers
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [here, os.environ.get("PYTHONPATH")] if p)
@@ -44,11 +46,11 @@ def ray_cluster() -> Iterator[None]:
         shutdown_local_ray()
 
 
-def write_ids(out: Path, pad_bytes: int = 0) -> str:
-    """ROWS rows in SHARDS shards: an `id` feature (the recording model logs it), 4 more features, a label, and
+def write_ids(out: Path, pad_bytes: int = 0, rows: int = ROWS) -> str:
+    """`rows` rows in SHARDS shards: an `id` feature (the recording model logs it), 4 more features, a label, and
     optionally an unread `pad` column of incompressible bytes that only makes the files larger."""
     rng = np.random.default_rng(0)
-    for i, ids in enumerate(np.array_split(np.arange(ROWS), SHARDS)):
+    for i, ids in enumerate(np.array_split(np.arange(rows), SHARDS)):
         x = rng.normal(size=(len(ids), 4)).astype(np.float32)
         columns = {
             "id": pa.array(ids.astype(np.float32)),
@@ -72,9 +74,24 @@ def large_id_data(tmp_path_factory: pytest.TempPathFactory) -> str:
     return write_ids(tmp_path_factory.mktemp("large-ids"), pad_bytes=8 * 1024)
 
 
-def run(tmp: Path, data: str, name: str, *extra: str) -> TrainResult:
+# Rows that split unevenly: 2 ranks x 553 (the equal split leaves 1 out), each 11 micro-batches of 50 and 3 rows over.
+UNEVEN = 1107
+
+
+@pytest.fixture(scope="module")
+def uneven_id_data(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_ids(tmp_path_factory.mktemp("uneven-ids"), rows=UNEVEN)
+
+
+@pytest.fixture(scope="module")
+def large_uneven_id_data(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """UNEVEN rows in ~9 MiB of files: not small (see large_id_data)."""
+    return write_ids(tmp_path_factory.mktemp("large-uneven-ids"), pad_bytes=8 * 1024, rows=UNEVEN)
+
+
+def run(tmp: Path, data: str, name: str, *extra: str, resume: bool = False) -> TrainResult:
     record = tmp / name
-    record.mkdir()
+    record.mkdir(exist_ok=resume)  # a resumed run appends to the same record (its config must not change)
     return train(load_config(None, [
         f"data.train={data}", "data.val=null", "data.features=[id, x]", "data.cache=none", "data.shuffle_buffer=64",
         "scaling.num_workers=2", "train.global_batch_size=100", f"train.micro_batch_size={MICRO}",
@@ -82,7 +99,7 @@ def run(tmp: Path, data: str, name: str, *extra: str) -> TrainResult:
         "model.entrypoint=recording_model:build", f"model.out_dir={record}", f"model.rows={MICRO}",
         "optim.lr=0.01",
         f"storage.path={tmp}/runs", "tracking.enabled=false", *extra,
-    ]), verbose=False)
+    ]), verbose=False, resume=resume)
 
 
 def test_exactly_once_shuffled_per_epoch_and_exact_resume(ray_cluster: None, tmp_path: Path, id_data: str) -> None:
@@ -148,3 +165,84 @@ def test_memory_cache_of_data_not_replayed_reshuffles_per_epoch(ray_cluster: Non
             f"rank {rank} trained on the same order in two epochs: data.shuffle had no effect"
     # Deterministic per (seed, epoch): a second run, and a worker restarted mid-epoch, see the same order.
     assert_resumes_exactly(tmp_path, large_id_data, clean, ranks, *memory)
+
+
+def flat(calls: list[list[int]]) -> list[int]:
+    return [v for batch in calls for v in batch]
+
+
+def one_worker_order(data: str, epoch: int) -> list[int]:
+    """The ids of `data` in the shard order of `epoch` (train.seed 0), read from the files: what one worker
+    without a local shuffle buffer trains on in that epoch."""
+    info = inspect_datasets(load_config(None, [f"data.train={data}", "data.val=null", "data.features=[id, x]"]).data)
+    return [int(v) for obj in shard_order(info["train"].objects, 0, epoch)
+            for v in pq.read_table(Path(data, Path(obj.path).name), columns=["id"])["id"].to_pylist()]
+
+
+def test_resize_mid_epoch_trains_no_row_twice_and_starts_the_next_epoch(ray_cluster: None, tmp_path: Path,
+                                                                       id_data: str) -> None:
+    """2 workers, one killed in the middle of epoch 1 with no restart left (the run fails), resumed with `--resume`
+    at 1 worker (scaling.* may change on resume): the new group continues from the last checkpoint at the start of
+    epoch 2 (the rest of epoch 1 is not trained on), and trains every row of epoch 2 once."""
+    fixed = ("data.shuffle_buffer=null", "train.log_every=4", "checkpoint.every=4", "failure.max_failures=0",
+             f"model.marker={tmp_path}/marker", "model.after_calls=23")
+    with pytest.raises(RunFailedError):
+        run(tmp_path, id_data, "resize", *fixed)  # rank 0 dies before its micro-batch of step 22
+    assert (tmp_path / "marker").exists()
+    resumed = run(tmp_path, id_data, "resize", *fixed, "scaling.num_workers=1", resume=True)
+    assert {r["world_size"] for r in resumed.history} == {1}
+    (old0, new), (old1,) = read_runs(str(tmp_path / "resize"), 0), read_runs(str(tmp_path / "resize"), 1)
+    # The new group trains from the checkpoint's step to step 36, two micro-batches a step (50 x 2 x 1 worker =
+    # the global batch of 100). Rank 0's report at step 20 returned before it died, and Ray's result queue (one
+    # slot) took it only after the controller had consumed step 16's: the checkpoint is step 16's or 20's, both
+    # in the middle of epoch 1 (steps 13-24).
+    step = 3 * STEPS_PER_EPOCH - len(new) // 2
+    assert step in (16, 20) and len(new) == 2 * (3 * STEPS_PER_EPOCH - step), (step, len(new))
+    # What the checkpoint's model has trained on, per epoch: the old group's micro-batches up to `step` (one per
+    # step and rank), then the new group's, which must be epoch 2 in that epoch's order, then the start of epoch 3.
+    epoch2, epoch3 = one_worker_order(id_data, 2), one_worker_order(id_data, 3)
+    assert epoch2 != one_worker_order(id_data, 1)  # so the order tells epoch 2 from a restarted epoch 1
+    new_ids = flat(new)
+    assert new_ids[:ROWS] == epoch2, "the new group did not start at the beginning of epoch 2"
+    assert new_ids[ROWS:] == epoch3[:len(new_ids) - ROWS]
+    epochs = {0: flat(old0[:STEPS_PER_EPOCH]) + flat(old1[:STEPS_PER_EPOCH]),
+              1: flat(old0[STEPS_PER_EPOCH:step]) + flat(old1[STEPS_PER_EPOCH:step]),
+              2: new_ids[:ROWS], 3: new_ids[ROWS:]}
+    for e, ids in epochs.items():
+        assert len(set(ids)) == len(ids), f"epoch {e}: a row trained on twice"
+    assert sorted(epochs[0]) == sorted(epochs[2]) == list(range(ROWS))
+    assert len(epochs[1]) == 2 * MICRO * (step - STEPS_PER_EPOCH) < ROWS  # epoch 1 finished early
+    progress = load_state(resumed.checkpoint_path)["progress"]  # type: ignore[arg-type]
+    assert (progress["epoch"], progress["rows_in_epoch"]) == (3, len(epochs[3]))
+
+
+@pytest.mark.parametrize("replayed", [True, False], ids=["small-replayed", "large-streamed"])
+def test_memory_cache_exactly_once_per_epoch_with_remainder_rows(ray_cluster: None, tmp_path: Path,
+                                                                 request: pytest.FixtureRequest,
+                                                                 replayed: bool) -> None:
+    """`cache: memory` on rows that split unevenly (1107 = 2 x 553 + 1; 553 = 11 x 50 + 3), for small data that the
+    workers replay from their first pass and for data above the replay threshold that is streamed every epoch:
+    each epoch leaves out exactly the documented rows (the equal split's 1, each rank's incomplete last
+    micro-batch of 3) and trains every other row once."""
+    import ray
+
+    data = request.getfixturevalue("uneven_id_data" if replayed else "large_uneven_id_data")
+    memory = ("data.cache=memory", "data.shuffle_buffer=null")
+    cfg = load_config(None, [f"data.train={data}", "data.val=null", "data.features=[id, x]", *memory]).data
+    infos, store = inspect_datasets(cfg), ray.cluster_resources()["object_store_memory"]
+    assert use_memory_cache(cfg, infos, store) and replay_epochs(cfg, infos, store) == replayed
+
+    steps = 11  # full micro-batches per rank and epoch
+    run(tmp_path, data, "uneven", *memory, f"train.max_steps={3 * steps}")
+    ranks = [read_runs(str(tmp_path / "uneven"), r)[0] for r in (0, 1)]
+    assert [len(calls) for calls in ranks] == [3 * steps] * 2
+    documented = UNEVEN % 2 + 2 * (UNEVEN // 2 % MICRO)  # 1 + 2 x 3
+    for e in range(3):
+        per_rank = [flat(calls[e * steps:(e + 1) * steps]) for calls in ranks]
+        trained = per_rank[0] + per_rank[1]
+        assert len(set(trained)) == len(trained), f"epoch {e}: a row trained on twice"
+        assert set(trained) <= set(range(UNEVEN))
+        assert UNEVEN - len(trained) == documented, f"epoch {e}: {UNEVEN - len(trained)} rows left out"
+    for rank in (0, 1):
+        orders = [flat(ranks[rank][e * steps:(e + 1) * steps]) for e in range(3)]
+        assert orders[0] != orders[1] != orders[2] != orders[0], f"rank {rank}: an epoch repeated another's order"
