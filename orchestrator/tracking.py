@@ -1,9 +1,12 @@
-"""MLflow on the driver: one run per `orchestrator train`. A failing tracking call warns and never stops training."""
+"""MLflow on the driver: one run per `orchestrator train`. A failing tracking call warns and never stops training;
+a store that stops answering mid-run is warned about once, then skipped (tried again every OUTAGE_RETRY_S)."""
 
 from __future__ import annotations
 
 import math
 import os
+import threading
+import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,6 +19,9 @@ from orchestrator.errors import UserError
 # A dead tracking server would otherwise stall training for minutes (7 retries, 120 s timeout by default).
 _HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15",
                   "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
+# Once the store stops answering, calls are skipped (not each charged those retries) and one is tried again after
+# this long: a dead server costs one warning and a few seconds, not a stalled driver and a warning per report.
+OUTAGE_RETRY_S = 30.0
 
 
 class Tracker(Protocol):
@@ -66,6 +72,9 @@ class MlflowTracker:
         self.uri = resolve_uri(cfg.uri)
         self._client = MlflowClient(tracking_uri=self.uri)
         self._failed: set[str] = set()
+        self._lock = threading.Lock()  # calls come from the report thread and the driver's main thread
+        self._down_until: float | None = None  # while the store is unreachable: when to try it again
+        self._skipped = 0
         try:
             experiment = self._client.get_experiment_by_name(cfg.experiment)
             self.experiment_id = (experiment.experiment_id if experiment
@@ -80,14 +89,47 @@ class MlflowTracker:
                             f"{str(exc).splitlines()[0] if str(exc) else ''}): start the server, fix tracking.uri, "
                             "or set tracking.enabled=false") from None
 
-    def _safe(self, what: str, call: Any, *args: Any, **kwargs: Any) -> None:
+    def _safe(self, what: str, call: Any, *args: Any, force: bool = False, **kwargs: Any) -> None:
+        """Make one tracking call; a failure warns (once) and never raises. While the store is unreachable,
+        calls are skipped until OUTAGE_RETRY_S has passed; `force` tries anyway (the run's final status)."""
+        with self._lock:
+            if not force and self._down_until is not None and time.monotonic() < self._down_until:
+                self._skipped += 1
+                return
         try:
             call(*args, **kwargs)
         except Exception as exc:
-            if what not in self._failed:  # warn once per kind of call, not once per step
+            message = self._failure(what, exc)
+        else:
+            message = self._answered()
+        if message:
+            warnings.warn(message, stacklevel=3)
+
+    def _failure(self, what: str, exc: Exception) -> str | None:
+        """The warning to show for a failed call, or None when this failure was already reported."""
+        from mlflow.exceptions import RestException
+
+        detail = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
+        with self._lock:
+            if isinstance(exc, RestException):  # the store answered and refused this call: others still work
+                if what in self._failed:  # warn once per kind of call, not once per step
+                    return None
                 self._failed.add(what)
-                warnings.warn(f"MLflow {what} failed ({type(exc).__name__}: {exc}); training continues",
-                              stacklevel=2)
+                return f"MLflow {what} was refused by '{self.uri}' ({detail}); training continues"
+            first = self._down_until is None
+            self._down_until = time.monotonic() + OUTAGE_RETRY_S
+            if not first:  # still down: one warning per outage
+                return None
+        return (f"MLflow tracking at '{self.uri}' failed ({what}: {detail}); training continues without it, "
+                f"trying again every {OUTAGE_RETRY_S:.0f} s")
+
+    def _answered(self) -> str | None:
+        """After an outage, the note that the store answers again and how many calls were lost meanwhile."""
+        with self._lock:
+            if self._down_until is None:
+                return None
+            skipped, self._down_until, self._skipped = self._skipped, None, 0
+        return f"MLflow tracking at '{self.uri}' answers again; {skipped} tracking calls were skipped while it was down"
 
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
@@ -97,8 +139,6 @@ class MlflowTracker:
             self._safe("log_params", self._client.log_batch, self.run_id, params=batch[i:i + 100])
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        import time
-
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
@@ -115,7 +155,7 @@ class MlflowTracker:
         self._safe("log_artifact", self._client.log_artifact, self.run_id, str(path), artifact_path)
 
     def finish(self, status: str) -> None:
-        self._safe("set_terminated", self._client.set_terminated, self.run_id, status)
+        self._safe("set_terminated", self._client.set_terminated, self.run_id, status, force=True)
 
     def find_run(self, tags: dict[str, str]) -> str | None:
         """The newest run of this experiment carrying all `tags` (how a resumed study finds its trials' runs)."""

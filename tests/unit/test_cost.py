@@ -156,3 +156,23 @@ def test_time_blocked_in_reports_is_its_own_part_not_restarts() -> None:
     assert ledger.seconds["report"] == pytest.approx(12.0)
     assert ledger.seconds["restarts"] == pytest.approx(15.0)  # 65 - 20 (start-up) - 3 x 10 (intervals)
     assert "report 17%" in ledger.line()
+
+
+def test_elastic_run_is_billed_at_the_largest_world_size_it_reached() -> None:
+    from orchestrator.launch import _cost
+
+    # gpu_spot nodes hold one GPU each, so nodes = workers; 120 divides by every size from 2 to 6.
+    cfg = load_config(None, ["scaling.num_workers=[2, 6]", "train.global_batch_size=120", "scaling.use_gpu=true",
+                             "cost.node_type=gpu_spot"])
+    assert resolve_pricing(cfg).nodes == 2  # before any report: the group's minimum
+    grown = resolve_pricing(cfg, world_size=4)
+    assert grown.nodes == 4 and grown.description.startswith("4 x gpu_spot")
+    assert build_ledger([], 3600.0, grown).usd == pytest.approx(4 * 0.485)  # an hour of 4 spot nodes
+    # The driver takes the largest world size among the reports, not the first or the last.
+    history = [{**report(step, elapsed=10.0 * step), "world_size": world}
+               for step, world in ((10, 2), (20, 4), (30, 3))]
+    assert _cost(cfg, history, 400.0, failures=0).pricing.nodes == 4
+    # An explicit node count is what the user said the run holds, whatever the world size.
+    pinned = load_config(None, ["scaling.num_workers=[2, 6]", "train.global_batch_size=120", "scaling.use_gpu=true",
+                                "cost.node_type=gpu_spot", "cost.nodes=3"])
+    assert resolve_pricing(pinned, world_size=6).nodes == 3
