@@ -119,9 +119,14 @@ def test_elastic_group_grows_and_shrinks_across_nodes_with_a_constant_global_bat
     sizes = [r["world_size"] for r in result.history]
     changes = [b for a, b in zip(sizes, sizes[1:], strict=False) if a != b]
     assert sizes[0] == 1 and changes[:2] == [2, 1], sizes
-    # micro x accumulation x world = 64 at every size: accumulation 2 with one worker, 1 with two.
-    starts = [r for r in result.history if "global_batch" in r]
-    assert {r["global_batch"] for r in starts} == {64}
+    # 64 rows a step at every size, from what the workers ran, report by report: the micro-batch they actually
+    # cut (rows in the last step's micro-batches), their process group's size, and the accumulation each (re)start
+    # announced with its first report (the loop draws that many micro-batches per step): 32 x 2 x 1, 32 x 1 x 2.
+    accum = None
+    for r in result.history:
+        accum = r.get("grad_accum_steps", accum)
+        assert accum is not None and r["micro_batch_size"] * accum * r["world_size"] == 64, r
+    starts = [r for r in result.history if "grad_accum_steps" in r]
     assert {(r["world_size"], r["grad_accum_steps"]) for r in starts} == {(1, 2), (2, 1)}
 
     tags = MlflowClient(result.tracking_uri).get_run(result.run_id).data.tags

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
-from orchestrator.cli import build_parser
 from orchestrator.config import load_config
 from orchestrator.runs import latest_run, new_run, open_run_storage
 
@@ -33,10 +33,43 @@ def test_a_new_run_never_takes_an_existing_name(tmp_path: Path) -> None:
     assert second.name != first.name
 
 
-def test_train_takes_resume() -> None:
-    args = build_parser().parse_args(["train", "--resume"])
-    assert args.resume is True
-    assert build_parser().parse_args(["train"]).resume is False
+def test_train_takes_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`train --resume` reaches train(resume=True), which continues the newest run with its record and refuses a
+    config that trains something else; without it (or with no earlier run) a new run starts. No Ray: the run's
+    place is decided before any cluster is touched."""
+    from orchestrator import cli, launch
+    from orchestrator.config import to_yaml
+    from orchestrator.errors import ConfigError
+    from orchestrator.launch import _place_run
+
+    calls: list[bool] = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_train(config: object, address: str | None = None, verbose: bool = True, resume: bool = False) -> None:
+        calls.append(resume)
+        raise Stop  # nothing past the flag's hand-over is under test here
+
+    monkeypatch.setattr(launch, "train", fake_train)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # cli.main puts the working directory on it
+    for argv in (["train", "--resume"], ["train"]):
+        with pytest.raises(Stop):
+            cli.main([*argv, "--set", f"storage.path={tmp_path}"])
+    assert calls == [True, False]
+
+    sets = [f"storage.path={tmp_path}", "experiment=exp", "train.max_steps=40"]
+    config = load_config(None, sets)
+    place, record = _place_run(config, resume=True, verbose=False)  # no earlier run: a new one, no record
+    assert record is None and latest_run(open_run_storage(config), "exp") is None
+    place.write_text("config.yaml", to_yaml(config))  # what train() writes before it fits
+    place.write_record({"run_name": place.name, "mlflow_run_id": "abc"})
+    resumed, record = _place_run(load_config(None, [*sets, "train.log_every=5"]), resume=True, verbose=False)
+    assert resumed.name == place.name and record == {"run_name": place.name, "mlflow_run_id": "abc"}
+    fresh, record = _place_run(config, resume=False, verbose=False)
+    assert fresh.name != place.name and record is None
+    with pytest.raises(ConfigError, match=r"optim\.lr: 0\.003 -> 0\.1"):
+        _place_run(load_config(None, [*sets, "optim.lr=0.1"]), resume=True, verbose=False)
 
 
 def test_resume_refuses_a_config_that_trains_something_else(tmp_path: Path) -> None:

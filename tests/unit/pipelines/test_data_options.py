@@ -3,7 +3,7 @@ versioning, and the streaming reader over local shards."""
 
 from __future__ import annotations
 
-import time
+import os
 from pathlib import Path
 
 import numpy as np
@@ -145,7 +145,12 @@ def test_disk_cache_hits_refetches_changed_objects_and_evicts_lru(tmp_path: Path
     for obj in objs[:2]:
         assert pq.read_table(cache.open(storage, obj)).num_rows == 1000
     assert (cache.stats().misses, cache.stats().hits) == (2, 0)
-    time.sleep(0.02)
+    # The cache orders by the copies' mtimes: set them, so objs[0] is the older copy whatever the clock's
+    # resolution; only the hit's refresh can then make objs[1] the least recently used.
+    copies = [tmp_path / "cache" / "objects" / DiskCache._names(storage, obj)[1] for obj in objs[:2]]
+    assert all(c.exists() for c in copies)
+    os.utime(copies[0], (1_000_000_000, 1_000_000_000))
+    os.utime(copies[1], (1_000_000_100, 1_000_000_100))
     cache.open(storage, objs[0])  # a hit refreshes objs[0]: objs[1] is now least recently used
     cache.open(storage, objs[2])  # over the cap: evicts objs[1]
     stats = cache.stats()

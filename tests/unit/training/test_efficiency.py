@@ -11,7 +11,7 @@ import torch
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError
 from orchestrator.models import GPT
-from orchestrator.training.loop import Parts, loss_sum, run, train_step
+from orchestrator.training.loop import loss_sum, run, train_step
 from orchestrator.training.memory import (
     activation_bytes_per_sample,
     divisors_descending,
@@ -20,6 +20,7 @@ from orchestrator.training.memory import (
     state_bytes,
 )
 from orchestrator.training.optim import build_optimizer
+from orchestrator.training.parts import Parts
 from orchestrator.training.precision import Precision
 from orchestrator.training.timing import PhaseTimer, peak_flops
 
@@ -151,12 +152,30 @@ def test_mfu_with_a_configured_peak() -> None:
     assert peak_flops(CPU, 2.0) == 2e12 and peak_flops(CPU, None) is None
 
 
-def test_phase_timer_bills_time_to_phases() -> None:
-    timer = PhaseTimer(CPU)
+def test_phase_timer_bills_time_to_phases(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    from orchestrator.training import timing
+
+    # The timer's own clock, stepped by hand: exact seconds, whatever the scheduler does meanwhile.
+    now = [100.0]
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    timer = PhaseTimer(CPU)  # the interval starts at 100
+    now[0] = 101.0
     with timer.phase("eval"):
-        time.sleep(0.05)
-    shares = timer.shares()
-    assert shares["time/eval_frac"] > 0.8 and timer.training_seconds == 0
+        now[0] = 104.0  # 3 s of eval
+    with timer.phase("data_wait"):
+        now[0] = 105.0  # 1 s waiting for data
+    with timer.phase("eval"):
+        now[0] = 106.0  # 1 s more eval: phases accumulate
+    timer.add("compute", 2.0)  # measured elsewhere (train_step's per-piece timing)
+    now[0] = 110.0
+    assert dict(timer.seconds) == {"eval": 4.0, "data_wait": 1.0, "compute": 2.0}
+    shares = timer.shares()  # of the 10 s since the timer started, not of the time billed to phases
+    assert shares["time/eval_frac"] == pytest.approx(0.4) and shares["time/data_wait_frac"] == pytest.approx(0.1)
+    assert shares["time/compute_frac"] == pytest.approx(0.2) and shares["time/other_frac"] == pytest.approx(0.3)
+    assert sum(shares.values()) == pytest.approx(1.0)
+    assert timer.training_seconds == pytest.approx(3.0)  # compute + sync + data wait: never eval
 
 
 @pytest.mark.slow
