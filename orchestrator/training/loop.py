@@ -277,8 +277,8 @@ class Cadence:
 
     def __init__(self, cfg: Config, has_val: bool, preempted: Callable[[], bool] | None, device: torch.device
                  ) -> None:
-        self.t, self.ckpt, self.has_val, self.preempted, self.device = cfg.train, cfg.checkpoint, has_val, \
-            preempted, device
+        self.t, self.ckpt = cfg.train, cfg.checkpoint
+        self.has_val, self.preempted, self.device = has_val, preempted, device
         self.drain_saved = False
         self.last_saved = time.monotonic()  # for checkpoint.every_minutes
 
