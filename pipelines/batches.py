@@ -90,11 +90,16 @@ class EpochReplay:
     `reshuffle(epoch)` gives the seed of a later epoch's order: its rows are this rank's pass permuted, cut into
     micro-batches of the same size (epoch 0 is the pass as streamed). An epoch's order depends only on the pass and
     the seed, so a worker that starts inside a later epoch (a restart) reads the pass first and then hands out
-    exactly the batches an uninterrupted worker would have."""
+    exactly the batches an uninterrupted worker would have.
 
-    def __init__(self, keep: bool, reshuffle: Callable[[int], int] | None = None) -> None:
+    With `micro`, only whole micro-batches of that size are handed out, but the pass is kept whole: the rows of the
+    incomplete last micro-batch are left out of epoch 0 and drawn into later epochs' permutations like any other,
+    as streaming in a new shard order would."""
+
+    def __init__(self, keep: bool, reshuffle: Callable[[int], int] | None = None, micro: int | None = None) -> None:
         self.keep = keep
         self.reshuffle = reshuffle
+        self.micro = micro
         self.batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __call__(self, stream: Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]], epoch: int = 0
@@ -102,27 +107,35 @@ class EpochReplay:
         """The recorded pass in `epoch`'s order if there is one; else a new `stream()`, recorded when kept. A pass
         left unfinished (training ended mid-epoch) is not kept."""
         if not self.keep:
-            yield from stream()
+            yield from self._whole(stream())
             return
         if self.batches is None and (epoch == 0 or self.reshuffle is None):
             seen = []
             for batch in stream():
                 seen.append(batch)
-                yield batch
+                if self._is_whole(batch):
+                    yield batch
             self.batches = seen
             return
         if self.batches is None:
             self.batches = list(stream())
         yield from self._in_order_of(epoch)
 
+    def _is_whole(self, batch: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        return self.micro is None or len(batch[1]) == self.micro
+
+    def _whole(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
+               ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return (batch for batch in batches if self._is_whole(batch))
+
     def _in_order_of(self, epoch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         batches = self.batches or []
         if self.reshuffle is None or epoch == 0 or not batches:
-            return batches
+            return list(self._whole(batches))
         x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
         order = torch.randperm(len(x), generator=torch.Generator().manual_seed(self.reshuffle(epoch)))
-        size = len(batches[0][0])
-        return list(zip(x[order].split(size), y[order].split(size), strict=True))
+        size = self.micro or len(batches[0][0])
+        return list(self._whole(zip(x[order].split(size), y[order].split(size), strict=True)))
 
 
 class RankBatches:
@@ -138,7 +151,9 @@ class RankBatches:
         # Replayed only without a shuffle buffer (its order changes per epoch as it streams); with data.shuffle each
         # later epoch replays this rank's rows in a new order, seeded per (seed, epoch, rank).
         reshuffle = (lambda epoch: local_shuffle_seed(seed, epoch, rank)) if data.shuffle else None
-        self.replay_train = EpochReplay(keep=replay and not data.shuffle_buffer, reshuffle=reshuffle)
+        # Streamed whole, the incomplete last micro-batch included: EpochReplay hands out whole micro-batches only.
+        self.replay_train = EpochReplay(keep=replay and not data.shuffle_buffer, reshuffle=reshuffle,
+                                        micro=micro_batch_size)
         self.replay_val = EpochReplay(keep=replay)
 
     def train(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -155,8 +170,8 @@ class RankBatches:
         # Seeded per (seed, epoch, rank): a re-streamed epoch after a restart shuffles identically.
         seed = local_shuffle_seed(self.seed, epoch, self.rank) if self.data.shuffle_buffer else None
         # Every rank holds the same number of rows (equal split), so dropping the incomplete last micro-batch
-        # leaves equal batch counts on every rank and the collectives stay aligned.
-        return self._batches(self.train_shard, drop_last=True, shuffle_seed=seed)
+        # (EpochReplay does, with micro) leaves equal batch counts on every rank and the collectives aligned.
+        return self._batches(self.train_shard, drop_last=False, shuffle_seed=seed)
 
     def _batches(self, shard: Any, drop_last: bool, shuffle_seed: int | None = None
                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

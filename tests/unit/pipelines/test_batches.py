@@ -67,3 +67,20 @@ def test_later_epochs_replay_the_pass_reshuffled_and_a_restart_inside_one_gets_t
     # Without reshuffle every epoch is the streamed pass.
     plain = EpochReplay(keep=True)
     assert [[y.tolist() for _, y in plain(stream, e)] for e in range(2)] == [epochs[0], epochs[0]]
+
+
+def test_replayed_epochs_reach_the_rows_of_the_incomplete_last_micro_batch() -> None:
+    # 10 rows in micro-batches of 4: each epoch trains 8 rows and leaves 2 out. Streaming leaves out different rows
+    # each epoch (the shard order changes); a replay must too, or those rows are never trained.
+    rows = torch.arange(10)
+
+    def stream() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return list(split_batches([(rows[:, None].float(), rows)], 4, drop_last=False))
+
+    replay = EpochReplay(keep=True, reshuffle=lambda epoch: 1000 + epoch, micro=4)
+    epochs = [[b for b in replay(stream, epoch)] for epoch in range(6)]
+    assert [[int(i) for _, y in e for i in y] for e in epochs[:1]] == [list(range(8))]  # epoch 0 as streamed
+    for batches in epochs:
+        ids = [int(i) for _, y in batches for i in y]
+        assert [len(y) for _, y in batches] == [4, 4] and len(set(ids)) == 8  # whole micro-batches, no row twice
+    assert {int(i) for e in epochs[1:] for _, y in e for i in y} == set(range(10))  # 8 and 9 are trained too
