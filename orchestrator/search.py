@@ -4,6 +4,7 @@ trial trains with, and how many trials fit the cluster. Pure Python: Ray Tune is
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.errors import ConfigError
@@ -101,11 +102,17 @@ def check_study(config: Config) -> None:
                               "tune.scheduler=fifo")
     from orchestrator.models import check_model_options
 
+    check_extremes(config, lambda trial: check_model_options(trial.model))
+
+
+def check_extremes(config: Config, check: Callable[[Config], object]) -> None:
+    """`check` on the config of a trial at each end of every searched range (at every listed value); a ConfigError
+    from it, or from building that config, names the searched key and value."""
     tree = user_tree(config)
-    for key, domain in found.items():
+    for key, domain in domains(config).items():
         for value in domain.extremes():
             try:
-                check_model_options(trial_config(tree, {key: value}).model)
+                check(trial_config(tree, {key: value}))
             except ConfigError as exc:
                 raise ConfigError(f"tune.space.{key}: a trial with {key}={value!r} would be invalid ({exc}); "
                                   "narrow the range") from None

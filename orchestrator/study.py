@@ -26,6 +26,7 @@ from orchestrator.errors import ConfigError, UserError
 from orchestrator.runs import RunPlace, open_run_storage
 from orchestrator.search import (
     check_capacity,
+    check_extremes,
     check_study,
     domains,
     max_concurrent,
@@ -288,11 +289,11 @@ def check_rank_by(config: Config) -> None:
                           "makes sense for a metric to maximise: use a metric such as val_accuracy, or rank_by=metric")
 
 
-def check_trials(config: Config, base: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo]) -> None:
+def check_trials(config: Config, base: Config, infos: dict[str, DatasetInfo]) -> None:
     """What only the data decides (epochs -> steps; the warmup and ASHA's grace period against them) and each
     trial's own nodes and price, for every searched value at its extremes: fails here, not in a trial or after
     the study. `base` is `config` resolved for the data."""
-    from orchestrator.trials import trial_pricing
+    from orchestrator.cost import resolve_pricing
 
     steps, grace = base.train.max_steps or 0, config.tune.asha[0]
     # check_study compares a given train.max_steps; epochs make theirs here. Ray's ASHAScheduler would assert.
@@ -300,13 +301,7 @@ def check_trials(config: Config, base: Config, tree: dict[str, Any], infos: dict
         raise ConfigError(f"tune.grace_period={grace} is not below the run's {steps} optimizer steps (train.epochs="
                           f"{config.train.epochs:g}): ASHA could never stop a trial early; lower it, train longer, "
                           "or set tune.scheduler=fifo")
-    for key, domain in domains(config).items():
-        for value in domain.extremes():
-            try:
-                trial_pricing(tree, {key: value}, infos)
-            except ConfigError as exc:
-                raise ConfigError(f"tune.space.{key}: a trial with {key}={value!r} would be invalid ({exc}); "
-                                  "narrow the range") from None
+    check_extremes(config, lambda trial: resolve_pricing(resolve_for_data(trial, infos)))
 
 
 def tune(config: Config, address: str | None = None, fresh: bool = False, verbose: bool = True) -> TuneResult:
@@ -320,7 +315,7 @@ def tune(config: Config, address: str | None = None, fresh: bool = False, verbos
     base = resolve_for_data(config, infos)
     resolve_pricing(base)  # before any trial: an unknown node type is a config error
     tree = user_tree(config)
-    check_trials(config, base, tree, infos)
+    check_trials(config, base, infos)
     study = study_name(config)
     place = RunPlace(open_run_storage(config), study)
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")

@@ -136,10 +136,10 @@ def test_what_the_data_decides_is_checked_for_every_trial_before_any_starts(over
     cfg = load_config(None, ["train.epochs=1", "optim.warmup_steps=5", "scaling.use_gpu=true", *overrides])
     check_study(cfg)  # nothing to see without the data
     with pytest.raises(ConfigError) as info:
-        check_trials(cfg, resolve_for_data(cfg, infos), user_tree(cfg), infos)
+        check_trials(cfg, resolve_for_data(cfg, infos), infos)
     assert message in str(info.value)
     fine = load_config(None, ["train.epochs=1", "optim.warmup_steps=5", "tune.grace_period=4", LR])
-    check_trials(fine, resolve_for_data(fine, infos), user_tree(fine), infos)
+    check_trials(fine, resolve_for_data(fine, infos), infos)
 
 
 def test_best_yaml_loads_unchanged_with_the_best_values(tmp_path: Path) -> None:
