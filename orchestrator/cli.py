@@ -104,8 +104,10 @@ def run_command(args: argparse.Namespace) -> int:
         return 0
 
     from orchestrator.launch import summary, train
+    from orchestrator.startup import process_started_at
 
-    print(summary(train(config, address=args.address, resume=args.resume)))
+    # The clock starts with this process, as a stopwatch around the command would.
+    print(summary(train(config, address=args.address, resume=args.resume, started_at=process_started_at())))
     return 0
 
 

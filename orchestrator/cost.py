@@ -18,13 +18,14 @@ from typing import Any
 from orchestrator.config import Config, CostConfig, read_yaml_mapping
 from orchestrator.errors import ConfigError
 
-# Ledger parts, in display order. `productive` is compute + gradient/parameter sync: the training itself.
-# `report` is time the workers spent blocked in Ray Train's report (a barrier that also waits for the controller).
-PARTS = ("productive", "startup", "restarts", "data_wait", "eval", "checkpoint", "report", "other", "shutdown")
-_LABELS = {"productive": "productive", "startup": "start-up", "restarts": "restarts", "data_wait": "data wait",
-           "eval": "eval", "checkpoint": "checkpoint", "report": "report", "other": "other", "shutdown": "shutdown"}
-_PHASE_PART = {"compute": "productive", "sync": "productive", "data_wait": "data_wait", "eval": "eval",
-               "checkpoint": "checkpoint", "report": "report", "other": "other"}
+# Ledger parts, in display order; they add up to the wall clock. Compute + sync is the training itself
+# (`productive`); `report` is time the workers spent blocked registering checkpoints with Ray Train.
+PARTS = ("startup", "compute", "sync", "data_wait", "eval", "checkpoint", "report", "other", "restarts", "shutdown")
+PRODUCTIVE = ("compute", "sync")
+_LABELS = {"startup": "start-up", "compute": "compute", "sync": "sync", "data_wait": "data wait", "eval": "eval",
+           "checkpoint": "checkpoint", "report": "report", "other": "other", "restarts": "restarts",
+           "shutdown": "shutdown"}
+_PHASES = ("compute", "sync", "data_wait", "eval", "checkpoint", "report", "other")
 
 
 @dataclass(frozen=True)
@@ -98,12 +99,14 @@ class Ledger:
         return None if price is None else self.node_hours * price
 
     def frac(self, part: str) -> float:
+        if part == "productive":
+            return sum(self.frac(p) for p in PRODUCTIVE)
         return self.seconds.get(part, 0.0) / self.wall_s if self.wall_s > 0 else 0.0
 
     def metrics(self) -> dict[str, float]:
         """MLflow metrics: cost/usd, cost/productive_usd, cost/overhead_usd, cost/node_hours, cost/<part>_frac."""
         out = {"cost/wall_s": self.wall_s, "cost/node_hours": self.node_hours, "cost/nodes": float(self.pricing.nodes)}
-        out |= {f"cost/{part}_frac": self.frac(part) for part in PARTS}
+        out |= {f"cost/{part}_frac": self.frac(part) for part in (*PARTS, "productive")}
         usd = self.usd
         if usd is not None:
             out |= {"cost/usd": usd, "cost/usd_per_node_hour": float(self.pricing.usd_per_node_hour or 0.0),
@@ -111,14 +114,22 @@ class Ledger:
                     "cost/overhead_usd": usd * (1 - self.frac("productive"))}
         return out
 
+    def time_line(self) -> str:
+        """'time: 31.2 s | start-up 40% | compute 31% | sync 4% | data wait 2% | ... | shutdown 6%': the wall clock
+        from the command's start to its end, every part of it."""
+        shares = [f"{_LABELS[p]} {self.frac(p):.0%}" for p in PARTS if p in PRODUCTIVE or self.frac(p) >= 0.005]
+        return " | ".join([f"time: {self.wall_s:.1f} s", *shares])
+
     def line(self) -> str:
-        """'cost: $0.0183 for 0.0022 node-hours (2 x gpu_a100 ...) | productive 41% | start-up 35% | ...'"""
+        """'cost: $0.0183 for 0.0022 node-hours (2 x gpu_a100 ...) | productive 41% ($0.0075)'"""
         usd = self.usd
         head = (f"cost: ${usd:.4f}" if usd is not None else "cost: unpriced (set cost.node_type or "
                 "cost.price_per_hour)") + f" for {self.node_hours:.4f} node-hours ({self.pricing.description}, " \
                                           f"{self.wall_s:.0f} s)"
-        shares = [f"{_LABELS[p]} {self.frac(p):.0%}" for p in PARTS if p == "productive" or self.frac(p) >= 0.005]
-        return " | ".join([head, *shares])
+        productive = f"productive {self.frac('productive'):.0%}"
+        if usd is not None:
+            productive += f" (${usd * self.frac('productive'):.4f})"
+        return f"{head} | {productive}"
 
 
 def build_ledger(history: list[dict[str, Any]], wall_s: float, pricing: Pricing, failures: int = 0,
@@ -136,9 +147,8 @@ def build_ledger(history: list[dict[str, Any]], wall_s: float, pricing: Pricing,
     first, last = timed[0], timed[-1]
     seconds["startup"] = max(0.0, first[elapsed_key] - first["interval_s"])
     for report in kept:
-        shares = {phase: report.get(f"time/{phase}_frac", 0.0) for phase in _PHASE_PART}
-        for phase, share in shares.items():
-            seconds[_PHASE_PART[phase]] += share * report["interval_s"]
+        for phase in _PHASES:
+            seconds[phase] += report.get(f"time/{phase}_frac", 0.0) * report["interval_s"]
     # Between the first interval's start and the last report, what the kept intervals do not cover: report
     # transport in a healthy run, restarts (gap + redone steps) after a failure.
     gap = max(0.0, last[elapsed_key] - seconds["startup"] - sum(r["interval_s"] for r in kept))
@@ -163,6 +173,7 @@ def study_metrics(ledgers: list[Ledger]) -> dict[str, float]:
         for part in PARTS:
             out[f"cost/{part}_frac"] = sum(ledger.seconds.get(part, 0.0) * ledger.pricing.nodes
                                            for ledger in ledgers) / wall
+        out["cost/productive_frac"] = sum(out[f"cost/{part}_frac"] for part in PRODUCTIVE)
     usds = [ledger.usd for ledger in ledgers]
     if all(u is not None for u in usds):
         total = sum(u for u in usds if u is not None)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import tempfile
 import time
@@ -11,10 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.cluster import connect_ray, shutdown_local_ray
+from orchestrator.cluster import connect_ray, set_train_defaults, shutdown_local_ray
 from orchestrator.config import Config, flatten, to_dict, to_yaml
 from orchestrator.errors import ConfigError
 from orchestrator.runs import RUN_CONFIG, RunPlace, latest_run, new_run, open_run_storage
+from orchestrator.startup import StartupClock
 from orchestrator.tracking import Tracker, closed_on_error, start_tracker, ui_command
 from orchestrator.trainer import RunFailedError, build_run, resolve_for_data, root_cause
 from pipelines.datasets import inspect_datasets
@@ -56,19 +56,22 @@ def _log_final_artifacts(tracker: Tracker, config: Config, checkpoint_path: str 
             tracker.log_artifact(plot_history(history, Path(tmp) / "learning_curves.png"), "plots")
 
 
-def train(config: Config, address: str | None = None, verbose: bool = True, resume: bool = False) -> TrainResult:
+def train(config: Config, address: str | None = None, verbose: bool = True, resume: bool = False,
+          started_at: float | None = None) -> TrainResult:
     """Run one distributed training job and return its result. Raises UserError subclasses on bad input.
     With `resume`, continue the latest run of this experiment in storage (its Ray Train run from the latest
-    checkpoint, and its MLflow run); without an earlier run, start a new one."""
+    checkpoint, and its MLflow run); without an earlier run, start a new one. `started_at` (epoch seconds, the
+    CLI passes its process start) is where the start-up breakdown and the cost ledger's clock begin."""
     from orchestrator.cost import resolve_pricing
 
-    t0 = time.monotonic()  # the cost ledger bills from here: start-up includes Ray and data set-up
+    clock = StartupClock(started_at or time.time())
+    clock.mark("command")
     infos = inspect_datasets(config.data)  # before any cluster resource is taken
     config = resolve_for_data(config, infos)
     resolve_pricing(config)  # an unknown node type fails now, not after training
     place, record = _place_run(config, resume, verbose)
     run_name, run_dir = place.name, place.uri
-    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # otherwise worker prints appear twice
+    clock.mark("data inspection")
 
     tracker = start_tracker(config.tracking, run_name, run_id=_reopen_id(config, record))
     if record:
@@ -78,8 +81,11 @@ def train(config: Config, address: str | None = None, verbose: bool = True, resu
     place.write_text(RUN_CONFIG, to_yaml(config))
     place.write_record({"run_name": run_name, "mlflow_run_id": tracker.run_id,
                         "tracking_uri": getattr(tracker, "uri", None)})
+    clock.mark("tracking")
     with closed_on_error(tracker):
+        set_train_defaults()
         started_ray = connect_ray(address, config)
+        clock.mark("ray start")
         try:
             import ray
 
@@ -87,10 +93,13 @@ def train(config: Config, address: str | None = None, verbose: bool = True, resu
             missing = config.scaling.shortfall(ray.cluster_resources()) if started_ray else None
             if missing:
                 raise ConfigError(f"this run needs {missing}")
-            result = _fit(config, infos, place, tracker, verbose, t0)
+            result, failures = _fit(config, infos, place, tracker, verbose, clock)
         finally:
             if started_ray:
                 shutdown_local_ray()
+        # Billed from the command's start to now, Ray's shutdown included: what the user's stopwatch shows.
+        result.cost = _cost(config, result.history, clock.since_start(), failures)
+        tracker.log_metrics(result.cost.metrics(), step=result.history[-1]["step"] if result.history else 0)
     tracker.finish("FINISHED")
     return result
 
@@ -143,40 +152,46 @@ def _reopen_id(config: Config, record: dict[str, Any] | None) -> str | None:
 
 
 def _fit(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, tracker: Tracker,
-         verbose: bool, t0: float | None = None) -> TrainResult:
+         verbose: bool, clock: StartupClock) -> tuple[TrainResult, int]:
+    """Fit the run while a driver thread shows and tracks its metrics; the result and how many worker failures
+    Ray Train restarted from."""
     import ray
     import ray.train
     from ray.util.queue import Queue
 
-    from orchestrator.progress import ForwardReports, ReportConsumer, progress_line
+    from orchestrator.progress import ForwardFailures, ReportConsumer, progress_line
 
     total = config.train.max_steps or 0
     history: list[dict[str, Any]] = []
-    started = time.monotonic()
-    t0 = started if t0 is None else t0
     failures: list[float] = []
 
     def handle(report: dict[str, Any]) -> None:
         if report.get("event") == "worker_failure":
-            failures.append(time.monotonic() - t0)
+            failures.append(clock.since_start())
             print(f"worker {report['rank']} failed: {report['error']} (restarting from the last checkpoint)",
                   file=sys.stderr)
             step = history[-1]["step"] if history else 0
             tracker.set_tags({f"orchestrator.failure.{len(failures)}": f"after step {step}: {report['error']}"})
             return
+        if clock.take_worker_marks(report):
+            tracker.log_metrics(clock.metrics(), step=report["step"])
+            if verbose:
+                print(clock.line(), flush=True)
         for tag, line in _events(history[-1] if history else None, report, len(history)):
             tracker.set_tags(tag)
             print(line, file=sys.stderr)
-        report["elapsed_s"] = time.monotonic() - t0  # when it arrived: the cost ledger's timeline
+        report["elapsed_s"] = clock.since_start()  # when it arrived: the cost ledger's timeline
         history.append(report)
         tracker.log_metrics(report, step=report["step"])
         if "precision" in report:
             tracker.set_tags({"orchestrator.precision": report["precision"]})
         if verbose:
-            print(progress_line(report, total, started), flush=True)
+            print(progress_line(report, total, config.train.global_batch_size), flush=True)
 
+    # Rank 0 puts its metrics on this queue itself (no barrier); the controller adds worker failures.
     queue = Queue(actor_options={"num_cpus": 0})
-    trainer = build_run(config, infos, place, [ForwardReports(queue)])
+    trainer = build_run(config, infos, place, [ForwardFailures(queue)], queue)
+    clock.mark("datasets")
     try:
         with ReportConsumer(queue, handle):
             result = trainer.fit()
@@ -187,12 +202,10 @@ def _fit(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, tracker
     if history:
         tracker.log_metrics(run_summary(history), step=history[-1]["step"])
     _log_final_artifacts(tracker, config, checkpoint_path, history, result.checkpoint)
-    ledger = _cost(config, history, time.monotonic() - t0, len(failures))
-    tracker.log_metrics(ledger.metrics(), step=history[-1]["step"] if history else 0)
     return TrainResult(
         config=config, metrics=dict(result.metrics or {}), checkpoint_path=checkpoint_path, run_dir=place.uri,
-        run_id=tracker.run_id, tracking_uri=getattr(tracker, "uri", None), history=history, cost=ledger,
-    )
+        run_id=tracker.run_id, tracking_uri=getattr(tracker, "uri", None), history=history,
+    ), len(failures)
 
 
 def _remove_unregistered_checkpoints(result: Any) -> None:
@@ -220,47 +233,42 @@ def _cost(config: Config, history: list[dict[str, Any]], wall_s: float, failures
 
 
 def run_summary(history: list[dict[str, Any]]) -> dict[str, float]:
-    """Whole-run figures from the reports: mean time shares, median throughput and MFU, compile time."""
-    import statistics
-
+    """Whole-run figures from the reports: throughput and MFU over the wall clock of the training (every interval,
+    reports and checkpoints included; a step redone after a restart counts once), time shares, compile time."""
+    kept = list({int(r["step"]): r for r in history if "interval_s" in r}.values())
+    seconds = sum(r["interval_s"] for r in kept)
     summary: dict[str, float] = {}
-    keys = {k for report in history for k in report if k.startswith("time/")}
-    for key in sorted(keys):
-        summary[f"summary/{key}"] = statistics.fmean(r.get(key, 0.0) for r in history)
-    for key in ("samples_per_s", "tokens_per_s", "mfu", "data_wait_frac"):
-        values = [r[key] for r in history if key in r]
-        if values:
-            summary[f"summary/{key}"] = statistics.median(values)
+    if seconds > 0:
+        for key in sorted({k for r in kept for k in r if k.startswith("time/")}):
+            summary[f"summary/{key}"] = sum(r.get(key, 0.0) * r["interval_s"] for r in kept) / seconds
+        summary["summary/samples_per_s"] = sum(r["samples_per_s"] * r["interval_s"] for r in kept) / seconds
+        if all("tokens_per_s" in r for r in kept):
+            summary["summary/tokens_per_s"] = sum(r["tokens_per_s"] * r["interval_s"] for r in kept) / seconds
+        if all("mfu" in r for r in kept):
+            summary["summary/mfu"] = sum(r["mfu"] * r["interval_s"] for r in kept) / seconds
+        summary["summary/data_wait_frac"] = summary.get("summary/time/data_wait_frac", 0.0)
     if any("compile_s" in r for r in history):
         summary["summary/compile_s"] = sum(r.get("compile_s", 0.0) for r in history)
     return summary
 
 
-def breakdown_line(summary: dict[str, float]) -> str:
-    """'time: compute 71% | sync 4% | data wait 2% | eval 6% | checkpoint 3% | report 1% | other 13%'"""
-    names = [("compute", "compute"), ("sync", "sync"), ("data_wait", "data wait"), ("eval", "eval"),
-             ("checkpoint", "checkpoint"), ("report", "report"), ("other", "other")]
-    parts = [f"{label} {summary[f'summary/time/{key}_frac']:.0%}" for key, label in names
-             if f"summary/time/{key}_frac" in summary]
-    return "time: " + " | ".join(parts) if parts else ""
-
-
 def summary(result: TrainResult) -> str:
-    """The lines printed after a run: final accuracy, where things are, and how to look at them."""
+    """The lines printed after a run: final accuracy, where the time went, where things are, how to look at them."""
     m = result.metrics
     lines = [f"finished {result.config.experiment}: step {m.get('step')}, "
              f"train loss {m.get('train_loss', float('nan')):.4f}"]
     if "val_accuracy" in m:
         lines.append(f"final validation accuracy: {m['val_accuracy']:.4f} (val loss {m['val_loss']:.4f})")
+    if result.cost is not None:
+        lines.append(result.cost.time_line())
     if result.history:
         figures = run_summary(result.history)
-        lines.append(breakdown_line(figures))
         throughput = f"throughput: {figures.get('summary/samples_per_s', 0):,.0f} samples/s"
         if "summary/tokens_per_s" in figures:
             throughput += f", {figures['summary/tokens_per_s']:,.0f} tokens/s"
         if "summary/mfu" in figures:
             throughput += f", MFU {figures['summary/mfu']:.1%}"
-        lines.append(throughput)
+        lines.append(throughput + " over the training's wall clock (first step to last)")
     if result.cost is not None:
         lines.append(result.cost.line())
     lines.append(f"checkpoint: {result.checkpoint_path}")

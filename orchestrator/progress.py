@@ -1,14 +1,14 @@
-"""Reports travel from the Ray Train controller to the driver, which prints progress and logs them to MLflow.
+"""Metrics reach the driver, which prints progress and logs them to MLflow.
 
-Train V2 runs user callbacks inside the controller actor, so the callback only forwards rank 0's metrics through
-a Ray queue; printing and MLflow stay in the driver process.
+Rank 0 puts each interval's metrics on a Ray queue itself (training/reporting.py), and the driver drains it in a
+thread while `fit()` blocks. Ray Train's controller adds what only it sees, a worker's failure, through a user
+callback (Train V2 runs those in the controller actor, so the callback only forwards).
 """
 
 from __future__ import annotations
 
 import sys
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -16,15 +16,11 @@ from ray.train import UserCallback
 from ray.util.queue import Empty, Queue
 
 
-class ForwardReports(UserCallback):
-    """Runs in the controller: puts each report (rank 0's metrics + checkpoint path) on the queue."""
+class ForwardFailures(UserCallback):
+    """Runs in the controller: puts each worker failure (the lowest failed rank and its error) on the queue."""
 
     def __init__(self, queue: Queue) -> None:
         self.queue = queue
-
-    def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
-        if metrics:
-            self.queue.put({**metrics[0], "checkpoint_path": checkpoint.path if checkpoint else None})
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
         rank, exc = next(iter(sorted(worker_exceptions.items())))
@@ -36,16 +32,17 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def progress_line(report: dict[str, Any], total_steps: int, started: float) -> str:
-    """'step 50/300 | loss 0.4120 | lr 2.9e-03 | 12,345 samples/s | data wait 2% | val acc 0.912 | eta 0:00:21'"""
+def progress_line(report: dict[str, Any], total_steps: int, global_batch: int) -> str:
+    """'step 50/300 | loss 0.4120 | lr 2.9e-03 | 12,345 samples/s | data wait 2% | val acc 0.912 | eta 0:00:21'
+    The ETA is the steps left at this interval's wall-clock rate."""
     step = report["step"]
-    elapsed = time.monotonic() - started
-    eta = elapsed / max(step, 1) * (total_steps - step)
+    rate = report["samples_per_s"]
+    eta = (total_steps - step) * global_batch / rate if rate > 0 else 0.0
     parts = [
         f"step {step}/{total_steps}",
         f"loss {report['train_loss']:.4f}",
         f"lr {report['lr']:.1e}",
-        f"{report['samples_per_s']:,.0f} samples/s",
+        f"{rate:,.0f} samples/s",
         f"data wait {report['data_wait_frac']:.0%}",
     ]
     if "val_accuracy" in report:

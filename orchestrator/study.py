@@ -2,8 +2,8 @@
 
 The study is named from the experiment (`<experiment>-tune`) and lives at `<storage.path>/<study>`: running the
 same command again continues it (Tuner.restore) unless `fresh`. Each trial is a Tune function trainable that builds
-and fits its own TorchTrainer, forwarding rank 0's reports to Tune (the Train V2 pattern; `Tuner(TorchTrainer)`
-is not supported). MLflow holds one parent run per study and one child run per trial (see trials.py).
+and fits its own TorchTrainer and hands rank 0's metrics to Tune (the Train V2 pattern; `Tuner(TorchTrainer)` is
+not supported). MLflow holds one parent run per study and one child run per trial (see trials.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from orchestrator.cluster import connect_ray, shutdown_local_ray
+from orchestrator.cluster import connect_ray, set_train_defaults, shutdown_local_ray
 from orchestrator.config import Config, flatten, to_dict, to_yaml
 from orchestrator.errors import ConfigError, UserError
 from orchestrator.runs import RunPlace, open_run_storage
@@ -55,7 +55,6 @@ class TrialSummary:
     steps: int
     metric: float | None
     history: list[dict[str, Any]] = field(default_factory=list)
-    checkpoint_path: str | None = None
     cost: Any = None  # orchestrator.cost.Ledger of the trial's run
 
     @property
@@ -92,21 +91,42 @@ def _trials(study: RunPlace) -> Storage:
 
 def _run_trial(params: dict[str, Any], *, tree: dict[str, Any], infos: dict[str, DatasetInfo],
                trials: Storage) -> None:
-    """The Tune trainable, run in the trial's actor: one TorchTrainer whose reports go to Tune.
+    """The Tune trainable, run in the trial's actor: one TorchTrainer, fitted in a thread while this one hands
+    rank 0's metrics to Tune as they arrive (they come straight from rank 0, not through Ray Train's report).
 
     Its Train run is named by the trial id under `trials`, so a trial restarted by a resumed study continues
     from its own latest checkpoint."""
+    import threading
+
     import ray.train
     from ray import tune as ray_tune
-    from ray.tune.integration.ray_train import TuneReportCallback
+    from ray.util.queue import Empty, Queue
 
+    set_train_defaults()  # this actor builds the trial's TorchTrainer: Ray passes them on from here
     config = resolve_for_data(trial_config(tree, {**params, "storage.path": trials.uri}), infos)
     trial_id = ray_tune.get_context().get_trial_id()
-    trainer = build_run(config, infos, RunPlace(trials, trial_id), [TuneReportCallback()])
-    try:
-        trainer.fit()
-    except ray.train.TrainingFailedError as exc:
-        raise RunFailedError(f"trial {trial_id} failed: {root_cause(exc)}") from None
+    queue = Queue(actor_options={"num_cpus": 0})
+    trainer = build_run(config, infos, RunPlace(trials, trial_id), [], queue)
+    failed: list[BaseException] = []
+
+    def fit() -> None:
+        try:
+            trainer.fit()
+        except BaseException as exc:  # handed to the trial's thread, which raises it
+            failed.append(exc)
+
+    thread = threading.Thread(target=fit, name="orchestrator-trial-fit", daemon=True)
+    thread.start()
+    # Until fit() is done and its last metrics are in (the workers send theirs before they return).
+    while thread.is_alive() or not queue.empty():
+        try:
+            ray_tune.report(queue.get(timeout=0.5))
+        except Empty:
+            continue
+    if failed:
+        if isinstance(failed[0], ray.train.TrainingFailedError):
+            raise RunFailedError(f"trial {trial_id} failed: {root_cause(failed[0])}") from None
+        raise failed[0]
 
 
 def best_yaml(tree: dict[str, Any], params: dict[str, Any], header: str = "") -> str:
@@ -256,7 +276,7 @@ def _summaries(grid: Any, tree: dict[str, Any], infos: dict[str, DatasetInfo], m
             trial_id=str(last.get("trial_id") or Path(result.path).name), params=params,
             status=trial_status(last, max_steps, errored=result.error is not None),
             steps=int(last.get("step", 0)), metric=last.get(metric), history=history,
-            checkpoint_path=last.get("checkpoint_path"), cost=ledger,
+            cost=ledger,
         ))
     return trials
 
@@ -318,7 +338,7 @@ def tune(config: Config, address: str | None = None, fresh: bool = False, verbos
     check_trials(config, base, infos)
     study = study_name(config)
     place = RunPlace(open_run_storage(config), study)
-    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    set_train_defaults()
     # Validation metrics arrive only at eval steps; Tune would otherwise fail every report without one.
     # check_study has already made sure the loop reports the metric.
     os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"

@@ -104,9 +104,10 @@ def _worker_env(config: Config) -> dict[str, str]:
     return {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
 
-def build_run(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, callbacks: list[Any]) -> Any:
+def build_run(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, callbacks: list[Any],
+              metrics_queue: Any) -> Any:
     """Datasets and TorchTrainer for one run, in this process's Ray Data context (the driver for `train`, the
-    trial actor for each Tune trial)."""
+    trial actor for each Tune trial). Rank 0 puts its metrics on `metrics_queue` (a ray.util.queue.Queue)."""
     import ray
     from ray.data import DataContext
 
@@ -118,7 +119,7 @@ def build_run(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, ca
     in_features = infos["train"].feature_dim - (1 if config.data.label is None else 0)
     store_bytes = ray.cluster_resources().get("object_store_memory", 0)
     spec = {"config": to_dict(config), "in_features": in_features, "epoch_clock": clock,
-            "replay_epochs": replay_epochs(config.data, infos, store_bytes)}
+            "replay_epochs": replay_epochs(config.data, infos, store_bytes), "metrics_queue": metrics_queue}
     context = DataContext.get_current()
     context.execution_options.preserve_order = True
     context.print_on_execution_start = False  # one log line per epoch per dataset otherwise

@@ -1,5 +1,5 @@
 """The training loop, readable top to bottom: `train_step` (one optimizer step) and `run` (steps, eval, reports,
-checkpoints). It knows nothing of Ray: the caller passes batch sources and a `report` function, so tests run it
+checkpoints). It knows nothing of Ray: the caller passes batch sources and a `Reporter`, so tests run it
 in-process."""
 
 from __future__ import annotations
@@ -31,10 +31,15 @@ from orchestrator.training.timing import PhaseTimer, count_flops, peak_flops
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-class ReportFn(Protocol):
-    """Called on every rank at the same steps (it is a barrier). `checkpoint_dir` is set on rank 0 only."""
+class Reporter(Protocol):
+    """Where reports go. Both are called on every rank at the same steps."""
 
-    def __call__(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None: ...
+    def publish(self, metrics: dict[str, Any]) -> None:
+        """Every report step: the interval's metrics to whoever watches the run, without waiting for anyone (no
+        barrier: a report step must cost no more than the steps between two)."""
+
+    def checkpoint(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
+        """Checkpoint steps only: register the checkpoint (a barrier); `checkpoint_dir` is set on rank 0 only."""
 
 
 class NonFiniteLossError(UserError):
@@ -305,14 +310,15 @@ def run(
     parts: Parts,
     train_batches: Callable[[int], Iterable[Batch]],
     val_batches: Callable[[], Iterable[Batch]] | None,
-    report: ReportFn,
+    reporter: Reporter,
     progress: Progress | None = None,
     preempted: Callable[[], bool] | None = None,
     facts: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Train to `cfg.train.max_steps`, reporting every `log_every` steps; returns the last reported metrics.
+    """Train to `cfg.train.max_steps`, publishing metrics every `log_every` steps; returns the last metrics.
     `preempted` (a barrier, called at report steps) tells whether a node of the run is being drained: the next
-    report then carries a checkpoint. `facts` go out once, with the first report of this (re)start."""
+    report then carries a checkpoint. `facts` go out once, with the first report of this (re)start, together with
+    when (`at/*`, epoch seconds) the loop started and had its first batch: the driver's start-up breakdown."""
     t = cfg.train
     assert t.max_steps is not None and isinstance(t.grad_accum_steps, int)  # resolved before the loop
     progress = progress or Progress()
@@ -320,15 +326,21 @@ def run(
     stream = micro_batches(train_batches, progress, parts.device)
     cadence = Cadence(cfg, val_batches is not None, preempted, parts.device)
     peak = peak_flops(parts.device, t.peak_tflops)
-    interval = Interval(PhaseTimer(parts.device))
     metrics: dict[str, Any] = {}
-    once = dict(facts or {}) | device_facts(parts.device)  # what `orchestrator doctor` judges precision against
+    once = dict(facts or {}) | device_facts(parts.device) | {"at/loop": time.time()}
     flops_per_sample: float | None = None
     if parts.local_sgd is not None and not parts.local_sgd.anchor:
         parts.local_sgd.start(unwrap(parts.model))
+    # Waiting for the first batch is start-up (the pipeline's first read), not part of the first interval.
+    first = [next(stream) for _ in range(t.grad_accum_steps)] if progress.step < t.max_steps else None
+    once["at/first_batch"] = time.time()
+    interval = Interval(PhaseTimer(parts.device))
     while progress.step < t.max_steps:
-        with interval.timer.phase("data_wait"):
-            batch = [next(stream) for _ in range(t.grad_accum_steps)]
+        if first is not None:
+            batch, first = first, None
+        else:
+            with interval.timer.phase("data_wait"):
+                batch = [next(stream) for _ in range(t.grad_accum_steps)]
         if flops_per_sample is None:
             flops_per_sample = _flops_per_sample(parts, *batch[0])
         if parts.eager_model is not None:  # the first step of this process, also after a resume: it compiles
@@ -357,7 +369,7 @@ def run(
         if due is None:
             continue
         # Raises on a non-finite loss before anything is evaluated or saved: a broken model is never persisted.
-        metrics = _interval_metrics(interval, progress, parts, world, peak)
+        metrics, samples, targets = _interval_metrics(interval, progress, parts, world)
         if due.drain:
             metrics["drain_checkpoint"] = 1
         if due.eval:
@@ -372,22 +384,30 @@ def run(
                     checkpoint_dir = tempfile.mkdtemp(prefix="orchestrator-ckpt-")
                     save_state(checkpoint_dir, state)
         metrics |= interval.timer.shares() | cuda_memory_stats(parts.device) | node_stats(world)
-        # Wall seconds of this interval (the driver's cost ledger splits them by the time/* shares).
-        metrics["interval_s"] = time.perf_counter() - interval.timer.started
+        # Throughput is the wall clock's: the interval from the end of the previous report to now, with its data
+        # waits, evaluation, checkpoint and the time the previous report blocked (consecutive intervals tile the
+        # run, and the driver's cost ledger splits each by the time/* shares).
+        seconds = max(time.perf_counter() - interval.timer.started, 1e-9)
+        metrics["interval_s"] = seconds
+        metrics["samples_per_s"] = samples / seconds
+        metrics["data_wait_frac"] = metrics["time/data_wait_frac"]
+        if targets != samples:  # a language model: targets are tokens
+            metrics["tokens_per_s"] = targets / seconds
         metrics["flops_per_sample"] = flops_per_sample
-        if peak and flops_per_sample:  # model FLOPs utilisation of the devices, during training steps
+        if peak and flops_per_sample:  # model FLOPs utilisation of the devices over the wall clock
             metrics["mfu"] = flops_per_sample * metrics["samples_per_s"] / (peak * world)
         metrics |= once
         once = {}
-        # The next interval starts now: time blocked in the report (a barrier; Ray also waits for its controller)
-        # is billed to it as "report", so consecutive intervals tile the wall clock.
+        # The next interval starts now: time blocked in registering the checkpoint is billed to it as "report".
         interval = Interval(PhaseTimer(parts.device), comm_start=parts.comm_bytes)
         with interval.timer.phase("report"):
             try:
-                report(metrics, checkpoint_dir)
+                if due.checkpoint:
+                    reporter.checkpoint(metrics, checkpoint_dir)
             finally:
                 if checkpoint_dir:
                     shutil.rmtree(checkpoint_dir, ignore_errors=True)
+            reporter.publish(metrics)
     return metrics
 
 
@@ -424,8 +444,10 @@ def _first_compiled_step(parts: Parts, batch: list[Batch]) -> tuple[StepResult, 
     return result, _elapsed(started, parts.device)
 
 
-def _interval_metrics(interval: Interval, progress: Progress, parts: Parts, world: int,
-                      peak: float | None) -> dict[str, Any]:
+def _interval_metrics(interval: Interval, progress: Progress, parts: Parts, world: int
+                      ) -> tuple[dict[str, Any], float, float]:
+    """The interval's figures summed over ranks, with its sample and target counts (throughput comes later, once
+    the interval's wall time is known)."""
     loss_sum_, targets, samples, loss_targets = ranks.all_reduce_sum(
         [float(interval.loss_sum), float(interval.targets), float(interval.samples), float(interval.loss_targets)],
         parts.device)
@@ -435,8 +457,6 @@ def _interval_metrics(interval: Interval, progress: Progress, parts: Parts, worl
             f"training loss became {loss} by step {progress.step}: lower optim.lr, raise optim.warmup_steps, "
             "set optim.max_grad_norm, or use train.precision=bf16/fp32"
         )
-    timer = interval.timer
-    seconds = max(timer.training_seconds, 1e-9)
     metrics = {
         "step": progress.step,
         "epoch": progress.epoch,
@@ -444,8 +464,6 @@ def _interval_metrics(interval: Interval, progress: Progress, parts: Parts, worl
         "train_loss": loss,
         "lr": parts.optimizer.param_groups[0]["lr"],
         "grad_norm": float(interval.grad_norm_sum) / max(interval.steps - interval.skipped, 1),
-        "samples_per_s": samples / seconds,
-        "data_wait_frac": timer.seconds["data_wait"] / seconds,
         "skipped_steps": parts.precision.skipped_steps,
         "nonfinite_skipped": progress.nonfinite_skipped,
         "oom_retries": parts.oom_retries,
@@ -456,7 +474,4 @@ def _interval_metrics(interval: Interval, progress: Progress, parts: Parts, worl
         "comm_bytes": parts.comm_bytes,
         "comm_bytes_per_sample": (parts.comm_bytes - interval.comm_start) / max(samples, 1),
     }
-    if targets != samples:  # a language model: targets are tokens
-        metrics["tokens_per_s"] = targets / seconds
-    return metrics
-
+    return metrics, samples, targets

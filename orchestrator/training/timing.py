@@ -69,8 +69,3 @@ class PhaseTimer:
         shares = {f"time/{name}_frac": self.seconds[name] / wall for name in PHASES}
         shares["time/other_frac"] = max(0.0, 1.0 - sum(shares.values()))
         return shares
-
-    @property
-    def training_seconds(self) -> float:
-        """Time that counts for throughput: steps and their data waits, not eval, checkpoints or compilation."""
-        return self.seconds["compute"] + self.seconds["sync"] + self.seconds["data_wait"]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import logging
 import os
+import time
 from typing import Any
 
 import psutil
@@ -26,18 +26,9 @@ from orchestrator.training.memory import (
     state_bytes,
 )
 from orchestrator.training.parts import Parts, build_parts, compile_model
-from orchestrator.training.resume import checkpoint_dir_name, loadable_checkpoint
+from orchestrator.training.reporting import RayReporter, quiet_report_log
+from orchestrator.training.resume import loadable_checkpoint
 from pipelines.batches import RankBatches
-
-
-def quiet_report_log() -> None:
-    """Ray 2.60 logs every report at INFO under a logger named by file path, which RunConfig's logging_config
-    does not reach (it filters 'ray.train*' names); silence just that logger so progress stays readable."""
-    try:
-        from ray.train.v2._internal.execution import context
-    except ImportError:  # another Ray version: nothing to work around
-        return
-    logging.getLogger(context.__file__).setLevel(logging.WARNING)
 
 
 def probe_batch(size: int, in_features: int, num_classes: int, tokens: bool, device: torch.device) -> Batch:
@@ -117,7 +108,8 @@ def for_world_size(cfg: Config, world: int, micro: int | None = None) -> Config:
 
 def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Entry point passed to TorchTrainer. `spec` = {"config": resolved config dict, "in_features": int,
-    "epoch_clock": name or None, "replay_epochs": bool}."""
+    "epoch_clock": name or None, "replay_epochs": bool, "metrics_queue": Ray queue or None}."""
+    entered = time.time()
     quiet_report_log()
     context = ray.train.get_context()
     world, rank = context.get_world_size(), context.get_world_rank()
@@ -147,9 +139,13 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
     # Facts only a worker knows, sent with the first report of every (re)start.
     facts = {"precision": parts.precision.mode, "grad_accum_steps": t.grad_accum_steps,
              "global_batch": t.micro_batch_size * t.grad_accum_steps * world,  # type: ignore[operator]
-             "worker_pid": os.getpid(), "world_rank": rank}
-    return run(cfg, parts, data.train, data.val if cfg.data.val is not None else None, RayReport(cfg.checkpoint.upload),
-               progress, preempted if cfg.checkpoint.on_preemption else None, facts)
+             "worker_pid": os.getpid(), "world_rank": rank, "at/worker": entered}
+    reporter = RayReporter(spec.get("metrics_queue"), cfg.checkpoint.upload)
+    try:
+        return run(cfg, parts, data.train, data.val if cfg.data.val is not None else None, reporter, progress,
+                   preempted if cfg.checkpoint.on_preemption else None, facts)
+    finally:
+        reporter.close()
 
 
 def checkpoint_to_resume() -> dict[str, Any] | None:
@@ -159,27 +155,6 @@ def checkpoint_to_resume() -> dict[str, Any] | None:
         return None
     with checkpoint.as_directory() as directory:
         return load_state(directory)
-
-
-class RayReport:
-    """The loop's report function: `ray.train.report`, with the checkpoint directory handed over on rank 0."""
-
-    def __init__(self, upload: str) -> None:
-        self.upload = upload
-
-    def __call__(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
-        if checkpoint_dir is None:
-            ray.train.report(metrics)
-            return
-        mode = ray.train.CheckpointUploadMode.SYNC
-        if self.upload == "async":
-            # Ray copies in a background thread and deletes the directory when done, while the loop deletes the
-            # directory it handed over as soon as report returns: hand Ray a renamed one (a rename, not a copy).
-            handed, checkpoint_dir = checkpoint_dir, f"{checkpoint_dir}-upload"
-            os.rename(handed, checkpoint_dir)
-            mode = ray.train.CheckpointUploadMode.ASYNC
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(checkpoint_dir),
-                         checkpoint_dir_name=checkpoint_dir_name(metrics["step"]), checkpoint_upload_mode=mode)
 
 
 def preempted() -> bool:

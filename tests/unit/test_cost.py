@@ -26,7 +26,8 @@ def test_healthy_run_splits_wall_time_into_startup_phases_and_shutdown() -> None
     ledger = build_ledger(history, wall_s=60.0, pricing=PRICED)
     s = ledger.seconds
     assert s["startup"] == pytest.approx(20.0)  # the first interval began 10 s before its report arrived at 30 s
-    assert s["productive"] == pytest.approx(8 + 8 + 6)  # (compute + sync) x interval
+    assert s["compute"] == pytest.approx(7 + 7 + 5) and s["sync"] == pytest.approx(3.0)  # share x interval
+    assert ledger.frac("productive") == pytest.approx((8 + 8 + 6) / 60)  # compute + sync
     assert s["data_wait"] == pytest.approx(3.0) and s["eval"] == pytest.approx(2.0)
     assert s["shutdown"] == pytest.approx(10.0) and s["restarts"] == 0.0
     assert sum(s.values()) == pytest.approx(60.0)
@@ -36,6 +37,9 @@ def test_healthy_run_splits_wall_time_into_startup_phases_and_shutdown() -> None
     assert m["cost/productive_usd"] == pytest.approx(m["cost/usd"] * 22 / 60)
     assert m["cost/productive_usd"] + m["cost/overhead_usd"] == pytest.approx(m["cost/usd"])
     assert sum(m[f"cost/{p}_frac"] for p in PARTS) == pytest.approx(1.0)
+    assert ledger.time_line() == ("time: 60.0 s | start-up 33% | compute 32% | sync 5% | data wait 5% | eval 3% | "
+                                  "other 5% | shutdown 17%")
+    assert ledger.line().endswith("| productive 37% ($0.0440)")
 
 
 def test_restart_time_and_redone_steps_are_billed_as_restarts() -> None:
@@ -44,8 +48,8 @@ def test_restart_time_and_redone_steps_are_billed_as_restarts() -> None:
     ledger = build_ledger(history, wall_s=90.0, pricing=PRICED, failures=1)
     # Kept intervals: 10 + 10 + 10 s from t=20 to t=85: 35 s is the restart gap plus the redone interval.
     assert ledger.seconds["restarts"] == pytest.approx(35.0)
-    assert ledger.seconds["productive"] == pytest.approx(3 * 8.0)
-    assert "restarts 39%" in ledger.line()
+    assert ledger.seconds["compute"] + ledger.seconds["sync"] == pytest.approx(3 * 8.0)
+    assert "restarts 39%" in ledger.time_line()
 
 
 def test_unpriced_run_logs_node_hours_but_no_dollars() -> None:
@@ -60,8 +64,8 @@ def test_a_run_without_reports_is_all_startup() -> None:
 
 
 def test_study_sums_its_trials() -> None:
-    a = Ledger(3600.0, Pricing(1, 2.0, "a"), {"productive": 1800.0, "startup": 1800.0})
-    b = Ledger(1800.0, Pricing(2, 2.0, "b"), {"productive": 1800.0})
+    a = Ledger(3600.0, Pricing(1, 2.0, "a"), {"compute": 1800.0, "startup": 1800.0})
+    b = Ledger(1800.0, Pricing(2, 2.0, "b"), {"compute": 1200.0, "sync": 600.0})
     m = study_metrics([a, b])
     assert m["cost/usd"] == pytest.approx(2.0 + 2.0)
     assert m["cost/node_hours"] == pytest.approx(2.0)
@@ -155,7 +159,7 @@ def test_time_blocked_in_reports_is_its_own_part_not_restarts() -> None:
     ledger = build_ledger(history, wall_s=70.0, pricing=PRICED, failures=1)
     assert ledger.seconds["report"] == pytest.approx(12.0)
     assert ledger.seconds["restarts"] == pytest.approx(15.0)  # 65 - 20 (start-up) - 3 x 10 (intervals)
-    assert "report 17%" in ledger.line()
+    assert "report 17%" in ledger.time_line()
 
 
 def test_elastic_run_is_billed_at_the_largest_world_size_it_reached() -> None:

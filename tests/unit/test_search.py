@@ -182,6 +182,16 @@ def test_metric_list_matches_what_the_loop_reports() -> None:
     from orchestrator.training.parts import Parts
     from orchestrator.training.precision import Precision
 
+    class Recorder:
+        def __init__(self) -> None:
+            self.reports: list[tuple[dict[str, Any], None]] = []
+
+        def publish(self, metrics: dict[str, Any]) -> None:
+            self.reports.append((metrics, None))
+
+        def checkpoint(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
+            pass
+
     cfg = load_config(None, ["scaling.num_workers=1", "train.global_batch_size=16", "train.max_steps=4",
                              "train.log_every=2", "train.eval_every=4", "model.hidden=[8]", "train.precision=fp32",
                              "optim.warmup_steps=1"])
@@ -191,8 +201,9 @@ def test_metric_list_matches_what_the_loop_reports() -> None:
     parts = Parts(model, optimizer, scheduler, Precision("fp32", cpu), cpu, 1.0)
     x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
     data = [(x[i:i + 16], y[i:i + 16]) for i in range(0, 64, 16)]
-    reports: list[dict[str, Any]] = []
-    run(cfg, parts, lambda epoch: data, lambda: data, lambda metrics, ckpt: reports.append(metrics))
+    recorder = Recorder()
+    run(cfg, parts, lambda epoch: data, lambda: data, recorder)
+    reports = [metrics for metrics, _ in recorder.reports]
     # Subsets: a new loop metric is only searchable once listed; a listed metric must really be reported.
     assert set(TRAIN_METRICS) <= set(reports[0]) and not set(VAL_METRICS) & set(reports[0])
     assert set(TRAIN_METRICS + VAL_METRICS) <= set(reports[-1])

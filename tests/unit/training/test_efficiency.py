@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_loop import Recorder
 
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError
@@ -97,14 +98,6 @@ def test_oom_retry_gives_the_same_weights_as_an_uninterrupted_step() -> None:
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
-class Recorder:
-    def __init__(self) -> None:
-        self.metrics: list[dict[str, Any]] = []
-
-    def __call__(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
-        self.metrics.append(metrics)
-
-
 def run_digits_like(*overrides: str, delay: float = 0.0, model: torch.nn.Module | None = None,
                     eager: torch.nn.Module | None = None) -> list[dict[str, Any]]:
     cfg = load_config(None, ["scaling.num_workers=1", "train.global_batch_size=32", "train.max_steps=20",
@@ -126,7 +119,7 @@ def run_digits_like(*overrides: str, delay: float = 0.0, model: torch.nn.Module 
 
     recorder = Recorder()
     run(cfg, parts, batches, lambda: [(x, y)], recorder)
-    return recorder.metrics
+    return [metrics for metrics, _ in recorder.reports]
 
 
 def test_time_breakdown_adds_up_and_data_wait_rises_with_a_slow_reader() -> None:
@@ -175,7 +168,6 @@ def test_phase_timer_bills_time_to_phases(monkeypatch: pytest.MonkeyPatch) -> No
     assert shares["time/eval_frac"] == pytest.approx(0.4) and shares["time/data_wait_frac"] == pytest.approx(0.1)
     assert shares["time/compute_frac"] == pytest.approx(0.2) and shares["time/other_frac"] == pytest.approx(0.3)
     assert sum(shares.values()) == pytest.approx(1.0)
-    assert timer.training_seconds == pytest.approx(3.0)  # compute + sync + data wait: never eval
 
 
 @pytest.mark.slow

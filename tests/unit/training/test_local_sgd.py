@@ -55,11 +55,15 @@ def _train(rank: int, *overrides: str) -> list[dict[str, Any]]:
     y = x[:, :4].argmax(dim=1)
     reports: list[dict[str, Any]] = []
 
-    def report(metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
-        reports.append({"step": metrics["step"], "params": _params(model), "comm": metrics["comm_bytes"],
-                        "per_sample": metrics["comm_bytes_per_sample"]})
+    class Watch:
+        def publish(self, metrics: dict[str, Any]) -> None:
+            reports.append({"step": metrics["step"], "params": _params(model), "comm": metrics["comm_bytes"],
+                            "per_sample": metrics["comm_bytes_per_sample"]})
 
-    run(cfg, parts, lambda epoch: [(x[i:i + 16], y[i:i + 16]) for i in range(0, 512, 16)], None, report)
+        def checkpoint(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
+            pass  # nothing to register in-process
+
+    run(cfg, parts, lambda epoch: [(x[i:i + 16], y[i:i + 16]) for i in range(0, 512, 16)], None, Watch())
     return reports
 
 

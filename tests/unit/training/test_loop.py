@@ -112,11 +112,18 @@ def test_precision_resolution() -> None:
 
 
 class Recorder:
+    """The loop's reports in order: (metrics, the state of the checkpoint registered at that step, or None)."""
+
     def __init__(self) -> None:
         self.reports: list[tuple[dict[str, Any], dict[str, Any] | None]] = []
+        self.saved: dict[str, Any] | None = None
 
-    def __call__(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
-        self.reports.append((metrics, load_state(checkpoint_dir) if checkpoint_dir else None))
+    def checkpoint(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
+        self.saved = load_state(checkpoint_dir) if checkpoint_dir else None  # rank 0 hands over the directory
+
+    def publish(self, metrics: dict[str, Any]) -> None:
+        self.reports.append((metrics, self.saved))
+        self.saved = None
 
 
 def test_run_reports_on_schedule_evaluates_and_learns() -> None:
@@ -250,19 +257,48 @@ def _failing_backend(graph: Any, example_inputs: Any) -> Any:
 
 
 def test_time_blocked_in_report_is_billed_to_an_interval() -> None:
-    # Ray's report blocks (a barrier, and a poll interval in the controller): the wall clock between two report
-    # calls is the interval, report included, so the intervals tile the run with no gap.
-    cfg = config("train.max_steps=8", "train.log_every=2", "checkpoint.every=8", "data.val=null")
+    # Registering a checkpoint blocks (a barrier, and a poll interval in Ray's controller): the wall clock between
+    # two reports is the interval, report included, so the intervals tile the run with no gap, and throughput is
+    # samples over that wall clock.
+    cfg = config("train.max_steps=8", "train.log_every=2", "checkpoint.every=2", "data.val=null")
     x, y = dataset(256)
     calls: list[tuple[float, dict[str, Any]]] = []
 
-    def slow_report(metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
-        calls.append((time.perf_counter(), metrics))
-        time.sleep(0.3)
+    class SlowRegistry(Recorder):
+        def checkpoint(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
+            calls.append((time.perf_counter(), metrics))
+            time.sleep(0.3)
 
-    run(cfg, make_parts(cfg), lambda epoch: batches(x, y, 32), None, slow_report)
+    run(cfg, make_parts(cfg), lambda epoch: batches(x, y, 32), None, SlowRegistry())
     for (before, _), (at, metrics) in zip(calls, calls[1:], strict=False):
         assert metrics["interval_s"] == pytest.approx(at - before, abs=0.02)
         assert metrics["time/report_frac"] == pytest.approx(0.3 / metrics["interval_s"], abs=0.05)
         assert sum(v for k, v in metrics.items() if k.startswith("time/")) == pytest.approx(1.0, abs=1e-6)
+        assert metrics["samples_per_s"] == pytest.approx(2 * 32 / metrics["interval_s"])
     assert calls[0][1]["time/report_frac"] == 0.0
+
+
+def test_metrics_are_published_at_every_report_step_and_only_checkpoints_wait() -> None:
+    # The loop hands metrics over at every log step without a barrier; the blocking registration runs only at
+    # checkpoint steps, so a slow registry costs nothing at the steps in between.
+    cfg = config("train.max_steps=12", "train.log_every=2", "checkpoint.every=6", "data.val=null")
+    x, y = dataset(256)
+    events: list[tuple[str, int]] = []
+
+    class Log(Recorder):
+        def checkpoint(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
+            events.append(("checkpoint", metrics["step"]))
+            super().checkpoint(metrics, checkpoint_dir)
+
+        def publish(self, metrics: dict[str, Any]) -> None:
+            events.append(("publish", metrics["step"]))
+            super().publish(metrics)
+
+    log = Log()
+    run(cfg, make_parts(cfg), lambda epoch: batches(x, y, 32), None, log)
+    assert events == [("publish", 2), ("publish", 4), ("checkpoint", 6), ("publish", 6), ("publish", 8),
+                      ("publish", 10), ("checkpoint", 12), ("publish", 12)]
+    assert [m["step"] for m, ckpt in log.reports if ckpt is not None] == [6, 12]
+    first = log.reports[0][0]
+    assert first["at/loop"] <= first["at/first_batch"] <= time.time()  # the start-up marks, once
+    assert all("at/loop" not in m for m, _ in log.reports[1:])

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo import run_two_ranks
+from test_loop import Recorder
 from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator.config import Config, load_config
@@ -108,22 +109,23 @@ def _resume(rank: int, shared: Path, *overrides: str) -> dict[str, Any]:
         return parts
 
     straight = fresh(0)
-    run(cfg, straight, source, None, lambda metrics, checkpoint_dir: None)
+    run(cfg, straight, source, None, Recorder())
 
     where = shared / "-".join(["checkpoint", *overrides])
 
-    def keep(metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
-        if checkpoint_dir and metrics["step"] == 8:  # rank 0 writes it; storage is shared
-            shutil.copytree(checkpoint_dir, where)
+    class Keep(Recorder):
+        def checkpoint(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
+            if checkpoint_dir and metrics["step"] == 8:  # rank 0 writes it; storage is shared
+                shutil.copytree(checkpoint_dir, where)
 
     first = fresh(0)
-    run(cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_steps": 8})}), first, source, None, keep)
+    run(cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_steps": 8})}), first, source, None, Keep())
     dist.barrier()
     resumed = fresh(99)
     torch.manual_seed(123 + rank)  # a restarted worker starts from other RNG state
     progress = restore(resumed, load_state(where))
     restored_at = progress.step
-    run(cfg, resumed, source, None, lambda metrics, checkpoint_dir: None, progress)
+    run(cfg, resumed, source, None, Recorder(), progress)
     return {"straight": [p.detach().clone() for p in straight.model.parameters()],
             "resumed": [p.detach().clone() for p in resumed.model.parameters()], "step": restored_at}
 

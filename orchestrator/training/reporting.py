@@ -1,0 +1,92 @@
+"""The loop's reports under Ray Train: metrics go from rank 0 straight to a Ray queue (the driver's, or the Tune
+trial's) without any barrier; `ray.train.report` carries only checkpoints.
+
+Why not report every interval through Ray Train: its report is a barrier, and Ray 2.60 blocks every report after
+the second until the controller's next poll of the workers. Metrics every few steps would then set the pace of
+training. A checkpoint must still go through it: that is what registers it for restarts and retention.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import sys
+import threading
+from typing import Any
+
+import ray.train
+
+from orchestrator.training.resume import checkpoint_dir_name
+
+
+class Outbox:
+    """Rank 0's metrics to a Ray queue, sent by a background thread in order: the loop hands an item over and
+    goes on, whatever the queue's actor is doing."""
+
+    def __init__(self, destination: Any) -> None:
+        self.destination = destination  # ray.util.queue.Queue
+        self.items: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+        self.failed = False
+        self.thread = threading.Thread(target=self._send, name="orchestrator-outbox", daemon=True)
+        self.thread.start()
+
+    def put(self, item: dict[str, Any]) -> None:
+        self.items.put(item)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Send what is queued, then stop: called before the worker function returns, so the driver has every
+        metric by the time `fit()` does."""
+        self.items.put(None)
+        self.thread.join(timeout_s)
+
+    def _send(self) -> None:
+        while (item := self.items.get()) is not None:
+            try:
+                self.destination.put(item)
+            except Exception as exc:  # the driver went away: training and its checkpoints go on without it
+                if not self.failed:
+                    print(f"warning: metrics no longer reach the driver ({type(exc).__name__}: {exc})",
+                          file=sys.stderr, flush=True)
+                self.failed = True
+
+
+class RayReporter:
+    """The loop's `Reporter` in a Ray Train worker."""
+
+    def __init__(self, destination: Any, upload: str) -> None:
+        self.upload = upload
+        rank = ray.train.get_context().get_world_rank()
+        self.outbox = Outbox(destination) if rank == 0 and destination is not None else None
+
+    def publish(self, metrics: dict[str, Any]) -> None:
+        if self.outbox is not None:
+            self.outbox.put(metrics)
+
+    def close(self) -> None:
+        if self.outbox is not None:
+            self.outbox.close()
+
+    def checkpoint(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
+        if checkpoint_dir is None:  # ranks other than 0 join the barrier with metrics only
+            ray.train.report(metrics)
+            return
+        mode = ray.train.CheckpointUploadMode.SYNC
+        if self.upload == "async":
+            # Ray copies in a background thread and deletes the directory when done, while the loop deletes the
+            # directory it handed over as soon as report returns: hand Ray a renamed one (a rename, not a copy).
+            handed, checkpoint_dir = checkpoint_dir, f"{checkpoint_dir}-upload"
+            os.rename(handed, checkpoint_dir)
+            mode = ray.train.CheckpointUploadMode.ASYNC
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(checkpoint_dir),
+                         checkpoint_dir_name=checkpoint_dir_name(metrics["step"]), checkpoint_upload_mode=mode)
+
+
+def quiet_report_log() -> None:
+    """Ray 2.60 logs every report at INFO under a logger named by file path, which RunConfig's logging_config
+    does not reach (it filters 'ray.train*' names); silence just that logger so progress stays readable."""
+    try:
+        from ray.train.v2._internal.execution import context
+    except ImportError:  # another Ray version: nothing to work around
+        return
+    logging.getLogger(context.__file__).setLevel(logging.WARNING)
