@@ -94,8 +94,6 @@ def main() -> None:
     from orchestrator.launch import train
     from pipelines.config import S3Config
 
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     tmp = Path(tempfile.mkdtemp(prefix="bench-ingest-"))
     prepare_synthetic(str(tmp / "local"), rows=args.rows, shards=16, features=64)
     ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",

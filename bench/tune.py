@@ -19,10 +19,6 @@ import os
 import tempfile
 import time
 
-os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")  # reports cost 2 s each otherwise
-os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-
 from _common import scratch_run  # noqa: E402
 
 from orchestrator import load_config, tune  # noqa: E402

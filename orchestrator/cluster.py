@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from orchestrator.config import Config
 
@@ -32,22 +34,37 @@ def connect_ray(address: str | None, config: Config) -> bool:
     return True
 
 
-# Ray Train settings for the runs this process starts. Ray passes these variables from the process that calls
+# Ray Train settings for the runs this process fits. Ray passes these variables from the process that calls
 # `fit()` to the run's controller and workers, so they hold on a local cluster, under `ray job submit` and in a
 # Tune trial alike. A value the user exported wins.
 TRAIN_DEFAULTS = {
     # How often the controller polls the workers (Ray's default: 2 s). A checkpoint's report waits for the poll
-    # after the previous one, a finished or failed worker group is noticed at a poll, and the start of the group
-    # is paced by it: at 2 s, a short run spends seconds waiting on its controller.
+    # after the previous one, a finished or failed worker group is noticed at a poll, and the group's start is
+    # paced by it: at 2 s a short run spends seconds waiting on its controller (see bench/overhead.py).
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
     "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",  # otherwise every worker print appears twice
 }
 
 
-def set_train_defaults() -> None:
-    """Export TRAIN_DEFAULTS into this process (unless set) before it builds a TorchTrainer."""
-    for name, value in TRAIN_DEFAULTS.items():
-        os.environ.setdefault(name, value)
+@contextmanager
+def train_environment(config: Config) -> Iterator[None]:
+    """TRAIN_DEFAULTS, and the Ray Train settings the config names, in this process's environment while it builds
+    and fits one run; restored afterwards, so the next run in the same process starts from the user's own."""
+    wanted = {name: value for name, value in TRAIN_DEFAULTS.items() if name not in os.environ}
+    if config.failure.worker_start_timeout_s is not None:
+        wanted["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(config.failure.worker_start_timeout_s)
+    if config.checkpoint.preemption_poll_s is not None:
+        wanted["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = str(config.checkpoint.preemption_poll_s)
+    saved = {name: os.environ.get(name) for name in wanted}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def pin_state_api() -> int:

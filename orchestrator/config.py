@@ -213,6 +213,8 @@ class CheckpointConfig(_Section):
                                              "the checkpoint to storage; sync: the step waits for the copy.")
     on_preemption: bool = Field(True, description="Save a checkpoint at the next report once Ray announces that a "
                                 "node of the run is being drained (spot reclaim, autoscaler scale-down).")
+    preemption_poll_s: float | None = Field(None, gt=0, description="How often Ray Train looks for a drain notice; "
+                                            "null: Ray's default (5 s). Lower it for short drain deadlines.")
 
 
 class StorageConfig(_Section):
@@ -226,6 +228,10 @@ class FailureConfig(_Section):
                                          "away, counted apart from max_failures; -1 = unlimited.")
     preemption_grace_s: float = Field(0.0, ge=0, description="Seconds the surviving workers may run past a drain "
                                       "deadline (e.g. to finish a checkpoint upload).")
+    worker_start_timeout_s: float | None = Field(None, gt=0, description="How long a (re)started worker group "
+                                                 "may wait for its resources before the attempt counts as a failure; "
+                                                 "null: Ray's default (60 s). After a node loss the scheduler's view "
+                                                 "can lag, and a restart waits this long for a node that is gone.")
 
 
 class TrackingConfig(_Section):

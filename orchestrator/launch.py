@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.cluster import connect_ray, set_train_defaults, shutdown_local_ray
+from orchestrator.cluster import connect_ray, shutdown_local_ray, train_environment
 from orchestrator.config import Config, flatten, to_dict, to_yaml
 from orchestrator.errors import ConfigError
 from orchestrator.runs import RUN_CONFIG, RunPlace, latest_run, new_run, open_run_storage
@@ -83,7 +83,6 @@ def train(config: Config, address: str | None = None, verbose: bool = True, resu
                         "tracking_uri": getattr(tracker, "uri", None)})
     clock.mark("tracking")
     with closed_on_error(tracker):
-        set_train_defaults()
         started_ray = connect_ray(address, config)
         clock.mark("ray start")
         try:
@@ -93,7 +92,8 @@ def train(config: Config, address: str | None = None, verbose: bool = True, resu
             missing = config.scaling.shortfall(ray.cluster_resources()) if started_ray else None
             if missing:
                 raise ConfigError(f"this run needs {missing}")
-            result, failures = _fit(config, infos, place, tracker, verbose, clock)
+            with train_environment(config):
+                result, failures = _fit(config, infos, place, tracker, verbose, clock)
         finally:
             if started_ray:
                 shutdown_local_ray()

@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from orchestrator.cluster import connect_ray, set_train_defaults, shutdown_local_ray
+from orchestrator.cluster import connect_ray, shutdown_local_ray, train_environment
 from orchestrator.config import Config, flatten, to_dict, to_yaml
 from orchestrator.errors import ConfigError, UserError
 from orchestrator.runs import RunPlace, open_run_storage
@@ -102,27 +102,27 @@ def _run_trial(params: dict[str, Any], *, tree: dict[str, Any], infos: dict[str,
     from ray import tune as ray_tune
     from ray.util.queue import Empty, Queue
 
-    set_train_defaults()  # this actor builds the trial's TorchTrainer: Ray passes them on from here
     config = resolve_for_data(trial_config(tree, {**params, "storage.path": trials.uri}), infos)
     trial_id = ray_tune.get_context().get_trial_id()
     queue = Queue(actor_options={"num_cpus": 0})
-    trainer = build_run(config, infos, RunPlace(trials, trial_id), [], queue)
     failed: list[BaseException] = []
 
     def fit() -> None:
         try:
-            trainer.fit()
+            build_run(config, infos, RunPlace(trials, trial_id), [], queue).fit()
         except BaseException as exc:  # handed to the trial's thread, which raises it
             failed.append(exc)
 
-    thread = threading.Thread(target=fit, name="orchestrator-trial-fit", daemon=True)
-    thread.start()
-    # Until fit() is done and its last metrics are in (the workers send theirs before they return).
-    while thread.is_alive() or not queue.empty():
-        try:
-            ray_tune.report(queue.get(timeout=0.5))
-        except Empty:
-            continue
+    # This actor fits the trial's TorchTrainer: Ray passes the settings on from here.
+    with train_environment(config):
+        thread = threading.Thread(target=fit, name="orchestrator-trial-fit", daemon=True)
+        thread.start()
+        # Until fit() is done and its last metrics are in (the workers send theirs before they return).
+        while thread.is_alive() or not queue.empty():
+            try:
+                ray_tune.report(queue.get(timeout=0.5))
+            except Empty:
+                continue
     if failed:
         if isinstance(failed[0], ray.train.TrainingFailedError):
             raise RunFailedError(f"trial {trial_id} failed: {root_cause(failed[0])}") from None
@@ -338,7 +338,6 @@ def tune(config: Config, address: str | None = None, fresh: bool = False, verbos
     check_trials(config, base, infos)
     study = study_name(config)
     place = RunPlace(open_run_storage(config), study)
-    set_train_defaults()
     # Validation metrics arrive only at eval steps; Tune would otherwise fail every report without one.
     # check_study has already made sure the loop reports the metric.
     os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"

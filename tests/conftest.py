@@ -6,10 +6,8 @@ import os
 
 import pytest
 
-# Each ray.train.report after the second waits one health-check interval (2 s by default).
-os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
-os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "30")
-os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+# No Ray Train setting here: tests run what users run (the product sets its own, cluster.TRAIN_DEFAULTS).
+# Nodes the tests start with `ray start --block` stop at once when the test ends (no 30 s drain).
 os.environ.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
 # One auth mode for every Ray process the tests start (see README: token auth is off for local clusters).
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")

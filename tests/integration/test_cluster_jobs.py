@@ -138,8 +138,7 @@ def job_runtime_env(tmp_path: Path, tracking_uri: str) -> Path:
     runtime_env = yaml.safe_load((ROOT / "cluster" / "runtime_env.yaml").read_text())
     runtime_env.pop("pip", None)
     runtime_env["working_dir"] = str(ROOT)
-    runtime_env["env_vars"] = {**runtime_env["env_vars"], "MLFLOW_TRACKING_URI": tracking_uri,
-                               "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}
+    runtime_env["env_vars"] = {**runtime_env["env_vars"], "MLFLOW_TRACKING_URI": tracking_uri}
     path = tmp_path / "runtime_env.yaml"
     path.write_text(yaml.safe_dump(runtime_env))
     return path

@@ -46,6 +46,8 @@ def elastic_config(tmp_path: Path, digits_dir: str, experiment: str, checkpoint_
         "train.global_batch_size=64", "train.max_steps=300", "train.log_every=5", "train.precision=fp32",
         f"checkpoint.every={checkpoint_every}", "failure.max_failures=4", "model.entrypoint=fault_model:build",
         "model.step_s=0.04",
+        "failure.worker_start_timeout_s=15",  # a lost node can leave a stale resource view
+        "checkpoint.preemption_poll_s=0.5",  # Ray Train's drain watcher (default 5 s)
     ])
 
 
@@ -54,11 +56,8 @@ def cluster() -> Iterator[Any]:
     from ray.cluster_utils import Cluster
 
     here = str(Path(__file__).parent)
-    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S",
-                                            "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S")}
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH",)}
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [here, saved["PYTHONPATH"]] if p)
-    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "15"  # a lost node can leave a stale resource view
-    os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = "0.5"  # Ray Train's drain watcher (default 5 s)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": True,
                                                             "dashboard_host": "127.0.0.1"})
     try:
