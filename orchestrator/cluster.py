@@ -47,10 +47,14 @@ TRAIN_DEFAULTS = {
 
 
 @contextmanager
-def train_environment(config: Config) -> Iterator[None]:
+def train_environment(config: Config, private_cluster: bool) -> Iterator[None]:
     """TRAIN_DEFAULTS, and the Ray Train settings the config names, in this process's environment while it builds
-    and fits one run; restored afterwards, so the next run in the same process starts from the user's own."""
+    and fits one run; restored afterwards, so the next run in the same process starts from the user's own.
+    On a `private_cluster` (the local one `connect_ray` started) no node is ever drained: Ray Train's drain
+    watcher, one more actor per worker-group start, is left out."""
     wanted = {name: value for name, value in TRAIN_DEFAULTS.items() if name not in os.environ}
+    if private_cluster or not config.checkpoint.on_preemption:
+        wanted["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
     if config.failure.worker_start_timeout_s is not None:
         wanted["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(config.failure.worker_start_timeout_s)
     if config.checkpoint.preemption_poll_s is not None:

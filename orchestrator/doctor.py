@@ -139,6 +139,45 @@ def nonfinite_steps(run: RunRecord) -> Finding | None:
 Bound = tuple[float, bool]  # (value, exclusive): ge/le -> False, gt/lt -> True
 
 
+def startup(run: RunRecord) -> Finding | None:
+    """Most of the run's wall clock went before the first step: the run is too short for its start-up, or the
+    start-up has one slow stage to fix."""
+    share = run.last("cost/startup_frac")
+    if share is None or share < 0.3:
+        return None
+    stages = {key.removeprefix("startup/").removesuffix("_s").replace("_", " "): values[-1]
+              for key, values in run.metrics.items()
+              if key.startswith("startup/") and key != "startup/total_s" and values}
+    slowest = max(stages, key=stages.__getitem__) if stages else None
+    title = f"start-up took {share:.0%} of the run's wall clock"
+    if slowest:
+        title += f" ({run.last('startup/total_s') or 0:.1f} s to the first step; slowest: {slowest} " \
+                 f"{stages[slowest]:.1f} s)"
+    changes = ["train.max_steps=<more steps per command> (start-up is paid once per run, not per step)",
+               "run on a running cluster (--address, or ray job submit): no Ray start per command"]
+    if slowest == "datasets" and run.param("data.cache", "auto") in ("auto", "memory"):
+        changes.append("data.cache=none (the memory cache reads every row before the first step)")
+    if slowest == "tracking":
+        changes.append("tracking.uri=http://<mlflow server> (a SQLite file is opened and migrated per command)")
+    return Finding("start-up", HIGH if share >= 0.5 else MEDIUM, share, title, tuple(changes))
+
+
+def report_blocking(run: RunRecord) -> Finding | None:
+    """Workers sat blocked registering checkpoints with Ray Train (a barrier that waits for the controller)."""
+    share = run.last("cost/report_frac")
+    if share is None:
+        share = run.mean("time/report_frac")
+    if share is None or share < 0.1:
+        return None
+    every = int(run.param("checkpoint.every", "100") or 100)
+    changes = [f"checkpoint.every={2 * every}"]
+    if run.param("checkpoint.upload") == "sync":
+        changes.append("checkpoint.upload=async")
+    changes.append("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S: unset it, or lower it (the product runs at 0.2 s)")
+    return Finding("checkpoint reports", HIGH if share >= 0.3 else MEDIUM, share,
+                   f"workers were blocked registering checkpoints {share:.0%} of the time", tuple(changes))
+
+
 def field_bounds(key: str) -> tuple[Bound | None, Bound | None]:
     """(lower, upper) bound of a dotted config key, from its pydantic field's Ge/Gt/Le/Lt; (None, None) for keys
     the config does not bound (a model's own kwargs)."""
@@ -226,8 +265,8 @@ def search_space_edge(run: RunRecord) -> Finding | None:
                    tuple(changes))
 
 
-RULES: list[Rule] = [data_pipeline, memory_headroom, precision, compile_small_kernels, nonfinite_steps,
-                     search_space_edge]
+RULES: list[Rule] = [startup, report_blocking, data_pipeline, memory_headroom, precision, compile_small_kernels,
+                     nonfinite_steps, search_space_edge]
 
 
 def diagnose(run: RunRecord, rules: list[Rule] | None = None) -> list[Finding]:

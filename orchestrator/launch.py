@@ -92,7 +92,7 @@ def train(config: Config, address: str | None = None, verbose: bool = True, resu
             missing = config.scaling.shortfall(ray.cluster_resources()) if started_ray else None
             if missing:
                 raise ConfigError(f"this run needs {missing}")
-            with train_environment(config):
+            with train_environment(config, private_cluster=started_ray):
                 result, failures = _fit(config, infos, place, tracker, verbose, clock)
         finally:
             if started_ray:

@@ -90,7 +90,7 @@ def _trials(study: RunPlace) -> Storage:
 
 
 def _run_trial(params: dict[str, Any], *, tree: dict[str, Any], infos: dict[str, DatasetInfo],
-               trials: Storage) -> None:
+               trials: Storage, private_cluster: bool) -> None:
     """The Tune trainable, run in the trial's actor: one TorchTrainer, fitted in a thread while this one hands
     rank 0's metrics to Tune as they arrive (they come straight from rank 0, not through Ray Train's report).
 
@@ -114,7 +114,7 @@ def _run_trial(params: dict[str, Any], *, tree: dict[str, Any], infos: dict[str,
             failed.append(exc)
 
     # This actor fits the trial's TorchTrainer: Ray passes the settings on from here.
-    with train_environment(config):
+    with train_environment(config, private_cluster):
         thread = threading.Thread(target=fit, name="orchestrator-trial-fit", daemon=True)
         thread.start()
         # Until fit() is done and its last metrics are in (the workers send theirs before they return).
@@ -216,11 +216,12 @@ def _credentials_stay_home() -> Iterator[None]:
 
 
 def _fit(config: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo], max_steps: int, place: RunPlace,
-         resume: bool, callback: Any, concurrency: int) -> Any:
+         resume: bool, callback: Any, concurrency: int, private_cluster: bool) -> Any:
     from ray import tune as ray_tune
 
     trainable = ray_tune.with_resources(
-        ray_tune.with_parameters(_run_trial, tree=tree, infos=infos, trials=_trials(place)),
+        ray_tune.with_parameters(_run_trial, tree=tree, infos=infos, trials=_trials(place),
+                                 private_cluster=private_cluster),
         {"cpu": 0.01},  # the trial's actor only waits on its TorchTrainer; {"cpu": 0} is refused
     )
     storage = storage_args(place.storage)
@@ -368,14 +369,16 @@ def tune(config: Config, address: str | None = None, fresh: bool = False, verbos
             what = "resuming" if state else "starting"
             print(f"{what} study {study} at {place.uri}: {config.tune.num_samples} samples, up to {concurrency} "
                   f"trials at once, scheduler {config.tune.scheduler}, searcher {config.tune.searcher}", flush=True)
-        return _run_study(config, base, tree, infos, place, state is not None, tracker, concurrency, verbose)
+        return _run_study(config, base, tree, infos, place, state is not None, tracker, concurrency, verbose,
+                          private_cluster=started_ray)
     finally:
         if started_ray:
             shutdown_local_ray()
 
 
 def _run_study(config: Config, base: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo], place: RunPlace,
-               resumed: bool, tracker: Tracker, concurrency: int, verbose: bool) -> TuneResult:
+               resumed: bool, tracker: Tracker, concurrency: int, verbose: bool, private_cluster: bool
+               ) -> TuneResult:
     from orchestrator.trials import StudyCallback
 
     metric, mode = config.tune.metric, resolved_mode(config)
@@ -385,7 +388,7 @@ def _run_study(config: Config, base: Config, tree: dict[str, Any], infos: dict[s
                              config.tracking if config.tracking.enabled else None, tracker.run_id, verbose,
                              infos=infos)
     with closed_on_error(tracker):
-        grid = _fit(config, tree, infos, max_steps, place, resumed, callback, concurrency)
+        grid = _fit(config, tree, infos, max_steps, place, resumed, callback, concurrency, private_cluster)
         trials = _summaries(grid, tree, infos, metric)
     if any(t.status == "running" for t in trials):  # Tune caught Ctrl+C and saved the study
         tracker.finish("KILLED")

@@ -1,7 +1,7 @@
 """`orchestrator doctor` and the cost ledger on a real run: prefetch disabled and a slowed reader (a user transform
 that sleeps on every block, re-read every epoch with the cache off), so the loop mostly waits for data; doctor must
-name the data pipeline first. The same run's MLflow record carries the cost metrics and the summary prints the
-ledger."""
+name the data pipeline, and, this run being 40 steps, its start-up. The same run's MLflow record carries the cost
+metrics and the start-up breakdown, and the summary prints the ledger."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from orchestrator.launch import summary
 pytestmark = pytest.mark.slow
 
 
-def test_doctor_names_the_data_pipeline_first_and_the_run_has_a_cost(
+def test_doctor_names_the_data_pipeline_and_start_up_and_the_run_has_a_cost(
         ray_cluster: None, tmp_path: Path, digits_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
     from mlflow.tracking import MlflowClient
 
@@ -41,8 +41,13 @@ def test_doctor_names_the_data_pipeline_first_and_the_run_has_a_cost(
     # Ray forwards raylet warnings to the driver's stdout at any moment, so find the report by its header.
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("doctor: run "))
-    assert lines[header + 1].startswith("1. [") and "data pipeline" in lines[header + 1], out
+    findings = [line for line in lines[header + 1:] if line[:1].isdigit()]
+    assert [f.split("] ")[1].split(":")[0] for f in findings] == ["start-up", "data pipeline"], out
     assert "--set data.prefetch_batches=4" in out and "--set data.cache=memory" in out
+    # The start-up breakdown is in the run: its stages add up to the time before the first step.
+    stages = {k: v for k, v in metrics.items() if k.startswith("startup/") and k != "startup/total_s"}
+    assert len(stages) == 8 and sum(stages.values()) == pytest.approx(metrics["startup/total_s"])
+    assert f"slowest: {max(stages, key=stages.__getitem__)[8:-2].replace('_', ' ')}" in findings[0]
 
 
 def test_doctor_on_an_unknown_run_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

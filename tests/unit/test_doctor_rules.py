@@ -17,7 +17,9 @@ from orchestrator.doctor import (
     memory_headroom,
     nonfinite_steps,
     precision,
+    report_blocking,
     search_space_edge,
+    startup,
 )
 
 HEALTHY = {"step": [25.0, 50.0, 75.0, 100.0], "time/data_wait_frac": [0.02, 0.01, 0.02, 0.01],
@@ -160,3 +162,26 @@ def test_fp16_loss_scale_calibration_skips_are_not_divergence() -> None:
                        {"train.precision": "fp16"})
     finding = nonfinite_steps(diverging)
     assert finding is not None and "6 of 100 steps" in finding.title
+
+
+def test_a_start_up_heavy_run_names_its_slowest_stage() -> None:
+    stages = {"startup/ray_start_s": [4.4], "startup/worker_group_s": [7.9], "startup/datasets_s": [2.0],
+              "startup/total_s": [21.0]}
+    finding = startup(record({"cost/startup_frac": [0.73], **stages}))
+    assert finding is not None and finding.severity == HIGH
+    assert finding.title == ("start-up took 73% of the run's wall clock (21.0 s to the first step; slowest: worker "
+                             "group 7.9 s)")
+    assert finding.changes[0].startswith("train.max_steps=")
+    cache = startup(record({"cost/startup_frac": [0.4], "startup/datasets_s": [9.0], "startup/total_s": [12.0]}))
+    assert cache is not None and cache.severity == MEDIUM and "data.cache=none" in cache.changes[-1]
+    assert startup(record({"cost/startup_frac": [0.2], **stages})) is None
+
+
+def test_time_blocked_in_checkpoint_reports_suggests_fewer_checkpoints() -> None:
+    finding = report_blocking(record({"cost/report_frac": [0.35]}, {"checkpoint.every": "50",
+                                                                    "checkpoint.upload": "sync"}))
+    assert finding is not None and finding.severity == HIGH and "35%" in finding.title
+    assert finding.changes[:2] == ("checkpoint.every=100", "checkpoint.upload=async")
+    # Without the run's ledger (a run still going), the intervals' own shares.
+    assert report_blocking(record({"time/report_frac": [0.1, 0.2]})) is not None
+    assert report_blocking(record({"cost/report_frac": [0.05]})) is None
