@@ -1,5 +1,3 @@
-import sys
+from orchestrator.cli import entry
 
-from orchestrator.cli import main
-
-sys.exit(main())
+entry()

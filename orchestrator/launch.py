@@ -33,6 +33,7 @@ class TrainResult:
     tracking_uri: str | None
     history: list[dict[str, Any]] = field(default_factory=list)
     cost: Any = None  # orchestrator.cost.Ledger: node-hours, $ and the productive/overhead split
+    startup: dict[str, float] = field(default_factory=dict)  # seconds per start-up stage, to the first step
 
 
 def _log_final_artifacts(tracker: Tracker, config: Config, checkpoint_path: str | None,
@@ -204,7 +205,7 @@ def _fit(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, tracker
     _log_final_artifacts(tracker, config, checkpoint_path, history, result.checkpoint)
     return TrainResult(
         config=config, metrics=dict(result.metrics or {}), checkpoint_path=checkpoint_path, run_dir=place.uri,
-        run_id=tracker.run_id, tracking_uri=getattr(tracker, "uri", None), history=history,
+        run_id=tracker.run_id, tracking_uri=getattr(tracker, "uri", None), history=history, startup=clock.seconds(),
     ), len(failures)
 
 

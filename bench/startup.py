@@ -1,0 +1,66 @@
+"""Where the seconds before the first step go, next to Ray's own floor, measured in one run on one local cluster.
+
+1. `ray.init` of a local cluster, started as the product starts one;
+2. Ray Train's floor: `fit()` of an empty function on 2 workers until the function runs (no data, no model;
+   median of 3, after one warm-up fit);
+3. `orchestrator train` of the digits example (30 steps) on that running cluster: its start-up breakdown.
+
+The gap between 2 and the product's "worker group" stage is what the product adds to starting the group; the
+other stages are its own (data inspection, MLflow, datasets, worker set-up, first batch).
+
+    .venv/bin/python bench/startup.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+
+from orchestrator import load_config, train
+from orchestrator.cluster import connect_ray, shutdown_local_ray, train_environment
+from pipelines.prepare import prepare_digits
+
+
+def _empty(config: dict) -> float:
+    return time.time()
+
+
+def train_floor(config) -> float:  # type: ignore[no-untyped-def]
+    """Seconds from fit() to an empty function running on 2 workers, with the product's Ray Train settings."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    with tempfile.TemporaryDirectory() as runs, train_environment(config, private_cluster=True):
+        started = time.time()
+        result = TorchTrainer(_empty, scaling_config=ray.train.ScalingConfig(num_workers=2),
+                              run_config=ray.train.RunConfig(storage_path=runs, name="floor")).fit()
+        return float(result.return_value) - started
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        prepare_digits(f"{tmp}/digits")
+        config = load_config("examples/digits.yaml", [
+            f"data.train={tmp}/digits/train", f"data.val={tmp}/digits/val", f"storage.path={tmp}/runs",
+            f"tracking.uri=sqlite:///{tmp}/mlflow.db", "train.max_steps=30"])
+        started = time.time()
+        connect_ray(None, config)
+        ray_start = time.time() - started
+        try:
+            train_floor(config)  # warm-up: the first fit also starts Ray's worker processes
+            floor = statistics.median(train_floor(config) for _ in range(3))
+            result = train(config, verbose=False)
+        finally:
+            shutdown_local_ray()
+    stages = result.startup
+    print(f"ray.init of a local cluster           : {ray_start:5.1f} s")
+    print(f"Ray Train floor, fit() -> function    : {floor:5.1f} s (empty function, 2 workers, median of 3)")
+    print(f"product on the running cluster        : {sum(stages.values()):5.1f} s to the first step")
+    for stage, seconds in stages.items():
+        print(f"  {stage:<36}: {seconds:5.1f} s")
+    print(f"product's worker group / Ray's floor  : {stages.get('worker group', 0.0) / floor:5.2f}")
+
+
+if __name__ == "__main__":
+    main()
