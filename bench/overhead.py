@@ -106,8 +106,9 @@ def main() -> None:
                  "--threads", str(args.threads), "--precision", args.precision]
         bare_command = [sys.executable, __file__, "--bare", str(data), *flags]
         # MLflow on, in a SQLite file, as a user's run has it.
-        train_command = [str(ROOT / ".venv" / "bin" / "orchestrator"), "train", "--set",
-                         *overrides(args, data), "tracking.enabled=true", f"tracking.uri=sqlite:///{tmp}/mlflow.db"]
+        settings = [*overrides(args, data), "tracking.enabled=true", f"tracking.uri=sqlite:///{tmp}/mlflow.db"]
+        train_command = [str(ROOT / ".venv" / "bin" / "orchestrator"), "train",
+                         *(arg for setting in settings for arg in ("--set", setting))]
         bare_wall, out = timed(bare_command)
         bare = json.loads(out.splitlines()[-1])[1:]
         orch_wall, orch_out = timed(train_command)

@@ -144,12 +144,6 @@ def build_datasets(
     columns = cfg.columns
     cache = DiskCache(cfg.disk_cache, cfg.cache_max_gb) if cfg.disk_cache else None
     reorder = epoch_clock is not None and reorders_memory_blocks(cfg, infos, object_store_bytes)
-    # Data the workers replay is read once per worker group: holding it in the object store first would only
-    # delay the first step (decoding every row before any worker starts). It is read in epoch 0's order, which
-    # is what a materialised copy would hold, whatever epoch a restarted group resumes in.
-    replay = replay_epochs(cfg, infos, object_store_bytes) and not cfg.shuffle_buffer
-    if replay:
-        epoch_clock = None
     datasets = {}
     for name, info in infos.items():
         assert info.storage is not None  # set by inspect_parquet
@@ -169,7 +163,7 @@ def build_datasets(
             ds = ds.map_batches(functools.partial(apply_transforms, transforms=cfg.transforms, features=cfg.features),
                                 batch_format="pyarrow", batch_size=None, zero_copy_batch=True)
         datasets[name] = ds
-    if use_memory_cache(cfg, infos, object_store_bytes) and not replay:
+    if use_memory_cache(cfg, infos, object_store_bytes):
         datasets = {name: ds.materialize() for name, ds in datasets.items()}
     if reorder:
         blocks = memory_blocks(datasets["train"])
