@@ -28,7 +28,8 @@ from pipelines.prepare import prepare_digits  # noqa: E402
 def run_study(name: str, root: str, data: str, args: argparse.Namespace, scheduler: list[str]) -> tuple[float, int,
                                                                                                         float]:
     config = load_config(None, [
-        f"experiment={name}", *scratch_run(data, f"{root}/runs", val=True), "scaling.num_workers=1",
+        f"experiment={name}", *scratch_run(data, f"{root}/runs", val=True), "data.features=[pixels]",
+        "scaling.num_workers=1",
         "model.hidden=[128]", f"train.max_steps={args.steps}", "train.log_every=10", "train.eval_every=10",
         f"checkpoint.every={args.steps}",
         f"tune.space.optim.lr.grid=[{args.lrs}]", f"tune.space.optim.warmup_steps.grid=[{args.warmups}]",
