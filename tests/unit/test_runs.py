@@ -47,7 +47,8 @@ def test_train_takes_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     class Stop(Exception):
         pass
 
-    def fake_train(config: object, address: str | None = None, verbose: bool = True, resume: bool = False) -> None:
+    def fake_train(config: object, address: str | None = None, verbose: bool = True, resume: bool = False,
+                   started_at: float | None = None) -> None:
         calls.append(resume)
         raise Stop  # nothing past the flag's hand-over is under test here
 
