@@ -240,13 +240,11 @@ def run_summary(history: list[dict[str, Any]]) -> dict[str, float]:
     seconds = sum(r["interval_s"] for r in kept)
     summary: dict[str, float] = {}
     if seconds > 0:
-        for key in sorted({k for r in kept for k in r if k.startswith("time/")}):
+        # Per-interval rates and shares, weighted by each interval's wall seconds.
+        keys = {k for r in kept for k in r if k.startswith("time/")} | {"samples_per_s"}
+        keys |= {k for k in ("tokens_per_s", "mfu") if all(k in r for r in kept)}
+        for key in sorted(keys):
             summary[f"summary/{key}"] = sum(r.get(key, 0.0) * r["interval_s"] for r in kept) / seconds
-        summary["summary/samples_per_s"] = sum(r["samples_per_s"] * r["interval_s"] for r in kept) / seconds
-        if all("tokens_per_s" in r for r in kept):
-            summary["summary/tokens_per_s"] = sum(r["tokens_per_s"] * r["interval_s"] for r in kept) / seconds
-        if all("mfu" in r for r in kept):
-            summary["summary/mfu"] = sum(r["mfu"] * r["interval_s"] for r in kept) / seconds
         summary["summary/data_wait_frac"] = summary.get("summary/time/data_wait_frac", 0.0)
     if any("compile_s" in r for r in history):
         summary["summary/compile_s"] = sum(r.get("compile_s", 0.0) for r in history)

@@ -11,17 +11,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-# Stage -> what it covers. The driver's stages, then the worker's.
-STAGES = {
-    "command": "Python start and imports, the config read",
-    "data inspection": "Parquet schemas and row counts, before any cluster resource is taken",
-    "tracking": "the MLflow run opened and its params logged",
-    "ray start": "the local Ray cluster started, or the running one joined",
-    "datasets": "Ray Data pipelines built (a small dataset is cached in the object store here)",
-    "worker group": "Ray Train's controller and the workers' processes started, the process group formed",
-    "worker set-up": "model, optimizer and data shards built in the workers; a checkpoint loaded",
-    "first batch": "the first batch read, decoded and handed to the loop",
-}
+# The stages, in order: the driver's, then the worker's.
+STAGES = (
+    "command",  # Python start and imports, the config read
+    "data inspection",  # Parquet schemas and row counts, before any cluster resource is taken
+    "tracking",  # the MLflow run opened and its params logged
+    "ray start",  # the local Ray cluster started, or the running one joined
+    "datasets",  # Ray Data pipelines built (a small dataset is cached in the object store here)
+    "worker group",  # Ray Train's controller and the workers' processes started, the process group formed
+    "worker set-up",  # model, optimizer and data shards built in the workers; a checkpoint loaded
+    "first batch",  # the first batch read, decoded and handed to the loop
+)
 _WORKER_MARKS = {"worker group": "at/worker", "worker set-up": "at/loop", "first batch": "at/first_batch"}
 
 
