@@ -16,6 +16,14 @@ from orchestrator.space import parse_space
 from pipelines.config import DataConfig
 
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
+# Per built-in task (orchestrator/tasks.py): the validation metrics it reports, and the one (with its mode) Tune and
+# doctor rank by unless tune.metric says otherwise. A user's task ("module:Class") is ranked by val_loss, min.
+TASK_METRICS: dict[str, tuple[tuple[str, ...], str, Literal["max", "min"]]] = {
+    "classification": (("val_loss", "val_accuracy", "val_top5_accuracy"), "val_accuracy", "max"),
+    "multilabel": (("val_loss", "val_accuracy", "val_f1"), "val_f1", "max"),
+    "regression": (("val_loss", "val_mse", "val_rmse", "val_mae", "val_r2"), "val_rmse", "min"),
+    "causal_lm": (("val_loss", "val_perplexity", "val_accuracy"), "val_loss", "min"),
+}
 MAX_SEED = 2**32 - 1  # numpy's global seed (set on every worker) takes no more
 
 
@@ -37,15 +45,40 @@ class ModelConfig(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    name: str = Field("mlp", description="Registered model: mlp, cnn.")
-    entrypoint: str | None = Field(None, description="'module:function' building a torch Module; overrides name.")
-    num_classes: int | None = Field(None, ge=2, description="Output classes; null = from the label column's max.")
+    name: str = Field("mlp", description="Registered model: mlp, cnn, gpt.")
+    entrypoint: str | None = Field(None, description="'module:function' building a torch Module (a Hugging Face "
+                                   "`transformers` model too); overrides name. It is called with the options "
+                                   "below, plus in_features and num_classes where its signature takes them.")
+    num_classes: int | None = Field(None, ge=1, description="Outputs: classes (null = from the label column's "
+                                    "max), labels (multilabel), targets (regression: 1 per target column).")
+    inputs: list[str] | dict[str, str] | None = Field(
+        None, description="The model's forward arguments, filled by name from the batch: [input_ids, "
+        "attention_mask] (argument = column), or {argument: column}. A variable-length token column also gives "
+        "`attention_mask`. null: forward(x) with the feature columns concatenated into one float vector.")
+    pretrained: str | None = Field(None, description="Directory or s3://prefix saved with save_pretrained: the "
+                                   "built Hugging Face model's weights are loaded from it (fetched once per node).")
+
+    @property
+    def input_map(self) -> dict[str, str] | None:
+        """{forward argument: batch key}, or None for the classic forward(x)."""
+        if self.inputs is None:
+            return None
+        return dict(self.inputs) if isinstance(self.inputs, dict) else {name: name for name in self.inputs}
 
     @property
     def kwargs(self) -> dict[str, Any]:
         """The model's own options, checked against its builder's signature by the driver (models.py), so that
         loading a config imports neither torch nor the model zoo."""
         return dict(self.model_extra or {})
+
+
+class TaskConfig(_Section):
+    """What is learned: the loss, the validation metrics and what Tune ranks by (orchestrator/tasks.py)."""
+
+    name: str | None = Field(None, description="classification | multilabel | regression | causal_lm | "
+                             "'module:Class'; null: classification with data.label, causal_lm without.")
+    loss: Literal["task", "model"] = Field("task", description="task: the task's loss on the model's logits; "
+                                           "model: the loss the model returns when given `labels` (Hugging Face).")
 
 
 class TrainConfig(_Section):
@@ -273,8 +306,10 @@ class TuneConfig(_Section):
 
     space: dict[str, Any] = Field(default_factory=dict, description="Dotted key -> {loguniform|uniform|randint: "
                                   "[low, high]} or {choice|grid: [values]}, e.g. optim.lr: {loguniform: [1e-4, 0.1]}.")
-    metric: str = Field("val_accuracy", description="A metric the training loop reports; its last value ranks trials.")
-    mode: Literal["max", "min"] | None = Field(None, description="null: max for accuracy and throughput, else min.")
+    metric: str | None = Field(None, description="A metric the training loop reports; its last value ranks "
+                               "trials. null: the task's (val_accuracy, val_f1, val_rmse, val_loss).")
+    mode: Literal["max", "min"] | None = Field(None, description="null: the task's for its metric; else max for "
+                                               "accuracy, F1, R² and throughput, min for the rest.")
     num_samples: int = Field(8, ge=1, description="Trials to sample (a grid is expanded once per sample).")
     scheduler: Literal["asha", "fifo", "none"] = Field("asha", description="asha stops weak trials early; "
                                                        "fifo/none runs every trial to the end.")
@@ -315,6 +350,7 @@ class Config(_Section):
 
     experiment: str = Field("digits-mlp", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)  # type: ignore[arg-type]
     data: DataConfig = Field(default_factory=DataConfig)  # type: ignore[arg-type]
     train: TrainConfig = Field(default_factory=TrainConfig)  # type: ignore[arg-type]
     optim: OptimConfig = Field(default_factory=OptimConfig)  # type: ignore[arg-type]
@@ -326,8 +362,14 @@ class Config(_Section):
     tune: TuneConfig = Field(default_factory=TuneConfig)  # type: ignore[arg-type]
     cost: CostConfig = Field(default_factory=CostConfig)  # type: ignore[arg-type]
 
+    @field_validator("task", mode="before")
+    @classmethod
+    def _task_shorthand(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value  # task: regression
+
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
+        self._resolve_task()
         if self.train.precision == "fp16" and not self.scaling.use_gpu:
             raise ValueError("train.precision=fp16 needs a GPU (scaling.use_gpu=true); on CPU use bf16 or fp32")
         warmup, steps = self.optim.warmup_steps, self.train.max_steps
@@ -338,6 +380,34 @@ class Config(_Section):
                             "raise train.max_steps", warmup)
         self._derive_batch()
         return self
+
+    def _resolve_task(self) -> None:
+        task, label = self.task, self.data.label
+        if task.name is None:
+            object.__setattr__(task, "name", "classification" if label else "causal_lm")
+        if task.name not in TASK_METRICS and ":" not in task.name:
+            raise _key_error(("task", "name"), f"unknown task '{task.name}'{suggest(task.name, TASK_METRICS)}; "
+                             f"valid: {sorted(TASK_METRICS)} or 'module:Class'", task.name)
+        _, metric, mode = TASK_METRICS.get(task.name, ((), "val_loss", "min"))
+        if self.tune.metric is None:
+            object.__setattr__(self.tune, "metric", metric)
+            object.__setattr__(self.tune, "mode", self.tune.mode or mode)
+        if task.name == "causal_lm" and label:
+            raise _key_error(("task", "name"), f"causal_lm predicts the next token of the token column, but "
+                             f"data.label={label} is set: set data.label to null", task.name)
+        if task.name in ("classification", "multilabel", "regression") and not label:
+            raise _key_error(("data", "label"), f"task {task.name} needs a target column: set data.label",
+                             label)
+        if task.name == "classification" and self.model.num_classes == 1:
+            raise _key_error(("model", "num_classes"), "classification needs at least 2 classes", 1)
+        if task.loss == "model" and self.model.inputs is None:
+            raise _key_error(("task", "loss"), "task.loss=model passes `labels` to the model by name: set "
+                             "model.inputs to its other arguments", task.loss)
+        missing = [c for c in (self.model.input_map or {}).values()
+                   if c not in self.data.features and c != "attention_mask" and not c.endswith("_mask")]
+        if missing:
+            raise _key_error(("model", "inputs"), f"{missing} are not among data.features {self.data.features}: "
+                             "add the columns to data.features, or fix model.inputs", self.model.inputs)
 
     def _derive_batch(self) -> None:
         """global = micro x accum x workers (batching.py): given global and one of the others, derive the third."""

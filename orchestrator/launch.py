@@ -67,7 +67,8 @@ def train(config: Config, address: str | None = None, verbose: bool = True, resu
 
     clock = StartupClock(started_at or time.time())
     clock.mark("command")
-    infos = inspect_datasets(config.data)  # before any cluster resource is taken
+    # Before any cluster resource is taken.
+    infos = inspect_datasets(config.data, named=config.model.inputs is not None)
     config = resolve_for_data(config, infos)
     resolve_pricing(config)  # an unknown node type fails now, not after training
     place, record = _place_run(config, resume, verbose)

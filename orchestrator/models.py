@@ -1,4 +1,5 @@
-"""Built-in models and the model registry. A builder takes `in_features`, `num_classes` and its own kwargs."""
+"""Built-in models and the model registry. A builder takes its own options and, where its signature names them,
+`in_features` (the width of the classic concatenated feature vector) and `num_classes` (outputs)."""
 
 from __future__ import annotations
 
@@ -78,10 +79,23 @@ def check_model_options(model: ModelConfig) -> None:
                               f"'{key}'{suggest(key, allowed)}; its options: {allowed}")
 
 
-def build_model(name: str, entrypoint: str | None, in_features: int, num_classes: int, kwargs: dict) -> nn.Module:
-    model = model_builder(name, entrypoint)(in_features=in_features, num_classes=num_classes, **kwargs)
+def build_model(name: str, entrypoint: str | None, in_features: int | None, num_classes: int | None, kwargs: dict,
+                pretrained: str | None = None) -> nn.Module:
+    """The user's model. `pretrained`: a local directory written by save_pretrained, whose weights (and config)
+    replace the built model's through its class's `from_pretrained`."""
+    builder = model_builder(name, entrypoint)
+    params = inspect.signature(builder).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    given = {k: v for k, v in (("in_features", in_features), ("num_classes", num_classes))
+             if (k in params or takes_any) and v is not None}
+    model = builder(**given, **kwargs)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model builder '{entrypoint or name}' returned {type(model).__name__}, not a torch Module")
+    if pretrained is not None:
+        if not hasattr(model, "from_pretrained"):
+            raise ConfigError(f"model.pretrained is set, but model '{entrypoint or name}' ({type(model).__name__}) "
+                              "has no from_pretrained: build a Hugging Face model, or load weights in the builder")
+        model = type(model).from_pretrained(pretrained)
     return model
 
 

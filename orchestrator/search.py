@@ -18,8 +18,14 @@ if TYPE_CHECKING:
 # tests/unit/test_search.py runs the loop and fails if this drifts.
 TRAIN_METRICS = ("step", "epoch", "samples_seen", "train_loss", "lr", "grad_norm", "samples_per_s",
                  "data_wait_frac", "skipped_steps", "world_size")
-VAL_METRICS = ("val_loss", "val_accuracy")
-_HIGHER_IS_BETTER = ("val_accuracy", "samples_per_s")
+_HIGHER_IS_BETTER = ("val_accuracy", "val_top5_accuracy", "val_f1", "val_r2", "samples_per_s")
+
+
+def val_metrics(config: Config) -> tuple[str, ...]:
+    """What the run's task reports at validation (a user's task: at least val_loss)."""
+    from orchestrator.config import TASK_METRICS
+
+    return TASK_METRICS.get(config.task.name or "", (("val_loss",),))[0]
 
 
 def to_tune(domain: Domain) -> Any:
@@ -81,9 +87,9 @@ def check_study(config: Config) -> None:
     if not t.space:
         raise ConfigError("tune.space is empty: add the keys to search, e.g. "
                           "tune.space: {optim.lr: {loguniform: [1.0e-4, 1.0e-1]}}")
-    reported = TRAIN_METRICS + (VAL_METRICS if config.data.val is not None else ())
-    if t.metric not in reported:
-        if t.metric in VAL_METRICS:
+    reported = TRAIN_METRICS + (val_metrics(config) if config.data.val is not None else ())
+    if t.metric not in reported and ":" not in (config.task.name or ""):  # a user's task may report more
+        if t.metric in val_metrics(config):
             raise ConfigError(f"tune.metric={t.metric} is only reported with a validation split: set data.val")
         raise ConfigError(f"tune.metric={t.metric} is never reported by the training loop"
                           f"{suggest(t.metric, reported, 'tune.metric=')}; reported: {', '.join(reported)}")

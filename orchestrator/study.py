@@ -332,7 +332,7 @@ def tune(config: Config, address: str | None = None, fresh: bool = False, verbos
 
     check_study(config)
     check_rank_by(config)
-    infos = inspect_datasets(config.data)
+    infos = inspect_datasets(config.data, named=config.model.inputs is not None)
     base = resolve_for_data(config, infos)
     resolve_pricing(base)  # before any trial: an unknown node type is a config error
     tree = user_tree(config)

@@ -8,6 +8,8 @@ import os
 import uuid
 from typing import Any
 
+import pyarrow as pa
+
 from orchestrator.config import Config, config_from_dict, to_dict
 from orchestrator.errors import ConfigError, UserError
 from orchestrator.runs import RunPlace
@@ -31,13 +33,20 @@ def resolve_for_data(config: Config, infos: dict[str, DatasetInfo]) -> Config:
     if "val" in infos and infos["val"].feature_dim != train.feature_dim:
         raise ConfigError(f"data.val has {infos['val'].feature_dim} feature values per row but data.train has "
                           f"{train.feature_dim}: both splits must have the same columns")
+    check_label(config, train)
     tree = to_dict(config)
     if config.model.num_classes is None:
-        if train.num_classes < 2:
+        outputs = 1 if config.task.name == "regression" else train.num_classes
+        if config.task.name == "regression" and train.schema is not None:
+            label_type = train.schema.field(config.data.label).type
+            outputs = label_type.list_size if pa.types.is_fixed_size_list(label_type) else 1
+        # A model given named inputs builds its own head (a Hugging Face config says num_labels, vocab_size).
+        needed = config.model.inputs is None or config.task.name == "classification"
+        if outputs < (2 if config.task.name == "classification" else 1) and needed:
             source = (f"'{config.data.label}' statistics" if config.data.label
                       else "the token column's vocab_size metadata")
             raise ConfigError(f"cannot infer the number of classes from {source}: set model.num_classes")
-        tree["model"]["num_classes"] = train.num_classes
+        tree["model"]["num_classes"] = outputs or None
     t = config.train
     rows_per_worker = train.num_rows // config.scaling.max_workers
     smallest = t.micro_batch_size if isinstance(t.micro_batch_size, int) else 1
@@ -55,7 +64,60 @@ def resolve_for_data(config: Config, infos: dict[str, DatasetInfo]) -> Config:
                               "optim.warmup_steps or train longer")
         tree["train"]["max_steps"] = steps
         tree["train"]["epochs"] = None
-    return config_from_dict(tree)
+    resolved = config_from_dict(tree)
+    check_model_call(resolved, train)
+    return resolved
+
+
+def check_label(config: Config, info: DatasetInfo) -> None:
+    """The target column suits the task: integer classes, a fixed-size list of 0/1 labels, numbers to regress."""
+    label, task = config.data.label, config.task.name
+    if label is None or info.schema is None or ":" in (task or ""):
+        return
+    kind = info.schema.field(label).type
+    value = kind.value_type if pa.types.is_fixed_size_list(kind) else kind
+    numeric = pa.types.is_integer(value) or pa.types.is_floating(value) or pa.types.is_boolean(value)
+    wanted = {"classification": pa.types.is_integer(kind),
+              "multilabel": pa.types.is_fixed_size_list(kind) and numeric,
+              "regression": numeric}[task]  # type: ignore[index]
+    if not wanted:
+        need = {"classification": "integer class ids (for float targets use task.name=regression)",
+                "multilabel": "a fixed-size list of 0/1 values per row",
+                "regression": "numbers (or a fixed-size list of numbers)"}[task]  # type: ignore[index]
+        raise ConfigError(f"data.label '{label}' in {info.path} has type {kind}, but task {task} needs {need}")
+
+
+def check_model_call(config: Config, info: DatasetInfo) -> None:
+    """Named inputs: the sample rows convert to tensors, hold every input the model is given, and the model's
+    forward takes them by name (built on the meta device: no memory, no weights loaded)."""
+    if config.model.inputs is None or info.sample is None:
+        return
+    import torch
+
+    from orchestrator.models import build_model
+    from orchestrator.tasks import check_forward
+    from orchestrator.training.parts import task_parts
+    from pipelines.batches import collate_arrow
+
+    try:
+        batch = collate_arrow(info.sample, config.data.features, config.data.label, named=True)
+    except ValueError as exc:
+        raise ConfigError(f"data in {info.path}: {exc}") from None
+    _, call, _ = task_parts(config)
+    missing = [key for key in (call.inputs or {}).values() if key not in batch]
+    if missing:
+        raise ConfigError(f"config key 'model.inputs': {missing} are not in the batch, which has {sorted(batch)} "
+                          "(a mask comes only with a variable-length token column)")
+    name = config.model.entrypoint or config.model.name
+    try:
+        with torch.device("meta"):
+            model = build_model(config.model.name, config.model.entrypoint, info.feature_dim or None,
+                                config.model.num_classes, config.model.kwargs)
+    except ConfigError:
+        raise
+    except Exception:  # noqa: BLE001 - a builder that cannot run on the meta device is checked in the workers
+        return
+    check_forward(model, call, name)
 
 
 def build_trainer(config: Config, spec: dict[str, Any], datasets: dict[str, Any], place: RunPlace,
@@ -115,17 +177,23 @@ def build_run(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, ca
     clock = f"orchestrator-epoch-{place.name}-{uuid.uuid4().hex[:8]}" if config.data.shuffle else None
     if clock:
         create_epoch_clock(clock)
-    # A language model's rows are seq_len + 1 tokens: inputs and the next-token targets shifted by one.
-    in_features = infos["train"].feature_dim - (1 if config.data.label is None else 0)
     store_bytes = ray.cluster_resources().get("object_store_memory", 0)
-    spec = {"config": to_dict(config), "in_features": in_features, "epoch_clock": clock,
-            "replay_epochs": replay_epochs(config.data, infos, store_bytes), "metrics_queue": metrics_queue}
+    spec = {"config": to_dict(config), "in_features": in_features(config, infos["train"]), "epoch_clock": clock,
+            "replay_epochs": replay_epochs(config.data, infos, store_bytes), "metrics_queue": metrics_queue,
+            "sample": infos["train"].sample}
     context = DataContext.get_current()
     context.execution_options.preserve_order = True
     context.print_on_execution_start = False  # one log line per epoch per dataset otherwise
     context.enable_progress_bars = False
     datasets = build_datasets(config.data, infos, store_bytes, seed=config.train.seed, epoch_clock=clock)
     return build_trainer(config, spec, datasets, place, callbacks)
+
+
+def in_features(config: Config, info: DatasetInfo) -> int | None:
+    """Width of the classic model input; None for named inputs whose columns are not all fixed-width numbers."""
+    if config.model.inputs is None and config.data.label is None:
+        return info.feature_dim - 1  # token windows of seq_len + 1: the inputs and the next tokens shifted by one
+    return info.feature_dim or None
 
 
 def _worker_entry(spec: dict[str, Any]) -> dict[str, Any]:

@@ -17,12 +17,12 @@ from ray.tune import Callback
 from orchestrator.config import TrackingConfig, flatten, to_dict
 from orchestrator.cost import Pricing, build_ledger, resolve_pricing
 from orchestrator.errors import ConfigError
-from orchestrator.search import TRAIN_METRICS, VAL_METRICS, trial_config
+from orchestrator.search import TRAIN_METRICS, trial_config
 from orchestrator.tracking import MlflowTracker
 from orchestrator.trainer import resolve_for_data
 from pipelines.sources import DatasetInfo
 
-_METRICS = set(TRAIN_METRICS + VAL_METRICS)
+_METRICS = set(TRAIN_METRICS)  # and every val_* metric of the trial's task
 _LEDGER_KEYS = {"step", "interval_s", "time_total_s"}
 
 
@@ -149,7 +149,8 @@ class StudyCallback(Callback):
                         **info: Any) -> None:
         run = self._run(trial)
         if run is not None and "step" in result:
-            metrics = {k: v for k, v in result.items() if k in _METRICS and isinstance(v, int | float)
+            metrics = {k: v for k, v in result.items() if (k in _METRICS or k.startswith("val_"))
+                       and isinstance(v, int | float)
                        and math.isfinite(v)}
             run.log_metrics(metrics, step=int(result["step"]))
         if "step" in result and "interval_s" in result:

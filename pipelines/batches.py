@@ -1,4 +1,4 @@
-"""Turning Arrow record batches into the (features, labels) micro-batches the loop trains on, per rank and epoch."""
+"""Turning Arrow record batches into the micro-batches of named tensors the loop trains on, per rank and epoch."""
 
 from __future__ import annotations
 
@@ -12,51 +12,60 @@ from ray.data.collate_fn import ArrowBatchCollateFn
 
 from pipelines.config import DataConfig
 from pipelines.order import local_shuffle_seed, set_epoch
+from pipelines.tensors import IGNORE_INDEX, LABELS, Batch, Padding, cat_rows, column_array, rows, take, tensor
 
 
-def _column_matrix(column: pa.ChunkedArray) -> np.ndarray:
-    """A (rows, width) float32 matrix; fixed-size lists are flattened without a per-row Python loop."""
-    array = column.combine_chunks()
-    if pa.types.is_fixed_size_list(array.type):
-        width = array.type.list_size
-        # .flatten() honours the array offset; .values would not after slicing.
-        return array.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False).reshape(-1, width)
-    return array.to_numpy(zero_copy_only=False).astype(np.float32, copy=False).reshape(-1, 1)
+def collate_arrow(table: pa.Table, features: list[str], label: str | None, named: bool = False,
+                  padding: Padding | None = None) -> Batch:
+    """A fetched Arrow table as named tensors, the targets under `labels`.
 
-
-def collate_arrow(table: pa.Table, features: list[str], label: str | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack the feature columns into one float32 tensor: one tensor per batch is the fastest path into torch.
-    Without a label the single column holds token sequences: inputs are tokens[:-1], targets tokens[1:]."""
-    if label is None:
-        tokens = _token_matrix(table.column(features[0]))
-        return _tensor(tokens[:, :-1]), _tensor(tokens[:, 1:])
-    parts = [_column_matrix(table.column(name)) for name in features]
-    x = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
-    y = table.column(label).combine_chunks().to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-    return _tensor(x), _tensor(y)
-
-
-def _token_matrix(column: pa.ChunkedArray) -> np.ndarray:
-    array = column.combine_chunks()
-    return array.flatten().to_numpy(zero_copy_only=False).astype(np.int64).reshape(-1, array.type.list_size)
-
-
-def _tensor(array: np.ndarray) -> torch.Tensor:
-    # Arrow buffers are read-only; torch wants writable memory, and a copy of one batch is cheap.
-    array = np.ascontiguousarray(array)
-    return torch.from_numpy(array if array.flags.writeable else array.copy())
+    Classic (`named` false): the feature columns stacked into one float32 `x` (one tensor per batch is the fastest
+    path into torch); without a label the single column holds token windows: x = tokens[:-1], labels = tokens[1:].
+    Named: every column by its name, as `column_array` converts it; a variable-length column brings its mask
+    (`attention_mask` when it is the only one, else `<column>_mask`); without a label, `labels` are the tokens
+    themselves with padding ignored (the model shifts, as Hugging Face models do)."""
+    if not named:
+        if label is None:
+            tokens = column_array(table.column(features[0]))[0]
+            return {"x": tensor(tokens[:, :-1]), LABELS: tensor(tokens[:, 1:])}
+        parts = [column_array(table.column(name))[0].reshape(table.num_rows, -1).astype(np.float32, copy=False)
+                 for name in features]
+        x = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+        return {"x": tensor(x), LABELS: tensor(column_array(table.column(label))[0])}
+    padding = padding or Padding()
+    batch: Batch = {}
+    masks: dict[str, np.ndarray] = {}
+    for name in features:
+        values, mask = column_array(table.column(name), padding.multiple)
+        batch[name] = tensor(values)
+        if mask is not None:
+            masks[name] = mask
+    for name, mask in masks.items():
+        key = "attention_mask" if len(masks) == 1 else f"{name}_mask"
+        batch[key] = tensor(mask)
+        padding.groups[key] = [name, key]
+    if label is not None:
+        batch[LABELS] = tensor(column_array(table.column(label))[0])
+    else:
+        labels = batch[features[0]].clone()
+        if features[0] in masks:
+            labels[torch.from_numpy(masks[features[0]]) == 0] = IGNORE_INDEX
+            padding.groups["attention_mask"].append(LABELS)
+        batch[LABELS] = labels
+    return batch
 
 
 class FeatureCollate(ArrowBatchCollateFn):
-    """Collate for `iter_torch_batches`: Arrow batch in, `(x, y)` tensors out (moved to the device by Ray)."""
+    """Collate for `iter_torch_batches`: Arrow batch in, named tensors out (moved to the device by Ray)."""
 
-    def __init__(self, features: list[str], label: str | None) -> None:
+    def __init__(self, features: list[str], label: str | None, named: bool = False,
+                 padding: Padding | None = None) -> None:
         super().__init__()
-        self.features = list(features)
-        self.label = label
+        self.features, self.label, self.named = list(features), label, named
+        self.padding = padding or Padding()
 
-    def __call__(self, batch: pa.Table) -> tuple[torch.Tensor, torch.Tensor]:
-        return collate_arrow(batch, self.features, self.label)
+    def __call__(self, batch: pa.Table) -> Batch:
+        return collate_arrow(batch, self.features, self.label, self.named, self.padding)
 
 
 # Ray Data costs about 2.5 ms per batch handed to a worker, whatever its size (measured: 0.35-0.48M rows/s at
@@ -69,16 +78,18 @@ def fetch_size(micro_batch_size: int) -> int:
     return micro_batch_size * max(1, FETCH_ROWS // micro_batch_size)
 
 
-def split_batches(
-    chunks: Iterable[tuple[torch.Tensor, torch.Tensor]], size: int, drop_last: bool
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Slice fetched chunks into batches of `size` rows. Only the epoch's last chunk can be short (chunks are
-    fetched without drop_last), so with drop_last exactly the rows of an incomplete final batch are dropped."""
-    for x, y in chunks:
-        for start in range(0, len(y), size):
-            if drop_last and start + size > len(y):
+def split_batches(chunks: Iterable[Batch], size: int, drop_last: bool, padding: Padding | None = None
+                  ) -> Iterator[Batch]:
+    """Slice fetched chunks into batches of `size` rows, each trimmed to its own longest sequence. Only the epoch's
+    last chunk can be short (chunks are fetched without drop_last), so with drop_last exactly the rows of an
+    incomplete final batch are dropped."""
+    trim = padding.trim if padding is not None else (lambda batch: batch)
+    for chunk in chunks:
+        count = rows(chunk)
+        for start in range(0, count, size):
+            if drop_last and start + size > count:
                 break
-            yield x[start:start + size], y[start:start + size]
+            yield trim(take(chunk, slice(start, start + size)))
 
 
 class EpochReplay:
@@ -96,14 +107,15 @@ class EpochReplay:
     incomplete last micro-batch are left out of epoch 0 and drawn into later epochs' permutations like any other,
     as streaming in a new shard order would."""
 
-    def __init__(self, keep: bool, reshuffle: Callable[[int], int] | None = None, micro: int | None = None) -> None:
+    def __init__(self, keep: bool, reshuffle: Callable[[int], int] | None = None, micro: int | None = None,
+                 padding: Padding | None = None) -> None:
         self.keep = keep
         self.reshuffle = reshuffle
         self.micro = micro
-        self.batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.padding = padding
+        self.batches: list[Batch] | None = None
 
-    def __call__(self, stream: Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]], epoch: int = 0
-                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __call__(self, stream: Callable[[], Iterable[Batch]], epoch: int = 0) -> Iterator[Batch]:
         """The recorded pass in `epoch`'s order if there is one; else a new `stream()`, recorded when kept. A pass
         left unfinished (training ended mid-epoch) is not kept."""
         if not self.keep:
@@ -121,21 +133,20 @@ class EpochReplay:
             self.batches = list(stream())
         yield from self._in_order_of(epoch)
 
-    def _is_whole(self, batch: tuple[torch.Tensor, torch.Tensor]) -> bool:
-        return self.micro is None or len(batch[1]) == self.micro
+    def _is_whole(self, batch: Batch) -> bool:
+        return self.micro is None or rows(batch) == self.micro
 
-    def _whole(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
-               ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _whole(self, batches: Iterable[Batch]) -> Iterator[Batch]:
         return (batch for batch in batches if self._is_whole(batch))
 
-    def _in_order_of(self, epoch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _in_order_of(self, epoch: int) -> list[Batch]:
         batches = self.batches or []
         if self.reshuffle is None or epoch == 0 or not batches:
             return list(self._whole(batches))
-        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(self.reshuffle(epoch)))
-        size = self.micro or len(batches[0][0])
-        return list(self._whole(zip(x[order].split(size), y[order].split(size), strict=True)))
+        everything = cat_rows(batches)
+        order = torch.randperm(rows(everything), generator=torch.Generator().manual_seed(self.reshuffle(epoch)))
+        return list(self._whole(split_batches([take(everything, order)], self.micro or rows(batches[0]),
+                                              drop_last=False, padding=self.padding)))
 
 
 class RankBatches:
@@ -144,25 +155,26 @@ class RankBatches:
     shuffled per (seed, epoch, rank) with a shuffle buffer, and small in-memory data replayed (EpochReplay)."""
 
     def __init__(self, data: DataConfig, train_shard: Any, val_shard: Any | None, micro_batch_size: int, seed: int,
-                 rank: int, epoch_clock: str | None, replay: bool) -> None:
+                 rank: int, epoch_clock: str | None, replay: bool, named: bool = False) -> None:
         self.data, self.train_shard, self.val_shard = data, train_shard, val_shard
         self.micro, self.seed, self.rank, self.epoch_clock = micro_batch_size, seed, rank, epoch_clock
-        self.collate = FeatureCollate(data.features, data.label)
+        self.padding = Padding(data.pad_to_multiple_of)
+        self.collate = FeatureCollate(data.features, data.label, named, self.padding)
         # Replayed only without a shuffle buffer (its order changes per epoch as it streams); with data.shuffle each
         # later epoch replays this rank's rows in a new order, seeded per (seed, epoch, rank).
         reshuffle = (lambda epoch: local_shuffle_seed(seed, epoch, rank)) if data.shuffle else None
         # Streamed whole, the incomplete last micro-batch included: EpochReplay hands out whole micro-batches only.
         self.replay_train = EpochReplay(keep=replay and not data.shuffle_buffer, reshuffle=reshuffle,
-                                        micro=micro_batch_size)
+                                        micro=micro_batch_size, padding=self.padding)
         self.replay_val = EpochReplay(keep=replay)
 
-    def train(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def train(self, epoch: int) -> Iterator[Batch]:
         return self.replay_train(lambda: self._stream_train(epoch), epoch)
 
-    def val(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def val(self) -> Iterator[Batch]:
         return self.replay_val(lambda: self._batches(self.val_shard, drop_last=False))
 
-    def _stream_train(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _stream_train(self, epoch: int) -> Iterator[Batch]:
         # Before this rank starts the epoch: the reader draws the epoch's shard order from the clock once all
         # ranks have arrived (streaming_split's epoch barrier), so a resumed run re-reads the same order.
         if self.epoch_clock:
@@ -173,10 +185,9 @@ class RankBatches:
         # (EpochReplay does, with micro) leaves equal batch counts on every rank and the collectives aligned.
         return self._batches(self.train_shard, drop_last=False, shuffle_seed=seed)
 
-    def _batches(self, shard: Any, drop_last: bool, shuffle_seed: int | None = None
-                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _batches(self, shard: Any, drop_last: bool, shuffle_seed: int | None = None) -> Iterator[Batch]:
         chunks = shard.iter_torch_batches(
             batch_size=fetch_size(self.micro), prefetch_batches=self.data.prefetch_batches, collate_fn=self.collate,
             local_shuffle_buffer_size=self.data.shuffle_buffer if shuffle_seed is not None else None,
             local_shuffle_seed=shuffle_seed)
-        return split_batches(chunks, self.micro, drop_last)
+        return split_batches(chunks, self.micro, drop_last, self.padding)

@@ -76,9 +76,13 @@ class DataConfig(BaseModel):
     train: str = Field("data/digits/train", min_length=1,
                        description="Directory, file or s3://bucket/prefix of Parquet shards.")
     val: str | None = Field("data/digits/val", description="Parquet shards for validation; null disables eval.")
-    features: list[str] = Field(["pixels"], min_length=1, description="Feature columns, concatenated in order.")
-    label: str | None = Field("label", description="Integer class label column; null = next-token prediction on "
-                              "the single token column in `features` (a language model).")
+    features: list[str] = Field(["pixels"], min_length=1, description="Input columns: concatenated in order into "
+                                "one float vector, or handed to the model by name (model.inputs).")
+    label: str | None = Field("label", description="Target column (integer classes, a list of 0/1 labels, or "
+                              "floats, as task.name needs); null = next-token prediction on the single token "
+                              "column in `features` (a language model).")
+    pad_to_multiple_of: int | None = Field(None, ge=1, description="Variable-length token columns are padded to "
+                                           "the longest row of each micro-batch, rounded up to this multiple.")
     prefetch_batches: int = Field(2, ge=0, description="Fetches (of ~4096 rows, sliced into micro-batches) each "
                                   "worker prefetches ahead of the loop.")
     read_parallelism: int | None = Field(None, ge=1, description="Most shard reads running at once (Ray Data "

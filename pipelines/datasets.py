@@ -16,11 +16,12 @@ if TYPE_CHECKING:
     import ray.data
 
 
-def inspect_datasets(cfg: DataConfig) -> dict[str, DatasetInfo]:
-    """Check the train (and val) shards before Ray starts; raises `DataError` naming the problem."""
-    infos = {"train": inspect_parquet(cfg.train, cfg.features, cfg.label, cfg.s3)}
+def inspect_datasets(cfg: DataConfig, named: bool = False) -> dict[str, DatasetInfo]:
+    """Check the train (and val) shards before Ray starts; raises `DataError` naming the problem. `named`: the
+    model takes the columns by name (model.inputs)."""
+    infos = {"train": inspect_parquet(cfg.train, cfg.features, cfg.label, cfg.s3, named)}
     if cfg.val is not None:
-        infos["val"] = inspect_parquet(cfg.val, cfg.features, cfg.label, cfg.s3)
+        infos["val"] = inspect_parquet(cfg.val, cfg.features, cfg.label, cfg.s3, named)
     return infos
 
 

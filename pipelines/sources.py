@@ -25,8 +25,10 @@ class DatasetInfo:
     files: list[str]
     num_rows: int
     num_bytes: int
-    feature_dim: int
+    feature_dim: int  # width of the feature columns concatenated (0 when some column is not a fixed-width number)
     num_classes: int
+    schema: pa.Schema | None = field(default=None, repr=False)
+    sample: pa.Table | None = field(default=None, repr=False)  # the first rows of the configured columns
     # Where the shards live and each shard's size/version/row count, for the readers (same order as `files`).
     storage: Storage | None = field(default=None, repr=False)
     objects: list[ObjectInfo] = field(default_factory=list, repr=False)
@@ -40,19 +42,37 @@ def list_parquet_files(path: str, s3: S3Config | None = None) -> tuple[Storage, 
     return storage, storage.list_objects(".parquet")
 
 
-def _feature_width(field: pa.Field, file: str) -> int:
-    if pa.types.is_fixed_size_list(field.type) and _is_numeric(field.type.value_type):
-        return field.type.list_size
-    if _is_numeric(field.type):
-        return 1
+def _feature_width(field: pa.Field, file: str, named: bool) -> int:
+    """Values per row of a feature column; 0 for what only named inputs take (variable-length lists, tensors)."""
+    width, value_type = 1, field.type
+    while pa.types.is_fixed_size_list(value_type):
+        width, value_type = width * value_type.list_size, value_type.value_type
+    if _is_numeric(value_type):
+        return width
+    if named and (isinstance(field.type, pa.ExtensionType) or ((pa.types.is_list(field.type) or pa.types.is_large_list(
+            field.type)) and pa.types.is_integer(field.type.value_type))):
+        return 0
     raise DataError(
-        f"feature column '{field.name}' in {file} has type {field.type}: "
-        "use a numeric column or a fixed-size list of numbers"
+        f"feature column '{field.name}' in {file} has type {field.type}: use a numeric column or a fixed-size list "
+        "of numbers" + ("" if named else " (variable-length token lists and tensor columns need model.inputs)")
     )
 
 
 def _is_numeric(t: pa.DataType) -> bool:
-    return pa.types.is_integer(t) or pa.types.is_floating(t)
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+
+
+def read_sample(storage: Storage, files: list[str], rows: list[int], columns: list[str], count: int = 8
+                ) -> pa.Table:
+    """The first `count` rows of `columns` from the first non-empty shard (one row group's pages at most): a real
+    batch for checks on the driver, the memory probe and the logged model's input example."""
+    file = next(f for f, n in zip(files, rows, strict=True) if n)
+    try:
+        with storage.filesystem().open_input_file(file) as handle:
+            batch = next(pq.ParquetFile(handle).iter_batches(batch_size=count, columns=columns))
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise corrupt_parquet(storage.uri_of(file), exc) from None
+    return pa.Table.from_batches([batch])
 
 
 def _label_max(meta: pq.FileMetaData, column: int) -> int | None:
@@ -79,9 +99,11 @@ def read_footer(storage: Storage, path: str) -> pq.FileMetaData:
         raise corrupt_parquet(path, exc) from None
 
 
-def inspect_parquet(path: str, features: list[str], label: str | None, s3: S3Config | None = None) -> DatasetInfo:
-    """Check every shard's footer (readable, same schema, configured columns present) and summarise it.
-    With `label=None` the single feature column holds token sequences (next-token prediction)."""
+def inspect_parquet(path: str, features: list[str], label: str | None, s3: S3Config | None = None,
+                    named: bool = False) -> DatasetInfo:
+    """Check every shard's footer (readable, same schema, configured columns present) and summarise it, with a
+    sample of its first rows. With `label=None` the single feature column holds token sequences (next-token
+    prediction). `named`: the model takes columns by name, so variable-length token lists are inputs too."""
     columns = [*features, *([label] if label else [])]
     storage, objects = list_parquet_files(path, s3)
     files = [o.path for o in objects]
@@ -110,32 +132,39 @@ def inspect_parquet(path: str, features: list[str], label: str | None, s3: S3Con
                     "schema"
                 )
         num_rows += meta.num_rows
-        if label is not None and label_max is not None and meta.num_rows:
+        if label is not None and label_max is not None and meta.num_rows and pa.types.is_integer(
+                schema.field(label).type):
             file_max = _label_max(meta, schema.get_field_index(label))
             label_max = None if file_max is None else max(label_max, file_max)
     assert first_schema is not None  # list_parquet_files never returns an empty list
-    if label is None:
-        return _token_info(path, files, objects, footers, first_schema, features[0], storage)
-    label_type = first_schema.field(label).type
-    if not pa.types.is_integer(label_type):
-        raise DataError(f"label column '{label}' in {storage.uri_of(files[0])} has type {label_type}: class labels "
-                        "must be integers")
-    feature_dim = sum(_feature_width(first_schema.field(name), storage.uri_of(files[0])) for name in features)
+    file_rows = [meta.num_rows for meta in footers]
+    sample = read_sample(storage, files, file_rows, columns) if num_rows else None
+    if label is None and not named:
+        return _token_info(path, files, objects, footers, first_schema, features[0], storage, sample)
+    widths = [_feature_width(first_schema.field(name), storage.uri_of(files[0]), named) for name in features]
+    if label is None:  # named token column: the vocabulary from `prepare text`'s metadata, if any
+        num_classes = int((first_schema.metadata or {}).get(b"vocab_size", b"0"))
+    elif pa.types.is_fixed_size_list(first_schema.field(label).type):  # one output per label (multilabel)
+        num_classes = first_schema.field(label).type.list_size
+    else:
+        num_classes = (label_max + 1) if label_max is not None and label_max >= 0 else 0
     return DatasetInfo(
         path=path,
         files=files,
         num_rows=num_rows,
         num_bytes=sum(o.size for o in objects),
-        feature_dim=feature_dim,
-        num_classes=(label_max + 1) if label_max is not None and label_max >= 0 else 0,
+        feature_dim=0 if 0 in widths else sum(widths),
+        num_classes=num_classes,
+        schema=first_schema,
+        sample=sample,
         storage=storage,
         objects=objects,
-        file_rows=[meta.num_rows for meta in footers],
+        file_rows=file_rows,
     )
 
 
 def _token_info(path: str, files: list[str], objects: list[ObjectInfo], footers: list[pq.FileMetaData],
-                schema: pa.Schema, column: str, storage: Storage) -> DatasetInfo:
+                schema: pa.Schema, column: str, storage: Storage, sample: pa.Table | None) -> DatasetInfo:
     """Token sequences: a fixed-size list of integers per row; the vocabulary size comes from the schema metadata
     that `orchestrator prepare text` writes (else model.num_classes must say it)."""
     field = schema.field(column)
@@ -145,6 +174,6 @@ def _token_info(path: str, files: list[str], objects: list[ObjectInfo], footers:
     vocab = int((schema.metadata or {}).get(b"vocab_size", b"0"))
     return DatasetInfo(
         path=path, files=files, num_rows=sum(m.num_rows for m in footers), num_bytes=sum(o.size for o in objects),
-        feature_dim=field.type.list_size, num_classes=vocab, storage=storage, objects=objects,
-        file_rows=[m.num_rows for m in footers],
+        feature_dim=field.type.list_size, num_classes=vocab, schema=schema, sample=sample, storage=storage,
+        objects=objects, file_rows=[m.num_rows for m in footers],
     )

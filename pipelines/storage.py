@@ -234,3 +234,34 @@ def storage_error(exc: BaseException, storage: Storage, action: str, path: str |
         return DataError(f"S3 kept failing ({code or status}) {action} {what} after {attempts} attempts with "
                          "backoff: the store is throttling or unavailable; retry later or raise data.s3.max_attempts")
     return DataError(f"S3 error {action} {what}: {detail}")
+
+
+def fetch_prefix(uri: str, s3: S3Config | None = None, root: str | None = None) -> str:
+    """Every object under an s3:// prefix copied once to a local directory (per node: the first process holds a
+    file lock and downloads, the others wait and reuse the copy), keyed by the prefix and the objects' versions.
+    Returns the directory; DataError naming the prefix on failure."""
+    import fcntl
+    import hashlib
+    import tempfile
+
+    storage = open_storage(uri, s3)
+    objects = storage.list_objects("")
+    key = hashlib.sha256("\n".join(f"{o.path} {o.version}" for o in objects).encode()).hexdigest()[:16]
+    base = os.path.join(root or tempfile.gettempdir(), "orchestrator-pretrained")
+    target = os.path.join(base, key)
+    os.makedirs(base, exist_ok=True)
+    with open(os.path.join(base, f".{key}.lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        if not os.path.isdir(target):
+            staging = tempfile.mkdtemp(prefix=f".{key}-", dir=base)
+            prefix = storage.root.rstrip("/") + "/"
+            try:
+                for obj in objects:
+                    local = os.path.join(staging, obj.path[len(prefix):] if obj.path.startswith(prefix)
+                                         else os.path.basename(obj.path))
+                    os.makedirs(os.path.dirname(local), exist_ok=True)
+                    pafs.copy_files(obj.path, local, source_filesystem=storage.filesystem())
+            except Exception as exc:
+                raise storage_error(exc, storage, "downloading") from None
+            os.rename(staging, target)  # whole or not at all: a crash leaves only a staging directory
+    return target

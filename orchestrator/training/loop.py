@@ -16,10 +16,10 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from orchestrator.config import Config
 from orchestrator.errors import UserError
+from orchestrator.tasks import step_loss_sum
 from orchestrator.training import ranks
 from orchestrator.training.checkpoint import Progress, checkpoint_state, save_state, unwrap
 from orchestrator.training.memory import cuda_memory_stats, device_facts, is_oom, release_cached_memory
@@ -27,8 +27,7 @@ from orchestrator.training.parts import Parts
 from orchestrator.training.sync import grad_bytes
 from orchestrator.training.system import node_stats
 from orchestrator.training.timing import PhaseTimer, count_flops, peak_flops
-
-Batch = tuple[torch.Tensor, torch.Tensor]
+from pipelines.tensors import Batch, chunk, rows, take, to_device
 
 
 class Reporter(Protocol):
@@ -74,14 +73,6 @@ class Interval:
         self.micro = micro
 
 
-IGNORE_INDEX = -100  # targets with this value (padding) count neither in the loss nor in its normaliser
-
-
-def loss_sum(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy; one form for classes (B, C) vs (B,) and next tokens (B, T, V) vs (B, T)."""
-    return F.cross_entropy(logits.float().flatten(0, -2), y.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
-
-
 def train_step(parts: Parts, micro_batches: list[Batch], timer: PhaseTimer | None = None) -> StepResult:
     """Forward/backward every micro-batch, then one optimizer step.
 
@@ -93,7 +84,7 @@ def train_step(parts: Parts, micro_batches: list[Batch], timer: PhaseTimer | Non
     # Normalise by the targets (samples, or tokens) of the whole step on all ranks, not per micro-batch: then
     # k micro-batches of size b give the gradient of one batch of k*b, and DDP's mean over ranks (hence the
     # world factor) gives the mean over the global batch even when ranks hold different token counts.
-    local_targets = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches).to(torch.float32)
+    local_targets = sum(parts.task.count(batch) for batch in micro_batches).to(torch.float32)
     targets = local_targets.clone()
     # Local SGD: each rank's step is its own (no gradient mean), so the normaliser is its own targets too.
     world = ranks.world()[1] if parts.local_sgd is None else 1
@@ -102,8 +93,7 @@ def train_step(parts: Parts, micro_batches: list[Batch], timer: PhaseTimer | Non
         parts.comm_bytes += targets.element_size()
     scale = world / targets.clamp(min=1)
     while True:
-        pieces = [piece for x, y in micro_batches
-                  for piece in zip(x.chunk(parts.split), y.chunk(parts.split), strict=True)]
+        pieces = [piece for batch in micro_batches for piece in chunk(batch, parts.split)]
         step_loss = _forward_backward(parts, pieces, scale, timer)
         if step_loss is not None:
             break
@@ -111,7 +101,7 @@ def train_step(parts: Parts, micro_batches: list[Batch], timer: PhaseTimer | Non
         release_cached_memory(parts.device)
         parts.split *= 2
         parts.oom_retries += 1
-    samples = int(sum(len(y) for _, y in micro_batches))
+    samples = sum(rows(batch) for batch in micro_batches)
     with timer.phase("compute"):
         parts.precision.unscale_(parts.optimizer)
         max_norm = parts.max_grad_norm if parts.max_grad_norm is not None else math.inf
@@ -166,14 +156,14 @@ def _forward_backward(parts: Parts, pieces: list[Batch], scale: torch.Tensor,
     seconds: list[float] = []
     forward_s = 0.0
 
-    def piece(x: torch.Tensor, y: torch.Tensor, synced: bool) -> None:
+    def piece(batch: Batch, synced: bool) -> None:
         nonlocal total, forward_s
         started = time.perf_counter()
         # The forward must be inside no_sync too, because DDP arms its reducer during forward.
         with nullcontext() if synced or not hasattr(model, "no_sync") else model.no_sync():
             with parts.precision.autocast():
-                logits = model(x)
-            loss = loss_sum(logits, y)
+                output = parts.call(model, batch)
+            loss = step_loss_sum(parts.task, output, batch, parts.model_loss)
             forward_s = _elapsed(started, parts.device)
             parts.precision.backward(loss * scale)
         if synced and ranks.world()[1] > 1:
@@ -183,8 +173,8 @@ def _forward_backward(parts: Parts, pieces: list[Batch], scale: torch.Tensor,
 
     out_of_memory = False
     try:
-        for x, y in pieces[:-1] if ddp else pieces:
-            piece(x, y, synced=False)
+        for batch in pieces[:-1] if ddp else pieces:
+            piece(batch, synced=False)
     except Exception as exc:
         if not is_oom(exc):
             raise
@@ -196,7 +186,7 @@ def _forward_backward(parts: Parts, pieces: list[Batch], scale: torch.Tensor,
     if out_of_memory:
         return None
     if ddp:  # an OOM in here is not retried: it may strike inside the all-reduce, which one rank cannot undo
-        piece(*pieces[-1], synced=True)
+        piece(pieces[-1], synced=True)
     # The all-reduce overlaps the last backward; what it adds beyond compute is the exposed sync time.
     if not (ddp and ranks.world()[1] > 1):
         sync_s = 0.0
@@ -217,23 +207,25 @@ def _elapsed(started: float, device: torch.device) -> float:
 
 @torch.no_grad()
 def evaluate(parts: Parts, batches: Iterable[Batch]) -> dict[str, float]:
-    """Loss and accuracy over this rank's validation shard, summed across ranks."""
+    """The task's validation metrics over this rank's validation shard, their sums added across ranks."""
     # The bare module: DDP's forward would broadcast buffers, a collective that ranks must not call unevenly.
     model = unwrap(parts.model)
     model.eval()
-    sums = torch.zeros(3, dtype=torch.float64, device=parts.device)  # loss, correct, targets
-    for x, y in batches:
+    totals: dict[str, torch.Tensor] = {}
+    for batch in batches:
+        batch = to_device(batch, parts.device)
         with parts.precision.autocast():
-            logits = model(x.to(parts.device, non_blocking=True))
-        y = y.to(parts.device, non_blocking=True)
-        valid = y != IGNORE_INDEX
-        sums += torch.stack([loss_sum(logits, y).double(), ((logits.argmax(dim=-1) == y) & valid).sum().double(),
-                             valid.sum().double()])
-    loss, correct, count = ranks.all_reduce_sum(sums.tolist(), parts.device)
+            output = parts.call(model, batch)
+        for key, value in parts.task.metric_sums(output, batch).items():
+            totals[key] = totals.get(key, 0) + value.double()
+    # Every rank reduces the same keys in the same order; a rank without rows learns them from the others.
+    keys = sorted(ranks.gather_keys(list(totals)))
+    sums = dict(zip(keys, ranks.all_reduce_sum([float(totals.get(k, 0.0)) for k in keys], parts.device),
+                    strict=True))
     release_cached_memory(parts.device)
-    if count == 0:
+    if not sums.get("count"):
         raise UserError("the validation split gave no rows to any worker: add rows or set data.val to null")
-    return {"val_loss": loss / count, "val_accuracy": correct / count}
+    return parts.task.metrics(sums)
 
 
 def micro_batches(
@@ -244,14 +236,14 @@ def micro_batches(
     may cut micro-batches of another size (auto, or a changed train.micro_batch_size) and still sees every row once."""
     while True:
         produced, skip = False, progress.rows_in_epoch
-        for x, y in train_batches(progress.epoch):
+        for batch in train_batches(progress.epoch):
             produced = True
-            if skip >= len(y):
-                skip -= len(y)
+            if skip >= rows(batch):
+                skip -= rows(batch)
                 continue
-            x, y, skip = x[skip:], y[skip:], 0  # a micro-batch straddling the position: only its untrained rows
-            progress.rows_in_epoch += len(y)
-            yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            batch, skip = take(batch, slice(skip, None)), 0  # straddling the position: only its untrained rows
+            progress.rows_in_epoch += rows(batch)
+            yield to_device(batch, device)
         if not produced:
             raise UserError("the training split is smaller than one micro-batch per worker: "
                             "add rows, or lower train.global_batch_size / scaling.num_workers")
@@ -342,7 +334,7 @@ def run(
             with interval.timer.phase("data_wait"):
                 batch = [next(stream) for _ in range(t.grad_accum_steps)]
         if flops_per_sample is None:
-            flops_per_sample = _flops_per_sample(parts, *batch[0])
+            flops_per_sample = _flops_per_sample(parts, batch[0])
         if parts.eager_model is not None:  # the first step of this process, also after a resume: it compiles
             result, once["compile_s"] = _first_compiled_step(parts, batch)
             interval = Interval(PhaseTimer(parts.device), comm_start=parts.comm_bytes)  # compiling isn't training
@@ -358,7 +350,7 @@ def run(
                 "raise optim.warmup_steps, set optim.max_grad_norm, use train.precision=bf16/fp32, or check "
                 "the data for NaN/inf values"
             )
-        interval.add(result, micro=-(-len(batch[0][1]) // parts.split))
+        interval.add(result, micro=-(-rows(batch[0]) // parts.split))
 
         due = cadence.at(progress.step)
         if parts.local_sgd is not None and (parts.local_sgd.due(progress.step) or (due and (due.eval or
@@ -411,20 +403,20 @@ def run(
     return metrics
 
 
-def _flops_per_sample(parts: Parts, x: torch.Tensor, y: torch.Tensor) -> float:
+def _flops_per_sample(parts: Parts, batch: Batch) -> float:
     """Forward + backward FLOPs per sample, counted once on the bare module (no DDP hooks, no compilation)."""
     model = unwrap(parts.model)
 
     def step() -> None:
         with parts.precision.autocast():
-            logits = model(x)
-        loss_sum(logits, y).backward()
+            output = parts.call(model, batch)
+        step_loss_sum(parts.task, output, batch, parts.model_loss).backward()
 
     # Dropout draws random numbers: fork the RNG so counting leaves the training stream (and exact resume) intact.
     with torch.random.fork_rng(devices=[parts.device] if parts.device.type == "cuda" else []):
         flops = count_flops(step)
     model.zero_grad(set_to_none=True)
-    return flops / max(len(y), 1)
+    return flops / max(rows(batch), 1)
 
 
 def _first_compiled_step(parts: Parts, batch: list[Batch]) -> tuple[StepResult, float]:

@@ -50,9 +50,10 @@ def divisors_descending(n: int) -> list[int]:
     return sorted((d for d in range(1, n + 1) if n % d == 0), reverse=True)
 
 
-def activation_bytes_per_sample(model: torch.nn.Module, sample: torch.Tensor, loss: Callable) -> float:
-    """Bytes autograd keeps for backward per sample, measured on a small batch (each storage counted once;
-    parameters are not activations and are counted in `state_bytes`)."""
+def activation_bytes_per_sample(model: torch.nn.Module, samples: int, loss: Callable[[], torch.Tensor]) -> float:
+    """Bytes autograd keeps for backward per sample, measured on a small batch of `samples` rows whose forward and
+    loss `loss()` computes (each storage counted once; parameters are not activations and are counted in
+    `state_bytes`)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -63,10 +64,10 @@ def activation_bytes_per_sample(model: torch.nn.Module, sample: torch.Tensor, lo
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = loss(model(sample))
+        out = loss()
     out.backward()
     model.zero_grad(set_to_none=True)
-    return sum(seen.values()) / len(sample)
+    return sum(seen.values()) / samples
 
 
 def state_bytes(model: torch.nn.Module, optimizer_slots: int) -> int:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from orchestrator.config import Config
 from orchestrator.models import build_model
+from orchestrator.tasks import Classification, ModelCall, Task, build_task
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.precision import Precision, resolve_precision
 from orchestrator.training.sync import LocalSGD, build_local_sgd
@@ -30,6 +31,9 @@ class Parts:
     eager_model: torch.nn.Module | None = None  # set when `model` is compiled: the fallback if compiling fails
     local_sgd: LocalSGD | None = None  # set for train.sync=local_sgd: no gradient all-reduce, periodic averaging
     comm_bytes: int = 0  # bytes this rank has put into all-reduces of gradients, parameters and normalisers
+    task: Task = field(default_factory=Classification)  # the loss as a sum with its target count, the metrics
+    call: ModelCall = field(default_factory=ModelCall)  # how the model takes a batch: forward(x) or by name
+    model_loss: bool = False  # task.loss=model: the model's own loss (given labels), not the task's
 
 
 def seed_everything(seed: int) -> None:
@@ -38,19 +42,31 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_parts(cfg: Config, in_features: int, device: torch.device) -> Parts:
+def task_parts(cfg: Config) -> tuple[Task, ModelCall, bool]:
+    """The task, how the model is called and whether its own loss is used, for a resolved config."""
+    model_loss = cfg.task.loss == "model"
+    call = ModelCall(cfg.model.input_map, labels=model_loss)
+    # A model given the whole token sequence by name shifts for next-token targets (the Hugging Face convention).
+    task = build_task(cfg.task.name, cfg.model.num_classes, shift=call.inputs is not None)  # type: ignore[arg-type]
+    return task, call, model_loss
+
+
+def build_parts(cfg: Config, in_features: int | None, device: torch.device, pretrained: str | None = None) -> Parts:
     """Model (wrapped in DDP by Ray Train for more than one worker), optimizer, LR schedule, precision and the
-    local-SGD state, on this worker's device."""
+    local-SGD state, on this worker's device. `pretrained`: a local directory to load the weights from."""
     import ray.train.torch
 
     t = cfg.train
     # Same seed on every rank: identical initial weights (DDP also broadcasts rank 0's at wrap time).
     seed_everything(t.seed)
-    model = build_model(cfg.model.name, cfg.model.entrypoint, in_features, cfg.model.num_classes, cfg.model.kwargs)
+    model = build_model(cfg.model.name, cfg.model.entrypoint, in_features, cfg.model.num_classes, cfg.model.kwargs,
+                        pretrained)
     model = ray.train.torch.prepare_model(model)
     optimizer, scheduler = build_optimizer(model, cfg.optim, t.max_steps)  # type: ignore[arg-type]
+    task, call, model_loss = task_parts(cfg)
     return Parts(model, optimizer, scheduler, Precision(resolve_precision(t.precision, device), device), device,
-                 cfg.optim.max_grad_norm, local_sgd=build_local_sgd(t.sync, *t.local_sgd))
+                 cfg.optim.max_grad_norm, local_sgd=build_local_sgd(t.sync, *t.local_sgd), task=task, call=call,
+                 model_loss=model_loss)
 
 
 def compile_model(parts: Parts) -> None:

@@ -50,3 +50,12 @@ def gather_to_rank0(obj: Any) -> list[Any]:
     gathered: list[Any] | None = [None] * size if rank == 0 else None
     dist.gather_object(obj, gathered, dst=0)
     return gathered or []
+
+
+def gather_keys(keys: list[str]) -> set[str]:
+    """The union of every rank's `keys` on every rank (a rank that saw no rows has none of its own)."""
+    if world()[1] == 1:
+        return set(keys)
+    everyone: list[list[str] | None] = [None] * world()[1]
+    dist.all_gather_object(everyone, keys)
+    return {key for ranks_keys in everyone for key in ranks_keys or []}

@@ -16,7 +16,8 @@ from orchestrator.batching import split_batch
 from orchestrator.config import Config, config_from_dict
 from orchestrator.errors import ConfigError
 from orchestrator.training.checkpoint import load_state, restore, unwrap
-from orchestrator.training.loop import Batch, loss_sum, run
+from orchestrator.tasks import step_loss_sum
+from orchestrator.training.loop import run
 from orchestrator.training.memory import (
     GIB,
     activation_bytes_per_sample,
@@ -28,35 +29,34 @@ from orchestrator.training.memory import (
 from orchestrator.training.parts import Parts, build_parts, compile_model
 from orchestrator.training.reporting import RayReporter, quiet_report_log
 from orchestrator.training.resume import loadable_checkpoint
-from pipelines.batches import RankBatches
+from pipelines.batches import RankBatches, collate_arrow
+from pipelines.tensors import Batch, Padding, rows, take, to_device
 
 
-def probe_batch(size: int, in_features: int, num_classes: int, tokens: bool, device: torch.device) -> Batch:
-    """Random inputs of the training batch's shape, for memory probing: features and a class, or a sequence of
-    `in_features` tokens and its next-token targets."""
-    if tokens:
-        sequence = torch.randint(0, num_classes, (size, in_features + 1), device=device)
-        return sequence[:, :-1], sequence[:, 1:]
-    return (torch.rand(size, in_features, device=device), torch.randint(0, num_classes, (size,), device=device))
+def probe_batch(sample: Batch, size: int, device: torch.device) -> Batch:
+    """`size` rows for memory probing: the driver's sample rows repeated (real shapes and values, any inputs)."""
+    return to_device(take(sample, torch.arange(size) % rows(sample)), device)
 
 
-def choose_micro_batch(cfg: Config, parts: Parts, in_features: int) -> int:
+def choose_micro_batch(cfg: Config, parts: Parts, sample: Batch) -> int:
     """The largest micro-batch (a divisor of the per-worker batch) that fits, agreed by all ranks (their minimum)."""
     context = ray.train.get_context()
     world, device = context.get_world_size(), parts.device
     per_worker = cfg.train.global_batch_size // world
     model = unwrap(parts.model)
-    classes = cfg.model.num_classes or 2
+
+    def loss_of(batch: Batch) -> torch.Tensor:
+        with parts.precision.autocast():
+            output = parts.call(model, batch)
+        return step_loss_sum(parts.task, output, batch, parts.model_loss)
+
     # Dropout in the probes must not move the training RNG streams.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         if device.type == "cuda":
             saved = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
             def try_step(size: int) -> None:
-                x, y = probe_batch(size, in_features, classes, cfg.data.label is None, device)
-                with parts.precision.autocast():
-                    logits = model(x)
-                loss_sum(logits, y).backward()
+                loss_of(probe_batch(sample, size, device)).backward()
                 parts.optimizer.step()  # allocates the optimizer state, part of the footprint
                 parts.optimizer.zero_grad(set_to_none=True)
 
@@ -68,8 +68,8 @@ def choose_micro_batch(cfg: Config, parts: Parts, in_features: int) -> int:
         else:
             budget = (cfg.train.memory_budget_gb * GIB if cfg.train.memory_budget_gb
                       else psutil.virtual_memory().total / 2 / context.get_local_world_size())
-            x, y = probe_batch(min(per_worker, 8), in_features, classes, cfg.data.label is None, device)
-            per_sample = activation_bytes_per_sample(model, x, lambda logits: loss_sum(logits, y))
+            batch = probe_batch(sample, min(per_worker, 8), device)
+            per_sample = activation_bytes_per_sample(model, rows(batch), lambda: loss_of(batch))
             slots = 2 if cfg.optim.name == "adamw" else 1
             size = fit_micro_batch_cpu(per_worker, state_bytes(model, slots), per_sample, budget)
     agreed = torch.tensor([size], device=device)
@@ -107,21 +107,26 @@ def for_world_size(cfg: Config, world: int, micro: int | None = None) -> Config:
 
 
 def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    """Entry point passed to TorchTrainer. `spec` = {"config": resolved config dict, "in_features": int,
-    "epoch_clock": name or None, "replay_epochs": bool, "metrics_queue": Ray queue or None}."""
+    """Entry point passed to TorchTrainer. `spec` = {"config": resolved config dict, "in_features": int or None,
+    "epoch_clock": name or None, "replay_epochs": bool, "metrics_queue": Ray queue or None, "sample": the first
+    rows of the training data (an Arrow table)}."""
     entered = time.time()
     quiet_report_log()
     context = ray.train.get_context()
     world, rank = context.get_world_size(), context.get_world_rank()
     cfg = for_world_size(config_from_dict(spec["config"]), world)
     device = ray.train.torch.get_device()
-    parts = build_parts(cfg, spec["in_features"], device)
+    pretrained = fetch_pretrained(cfg.model.pretrained, cfg.data.s3) if cfg.model.pretrained else None
+    parts = build_parts(cfg, spec["in_features"], device, pretrained)
+    named = cfg.model.inputs is not None
     state = checkpoint_to_resume()
     if cfg.train.micro_batch_size == "auto":
         # Before the checkpoint is restored: probing touches weights and optimizer state, then puts them back.
         micro = checkpoint_micro_batch(state, cfg.train.global_batch_size // world, world)
         if micro is None:
-            micro = choose_micro_batch(cfg, parts, spec["in_features"])
+            sample = collate_arrow(spec["sample"], cfg.data.features, cfg.data.label, named,
+                                   Padding(cfg.data.pad_to_multiple_of))
+            micro = choose_micro_batch(cfg, parts, sample)
         elif rank == 0:
             print(f"auto micro-batch: {micro} per worker, as in the checkpoint", flush=True)
         cfg = for_world_size(cfg, world, micro)
@@ -135,7 +140,7 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
     data = RankBatches(cfg.data, ray.train.get_dataset_shard("train"),
                        ray.train.get_dataset_shard("val") if cfg.data.val is not None else None,
                        t.micro_batch_size, t.seed, rank, spec.get("epoch_clock"),  # type: ignore[arg-type]
-                       replay=bool(spec.get("replay_epochs")))
+                       replay=bool(spec.get("replay_epochs")), named=named)
     # Facts only a worker knows, sent with the first report of every (re)start.
     facts = {"precision": parts.precision.mode, "grad_accum_steps": t.grad_accum_steps,
              "global_batch": t.micro_batch_size * t.grad_accum_steps * world,  # type: ignore[operator]
@@ -146,6 +151,14 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
                    preempted if cfg.checkpoint.on_preemption else None, facts)
     finally:
         reporter.close()
+
+
+def fetch_pretrained(uri: str, s3: Any) -> str:
+    """A local directory holding the pretrained weights: `uri` itself, or for s3:// a copy on this node, fetched
+    once by the first worker of the node (the others wait on a file lock) through the data layer's storage."""
+    from pipelines.storage import fetch_prefix
+
+    return fetch_prefix(uri, s3) if uri.startswith("s3://") else uri
 
 
 def checkpoint_to_resume() -> dict[str, Any] | None:

@@ -8,18 +8,19 @@ from typing import Any
 import pytest
 import torch
 
-from orchestrator.config import load_config
+from orchestrator.config import TASK_METRICS, load_config
 from orchestrator.errors import ConfigError
 from orchestrator.search import (
     TRAIN_METRICS,
-    VAL_METRICS,
     check_capacity,
     check_study,
     max_concurrent,
     to_tune,
     trial_config,
     user_tree,
+    val_metrics,
 )
+from orchestrator.tasks import Classification
 from orchestrator.space import Domain
 from orchestrator.trials import format_table, trial_status
 
@@ -196,11 +197,12 @@ def test_metric_list_matches_what_the_loop_reports() -> None:
                              "train.log_every=2", "train.eval_every=4", "model.hidden=[8]", "train.precision=fp32",
                              "optim.warmup_steps=1"])
     cpu = torch.device("cpu")
-    model = build_model("mlp", None, 4, 2, {"hidden": [8]})
+    model = build_model("mlp", None, 4, 10, {"hidden": [8]})
     optimizer, scheduler = build_optimizer(model, cfg.optim, 4)
-    parts = Parts(model, optimizer, scheduler, Precision("fp32", cpu), cpu, 1.0)
-    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
-    data = [(x[i:i + 16], y[i:i + 16]) for i in range(0, 64, 16)]
+    parts = Parts(model, optimizer, scheduler, Precision("fp32", cpu), cpu, 1.0, task=Classification(10))
+    x, y = torch.randn(64, 4), torch.randint(0, 10, (64,))
+    data = [{"x": x[i:i + 16], "labels": y[i:i + 16]} for i in range(0, 64, 16)]
+    VAL_METRICS = val_metrics(cfg)  # noqa: N806
     recorder = Recorder()
     run(cfg, parts, lambda epoch: data, lambda: data, recorder)
     reports = [metrics for metrics, _ in recorder.reports]
@@ -245,4 +247,4 @@ def test_cli_tune_refuses_bad_input_with_one_line() -> None:
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         "error: tune.metric=val_acc is never reported by the training loop (did you mean "
-        "'tune.metric=val_accuracy'?); reported: " + ", ".join(TRAIN_METRICS + VAL_METRICS)]
+        "'tune.metric=val_accuracy'?); reported: " + ", ".join(TRAIN_METRICS + TASK_METRICS["classification"][0])]

@@ -2,58 +2,62 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
 from pipelines.batches import EpochReplay, fetch_size, split_batches
 
 
-def chunks(rows: int, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def chunks(rows: int, size: int) -> list[dict[str, torch.Tensor]]:
     ids = torch.arange(rows)
-    return [(ids[i:i + size].float().unsqueeze(1), ids[i:i + size]) for i in range(0, rows, size)]
+    return [{"x": ids[i:i + size].float().unsqueeze(1), "labels": ids[i:i + size]} for i in range(0, rows, size)]
+
+
+def ys(batches: Iterable[dict[str, torch.Tensor]]) -> list[list[int]]:
+    return [b["labels"].tolist() for b in batches]
 
 
 def test_micro_batches_are_cut_from_chunks_and_only_the_short_last_one_is_dropped() -> None:
     assert fetch_size(64) == 4096 and fetch_size(5000) == 5000
-    kept = [y.tolist() for _, y in split_batches(chunks(10, 4), 2, drop_last=True)]
+    kept = ys(split_batches(chunks(10, 4), 2, drop_last=True))
     assert kept == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
-    assert [len(y) for _, y in split_batches(chunks(11, 4), 2, drop_last=True)] == [2, 2, 2, 2, 2]
-    assert [len(y) for _, y in split_batches(chunks(11, 4), 2, drop_last=False)] == [2, 2, 2, 2, 2, 1]
+    assert [len(y) for y in ys(split_batches(chunks(11, 4), 2, drop_last=True))] == [2, 2, 2, 2, 2]
+    assert [len(y) for y in ys(split_batches(chunks(11, 4), 2, drop_last=False))] == [2, 2, 2, 2, 2, 1]
 
 
 def test_a_complete_pass_is_replayed_and_an_unfinished_one_is_not_kept() -> None:
     streamed: list[int] = []
 
-    def stream() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for x, y in chunks(6, 2):
-            streamed.append(int(y[0]))
-            yield x, y
+    def stream() -> Iterator[dict[str, torch.Tensor]]:
+        for batch in chunks(6, 2):
+            streamed.append(int(batch["labels"][0]))
+            yield batch
 
     replay = EpochReplay(keep=True)
     first = replay(stream)
     next(first)  # training ended after one batch: nothing is kept
     assert replay.batches is None
-    assert [y.tolist() for _, y in replay(stream)] == [[0, 1], [2, 3], [4, 5]]
+    assert ys(replay(stream)) == [[0, 1], [2, 3], [4, 5]]
     streamed.clear()
-    assert [y.tolist() for _, y in replay(stream)] == [[0, 1], [2, 3], [4, 5]]
+    assert ys(replay(stream)) == [[0, 1], [2, 3], [4, 5]]
     assert streamed == []  # the replay did not touch the stream
 
     passing = EpochReplay(keep=False)
     for _ in range(2):
-        assert [y.tolist() for _, y in passing(stream)] == [[0, 1], [2, 3], [4, 5]]
+        assert ys(passing(stream)) == [[0, 1], [2, 3], [4, 5]]
     assert passing.batches is None and streamed == [0, 2, 4, 0, 2, 4]
 
 
 def test_later_epochs_replay_the_pass_reshuffled_and_a_restart_inside_one_gets_the_same_batches() -> None:
-    def stream() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def stream() -> Iterator[dict[str, torch.Tensor]]:
         yield from chunks(12, 3)
 
     def seed(epoch: int) -> int:
         return 1000 + epoch
 
     clean = EpochReplay(keep=True, reshuffle=seed)
-    epochs = [[y.tolist() for _, y in clean(stream, e)] for e in range(3)]
+    epochs = [ys(clean(stream, e)) for e in range(3)]
     assert epochs[0] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]  # the pass as streamed
     for later in epochs[1:]:  # every row once, whole micro-batches, in a new order
         assert sorted(sum(later, [])) == list(range(12)) and all(len(b) == 3 for b in later)
@@ -62,11 +66,11 @@ def test_later_epochs_replay_the_pass_reshuffled_and_a_restart_inside_one_gets_t
     # A worker restarted inside epoch 2 reads the pass, then hands out epoch 2's batches, features with labels.
     restarted = EpochReplay(keep=True, reshuffle=seed)
     batches = list(restarted(stream, 2))
-    assert [y.tolist() for _, y in batches] == epochs[2]
-    assert all(torch.equal(x[:, 0], y.float()) for x, y in batches)
+    assert ys(batches) == epochs[2]
+    assert all(torch.equal(b["x"][:, 0], b["labels"].float()) for b in batches)
     # Without reshuffle every epoch is the streamed pass.
     plain = EpochReplay(keep=True)
-    assert [[y.tolist() for _, y in plain(stream, e)] for e in range(2)] == [epochs[0], epochs[0]]
+    assert [ys(plain(stream, e)) for e in range(2)] == [epochs[0], epochs[0]]
 
 
 def test_replayed_epochs_reach_the_rows_of_the_incomplete_last_micro_batch() -> None:
@@ -74,13 +78,13 @@ def test_replayed_epochs_reach_the_rows_of_the_incomplete_last_micro_batch() -> 
     # each epoch (the shard order changes); a replay must too, or those rows are never trained.
     rows = torch.arange(10)
 
-    def stream() -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return list(split_batches([(rows[:, None].float(), rows)], 4, drop_last=False))
+    def stream() -> list[dict[str, torch.Tensor]]:
+        return list(split_batches([{"x": rows[:, None].float(), "labels": rows}], 4, drop_last=False))
 
     replay = EpochReplay(keep=True, reshuffle=lambda epoch: 1000 + epoch, micro=4)
     epochs = [[b for b in replay(stream, epoch)] for epoch in range(6)]
-    assert [[int(i) for _, y in e for i in y] for e in epochs[:1]] == [list(range(8))]  # epoch 0 as streamed
+    assert [sum(ys(e), []) for e in epochs[:1]] == [list(range(8))]  # epoch 0 as streamed
     for batches in epochs:
-        ids = [int(i) for _, y in batches for i in y]
-        assert [len(y) for _, y in batches] == [4, 4] and len(set(ids)) == 8  # whole micro-batches, no row twice
-    assert {int(i) for e in epochs[1:] for _, y in e for i in y} == set(range(10))  # 8 and 9 are trained too
+        ids = sum(ys(batches), [])
+        assert [len(y) for y in ys(batches)] == [4, 4] and len(set(ids)) == 8  # whole micro-batches, no row twice
+    assert {i for e in epochs[1:] for i in sum(ys(e), [])} == set(range(10))  # 8 and 9 are trained too

@@ -21,7 +21,7 @@ def test_digits_are_real_and_split(tmp_path: Path) -> None:
     info = inspect_parquet(str(tmp_path / "train"), ["pixels"], "label")
     assert (info.num_rows, info.feature_dim, info.num_classes, len(info.files)) == (1438, 64, 10, 4)
     table = pq.read_table(info.files[0])
-    x, y = collate_arrow(table, ["pixels"], "label")
+    x, y = collate_arrow(table, ["pixels"], "label").values()
     assert x.shape == (len(table), 64) and x.dtype.is_floating_point and 0 <= float(x.min()) <= float(x.max()) <= 1
     assert y.dtype.is_signed and set(y.tolist()) <= set(range(10))
     assert not (tmp_path / "train" / ".part-00000.parquet.tmp").exists()  # written via rename
@@ -31,8 +31,8 @@ def test_synthetic_is_learnable_and_sized(tmp_path: Path) -> None:
     prepare_synthetic(str(tmp_path), rows=1000, shards=3, features=8, classes=3, val_rows=300)
     train = inspect_parquet(str(tmp_path / "train"), ["features"], "label")
     assert (train.num_rows, train.feature_dim, len(train.files)) == (1000, 8, 3)
-    tx, ty = collate_arrow(pq.read_table(train.files), ["features"], "label")
-    vx, vy = collate_arrow(pq.read_table(tmp_path / "val"), ["features"], "label")
+    tx, ty = collate_arrow(pq.read_table(train.files), ["features"], "label").values()
+    vx, vy = collate_arrow(pq.read_table(tmp_path / "val"), ["features"], "label").values()
     # Nearest class mean from train classifies val well above chance (1/3): the task is learnable.
     means = np.stack([tx[ty == c].mean(0).numpy() for c in range(3)])
     pred = ((vx.numpy()[:, None, :] - means[None]) ** 2).sum(-1).argmin(1)
@@ -46,7 +46,7 @@ def test_collate_concatenates_scalar_and_list_columns() -> None:
         "v": pa.FixedSizeListArray.from_arrays(pa.array(np.arange(6, dtype=np.float32)), 2),
         "label": pa.array([0, 1, 0]),
     }).slice(1)  # a sliced table exercises array offsets
-    x, y = collate_arrow(table, ["a", "v"], "label")
+    x, y = collate_arrow(table, ["a", "v"], "label").values()
     assert x.tolist() == [[2.0, 2.0, 3.0], [3.0, 4.0, 5.0]]
     assert y.tolist() == [1, 0]
 
@@ -82,13 +82,15 @@ def test_schema_mismatch_names_file_and_column(tmp_path: Path) -> None:
         inspect_parquet(str(tmp_path), ["x"], "label")
 
 
-def test_non_integer_label_and_ragged_features_are_refused(tmp_path: Path) -> None:
-    pq.write_table(pa.table({"x": pa.array([1.0]), "label": pa.array([0.5])}), tmp_path / "a.parquet")
-    with pytest.raises(DataError, match="class labels must be integers"):
-        inspect_parquet(str(tmp_path), ["x"], "label")
+def test_ragged_features_are_refused_unless_the_model_takes_them_by_name(tmp_path: Path) -> None:
     pq.write_table(pa.table({"x": pa.array([[1.0], [1.0, 2.0]]), "label": pa.array([0, 1])}), tmp_path / "a.parquet")
-    with pytest.raises(DataError, match="fixed-size list"):
+    with pytest.raises(DataError, match="fixed-size list.*need model.inputs"):
         inspect_parquet(str(tmp_path), ["x"], "label")
+    with pytest.raises(DataError, match="fixed-size list"):  # variable-length floats have no padding rule
+        inspect_parquet(str(tmp_path), ["x"], "label", named=True)
+    pq.write_table(pa.table({"ids": pa.array([[5], [6, 7]]), "label": pa.array([0, 1])}), tmp_path / "a.parquet")
+    info = inspect_parquet(str(tmp_path), ["ids"], "label", named=True)  # token ids of any length, by name
+    assert info.feature_dim == 0 and info.sample is not None and info.sample.num_rows == 2
 
 
 def test_text_becomes_next_token_sequences(tmp_path: Path) -> None:
@@ -100,7 +102,7 @@ def test_text_becomes_next_token_sequences(tmp_path: Path) -> None:
     assert counts["train"] + counts["val"] == (1024 + 1 - 1) // 16  # +1: the newline appended after each file
     info = inspect_parquet(str(tmp_path / "out" / "train"), ["tokens"], None)
     assert (info.feature_dim, info.num_classes, info.num_rows) == (17, 256, counts["train"])
-    x, y = collate_arrow(pq.read_table(info.files[0]).slice(1, 2), ["tokens"], None)
+    x, y = collate_arrow(pq.read_table(info.files[0]).slice(1, 2), ["tokens"], None).values()
     assert x.shape == y.shape == (2, 16) and x.dtype == y.dtype
     assert x[0].tolist() == list(range(16, 32)) and y[0].tolist() == list(range(17, 33))  # targets shifted by one
     with pytest.raises(DataError, match="fixed-size list of integer token ids"):

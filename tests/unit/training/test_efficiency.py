@@ -7,12 +7,13 @@ from typing import Any
 
 import pytest
 import torch
-from test_loop import Recorder
+from test_loop import Recorder, xy
 
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError
 from orchestrator.models import GPT
-from orchestrator.training.loop import loss_sum, run, train_step
+from orchestrator.tasks import CausalLM, Classification
+from orchestrator.training.loop import run, train_step
 from orchestrator.training.memory import (
     activation_bytes_per_sample,
     divisors_descending,
@@ -39,7 +40,8 @@ def test_auto_micro_batch_fits_a_known_footprint_and_keeps_the_global_batch() ->
     # and the target (one int64) = 4264 bytes; weights + grads + 2 AdamW slots = 4 x 65,000 params x 4 bytes.
     model = torch.nn.Linear(64, 1000)
     x, y = torch.rand(8, 64), torch.randint(0, 1000, (8,))
-    per_sample = activation_bytes_per_sample(model, x, lambda logits: loss_sum(logits, y))
+    per_sample = activation_bytes_per_sample(
+        model, 8, lambda: Classification().loss_sum(model(x), {"labels": y}))
     assert per_sample == pytest.approx(4264, rel=0.05)
     state = state_bytes(model, optimizer_slots=2)
     assert state == 65_000 * 4 * 4
@@ -88,7 +90,7 @@ class OomAbove(torch.nn.Module):
 
 def test_oom_retry_gives_the_same_weights_as_an_uninterrupted_step() -> None:
     g = torch.Generator().manual_seed(0)
-    micro = [(torch.randn(16, 16, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(2)]
+    micro = [xy(torch.randn(16, 16, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(2)]
     reference, retried = parts_for(OomAbove(limit=1000)), parts_for(OomAbove(limit=8))
     train_step(reference, micro)
     with pytest.warns(UserWarning, match="out of memory: retrying"):
@@ -115,10 +117,10 @@ def run_digits_like(*overrides: str, delay: float = 0.0, model: torch.nn.Module 
     def batches(epoch: int) -> Any:
         for i in range(0, 256, 32):
             time.sleep(delay)  # a slow reader
-            yield x[i:i + 32], y[i:i + 32]
+            yield xy(x[i:i + 32], y[i:i + 32])
 
     recorder = Recorder()
-    run(cfg, parts, batches, lambda: [(x, y)], recorder)
+    run(cfg, parts, batches, lambda: [xy(x, y)], recorder)
     return [metrics for metrics, _ in recorder.reports]
 
 
@@ -206,12 +208,13 @@ def test_gpt_learns_a_repeating_byte_sequence() -> None:
     torch.manual_seed(0)
     model = GPT(in_features=16, num_classes=256, d_model=32, n_layer=1, n_head=2)
     parts = parts_for(model, "optim.lr=0.01", "optim.warmup_steps=0")
+    parts.task = CausalLM()
     text = torch.tensor(list(b"abcdefgh" * 40))
     windows = text.unfold(0, 17, 8)  # (B, 17): inputs and next-token targets
     x, y = windows[:, :-1], windows[:, 1:]
-    first = float(train_step(parts, [(x, y)]).loss_sum) / y.numel()
+    first = float(train_step(parts, [xy(x, y)]).loss_sum) / y.numel()
     for _ in range(30):
-        last = float(train_step(parts, [(x, y)]).loss_sum) / y.numel()
+        last = float(train_step(parts, [xy(x, y)]).loss_sum) / y.numel()
     assert last < first / 3
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_loop import xy
 
 from orchestrator.config import load_config
 from orchestrator.models import GPT, mlp
-from orchestrator.training.loop import loss_sum, train_step
+from orchestrator.tasks import CausalLM
+from orchestrator.training.loop import train_step
 from orchestrator.training.memory import cuda_memory_stats, fit_micro_batch_cuda
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts
@@ -29,10 +31,10 @@ def test_fp16_uses_a_grad_scaler_and_counts_skipped_steps() -> None:
     parts = cuda_parts(mlp(16, 4, hidden=[32]), "fp16")
     x, y = torch.randn(64, 16, device=CUDA), torch.randint(0, 4, (64,), device=CUDA)
     assert parts.precision.scaler is not None
-    assert torch.isfinite(train_step(parts, [(x, y)]).loss_sum)
+    assert torch.isfinite(train_step(parts, [xy(x, y)]).loss_sum)
     x[0, 0] = float("inf")  # overflowing gradients: the scaler skips the update and lowers its scale
     before = [p.detach().clone() for p in parts.model.parameters()]
-    train_step(parts, [(x, y)])
+    train_step(parts, [xy(x, y)])
     assert parts.precision.skipped_steps == 1
     assert all(torch.equal(a, b) for a, b in zip(before, parts.model.parameters(), strict=True))
 
@@ -48,7 +50,7 @@ def test_probe_finds_a_micro_batch_and_memory_stats_are_logged() -> None:
 
     def try_step(size: int) -> None:
         tokens = torch.randint(0, 256, (size, 257), device=CUDA)
-        loss_sum(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        CausalLM().loss_sum(model(tokens[:, :-1]), {"labels": tokens[:, 1:]}).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

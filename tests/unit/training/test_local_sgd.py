@@ -63,7 +63,7 @@ def _train(rank: int, *overrides: str) -> list[dict[str, Any]]:
         def checkpoint(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
             pass  # nothing to register in-process
 
-    run(cfg, parts, lambda epoch: [(x[i:i + 16], y[i:i + 16]) for i in range(0, 512, 16)], None, Watch())
+    run(cfg, parts, lambda epoch: [{"x": x[i:i + 16], "labels": y[i:i + 16]} for i in range(0, 512, 16)], None, Watch())
     return reports
 
 

@@ -36,8 +36,13 @@ def dataset(rows: int = 256, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]
     return x, (x[:, :4].argmax(dim=1))  # learnable labels
 
 
-def batches(x: torch.Tensor, y: torch.Tensor, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(x[i:i + size], y[i:i + size]) for i in range(0, len(y) - size + 1, size)]
+def xy(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A batch of the classic contract: the feature vector `x` and the targets."""
+    return {"x": x, "labels": y}
+
+
+def batches(x: torch.Tensor, y: torch.Tensor, size: int) -> list[dict[str, torch.Tensor]]:
+    return [xy(x[i:i + size], y[i:i + size]) for i in range(0, len(y) - size + 1, size)]
 
 
 def config(*overrides: str) -> Config:
@@ -85,7 +90,7 @@ def test_clipping_bounds_the_update_and_reports_the_true_norm() -> None:
     x, y = dataset(32)
     before = [p.detach().clone() for p in parts.model.parameters()]
     true_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in mean_gradient(parts.model, x, y)]))
-    norm = train_step(parts, [(x, y)]).grad_norm
+    norm = train_step(parts, [xy(x, y)]).grad_norm
     moved = torch.linalg.vector_norm(torch.stack([u.norm() for u in update(before, parts.model)]))
     assert float(true_norm) > 0.01  # so a missing clip would move the weights 10x further
     assert float(moved) == pytest.approx(1e-3, rel=1e-3)  # lr 1: the update is the clipped gradient
@@ -225,7 +230,7 @@ def test_resume_with_another_micro_batch_trains_every_row_once(new_micro: int) -
 
     progress = restore(Parts(model, optimizer, scheduler, Precision("fp32", CPU), CPU), copy.deepcopy(state))
     stream = micro_batches(source(new_micro), progress, CPU)
-    seen = [int(i) for _ in range(64 // new_micro) for i in next(stream)[0][:, -1]]
+    seen = [int(i) for _ in range(64 // new_micro) for i in next(stream)["x"][:, -1]]
     assert seen == list(range(32, 96))
 
 

@@ -77,7 +77,7 @@ def _steps(rank: int, shared: Path) -> dict[str, Any]:
         before = [p.detach().clone() for p in parts.model.parameters()]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            train_step(parts, [(x[:16], y[:16]), (x[16:], y[16:])])
+            train_step(parts, [{"x": x[:16], "labels": y[:16]}, {"x": x[16:], "labels": y[16:]}])
         out[name] = {"update": [b - p.detach() for b, p in zip(before, parts.model.parameters(), strict=True)],
                      "split": parts.split, "retries": parts.oom_retries,
                      "warnings": [str(w.message) for w in caught]}
@@ -99,7 +99,7 @@ def _resume(rank: int, shared: Path, *overrides: str) -> dict[str, Any]:
     y = x[:, :4].argmax(dim=1)
 
     def source(epoch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(x[i:i + 16], y[i:i + 16]) for i in range(0, 512, 16)]
+        return [{"x": x[i:i + 16], "labels": y[i:i + 16]} for i in range(0, 512, 16)]
 
     def fresh(seed: int) -> Parts:
         torch.manual_seed(seed)  # the same initial weights on both ranks

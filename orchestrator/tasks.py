@@ -1,0 +1,251 @@
+"""What a run learns: how a model is called on a batch of named tensors, its loss as a sum with its target count,
+and its validation metrics as sums reduced across ranks. Built-in tasks: classification, multilabel, regression,
+causal_lm; a user's own is `task.name: "module:Class"` with the same methods (see `Task`).
+
+Losses are sums, never means: the loop divides by the target count of the whole optimizer step over all
+micro-batches and ranks, so accumulation and data parallelism give exactly the gradient of one large batch."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from orchestrator.config import TASK_METRICS
+from orchestrator.errors import ConfigError
+from orchestrator.registry import Registry, load_entrypoint
+
+Batch = dict[str, torch.Tensor]  # column name (or "x", "labels", "attention_mask") -> rows x ...
+LABELS = "labels"  # the batch key of the targets, whatever the label column is called (the Hugging Face name)
+IGNORE_INDEX = -100  # targets with this value (padding) count neither in the loss nor in its normaliser
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """The prediction in a model's output: a tensor, a tuple's first element, or `logits` of a dict/ModelOutput."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping) or hasattr(output, "logits"):
+        logits = output["logits"] if isinstance(output, Mapping) else output.logits
+        if isinstance(logits, torch.Tensor):
+            return logits
+    if isinstance(output, tuple | list) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise TypeError(f"the model returned {type(output).__name__}: return a tensor, a tuple whose first element is "
+                    "the logits, or a dict/ModelOutput with 'logits'")
+
+
+def model_loss(output: Any) -> torch.Tensor:
+    """The mean loss a model computed itself (Hugging Face style, given `labels`)."""
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"task.loss=model, but the model's output ({type(output).__name__}) has no 'loss': make "
+                        "its forward take `labels` and return a loss, or set task.loss=task")
+    return loss
+
+
+class Task:
+    """The contract of a task. `count` and `loss_sum` define the training objective: loss_sum / count over a step
+    is the mean the user means. `metric_sums` gives per-batch sums (the loop adds them over batches and ranks) and
+    `metrics` turns the totals into the reported `val_*` figures. `metric`/`mode` are what Tune and doctor rank by
+    unless told otherwise."""
+
+    metric = "val_loss"
+    mode = "min"
+
+    def count(self, batch: Batch) -> torch.Tensor:
+        """Targets in the batch the loss sums over (rows; tokens for a language model)."""
+        return torch.tensor(float(len(batch[LABELS])), device=batch[LABELS].device)
+
+    def loss_sum(self, output: Any, batch: Batch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def metric_sums(self, output: Any, batch: Batch) -> dict[str, torch.Tensor]:
+        """Per-batch sums; at least `loss` (the loss sum) and `count` (`count(batch)`)."""
+        return {"loss": self.loss_sum(output, batch).detach().double(), "count": self.count(batch).double()}
+
+    def metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        return {"val_loss": sums["loss"] / sums["count"]}
+
+
+TASKS: Registry[type[Task]] = Registry("task")
+
+
+@TASKS.register("classification")
+class Classification(Task):
+    """One integer class per row; cross-entropy; accuracy (and top-5 accuracy with more than 5 classes)."""
+
+    metric, mode = TASK_METRICS["classification"][1:]
+
+    def __init__(self, num_classes: int | None = None) -> None:
+        self.top5 = bool(num_classes and num_classes > 5)
+
+    def loss_sum(self, output: Any, batch: Batch) -> torch.Tensor:
+        logits = logits_of(output)
+        return F.cross_entropy(logits.float().flatten(0, -2), batch[LABELS].flatten(), reduction="sum")
+
+    def metric_sums(self, output: Any, batch: Batch) -> dict[str, torch.Tensor]:
+        logits, y = logits_of(output).flatten(0, -2), batch[LABELS].flatten()
+        sums = super().metric_sums(output, batch) | {"correct": (logits.argmax(-1) == y).sum().double()}
+        if self.top5:
+            sums["top5"] = (logits.topk(5, dim=-1).indices == y[:, None]).any(-1).sum().double()
+        return sums
+
+    def metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        out = super().metrics(sums) | {"val_accuracy": sums["correct"] / sums["count"]}
+        if "top5" in sums:
+            out["val_top5_accuracy"] = sums["top5"] / sums["count"]
+        return out
+
+
+@TASKS.register("multilabel")
+class Multilabel(Task):
+    """Several 0/1 labels per row (a fixed-size list); binary cross-entropy per label; micro accuracy and F1."""
+
+    metric, mode = TASK_METRICS["multilabel"][1:]
+
+    def count(self, batch: Batch) -> torch.Tensor:
+        return torch.tensor(float(batch[LABELS].numel()), device=batch[LABELS].device)
+
+    def loss_sum(self, output: Any, batch: Batch) -> torch.Tensor:
+        y = batch[LABELS].float()
+        return F.binary_cross_entropy_with_logits(logits_of(output).float().reshape(y.shape), y, reduction="sum")
+
+    def metric_sums(self, output: Any, batch: Batch) -> dict[str, torch.Tensor]:
+        y = batch[LABELS] > 0.5
+        predicted = logits_of(output).reshape(y.shape) > 0
+        return super().metric_sums(output, batch) | {
+            "correct": (predicted == y).sum().double(), "tp": (predicted & y).sum().double(),
+            "fp": (predicted & ~y).sum().double(), "fn": (~predicted & y).sum().double()}
+
+    def metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        f1_denominator = 2 * sums["tp"] + sums["fp"] + sums["fn"]
+        return super().metrics(sums) | {"val_accuracy": sums["correct"] / sums["count"],
+                                        "val_f1": 2 * sums["tp"] / f1_denominator if f1_denominator else 0.0}
+
+
+@TASKS.register("regression")
+class Regression(Task):
+    """Float targets (one per row, or a fixed-size list); squared error; MSE, RMSE, MAE and R²."""
+
+    metric, mode = TASK_METRICS["regression"][1:]
+
+    def count(self, batch: Batch) -> torch.Tensor:
+        return torch.tensor(float(batch[LABELS].numel()), device=batch[LABELS].device)
+
+    def _pair(self, output: Any, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        y = batch[LABELS].float()
+        prediction = logits_of(output).float()
+        if prediction.numel() != y.numel():
+            raise ValueError(f"regression: the model predicts {tuple(prediction.shape)} for targets of shape "
+                             f"{tuple(y.shape)}: give the model one output per target (num_classes=1 per column)")
+        return prediction.reshape(y.shape), y
+
+    def loss_sum(self, output: Any, batch: Batch) -> torch.Tensor:
+        return F.mse_loss(*self._pair(output, batch), reduction="sum")
+
+    def metric_sums(self, output: Any, batch: Batch) -> dict[str, torch.Tensor]:
+        prediction, y = self._pair(output, batch)
+        prediction, y = prediction.double(), y.double()
+        return super().metric_sums(output, batch) | {
+            "abs": (prediction - y).abs().sum(), "y": y.sum(), "y2": (y * y).sum()}
+
+    def metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        n, mse = sums["count"], sums["loss"] / sums["count"]
+        variance = sums["y2"] / n - (sums["y"] / n) ** 2  # of the targets: R² = 1 - MSE / Var(y)
+        return {"val_loss": mse, "val_mse": mse, "val_rmse": math.sqrt(mse), "val_mae": sums["abs"] / n,
+                "val_r2": 1 - mse / variance if variance > 0 else math.nan}
+
+
+@TASKS.register("causal_lm")
+class CausalLM(Task):
+    """Next-token prediction; padding (IGNORE_INDEX) counts nowhere. With `shift`, the model saw the whole
+    sequence and `labels` are its tokens (the Hugging Face convention): position t predicts token t+1. Without,
+    the batch's labels are already the next tokens (the built-in `gpt` on x = tokens[:-1])."""
+
+    metric, mode = TASK_METRICS["causal_lm"][1:]
+
+    def __init__(self, shift: bool = False) -> None:
+        self.shift = shift
+
+    def _pair(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.shift:
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        return logits.flatten(0, -2), labels.flatten()
+
+    def count(self, batch: Batch) -> torch.Tensor:
+        labels = batch[LABELS][:, 1:] if self.shift else batch[LABELS]
+        return (labels != IGNORE_INDEX).sum().to(torch.float32)
+
+    def loss_sum(self, output: Any, batch: Batch) -> torch.Tensor:
+        logits, labels = self._pair(logits_of(output), batch[LABELS])
+        return F.cross_entropy(logits.float(), labels, reduction="sum", ignore_index=IGNORE_INDEX)
+
+    def metric_sums(self, output: Any, batch: Batch) -> dict[str, torch.Tensor]:
+        logits, labels = self._pair(logits_of(output), batch[LABELS])
+        correct = ((logits.argmax(-1) == labels) & (labels != IGNORE_INDEX)).sum().double()
+        return super().metric_sums(output, batch) | {"correct": correct}
+
+    def metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        loss = sums["loss"] / sums["count"]
+        # val_accuracy: the share of next tokens predicted right (token accuracy)
+        return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0)),
+                "val_accuracy": sums["correct"] / sums["count"]}
+
+
+def build_task(name: str, num_classes: int | None, shift: bool) -> Task:
+    """The task of a resolved config (`task.name` is never null by then)."""
+    if ":" in name:
+        cls = load_entrypoint(name)
+        task = cls() if isinstance(cls, type) else cls
+    else:
+        cls = TASKS.get(name)
+        task = (Classification(num_classes) if cls is Classification else CausalLM(shift) if cls is CausalLM
+                else cls())
+    missing = [m for m in ("count", "loss_sum", "metric_sums", "metrics") if not callable(getattr(task, m, None))]
+    if missing:
+        raise ConfigError(f"task '{name}' lacks {missing}: subclass orchestrator.tasks.Task")
+    return task
+
+
+class ModelCall:
+    """How the model is called on a batch. `inputs` None: `model(batch["x"])`, the one concatenated float vector
+    (or token window) of the classic contract. Else keyword arguments by name: {argument: batch key}; with
+    `labels`, the batch's targets go in too (for a model that computes its own loss)."""
+
+    def __init__(self, inputs: dict[str, str] | None = None, labels: bool = False) -> None:
+        self.inputs, self.labels = inputs, labels
+
+    def __call__(self, model: torch.nn.Module, batch: Batch) -> Any:
+        if self.inputs is None:
+            return model(batch["x"])
+        kwargs = {argument: batch[key] for argument, key in self.inputs.items()}
+        if self.labels:
+            kwargs["labels"] = batch[LABELS]
+        return model(**kwargs)
+
+
+def check_forward(model: torch.nn.Module, call: ModelCall, name: str) -> None:
+    """The model's forward accepts the named inputs (and labels when it computes the loss); ConfigError else."""
+    if call.inputs is None:
+        return
+    params = inspect.signature(model.forward).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    wanted = [*call.inputs, *(["labels"] if call.labels else [])]
+    missing = [arg for arg in wanted if arg not in params]
+    if missing:
+        key = "task.loss=model needs" if missing == ["labels"] else "config key 'model.inputs':"
+        raise ConfigError(f"{key} the forward of model '{name}' ({type(model).__name__}) takes no argument "
+                          f"{missing}; it takes {[p for p in params if p != 'self']}")
+
+
+def step_loss_sum(task: Task, output: Any, batch: Batch, from_model: bool) -> torch.Tensor:
+    """The loss of one micro-batch as a sum over its targets: the task's, or the model's own mean loss times the
+    task's target count (the same normaliser, so accumulation and ranks stay exact)."""
+    if from_model:
+        return model_loss(output).float() * task.count(batch)
+    return task.loss_sum(output, batch)

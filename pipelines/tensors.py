@@ -1,0 +1,121 @@
+"""Batches of named tensors: Arrow columns to tensors that keep their meaning, and the row operations the readers
+and the loop share (slice, concatenate, trim padding). No Ray here: the loop runs these in-process too."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+Batch = dict[str, torch.Tensor]
+LABELS = "labels"  # the targets' key, whatever the label column is called (the name Hugging Face models take)
+IGNORE_INDEX = -100  # padding in targets: counted neither in a loss nor in its normaliser
+
+
+def rows(batch: Batch) -> int:
+    return len(next(iter(batch.values())))
+
+
+def take(batch: Batch, index: slice | torch.Tensor) -> Batch:
+    """The same rows of every tensor (a view for a slice)."""
+    return {key: value[index] for key, value in batch.items()}
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+
+
+def chunk(batch: Batch, pieces: int) -> list[Batch]:
+    """`pieces` row-wise parts (fewer when there are fewer rows), as torch.chunk cuts."""
+    parts = {key: value.chunk(pieces) for key, value in batch.items()}
+    return [{key: parts[key][i] for key in batch} for i in range(len(next(iter(parts.values()))))]
+
+
+def pad_value(key: str) -> int:
+    return IGNORE_INDEX if key == LABELS else 0
+
+
+def cat_rows(batches: list[Batch]) -> Batch:
+    """Rows of several batches in one; padded sequence tensors of different widths are padded to the widest."""
+    out = {}
+    for key in batches[0]:
+        values = [b[key] for b in batches]
+        width = max(v.shape[1] if v.dim() > 1 else 0 for v in values)
+        if any(v.dim() > 1 and v.shape[1] != width for v in values):
+            values = [torch.nn.functional.pad(v, (0, width - v.shape[1]), value=pad_value(key)) for v in values]
+        out[key] = torch.cat(values)
+    return out
+
+
+class Padding:
+    """Variable-length integer list columns: padded to the longest row of the fetch by `to_tensors`, then each
+    micro-batch trimmed to its own longest row (rounded up to `multiple`). `groups`: mask key -> the keys padded
+    along with it (the column, its mask and, for a language model, the labels)."""
+
+    def __init__(self, multiple: int | None = None) -> None:
+        self.multiple = multiple
+        self.groups: dict[str, list[str]] = {}
+
+    def trim(self, batch: Batch) -> Batch:
+        if not self.groups:
+            return batch
+        batch = dict(batch)
+        for mask, keys in self.groups.items():
+            longest = int(batch[mask].sum(dim=1).max()) if rows(batch) else 0
+            width = min(self._rounded(longest), batch[mask].shape[1])
+            for key in keys:
+                batch[key] = batch[key][:, :width]
+        return batch
+
+    def _rounded(self, width: int) -> int:
+        return -(-width // self.multiple) * self.multiple if self.multiple else width
+
+
+def column_array(column: pa.ChunkedArray | pa.Array, pad_multiple: int | None = None
+                 ) -> tuple[np.ndarray, np.ndarray | None]:
+    """A column as an array that keeps its meaning, and a mask for a variable-length list (else None): integers
+    -> int64, floats and booleans -> float32, fixed-size lists -> one more dimension each, Ray Data tensor
+    columns -> their shape, variable-length integer lists -> padded (rows x longest) with a 0/1 mask."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    mask = None
+    if isinstance(array.type, pa.ExtensionType):  # Ray Data's tensor columns: to_numpy gives (rows, *shape)
+        values = np.asarray(array.to_numpy(zero_copy_only=False))
+        if values.dtype == object:
+            raise ValueError(f"column of type {array.type} holds tensors of different shapes; pad them to one")
+    elif pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
+        values, mask = _padded(array, pad_multiple)
+    else:
+        shape = []
+        while pa.types.is_fixed_size_list(array.type):
+            shape.append(array.type.list_size)
+            array = array.flatten()  # honours the array offset; .values would not after slicing
+        values = array.to_numpy(zero_copy_only=False).reshape(-1, *shape)
+    if np.issubdtype(values.dtype, np.integer):
+        values = values.astype(np.int64, copy=False)
+    elif np.issubdtype(values.dtype, np.floating) or values.dtype == np.bool_:
+        values = values.astype(np.float32, copy=False)
+    else:
+        raise ValueError(f"column of type {column.type} is not numeric")
+    return values, mask
+
+
+def _padded(array: pa.Array, multiple: int | None) -> tuple[np.ndarray, np.ndarray]:
+    offsets = array.offsets.to_numpy()
+    lengths = np.diff(offsets)
+    flat = array.flatten().to_numpy(zero_copy_only=False)
+    width = int(lengths.max()) if len(lengths) else 0
+    if multiple:
+        width = -(-width // multiple) * multiple
+    out = np.zeros((len(array), width), dtype=flat.dtype)
+    mask = np.zeros((len(array), width), dtype=np.int64)
+    row = np.repeat(np.arange(len(array)), lengths)
+    position = np.arange(len(flat)) - np.repeat(offsets[:-1] - offsets[0], lengths)
+    out[row, position] = flat
+    mask[row, position] = 1
+    return out, mask
+
+
+def tensor(array: np.ndarray) -> torch.Tensor:
+    # Arrow buffers are read-only; torch wants writable memory, and a copy of one batch is cheap.
+    array = np.ascontiguousarray(array)
+    return torch.from_numpy(array if array.flags.writeable else array.copy())
