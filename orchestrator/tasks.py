@@ -28,10 +28,9 @@ def logits_of(output: Any) -> torch.Tensor:
     """The prediction in a model's output: a tensor, a tuple's first element, or `logits` of a dict/ModelOutput."""
     if isinstance(output, torch.Tensor):
         return output
-    if isinstance(output, Mapping) or hasattr(output, "logits"):
-        logits = output["logits"] if isinstance(output, Mapping) else output.logits
-        if isinstance(logits, torch.Tensor):
-            return logits
+    logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
     if isinstance(output, tuple | list) and output and isinstance(output[0], torch.Tensor):
         return output[0]
     raise TypeError(f"the model returned {type(output).__name__}: return a tensor, a tuple whose first element is "
