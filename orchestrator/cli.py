@@ -61,6 +61,22 @@ def build_parser() -> argparse.ArgumentParser:
     text.add_argument("--seq-len", type=int, default=128)
     text.add_argument("--shards", type=int, default=4)
     text.add_argument("--val-fraction", type=float, default=0.1)
+    diabetes = kinds.add_parser("diabetes", help="scikit-learn's bundled diabetes regression set (real data, no "
+                                "download): features, category ids and a standardised target")
+    diabetes.add_argument("--out", required=True)
+    diabetes.add_argument("--shards", type=int, default=2)
+    diabetes.add_argument("--val-fraction", type=float, default=0.2)
+    diabetes.add_argument("--seed", type=int, default=0)
+    sequences = kinds.add_parser("sequences", help="a learnable synthetic classification set of variable-length "
+                                 "token lists")
+    sequences.add_argument("--out", required=True)
+    sequences.add_argument("--rows", type=int, default=2000)
+    sequences.add_argument("--vocab", type=int, default=64)
+    sequences.add_argument("--min-len", type=int, default=4)
+    sequences.add_argument("--max-len", type=int, default=24)
+    sequences.add_argument("--shards", type=int, default=2)
+    sequences.add_argument("--val-fraction", type=float, default=0.2)
+    sequences.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -73,10 +89,22 @@ def run_command(args: argparse.Namespace) -> int:
         return 0
 
     if args.command == "prepare":
-        from pipelines.prepare import prepare_digits, prepare_synthetic, prepare_text
+        from pipelines.prepare import (
+            prepare_diabetes,
+            prepare_digits,
+            prepare_sequences,
+            prepare_synthetic,
+            prepare_text,
+        )
 
         if args.dataset == "digits":
             counts = prepare_digits(args.out, shards=args.shards, seed=args.seed)
+        elif args.dataset == "diabetes":
+            counts = prepare_diabetes(args.out, shards=args.shards, val_fraction=args.val_fraction, seed=args.seed)
+        elif args.dataset == "sequences":
+            counts = prepare_sequences(args.out, rows=args.rows, vocab=args.vocab, min_len=args.min_len,
+                                       max_len=args.max_len, shards=args.shards, val_fraction=args.val_fraction,
+                                       seed=args.seed)
         elif args.dataset == "text":
             counts = prepare_text(args.input, args.out, seq_len=args.seq_len, shards=args.shards,
                                   val_fraction=args.val_fraction)

@@ -188,7 +188,8 @@ def _fit(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, tracker
         if "precision" in report:
             tracker.set_tags({"orchestrator.precision": report["precision"]})
         if verbose:
-            print(progress_line(report, total, config.train.global_batch_size), flush=True)
+            print(progress_line(report, total, config.train.global_batch_size, config.tune.metric or ""),
+                  flush=True)
 
     # Rank 0 puts its metrics on this queue itself (no barrier); the controller adds worker failures.
     queue = Queue(actor_options={"num_cpus": 0})
@@ -257,8 +258,11 @@ def summary(result: TrainResult) -> str:
     m = result.metrics
     lines = [f"finished {result.config.experiment}: step {m.get('step')}, "
              f"train loss {m.get('train_loss', float('nan')):.4f}"]
-    if "val_accuracy" in m:
+    if "val_accuracy" in m and result.config.task.name == "classification":
         lines.append(f"final validation accuracy: {m['val_accuracy']:.4f} (val loss {m['val_loss']:.4f})")
+    elif "val_loss" in m:  # every validation figure of the task, its headline first
+        keys = sorted((k for k in m if k.startswith("val_")), key=lambda k: (k != result.config.tune.metric, k))
+        lines.append("final validation: " + " | ".join(f"{k.removeprefix('val_')} {m[k]:.4f}" for k in keys))
     if result.cost is not None:
         lines.append(result.cost.time_line())
     if result.history:

@@ -32,9 +32,10 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def progress_line(report: dict[str, Any], total_steps: int, global_batch: int) -> str:
+def progress_line(report: dict[str, Any], total_steps: int, global_batch: int, metric: str = "val_accuracy") -> str:
     """'step 50/300 | loss 0.4120 | lr 2.9e-03 | 12,345 samples/s | data wait 2% | val acc 0.912 | eta 0:00:21'
-    The ETA is the steps left at this interval's wall-clock rate."""
+    with the task's headline validation `metric` where the step evaluated. The ETA is the steps left at this
+    interval's wall-clock rate."""
     step = report["step"]
     rate = report["samples_per_s"]
     eta = (total_steps - step) * global_batch / rate if rate > 0 else 0.0
@@ -45,8 +46,9 @@ def progress_line(report: dict[str, Any], total_steps: int, global_batch: int) -
         f"{rate:,.0f} samples/s",
         f"data wait {report['data_wait_frac']:.0%}",
     ]
-    if "val_accuracy" in report:
-        parts.append(f"val acc {report['val_accuracy']:.3f}")
+    if metric in report:
+        label = "val acc" if metric == "val_accuracy" else metric.replace("_", " ")
+        parts.append(f"{label} {report[metric]:.3f}")
     parts.append(f"eta {_duration(eta)}")
     return " | ".join(parts)
 

@@ -232,14 +232,17 @@ def check_forward(model: torch.nn.Module, call: ModelCall, name: str) -> None:
     if call.inputs is None:
         return
     params = inspect.signature(model.forward).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+    # A Hugging Face forward's **kwargs carry attention-backend options, never model inputs: judge its named ones.
+    huggingface = type(model).__module__.startswith("transformers.")
+    if not huggingface and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return
     wanted = [*call.inputs, *(["labels"] if call.labels else [])]
     missing = [arg for arg in wanted if arg not in params]
+    named = [n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
     if missing:
         key = "task.loss=model needs" if missing == ["labels"] else "config key 'model.inputs':"
         raise ConfigError(f"{key} the forward of model '{name}' ({type(model).__name__}) takes no argument "
-                          f"{missing}; it takes {[p for p in params if p != 'self']}")
+                          f"{missing}; it takes {named}")
 
 
 def step_loss_sum(task: Task, output: Any, batch: Batch, from_model: bool) -> torch.Tensor:

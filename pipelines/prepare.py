@@ -159,3 +159,103 @@ def prepare_text(inputs: list[str], out: str, seq_len: int, shards: int = 4, val
             table = table.replace_schema_metadata({"vocab_size": str(VOCAB_SIZE)})
             write_shard(table, root, f"{directory}/part-{i:05d}.parquet")
     return {"train": count - n_val, "val": n_val}
+
+
+def _check_split(rows: int, val_fraction: float) -> int:
+    """Validation rows for a split of `rows`; both sides must be non-empty."""
+    if not 0 < val_fraction < 1:
+        raise DataError(f"--val-fraction must be between 0 and 1 (exclusive), got {val_fraction}")
+    n_val = int(round(rows * val_fraction))
+    if not 0 < n_val < rows:
+        raise DataError(f"--val-fraction {val_fraction} of {rows} rows leaves an empty train or val split")
+    return n_val
+
+
+def _write_table(out: Storage, split: str, table: pa.Table, shards: int) -> None:
+    """Cut `table` into contiguous shards (slices keep the schema metadata)."""
+    directory = out.join(split)
+    out.filesystem().create_dir(directory, recursive=True)
+    for i, idx in enumerate(np.array_split(np.arange(len(table)), min(shards, len(table)))):
+        write_shard(table.slice(int(idx[0]), len(idx)), out, f"{directory}/part-{i:05d}.parquet")
+
+
+def _fixed_list(x: np.ndarray) -> pa.FixedSizeListArray:
+    return pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(x, dtype=np.float32).ravel()), x.shape[1])
+
+
+def prepare_diabetes(out: str, shards: int = 2, val_fraction: float = 0.2, seed: int = 0,
+                     s3: S3Config | None = None) -> dict[str, int]:
+    """scikit-learn's bundled diabetes regression set (442 patients, no download), shuffled and split train/val.
+    Columns: all 10 scaled features; sex and a 10-way age bucket as category ids next to the 8 other features (for
+    models with embedding inputs); the target standardised, its original mean and std in the schema metadata."""
+    from sklearn.datasets import load_diabetes
+
+    root = _check_out(out, shards, s3)
+    x, y = load_diabetes(return_X_y=True)
+    n_val = _check_split(len(y), val_fraction)
+    # sklearn's sex column holds two scaled values: their sorted order gives the ids 0 and 1.
+    sex = np.unique(x[:, 1], return_inverse=True)[1].astype(np.int64)
+    # Edges at the deciles of the whole set; searchsorted(right) keeps equal ages in one bucket, ids 0..9.
+    age_bucket = np.searchsorted(np.quantile(x[:, 0], np.linspace(0.1, 0.9, 9)), x[:, 0], side="right")
+    mean, std = float(y.mean()), float(y.std())
+    table = pa.table({
+        "features": _fixed_list(x),
+        "sex": pa.array(sex),
+        "age_bucket": pa.array(age_bucket.astype(np.int64)),
+        "dense": _fixed_list(x[:, 2:]),
+        "target": pa.array(((y - mean) / std).astype(np.float32)),
+    }).replace_schema_metadata({"target_mean": repr(mean), "target_std": repr(std)})
+    order = np.random.default_rng(seed).permutation(len(y))
+    _write_table(root, "train", table.take(order[n_val:]), shards)
+    _write_table(root, "val", table.take(order[:n_val]), max(1, shards // 2))
+    return {"train": len(y) - n_val, "val": n_val}
+
+
+PAD_ID, CLS_ID = 0, 1  # reserved token ids in `prepare sequences`; real tokens start at 2
+
+
+def _sequence_table(rng: np.random.Generator, rows: int, vocab: int, min_len: int, max_len: int) -> pa.Table:
+    """Rows [CLS, t1, ...] labelled 1 when token 2 occurs more often than token 3 (ties 0): a bag-of-tokens model
+    can learn it exactly, but only by counting two ids among noise."""
+    lengths = rng.integers(min_len, max_len + 1, size=rows)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    starts = offsets[:-1]
+    intent = rng.random(rows) < 0.5  # the label each row leans towards, so that both labels are common
+    leans_two = np.repeat(intent, lengths)
+    tokens = rng.integers(2, vocab, size=int(offsets[-1]))
+    # About a fifth of the tokens are 2 or 3, drawn 3:1 towards the row's intent: uniform noise alone would make
+    # both counts mostly zero, i.e. nearly all ties and label 0.
+    signal = rng.random(len(tokens)) < 0.2
+    two = rng.random(len(tokens)) < np.where(leans_two, 0.75, 0.25)
+    tokens = np.where(signal, np.where(two, 2, 3), tokens)
+    # One guaranteed intent token per row keeps ties (which go to 0) rare, so the labels stay near balanced.
+    tokens[rng.integers(starts + 1, starts + lengths)] = np.where(intent, 2, 3)
+    tokens[starts] = CLS_ID
+    count_two = np.add.reduceat(tokens == 2, starts)
+    count_three = np.add.reduceat(tokens == 3, starts)
+    input_ids = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(tokens.astype(np.int64)))
+    table = pa.table({"input_ids": input_ids, "label": pa.array((count_two > count_three).astype(np.int64))})
+    return table.replace_schema_metadata({"vocab_size": str(vocab)})
+
+
+def prepare_sequences(out: str, rows: int = 2000, vocab: int = 64, min_len: int = 4, max_len: int = 24,
+                      shards: int = 2, val_fraction: float = 0.2, seed: int = 0,
+                      s3: S3Config | None = None) -> dict[str, int]:
+    """A learnable synthetic sequence-classification set: variable-length token lists (list<int64>, each starting
+    with the [CLS]-like id 1; 0 is left for padding) and a binary label, split train/val."""
+    if vocab < 4:
+        raise DataError(f"--vocab must be at least 4 (ids 0 and 1 are reserved, 2 and 3 decide the label), got {vocab}")
+    if not 2 <= min_len <= max_len:
+        raise DataError(f"need 2 <= --min-len <= --max-len (a row is [CLS] and at least one token), got "
+                        f"{min_len} and {max_len}")
+    root = _check_out(out, shards, s3)
+    n_val = _check_split(rows, val_fraction)
+    # Separate streams per split and shard: val rows are fresh draws, and memory stays one shard's worth.
+    for stream, (split, count, parts) in enumerate((("train", rows - n_val, shards),
+                                                    ("val", n_val, max(1, shards // 2)))):
+        directory = root.join(split)
+        root.filesystem().create_dir(directory, recursive=True)
+        for i, part in enumerate(np.array_split(np.arange(count), min(parts, count))):
+            table = _sequence_table(np.random.default_rng([seed, stream, i]), len(part), vocab, min_len, max_len)
+            write_shard(table, root, f"{directory}/part-{i:05d}.parquet")
+    return {"train": rows - n_val, "val": n_val}

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # s3_server.py, the test model modules
+sys.path.insert(1, str(ROOT))  # examples/models.py, as `orchestrator` run from the checkout finds it
 
 from s3_server import FAKE_ENV, MotoServer  # noqa: E402
 
@@ -21,8 +23,9 @@ def ray_cluster() -> Iterator[None]:
     import ray
 
     here = str(Path(__file__).parent)
-    # Workers inherit the environment: they can import the test's own model module, like a user's.
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [here, os.environ.get("PYTHONPATH")] if p)
+    # Workers inherit the environment: they can import the test's own model modules and the examples', like a
+    # user's run from the checkout.
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [here, str(ROOT), os.environ.get("PYTHONPATH")] if p)
     from orchestrator.cluster import pin_state_api
 
     # Ray's processes resolve S3 credentials from their own standard chain, like a user's nodes: they inherit

@@ -20,8 +20,8 @@ from orchestrator.search import (
     user_tree,
     val_metrics,
 )
-from orchestrator.tasks import Classification
 from orchestrator.space import Domain
+from orchestrator.tasks import Classification
 from orchestrator.trials import format_table, trial_status
 
 LR = "tune.space.optim.lr.loguniform=[1e-4, 1e-1]"

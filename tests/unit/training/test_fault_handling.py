@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 import torch
-from test_loop import Recorder, batches, config, dataset, make_parts, xy
+from test_loop import Recorder, batches, config, dataset, make_parts
 
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError
