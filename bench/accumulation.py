@@ -27,7 +27,7 @@ from orchestrator.training.precision import Precision
 
 def rate(parts: Parts, micro: int, accum: int, steps: int) -> float:
     g = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(micro, 64, generator=g), torch.randint(0, 10, (micro,), generator=g))
+    batches = [{"x": torch.randn(micro, 64, generator=g), "labels": torch.randint(0, 10, (micro,), generator=g)}
                for _ in range(accum)]
     train_step(parts, batches)  # warm-up
     start = time.perf_counter()

@@ -39,8 +39,7 @@ def raw_pyarrow(directory: Path) -> float:
     started, rows = time.perf_counter(), 0
     for path in sorted(directory.glob("*.parquet")):
         for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
-            x, y = collate_arrow(pa.Table.from_batches([batch]), ["features"], "label")
-            rows += len(y)
+            rows += len(collate_arrow(pa.Table.from_batches([batch]), ["features"], "label")["labels"])
     return rows / (time.perf_counter() - started)
 
 
@@ -52,8 +51,9 @@ def ray_data_passes(cfg: DataConfig, passes: int) -> list[float]:
     rates = []
     for _ in range(passes):
         started, rows = time.perf_counter(), 0
-        for _, y in ds.iter_torch_batches(batch_size=4096, collate_fn=collate, prefetch_batches=cfg.prefetch_batches):
-            rows += len(y)
+        for batch in ds.iter_torch_batches(batch_size=4096, collate_fn=collate,
+                                           prefetch_batches=cfg.prefetch_batches):
+            rows += len(batch["labels"])
         rates.append(rows / (time.perf_counter() - started))
     return rates
 

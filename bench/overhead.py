@@ -47,7 +47,7 @@ def bare_loop(args: argparse.Namespace) -> None:
 
     cfg = load_config(None, overrides(args, Path(args.bare)))
     torch.set_num_threads(args.threads)
-    x, y = collate_arrow(pq.read_table(Path(args.bare) / "train"), ["features"], "label")
+    x, y = collate_arrow(pq.read_table(Path(args.bare) / "train"), ["features"], "label").values()
     torch.manual_seed(0)
     model = mlp(64, 10, hidden=[512, 512])
     optimizer, scheduler = build_optimizer(model, cfg.optim, args.steps)
@@ -57,7 +57,7 @@ def bare_loop(args: argparse.Namespace) -> None:
     for step in range(1, args.steps + 1):
         if position + batch > len(y):
             position = 0
-        loss = train_step(parts, [(x[position:position + batch], y[position:position + batch])]).loss_sum
+        loss = train_step(parts, [{"x": x[position:position + batch], "labels": y[position:position + batch]}]).loss_sum
         position += batch
         if step % interval == 0:
             float(loss)  # the host sync the orchestrated loop does at a report
