@@ -37,6 +37,11 @@ class Tracker(Protocol):
 DEFAULT_URI = "sqlite:///mlruns.db"
 
 
+def mlflow_key(name: str) -> str:
+    """The MLflow metric key under which a metric the loop reports as `name` is logged (and read back)."""
+    return name
+
+
 def resolve_uri(uri: str | None) -> str:
     """The configured URI, else $MLFLOW_TRACKING_URI (set by cluster runtime envs), else a local SQLite file.
     A relative SQLite path becomes absolute, so Ray processes and the printed UI command use the same file."""
