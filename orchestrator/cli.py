@@ -13,11 +13,31 @@ from pipelines.errors import DataError
 def _config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", "-c", help="experiment YAML (default: the built-in digits experiment)")
     parser.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key, e.g. --set optim.lr=1e-3 (repeatable)")
+                        help="override a config key, e.g. --set optim.lr=1e-3 (repeatable; the value is YAML; "
+                        "model.KEY=null drops a model option the file sets)")
+
+
+class _Version(argparse.Action):
+    """`--version`: the installed package's version, looked up only when asked for."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the orchestrator version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            found = version("orchestrator")
+        except PackageNotFoundError:
+            found = "unknown (not installed)"
+        print(f"{parser.prog} {found}")
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="orchestrator", description="Distributed PyTorch training on Ray.")
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a model on a local or existing Ray cluster")
@@ -25,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--address", help="join this Ray cluster (default: $RAY_ADDRESS, else start a local one)")
     train.add_argument("--resume", action="store_true", help="continue the latest run of this experiment in "
                        "storage.path from its latest checkpoint, in the same MLflow run (a new run if there is none)")
+    train.add_argument("--verbose", "-v", action="store_true", help="also show Ray's and MLflow's own log lines "
+                       "(always written to the run's log file)")
 
     tune = sub.add_parser("tune", help="search hyperparameters (tune section): every trial a distributed run")
     _config_args(tune)
@@ -43,40 +65,57 @@ def build_parser() -> argparse.ArgumentParser:
 
     prepare = sub.add_parser("prepare", help="write a dataset as Parquet shards")
     kinds = prepare.add_subparsers(dest="dataset", required=True)
+    out_help = "directory (or s3://bucket/prefix) to write the train/ and val/ splits into"
+    seed_help = "random seed of the train/val split (default: %(default)s)"
+    shards_help = "Parquet files per training split; validation gets half as many (default: %(default)s)"
     digits = kinds.add_parser("digits", help="scikit-learn's bundled 8x8 digit images (real data, no download)")
-    digits.add_argument("--out", required=True)
-    digits.add_argument("--shards", type=int, default=4)
-    digits.add_argument("--seed", type=int, default=0)
+    digits.add_argument("--out", required=True, help=out_help)
+    digits.add_argument("--shards", type=int, default=4, help=shards_help)
+    digits.add_argument("--seed", type=int, default=0, help=seed_help)
     synthetic = kinds.add_parser("synthetic", help="a learnable synthetic classification set of any size")
-    synthetic.add_argument("--out", required=True)
-    synthetic.add_argument("--rows", type=int, required=True)
-    synthetic.add_argument("--shards", type=int, default=8)
-    synthetic.add_argument("--features", type=int, default=64)
-    synthetic.add_argument("--classes", type=int, default=10)
-    synthetic.add_argument("--val-rows", type=int, default=0)
-    synthetic.add_argument("--seed", type=int, default=0)
+    synthetic.add_argument("--out", required=True, help=out_help)
+    synthetic.add_argument("--rows", type=int, required=True, help="training rows to generate")
+    synthetic.add_argument("--shards", type=int, default=8, help="Parquet files of the training split "
+                           "(default: %(default)s)")
+    synthetic.add_argument("--features", type=int, default=64, help="float features per row, in one 'features' "
+                           "column (default: %(default)s)")
+    synthetic.add_argument("--classes", type=int, default=10, help="classes of the 'label' column (default: "
+                           "%(default)s)")
+    synthetic.add_argument("--val-rows", type=int, default=0, help="validation rows, one file; 0 writes no val/ "
+                           "split (default: %(default)s)")
+    synthetic.add_argument("--seed", type=int, default=0, help="random seed of the class centres and the rows "
+                           "(default: %(default)s)")
     text = kinds.add_parser("text", help="byte-tokenised local text files as fixed-length token sequences")
-    text.add_argument("--input", nargs="+", required=True, metavar="FILE")
-    text.add_argument("--out", required=True)
-    text.add_argument("--seq-len", type=int, default=128)
-    text.add_argument("--shards", type=int, default=4)
-    text.add_argument("--val-fraction", type=float, default=0.1)
+    text.add_argument("--input", nargs="+", required=True, metavar="FILE", help="local text files, read as bytes "
+                      "and joined")
+    text.add_argument("--out", required=True, help=out_help)
+    text.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence; each row holds "
+                      "seq-len + 1 for the shifted targets (default: %(default)s)")
+    text.add_argument("--shards", type=int, default=4, help="Parquet files of the training split; validation is "
+                      "one file (default: %(default)s)")
+    text.add_argument("--val-fraction", type=float, default=0.1, help="the last fraction of the sequences, kept "
+                      "for validation (default: %(default)s)")
     diabetes = kinds.add_parser("diabetes", help="scikit-learn's bundled diabetes regression set (real data, no "
                                 "download): features, category ids and a standardised target")
-    diabetes.add_argument("--out", required=True)
-    diabetes.add_argument("--shards", type=int, default=2)
-    diabetes.add_argument("--val-fraction", type=float, default=0.2)
-    diabetes.add_argument("--seed", type=int, default=0)
+    diabetes.add_argument("--out", required=True, help=out_help)
+    diabetes.add_argument("--shards", type=int, default=2, help=shards_help)
+    diabetes.add_argument("--val-fraction", type=float, default=0.2, help="fraction of the rows kept for "
+                          "validation, between 0 and 1 (default: %(default)s)")
+    diabetes.add_argument("--seed", type=int, default=0, help=seed_help)
     sequences = kinds.add_parser("sequences", help="a learnable synthetic classification set of variable-length "
                                  "token lists")
-    sequences.add_argument("--out", required=True)
-    sequences.add_argument("--rows", type=int, default=2000)
-    sequences.add_argument("--vocab", type=int, default=64)
-    sequences.add_argument("--min-len", type=int, default=4)
-    sequences.add_argument("--max-len", type=int, default=24)
-    sequences.add_argument("--shards", type=int, default=2)
-    sequences.add_argument("--val-fraction", type=float, default=0.2)
-    sequences.add_argument("--seed", type=int, default=0)
+    sequences.add_argument("--out", required=True, help=out_help)
+    sequences.add_argument("--rows", type=int, default=2000, help="rows to generate, train and validation "
+                           "together (default: %(default)s)")
+    sequences.add_argument("--vocab", type=int, default=64, help="token ids 0..vocab-1, at least 4: 0 pads, 1 "
+                           "starts each row (default: %(default)s)")
+    sequences.add_argument("--min-len", type=int, default=4, help="fewest tokens in a row, its start token "
+                           "included; at least 2 (default: %(default)s)")
+    sequences.add_argument("--max-len", type=int, default=24, help="most tokens in a row (default: %(default)s)")
+    sequences.add_argument("--shards", type=int, default=2, help=shards_help)
+    sequences.add_argument("--val-fraction", type=float, default=0.2, help="fraction of the rows kept for "
+                           "validation, between 0 and 1 (default: %(default)s)")
+    sequences.add_argument("--seed", type=int, default=0, help="random seed of the rows (default: %(default)s)")
     return parser
 
 
@@ -135,7 +174,8 @@ def run_command(args: argparse.Namespace) -> int:
     from orchestrator.startup import process_started_at
 
     # The clock starts with this process, as a stopwatch around the command would.
-    print(summary(train(config, address=args.address, resume=args.resume, started_at=process_started_at())))
+    print(summary(train(config, address=args.address, resume=args.resume, started_at=process_started_at(),
+                        show_logs=args.verbose)))
     return 0
 
 

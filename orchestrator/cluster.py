@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -24,7 +25,12 @@ def connect_ray(address: str | None, config: Config) -> bool:
         ray.init(address=address, logging_config=logging_config)
         return False
     # Ray Data's read tasks need CPUs beside the workers', or ingest waits forever on a small machine.
-    needed = math.ceil(config.scaling.max_workers * config.scaling.cpus_per_worker) + 2
+    workers_cpus = math.ceil(config.scaling.max_workers * config.scaling.cpus_per_worker)
+    needed = workers_cpus + 2
+    if workers_cpus > (os.cpu_count() or 1):
+        print(f"warning: the workers ask for {workers_cpus} CPUs (scaling.num_workers x scaling.cpus_per_worker) "
+              f"but this machine has {os.cpu_count()}: they will share cores and each run slower; lower "
+              "scaling.num_workers or scaling.cpus_per_worker", file=sys.stderr)
     # Local workers inherit this environment: make the user's own modules (model entrypoints) importable.
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([os.getcwd(), *paths]))  # once, however many runs

@@ -22,6 +22,7 @@ from pipelines.storage import Storage, open_storage
 
 RUN_RECORD = "orchestrator-run.json"
 RUN_CONFIG = "config.yaml"
+RAY_CHECKPOINTS = "checkpoint_manager_snapshot.json"  # Ray Train's record of the checkpoints it registered
 
 # What `--resume` may change: how the run is watched, fed, placed and billed, and how the global batch is split
 # (as after an elastic resize). Everything else (model, data, global batch, precision, optimizer and schedule, step
@@ -50,6 +51,12 @@ class RunPlace:
     @property
     def uri(self) -> str:
         return self.storage.uri_of(self.path)
+
+    def registered_step(self) -> int | None:
+        """The step of the newest checkpoint Ray Train registered for this run (what a resume continues from),
+        from Ray's own record of them beside the checkpoints; None before the first."""
+        steps = [int(s) for s in re.findall(r"checkpoint_(\d{8})_", self.read_text(RAY_CHECKPOINTS) or "")]
+        return max(steps, default=None)
 
     def read_record(self, name: str = RUN_RECORD) -> dict[str, Any] | None:
         """A JSON record kept beside the run (the run record by default); None if missing or unreadable."""

@@ -1,0 +1,170 @@
+"""What reaches the user's terminal: the product's own lines. Ray's and MLflow's (their loggers, Python warnings,
+the output Ray forwards from the workers and raylets) go to a log file under the run's directory, and to the
+terminal too with `--verbose`. Driver side only."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+# Loggers of the libraries the driver runs; a logger below these names goes where its parent goes.
+LIBRARIES = ("ray", "mlflow", "alembic", "sqlalchemy", "urllib3", "filelock", "transformers", "huggingface_hub",
+             "torch", "py.warnings")
+# What the workers print that is the product's own: shown on the terminal (a worker's warnings.warn from the
+# product's modules is shown as `warning: <message>`).
+_WORKER_LINE = re.compile(r"^(auto micro-batch: |warning: )")
+_PRODUCT_WARNING = re.compile(r"/(?:orchestrator|pipelines)/[\w/]+\.py:\d+: \w*Warning: (.*)$")
+
+
+def product_line(line: str) -> str | None:
+    """The terminal form of a line a worker printed, or None when it is a library's (it goes to the log only)."""
+    if _WORKER_LINE.match(line):
+        return line
+    warning = _PRODUCT_WARNING.search(line)
+    return f"warning: {warning.group(1)}" if warning else None
+
+
+class _ToFile(logging.Filter):
+    """On the libraries' loggers and console handlers: every record goes to the log file once, and on to the
+    console only when `show`."""
+
+    def __init__(self, log: logging.Handler, show: bool) -> None:
+        super().__init__()
+        self.log, self.show = log, show
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not getattr(record, "_in_run_log", False) and record.levelno >= logging.INFO:
+            record._in_run_log = True
+            self.log.handle(record)
+        return self.show
+
+
+_ACTIVE: list[RunLog] = []  # the run log of the run in progress in this process, if any
+
+
+class RayDataConsole(logging.Handler):
+    """The console handler of Ray Data's loggers in the product's runs. Ray Data sets its handlers up again at
+    every dataset execution (so a filter put on the old ones is lost): the product points it, through
+    RAY_DATA_LOGGING_CONFIG, at a config naming this class. Inside a run its records go where the run log sends
+    library lines; elsewhere (a worker) to stderr, as Ray Data's own handler would."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if _ACTIVE and _ACTIVE[-1]._filter is not None and not _ACTIVE[-1]._filter.filter(record):
+            return
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+        except Exception:  # noqa: BLE001 - logging must never raise into the caller
+            self.handleError(record)
+
+
+def _ray_data_config(directory: Path) -> Path:
+    """Ray Data's own logging config with its console handler replaced by RayDataConsole."""
+    import copy
+
+    import yaml
+    from ray.data._internal.logging import DEFAULT_CONFIG
+
+    config = copy.deepcopy(DEFAULT_CONFIG)
+    config["handlers"]["console"] = {"class": f"{__name__}.RayDataConsole", "formatter": "ray", "level": "INFO",
+                                     "filters": ["console_filter"]}
+    path = directory / "ray-data-logging.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+class RunLog:
+    """Diverts the libraries' lines into `path` while a run is on (`with RunLog(path, verbose): ...`). Call
+    `divert()` again once a library has set up more loggers or handlers (ray.init, Ray Data on first use)."""
+
+    def __init__(self, path: Path, verbose: bool = False) -> None:
+        self.path, self.verbose = path, verbose
+        self._filter: _ToFile | None = None
+        self._diverted: list[logging.Logger | logging.Handler] = []
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> RunLog:
+        import ray  # noqa: F401 - its loggers exist from here on, so they are diverted before ray.init logs
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        log = logging.FileHandler(self.path, encoding="utf-8")
+        log.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        self._filter = _ToFile(log, self.verbose)
+        # Warnings become records of `py.warnings`; loggers without a handler anywhere (urllib3's retries) end
+        # in logging.lastResort: a fresh one here, diverted like the rest. Handlers that appear on the root logger
+        # during the run are Ray's (ray.init's logging_config), not the user's.
+        logging.captureWarnings(True)
+        self._saved["last_resort"] = logging.lastResort
+        logging.lastResort = logging.StreamHandler(sys.stderr)
+        logging.lastResort.setLevel(logging.WARNING)
+        self._saved["root"] = {id(h) for h in logging.root.handlers}
+        # Set in this process, and inherited by the local cluster it starts (a value the user set wins).
+        self._saved["ray_data"] = os.environ.get(RAY_DATA_CONFIG)
+        if self._saved["ray_data"] is None:
+            os.environ[RAY_DATA_CONFIG] = str(_ray_data_config(self.path.parent))
+        _ACTIVE.append(self)
+        self.divert()
+        return self
+
+    def divert(self) -> None:
+        """Put the filter on every library logger (the records it creates) and on every console handler they or
+        Ray's root handlers print through (records of loggers created since the last call)."""
+        assert self._filter is not None
+        loggers = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict) if n.split(".")[0] in _ROOTS]
+        handlers = [h for lg in loggers for h in lg.handlers]
+        handlers += [h for h in logging.root.handlers if id(h) not in self._saved["root"]] + [logging.lastResort]
+        consoles = [h for h in handlers if isinstance(h, logging.StreamHandler) and not isinstance(
+            h, logging.FileHandler)]
+        for item in [*loggers, *consoles]:
+            if self._filter not in item.filters:  # type: ignore[union-attr]
+                item.addFilter(self._filter)  # type: ignore[union-attr]
+                self._diverted.append(item)  # type: ignore[arg-type]
+
+    def attach_ray(self) -> None:
+        """Route what Ray forwards from workers and raylets: every line to the log, the product's to the terminal
+        (all of it with --verbose, as Ray prints it)."""
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+        dispatcher.remove_handler("ray_print_logs")
+        dispatcher.add_handler("orchestrator", self._worker_lines)
+        self.divert()
+
+    def _worker_lines(self, data: dict[str, Any]) -> None:
+        assert self._filter is not None
+        log = self._filter.log
+        who = data.get("actor_name") or data.get("task_name") or data.get("pid")
+        lines = data.get("lines", [])
+        if who == "autoscaler":  # its periodic status table; Ray's own printer keeps only the events too
+            from ray._private.worker import filter_autoscaler_events
+
+            lines = list(filter_autoscaler_events(lines))
+        for line in lines:
+            log.handle(logging.makeLogRecord({"name": f"ray.worker.{who}", "msg": f"pid={data.get('pid')} {line}",
+                                              "levelname": "stderr" if data.get("is_err") else "stdout"}))
+            shown = line if self.verbose else product_line(line)
+            if shown is not None:
+                print(shown, file=sys.stderr if data.get("is_err") else sys.stdout, flush=True)
+
+    def __exit__(self, *exc: object) -> None:
+        _ACTIVE.remove(self)
+        if self._saved["ray_data"] is None:
+            os.environ.pop(RAY_DATA_CONFIG, None)
+        for item in self._diverted:
+            item.removeFilter(self._filter)  # type: ignore[arg-type]
+        logging.lastResort = self._saved["last_resort"]
+        logging.captureWarnings(False)
+        try:
+            from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+            dispatcher.remove_handler("orchestrator")
+        except ImportError:
+            pass
+        if self._filter is not None:
+            self._filter.log.close()
+
+
+_ROOTS = {name.split(".")[0] for name in LIBRARIES}
+RAY_DATA_CONFIG = "RAY_DATA_LOGGING_CONFIG"
