@@ -7,7 +7,9 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,36 @@ def product_line(line: str) -> str | None:
         return line
     warning = _PRODUCT_WARNING.search(line)
     return f"warning: {warning.group(1)}" if warning else None
+
+
+class _PendingFile(logging.Handler):
+    """The run's log file, opened once the run has a directory (`open`): records before that are kept and written
+    first, so a run refused before it starts (tracking unreachable) leaves no directory behind."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        self.pending: list[logging.LogRecord] = []
+        self.file: logging.FileHandler | None = None
+
+    def open(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = logging.FileHandler(path, encoding="utf-8")
+        self.file.setFormatter(self.formatter)
+        for record in self.pending:
+            self.file.handle(record)
+        self.pending.clear()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.file is not None:
+            self.file.handle(record)
+        else:
+            self.pending.append(record)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        super().close()
 
 
 class _ToFile(logging.Filter):
@@ -77,11 +109,13 @@ def _ray_data_config(directory: Path) -> Path:
 
 
 class RunLog:
-    """Diverts the libraries' lines into `path` while a run is on (`with RunLog(path, verbose): ...`). Call
+    """Diverts the libraries' lines into the run's log file while a run is on (`with RunLog(verbose) as log:
+    ...; log.open(path)` once the run has a directory). Call
     `divert()` again once a library has set up more loggers or handlers (ray.init, Ray Data on first use)."""
 
-    def __init__(self, path: Path, verbose: bool = False) -> None:
-        self.path, self.verbose = path, verbose
+    def __init__(self, verbose: bool = False) -> None:
+        self.verbose = verbose
+        self._file = _PendingFile()
         self._filter: _ToFile | None = None
         self._diverted: list[logging.Logger | logging.Handler] = []
         self._saved: dict[str, Any] = {}
@@ -89,10 +123,7 @@ class RunLog:
     def __enter__(self) -> RunLog:
         import ray  # noqa: F401 - its loggers exist from here on, so they are diverted before ray.init logs
 
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        log = logging.FileHandler(self.path, encoding="utf-8")
-        log.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        self._filter = _ToFile(log, self.verbose)
+        self._filter = _ToFile(self._file, self.verbose)
         # Warnings become records of `py.warnings`; loggers without a handler anywhere (urllib3's retries) end
         # in logging.lastResort: a fresh one here, diverted like the rest. Handlers that appear on the root logger
         # during the run are Ray's (ray.init's logging_config), not the user's.
@@ -104,10 +135,15 @@ class RunLog:
         # Set in this process, and inherited by the local cluster it starts (a value the user set wins).
         self._saved["ray_data"] = os.environ.get(RAY_DATA_CONFIG)
         if self._saved["ray_data"] is None:
-            os.environ[RAY_DATA_CONFIG] = str(_ray_data_config(self.path.parent))
+            self._saved["ray_data_dir"] = tempfile.mkdtemp(prefix="orchestrator-")
+            os.environ[RAY_DATA_CONFIG] = str(_ray_data_config(Path(self._saved["ray_data_dir"])))
         _ACTIVE.append(self)
         self.divert()
         return self
+
+    def open(self, path: Path) -> None:
+        """Start writing the log file at `path` (the lines so far included)."""
+        self._file.open(path)
 
     def divert(self) -> None:
         """Put the filter on every library logger (the records it creates) and on every console handler they or
@@ -152,6 +188,7 @@ class RunLog:
         _ACTIVE.remove(self)
         if self._saved["ray_data"] is None:
             os.environ.pop(RAY_DATA_CONFIG, None)
+            shutil.rmtree(self._saved["ray_data_dir"], ignore_errors=True)
         for item in self._diverted:
             item.removeFilter(self._filter)  # type: ignore[arg-type]
         logging.lastResort = self._saved["last_resort"]
@@ -162,8 +199,7 @@ class RunLog:
             dispatcher.remove_handler("orchestrator")
         except ImportError:
             pass
-        if self._filter is not None:
-            self._filter.log.close()
+        self._file.close()
 
 
 _ROOTS = {name.split(".")[0] for name in LIBRARIES}

@@ -3,20 +3,25 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from orchestrator.cluster import connect_ray, shutdown_local_ray, train_environment
 from orchestrator.config import Config, flatten, to_dict, to_yaml
+from orchestrator.console import RunLog
 from orchestrator.errors import ConfigError
 from orchestrator.runs import RUN_CONFIG, RunPlace, latest_run, new_run, open_run_storage
 from orchestrator.startup import StartupClock
 from orchestrator.tracking import Tracker, closed_on_error, start_tracker, ui_command
 from orchestrator.trainer import RunFailedError, build_run, resolve_for_data, root_cause
+from pipelines.config import is_remote
 from pipelines.datasets import inspect_datasets
 from pipelines.sources import DatasetInfo
 
@@ -37,9 +42,10 @@ class TrainResult:
 
 
 def _log_final_artifacts(tracker: Tracker, config: Config, checkpoint_path: str | None,
-                         history: list[dict[str, Any]], checkpoint: Any = None) -> None:
-    import torch
-
+                         history: list[dict[str, Any]], info: DatasetInfo, checkpoint: Any = None) -> None:
+    """The resolved config, the final weights as an MLflow Model named "model" (model_logging.py; `info`: the
+    training data, whose sample rows give its input example and signature) and the learning curves."""
+    from orchestrator.model_logging import log_final_model
     from orchestrator.plots import plot_history
     from orchestrator.training.checkpoint import load_state
 
@@ -50,19 +56,25 @@ def _log_final_artifacts(tracker: Tracker, config: Config, checkpoint_path: str 
             from ray.train import Checkpoint
 
             # The Checkpoint itself when given: it carries its filesystem (an S3 endpoint; no credentials).
-            with (checkpoint or Checkpoint(checkpoint_path)).as_directory() as directory:
-                torch.save(load_state(directory)["model"], Path(tmp) / "model.pt")
-            tracker.log_artifact(Path(tmp) / "model.pt", "model")
+            final = checkpoint or Checkpoint(checkpoint_path)
+
+            def final_weights() -> dict[str, Any]:
+                with final.as_directory() as directory:
+                    return load_state(directory)["model"]
+
+            log_final_model(tracker, config, info, final_weights)
         if history:
             tracker.log_artifact(plot_history(history, Path(tmp) / "learning_curves.png"), "plots")
 
 
 def train(config: Config, address: str | None = None, verbose: bool = True, resume: bool = False,
-          started_at: float | None = None) -> TrainResult:
+          started_at: float | None = None, show_logs: bool = False) -> TrainResult:
     """Run one distributed training job and return its result. Raises UserError subclasses on bad input.
     With `resume`, continue the latest run of this experiment in storage (its Ray Train run from the latest
     checkpoint, and its MLflow run); without an earlier run, start a new one. `started_at` (epoch seconds, the
-    CLI passes its process start) is where the start-up breakdown and the cost ledger's clock begin."""
+    CLI passes its process start) is where the start-up breakdown and the cost ledger's clock begin. Ray's and
+    MLflow's own lines go to the run's log file (console.py), and to the terminal too with `show_logs`.
+    Ctrl+C ends the MLflow run as KILLED and raises KeyboardInterrupt after saying how to continue."""
     from orchestrator.cost import resolve_pricing
 
     clock = StartupClock(started_at or time.time())
@@ -72,20 +84,38 @@ def train(config: Config, address: str | None = None, verbose: bool = True, resu
     config = resolve_for_data(config, infos)
     resolve_pricing(config)  # an unknown node type fails now, not after training
     place, record = _place_run(config, resume, verbose)
-    run_name, run_dir = place.name, place.uri
     clock.mark("data inspection")
+    with RunLog(show_logs) as log:
+        return _train(config, address, verbose, infos, place, record, clock, log)
 
+
+def _log_path(config: Config, place: RunPlace) -> Path:
+    """The run's log file: in its directory, or for a run stored in S3 a local file named after it."""
+    if is_remote(config.storage.path):
+        return Path(tempfile.gettempdir()) / "orchestrator-logs" / f"{place.name}.log"
+    return Path(place.path) / "orchestrator.log"
+
+
+def _train(config: Config, address: str | None, verbose: bool, infos: dict[str, DatasetInfo], place: RunPlace,
+           record: dict[str, Any] | None, clock: StartupClock, log: RunLog) -> TrainResult:
+    run_name, run_dir = place.name, place.uri
     tracker = start_tracker(config.tracking, run_name, run_id=_reopen_id(config, record))
     if record:
         tracker.set_tags({f"orchestrator.resume.{time.strftime('%Y%m%d-%H%M%S')}": "driver restarted with --resume"})
     tracker.log_params(flatten(to_dict(config)))
     tracker.set_tags({"orchestrator.run_dir": run_dir, "orchestrator.train_rows": str(infos["train"].num_rows)})
     place.write_text(RUN_CONFIG, to_yaml(config))
+    log.open(log_path := _log_path(config, place))  # the run's directory exists from here on
+    if verbose:
+        print(f"Ray and MLflow logs: {log_path}" + ("" if log.verbose else " (--verbose shows them here)"),
+              flush=True)
     place.write_record({"run_name": run_name, "mlflow_run_id": tracker.run_id,
                         "tracking_uri": getattr(tracker, "uri", None)})
     clock.mark("tracking")
-    with closed_on_error(tracker):
+    history: list[dict[str, Any]] = []
+    with closed_on_error(tracker), interrupted(place, history):
         started_ray = connect_ray(address, config)
+        log.attach_ray()
         clock.mark("ray start")
         try:
             import ray
@@ -95,7 +125,7 @@ def train(config: Config, address: str | None = None, verbose: bool = True, resu
             if missing:
                 raise ConfigError(f"this run needs {missing}")
             with train_environment(config, private_cluster=started_ray):
-                result, failures = _fit(config, infos, place, tracker, verbose, clock)
+                result, failures = _fit(config, infos, place, tracker, verbose, clock, log, history)
         finally:
             if started_ray:
                 shutdown_local_ray()
@@ -104,6 +134,23 @@ def train(config: Config, address: str | None = None, verbose: bool = True, resu
         tracker.log_metrics(result.cost.metrics(), step=result.history[-1]["step"] if result.history else 0)
     tracker.finish("FINISHED")
     return result
+
+
+@contextmanager
+def interrupted(place: RunPlace, history: list[dict[str, Any]]) -> Iterator[None]:
+    """Ctrl+C: say where the run stopped, what a resume continues from and the command for it; the interrupt
+    then ends the command (exit 130, the MLflow run KILLED)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        step = history[-1]["step"] if history else 0
+        saved = place.registered_step()
+        command = ["orchestrator", *sys.argv[1:]] if sys.argv[1:2] == ["train"] else ["orchestrator", "train", "..."]
+        again = shlex.join(command + ([] if "--resume" in command else ["--resume"]))
+        print(f"interrupted at step {step}; " + (f"last checkpoint step {saved}; continue with: {again}"
+                                                 if saved else "no checkpoint yet: a new run starts from step 0"),
+              file=sys.stderr, flush=True)
+        raise
 
 
 def _checkpoint_uri(config: Config, path: str) -> str:
@@ -154,9 +201,10 @@ def _reopen_id(config: Config, record: dict[str, Any] | None) -> str | None:
 
 
 def _fit(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, tracker: Tracker,
-         verbose: bool, clock: StartupClock) -> tuple[TrainResult, int]:
-    """Fit the run while a driver thread shows and tracks its metrics; the result and how many worker failures
-    Ray Train restarted from."""
+         verbose: bool, clock: StartupClock, log: RunLog, history: list[dict[str, Any]]
+         ) -> tuple[TrainResult, int]:
+    """Fit the run while a driver thread shows and tracks its metrics (appended to `history` as they come); the
+    result and how many worker failures Ray Train restarted from."""
     import ray
     import ray.train
     from ray.util.queue import Queue
@@ -164,7 +212,6 @@ def _fit(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, tracker
     from orchestrator.progress import ForwardFailures, ReportConsumer, progress_line
 
     total = config.train.max_steps or 0
-    history: list[dict[str, Any]] = []
     failures: list[float] = []
 
     def handle(report: dict[str, Any]) -> None:
@@ -194,6 +241,7 @@ def _fit(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, tracker
     # Rank 0 puts its metrics on this queue itself (no barrier); the controller adds worker failures.
     queue = Queue(actor_options={"num_cpus": 0})
     trainer = build_run(config, infos, place, [ForwardFailures(queue)], queue)
+    log.divert()  # Ray Data and Ray Train set up their loggers on first use
     clock.mark("datasets")
     try:
         with ReportConsumer(queue, handle):
@@ -204,7 +252,7 @@ def _fit(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, tracker
     checkpoint_path = _checkpoint_uri(config, result.checkpoint.path) if result.checkpoint else None
     if history:
         tracker.log_metrics(run_summary(history), step=history[-1]["step"])
-    _log_final_artifacts(tracker, config, checkpoint_path, history, result.checkpoint)
+    _log_final_artifacts(tracker, config, checkpoint_path, history, infos["train"], result.checkpoint)
     return TrainResult(
         config=config, metrics=dict(result.metrics or {}), checkpoint_path=checkpoint_path, run_dir=place.uri,
         run_id=tracker.run_id, tracking_uri=getattr(tracker, "uri", None), history=history, startup=clock.seconds(),

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import threading
 import time
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -95,8 +95,8 @@ class MlflowTracker:
                             "or set tracking.enabled=false") from None
 
     def _safe(self, what: str, call: Any, *args: Any, force: bool = False, **kwargs: Any) -> None:
-        """Make one tracking call; a failure warns (once) and never raises. While the store is unreachable,
-        calls are skipped until OUTAGE_RETRY_S has passed; `force` tries anyway (the run's final status)."""
+        """Make one tracking call; a failure prints one warning line (once) and never raises. While the store is
+        unreachable, calls are skipped until OUTAGE_RETRY_S has passed; `force` tries anyway (the final status)."""
         with self._lock:
             if not force and self._down_until is not None and time.monotonic() < self._down_until:
                 self._skipped += 1
@@ -107,8 +107,8 @@ class MlflowTracker:
             message = self._failure(what, exc)
         else:
             message = self._answered()
-        if message:
-            warnings.warn(message, stacklevel=3)
+        if message:  # the product's own line: on the terminal even while the libraries' go to the run log
+            print(f"warning: {message}", file=sys.stderr, flush=True)
 
     def _failure(self, what: str, exc: Exception) -> str | None:
         """The warning to show for a failed call, or None when this failure was already reported."""

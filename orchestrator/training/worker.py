@@ -15,8 +15,8 @@ import torch.distributed as dist
 from orchestrator.batching import split_batch
 from orchestrator.config import Config, config_from_dict
 from orchestrator.errors import ConfigError
-from orchestrator.training.checkpoint import load_state, restore, unwrap
 from orchestrator.tasks import step_loss_sum
+from orchestrator.training.checkpoint import load_state, restore, unwrap
 from orchestrator.training.loop import run
 from orchestrator.training.memory import (
     GIB,

@@ -184,8 +184,12 @@ def test_job_submit_trains_on_two_nodes_and_tracks_to_mlflow_server(
     tags = {t["key"]: t["value"] for t in run["data"].get("tags", [])}
     blobs = [json.dumps(params), json.dumps(tags), logs, submit.stdout, submit.stderr]
     artifacts = Path(MlflowClient(mlflow_server).download_artifacts(run["info"]["run_id"], "", str(tmp_path / "a")))
-    files = [p for p in artifacts.rglob("*") if p.is_file()]
-    assert {"config.yaml", "model.pt", "learning_curves.png"} <= {p.name for p in files}
+    import mlflow.artifacts
+
+    model = Path(mlflow.artifacts.download_artifacts(f"runs:/{run['info']['run_id']}/model",
+                                                     dst_path=str(tmp_path / "m"), tracking_uri=mlflow_server))
+    files = [p for p in [*artifacts.rglob("*"), *model.rglob("*")] if p.is_file()]
+    assert {"config.yaml", "learning_curves.png", "MLmodel"} <= {p.name for p in files}
     for secret in (SECRET, KEY_ID):
         assert not any(secret in blob for blob in blobs)
         assert not any(secret.encode() in p.read_bytes() for p in files)

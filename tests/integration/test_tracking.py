@@ -1,6 +1,7 @@
 """MLflow's two promises (README, MLflow section), against real `mlflow server` processes and real local Ray:
 a tracking store unreachable at start stops `orchestrator train` before it takes any cluster resource; a server
-that dies mid-run costs one warning, not the run (and not minutes of the client's retries)."""
+that dies mid-run costs one warning, not the run (and not minutes of the client's retries). And the final model
+is an MLflow Model in the run: loaded, predicted with and registered through runs:/<run_id>/model."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ import threading
 import time
 import urllib.request
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
+import torch
 from test_cluster_jobs import BIN, free_port, http_json, wait_for
 
 from orchestrator import load_config, train
@@ -88,7 +92,7 @@ def logged_steps(uri: str, experiment: str) -> int:
 
 def test_tracking_server_dying_mid_run_warns_once_and_training_finishes(
         ray_cluster: None, mlflow_server: tuple[str, subprocess.Popen[bytes]], tmp_path: Path,
-        digits_dir: str) -> None:
+        digits_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
     uri, server = mlflow_server
     killed: dict[str, float] = {}  # how many reports the server held, and when it was killed
 
@@ -105,11 +109,10 @@ def test_tracking_server_dying_mid_run_warns_once_and_training_finishes(
         "checkpoint.every=50", "model.entrypoint=fault_model:build", "model.step_s=0.03"])
     killer = threading.Thread(target=kill_after_two_reports, daemon=True)
     started = time.monotonic()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")  # count every warning, not only the first per code location
-        killer.start()
-        result = train(config, verbose=False)
+    killer.start()
+    result = train(config, verbose=False)
     elapsed = time.monotonic() - started
+    stderr = capsys.readouterr().err.splitlines()
     killer.join(timeout=5)
 
     assert "at" in killed, "the server was never killed: the run may have ended before two reports were logged"
@@ -119,11 +122,196 @@ def test_tracking_server_dying_mid_run_warns_once_and_training_finishes(
     assert result.checkpoint_path and Path(result.checkpoint_path, "state.pt").is_file()
     assert [r["step"] for r in result.history][-1] == 150  # every report reached the driver
     assert len(result.history) - killed["logged"] >= 10  # most reports met the dead server
-    tracking = [str(w.message) for w in caught if "MLflow" in str(w.message)]
-    assert len(tracking) == 1, tracking  # one warning for the outage, not one per report or per kind of call
-    assert uri in tracking[0] and "training continues" in tracking[0]
+    tracking = [line for line in stderr if "MLflow" in line]
+    assert len(tracking) == 1, tracking  # one line for the outage, not one per report or per kind of call
+    assert tracking[0].startswith("warning: ") and uri in tracking[0] and "training continues" in tracking[0]
+    # The client's own retries and warnings went to the run's log, not to the terminal.
+    assert not [line for line in stderr if "urllib3" in line or "Retrying" in line or "Warning:" in line], stderr
     after_kill = time.monotonic() - killed["at"]
     print(f"run {elapsed:.1f} s, of which {after_kill:.1f} s after the server died")
     # ~25 reports and the final artifacts met a dead server: with the client's default retries each call would wait
     # minutes; tracking.py's budget keeps the whole tail near the training time itself.
     assert after_kill < 45, f"{after_kill:.0f} s after the server died: tracking calls stalled the run"
+
+
+# The final model as an MLflow Model (orchestrator/model_logging.py): loadable and registrable from the run.
+
+
+def named_mlp(in_features: int, num_classes: int) -> torch.nn.Module:
+    """A model taking its input by name (`model.inputs: [pixels]`), for `model.entrypoint=test_tracking:named_mlp`."""
+    return NamedMLP(in_features, num_classes)
+
+
+class NamedMLP(torch.nn.Module):
+    def __init__(self, in_features: int, num_classes: int) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(in_features, 16), torch.nn.ReLU(),
+                                       torch.nn.Linear(16, num_classes))
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.net(pixels)
+
+
+@pytest.fixture()
+def mlflow_uri(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
+    """Points MLflow's process-wide tracking URI (what runs:/ and models:/ URIs resolve against) at a test's store;
+    the previous URI and $MLFLOW_TRACKING_URI (set_tracking_uri sets it) come back after the test."""
+    import mlflow
+    from mlflow.tracking._tracking_service import utils
+
+    monkeypatch.setattr(utils, "_tracking_uri", utils._tracking_uri)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return mlflow.set_tracking_uri
+
+
+def sample_batch(config: Any) -> dict[str, torch.Tensor]:
+    """The training data's sample rows (the logged input example's) as the loop collates them."""
+    from pipelines.batches import collate_arrow
+    from pipelines.datasets import inspect_datasets
+
+    info = inspect_datasets(config.data, named=config.model.inputs is not None)["train"]
+    return collate_arrow(info.sample, config.data.features, config.data.label, config.model.inputs is not None)
+
+
+def test_final_model_is_an_mlflow_model_that_loads_predicts_and_registers(
+        ray_cluster: None, tmp_path: Path, digits_dir: str, mlflow_uri: Callable[[str], None]) -> None:
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    import orchestrator.launch
+    from orchestrator.models import build_model
+    from orchestrator.training.checkpoint import load_state
+
+    timings: list[float] = []
+    log_final_artifacts = orchestrator.launch._log_final_artifacts
+
+    def timed(*args: Any, **kwargs: Any) -> None:
+        started = time.perf_counter()
+        log_final_artifacts(*args, **kwargs)
+        timings.append(time.perf_counter() - started)
+
+    config = load_config(None, [
+        f"data.train={digits_dir}/train", f"data.val={digits_dir}/val", f"storage.path={tmp_path}/runs",
+        f"tracking.uri=sqlite:///{tmp_path}/mlruns.db", "tracking.experiment=models", "scaling.num_workers=1",
+        "train.global_batch_size=64", "train.precision=fp32", "train.max_steps=30", "train.log_every=10",
+        "checkpoint.every=30"])
+    uri_before, env_before = mlflow.get_tracking_uri(), os.environ.get("MLFLOW_TRACKING_URI")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(orchestrator.launch, "_log_final_artifacts", timed)
+        result = train(config, verbose=False)
+    # Logging the model read and changed no process-wide MLflow state.
+    assert (mlflow.get_tracking_uri(), os.environ.get("MLFLOW_TRACKING_URI")) == (uri_before, env_before)
+    assert mlflow.active_run() is None
+    print(f"final artifacts (config, MLflow Model, learning curves) logged in {timings[0]:.2f} s")
+    assert result.run_id and result.tracking_uri and result.checkpoint_path
+
+    # The final checkpoint's weights in the model the config builds: the reference outputs.
+    resolved = result.config
+    reference = build_model(resolved.model.name, None, 64, resolved.model.num_classes, resolved.model.kwargs)
+    reference.load_state_dict(load_state(result.checkpoint_path)["model"])
+    reference.eval()
+    x = sample_batch(resolved)["x"]
+    with torch.no_grad():
+        expected = reference(x)
+
+    mlflow_uri(result.tracking_uri)
+    uri = f"runs:/{result.run_id}/model"
+    loaded = mlflow.pytorch.load_model(uri)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(loaded(x[:3]), expected[:3], atol=1e-5, rtol=1e-5)  # any batch size
+
+    pyfunc = mlflow.pyfunc.load_model(uri)
+    predicted = pyfunc.predict(x.numpy())
+    assert isinstance(predicted, np.ndarray) and predicted.shape == (len(x), 10)
+    np.testing.assert_allclose(predicted, expected.numpy(), atol=1e-5, rtol=1e-5)
+    signature = pyfunc.metadata.signature
+    assert signature is not None
+    (inputs,), (outputs,) = signature.inputs.inputs, signature.outputs.inputs
+    assert (inputs.type, inputs.shape) == (np.dtype("float32"), (-1, 64))
+    assert (outputs.type, outputs.shape) == (np.dtype("float32"), (-1, 10))
+    assert pyfunc.metadata.saved_input_example_info["type"] == "ndarray"  # the sample rows
+
+    version = mlflow.register_model(uri, "digits-mlp")
+    assert str(version.version) == "1" and version.run_id == result.run_id
+    registered = mlflow.pyfunc.load_model("models:/digits-mlp/1")
+    np.testing.assert_allclose(registered.predict(x.numpy()), expected.numpy(), atol=1e-5, rtol=1e-5)
+
+    # The other final artifacts are still there; the bare state dict is gone (the MLflow Model replaces it).
+    client = MlflowClient(tracking_uri=result.tracking_uri)
+    artifacts = {a.path for a in client.list_artifacts(result.run_id)}
+    assert {"config.yaml", "plots"} <= artifacts and "model" not in artifacts
+    assert client.get_run(result.run_id).info.status == "FINISHED"
+
+
+def test_named_inputs_are_logged_with_a_dict_signature(tmp_path: Path, digits_dir: str,
+                                                       mlflow_uri: Callable[[str], None],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a training run: the logging itself, for a model called by keyword (`model.inputs`)."""
+    import mlflow
+
+    from orchestrator.model_logging import log_final_model
+    from orchestrator.tracking import MlflowTracker
+    from orchestrator.trainer import resolve_for_data
+    from pipelines.datasets import inspect_datasets
+
+    config = load_config(None, [
+        f"data.train={digits_dir}/train", f"data.val={digits_dir}/val", f"tracking.uri=sqlite:///{tmp_path}/m.db",
+        "tracking.experiment=named", "model.entrypoint=test_tracking:named_mlp", "model.inputs=[pixels]"])
+    infos = inspect_datasets(config.data, named=True)
+    config = resolve_for_data(config, infos)
+    model = named_mlp(64, 10).eval()
+    tracker = MlflowTracker(config.tracking, "named")
+    log_final_model(tracker, config, infos["train"], model.state_dict)
+    tracker.finish("FINISHED")
+
+    mlflow_uri(tracker.uri)
+    uri = f"runs:/{tracker.run_id}/model"
+    # Saved with pickle (torch.export takes positional inputs only): loading it has to be allowed.
+    monkeypatch.setenv("MLFLOW_ALLOW_PICKLE_DESERIALIZATION", "true")
+    loaded = mlflow.pytorch.load_model(uri)
+    pixels = sample_batch(config)["pixels"]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(pixels=pixels), model(pixels=pixels))
+    metadata = mlflow.models.get_model_info(uri)
+    (inputs,) = metadata.signature.inputs.inputs
+    assert (inputs.name, inputs.type, inputs.shape) == ("pixels", np.dtype("float32"), (-1, 64))
+    assert metadata.saved_input_example_info is None  # the pyfunc's predict cannot call forward(pixels=...)
+
+
+def test_a_model_that_cannot_be_logged_warns_one_line_and_tracking_goes_on(
+        tmp_path: Path, digits_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from orchestrator.model_logging import log_final_model
+    from orchestrator.tracking import MlflowTracker, NullTracker
+    from orchestrator.trainer import resolve_for_data
+    from pipelines.datasets import inspect_datasets
+
+    config = load_config(None, [f"data.train={digits_dir}/train", f"data.val={digits_dir}/val",
+                                f"tracking.uri=sqlite:///{tmp_path}/m.db", "tracking.experiment=broken"])
+    infos = inspect_datasets(config.data)
+    config = resolve_for_data(config, infos)
+
+    def unreadable() -> dict[str, Any]:
+        raise OSError("checkpoint gone\nsecond line")
+
+    log_final_model(NullTracker(), config, infos["train"], unreadable)  # no tracking: not even read
+    assert capsys.readouterr().err == ""
+    tracker = MlflowTracker(config.tracking, "broken")
+    capsys.readouterr()  # MLflow's own lines about creating the store
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no tracking warning: the store is fine
+        log_final_model(tracker, config, infos["train"], unreadable)
+        wrong = {"0.weight": torch.zeros(3, 3)}  # not this model's weights
+        log_final_model(tracker, config, infos["train"], lambda: wrong)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("warning: the final model was not logged as an MLflow Model (OSError: checkpoint")
+    assert "RuntimeError" in lines[1]
+    tracker.log_metrics({"after": 1.0}, step=1)
+    tracker.finish("FINISHED")
+    client = MlflowClient(tracker.uri)
+    run = client.get_run(tracker.run_id)
+    assert run.info.status == "FINISHED" and run.data.metrics["after"] == 1.0
+    assert client.search_logged_models([run.info.experiment_id]) == []

@@ -36,7 +36,7 @@ def test_pipelines_never_import_orchestrator() -> None:
 DRIVER = ("orchestrator.cli", "orchestrator.launch", "orchestrator.cluster", "orchestrator.trainer",
           "orchestrator.study", "orchestrator.trials", "orchestrator.search", "orchestrator.tracking",
           "orchestrator.runs", "orchestrator.cost", "orchestrator.doctor", "orchestrator.plots",
-          "orchestrator.progress")
+          "orchestrator.progress", "orchestrator.model_logging", "orchestrator.console")
 
 
 def test_worker_side_imports_no_driver_sdks_or_modules() -> None:

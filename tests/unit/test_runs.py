@@ -48,7 +48,7 @@ def test_train_takes_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
         pass
 
     def fake_train(config: object, address: str | None = None, verbose: bool = True, resume: bool = False,
-                   started_at: float | None = None) -> None:
+                   started_at: float | None = None, show_logs: bool = False) -> None:
         calls.append(resume)
         raise Stop  # nothing past the flag's hand-over is under test here
 

@@ -1,0 +1,166 @@
+"""The final weights as an MLflow Model in the run: `mlflow.pytorch.load_model("runs:/<run_id>/model")` gives the
+trained module back, and `mlflow.register_model("runs:/<run_id>/model", name)` registers it.
+
+The model is rebuilt on the driver's CPU from the resolved config, given the final checkpoint's weights, and saved
+with an input example and a signature from real rows (the training data's sample) run through it. Logging is
+best-effort like the rest of tracking: a failure is one warning line and the run goes on."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from orchestrator.config import Config
+from orchestrator.tracking import MlflowTracker, Tracker
+from pipelines.sources import DatasetInfo
+
+MODEL_NAME = "model"  # runs:/<run_id>/model
+
+
+def log_final_model(tracker: Tracker, config: Config, info: DatasetInfo,
+                    weights: Callable[[], dict[str, Any]]) -> None:
+    """Log the model of `config` with the state dict `weights()` returns (read from the final checkpoint) into the
+    tracker's run as an MLflow Model named "model". Nothing (not even the read) without MLflow tracking; a failure
+    warns (one line on stderr, or the tracker's own warning for the store) and never raises."""
+    if not isinstance(tracker, MlflowTracker) or tracker.run_id is None:
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / MODEL_NAME
+        try:
+            model, example, output = _rebuild(config, info, weights())
+            _save(model, example, output, path)
+        except Exception as exc:  # noqa: BLE001 - a model that cannot be saved must not fail a finished run
+            detail = (str(exc).splitlines() or [""])[0][:300]
+            print(f"warning: the final model was not logged as an MLflow Model ({type(exc).__name__}: {detail}); "
+                  "its weights are in the run's final checkpoint", file=sys.stderr)
+            return
+        # The store's calls through the tracker: skipped while the store is down, warned about once.
+        tracker._safe("log_model", _upload, tracker, path)
+
+
+def _rebuild(config: Config, info: DatasetInfo, weights: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """The model on the CPU with `weights`, in eval mode; its input on the sample rows (the `x` array, or a dict
+    of arrays by forward argument) and its logits there, as numpy."""
+    import torch
+
+    from orchestrator.models import build_model
+    from orchestrator.tasks import logits_of
+    from orchestrator.trainer import in_features
+    from pipelines.batches import collate_arrow
+    from pipelines.tensors import Padding
+
+    model = build_model(config.model.name, config.model.entrypoint, in_features(config, info),
+                        config.model.num_classes, config.model.kwargs)
+    model.load_state_dict(weights)
+    model.eval()
+    if info.sample is None or info.sample.num_rows == 0:
+        raise ValueError("the training data has no sample rows for the input example")
+    named = config.model.inputs is not None
+    batch = collate_arrow(info.sample, config.data.features, config.data.label, named,
+                          Padding(config.data.pad_to_multiple_of))
+    with torch.no_grad():
+        if not named:
+            x = batch["x"]
+            if len(x) == 1:  # torch.export keeps a batch dimension of size 1 fixed: give it two rows
+                x = torch.cat([x, x])
+            example: Any = x.numpy()
+            output = model(x)
+        else:
+            inputs = {argument: batch[key] for argument, key in (config.model.input_map or {}).items()}
+            example = {argument: value.numpy() for argument, value in inputs.items()}
+            output = model(**inputs)
+    return model, example, logits_of(output).float().numpy()
+
+
+def _is_transformers(model: Any) -> bool:
+    return hasattr(model, "save_pretrained") and type(model).__module__.startswith("transformers")
+
+
+def _save(model: Any, example: Any, output: Any, path: Path) -> None:
+    """The MLflow Model in the local directory `path` (uploaded by `_upload`)."""
+    import mlflow.pytorch
+    from mlflow.models import Model, infer_signature
+
+    signature = infer_signature(example, output)
+    requirements = _pip_requirements(model)
+    kwargs: dict[str, Any] = {"signature": signature, "pip_requirements": requirements}
+    # A Hugging Face model is saved as a torch module too: mlflow.transformers wants a tokenizer or a pipeline.
+    if isinstance(example, dict) or _is_transformers(model):
+        # Pickled: "pt2" (torch.export) takes positional arrays only, and the pyfunc flavour cannot call a model by
+        # keyword (its predict takes one array), so a dict input gets a signature and no input example. Loading a
+        # pickled model needs MLFLOW_ALLOW_PICKLE_DESERIALIZATION=true (MLflow's warning saying so is muted here).
+        with _quiet("mlflow.pytorch"):
+            mlflow.pytorch.save_model(model, str(path), mlflow_model=Model(), serialization_format="pickle",
+                                      input_example=None if isinstance(example, dict) else example, **kwargs)
+        return
+    try:
+        # "pt2": the traced graph with its weights, loadable without the model's code and without pickle.
+        mlflow.pytorch.save_model(model, str(path), mlflow_model=Model(), serialization_format="pt2",
+                                  input_example=example, **kwargs)
+    except Exception:  # noqa: BLE001 - a model torch.export cannot trace (data-dependent control flow...): pickled
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+        with _quiet("mlflow.pytorch"):
+            mlflow.pytorch.save_model(model, str(path), mlflow_model=Model(), serialization_format="pickle",
+                                      input_example=example, **kwargs)
+
+
+def _pip_requirements(model: Any) -> list[str]:
+    """Pinned without a local version label (torch 2.x+cpu -> torch==2.x). Given explicitly: MLflow would
+    otherwise load the model in a subprocess to infer them (seconds) and warn about the label."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    packages = ["torch", "cloudpickle", "numpy", *(["transformers"] if _is_transformers(model) else [])]
+    pinned = []
+    for package in packages:
+        try:
+            pinned.append(f"{package}=={version(package).split('+')[0]}")
+        except PackageNotFoundError:
+            pinned.append(package)
+    return pinned
+
+
+@contextmanager
+def _quiet(name: str) -> Iterator[None]:
+    """A logger's warnings off for the block, its level restored after."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _upload(tracker: MlflowTracker, path: Path) -> None:
+    """What `mlflow.pytorch.log_model` does after saving, through the tracker's own client (its URI and run), so no
+    global MLflow state (tracking URI, active run, experiment) is read or changed: a LoggedModel named "model" in
+    the run's experiment with the run as its source (how runs:/<run_id>/model resolves), the run's output, the
+    MLmodel file naming both, and the files."""
+    from mlflow.entities import LoggedModelOutput
+    from mlflow.models import Model
+
+    client, run_id = tracker._client, tracker.run_id
+    assert run_id is not None
+    experiment_id = client.get_run(run_id).info.experiment_id
+    logged = client.create_logged_model(experiment_id, name=MODEL_NAME, source_run_id=run_id)
+    try:
+        client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step=0)])
+        mlmodel = Model.load(str(path))
+        mlmodel.artifact_path, mlmodel.run_id = logged.artifact_location, run_id
+        mlmodel.model_uuid = mlmodel.model_id = logged.model_id
+        mlmodel.save(str(path / "MLmodel"))
+        client.log_model_artifacts(logged.model_id, str(path))
+    except BaseException:
+        try:
+            client.finalize_logged_model(logged.model_id, "FAILED")
+        except Exception:  # noqa: BLE001, S110 - the first failure is the one to report
+            pass
+        raise
+    client.finalize_logged_model(logged.model_id, "READY")
