@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        if args.command != "train":  # train says where it stopped and how to continue
+            print("interrupted", file=sys.stderr)
         return 130
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shlex
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.cluster import connect_ray, shutdown_local_ray, train_environment
-from orchestrator.config import Config, flatten, to_dict, to_yaml
+from orchestrator.config import Config, to_yaml
 from orchestrator.console import RunLog
 from orchestrator.errors import ConfigError
 from orchestrator.runs import RUN_CONFIG, RunPlace, latest_run, new_run, open_run_storage
 from orchestrator.startup import StartupClock
-from orchestrator.tracking import Tracker, closed_on_error, start_tracker, ui_command
+from orchestrator.tracking import Tracker, closed_on_error, config_params, run_url, start_tracker, ui_command
 from orchestrator.trainer import RunFailedError, build_run, resolve_for_data, root_cause
 from pipelines.config import is_remote
 from pipelines.datasets import inspect_datasets
@@ -102,7 +103,7 @@ def _train(config: Config, address: str | None, verbose: bool, infos: dict[str, 
     tracker = start_tracker(config.tracking, run_name, run_id=_reopen_id(config, record))
     if record:
         tracker.set_tags({f"orchestrator.resume.{time.strftime('%Y%m%d-%H%M%S')}": "driver restarted with --resume"})
-    tracker.log_params(flatten(to_dict(config)))
+    tracker.log_params(config_params(config))  # model options' builder defaults included
     tracker.set_tags({"orchestrator.run_dir": run_dir, "orchestrator.train_rows": str(infos["train"].num_rows)})
     place.write_text(RUN_CONFIG, to_yaml(config))
     log.open(log_path := _log_path(config, place))  # the run's directory exists from here on
@@ -136,6 +137,28 @@ def _train(config: Config, address: str | None, verbose: bool, infos: dict[str, 
     return result
 
 
+def _fit_interruptibly(trainer: Any) -> Any:
+    """`trainer.fit()` in a thread, so that Ctrl+C reaches this (main) thread as KeyboardInterrupt. Called in the
+    main thread, Ray Train installs its own SIGINT handler, which waits for its controller to abort and then exits
+    the process with status 1, before the run is marked or the user told how to continue. The run's actors end
+    with the driver (the local cluster is shut down; a joined cluster drops the job's actors when it leaves)."""
+    outcome: dict[str, Any] = {}
+
+    def fit() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread as is
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=fit, name="orchestrator-fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(timeout=0.2)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
 @contextmanager
 def interrupted(place: RunPlace, history: list[dict[str, Any]]) -> Iterator[None]:
     """Ctrl+C: say where the run stopped, what a resume continues from and the command for it; the interrupt
@@ -143,6 +166,10 @@ def interrupted(place: RunPlace, history: list[dict[str, Any]]) -> Iterator[None
     try:
         yield
     except KeyboardInterrupt:
+        import ray
+
+        if ray.is_initialized():  # a joined cluster: leaving it ends the run's actors, so nothing more registers
+            ray.shutdown()
         step = history[-1]["step"] if history else 0
         saved = place.registered_step()
         command = ["orchestrator", *sys.argv[1:]] if sys.argv[1:2] == ["train"] else ["orchestrator", "train", "..."]
@@ -245,7 +272,7 @@ def _fit(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, tracker
     clock.mark("datasets")
     try:
         with ReportConsumer(queue, handle):
-            result = trainer.fit()
+            result = _fit_interruptibly(trainer)
     except ray.train.TrainingFailedError as exc:
         raise RunFailedError(f"training failed: {root_cause(exc)} (run directory: {place.uri})") from None
     _remove_unregistered_checkpoints(result)
@@ -285,7 +312,8 @@ def _cost(config: Config, history: list[dict[str, Any]], wall_s: float, failures
 
 def run_summary(history: list[dict[str, Any]]) -> dict[str, float]:
     """Whole-run figures from the reports: throughput and MFU over the wall clock of the training (every interval,
-    reports and checkpoints included; a step redone after a restart counts once), time shares, compile time."""
+    reports and checkpoints included; a step redone after a restart counts once), time shares, compile time, and
+    the last validation figures. MLflow holds them under `final/...` (tracking.mlflow_key)."""
     kept = list({int(r["step"]): r for r in history if "interval_s" in r}.values())
     seconds = sum(r["interval_s"] for r in kept)
     summary: dict[str, float] = {}
@@ -295,9 +323,12 @@ def run_summary(history: list[dict[str, Any]]) -> dict[str, float]:
         keys |= {k for k in ("tokens_per_s", "mfu") if all(k in r for r in kept)}
         for key in sorted(keys):
             summary[f"summary/{key}"] = sum(r.get(key, 0.0) * r["interval_s"] for r in kept) / seconds
-        summary["summary/data_wait_frac"] = summary.get("summary/time/data_wait_frac", 0.0)
     if any("compile_s" in r for r in history):
         summary["summary/compile_s"] = sum(r.get("compile_s", 0.0) for r in history)
+    evaluated = [r for r in history if "val_loss" in r]
+    if evaluated:
+        summary |= {f"summary/{k}": float(v) for k, v in evaluated[-1].items()
+                    if k.startswith("val_") and isinstance(v, int | float)}
     return summary
 
 
@@ -327,4 +358,7 @@ def summary(result: TrainResult) -> str:
     if result.run_id:
         lines.append(f"MLflow run id: {result.run_id}")
         lines.append(f"open the MLflow UI: {ui_command(result.tracking_uri or '')}")
+        url = run_url(result.tracking_uri or "", result.run_id)
+        if url:
+            lines.append(f"this run in the MLflow UI: {url}")
     return "\n".join(lines)

@@ -221,3 +221,52 @@ def test_killed_driver_resumes_with_the_same_run_and_mlflow_run(ray_cluster: Non
     assert [r.info.run_id for r in runs] == [run_id] and runs[0].info.status == "FINISHED"
     logged = [m.step for m in client.get_metric_history(run_id, "train_loss")]
     assert min(logged) == 5 and max(logged) == 40
+
+
+def test_ctrl_c_exits_130_marks_the_run_killed_and_its_resume_command_continues(
+        ray_cluster: None, tmp_path: Path, digits_dir: str) -> None:
+    import shlex
+
+    import ray
+    from mlflow.tracking import MlflowClient
+
+    sets = [a for o in overrides(tmp_path, digits_dir, "train.max_steps=60", "model.step_s=0.1",
+                                 "tracking.enabled=true", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+                                 "experiment=ctrl-c")
+            for a in ("--set", o)]
+    command = [str(BIN / "orchestrator"), "train", "--address", ray.get_runtime_context().gcs_address, *sets]
+    # Its own process group, as a terminal gives a command: Ctrl+C is SIGINT to the whole group.
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    err: list[str] = []
+    threading.Thread(target=lambda: err.extend(first.stderr or []), daemon=True).start()
+    threading.Thread(target=lambda: list(first.stdout or []), daemon=True).start()
+    try:
+        wait_for(lambda: "checkpoint_00000010" in registered_snapshot(tmp_path / "runs"),
+                 "step 10's checkpoint registered", timeout=120)
+        os.killpg(first.pid, signal.SIGINT)
+        sent = time.monotonic()
+        code = first.wait(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert code == 130 and took < 15, (code, took, err)
+    time.sleep(0.5)  # the reader thread's last lines
+    (line,) = [x for x in err if x.startswith("interrupted at step")]
+    found = re.match(r"interrupted at step (\d+); last checkpoint step (\d+); continue with: (.*)$", line.strip())
+    assert found, line
+    stopped, saved, again = int(found[1]), int(found[2]), shlex.split(found[3])
+    assert stopped < 60 and 10 <= saved <= stopped and saved % 10 == 0
+    assert again[-1] == "--resume" and again[1:-1] == command[1:]  # the same command, resumed
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("default").experiment_id])
+    assert run.info.status == "KILLED"
+
+    resumed = subprocess.run([str(BIN / "orchestrator"), *again[1:]], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    steps = [int(s) for s in re.findall(r"^step (\d+)/60", resumed.stdout, re.MULTILINE)]
+    # From the checkpoint it named (or one registered while the run was being stopped), not from the start.
+    assert saved + 5 <= steps[0] <= stopped + 5 and steps[-1] == 60, (saved, stopped, steps)
+    (run,) = client.search_runs([client.get_experiment_by_name("default").experiment_id])
+    assert run.info.status == "FINISHED"
