@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
-from orchestrator.config import ModelConfig
+from orchestrator.config import ModelConfig, either, keys_elsewhere
 from orchestrator.errors import ConfigError
 from orchestrator.registry import Registry, load_entrypoint, suggest
 
@@ -63,7 +64,8 @@ def model_builder(name: str, entrypoint: str | None) -> ModelBuilder:
 
 def check_model_options(model: ModelConfig) -> None:
     """The keys under `model:` beside name/entrypoint against the builder's signature; a typo fails on the driver,
-    before any resource is taken. Raises ConfigError naming the key and the close match."""
+    before any resource is taken. Raises ConfigError naming the keys, the close match and, for a config from
+    load_config, where each key came from (a file's options for another model survive a --set model.entrypoint)."""
     key = "model.entrypoint" if model.entrypoint else "model.name"
     try:
         builder = model_builder(model.name, model.entrypoint)
@@ -73,10 +75,59 @@ def check_model_options(model: ModelConfig) -> None:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return
     allowed = [p for p in params if p not in ("in_features", "num_classes", "self")]
-    for key in model.kwargs:
-        if key not in allowed:
-            raise ConfigError(f"config key 'model.{key}': model '{model.entrypoint or model.name}' takes no option "
-                              f"'{key}'{suggest(key, allowed)}; its options: {allowed}")
+    unknown = [key for key in model.kwargs if key not in allowed]
+    if not unknown:
+        return
+    origins = model.origins
+    files = [key for key in unknown if origins.get(key, "--set") != "--set"]
+
+    def described(key: str) -> str:
+        elsewhere = keys_elsewhere(key, "model")  # model.lr -> optim.lr
+        hint = suggest(key, allowed) or (f" (did you mean {either(elsewhere)}?)" if elsewhere else "")
+        where = f" (from {origins[key]})" if key in origins else ""
+        return f"'{key}'{hint}{where}"
+
+    s = "s" if len(unknown) > 1 else ""
+    keys = ", ".join(f"'model.{key}'" for key in unknown)
+    message = (f"config key{s} {keys}: model '{model.entrypoint or model.name}' takes no option{s} "
+               f"{', '.join(described(key) for key in unknown)}; its options: {allowed}")
+    if files:
+        message += (f"; remove {'them' if len(files) > 1 else 'it'} from {origins[files[0]]} or with "
+                    + " ".join(f"--set model.{k}=null" for k in files))
+    raise ConfigError(message)
+
+
+def check_model_build(model: ModelConfig, in_features: int | None, num_classes: int | None) -> nn.Module | None:
+    """Build the model once on the driver, on the meta device (shapes only: no memory, no weights, about a
+    millisecond for the examples), so that options the builder cannot take fail before any resource is taken
+    instead of in every worker. Returns the model, or None where this check cannot tell (the workers will)."""
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a builder's warnings are the workers' to show
+            return build_model(model.name, model.entrypoint, in_features, num_classes, model.kwargs)
+    except ConfigError:
+        raise
+    # Only a TypeError/ValueError not about meta tensors blames the options: others may be the driver's (CUDA, network).
+    except (TypeError, ValueError) as exc:
+        if "meta" in str(exc):
+            return None
+        raise ConfigError(_cannot_build(model, exc)) from None
+    except Exception:  # noqa: BLE001 - see above
+        return None
+
+
+def _cannot_build(model: ModelConfig, exc: Exception) -> str:
+    """'config key 'model.hidden': model 'mlp' cannot be built with hidden=512 (TypeError: ...)': the options the
+    user gave (every one: which of them is at fault only the builder knows) and the builder's own first line."""
+    name, given = model.entrypoint or model.name, model.kwargs
+    lines = str(exc).strip().splitlines()
+    reason = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    if not given:
+        return f"config key '{'model.entrypoint' if model.entrypoint else 'model.name'}': model '{name}' cannot be " \
+               f"built ({reason})"
+    keys = ", ".join(f"'model.{key}'" for key in given)
+    options = ", ".join(f"{key}={value!r}" for key, value in given.items())
+    return f"config key{'s' if len(given) > 1 else ''} {keys}: model '{name}' cannot be built with {options} ({reason})"
 
 
 def build_model(name: str, entrypoint: str | None, in_features: int | None, num_classes: int | None, kwargs: dict,

@@ -88,36 +88,31 @@ def check_label(config: Config, info: DatasetInfo) -> None:
 
 
 def check_model_call(config: Config, info: DatasetInfo) -> None:
-    """Named inputs: the sample rows convert to tensors, hold every input the model is given, and the model's
-    forward takes them by name (built on the meta device: no memory, no weights loaded)."""
-    if config.model.inputs is None or info.sample is None:
-        return
-    import torch
+    """The model builds with its options (on the meta device: no memory, no weights loaded), for every model; with
+    named inputs also: the sample rows convert to tensors, hold every input the model is given, and the model's
+    forward takes them by name."""
+    from orchestrator.models import check_model_build
 
-    from orchestrator.models import build_model
-    from orchestrator.tasks import check_forward
-    from orchestrator.training.parts import task_parts
-    from pipelines.batches import collate_arrow
+    call = None
+    if config.model.inputs is not None and info.sample is not None:
+        from orchestrator.training.parts import task_parts
+        from pipelines.batches import collate_arrow
 
-    try:
-        batch = collate_arrow(info.sample, config.data.features, config.data.label, named=True)
-    except ValueError as exc:
-        raise ConfigError(f"data in {info.path}: {exc}") from None
-    _, call, _ = task_parts(config)
-    missing = [key for key in (call.inputs or {}).values() if key not in batch]
-    if missing:
-        raise ConfigError(f"config key 'model.inputs': {missing} are not in the batch, which has {sorted(batch)} "
-                          "(a mask comes only with a variable-length token column)")
-    name = config.model.entrypoint or config.model.name
-    try:
-        with torch.device("meta"):
-            model = build_model(config.model.name, config.model.entrypoint, info.feature_dim or None,
-                                config.model.num_classes, config.model.kwargs)
-    except ConfigError:
-        raise
-    except Exception:  # noqa: BLE001 - a builder that cannot run on the meta device is checked in the workers
-        return
-    check_forward(model, call, name)
+        try:
+            batch = collate_arrow(info.sample, config.data.features, config.data.label, named=True)
+        except ValueError as exc:
+            raise ConfigError(f"data in {info.path}: {exc}") from None
+        _, call, _ = task_parts(config)
+        missing = [key for key in (call.inputs or {}).values() if key not in batch]
+        if missing:
+            raise ConfigError(f"config key 'model.inputs': {missing} are not in the batch, which has {sorted(batch)} "
+                              "(a mask comes only with a variable-length token column)")
+    # What the workers build with (spec["in_features"]), so that the driver's check sees the workers' model.
+    model = check_model_build(config.model, in_features(config, info), config.model.num_classes)
+    if call is not None and model is not None:
+        from orchestrator.tasks import check_forward
+
+        check_forward(model, call, config.model.entrypoint or config.model.name)
 
 
 def build_trainer(config: Config, spec: dict[str, Any], datasets: dict[str, Any], place: RunPlace,

@@ -97,3 +97,31 @@ def test_a_gpu_run_on_a_local_cluster_without_gpus_stops_instead_of_waiting(tmp_
     assert "error: this run needs 1 GPUs (scaling.num_workers with scaling.use_gpu) but the Ray cluster has 0" \
         in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_version_prints_the_package_version() -> None:
+    from importlib.metadata import version
+
+    out = cli("--version")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"orchestrator {version('orchestrator')}\n"
+
+
+def test_every_option_of_every_subcommand_has_help() -> None:
+    import argparse
+
+    from orchestrator.cli import build_parser
+
+    def undocumented(parser: argparse.ArgumentParser, path: str) -> list[str]:
+        found = []
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                helps = {choice.dest: choice.help for choice in action._choices_actions}  # only those given help
+                for name, sub in action.choices.items():
+                    found += [] if helps.get(name) else [f"{path} {name}"]
+                    found += undocumented(sub, f"{path} {name}")
+            elif not action.help or action.help == argparse.SUPPRESS:
+                found.append(f"{path} {'/'.join(action.option_strings) or action.dest}")
+        return found
+
+    assert undocumented(build_parser(), "orchestrator") == []
