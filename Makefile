@@ -4,9 +4,10 @@
 setup:
 	@bash scripts/setup.sh
 
+# examples/digits.yaml is the built-in default experiment, logged to the MLflow experiment `digits`.
 train: setup
 	@test -d data/digits/train || .venv/bin/orchestrator prepare digits --out data/digits
-	.venv/bin/orchestrator train $(ARGS)
+	.venv/bin/orchestrator train --config examples/digits.yaml $(ARGS)
 
 test: setup
 	.venv/bin/python -m pytest -q $(PYTEST_ARGS)

@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--address", help="join this Ray cluster (default: $RAY_ADDRESS, else start a local one)")
     tune.add_argument("--fresh", action="store_true", help="delete the study's saved state and start it over "
                       "(default: continue an interrupted study)")
+    tune.add_argument("--verbose", "-v", action="store_true", help="also show Ray's, Tune's and MLflow's own log "
+                      "lines (always written to the study's log file)")
 
     doctor = sub.add_parser("doctor", help="diagnose a finished or running run from its MLflow record and "
                             "print the config changes to try")
@@ -167,7 +169,7 @@ def run_command(args: argparse.Namespace) -> int:
         from orchestrator.study import summary as tune_summary
         from orchestrator.study import tune
 
-        print(tune_summary(tune(config, address=args.address, fresh=args.fresh)))
+        print(tune_summary(tune(config, address=args.address, fresh=args.fresh, show_logs=args.verbose)))
         return 0
 
     from orchestrator.launch import summary, train

@@ -162,10 +162,24 @@ class RunLog:
     def attach_ray(self) -> None:
         """Route what Ray forwards from workers and raylets: every line to the log, the product's to the terminal
         (all of it with --verbose, as Ray prints it)."""
+        from ray._private import worker as ray_worker
         from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
-        dispatcher.remove_handler("ray_print_logs")
-        dispatcher.add_handler("orchestrator", self._worker_lines)
+        if "ray_printer" not in self._saved:
+            self._saved["ray_printer"] = [(n, h) for n, h in dispatcher.handlers if n == "ray_print_logs"]
+            dispatcher.remove_handler("ray_print_logs")
+            dispatcher.add_handler("orchestrator", self._worker_lines)
+            # Ray's error listener prints what raylets send this driver ("(raylet) WARNING: 12 PYTHON worker
+            # processes have been started ...") through this function, past the dispatcher.
+            self._saved["print_to_stdstream"] = original = ray_worker.print_to_stdstream
+
+            def raylets_to_log(data: dict[str, Any], ignore_prefix: bool = False) -> None:
+                if data.get("pid") == "raylet":
+                    self._worker_lines(data)
+                else:
+                    original(data, ignore_prefix)
+
+            ray_worker.print_to_stdstream = raylets_to_log
         self.divert()
 
     def _worker_lines(self, data: dict[str, Any]) -> None:
@@ -193,12 +207,14 @@ class RunLog:
             item.removeFilter(self._filter)  # type: ignore[arg-type]
         logging.lastResort = self._saved["last_resort"]
         logging.captureWarnings(False)
-        try:
+        if "ray_printer" in self._saved:  # Ray prints what it forwards itself again, as before the run
+            from ray._private import worker as ray_worker
             from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
             dispatcher.remove_handler("orchestrator")
-        except ImportError:
-            pass
+            for name, handler in self._saved["ray_printer"]:
+                dispatcher.add_handler(name, handler)
+            ray_worker.print_to_stdstream = self._saved["print_to_stdstream"]
         self._file.close()
 
 

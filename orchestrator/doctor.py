@@ -2,18 +2,23 @@
 
 Each rule is a small function of a `RunRecord` (metric histories, params, tags) returning a `Finding` or None;
 findings are sorted by severity, then by how strongly the rule fired. Add a rule by appending to `RULES`.
+Metrics are read by the name the loop (or the driver) reports them under; `tracking.mlflow_key` maps it to MLflow's.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from orchestrator.cost import PARTS
 from orchestrator.errors import UserError
+from orchestrator.startup import STAGES
+from orchestrator.tracking import mlflow_key
 
 HIGH, MEDIUM, LOW = 3, 2, 1
 _SEVERITY = {HIGH: "high", MEDIUM: "medium", LOW: "low"}
@@ -36,19 +41,20 @@ class RunRecord:
     params: dict[str, str] = field(default_factory=dict)
     tags: dict[str, str] = field(default_factory=dict)
 
-    def values(self, *keys: str) -> list[float]:
-        """The first of `keys` that was recorded."""
-        for key in keys:
-            if self.metrics.get(key):
+    def values(self, *names: str) -> list[float]:
+        """The history of the first of the metrics `names` that was recorded. A name is what the loop (or the
+        driver) reports; `mlflow_key` gives the key MLflow holds it under."""
+        for name in names:
+            if self.metrics.get(key := mlflow_key(name)):
                 return self.metrics[key]
         return []
 
-    def mean(self, *keys: str) -> float | None:
-        values = self.values(*keys)
+    def mean(self, *names: str) -> float | None:
+        values = self.values(*names)
         return statistics.fmean(values) if values else None
 
-    def last(self, *keys: str) -> float | None:
-        values = self.values(*keys)
+    def last(self, *names: str) -> float | None:
+        values = self.values(*names)
         return values[-1] if values else None
 
     def param(self, key: str, default: str | None = None) -> str | None:
@@ -57,6 +63,53 @@ class RunRecord:
 
 
 Rule = Callable[[RunRecord], "Finding | None"]
+
+# The ledger's parts that are the training itself (first step to last): the rest is start-up, restarts, shutdown.
+_TRAINING_PARTS = tuple(p for p in PARTS if p not in ("startup", "restarts", "shutdown"))
+
+
+def training_share(run: RunRecord, phase: str) -> float | None:
+    """`phase`'s share of the training's wall clock (first step to last: start-up, which has its own rule, left
+    out): the run's summary, else its reports' `time/<phase>_frac` weighted by their seconds, else (a study's
+    parent run) the ledger's `cost/<phase>_frac` over the ledger's training parts."""
+    summary = run.last(f"summary/time/{phase}_frac")
+    if summary is not None:
+        return summary
+    shares, seconds = run.values(f"time/{phase}_frac"), run.values("interval_s")
+    if shares and len(shares) == len(seconds) and sum(seconds) > 0:
+        return sum(s * w for s, w in zip(shares, seconds, strict=True)) / sum(seconds)
+    if shares:
+        return statistics.fmean(shares)
+    part = run.last(f"cost/{phase}_frac")
+    training = sum(run.last(f"cost/{p}_frac") or 0.0 for p in _TRAINING_PARTS)
+    return part / training if part is not None and training > 0 else None
+
+
+def is_study(run: RunRecord) -> bool:
+    return run.tags.get("orchestrator.role") == "study" or "orchestrator.search_space" in run.tags
+
+
+def trial_counts(run: RunRecord) -> dict[str, int]:
+    """A study's trials by how they ended, from its parent run (empty while the study runs)."""
+    counts = {status: int(run.last(f"trials_{status}") or 0) for status in ("completed", "stopped", "error")}
+    if not any(counts.values()) and run.last("cost/trials"):
+        return {"total": int(run.last("cost/trials") or 0)}
+    return {status: n for status, n in counts.items() if n}
+
+
+def _int_param(run: RunRecord, key: str, default: int | None = None) -> int | None:
+    """An integer param; `default` when absent or not a number."""
+    value = run.param(key)
+    try:
+        return int(float(value)) if value is not None else default
+    except ValueError:
+        return default
+
+
+def _world(run: RunRecord) -> int:
+    """Workers of the run: the largest world size it reported, else the config's (the largest of `[min, max]`)."""
+    configured = [int(n) for n in re.findall(r"\d+", run.param("scaling.num_workers") or "")]
+    return int(max(run.values("world_size"), default=0)) or max(configured, default=1)
 
 
 def data_pipeline(run: RunRecord) -> Finding | None:
@@ -145,15 +198,17 @@ def startup(run: RunRecord) -> Finding | None:
     share = run.last("cost/startup_frac")
     if share is None or share < 0.3:
         return None
-    stages = {key.removeprefix("startup/").removesuffix("_s").replace("_", " "): values[-1]
-              for key, values in run.metrics.items()
-              if key.startswith("startup/") and key != "startup/total_s" and values}
+    stages = {stage: seconds for stage in STAGES
+              if (seconds := run.last(f"startup/{stage.replace(' ', '_').replace('-', '_')}_s")) is not None}
     slowest = max(stages, key=stages.__getitem__) if stages else None
-    title = f"start-up took {share:.0%} of the run's wall clock"
+    study = is_study(run)
+    whose = "the trials'" if study else "the run's"
+    title = f"start-up took {share:.0%} of {whose} wall clock"
     if slowest:
         title += f" ({run.last('startup/total_s') or 0:.1f} s to the first step; slowest: {slowest} " \
                  f"{stages[slowest]:.1f} s)"
-    changes = ["train.max_steps=<more steps per command> (start-up is paid once per run, not per step)",
+    per = "trial" if study else "run"
+    changes = [f"train.max_steps=<more steps per {per}> (start-up is paid once per {per}, not per step)",
                "run on a running cluster (--address, or ray job submit): no Ray start per command"]
     if slowest == "datasets" and run.param("data.cache", "auto") in ("auto", "memory"):
         changes.append("data.cache=none (the memory cache reads every row before the first step)")
@@ -176,6 +231,134 @@ def report_blocking(run: RunRecord) -> Finding | None:
     changes.append("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S: unset it, or lower it (the product runs at 0.2 s)")
     return Finding("checkpoint reports", HIGH if share >= 0.3 else MEDIUM, share,
                    f"workers were blocked registering checkpoints {share:.0%} of the time", tuple(changes))
+
+
+def evaluation(run: RunRecord) -> Finding | None:
+    """Validation passes took a large share of the training: evaluate less often, or on a smaller split."""
+    share = training_share(run, "eval")
+    if share is None or share < 0.15:
+        return None
+    passes = sum(1 for s in run.values("time/eval_frac") if s > 0)
+    title = f"evaluation took {share:.0%} of the training time" + (
+        f" ({passes} pass{'es' * (passes > 1)} over the validation split)" if passes else "")
+    every = _int_param(run, "train.eval_every")
+    steps = _int_param(run, "train.max_steps") or int(run.last("step") or 0)
+    changes = []
+    if every is not None and (not steps or every < steps):  # else it validates at the end only already
+        changes.append("train.eval_every=null (validate at the end only)" if steps and 2 * every >= steps else
+                       f"train.eval_every={2 * every}")
+    changes.append("data.val=<a smaller validation split> (each pass reads all of it; e.g. orchestrator prepare "
+                   "... --val-fraction 0.05)")
+    return Finding("evaluation", HIGH if share >= 0.3 else MEDIUM, share, title, tuple(changes))
+
+
+def bookkeeping(run: RunRecord) -> Finding | None:
+    """Much of the training in no timed phase ("other"): per-report work (the interval's all-reduce, every node's
+    system stats, metric assembly) and per-step work outside compute (the step's target-count all-reduce, Python
+    between kernels). Both shrink per sample with fewer reports and more samples per step."""
+    share = training_share(run, "other")
+    if share is None or share < 0.15:
+        return None
+    changes = []
+    log_every = _int_param(run, "train.log_every")
+    if log_every:
+        changes.append(f"train.log_every={2 * log_every} (each report gathers figures and node stats from every "
+                       "worker outside the timed phases)")
+    batch = _int_param(run, "train.global_batch_size")
+    changes.append(f"train.global_batch_size={2 * batch if batch else '<2x>'} (with a matching optim.lr: the fixed "
+                   "cost of a step is spread over twice the samples)")
+    return Finding("other overhead", HIGH if share >= 0.3 else MEDIUM, share,
+                   f"{share:.0%} of the training time was in no timed phase (reports, per-step bookkeeping)",
+                   tuple(changes))
+
+
+SMALL_MODEL_BYTES = 100e6  # gradients per step below which an all-reduce is latency-bound, not bandwidth-bound
+
+
+def gradient_sync(run: RunRecord) -> Finding | None:
+    """Workers spent a large share of the training in the gradient all-reduce (the exposed part, beyond compute).
+    A small model gains little from more workers: the all-reduce's fixed latency is paid every step while each
+    worker's compute shrinks, so fewer workers or local SGD (averaging every few steps) train faster."""
+    share, world = training_share(run, "sync"), _world(run)
+    if share is None or share < 0.1 or world < 2:
+        return None
+    per_sample, batch = run.values("comm_bytes_per_sample"), _int_param(run, "train.global_batch_size")
+    grad_bytes = statistics.median(per_sample) * batch if per_sample and batch else None
+    size = f", {grad_bytes / 1e6:.2g} MB of gradients per step" if grad_bytes else ""
+    title = f"gradient sync took {share:.0%} of the training time ({world} workers{size})"
+    if run.param("train.sync") == "local_sgd":
+        every = _int_param(run, "train.sync_every", 8) or 8
+        changes = [f"train.sync_every={2 * every} (average parameters half as often)"]
+    elif grad_bytes is not None and grad_bytes < SMALL_MODEL_BYTES:
+        changes = [f"scaling.num_workers={max(1, world // 2)} (a model this small is latency-bound: compare "
+                   "samples/s)", "train.sync=local_sgd (average parameters every 8 steps, not gradients every step)"]
+    else:
+        changes = ["train.sync=local_sgd (average parameters every 8 steps, not gradients every step)",
+                   f"train.global_batch_size={2 * batch if batch else '<2x>'} (with a matching optim.lr: half the "
+                   "all-reduces per sample)"]
+    return Finding("gradient sync", HIGH if share >= 0.25 else MEDIUM, share, title, tuple(changes))
+
+
+# Each rank's own pace: its samples over its own compute and data-wait seconds (waits on other ranks left out).
+# The loop does not report it yet (see the README's doctor section); the rule reads it when it is there.
+WORKER_RATE = "worker/{rank}/samples_per_s"
+
+
+def uneven_workers(run: RunRecord) -> Finding | None:
+    """One worker much faster or slower than the others: under DDP every rank waits for the slowest each step,
+    so the run goes at its pace. A lone fast worker means the others are slow (sharing a node's cores, say)."""
+    rates = {rank: statistics.median(values) for rank in range(_world(run))
+             if (values := run.values(WORKER_RATE.format(rank=rank)))}
+    if len(rates) < 2:
+        return None
+
+    def ratio(rank: int) -> float:
+        return rates[rank] / max(statistics.median(r for k, r in rates.items() if k != rank), 1e-9)
+
+    odd = max(rates, key=lambda rank: abs(math.log(max(ratio(rank), 1e-9))))
+    factor = ratio(odd)
+    if 1 / 1.5 < factor < 1.5:
+        return None
+    others = sorted(r for k, r in rates.items() if k != odd)
+    spread = f"{others[0]:,.0f}" if len(others) == 1 else f"{others[0]:,.0f}-{others[-1]:,.0f}"
+    title = (f"worker {odd} ran at {rates[odd]:,.0f} samples/s, {factor:.1f}x the others ({spread}); every step "
+             f"waits for the slowest")
+    cpus = run.param("scaling.cpus_per_worker", "1")
+    slow = "the other workers' nodes" if factor > 1 else f"worker {odd}'s node"
+    changes = (f"check {slow}: other load, fewer free cores, a slower device (`ray status`, the dashboard)",
+               f"scaling.cpus_per_worker=<a node's cores / its workers> (now {cpus}: Ray places workers by it and "
+               "each worker runs that many torch threads)")
+    severity = HIGH if max(factor, 1 / factor) >= 2 else MEDIUM
+    return Finding("uneven workers", severity, abs(math.log(factor)), title, changes)
+
+
+TRIALS_PER_PARAMETER = 4
+OPTUNA_STARTUP_TRIALS = 10  # Optuna's TPE samples at random until it has this many trials
+
+
+def study_size(run: RunRecord) -> Finding | None:
+    """Too few trials for the searched keys: fewer than 4 per sampled key leaves each range seen at a couple of
+    points, so the best trial is mostly luck (a grid key multiplies the trials instead of needing samples)."""
+    space = run.tags.get("orchestrator.search_space")
+    trials = sum(trial_counts(run).values())
+    if not space or not trials:
+        return None
+    domains = json.loads(space)
+    sampled = [key for key, domain in domains.items() if next(iter(domain)) != "grid"]
+    grid = math.prod(len(domain["grid"]) for domain in domains.values() if "grid" in domain)
+    needed = TRIALS_PER_PARAMETER * len(sampled) * grid
+    if not sampled or trials >= needed:
+        return None
+    samples = TRIALS_PER_PARAMETER * len(sampled)
+    notes = ["ASHA stops weak trials early, so extra ones cost less than full runs"
+             if run.param("tune.scheduler", run.tags.get("orchestrator.scheduler")) == "asha" else "each is a full run"]
+    if run.param("tune.searcher", run.tags.get("orchestrator.searcher")) == "optuna":
+        samples = max(samples, 2 * OPTUNA_STARTUP_TRIALS)
+        notes.append(f"Optuna's TPE samples at random for its first {OPTUNA_STARTUP_TRIALS} trials")
+    return Finding("study size", HIGH if trials <= len(sampled) * grid else MEDIUM, 1 - trials / needed,
+                   f"study of {trials} trials for {len(sampled)} searched keys ({', '.join(sampled)}): under "
+                   f"{TRIALS_PER_PARAMETER} per key, the best trial is mostly luck",
+                   (f"tune.num_samples={samples} ({'; '.join(notes)})",))
 
 
 def field_bounds(key: str) -> tuple[Bound | None, Bound | None]:
@@ -234,9 +417,35 @@ def _widened(key: str, kind: str, low: float, high: float, lower_edge: bool) -> 
     return new if new > high else None
 
 
+def _extended(key: str, values: list[Any], best: Any) -> list[Any] | None:
+    """A numeric choice list (3 values or more: 2 are a comparison, not a scan) whose best value is its smallest or
+    largest, with one value more past that edge: spaced like the last two (by their ratio when they are 2x apart or
+    more, else by their difference) and kept within the key's bounds. None otherwise."""
+    def number(v: Any) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool)
+
+    ordered = sorted(set(values)) if all(number(v) for v in values) and number(best) else []
+    if len(ordered) < 3 or best not in (ordered[0], ordered[-1]):
+        return None
+    up = best == ordered[-1]
+    edge, near = (ordered[-1], ordered[-2]) if up else (ordered[0], ordered[1])
+    new = edge * (edge / near) if edge * near > 0 and max(edge / near, near / edge) >= 2 else 2 * edge - near
+    integer = all(isinstance(v, int) for v in values)
+    new = round(new) if integer else float(f"{new:.6g}")  # as printed: 0.9999999999999999 would print as 1
+    lower, upper = field_bounds(key)
+    if lower is None and upper is None and ordered[0] >= 0:
+        lower = (0.0, False)  # as for ranges: a model kwarg's sizes and rates do not turn negative
+    bound = upper if up else lower
+    new = _clamp(new, edge, bound, integer, lower=not up) if bound else new
+    if (new <= edge) if up else (new >= edge):
+        return None
+    return sorted([*values, int(new) if integer else new])
+
+
 def search_space_edge(run: RunRecord) -> Finding | None:
-    """A study whose best value sits at the edge of a searched range: the optimum may lie outside it. The wider
-    range stays within the key's own bounds (momentum < 1, weight decay >= 0)."""
+    """A study whose best value sits at the edge of a searched range, or is the smallest or largest value of a
+    numeric choice list: the optimum may lie outside it. The wider range (or the value added to the list) stays
+    within the key's own bounds (momentum < 1, weight decay >= 0)."""
     space, best = run.tags.get("orchestrator.search_space"), run.tags.get("orchestrator.best_params")
     if not space or not best:
         return None
@@ -244,7 +453,13 @@ def search_space_edge(run: RunRecord) -> Finding | None:
     changes, worst = [], 0.0
     for key, domain in space_d.items():
         (kind, bounds), = domain.items()
-        if kind not in ("loguniform", "uniform", "randint") or key not in best_d:
+        if key not in best_d:
+            continue
+        if kind in ("choice", "grid"):
+            if (longer := _extended(key, bounds, best_d[key])) is not None:
+                listed = ", ".join(f"{v:.6g}" if isinstance(v, float) else str(v) for v in longer)
+                changes.append(f"tune.space.{key}: {{{kind}: [{listed}]}}")
+                worst = 0.5
             continue
         low, high, value = float(bounds[0]), float(bounds[1]), float(best_d[key])
         scale = math.log if kind == "loguniform" else float
@@ -261,12 +476,12 @@ def search_space_edge(run: RunRecord) -> Finding | None:
         worst = max(worst, abs(position - 0.5))
     if not changes:
         return None
-    return Finding("search space", HIGH, worst, "the best trial's value lies at the edge of the searched range",
+    return Finding("search space", HIGH, worst, "the best trial's value lies at the edge of what was searched",
                    tuple(changes))
 
 
-RULES: list[Rule] = [startup, report_blocking, data_pipeline, memory_headroom, precision, compile_small_kernels,
-                     nonfinite_steps, search_space_edge]
+RULES: list[Rule] = [startup, report_blocking, data_pipeline, evaluation, bookkeeping, gradient_sync, uneven_workers,
+                     memory_headroom, precision, compile_small_kernels, nonfinite_steps, study_size, search_space_edge]
 
 
 def diagnose(run: RunRecord, rules: list[Rule] | None = None) -> list[Finding]:
@@ -276,11 +491,13 @@ def diagnose(run: RunRecord, rules: list[Rule] | None = None) -> list[Finding]:
 
 
 def load_run(run_id: str, tracking_uri: str | None = None) -> RunRecord:
-    """The run's params, tags and full metric histories (finished or still running)."""
+    """The run's params, tags and full metric histories (finished or still running), with the figures of its
+    summary table (start-up breakdown, cost ledger, whole-run shares: written when the run ends) as one-value
+    histories."""
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from orchestrator.tracking import resolve_uri
+    from orchestrator.tracking import read_metrics, resolve_uri
 
     uri = resolve_uri(tracking_uri)
     client = MlflowClient(tracking_uri=uri)
@@ -292,25 +509,33 @@ def load_run(run_id: str, tracking_uri: str | None = None) -> RunRecord:
     except Exception as exc:
         raise UserError(f"MLflow tracking at '{uri}' is unavailable ({type(exc).__name__}): pass --tracking-uri "
                         "or start the server") from None
-    metrics = {}
-    for key in run.data.metrics:
-        history = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
-        metrics[key] = [m.value for m in history]
-    return RunRecord(metrics, dict(run.data.params), dict(run.data.tags))
+    return RunRecord(read_metrics(client, run_id), dict(run.data.params), dict(run.data.tags))
 
 
 def format_findings(run_id: str, run: RunRecord, findings: list[Finding]) -> str:
     status = run.tags.get("orchestrator.status", "")
     name = run.tags.get("mlflow.runName", run_id)
-    lines = [f"doctor: run {name} ({run_id}){' ' + status if status else ''}, {int(run.last('step') or 0)} steps"]
+    lines = [f"doctor: run {name} ({run_id}){' ' + status if status else ''}, {_length(run)}"]
     if not findings:
         lines.append("no findings: nothing in the recorded metrics points at an easy win")
     for i, f in enumerate(findings, 1):
         lines.append(f"{i}. [{_SEVERITY[f.severity]}] {f.rule}: {f.title}")
         # Config keys as the --set flag that applies them; search-space edits go in the study's YAML.
-        lines.extend(f"     --set {change}" if "=" in change and not change.startswith("tune.") else f"     {change}"
-                     for change in f.changes)
+        lines.extend(f"     --set {change}" if "=" in change and not change.startswith("tune.space.")
+                     else f"     {change}" for change in f.changes)
     return "\n".join(lines)
+
+
+def _length(run: RunRecord) -> str:
+    """'300 steps' for a run; 'study of 4 trials (3 completed, 1 stopped early)' for a study's parent run."""
+    if not is_study(run):
+        return f"{int(run.last('step') or 0)} steps"
+    counts = trial_counts(run)
+    if not counts:
+        return "study (no trials recorded yet)"
+    words = {"completed": "completed", "stopped": "stopped early", "error": "failed"}
+    ended = ", ".join(f"{n} {words[status]}" for status, n in counts.items() if status in words)
+    return f"study of {sum(counts.values())} trials" + (f" ({ended})" if ended else "")
 
 
 def doctor(run_id: str, tracking_uri: str | None = None) -> tuple[RunRecord, list[Finding]]:

@@ -4,7 +4,11 @@ trial trains with, and how many trials fit the cluster. Pure Python: Ray Tune is
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+import hashlib
+import re
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.errors import ConfigError
@@ -142,6 +146,64 @@ def max_concurrent(config: Config, cluster_cpus: float) -> int:
     if config.tune.max_concurrent_trials is not None:
         return config.tune.max_concurrent_trials
     return max(1, int((cluster_cpus - 1) // trial_cpus(config)))
+
+
+# Trial names: the last part of a searched key, or a shorter word for the long ones people search often.
+_SHORT = {"warmup_steps": "warmup", "weight_decay": "wd", "num_workers": "workers", "cpus_per_worker": "cpus",
+          "global_batch_size": "batch", "micro_batch_size": "micro_batch", "max_grad_norm": "clip"}
+_UNSAFE = re.compile(r"[^A-Za-z0-9._+-]+")  # a name is a directory and a legend entry: nothing else in a value
+MAX_NAME = 64
+
+
+def short_keys(keys: Iterable[str]) -> dict[str, str]:
+    """`optim.lr` -> `lr`, `optim.warmup_steps` -> `warmup`; keys whose short forms clash keep their dotted form."""
+    keys = list(keys)
+    leaf = {k: _SHORT.get(k.rsplit(".", 1)[-1], k.rsplit(".", 1)[-1]) for k in keys}
+    counts = Counter(leaf.values())
+    return {k: v if counts[v] == 1 else k for k, v in leaf.items()}
+
+
+@dataclass(frozen=True)
+class TrialNamer:
+    """Names a trial by its searched values, `lr=3.2e-03,warmup=20`: short, readable in a table, a plot legend or
+    an MLflow run list, and safe as a directory name (local, S3, Windows). Values of keys searched on a log scale
+    are always in scientific notation, so names of one study line up. Picklable: Tune keeps it with the study."""
+
+    keys: tuple[tuple[str, str], ...]  # (searched key, its short name), in the order of tune.space
+    scientific: frozenset[str] = frozenset()
+
+    @classmethod
+    def for_config(cls, config: Config) -> TrialNamer:
+        found = domains(config)
+        return cls(tuple(short_keys(found).items()), frozenset(k for k, d in found.items() if d.kind == "loguniform"))
+
+    def __call__(self, params: dict[str, Any]) -> str:
+        name = ",".join(f"{short}={self._value(key, params.get(key))}" for key, short in self.keys if key in params)
+        if len(name) > MAX_NAME:  # still unique: the cut is replaced by a hash of the whole
+            name = f"{name[:MAX_NAME - 9]}~{hashlib.sha1(name.encode()).hexdigest()[:8]}"
+        return name
+
+    def _value(self, key: str, value: Any) -> str:
+        value = _plain(value)
+        if isinstance(value, bool) or value is None:
+            text = str(value).lower()
+        elif isinstance(value, float):
+            text = f"{value:.1e}" if key in self.scientific else f"{value:.3g}"
+        elif isinstance(value, list | tuple):
+            text = "x".join(self._value(key, v) for v in value) or "none"
+        else:
+            text = str(value)
+        return _UNSAFE.sub("-", text).strip("-") or "-"
+
+
+def peak_concurrency(spans: Iterable[tuple[float, float]]) -> int:
+    """The most (start, end) spans open at one instant; a span ending when another starts does not overlap it."""
+    events = sorted((t, step) for start, end in spans for t, step in ((start, 1), (end, -1)))
+    peak = running = 0
+    for _, step in events:  # at equal times -1 sorts first: an end frees its place before a start takes it
+        running += step
+        peak = max(peak, running)
+    return peak
 
 
 def check_capacity(config: Config, resources: dict[str, float]) -> None:

@@ -22,27 +22,32 @@ import yaml
 
 from orchestrator.cluster import connect_ray, shutdown_local_ray, train_environment
 from orchestrator.config import Config, flatten, to_dict, to_yaml
+from orchestrator.console import RunLog
 from orchestrator.errors import ConfigError, UserError
 from orchestrator.runs import RunPlace, open_run_storage
 from orchestrator.search import (
+    TrialNamer,
     check_capacity,
     check_extremes,
     check_study,
     domains,
     max_concurrent,
+    peak_concurrency,
     resolved_mode,
+    short_keys,
     to_tune,
     trial_config,
     user_tree,
     widest_trial,
 )
-from orchestrator.tracking import Tracker, closed_on_error, start_tracker, ui_command
+from orchestrator.tracking import Tracker, closed_on_error, config_params, run_url, start_tracker, ui_command
 from orchestrator.trainer import RunFailedError, build_run, resolve_for_data, root_cause, storage_args
 from pipelines.datasets import inspect_datasets
 from pipelines.sources import DatasetInfo
 from pipelines.storage import Storage
 
 STATE_FILE = "orchestrator-study.json"
+LOG_FILE = "orchestrator.log"  # Ray's, Tune's and MLflow's own lines, and what the trials' workers print
 
 
 @dataclass
@@ -56,6 +61,16 @@ class TrialSummary:
     metric: float | None
     history: list[dict[str, Any]] = field(default_factory=list)
     cost: Any = None  # orchestrator.cost.Ledger of the trial's run
+    name: str = ""  # its searched values, `lr=3.2e-03,warmup=20` (search.TrialNamer); also its Tune trial name
+    # When Ray Tune started the trial and when its last result reached the driver (epoch seconds, the driver's
+    # clock): the trial's place among the study's concurrent trials. None where Tune recorded none.
+    started_at: float | None = None
+    ended_at: float | None = None
+    error: str | None = None  # the first line of a failed trial's error
+
+    @property
+    def label(self) -> str:
+        return self.name or self.trial_id
 
     @property
     def usd(self) -> float | None:
@@ -173,12 +188,15 @@ def _scheduler(config: Config, max_steps: int) -> Any:
                          reduction_factor=reduction_factor)
 
 
-def _searcher(config: Config) -> Any:
+def _searcher(config: Config, concurrency: int) -> Any:
+    """The search algorithm, holding the study to `concurrency` trials at once. The limit lives here, not in
+    TuneConfig.max_concurrent_trials: Ray ignores that one (with a warning) when given a BasicVariantGenerator."""
     t = config.tune
     if t.searcher == "random":
         from ray.tune.search import BasicVariantGenerator
 
-        return BasicVariantGenerator(random_state=t.seed)
+        # Counts a trial from its creation to its end (completed, stopped by ASHA or failed).
+        return BasicVariantGenerator(random_state=t.seed, max_concurrent=concurrency)
     try:
         from ray.tune.search.optuna import OptunaSearch
     except ImportError:
@@ -191,7 +209,39 @@ def _searcher(config: Config) -> Any:
             if self.metric in result:
                 super().on_trial_result(trial_id, result)
 
-    return IntervalOptunaSearch(seed=t.seed)
+    from ray.tune.search import ConcurrencyLimiter
+
+    return ConcurrencyLimiter(IntervalOptunaSearch(seed=t.seed), max_concurrent=concurrency)
+
+
+@dataclass(frozen=True)
+class _TrialName:
+    """Tune's trial_name_creator / trial_dirname_creator: the trial's searched values (its directory: the trial id
+    first, unique even when two trials drew the same values). Pickled with the study, so Tuner.restore finds it."""
+
+    namer: TrialNamer
+    directory: bool = False
+
+    def __call__(self, trial: Any) -> str:
+        name = self.namer(trial.config)
+        return f"{trial.trial_id}_{name}" if self.directory else name
+
+
+@contextmanager
+def _quiet_tune() -> Iterator[None]:
+    """Ray Tune's console output off while it runs the study: the product prints its own trial table. Tune's
+    default engine prints its configuration box and a TensorBoard hint even at verbose=0; its legacy engine
+    (RAY_AIR_NEW_OUTPUT=0, read when fit() starts) prints nothing at verbose=0. Set for this process only and
+    restored afterwards; a value the user exported wins."""
+    name = "RAY_AIR_NEW_OUTPUT"
+    saved = os.environ.get(name)
+    if saved is None:
+        os.environ[name] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
 
 
 @contextmanager
@@ -230,30 +280,55 @@ def _fit(config: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo], ma
         # Errored ones stay errored: the same config would fail the same way.
         restored = ray_tune.Tuner.restore(place.path, trainable, resume_unfinished=True,
                                           storage_filesystem=storage.get("storage_filesystem"))
-        with _credentials_stay_home():
+        with _credentials_stay_home(), _quiet_tune():
             return restored.fit()
     t = config.tune
+    namer = TrialNamer.for_config(config)
     tuner = ray_tune.Tuner(
         trainable,
         param_space={key: to_tune(domain) for key, domain in domains(config).items()},
         tune_config=ray_tune.TuneConfig(
             metric=t.metric, mode=resolved_mode(config), num_samples=t.num_samples,
-            scheduler=_scheduler(config, max_steps), search_alg=_searcher(config),
-            max_concurrent_trials=concurrency,
+            scheduler=_scheduler(config, max_steps), search_alg=_searcher(config, concurrency),
+            trial_name_creator=_TrialName(namer), trial_dirname_creator=_TrialName(namer, directory=True),
         ),
         run_config=ray_tune.RunConfig(
             name=place.name, **storage, callbacks=[callback],
             verbose=0,  # the callback prints the trial table
         ),
     )
-    with _credentials_stay_home():
+    with _credentials_stay_home(), _quiet_tune():
         return tuner.fit()
 
 
-def _summaries(grid: Any, tree: dict[str, Any], infos: dict[str, DatasetInfo], metric: str) -> list[TrialSummary]:
+def _tune_trials(grid: Any) -> dict[str, tuple[str, float | None, float | None]]:
+    """trial path -> (trial id, started, last result) as Ray Tune recorded them (Trial.run_metadata, kept in the
+    study's saved state). The ResultGrid's own trials: Ray has no public accessor for them; empty if that changes."""
+    found: dict[str, tuple[str, float | None, float | None]] = {}
+    for trial in getattr(getattr(grid, "_experiment_analysis", None), "trials", None) or []:
+        meta = getattr(trial, "run_metadata", None)
+        start, last = getattr(meta, "start_time", None), getattr(meta, "last_result_time", None)
+        found[str(trial.path)] = (trial.trial_id, start, last if isinstance(last, float) and last > 0 else None)
+    return found
+
+
+def _error_line(error: BaseException | None) -> str | None:
+    """A failed trial's error in one line: the trial's own exception, not Ray's wrapping and traceback."""
+    if error is None:
+        return None
+    cause = getattr(error, "cause", None) or error
+    text = str(cause).strip()
+    line = next((x.strip() for x in text.splitlines() if x.strip()), type(cause).__name__)
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def _summaries(grid: Any, tree: dict[str, Any], infos: dict[str, DatasetInfo], metric: str,
+               namer: TrialNamer | None = None) -> list[TrialSummary]:
+    """One TrialSummary per trial of the ResultGrid; `namer` names them (default: by their params' keys)."""
     from orchestrator.cost import build_ledger, resolve_pricing
     from orchestrator.trials import trial_status
 
+    tune_trials = _tune_trials(grid)
     trials = []
     for result in grid:
         last = dict(result.metrics or {})
@@ -273,11 +348,14 @@ def _summaries(grid: Any, tree: dict[str, Any], infos: dict[str, DatasetInfo], m
             keep = [c for c in ("step", "train_loss", "val_loss", "val_accuracy", metric) if c in frame]
             history = [{k: v for k, v in row.items() if v == v} for row in frame[list(dict.fromkeys(keep))]
                        .to_dict("records")]  # v == v drops NaN (reports without eval)
+        fallback_id = str(last.get("trial_id") or Path(result.path).name)
+        trial_id, started, ended = tune_trials.get(str(result.path), (fallback_id, None, None))
+        name = (namer or TrialNamer(tuple(short_keys(params).items())))(params)
         trials.append(TrialSummary(
-            trial_id=str(last.get("trial_id") or Path(result.path).name), params=params,
+            trial_id=trial_id, params=params,
             status=trial_status(last, max_steps, errored=result.error is not None),
             steps=int(last.get("step", 0)), metric=last.get(metric), history=history,
-            cost=ledger,
+            cost=ledger, name=name, started_at=started, ended_at=ended, error=_error_line(result.error),
         ))
     return trials
 
@@ -325,9 +403,12 @@ def check_trials(config: Config, base: Config, infos: dict[str, DatasetInfo]) ->
     check_extremes(config, lambda trial: resolve_pricing(resolve_for_data(trial, infos)))
 
 
-def tune(config: Config, address: str | None = None, fresh: bool = False, verbose: bool = True) -> TuneResult:
+def tune(config: Config, address: str | None = None, fresh: bool = False, verbose: bool = True,
+         show_logs: bool = False) -> TuneResult:
     """Run (or resume) the hyperparameter study described by `config.tune`. Bad input raises ConfigError
-    before any trial starts; an interrupted study raises KeyboardInterrupt after saving its state."""
+    before any trial starts; an interrupted study raises KeyboardInterrupt after saving its state. Ray's, Tune's
+    and MLflow's own lines, and what the trials' workers print, go to the study's log file (console.py), and to
+    the terminal too with `show_logs`."""
     from orchestrator.cost import resolve_pricing
 
     check_study(config)
@@ -343,42 +424,64 @@ def tune(config: Config, address: str | None = None, fresh: bool = False, verbos
     # check_study has already made sure the loop reports the metric.
     os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
 
-    started_ray = connect_ray(address, widest_trial(base))
-    try:
-        import ray
-        from ray import tune as ray_tune
+    # The run log's file opens once the study may write (_start_study): a study refused before then writes none.
+    with RunLog(show_logs) as log:
+        started_ray = connect_ray(address, widest_trial(base))
+        try:
+            return _start_study(config, base, tree, infos, place, fresh, verbose, started_ray, log)
+        finally:
+            if started_ray:
+                shutdown_local_ray()
 
-        check_capacity(config, ray.cluster_resources())
-        concurrency = max_concurrent(config, ray.cluster_resources().get("CPU", 1.0))
-        if fresh:
-            _delete(place.storage, place.path)
-            _delete(place.storage, _trials(place).root)
-        restorable = ray_tune.Tuner.can_restore(place.path, storage_args(place.storage).get("storage_filesystem"))
-        state = place.read_record(STATE_FILE) if restorable else None
-        if state is not None:
-            _check_same_study(state, config, study, place.uri)
-        tracker = start_tracker(config.tracking, study, run_id=state.get("parent_run_id") if state else None,
-                                tags={"orchestrator.study": study, "orchestrator.role": "study"})
-        if state is None:
-            tracker.log_params(flatten(to_dict(config)))
-            tracker.set_tags({"orchestrator.scheduler": config.tune.scheduler,
-                              "orchestrator.searcher": config.tune.searcher,
-                              "orchestrator.search_space": json.dumps(config.tune.space)})
-            place.write_record({"config": _fingerprint(config), "parent_run_id": tracker.run_id}, STATE_FILE)
-        if verbose:
-            what = "resuming" if state else "starting"
-            print(f"{what} study {study} at {place.uri}: {config.tune.num_samples} samples, up to {concurrency} "
-                  f"trials at once, scheduler {config.tune.scheduler}, searcher {config.tune.searcher}", flush=True)
-        return _run_study(config, base, tree, infos, place, state is not None, tracker, concurrency, verbose,
-                          private_cluster=started_ray)
-    finally:
-        if started_ray:
-            shutdown_local_ray()
+
+def _start_study(config: Config, base: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo],
+                 place: RunPlace, fresh: bool, verbose: bool, started_ray: bool, log: RunLog) -> TuneResult:
+    """On the cluster: the checks that need it, the study's state (new, or the saved one to continue), its parent
+    MLflow run, then the study itself."""
+    import ray
+    from ray import tune as ray_tune
+
+    if config.tracking.enabled:
+        import mlflow  # noqa: F401 - its loggers exist from here on, so the run log diverts them too
+    log.attach_ray()
+    study = place.name
+    check_capacity(config, ray.cluster_resources())
+    concurrency = max_concurrent(config, ray.cluster_resources().get("CPU", 1.0))
+    if fresh:
+        _delete(place.storage, place.path)
+        _delete(place.storage, _trials(place).root)
+    log_path = _local_dir(place) / LOG_FILE
+    log.open(log_path)
+    restorable = ray_tune.Tuner.can_restore(place.path, storage_args(place.storage).get("storage_filesystem"))
+    state = place.read_record(STATE_FILE) if restorable else None
+    if state is not None:
+        _check_same_study(state, config, study, place.uri)
+    tracker = start_tracker(config.tracking, study, run_id=state.get("parent_run_id") if state else None,
+                            tags={"orchestrator.study": study, "orchestrator.role": "study"})
+    if state is None:
+        tracker.log_params(config_params(config))
+        tracker.set_tags({"orchestrator.scheduler": config.tune.scheduler,
+                          "orchestrator.searcher": config.tune.searcher,
+                          "orchestrator.search_space": json.dumps(config.tune.space)})
+        place.write_record({"config": _fingerprint(config), "parent_run_id": tracker.run_id}, STATE_FILE)
+    if verbose:
+        what = "resuming" if state else "starting"
+        print(f"{what} study {study} at {place.uri}: {config.tune.num_samples} samples, up to {concurrency} "
+              f"trials at once, scheduler {config.tune.scheduler}, searcher {config.tune.searcher}", flush=True)
+        print(f"Ray and MLflow logs: {log_path}", flush=True)
+    return _run_study(config, base, tree, infos, place, state is not None, tracker, concurrency, verbose,
+                      private_cluster=started_ray, log_path=log_path)
+
+
+def _local_dir(place: RunPlace) -> Path:
+    """Where the study's local files go (best.yaml, plots, the log): its directory, or for a study stored in S3
+    ./<study> in the working directory."""
+    return Path(place.path) if "://" not in place.uri else Path.cwd() / place.name
 
 
 def _run_study(config: Config, base: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo], place: RunPlace,
-               resumed: bool, tracker: Tracker, concurrency: int, verbose: bool, private_cluster: bool
-               ) -> TuneResult:
+               resumed: bool, tracker: Tracker, concurrency: int, verbose: bool, private_cluster: bool,
+               log_path: Path) -> TuneResult:
     from orchestrator.trials import StudyCallback
 
     metric, mode = config.tune.metric, resolved_mode(config)
@@ -389,7 +492,7 @@ def _run_study(config: Config, base: Config, tree: dict[str, Any], infos: dict[s
                              infos=infos)
     with closed_on_error(tracker):
         grid = _fit(config, tree, infos, max_steps, place, resumed, callback, concurrency, private_cluster)
-        trials = _summaries(grid, tree, infos, metric)
+        trials = _summaries(grid, tree, infos, metric, TrialNamer.for_config(config))
     if any(t.status == "running" for t in trials):  # Tune caught Ctrl+C and saved the study
         tracker.finish("KILLED")
         print(f"study {study} interrupted: run the same command again to continue it", file=sys.stderr)
@@ -397,27 +500,31 @@ def _run_study(config: Config, base: Config, tree: dict[str, Any], infos: dict[s
     best = pick_best(trials, mode, config.tune.rank_by)
     if best is None:
         tracker.finish("FAILED")
-        raise UserError(f"no trial of study {study} reported {metric}: see the trial errors above "
-                        f"(logs under {study_path})")
-    result = _record(config, tree, trials, best, metric, mode, study, study_path, tracker, resumed)
+        errors = sorted({t.error for t in trials if t.error})
+        raise UserError(f"no trial of study {study} reported {metric}"
+                        + (f" ({len(errors)} distinct errors; the first: {errors[0]})" if errors else "")
+                        + f": see {log_path} and the trials' error files under {study_path}")
+    result = _record(config, tree, trials, best, metric, mode, place, tracker, resumed)
     tracker.finish("FINISHED")
     return result
 
 
 def _record(config: Config, tree: dict[str, Any], trials: list[TrialSummary], best: TrialSummary, metric: str,
-            mode: str, study: str, study_path: str, tracker: Tracker, resumed: bool) -> TuneResult:
+            mode: str, place: RunPlace, tracker: Tracker, resumed: bool) -> TuneResult:
     """best.yaml, plots and the best trial on the parent run."""
     from orchestrator.plots import plot_lr_sweep, plot_trial_curves
 
+    study, study_path = place.name, place.uri
     values = ", ".join(f"{k}={v}" for k, v in best.params.items())
-    header = (f"# Best of study {study}: trial {best.trial_id}, {metric}={best.metric:.4f} with {values}.\n"
-              "# Train it: orchestrator train --config <this file>\n")
-    out = Path(study_path) if "://" not in study_path else Path.cwd() / study
+    header = (f"# Best of study {study}: trial {best.trial_id} ({best.label}), {metric}={best.metric:.4f} with "
+              f"{values}.\n# Train it: orchestrator train --config <this file>\n")
+    out = _local_dir(place)
     out.mkdir(parents=True, exist_ok=True)
     best_path = out / "best.yaml"
     best_path.write_text(best_yaml(tree, best.params, header))
     keys = list(config.tune.space)
-    plots = [plot_lr_sweep(trials, keys, metric, out / "metric_vs_lr.png"),
+    listed = {key for key, domain in domains(config).items() if domain.kind in ("choice", "grid")}
+    plots = [plot_lr_sweep(trials, keys, metric, out / "metric_vs_lr.png", categorical=listed),
              plot_trial_curves(trials, metric, out / "learning_curves.png")]
     tracker.log_artifact(best_path)
     for plot in plots:
@@ -444,28 +551,52 @@ def summary(result: TuneResult) -> str:
     """The lines printed after a study: the table, the best trial, and how to train it."""
     from orchestrator.trials import format_table
 
-    rows = [{"trial_id": t.trial_id, "status": t.status, "params": t.params, "step": t.steps, "metric": t.metric,
-             "usd": t.usd} for t in result.trials]
+    # Trials by name (their searched values), then the id that finds their directory and MLflow run.
+    rows = [{"trial_id": t.label, "status": t.status, "params": {"id": t.trial_id}, "step": t.steps,
+             "metric": t.metric, "usd": t.usd} for t in result.trials]
     counts = {s: sum(t.status == s for t in result.trials) for s in ("completed", "stopped", "error")}
+    spans = [(t.started_at, t.ended_at) for t in result.trials if t.started_at is not None and t.ended_at is not None]
+    at_once = f" (at most {peak_concurrency(spans)} at once)" if spans else ""
     b = result.best
-    lines = [format_table(rows, list(b.params), result.metric), "",
+    lines = [format_table(rows, ["id"], result.metric), "",
              f"study {Path(result.study_path).name}{' (resumed)' if result.resumed else ''}: {len(result.trials)} "
-             f"trials, {counts['completed']} completed, {counts['stopped']} stopped early, {counts['error']} failed",
-             f"best trial {b.trial_id}: {result.metric} {b.metric:.4f} at step {b.steps} with "
+             f"trials{at_once}, {counts['completed']} completed, {counts['stopped']} stopped early, "
+             f"{counts['error']} failed",
+             *[f"trial {t.label} ({t.trial_id}) failed: {t.error}" for t in result.trials if t.error],
+             f"best trial {b.label} ({b.trial_id}): {result.metric} {b.metric:.4f} at step {b.steps} with "
              + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in b.params.items()),
              *([f"ranked by {result.metric} per dollar: {b.metric / b.usd:.4g} per $ (${b.usd:.4f})"]
                if result.rank_by == "metric_per_dollar" and b.usd else []),
-             *([_study_cost_line(result.cost)] if result.cost else []),
+             *([study_cost_line(result.cost)] if result.cost else []),
              f"best config: {result.best_config_path}",
              f"train it: orchestrator train --config {result.best_config_path}"]
     if result.parent_run_id:
         lines.append(f"MLflow parent run id: {result.parent_run_id}")
         lines.append(f"open the MLflow UI: {ui_command(result.tracking_uri or '')}")
+        url = run_url(result.tracking_uri or "", result.parent_run_id)
+        if url:
+            lines.append(f"this run in the MLflow UI: {url}")
     return "\n".join(lines)
 
 
-def _study_cost_line(cost: dict[str, float]) -> str:
-    """'study cost: $0.0421 over 3 trials, 0.0140 node-hours, productive 38%'"""
+def _share(frac: float) -> str:
+    """A share as the summary prints it: whole percents, one decimal below 10%, '<0.1%' for a sliver."""
+    if 0 < frac < 0.001:
+        return "<0.1%"
+    return f"{frac:.1%}" if frac < 0.1 else f"{frac:.0%}"
+
+
+def study_cost_line(cost: dict[str, float]) -> str:
+    """'study cost: $0.0421 over 4 trials, 0.0210 node-hours | productive 38% | start-up 51% | eval 9.0% | ...':
+    the trials' node-hours split as their cost ledgers split them (compute + sync is productive); every other part
+    of at least 0.5% follows, largest first, so a small productive share comes with what took the time."""
+    from orchestrator.cost import PARTS, PRODUCTIVE
+
     usd = f"${cost['cost/usd']:.4f}" if "cost/usd" in cost else "unpriced"
-    return (f"study cost: {usd} over {cost['cost/trials']:.0f} trials, {cost['cost/node_hours']:.4f} node-hours, "
-            f"productive {cost.get('cost/productive_frac', 0.0):.0%}")
+    head = f"study cost: {usd} over {cost['cost/trials']:.0f} trials, {cost['cost/node_hours']:.4f} node-hours"
+    if "cost/productive_frac" not in cost:
+        return f"{head} | productive share unknown: no trial ran long enough to report its timings"
+    others = sorted((cost.get(f"cost/{p}_frac", 0.0), p) for p in PARTS if p not in PRODUCTIVE)
+    shares = [f"{p.replace('startup', 'start-up').replace('_', ' ')} {_share(f)}" for f, p in reversed(others)
+              if f >= 0.005]
+    return " | ".join([head, f"productive {_share(cost['cost/productive_frac'])}", *shares])

@@ -1,20 +1,38 @@
 """MLflow on the driver: one run per `orchestrator train`. A failing tracking call warns and never stops training;
-a store that stops answering mid-run is warned about once, then skipped (tried again every OUTAGE_RETRY_S)."""
+a store that stops answering mid-run is warned about once, then skipped (tried again every OUTAGE_RETRY_S).
+
+What a run holds (the same for a Tune trial's child run and a study's parent run): the loop reports under its own
+names (the progress line, the history and Tune use them); `mlflow_key` names each in MLflow, in sections a user
+reads first (`train/`, `val/`, `perf/`, `time/`, `system/`, `memory/`), and `logged_as` says where it goes. Series
+that change from report to report are metrics; facts that do not (the worker's pid, precision, FLOPs per sample,
+device facts, the start-up breakdown, the cost ledger, whole-run figures) go into one `summary.json` table
+artifact; a few whole-run figures a user compares across runs are metrics too (`final/val/*`,
+`final/perf/samples_per_s`, `cost/productive_frac`, `cost/usd` when priced).
+"""
 
 from __future__ import annotations
 
+import functools
+import getpass
+import json
 import math
 import os
+import shlex
+import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from orchestrator.config import TrackingConfig
+from orchestrator.config import TrackingConfig, flatten, to_dict
 from orchestrator.errors import UserError
+
+if TYPE_CHECKING:
+    from orchestrator.config import Config, ModelConfig
 
 # A dead tracking server would otherwise stall training for minutes (7 retries, 120 s timeout by default).
 _HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15",
@@ -28,7 +46,7 @@ class Tracker(Protocol):
     run_id: str | None
 
     def log_params(self, params: dict[str, Any]) -> None: ...
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+    def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None: ...
     def set_tags(self, tags: dict[str, str]) -> None: ...
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
     def finish(self, status: str) -> None: ...
@@ -37,9 +55,61 @@ class Tracker(Protocol):
 DEFAULT_URI = "sqlite:///mlruns.db"
 
 
+# The loop's (and the driver's) names -> MLflow keys. A name not listed keeps its key (a `val_*` becomes `val/*`).
+_KEYS = {
+    "train_loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+    "step": "train/step", "epoch": "train/epoch", "samples_seen": "train/samples_seen",
+    "skipped_steps": "train/skipped_steps", "nonfinite_skipped": "train/nonfinite_skipped",
+    "oom_retries": "train/oom_retries", "micro_batch_size": "train/micro_batch_size",
+    "grad_accum_steps": "train/grad_accum_steps", "global_batch": "train/global_batch",
+    "precision": "train/precision", "world_size": "train/world_size", "worker_pid": "train/worker_pid",
+    "samples_per_s": "perf/samples_per_s", "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu",
+    # One name for the interval's data-wait share (the loop reports it twice, as a time/* share and on its own).
+    "data_wait_frac": "perf/data_wait_frac", "time/data_wait_frac": "perf/data_wait_frac",
+    "comm_bytes": "perf/comm_bytes", "comm_bytes_per_sample": "perf/comm_bytes_per_sample",
+    "flops_per_sample": "perf/flops_per_sample", "compile_s": "perf/compile_s",
+    "interval_s": "time/interval_s",
+}
+# Keys whose value does not change from report to report (or that only count rare events): the summary table's.
+_FACTS = {"train/step", "train/epoch", "train/samples_seen", "train/skipped_steps", "train/nonfinite_skipped",
+          "train/oom_retries", "train/micro_batch_size", "train/grad_accum_steps", "train/global_batch",
+          "train/precision", "train/world_size", "train/worker_pid", "perf/comm_bytes", "perf/flops_per_sample",
+          "perf/compile_s"}
+# Run-level figures that are also metrics, to compare runs in the runs table and charts.
+_FINAL_METRICS = {"final/perf/samples_per_s", "final/perf/tokens_per_s", "final/perf/mfu", "cost/usd",
+                  "cost/productive_frac"}
+# Sections of whole-run figures: the summary table's (`final/` and `cost/` less the few above).
+_SUMMARY_SECTIONS = ("final/", "cost/", "startup/", "device/")
+# What only the driver uses: when a report arrived, the worker's start-up marks, which rank reported, events.
+_DROPPED = {"elapsed_s", "world_rank", "drain_checkpoint"}
+SUMMARY_TABLE = "summary.json"
+# The MLflow UI opens an experiment of this kind on its "Training runs" table (a study's trials under their parent).
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
+
+
 def mlflow_key(name: str) -> str:
-    """The MLflow metric key under which a metric the loop reports as `name` is logged (and read back)."""
+    """The MLflow key under which a figure the loop (or the driver) reports as `name` is logged and read back: a
+    metric's, or a row of the summary table's (`logged_as` says which). Idempotent: a key maps to itself.
+    `summary/<name>` (a whole-run figure of `name`) -> `final/<mlflow_key(name)>`."""
+    if name.startswith("summary/"):
+        return "final/" + mlflow_key(name.removeprefix("summary/"))
+    if name in _KEYS:
+        return _KEYS[name]
+    if name.startswith("val_"):
+        return "val/" + name.removeprefix("val_")
     return name
+
+
+def logged_as(key: str) -> Literal["metric", "summary"] | None:
+    """Where the figure under MLflow key `key` goes: a metric (a series over steps, or a final figure worth
+    comparing across runs), a row of the run's summary table, or nowhere (None: the driver's own bookkeeping)."""
+    if key in _DROPPED or key.startswith("at/"):
+        return None
+    if key in _FACTS:
+        return "summary"
+    if key in _FINAL_METRICS or key.startswith("final/val/"):
+        return "metric"
+    return "summary" if key.startswith(_SUMMARY_SECTIONS) else "metric"
 
 
 def resolve_uri(uri: str | None) -> str:
@@ -58,7 +128,7 @@ class NullTracker:
     run_id: str | None = None
 
     def log_params(self, params: dict[str, Any]) -> None: ...
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+    def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None: ...
     def set_tags(self, tags: dict[str, str]) -> None: ...
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
     def finish(self, status: str) -> None: ...
@@ -80,15 +150,23 @@ class MlflowTracker:
         self._lock = threading.Lock()  # calls come from the report thread and the driver's main thread
         self._down_until: float | None = None  # while the store is unreachable: when to try it again
         self._skipped = 0
+        self._summary: dict[str, Any] = {}  # the summary table's figures, written when the run ends
         try:
             experiment = self._client.get_experiment_by_name(cfg.experiment)
-            self.experiment_id = (experiment.experiment_id if experiment
-                                  else self._client.create_experiment(cfg.experiment))
+            if experiment is None:
+                self.experiment_id = self._client.create_experiment(cfg.experiment, tags=EXPERIMENT_TAGS)
+            else:
+                self.experiment_id = experiment.experiment_id
+                for key, value in EXPERIMENT_TAGS.items():  # one made before the tag existed; never another kind
+                    if key not in experiment.tags:
+                        self._client.set_experiment_tag(self.experiment_id, key, value)
             if run_id is not None:
                 self._client.update_run(run_id, status="RUNNING")
             else:
-                run_id = self._client.create_run(self.experiment_id, run_name=run_name, tags=tags).info.run_id
+                run_id = self._client.create_run(self.experiment_id, run_name=run_name,
+                                                 tags=context_tags() | (tags or {})).info.run_id
             self.run_id: str | None = run_id
+            _EXPERIMENT_OF[run_id] = self.experiment_id
         except Exception as exc:  # unreachable server, bad URI, locked database...
             raise UserError(f"MLflow tracking at '{self.uri}' is unavailable ({type(exc).__name__}: "
                             f"{str(exc).splitlines()[0] if str(exc) else ''}): start the server, fix tracking.uri, "
@@ -143,13 +221,53 @@ class MlflowTracker:
         for i in range(0, len(batch), 100):  # MLflow caps a batch at 100 params
             self._safe("log_params", self._client.log_batch, self.run_id, params=batch[i:i + 100])
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+    def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Figures under the loop's names (a report, the ledger's, the start-up breakdown): each under its
+        `mlflow_key`, as a metric at `step` or (`logged_as`) a row of the summary table, written when the run ends;
+        whole-run figures (`final/`, `cost/`, ...) are in the table even when they are metrics too."""
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()
-                 if isinstance(v, int | float) and math.isfinite(v)]
-        self._safe("log_metrics", self._client.log_batch, self.run_id, metrics=batch)
+        batch = []
+        for name, value in metrics.items():
+            key = mlflow_key(name)
+            where = logged_as(key)
+            if (where is None or isinstance(value, bool) or not isinstance(value, int | float | str)
+                    or (not isinstance(value, str) and not math.isfinite(value))):
+                continue
+            if where == "summary" or key.startswith(_SUMMARY_SECTIONS):
+                with self._lock:
+                    self._summary[key] = value
+            if where == "metric" and not isinstance(value, str):
+                batch.append(Metric(key, float(value), now, step))
+        if batch:
+            self._safe("log_metrics", self._client.log_batch, self.run_id, metrics=batch)
+
+    def summary(self) -> dict[str, Any]:
+        """The summary table's figures so far, by MLflow key."""
+        with self._lock:
+            return dict(self._summary)
+
+    def _log_summary(self) -> None:
+        """The summary table as `summary.json` (MLflow's table format: a `figure` and a `value` column, one row per
+        figure), replacing the one an earlier session of this run wrote; shown in the UI like `log_table`'s."""
+        figures = self.summary()
+        if not figures:
+            return
+        table = {"columns": ["figure", "value"], "data": [[key, figures[key]] for key in sorted(figures)]}
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / SUMMARY_TABLE
+            path.write_text(json.dumps(table, indent=1, allow_nan=False, default=str) + "\n")
+            self._safe("log_table", self._client.log_artifact, self.run_id, str(path))
+        self._safe("log_table", self._mark_table)
+
+    def _mark_table(self) -> None:
+        """The tag by which the UI lists the artifact as a table (what `MlflowClient.log_table` sets)."""
+        tags = self._client.get_run(self.run_id).data.tags
+        tables = json.loads(tags.get("mlflow.loggedArtifacts", "[]"))
+        entry = {"path": SUMMARY_TABLE, "type": "table"}
+        if entry not in tables:
+            self._client.set_tag(self.run_id, "mlflow.loggedArtifacts", json.dumps([*tables, entry]))
 
     def set_tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
@@ -160,6 +278,8 @@ class MlflowTracker:
         self._safe("log_artifact", self._client.log_artifact, self.run_id, str(path), artifact_path)
 
     def finish(self, status: str) -> None:
+        """Write the summary table, then end the run with `status` (tried even while the store is down)."""
+        self._log_summary()
         self._safe("set_terminated", self._client.set_terminated, self.run_id, status, force=True)
 
     def find_run(self, tags: dict[str, str]) -> str | None:
@@ -191,8 +311,131 @@ def start_tracker(cfg: TrackingConfig, run_name: str, tags: dict[str, str] | Non
     return MlflowTracker(cfg, run_name, tags, run_id) if cfg.enabled else NullTracker()
 
 
+UI_PORT = 5000
+_EXPERIMENT_OF: dict[str, str] = {}  # run id -> experiment id, for the runs this process tracked
+
+
 def ui_command(uri: str) -> str:
     """The exact command that opens the MLflow UI on these results."""
     if uri.startswith(("http://", "https://")):
         return f"open {uri}"
-    return f"mlflow ui --backend-store-uri {uri} --port 5000   # then open http://127.0.0.1:5000"
+    return f"mlflow ui --backend-store-uri {uri} --port {UI_PORT}   # then open http://127.0.0.1:{UI_PORT}"
+
+
+def run_url(uri: str, run_id: str, experiment_id: str | None = None) -> str | None:
+    """The run's page in the MLflow UI: on the tracking server for an http(s) URI, else on the `mlflow ui` that
+    `ui_command` starts. None when the run's experiment is unknown (not tracked by this process nor given)."""
+    experiment_id = experiment_id or _EXPERIMENT_OF.get(run_id)
+    if not experiment_id:
+        return None
+    base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else f"http://127.0.0.1:{UI_PORT}"
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+# Run context: MLflow's own tags for where a run came from (the UI's Source and User columns), set on new runs.
+
+
+def source_name(argv: list[str] | None = None) -> str:
+    """The command (`orchestrator train --config ...`) or, for a run started from Python, the script."""
+    argv = sys.argv if argv is None else argv
+    if not argv or not argv[0]:
+        return "<console>"
+    program = Path(argv[0])
+    if program.name == "orchestrator" or (program.name == "__main__.py" and program.parent.name == "orchestrator"):
+        return shlex.join(["orchestrator", *argv[1:]])[:2000]
+    return argv[0]
+
+
+def source_type(environ: Mapping[str, str] | None = None) -> str:
+    """JOB for a Ray job's entrypoint (`ray job submit`, a KubeRay RayJob: Ray gives it its job config), else
+    LOCAL."""
+    environ = os.environ if environ is None else environ
+    return "JOB" if "RAY_JOB_CONFIG_JSON_ENV_VAR" in environ else "LOCAL"
+
+
+def current_user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # no login name (a container user without a passwd entry)
+        return "unknown"
+
+
+@functools.cache
+def git_commit(directory: str | None = None) -> str | None:
+    """HEAD of the git checkout at `directory` (the working directory), or None: not a checkout, no git."""
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=directory or os.getcwd(), capture_output=True,
+                              text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = done.stdout.strip()
+    return commit if done.returncode == 0 and len(commit) >= 40 else None
+
+
+def context_tags() -> dict[str, str]:
+    """`mlflow.source.name`, `mlflow.source.type`, `mlflow.user` and, in a git checkout, `mlflow.source.git.commit`."""
+    tags = {"mlflow.source.name": source_name(), "mlflow.source.type": source_type(), "mlflow.user": current_user()}
+    commit = git_commit(os.getcwd())
+    if commit:
+        tags["mlflow.source.git.commit"] = commit
+    return tags
+
+
+# Params: the complete resolved config.
+
+
+def model_defaults(model: ModelConfig) -> dict[str, Any]:
+    """The builder's own options with their signature defaults (what the model is built with when the config leaves
+    them out); {} when the builder cannot be loaded here."""
+    import inspect
+
+    try:
+        from orchestrator.models import model_builder
+
+        parameters = inspect.signature(model_builder(model.name, model.entrypoint)).parameters.values()
+    except Exception:  # a checked config loads its builder; anything else is not worth failing tracking over
+        return {}
+    return {p.name: list(p.default) if isinstance(p.default, tuple) else p.default for p in parameters
+            if p.default is not inspect.Parameter.empty and p.name not in ("in_features", "num_classes", "self")
+            and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)}
+
+
+def config_params(config: Config) -> dict[str, Any]:
+    """The flattened resolved config, defaults included: the model's options from its builder's signature under
+    `model.*`, overridden by the config's (an option set to null means the builder's default)."""
+    tree = to_dict(config)
+    model = tree["model"]
+    defaults = model_defaults(config.model)
+    tree["model"] = {**model, **{key: value for key, value in defaults.items() if model.get(key) is None}}
+    return flatten(tree)
+
+
+# Reading a run back (doctor, tests).
+
+
+def read_summary(client: Any, run_id: str) -> dict[str, Any]:
+    """The run's summary table as {figure: value}; {} when it has none."""
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = client.download_artifacts(run_id, SUMMARY_TABLE, tmp)
+            table = json.loads(Path(path).read_text())
+    except Exception:  # no table: a run still going, or one from before the table existed
+        return {}
+    return {str(row[0]): row[1] for row in table.get("data", [])}
+
+
+def read_metrics(client: Any, run_id: str) -> dict[str, list[float]]:
+    """Every metric's values in step order, and each number of the summary table as a one-value history, all under
+    their MLflow keys: what `RunRecord.values(name)` looks up as `mlflow_key(name)`."""
+    run = client.get_run(run_id)
+    metrics, last_step = {}, None
+    for key in run.data.metrics:
+        history = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
+        metrics[key] = [m.value for m in history]
+        last_step = max([last_step or 0, *(m.step for m in history)])
+    for key, value in read_summary(client, run_id).items():
+        if key not in metrics and isinstance(value, int | float) and not isinstance(value, bool):
+            metrics[key] = [float(value)]
+    if mlflow_key("step") not in metrics and last_step is not None:  # a run still going: its table comes at the end
+        metrics[mlflow_key("step")] = [float(last_step)]
+    return metrics

@@ -14,11 +14,11 @@ from typing import Any
 
 from ray.tune import Callback
 
-from orchestrator.config import TrackingConfig, flatten, to_dict
+from orchestrator.config import TrackingConfig
 from orchestrator.cost import Pricing, build_ledger, resolve_pricing
 from orchestrator.errors import ConfigError
 from orchestrator.search import TRAIN_METRICS, trial_config
-from orchestrator.tracking import MlflowTracker
+from orchestrator.tracking import MlflowTracker, config_params
 from orchestrator.trainer import resolve_for_data
 from pipelines.sources import DatasetInfo
 
@@ -62,8 +62,10 @@ def _short(value: Any) -> str:
 
 
 class StudyCallback(Callback):
-    """Child runs (tag mlflow.parentRunId) with params and step metrics, closed with a terminal status and an
-    `orchestrator.stop_reason` tag; prints the trial table on every status change and every `table_every_s`."""
+    """Child runs (tag mlflow.parentRunId: the UI nests them under the study's parent run) with params and step
+    metrics (under the tracker's MLflow keys; the trial's cost and other facts in its summary table), closed with a
+    terminal status and an `orchestrator.stop_reason` tag; prints the trial table on every status change and every
+    `table_every_s`."""
 
     def __init__(self, study: str, tree: dict[str, Any], keys: list[str], metric: str, max_steps: int,
                  tracking: TrackingConfig | None, parent_run_id: str | None, verbose: bool = True,
@@ -104,11 +106,11 @@ class StudyCallback(Callback):
                     "orchestrator.trial_id": trial.trial_id}
             existing = self._parent.find_run({"orchestrator.trial_id": trial.trial_id,
                                               "orchestrator.study": self.study})
-            run = MlflowTracker(self.tracking, f"{self.study}-{trial.trial_id}", tags=tags, run_id=existing)
-            if existing is None:
-                config = to_dict(trial_config(self.tree, trial.config))
-                config.pop("tune")
-                run.log_params(flatten(config))
+            # Named by its searched values (study.py's trial names); the trial id is a tag.
+            run = MlflowTracker(self.tracking, str(trial), tags=tags, run_id=existing)
+            if existing is None:  # the trial's resolved config, model defaults included; the study's tune.* not
+                params = config_params(trial_config(self.tree, trial.config))
+                run.log_params({k: v for k, v in params.items() if k.split(".")[0] != "tune"})
         except Exception as exc:  # tracking never stops the study
             print(f"warning: no MLflow run for trial {trial.trial_id}: {exc}", file=sys.stderr)
             return None

@@ -376,6 +376,7 @@ def run(
                     checkpoint_dir = tempfile.mkdtemp(prefix="orchestrator-ckpt-")
                     save_state(checkpoint_dir, state)
         metrics |= interval.timer.shares() | cuda_memory_stats(parts.device) | node_stats(world)
+        metrics |= _worker_paces(interval, parts.device)
         # Throughput is the wall clock's: the interval from the end of the previous report to now, with its data
         # waits, evaluation, checkpoint and the time the previous report blocked (consecutive intervals tile the
         # run, and the driver's cost ledger splits each by the time/* shares).
@@ -401,6 +402,18 @@ def run(
                     shutil.rmtree(checkpoint_dir, ignore_errors=True)
             reporter.publish(metrics)
     return metrics
+
+
+def _worker_paces(interval: Interval, device: torch.device) -> dict[str, float]:
+    """Each rank's own pace: its samples over its compute and data-wait seconds (time spent waiting for the other
+    ranks is sync). Under DDP every step waits for the slowest rank, so one slow node shows here (doctor)."""
+    rank, world = ranks.world()
+    if world == 1:
+        return {}
+    busy = interval.timer.seconds["compute"] + interval.timer.seconds["data_wait"]
+    paces = [0.0] * world
+    paces[rank] = interval.samples / max(busy, 1e-9)
+    return {f"worker/{r}/samples_per_s": p for r, p in enumerate(ranks.all_reduce_sum(paces, device))}
 
 
 def _flops_per_sample(parts: Parts, batch: Batch) -> float:

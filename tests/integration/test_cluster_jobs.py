@@ -174,9 +174,10 @@ def test_job_submit_trains_on_two_nodes_and_tracks_to_mlflow_server(
     assert run["info"]["status"] == "FINISHED"
     assert run["info"]["run_id"] in logs  # the id the job printed is the run on the server
     metrics = {m["key"]: m["value"] for m in run["data"]["metrics"]}
-    assert metrics["val_accuracy"] > 0.8 and metrics["world_size"] == 2
     params = {p["key"]: p["value"] for p in run["data"]["params"]}
+    assert metrics["val/accuracy"] > 0.8 and params["scaling.num_workers"] == "2"
     assert params["train.max_steps"] == "60"
+    assert {t["key"]: t["value"] for t in run["data"]["tags"]}["mlflow.source.type"] == "JOB"
 
     # No credential anywhere: params, tags, artifacts, job logs.
     from mlflow.tracking import MlflowClient

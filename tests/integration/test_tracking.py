@@ -12,6 +12,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.parse
 import urllib.request
 import warnings
 from collections.abc import Callable, Iterator
@@ -24,6 +25,7 @@ import torch
 from test_cluster_jobs import BIN, free_port, http_json, wait_for
 
 from orchestrator import load_config, train
+from orchestrator.launch import summary
 
 pytestmark = pytest.mark.slow
 
@@ -82,11 +84,14 @@ def kill_group(process: subprocess.Popen[bytes]) -> None:
 
 
 def logged_steps(uri: str, experiment: str) -> int:
-    """How many train_loss points the server holds for the experiment's run (0 before the run exists)."""
+    """How many training-loss points the server holds for the experiment's run (0 before the run exists)."""
+    from orchestrator.tracking import mlflow_key
+
     found = http_json(f"{uri}/api/2.0/mlflow/experiments/get-by-name?experiment_name={experiment}")
     runs = http_json(f"{uri}/api/2.0/mlflow/runs/search", {"experiment_ids": [found["experiment"]["experiment_id"]]})
     run_id = runs["runs"][0]["info"]["run_id"]
-    history = http_json(f"{uri}/api/2.0/mlflow/metrics/get-history?run_id={run_id}&metric_key=train_loss")
+    key = urllib.parse.quote(mlflow_key("train_loss"), safe="")
+    history = http_json(f"{uri}/api/2.0/mlflow/metrics/get-history?run_id={run_id}&metric_key={key}")
     return len(history.get("metrics", []))
 
 
@@ -129,6 +134,9 @@ def test_tracking_server_dying_mid_run_warns_once_and_training_finishes(
     assert not [line for line in stderr if "urllib3" in line or "Retrying" in line or "Warning:" in line], stderr
     after_kill = time.monotonic() - killed["at"]
     print(f"run {elapsed:.1f} s, of which {after_kill:.1f} s after the server died")
+    # The summary names the run's page on the server, without asking the dead server for it.
+    assert f"this run in the MLflow UI: {uri}/#/experiments/" in summary(result)
+    assert summary(result).splitlines()[-1].endswith(f"/runs/{result.run_id}")
     # ~25 reports and the final artifacts met a dead server: with the client's default retries each call would wait
     # minutes; tracking.py's budget keeps the whole tail near the training time itself.
     assert after_kill < 45, f"{after_kill:.0f} s after the server died: tracking calls stalled the run"
@@ -240,8 +248,14 @@ def test_final_model_is_an_mlflow_model_that_loads_predicts_and_registers(
     # The other final artifacts are still there; the bare state dict is gone (the MLflow Model replaces it).
     client = MlflowClient(tracking_uri=result.tracking_uri)
     artifacts = {a.path for a in client.list_artifacts(result.run_id)}
-    assert {"config.yaml", "plots"} <= artifacts and "model" not in artifacts
-    assert client.get_run(result.run_id).info.status == "FINISHED"
+    assert {"config.yaml", "plots", "summary.json"} <= artifacts and "model" not in artifacts
+    mlrun = client.get_run(result.run_id)
+    assert mlrun.info.status == "FINISHED"
+    # The summary's last lines: how to open the UI, then this run's page in it (a SQLite store: the local UI's).
+    *_, command, page = summary(result).splitlines()
+    assert command.startswith("open the MLflow UI: mlflow ui --backend-store-uri ")
+    assert page == (f"this run in the MLflow UI: http://127.0.0.1:5000/#/experiments/{mlrun.info.experiment_id}/runs/"
+                    f"{result.run_id}")
 
 
 def test_named_inputs_are_logged_with_a_dict_signature(tmp_path: Path, digits_dir: str,

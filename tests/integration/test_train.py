@@ -3,6 +3,7 @@ and the MLflow record, read back through MlflowClient."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import torch
 
 from orchestrator import load_config, train
 from orchestrator.launch import TrainResult
+from orchestrator.tracking import git_commit, mlflow_key, read_summary
 from orchestrator.training.checkpoint import load_state
 
 pytestmark = pytest.mark.slow
@@ -44,16 +46,39 @@ def test_two_workers_learn_digits_and_mlflow_has_the_run(ray_cluster: None, tmp_
     params = mlrun.data.params
     assert params["optim.lr"] == "0.003" and params["scaling.num_workers"] == "2"
     assert params["model.num_classes"] == "10"  # resolved from the data, logged as resolved
-    for key in ("train_loss", "lr", "grad_norm", "samples_per_s", "val_loss", "val_accuracy", "time/compute_frac",
-                "time/data_wait_frac", "summary/time/compute_frac", "summary/samples_per_s", "flops_per_sample"):
-        assert key in mlrun.data.metrics, key
-    shares = [v for k, v in mlrun.data.metrics.items() if k.startswith("summary/time/")]
-    assert sum(shares) == pytest.approx(1.0, abs=0.01)
-    assert any(k.startswith("system/") and k.endswith("/memory_used_gb") for k in mlrun.data.metrics)
-    losses = client.get_metric_history(result.run_id, "train_loss")
+    assert params["model.hidden"] == "[256, 256]"  # not in the config: the builder's default, logged all the same
+    # Metrics in sections, the loop's series and a few whole-run figures; no constant is charted.
+    metrics = mlrun.data.metrics
+    for key in ("train/loss", "train/lr", "train/grad_norm", "perf/samples_per_s", "perf/data_wait_frac",
+                "val/loss", "val/accuracy", "time/compute_frac", "final/val/accuracy", "final/perf/samples_per_s",
+                "cost/productive_frac"):
+        assert key in metrics, key
+    assert all("/" in k for k in metrics) and len(metrics) <= 30, sorted(metrics)
+    constants = ("step", "worker_pid", "world_rank", "flops_per_sample", "grad_accum_steps", "global_batch",
+                 "micro_batch_size", "elapsed_s")
+    assert not {*constants, *map(mlflow_key, constants)} & set(metrics)
+    assert not {"data_wait_frac", "time/data_wait_frac"} & set(metrics)  # one name: perf/data_wait_frac
+    assert not [k for k in metrics if k.startswith(("startup/", "device/", "summary/", "at/", "train/step"))]
+    assert metrics["final/val/accuracy"] == pytest.approx(result.metrics["val_accuracy"])
+    assert any(k.startswith("system/") and k.endswith("/memory_used_gb") for k in metrics)
+    losses = client.get_metric_history(result.run_id, mlflow_key("train_loss"))
     assert [m.step for m in losses] == [25, 50, 75, 100, 125, 150]
     artifacts = {a.path for a in client.list_artifacts(result.run_id)}
-    assert {"config.yaml", "plots"} <= artifacts
+    assert {"config.yaml", "plots", "summary.json"} <= artifacts
+    # The run-level figures: one summary table (start-up, cost, whole-run shares, the facts the first report brought).
+    table = read_summary(client, result.run_id)
+    assert table["train/step"] == 150 and table["train/precision"] in ("bf16", "fp32")
+    assert table["perf/flops_per_sample"] > 0 and table["train/global_batch"] == 128
+    assert table["startup/total_s"] > 0 and table["cost/wall_s"] > table["startup/total_s"]
+    assert table["final/perf/samples_per_s"] == pytest.approx(metrics["final/perf/samples_per_s"])
+    shares = [v for k, v in table.items() if k.startswith("final/time/") or k == "final/perf/data_wait_frac"]
+    assert len(shares) >= 6 and sum(shares) == pytest.approx(1.0, abs=0.01)
+    # Where it came from, and the experiment the UI opens on its training-runs table.
+    tags = mlrun.data.tags
+    assert tags["mlflow.source.type"] == "LOCAL" and tags["mlflow.source.name"] and tags["mlflow.user"]
+    assert tags.get("mlflow.source.git.commit") == git_commit(os.getcwd())  # absent outside a checkout
+    experiment = client.get_experiment(mlrun.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
     # The final weights as an MLflow Model of this run (MLflow 3 keeps its files with the logged model).
     logged = client.search_logged_models([mlrun.info.experiment_id])
     assert [m.name for m in logged if m.source_run_id == result.run_id] == ["model"]

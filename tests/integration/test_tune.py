@@ -1,9 +1,13 @@
-"""A real study on local Ray: 4 trials on digits with ASHA, each a 1-worker Ray Train run; the MLflow record read
+"""A real study on local Ray: 4 trials on digits with ASHA, each a 1-worker Ray Train run, started as a user starts
+it (`python -m orchestrator tune` on its own local cluster) and read back through `tune()`; the MLflow record read
 back through MlflowClient; best.yaml trained as written; re-running continues the study instead of redoing it."""
 
 from __future__ import annotations
 
+import re
+import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -13,25 +17,50 @@ import pytest
 from orchestrator import load_config, train, tune
 from orchestrator.config import Config
 from orchestrator.errors import ConfigError
-from orchestrator.study import TuneResult
+from orchestrator.search import TrialNamer, peak_concurrency
+from orchestrator.study import LOG_FILE, TuneResult
+from orchestrator.tracking import mlflow_key
 
 pytestmark = pytest.mark.slow
 
 
-def study_config(tmp_path: Path, digits_dir: str, *overrides: str) -> Config:
-    return load_config(None, [
+def study_overrides(tmp_path: Path, digits_dir: str, *overrides: str) -> list[str]:
+    return [
         f"data.train={digits_dir}/train", f"data.val={digits_dir}/val", f"storage.path={tmp_path}/runs",
         f"tracking.uri=sqlite:///{tmp_path}/mlruns.db", "tracking.experiment=tune-tests", "experiment=digits-t",
         "scaling.num_workers=1", "model.hidden=[64]", "train.max_steps=40", "train.log_every=10",
         "train.eval_every=10", "checkpoint.every=40",
         "tune.space.optim.lr.loguniform=[1e-4, 1e-1]", "tune.space.optim.warmup_steps.choice=[0, 10]",
         "tune.num_samples=4", "tune.grace_period=10", "tune.reduction_factor=2", "tune.seed=3",
-        "tune.max_concurrent_trials=2", "cost.price_per_hour=2.0", *overrides])
+        "tune.max_concurrent_trials=2", "cost.price_per_hour=2.0", *overrides]
+
+
+def study_config(tmp_path: Path, digits_dir: str, *overrides: str) -> Config:
+    return load_config(None, study_overrides(tmp_path, digits_dir, *overrides))
 
 
 @pytest.fixture(scope="module")
-def study(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory, digits_dir: str) -> tuple[TuneResult, Path]:
+def study_cli(tmp_path_factory: pytest.TempPathFactory, digits_dir: str) -> tuple[Path, str, str]:
+    """The study as the command runs it, on the private local cluster it starts (before this module's own
+    cluster, so two never run at once): (tmp_path, stdout, stderr)."""
     tmp_path = tmp_path_factory.mktemp("tune")
+    args = [a for o in study_overrides(tmp_path, digits_dir) for a in ("--set", o)]
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "orchestrator", "tune", *args], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    print(f"orchestrator tune: {time.monotonic() - started:.0f} s, {len(out.stdout.splitlines())} stdout lines, "
+          f"{len(out.stderr.splitlines())} stderr lines")
+    return tmp_path, out.stdout, out.stderr
+
+
+@pytest.fixture(scope="module")
+def study(study_cli: tuple[Path, str, str], digits_dir: str, request: pytest.FixtureRequest
+          ) -> tuple[TuneResult, Path]:
+    """The command's study read back in this process: `tune()` again continues it, and with every trial ended
+    only returns its result."""
+    tmp_path = study_cli[0]
+    request.getfixturevalue("ray_cluster")
     return tune(study_config(tmp_path, digits_dir), verbose=False), tmp_path
 
 
@@ -49,6 +78,53 @@ def test_best_trial_is_the_best_completed_one(study: tuple[TuneResult, Path]) ->
     for t in result.trials:
         assert 1e-4 <= t.params["optim.lr"] <= 1e-1 and t.params["optim.warmup_steps"] in (0, 10)
         assert [r["step"] for r in t.history] == list(range(10, t.steps + 1, 10))
+
+
+def test_no_more_trials_ran_at_once_than_the_study_allows(study: tuple[TuneResult, Path],
+                                                          study_cli: tuple[Path, str, str]) -> None:
+    """tune.max_concurrent_trials=2, measured on Ray Tune's own record of when each trial started and when its last
+    result came in (the study ran 4 at once when Ray ignored the setting)."""
+    result, _ = study
+    spans = [(t.started_at, t.ended_at) for t in result.trials]
+    assert all(start is not None and end is not None and start < end for start, end in spans), spans
+    assert peak_concurrency(spans) == 2  # type: ignore[arg-type]
+    assert "4 trials (at most 2 at once)" in study_cli[1]
+    assert "max_concurrent_trials" not in study_cli[2]  # Ray's warning that it ignores the setting
+
+
+def test_trials_are_named_by_their_values_in_tune_the_summary_and_the_plots(
+        study: tuple[TuneResult, Path], study_cli: tuple[Path, str, str]) -> None:
+    result, tmp_path = study
+    namer = TrialNamer.for_config(study_config(tmp_path, "d"))
+    study_dir = tmp_path / "runs" / "digits-t-tune"
+    for t in result.trials:
+        assert t.name == namer(t.params) and re.fullmatch(r"lr=\d\.\de-0\d,warmup=(0|10)", t.name), t.name
+        assert (study_dir / f"{t.trial_id}_{t.name}").is_dir()  # Tune's trial directory
+    lines = study_cli[1].splitlines()
+    head = [i for i, line in enumerate(lines) if line.split()[:3] == ["trial", "status", "id"]]
+    assert len(head) == 1 and lines[head[0]].split() == ["trial", "status", "id", "step", "val_accuracy", "$"]
+    rows = {line.split()[0]: line.split()[2] for line in lines[head[0] + 1:head[0] + 1 + len(result.trials)]}
+    assert rows == {t.name: t.trial_id for t in result.trials}
+    assert (study_dir / "learning_curves.png").is_file() and (study_dir / "metric_vs_lr.png").is_file()
+
+
+def test_the_terminal_shows_the_product_lines_and_ray_goes_to_the_log(study: tuple[TuneResult, Path],
+                                                                      study_cli: tuple[Path, str, str]) -> None:
+    """A user's `orchestrator tune`: the product's own lines, at most a handful of Ray's; the rest of Ray's, Tune's
+    and the workers' output in the study's log file, whose path is printed once."""
+    result, tmp_path = study
+    _, stdout, stderr = study_cli
+    log = tmp_path / "runs" / "digits-t-tune" / LOG_FILE
+    names = tuple(f"{n} " for t in result.trials for n in (t.trial_id, t.name))
+    product = re.compile(r"^(starting study |Ray and MLflow logs: |\[\d+:\d\d\] digits-t-tune: |trial |study |"
+                         r"best trial |best config: |train it: |MLflow parent run id: |open the MLflow UI: |"
+                         r"this run in the MLflow UI: |warning: )")
+    lines = (stdout + stderr).splitlines()
+    foreign = [line for line in lines if line.strip() and not product.match(line) and not line.startswith(names)]
+    assert len(foreign) <= 3, "\n".join(foreign)
+    assert stdout.count(str(log)) == 1 and log.stat().st_size > 0
+    assert "Configuration for experiment" not in stdout + stderr and "tensorboard" not in stdout + stderr
+    assert len(log.read_text().splitlines()) > 5  # what Ray and the workers printed went there instead
 
 
 def test_mlflow_parent_and_child_runs_all_end(study: tuple[TuneResult, Path]) -> None:
@@ -74,11 +150,17 @@ def test_mlflow_parent_and_child_runs_all_end(study: tuple[TuneResult, Path]) ->
         assert run.info.status == "FINISHED"  # never left RUNNING, even when ASHA killed the trial's actor
         assert run.data.tags["orchestrator.stop_reason"] == ("max_steps" if t.status == "completed" else "asha")
         assert float(run.data.params["optim.lr"]) == pytest.approx(t.params["optim.lr"])
-        steps = [m.step for m in client.get_metric_history(run.info.run_id, "val_accuracy")]
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, mlflow_key("val_accuracy"))]
         assert steps == list(range(10, t.steps + 1, 10))
+        assert run.info.run_name == t.name and "model.hidden" in run.data.params  # named by its values; defaults
+        assert not {"step", "train/step"} & set(run.data.metrics)  # no constants charted
+    # The UI opens the experiment on its training-runs table, trials nested under the study.
+    assert client.get_experiment(experiment).tags["mlflow.experimentKind"] == "custom_model_development"
+    assert parent.data.tags["mlflow.source.name"].startswith(("orchestrator tune", "/"))
 
 
-def test_every_trial_and_the_study_have_a_cost(study: tuple[TuneResult, Path]) -> None:
+def test_every_trial_and_the_study_have_a_cost(study: tuple[TuneResult, Path],
+                                               study_cli: tuple[Path, str, str]) -> None:
     from mlflow.tracking import MlflowClient
 
     result, _ = study
@@ -88,6 +170,9 @@ def test_every_trial_and_the_study_have_a_cost(study: tuple[TuneResult, Path]) -
     parent = client.get_run(result.parent_run_id).data.metrics
     assert parent["cost/usd"] == pytest.approx(sum(usds))  # type: ignore[arg-type]
     assert 0 < parent["cost/productive_frac"] < 1
+    # The summary's cost line names the productive share and what took the rest, largest first.
+    line = next(x for x in study_cli[1].splitlines() if x.startswith("study cost: "))
+    assert re.search(r"over 4 trials, [\d.]+ node-hours \| productive [\d.]+% \| start-up [\d.]+%", line), line
     experiment = client.get_experiment_by_name("tune-tests").experiment_id
     children = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{result.parent_run_id}'")
     assert all(r.data.metrics.get("cost/usd", 0) > 0 for r in children)

@@ -9,30 +9,53 @@ import pytest
 from orchestrator.doctor import (
     HIGH,
     MEDIUM,
+    WORKER_RATE,
+    Finding,
     RunRecord,
+    bookkeeping,
     compile_small_kernels,
     data_pipeline,
     diagnose,
+    evaluation,
     format_findings,
+    gradient_sync,
     memory_headroom,
     nonfinite_steps,
     precision,
     report_blocking,
     search_space_edge,
     startup,
+    study_size,
+    training_share,
+    uneven_workers,
 )
+from orchestrator.tracking import mlflow_key
 
+# A healthy 2-worker CPU run as the loop reports it (names as the loop reports them; record() maps them to MLflow
+# keys): most of every interval in compute, a little of everything else, both workers at the same pace.
 HEALTHY = {"step": [25.0, 50.0, 75.0, 100.0], "time/data_wait_frac": [0.02, 0.01, 0.02, 0.01],
-           "time/compute_frac": [0.85] * 4, "micro_batch_size": [64.0] * 4, "skipped_steps": [0.0] * 4}
+           "time/compute_frac": [0.8] * 4, "time/sync_frac": [0.05] * 4, "time/eval_frac": [0.0, 0.0, 0.0, 0.12],
+           "time/checkpoint_frac": [0.0, 0.0, 0.0, 0.01], "time/report_frac": [0.01] * 4,
+           "time/other_frac": [0.06] * 4, "interval_s": [2.0] * 4, "world_size": [2.0] * 4,
+           "comm_bytes_per_sample": [2700.0] * 4, "micro_batch_size": [64.0] * 4, "skipped_steps": [0.0] * 4,
+           WORKER_RATE.format(rank=0): [10_000.0, 10_300.0], WORKER_RATE.format(rank=1): [9_700.0, 10_100.0],
+           "cost/startup_frac": [0.12]}
 PARAMS = {"data.prefetch_batches": "2", "data.read_parallelism": "None", "data.cache": "auto",
           "data.train": "data/digits/train", "data.transforms": "[]", "optim.lr": "0.003",
           "optim.warmup_steps": "20", "optim.max_grad_norm": "1.0", "train.compile": "False",
-          "train.grad_accum_steps": "1", "train.precision": "auto"}
+          "train.grad_accum_steps": "1", "train.precision": "auto", "train.global_batch_size": "128",
+          "train.max_steps": "100", "train.log_every": "25", "train.eval_every": "100", "train.sync": "ddp",
+          "scaling.num_workers": "2", "scaling.cpus_per_worker": "1.0"}
+
+
+def keyed(metrics: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Histories under their MLflow keys, as load_run reads them back."""
+    return {mlflow_key(name): values for name, values in metrics.items()}
 
 
 def record(metrics: dict[str, list[float]] | None = None, params: dict[str, str] | None = None,
            tags: dict[str, str] | None = None) -> RunRecord:
-    return RunRecord({**HEALTHY, **(metrics or {})}, {**PARAMS, **(params or {})}, tags or {})
+    return RunRecord(keyed({**HEALTHY, **(metrics or {})}), {**PARAMS, **(params or {})}, tags or {})
 
 
 def test_a_healthy_cpu_run_has_no_findings() -> None:
@@ -115,7 +138,8 @@ def test_findings_are_sorted_by_severity_then_strength_and_printed_as_set_flags(
 
 
 @pytest.mark.parametrize("rule", [data_pipeline, memory_headroom, precision, compile_small_kernels,
-                                  nonfinite_steps, search_space_edge])
+                                  nonfinite_steps, search_space_edge, startup, report_blocking, evaluation,
+                                  bookkeeping, gradient_sync, uneven_workers, study_size])
 def test_rules_stay_quiet_on_an_empty_record(rule) -> None:  # type: ignore[no-untyped-def]
     assert rule(RunRecord()) is None
 
@@ -185,3 +209,203 @@ def test_time_blocked_in_checkpoint_reports_suggests_fewer_checkpoints() -> None
     # Without the run's ledger (a run still going), the intervals' own shares.
     assert report_blocking(record({"time/report_frac": [0.1, 0.2]})) is not None
     assert report_blocking(record({"cost/report_frac": [0.05]})) is None
+
+
+# --------------------------------------------------------------------------- where the training time goes
+
+# The run the issue reported "no findings" for: start-up 41-44% of the wall clock; of the training, other 39-40%,
+# eval 17-18%, sync 12-14% (productive 3% of the wall clock); a small model (0.34 MB of gradients per step) on 3
+# workers, one of them at 86,517 samples/s against 26-39k for the two others.
+ISSUE_RUN = {"cost/startup_frac": [0.43], "cost/productive_frac": [0.03], "summary/time/other_frac": [0.395],
+             "summary/time/eval_frac": [0.175], "summary/time/sync_frac": [0.13], "world_size": [3.0] * 4,
+             WORKER_RATE.format(rank=0): [86_517.0], WORKER_RATE.format(rank=1): [26_000.0],
+             WORKER_RATE.format(rank=2): [39_000.0]}
+
+
+def test_the_issues_run_gets_a_finding_for_each_of_its_overheads() -> None:
+    run = record(ISSUE_RUN, {"train.max_steps": "300", "scaling.num_workers": "3"})
+    findings = diagnose(run)
+    assert {f.rule for f in findings} == {"start-up", "other overhead", "evaluation", "gradient sync",
+                                          "uneven workers"}
+    text = format_findings("r1", run, findings)
+    assert "no findings" not in text
+    assert "     --set train.sync=local_sgd (average parameters every 8 steps, not gradients every step)" in text
+    assert "worker 0 ran at 86,517 samples/s, 2.7x the others (26,000-39,000)" in text
+
+
+def test_a_phases_training_share_is_weighted_by_interval_seconds_and_leaves_start_up_out() -> None:
+    # No summary (a trial's child run): the reports' shares, weighted by their seconds.
+    trial = RunRecord(keyed({"time/eval_frac": [0.0, 0.5], "interval_s": [3.0, 1.0]}))
+    assert training_share(trial, "eval") == pytest.approx(0.125)
+    # The summary wins when there is one.
+    assert training_share(record({"summary/time/eval_frac": [0.2]}), "eval") == pytest.approx(0.2)
+    # A study's parent run has only the ledger: the part over the training parts (start-up, shutdown left out).
+    parent = RunRecord(keyed({"cost/startup_frac": [0.5], "cost/shutdown_frac": [0.1], "cost/compute_frac": [0.2],
+                              "cost/eval_frac": [0.1], "cost/other_frac": [0.1]}))
+    assert training_share(parent, "eval") == pytest.approx(0.25)
+    assert training_share(RunRecord(), "eval") is None
+
+
+def test_a_large_eval_share_suggests_evaluating_less_often_or_on_a_smaller_split() -> None:
+    finding = evaluation(record({"summary/time/eval_frac": [0.18]}, {"train.max_steps": "300"}))
+    assert finding is not None and finding.severity == MEDIUM and "18% of the training time" in finding.title
+    assert finding.changes[0] == "train.eval_every=200"
+    assert finding.changes[1].startswith("data.val=<a smaller validation split>")
+    heavy = evaluation(record({"time/eval_frac": [0.0, 0.0, 0.0, 0.7], "interval_s": [1.0, 1.0, 1.0, 6.0]},
+                              {"train.eval_every": "50"}))
+    assert heavy is not None and heavy.severity == HIGH and "(1 pass over the validation split)" in heavy.title
+    assert heavy.changes[0] == "train.eval_every=null (validate at the end only)"
+    # Already validating at the end only: a smaller split is the one change left.
+    end_only = evaluation(record({"summary/time/eval_frac": [0.4]}, {"train.eval_every": "None"}))
+    assert end_only is not None and len(end_only.changes) == 1 and end_only.changes[0].startswith("data.val=")
+    assert evaluation(record({"summary/time/eval_frac": [0.08]})) is None
+    assert evaluation(record()) is None  # the healthy run: one pass, 3% of the training
+
+
+def test_much_time_in_no_phase_suggests_fewer_reports_and_larger_steps() -> None:
+    finding = bookkeeping(record({"summary/time/other_frac": [0.39]}))
+    assert finding is not None and finding.severity == HIGH and "39%" in finding.title
+    assert [c.split(" ")[0] for c in finding.changes] == ["train.log_every=50", "train.global_batch_size=256"]
+    assert bookkeeping(record({"summary/time/other_frac": [0.2]})).severity == MEDIUM  # type: ignore[union-attr]
+    assert bookkeeping(record()) is None  # 6%
+
+
+def test_sync_heavy_small_model_suggests_fewer_workers_or_local_sgd() -> None:
+    finding = gradient_sync(record({"summary/time/sync_frac": [0.13]}))
+    assert finding is not None and finding.severity == MEDIUM
+    assert finding.title == "gradient sync took 13% of the training time (2 workers, 0.35 MB of gradients per step)"
+    assert [c.split(" ")[0] for c in finding.changes] == ["scaling.num_workers=1", "train.sync=local_sgd"]
+    # A large model (128 MB of gradients per step): local SGD, or fewer all-reduces per sample.
+    large = gradient_sync(record({"summary/time/sync_frac": [0.3], "comm_bytes_per_sample": [1e6]}))
+    assert large is not None and large.severity == HIGH
+    assert [c.split(" ")[0] for c in large.changes] == ["train.sync=local_sgd", "train.global_batch_size=256"]
+    # Already on local SGD: average less often.
+    local = gradient_sync(record({"summary/time/sync_frac": [0.2]}, {"train.sync": "local_sgd",
+                                                                     "train.sync_every": "None"}))
+    assert local is not None and local.changes[0].startswith("train.sync_every=16")
+    assert gradient_sync(record()) is None  # 5%
+    assert gradient_sync(record({"summary/time/sync_frac": [0.3], "world_size": [1.0]})) is None
+
+
+def test_one_worker_much_faster_or_slower_than_the_others_is_named() -> None:
+    fast = uneven_workers(record(ISSUE_RUN))
+    assert fast is not None and fast.severity == HIGH
+    assert fast.title.startswith("worker 0 ran at 86,517 samples/s, 2.7x the others (26,000-39,000)")
+    assert fast.changes[0].startswith("check the other workers' nodes")
+    assert fast.changes[1].startswith("scaling.cpus_per_worker=<a node's cores / its workers> (now 1.0")
+    rates = {WORKER_RATE.format(rank=r): [v] for r, v in enumerate([10_000.0, 10_400.0, 6_000.0, 9_800.0])}
+    slow = uneven_workers(record({**rates, "world_size": [4.0]}))
+    assert slow is not None and slow.severity == MEDIUM and slow.title.startswith("worker 2 ran at 6,000 samples/s")
+    assert "0.6x" in slow.title and slow.changes[0].startswith("check worker 2's node")
+    even = {**rates, WORKER_RATE.format(rank=2): [9_000.0]}
+    assert uneven_workers(record({**even, "world_size": [4.0]})) is None
+    assert uneven_workers(record()) is None  # the healthy pair: within 5%
+    # What runs record today: no per-worker pace at all.
+    assert uneven_workers(record({WORKER_RATE.format(rank=r): [] for r in range(2)})) is None
+
+
+# --------------------------------------------------------------------------- studies
+
+def study(space: dict[str, object], best: dict[str, object], counts: dict[str, int],
+          params: dict[str, str] | None = None) -> RunRecord:
+    """A study's parent run as study.py records it."""
+    metrics = keyed({f"trials_{status}": [float(n)] for status, n in counts.items()})
+    tags = {"orchestrator.role": "study", "mlflow.runName": "digits-mlp-study", **space_tags(space, best)}
+    return RunRecord(metrics, {"tune.scheduler": "asha", "tune.searcher": "random", **(params or {})}, tags)
+
+
+LR_WARMUP = {"optim.lr": {"loguniform": [1e-4, 1e-1]}, "optim.warmup_steps": {"choice": [0, 50, 200]}}
+
+
+def test_a_study_with_few_trials_per_searched_key_suggests_more_samples() -> None:
+    run = study(LR_WARMUP, {"optim.lr": 3e-3, "optim.warmup_steps": 50}, {"completed": 3, "stopped": 1})
+    finding = study_size(run)
+    assert finding is not None and finding.severity == MEDIUM
+    assert finding.title.startswith("study of 4 trials for 2 searched keys (optim.lr, optim.warmup_steps)")
+    assert finding.changes[0].startswith("tune.num_samples=8 (ASHA stops weak trials early")
+    assert study_size(study(LR_WARMUP, {}, {"completed": 2})).severity == HIGH  # type: ignore[union-attr]
+    assert study_size(study(LR_WARMUP, {}, {"completed": 5, "stopped": 3})) is None
+    # A grid key multiplies the trials (each sample runs every grid value) instead of needing samples.
+    grid = {"optim.lr": {"loguniform": [1e-4, 1e-1]}, "train.global_batch_size": {"grid": [64, 128, 256]}}
+    few = study_size(study(grid, {}, {"completed": 6}, {"tune.searcher": "optuna"}))
+    assert few is not None and few.changes == ("tune.num_samples=20 (ASHA stops weak trials early, so extra ones "
+                                               "cost less than full runs; Optuna's TPE samples at random for its "
+                                               "first 10 trials)",)
+    assert study_size(study(grid, {}, {"completed": 6}, {"tune.scheduler": "fifo"})).changes == (  # type: ignore
+        "tune.num_samples=4 (each is a full run)",)
+    assert study_size(study(grid, {}, {"completed": 12})) is None
+    assert study_size(record()) is None  # not a study
+
+
+def test_a_study_names_its_trials_not_steps_in_the_header() -> None:
+    run = study(LR_WARMUP, {"optim.lr": 3e-3, "optim.warmup_steps": 50}, {"completed": 3, "stopped": 1})
+    text = format_findings("p1", run, diagnose(run))
+    assert text.splitlines()[0] == "doctor: run digits-mlp-study (p1), study of 4 trials (3 completed, 1 stopped early)"
+    assert "0 steps" not in text
+    assert "     --set tune.num_samples=8 (ASHA" in text  # tune.num_samples is a --set; a space edit is YAML
+    edge = study(LR_WARMUP, {"optim.lr": 0.09, "optim.warmup_steps": 50}, {"completed": 8})
+    assert "     tune.space.optim.lr: {loguniform: [0.0001, 1]}" in format_findings("p2", edge, diagnose(edge))
+
+
+def test_best_value_at_the_end_of_a_choice_list_suggests_one_more_value() -> None:
+    top = search_space_edge(RunRecord({}, {}, space_tags(LR_WARMUP, {"optim.lr": 3e-3, "optim.warmup_steps": 200})))
+    assert top is not None and top.changes == ("tune.space.optim.warmup_steps: {choice: [0, 50, 200, 800]}",)
+    lrs = {"optim.lr": {"choice": [1e-4, 1e-3, 1e-2]}, "optim.weight_decay": {"grid": [0.1, 0.2, 0.3]}}
+    both = search_space_edge(RunRecord({}, {}, space_tags(lrs, {"optim.lr": 1e-4, "optim.weight_decay": 0.3})))
+    assert both is not None and both.changes == ("tune.space.optim.lr: {choice: [1e-05, 0.0001, 0.001, 0.01]}",
+                                                 "tune.space.optim.weight_decay: {grid: [0.1, 0.2, 0.3, 0.4]}")
+    # Within the key's bounds: momentum < 1 gets a value short of 1; a lower edge at the bound gets nothing.
+    momentum = search_space_edge(RunRecord({}, {}, space_tags({"optim.momentum": {"choice": [0.8, 0.9, 0.95]}},
+                                                              {"optim.momentum": 0.95})))
+    assert momentum is not None and 0.95 < float(momentum.changes[0].split(", ")[-1].rstrip("]}")) < 1.0
+    quiet = [({"optim.warmup_steps": {"choice": [0, 50, 200]}}, {"optim.warmup_steps": 50}),  # in the middle
+             ({"optim.warmup_steps": {"choice": [0, 50, 200]}}, {"optim.warmup_steps": 0}),  # 0 is its bound
+             ({"optim.lr": {"choice": [1e-3, 1e-2]}}, {"optim.lr": 1e-2}),  # two values: a comparison
+             ({"optim.name": {"choice": ["adamw", "sgd", "lion"]}}, {"optim.name": "lion"})]  # not numbers
+    for space, best in quiet:
+        assert search_space_edge(RunRecord({}, {}, space_tags(space, best))) is None, space
+
+
+# --------------------------------------------------------------------------- every suggestion applies
+
+def config_key(key: str) -> bool:
+    from pydantic import BaseModel
+
+    from orchestrator.config import Config
+
+    model: object = Config
+    for name in key.split("."):
+        fields = getattr(model, "model_fields", {})
+        if name not in fields:
+            return False
+        model = fields[name].annotation
+    return not (isinstance(model, type) and issubclass(model, BaseModel))
+
+
+def bad_runs() -> list[RunRecord]:
+    return [record(ISSUE_RUN), record({"summary/time/sync_frac": [0.3], "comm_bytes_per_sample": [1e6]}),
+            record({"summary/time/sync_frac": [0.3]}, {"train.sync": "local_sgd"}),
+            record({"time/data_wait_frac": [0.5]}, {"data.read_parallelism": "4"}),
+            record({"cost/report_frac": [0.4]}, {"checkpoint.every": "50", "checkpoint.upload": "sync"}),
+            record({"cost/startup_frac": [0.6], "startup/datasets_s": [9.0], "startup/tracking_s": [1.0]}),
+            study(LR_WARMUP, {"optim.lr": 0.09, "optim.warmup_steps": 200}, {"completed": 2},
+                  {"tune.searcher": "optuna"})]
+
+
+def test_every_set_change_is_a_config_key() -> None:
+    findings: list[Finding] = [f for run in bad_runs() for f in diagnose(run)]
+    assert len({f.rule for f in findings}) >= 9
+    keys = {c.split("=", 1)[0] for f in findings for c in f.changes
+            if "=" in c and not c.startswith(("tune.space.", "RAY_"))}
+    assert keys and all(config_key(k) for k in keys), sorted(k for k in keys if not config_key(k))
+
+
+def test_metrics_are_read_under_their_mlflow_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    # When the tracking layer renames keys (train_loss -> train/loss), doctor follows mlflow_key, not literals.
+    import orchestrator.doctor as doctor
+
+    expected = [(f.rule, f.title, f.changes) for f in diagnose(record(ISSUE_RUN))]
+    monkeypatch.setattr(doctor, "mlflow_key", lambda name: f"renamed/{name}")
+    renamed = RunRecord({f"renamed/{k}": v for k, v in {**HEALTHY, **ISSUE_RUN}.items()}, PARAMS, {})
+    assert [(f.rule, f.title, f.changes) for f in diagnose(renamed)] == expected
+    assert diagnose(RunRecord({k: v for k, v in {**HEALTHY, **ISSUE_RUN}.items()}, PARAMS, {})) == []

@@ -248,3 +248,102 @@ def test_cli_tune_refuses_bad_input_with_one_line() -> None:
     assert out.stderr.strip().splitlines() == [
         "error: tune.metric=val_acc is never reported by the training loop (did you mean "
         "'tune.metric=val_accuracy'?); reported: " + ", ".join(TRAIN_METRICS + TASK_METRICS["classification"][0])]
+
+
+def test_trials_are_named_by_their_searched_values_short_and_filesystem_safe() -> None:
+    from orchestrator.search import MAX_NAME, TrialNamer, short_keys
+
+    cfg = study(LR, "tune.space.optim.warmup_steps.choice=[0, 10, 20]",
+                "tune.space.model.hidden.choice=[[64], [128, 128]]", "tune.space.optim.name.choice=[adamw, sgd]")
+    namer = TrialNamer.for_config(cfg)
+    name = namer({"optim.lr": 0.0032134, "optim.warmup_steps": 20, "model.hidden": [128, 128], "optim.name": "sgd"})
+    assert name == "lr=3.2e-03,warmup=20,name=sgd,hidden=128x128"  # in the order of tune.space
+    # Log-scale keys are always scientific (names of one study line up); others keep 3 significant digits.
+    assert namer({"optim.lr": 0.05, "optim.warmup_steps": 0}) == "lr=5.0e-02,warmup=0"
+    uniform = TrialNamer.for_config(study("tune.space.optim.weight_decay.uniform=[0.0, 0.1]"))
+    assert uniform({"optim.weight_decay": 0.0123456}) == "wd=0.0123"
+    # Keys whose short forms clash keep their dotted form; nothing but [A-Za-z0-9._+-] in a value.
+    assert short_keys(["optim.lr", "model.lr"]) == {"optim.lr": "optim.lr", "model.lr": "model.lr"}
+    odd = TrialNamer((("model.act", "act"),))
+    assert odd({"model.act": "a/b c:d"}) == "act=a-b-c-d"
+    # A long name is cut, and keeps a hash of the whole so two long names still differ.
+    wide = TrialNamer(tuple((f"model.k{i}", f"k{i}") for i in range(20)))
+    one, two = wide({f"model.k{i}": 1000 + i for i in range(20)}), wide({f"model.k{i}": 2000 + i for i in range(20)})
+    assert len(one) == MAX_NAME and one != two
+
+
+def test_peak_concurrency_counts_overlapping_spans() -> None:
+    from orchestrator.search import peak_concurrency
+
+    assert peak_concurrency([]) == 0
+    assert peak_concurrency([(0, 10), (1, 5), (2, 3)]) == 3
+    assert peak_concurrency([(0, 10), (10, 20), (20, 30)]) == 1  # a trial starts as the one before ends
+    assert peak_concurrency([(0, 10), (0, 10), (10, 20), (12, 30)]) == 2
+
+
+def test_the_searcher_holds_the_study_to_its_concurrency() -> None:
+    """TuneConfig.max_concurrent_trials is ignored beside a BasicVariantGenerator: the searcher carries it."""
+    pytest.importorskip("ray.tune")
+    from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter
+
+    from orchestrator.study import _searcher
+
+    random = _searcher(study(LR, "tune.seed=1"), 2)
+    assert isinstance(random, BasicVariantGenerator) and random.max_concurrent == 2
+    pytest.importorskip("optuna")
+    optuna = _searcher(study(LR, "tune.searcher=optuna"), 3)
+    assert isinstance(optuna, ConcurrencyLimiter) and optuna.max_concurrent == 3
+
+
+def _trial(lr: float, warmup: Any, metric: float, status: str = "completed", name: str = "") -> Any:
+    from orchestrator.study import TrialSummary
+
+    return TrialSummary(trial_id=f"t_{lr}", params={"optim.lr": lr, "optim.warmup_steps": warmup}, status=status,
+                        steps=40, metric=metric, name=name)
+
+
+def test_sweep_plot_draws_a_choice_as_categories_and_a_range_on_a_colour_bar() -> None:
+    from orchestrator.plots import sweep_figure
+
+    keys = ["optim.lr", "optim.warmup_steps"]
+    trials = [_trial(1e-3, 0, 0.5), _trial(3e-3, 20, 0.7, "stopped"), _trial(1e-2, 10, 0.9),
+              _trial(3e-2, 20, 0.8)]
+    fig = sweep_figure(trials, keys, "val_accuracy", categorical={"optim.warmup_steps"})
+    assert len(fig.axes) == 1  # no colour bar
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert labels == ["optim.warmup_steps=0", "optim.warmup_steps=10", "optim.warmup_steps=20", "ran to the end",
+                      "stopped early"]
+    continuous = [_trial(1e-3, 0.1, 0.5), _trial(3e-3, 0.05, 0.7, "stopped"), _trial(1e-2, 0.2, 0.9)]
+    fig = sweep_figure(continuous, keys, "val_accuracy")
+    assert len(fig.axes) == 2 and fig.axes[1].get_ylabel() == "optim.warmup_steps"  # the colour bar
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["ran to the end", "stopped early"]
+    # Values that are not numbers are categories even when the searcher did not list them.
+    named = [_trial(1e-3, "cosine", 0.5), _trial(3e-3, "linear", 0.7)]
+    fig = sweep_figure(named, keys, "val_accuracy")
+    assert len(fig.axes) == 1
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()][:2] == [
+        "optim.warmup_steps=cosine", "optim.warmup_steps=linear"]
+
+
+def test_curves_are_labelled_by_name_and_a_shared_name_gets_its_id() -> None:
+    from orchestrator.plots import trial_labels
+
+    trials = [_trial(1e-3, 0, 0.5, name="lr=1.0e-03,warmup=0"), _trial(2e-3, 0, 0.6, name="lr=2.0e-03,warmup=0"),
+              _trial(2.01e-3, 0, 0.7, name="lr=2.0e-03,warmup=0"), _trial(5e-3, 0, 0.7)]
+    assert trial_labels(trials) == ["lr=1.0e-03,warmup=0", "lr=2.0e-03,warmup=0 (t_0.002)",
+                                    "lr=2.0e-03,warmup=0 (t_0.00201)", "t_0.005"]
+
+
+def test_study_cost_line_shows_a_small_productive_share_with_what_took_the_time() -> None:
+    from orchestrator.cost import Ledger, Pricing, study_metrics
+    from orchestrator.study import study_cost_line
+
+    pricing = Pricing(1, 2.0, "1 node at $2/h")
+    ledgers = [Ledger(30.0, pricing, {"startup": 29.0, "compute": 0.06, "eval": 0.8, "other": 0.14}),
+               Ledger(40.0, pricing, {"startup": 39.0, "compute": 0.08, "eval": 0.8, "other": 0.12})]
+    line = study_cost_line(study_metrics(ledgers))
+    assert line.startswith("study cost: $0.0389 over 2 trials, 0.0194 node-hours | productive 0.2% | start-up 97%"
+                           " | eval 2.3%"), line
+    assert "other" not in line  # under 0.5%
+    unknown = study_cost_line({"cost/trials": 2.0, "cost/node_hours": 0.01})
+    assert unknown.endswith("productive share unknown: no trial ran long enough to report its timings")
