@@ -69,6 +69,17 @@ def resolve_for_data(config: Config, infos: dict[str, DatasetInfo]) -> Config:
     return resolved
 
 
+def ingest_options() -> Any:
+    """Ray Data's options for the workers' ingest: Ray Train's defaults (the current DataContext's), in order, so
+    two runs (and a resumed run) see the same batches on the same ranks. Built here rather than by
+    `DataConfig.default_ingest_options()`, which passes the deprecated `exclude_resources` (zero unless set)."""
+    from ray.data import DataContext, ExecutionOptions
+
+    current = DataContext.get_current().execution_options
+    return ExecutionOptions(resource_limits=current.resource_limits, preserve_order=True,
+                            verbose_progress=current.verbose_progress)
+
+
 def check_label(config: Config, info: DatasetInfo) -> None:
     """The target column suits the task: integer classes, a fixed-size list of 0/1 labels, numbers to regress."""
     label, task = config.data.label, config.task.name
@@ -121,9 +132,7 @@ def build_trainer(config: Config, spec: dict[str, Any], datasets: dict[str, Any]
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    # Preserve order so two runs (and a resumed run) see the same batches on the same ranks.
-    options = ray.train.DataConfig.default_ingest_options()
-    options.preserve_order = True
+    options = ingest_options()
     s = config.scaling
     return TorchTrainer(
         _worker_entry,

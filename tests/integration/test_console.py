@@ -37,3 +37,4 @@ def test_a_healthy_run_prints_only_the_products_lines(tmp_path: Path, digits_dir
     # split coordinators) and MLflow's store set-up.
     assert "ray.data" in text and "execution finished" in text and "ray.worker." in text
     assert "mlflow" in text
+    assert "exclude_resources" not in text  # the deprecated option is not passed (trainer.ingest_options)

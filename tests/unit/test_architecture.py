@@ -73,3 +73,15 @@ def test_exported_functions_are_not_shadowed_by_subpackages() -> None:
             "from orchestrator import train, tune\n"
             "assert callable(train) and callable(tune), (train, tune)\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, capture_output=True)
+
+
+def test_ingest_options_keep_order_and_use_no_deprecated_option() -> None:
+    import warnings
+
+    from orchestrator.trainer import ingest_options
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        options = ingest_options()
+    assert options.preserve_order
+    assert not [w for w in caught if "exclude_resources" in str(w.message)]
