@@ -126,7 +126,7 @@ def _train(config: Config, address: str | None, verbose: bool, infos: dict[str, 
             if missing:
                 raise ConfigError(f"this run needs {missing}")
             with train_environment(config, private_cluster=started_ray):
-                result, failures = _fit(config, infos, place, tracker, verbose, clock, log, history)
+                result, failures = _fit(config, infos, place, tracker, verbose, clock, log, history, started_ray)
         finally:
             if started_ray:
                 shutdown_local_ray()
@@ -137,11 +137,17 @@ def _train(config: Config, address: str | None, verbose: bool, infos: dict[str, 
     return result
 
 
-def _fit_interruptibly(trainer: Any) -> Any:
-    """`trainer.fit()` in a thread, so that Ctrl+C reaches this (main) thread as KeyboardInterrupt. Called in the
-    main thread, Ray Train installs its own SIGINT handler, which waits for its controller to abort and then exits
-    the process with status 1, before the run is marked or the user told how to continue. The run's actors end
-    with the driver (the local cluster is shut down; a joined cluster drops the job's actors when it leaves)."""
+class _Doomed(Exception):
+    """A worker raised an error that a restart would raise again, before the run's first report."""
+
+
+def _fit_interruptibly(trainer: Any, doomed: list[str]) -> Any:
+    """`trainer.fit()` in a thread, so that Ctrl+C reaches this (main) thread as KeyboardInterrupt, and so that a
+    run whose first attempt failed in the user's code or config (`doomed`, filled by the report handler) stops now
+    instead of after every restart Ray Train would make. Called in the main thread, Ray Train installs its own
+    SIGINT handler, which waits for its controller to abort and then exits the process with status 1, before the
+    run is marked or the user told how to continue. The run's actors end with the driver (the local cluster is shut
+    down; a joined cluster drops the job's actors when the driver leaves it)."""
     outcome: dict[str, Any] = {}
 
     def fit() -> None:
@@ -154,6 +160,8 @@ def _fit_interruptibly(trainer: Any) -> Any:
     thread.start()
     while thread.is_alive():
         thread.join(timeout=0.2)
+        if doomed:
+            raise _Doomed(doomed[0])
     if "error" in outcome:
         raise outcome["error"]
     return outcome["result"]
@@ -228,10 +236,11 @@ def _reopen_id(config: Config, record: dict[str, Any] | None) -> str | None:
 
 
 def _fit(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, tracker: Tracker,
-         verbose: bool, clock: StartupClock, log: RunLog, history: list[dict[str, Any]]
+         verbose: bool, clock: StartupClock, log: RunLog, history: list[dict[str, Any]], private_cluster: bool
          ) -> tuple[TrainResult, int]:
     """Fit the run while a driver thread shows and tracks its metrics (appended to `history` as they come); the
-    result and how many worker failures Ray Train restarted from."""
+    result and how many worker failures Ray Train restarted from. On a `private_cluster` an error every restart
+    would repeat ends the run at once (shutting the cluster down ends Ray Train's restarts too)."""
     import ray
     import ray.train
     from ray.util.queue import Queue
@@ -240,14 +249,18 @@ def _fit(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, tracker
 
     total = config.train.max_steps or 0
     failures: list[float] = []
+    doomed: list[str] = []  # an error in the user's code or config before the first report
 
     def handle(report: dict[str, Any]) -> None:
         if report.get("event") == "worker_failure":
             failures.append(clock.since_start())
-            print(f"worker {report['rank']} failed: {report['error']} (restarting from the last checkpoint)",
-                  file=sys.stderr)
             step = history[-1]["step"] if history else 0
             tracker.set_tags({f"orchestrator.failure.{len(failures)}": f"after step {step}: {report['error']}"})
+            if report.get("repeats") and not history and private_cluster:
+                doomed.append(report["error"])  # the main thread stops the run: a restart would fail the same way
+                return
+            print(f"worker {report['rank']} failed: {report['error']} (restarting from the last checkpoint)",
+                  file=sys.stderr)
             return
         if clock.take_worker_marks(report):
             tracker.log_metrics(clock.metrics(), step=report["step"])
@@ -272,9 +285,12 @@ def _fit(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, tracker
     clock.mark("datasets")
     try:
         with ReportConsumer(queue, handle):
-            result = _fit_interruptibly(trainer)
+            result = _fit_interruptibly(trainer, doomed)
     except ray.train.TrainingFailedError as exc:
         raise RunFailedError(f"training failed: {root_cause(exc)} (run directory: {place.uri})") from None
+    except _Doomed as exc:
+        raise RunFailedError(f"training failed before its first report: {exc}; not retried, as every restart would "
+                             f"fail the same way (run directory: {place.uri})") from None
     _remove_unregistered_checkpoints(result)
     checkpoint_path = _checkpoint_uri(config, result.checkpoint.path) if result.checkpoint else None
     if history:

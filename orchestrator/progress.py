@@ -15,16 +15,28 @@ from typing import Any
 from ray.train import UserCallback
 from ray.util.queue import Empty, Queue
 
+from orchestrator.errors import UserError
+
+# Errors in the user's code or config that every restart would raise again (a wrong shape, a missing key, a bad
+# option, a non-finite loss): not worth a restart when they come before the run's first report. A crash, an I/O or
+# network error or a collective's RuntimeError may be transient and is retried.
+DETERMINISTIC = (TypeError, ValueError, AttributeError, KeyError, IndexError, NameError, ImportError,
+                 NotImplementedError, UserError)
+
 
 class ForwardFailures(UserCallback):
-    """Runs in the controller: puts each worker failure (the lowest failed rank and its error) on the queue."""
+    """Runs in the controller: puts each worker failure (the lowest failed rank, its error and whether it is one
+    that would repeat) on the queue."""
 
     def __init__(self, queue: Queue) -> None:
         self.queue = queue
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
         rank, exc = next(iter(sorted(worker_exceptions.items())))
-        self.queue.put({"event": "worker_failure", "rank": rank, "error": str(exc).strip().splitlines()[-1][:300]})
+        # Ray Train wraps an exception raised by the training function and keeps the original as `_base_exc`.
+        raised = getattr(exc, "_base_exc", None)
+        self.queue.put({"event": "worker_failure", "rank": rank, "error": str(exc).strip().splitlines()[-1][:300],
+                        "repeats": isinstance(raised, DETERMINISTIC)})
 
 
 def _duration(seconds: float) -> str:

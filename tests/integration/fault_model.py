@@ -1,6 +1,8 @@
 """A user model (loaded through `model.entrypoint`) with fault-injection knobs for the reliability tests:
 - `step_s`: sleep per training forward, so a run lasts long enough to be killed from outside mid-run;
 - `nan_call`/`nan_rank`: NaN logits on that rank's n-th training forward (one rank only: the skip must be agreed);
+- `raise_call`: a ValueError (a bug in the user's forward) on every rank's n-th training forward, each recorded as
+  a file in the `marker` directory, so a test counts the attempts;
 - `die_in_checkpoint`: SIGKILL the worker halfway through writing its n-th checkpoint (while torch.save pickles
   state.pt; counted by picklings, since state_dict() is also called elsewhere), once (a marker file remembers it).
 The weights are an ordinary MLP; the extra state is an empty marker, so runs with and without faults compare."""
@@ -36,12 +38,12 @@ class _KillWhilePickled:
 
 class Faulty(torch.nn.Module):
     def __init__(self, in_features: int, num_classes: int, step_s: float, nan_call: int, nan_rank: int,
-                 die_in_checkpoint: int, marker: str) -> None:
+                 die_in_checkpoint: int, marker: str, raise_call: int) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(in_features, 32), torch.nn.ReLU(),
                                        torch.nn.Linear(32, num_classes))
         self.step_s, self.nan_call, self.nan_rank = step_s, nan_call, nan_rank
-        self.die_in_checkpoint, self.marker = die_in_checkpoint, marker
+        self.die_in_checkpoint, self.marker, self.raise_call = die_in_checkpoint, marker, raise_call
         self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -51,6 +53,9 @@ class Faulty(torch.nn.Module):
             time.sleep(self.step_s)
             if self.calls == self.nan_call and ray.train.get_context().get_world_rank() == self.nan_rank:
                 out = out * float("nan")
+            if self.calls == self.raise_call:
+                Path(self.marker, f"raised-{os.getpid()}").write_text("")
+                raise ValueError("a bug in the user's forward")
         return out
 
     def get_extra_state(self) -> Any:
@@ -61,5 +66,5 @@ class Faulty(torch.nn.Module):
 
 
 def build(in_features: int, num_classes: int, step_s: float = 0.0, nan_call: int = 0, nan_rank: int = 0,
-          die_in_checkpoint: int = 0, marker: str = "") -> torch.nn.Module:
-    return Faulty(in_features, num_classes, step_s, nan_call, nan_rank, die_in_checkpoint, marker)
+          die_in_checkpoint: int = 0, marker: str = "", raise_call: int = 0) -> torch.nn.Module:
+    return Faulty(in_features, num_classes, step_s, nan_call, nan_rank, die_in_checkpoint, marker, raise_call)

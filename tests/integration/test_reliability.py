@@ -272,3 +272,20 @@ def test_ctrl_c_exits_130_marks_the_run_killed_and_its_resume_command_continues(
     assert saved + 5 <= steps[0] <= stopped + 5 and steps[-1] == 60, (saved, stopped, steps)
     (run,) = client.search_runs([client.get_experiment_by_name("default").experiment_id])
     assert run.info.status == "FINISHED"
+
+
+def test_an_error_every_restart_would_repeat_is_not_retried(tmp_path: Path, digits_dir: str) -> None:
+    # `orchestrator train` as a user runs it, on the local cluster it starts (from the model module's directory,
+    # which the product puts on the workers' path), with restarts allowed.
+    (tmp_path / "raised").mkdir()
+    sets = [a for o in overrides(tmp_path, digits_dir, "train.max_steps=20", "failure.max_failures=3",
+                                 "model.raise_call=3", f"model.marker={tmp_path}/raised")
+            for a in ("--set", o)]
+    done = subprocess.run([str(BIN / "orchestrator"), "train", *sets], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).parent)
+    assert done.returncode == 2, done.stderr[-3000:]
+    (line,) = done.stderr.strip().splitlines()
+    assert re.match(r"error: training failed before its first report: .*ValueError: a bug in the user's forward; "
+                    r"not retried, as every restart would fail the same way \(run directory: ", line), line
+    # One attempt (each of its 2 workers raised at most once), not the 4 that failure.max_failures=3 allows.
+    assert len(list((tmp_path / "raised").iterdir())) <= 2

@@ -51,3 +51,4 @@ def test_worker_lines_of_the_product_are_recognised() -> None:
         "warning: out of memory: retrying the step")
     assert product_line("2026-12-01 17:17:04,605\tWARNING __init__.py:28 -- Progress bars disabled.") is None
     assert product_line("/x/site-packages/ray/data/y.py:3: RayDeprecationWarning: exclude_resources") is None
+
