@@ -100,6 +100,10 @@ def _log_path(config: Config, place: RunPlace) -> Path:
 def _train(config: Config, address: str | None, verbose: bool, infos: dict[str, DatasetInfo], place: RunPlace,
            record: dict[str, Any] | None, clock: StartupClock, log: RunLog) -> TrainResult:
     run_name, run_dir = place.name, place.uri
+    if config.tracking.enabled:
+        import mlflow  # noqa: F401 - its loggers exist from here on: diverted before the store logs its set-up
+
+        log.divert()
     tracker = start_tracker(config.tracking, run_name, run_id=_reopen_id(config, record))
     if record:
         tracker.set_tags({f"orchestrator.resume.{time.strftime('%Y%m%d-%H%M%S')}": "driver restarted with --resume"})

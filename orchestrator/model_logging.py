@@ -8,6 +8,7 @@ best-effort like the rest of tracking: a failure is one warning line and the run
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -29,7 +30,7 @@ def log_final_model(tracker: Tracker, config: Config, info: DatasetInfo,
     warns (one line on stderr, or the tracker's own warning for the store) and never raises."""
     if not isinstance(tracker, MlflowTracker) or tracker.run_id is None:
         return
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _working_directory(tmp):
         path = Path(tmp) / MODEL_NAME
         try:
             model, example, output = _rebuild(config, info, weights())
@@ -41,6 +42,22 @@ def log_final_model(tracker: Tracker, config: Config, info: DatasetInfo,
             return
         # The store's calls through the tracker: skipped while the store is down, warned about once.
         tracker._safe("log_model", _upload, tracker, path)
+
+
+@contextmanager
+def _working_directory(directory: str) -> Iterator[None]:
+    """In `directory` for the block: MLflow and torch.export read the working directory, and under `ray job submit`
+    it is the job's working_dir package, which Ray may already have removed when the run's workers ended."""
+    try:
+        before: str | None = os.getcwd()
+    except FileNotFoundError:
+        before = None
+    os.chdir(directory)
+    try:
+        yield
+    finally:
+        if before is not None and os.path.isdir(before):
+            os.chdir(before)
 
 
 def _rebuild(config: Config, info: DatasetInfo, weights: dict[str, Any]) -> tuple[Any, Any, Any]:

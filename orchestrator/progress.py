@@ -33,9 +33,12 @@ class ForwardFailures(UserCallback):
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
         rank, exc = next(iter(sorted(worker_exceptions.items())))
-        # Ray Train wraps an exception raised by the training function and keeps the original as `_base_exc`.
-        raised = getattr(exc, "_base_exc", None)
-        self.queue.put({"event": "worker_failure", "rank": rank, "error": str(exc).strip().splitlines()[-1][:300],
+        # The training function's own exception (some Ray versions wrap it, keeping it as `_base_exc`).
+        raised = getattr(exc, "_base_exc", exc)
+        text = (str(exc).strip().splitlines() or [""])[-1]
+        name = type(raised).__name__
+        error = text if text.startswith(name) else f"{name}: {text}"  # a traceback's last line names it already
+        self.queue.put({"event": "worker_failure", "rank": rank, "error": error[:300],
                         "repeats": isinstance(raised, DETERMINISTIC)})
 
 

@@ -187,7 +187,10 @@ def test_job_submit_trains_on_two_nodes_and_tracks_to_mlflow_server(
     artifacts = Path(MlflowClient(mlflow_server).download_artifacts(run["info"]["run_id"], "", str(tmp_path / "a")))
     import mlflow.artifacts
 
-    model = Path(mlflow.artifacts.download_artifacts(f"runs:/{run['info']['run_id']}/model",
+    models = MlflowClient(mlflow_server).search_logged_models([run["info"]["experiment_id"]])
+    (logged,) = [m for m in models if m.source_run_id == run["info"]["run_id"]] or [None]
+    assert logged is not None, (models, [ln for ln in logs.splitlines() if "warning" in ln.lower()])
+    model = Path(mlflow.artifacts.download_artifacts(artifact_uri=logged.artifact_location,
                                                      dst_path=str(tmp_path / "m"), tracking_uri=mlflow_server))
     files = [p for p in [*artifacts.rglob("*"), *model.rglob("*")] if p.is_file()]
     assert {"config.yaml", "learning_curves.png", "MLmodel"} <= {p.name for p in files}

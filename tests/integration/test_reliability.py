@@ -278,13 +278,14 @@ def test_an_error_every_restart_would_repeat_is_not_retried(tmp_path: Path, digi
     # `orchestrator train` as a user runs it, on the local cluster it starts (from the model module's directory,
     # which the product puts on the workers' path), with restarts allowed.
     (tmp_path / "raised").mkdir()
-    sets = [a for o in overrides(tmp_path, digits_dir, "train.max_steps=20", "failure.max_failures=3",
+    sets = [a for o in overrides(tmp_path, digits_dir, "train.max_steps=40", "failure.max_failures=3",
                                  "model.raise_call=3", f"model.marker={tmp_path}/raised")
             for a in ("--set", o)]
     done = subprocess.run([str(BIN / "orchestrator"), "train", *sets], capture_output=True, text=True, timeout=300,
                           cwd=Path(__file__).parent)
     assert done.returncode == 2, done.stderr[-3000:]
-    (line,) = done.stderr.strip().splitlines()
+    *_, line = done.stderr.strip().splitlines()
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert re.match(r"error: training failed before its first report: .*ValueError: a bug in the user's forward; "
                     r"not retried, as every restart would fail the same way \(run directory: ", line), line
     # One attempt (each of its 2 workers raised at most once), not the 4 that failure.max_failures=3 allows.

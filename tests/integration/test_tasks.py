@@ -149,7 +149,7 @@ def test_a_two_input_model_gets_category_ids_and_dense_floats_by_name(ray_cluste
                   f"data.val={diabetes_dir}/val", "train.max_steps=120", "train.log_every=40", "train.eval_every=40")
     result = train(cfg, verbose=False)
     assert result.metrics["val_r2"] > 0.15, result.metrics  # embeddings of int64 ids next to float32 features
-    assert result.history[-1]["train_loss"] < 0.7 * result.history[0]["train_loss"]
+    assert result.history[-1]["train_loss"] < 0.9 * result.history[0]["train_loss"]
 
 
 def test_a_study_over_the_regression_example_ranks_by_val_rmse(ray_cluster: None, tmp_path: Path,

@@ -19,5 +19,7 @@ def test_a_worker_error_that_would_repeat_is_told_apart_from_one_a_restart_may_c
                                         0: UserExceptionWithTraceback(raised, f"Traceback ...\n{raised!r}")})
         event = forwarded.get_nowait()
         assert (event["rank"], event["repeats"]) == (0, repeats) and repr(raised) in event["error"]
+    failures.after_exception(None, {0: ValueError("a bug")})
+    assert forwarded.get_nowait()["error"] == "ValueError: a bug"  # named, as a traceback's last line names it
     failures.after_exception(None, {0: RuntimeError("the worker process died")})  # a crash: Ray's error, retried
     assert forwarded.get_nowait()["repeats"] is False
