@@ -68,8 +68,7 @@ def _rebuild(config: Config, info: DatasetInfo, weights: dict[str, Any]) -> tupl
     from orchestrator.models import build_model
     from orchestrator.tasks import logits_of
     from orchestrator.trainer import in_features
-    from pipelines.batches import collate_arrow
-    from pipelines.tensors import Padding
+    from pipelines.batches import collate_sample
 
     model = build_model(config.model.name, config.model.entrypoint, in_features(config, info),
                         config.model.num_classes, config.model.kwargs)
@@ -78,8 +77,7 @@ def _rebuild(config: Config, info: DatasetInfo, weights: dict[str, Any]) -> tupl
     if info.sample is None or info.sample.num_rows == 0:
         raise ValueError("the training data has no sample rows for the input example")
     named = config.model.inputs is not None
-    batch = collate_arrow(info.sample, config.data.features, config.data.label, named,
-                          Padding(config.data.pad_to_multiple_of))
+    batch = collate_sample(info.sample, config.data, named)
     with torch.no_grad():
         if not named:
             x = batch["x"]

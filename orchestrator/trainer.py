@@ -107,10 +107,10 @@ def check_model_call(config: Config, info: DatasetInfo) -> None:
     call = None
     if config.model.inputs is not None and info.sample is not None:
         from orchestrator.training.parts import task_parts
-        from pipelines.batches import collate_arrow
+        from pipelines.batches import collate_sample
 
         try:
-            batch = collate_arrow(info.sample, config.data.features, config.data.label, named=True)
+            batch = collate_sample(info.sample, config.data, named=True)
         except ValueError as exc:
             raise ConfigError(f"data in {info.path}: {exc}") from None
         _, call, _ = task_parts(config)

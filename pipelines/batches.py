@@ -55,6 +55,12 @@ def collate_arrow(table: pa.Table, features: list[str], label: str | None, named
     return batch
 
 
+def collate_sample(table: pa.Table, data: DataConfig, named: bool) -> Batch:
+    """A few rows (the driver's sample of the training data) collated as the workers collate their batches: for
+    the driver's checks, the workers' memory probe and the logged model's input example."""
+    return collate_arrow(table, data.features, data.label, named, Padding(data.pad_to_multiple_of))
+
+
 class FeatureCollate(ArrowBatchCollateFn):
     """Collate for `iter_torch_batches`: Arrow batch in, named tensors out (moved to the device by Ray)."""
 

@@ -29,8 +29,8 @@ from orchestrator.training.memory import (
 from orchestrator.training.parts import Parts, build_parts, compile_model
 from orchestrator.training.reporting import RayReporter, quiet_report_log
 from orchestrator.training.resume import loadable_checkpoint
-from pipelines.batches import RankBatches, collate_arrow
-from pipelines.tensors import Batch, Padding, rows, take, to_device
+from pipelines.batches import RankBatches, collate_sample
+from pipelines.tensors import Batch, rows, take, to_device
 
 
 def probe_batch(sample: Batch, size: int, device: torch.device) -> Batch:
@@ -124,9 +124,7 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
         # Before the checkpoint is restored: probing touches weights and optimizer state, then puts them back.
         micro = checkpoint_micro_batch(state, cfg.train.global_batch_size // world, world)
         if micro is None:
-            sample = collate_arrow(spec["sample"], cfg.data.features, cfg.data.label, named,
-                                   Padding(cfg.data.pad_to_multiple_of))
-            micro = choose_micro_batch(cfg, parts, sample)
+            micro = choose_micro_batch(cfg, parts, collate_sample(spec["sample"], cfg.data, named))
         elif rank == 0:
             print(f"auto micro-batch: {micro} per worker, as in the checkpoint", flush=True)
         cfg = for_world_size(cfg, world, micro)
