@@ -219,4 +219,5 @@ class RunLog:
 
 
 _ROOTS = {name.split(".")[0] for name in LIBRARIES}
+LOG_FILE = "orchestrator.log"  # a run's (or a study's) log, in its directory
 RAY_DATA_CONFIG = "RAY_DATA_LOGGING_CONFIG"

@@ -16,7 +16,7 @@ from typing import Any
 
 from orchestrator.cluster import connect_ray, shutdown_local_ray, train_environment
 from orchestrator.config import Config, to_yaml
-from orchestrator.console import RunLog
+from orchestrator.console import LOG_FILE, RunLog
 from orchestrator.errors import ConfigError
 from orchestrator.runs import RUN_CONFIG, RunPlace, latest_run, new_run, open_run_storage
 from orchestrator.startup import StartupClock
@@ -94,7 +94,7 @@ def _log_path(config: Config, place: RunPlace) -> Path:
     """The run's log file: in its directory, or for a run stored in S3 a local file named after it."""
     if is_remote(config.storage.path):
         return Path(tempfile.gettempdir()) / "orchestrator-logs" / f"{place.name}.log"
-    return Path(place.path) / "orchestrator.log"
+    return Path(place.path) / LOG_FILE
 
 
 def _train(config: Config, address: str | None, verbose: bool, infos: dict[str, DatasetInfo], place: RunPlace,

@@ -22,7 +22,7 @@ import yaml
 
 from orchestrator.cluster import connect_ray, shutdown_local_ray, train_environment
 from orchestrator.config import Config, flatten, to_dict, to_yaml
-from orchestrator.console import RunLog
+from orchestrator.console import LOG_FILE, RunLog
 from orchestrator.errors import ConfigError, UserError
 from orchestrator.runs import RunPlace, open_run_storage
 from orchestrator.search import (
@@ -47,7 +47,6 @@ from pipelines.sources import DatasetInfo
 from pipelines.storage import Storage
 
 STATE_FILE = "orchestrator-study.json"
-LOG_FILE = "orchestrator.log"  # Ray's, Tune's and MLflow's own lines, and what the trials' workers print
 
 
 @dataclass

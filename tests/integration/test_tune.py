@@ -16,9 +16,10 @@ import pytest
 
 from orchestrator import load_config, train, tune
 from orchestrator.config import Config
+from orchestrator.console import LOG_FILE
 from orchestrator.errors import ConfigError
 from orchestrator.search import TrialNamer, peak_concurrency
-from orchestrator.study import LOG_FILE, TuneResult
+from orchestrator.study import TuneResult
 from orchestrator.tracking import mlflow_key
 
 pytestmark = pytest.mark.slow
