@@ -42,10 +42,11 @@ def bare_loop(args: argparse.Namespace) -> None:
     from orchestrator.training.loop import train_step
     from orchestrator.training.optim import build_optimizer
     from orchestrator.training.parts import Parts
-    from orchestrator.training.precision import Precision
+    from orchestrator.training.precision import Precision, flush_denormals
     from pipelines.batches import collate_arrow
 
     cfg = load_config(None, overrides(args, Path(args.bare)))
+    flush_denormals(cfg.train.flush_denormal)  # as the product's workers do
     torch.set_num_threads(args.threads)
     x, y = collate_arrow(pq.read_table(Path(args.bare) / "train"), ["features"], "label").values()
     torch.manual_seed(0)

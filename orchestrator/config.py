@@ -112,6 +112,8 @@ class TrainConfig(_Section):
     grad_accum_steps: int | None = Field(None, ge=1, description="Micro-batches per optimizer step; derived.")
     precision: Precision = Field("auto", description="auto picks bf16 where the device supports it.")
     compile: bool = Field(False, description="Wrap the model in torch.compile (falls back to eager on failure).")
+    flush_denormal: bool = Field(True, description="On CPU, treat subnormal floats as zero: late in training tiny "
+                                 "gradients and optimizer moments make float math on them several times slower.")
     memory_budget_gb: float | None = Field(
         None, gt=0, description="CPU only, with micro_batch_size=auto: memory one worker may use for the model, "
         "its gradients, optimizer state and activations (default: half the node's RAM over its workers)."

@@ -33,6 +33,16 @@ def resolve_precision(requested: str, device: torch.device) -> Mode:
     return "bf16" if cpu_supports_bf16() else "fp32"
 
 
+def flush_denormals(on: bool) -> bool:
+    """Treat subnormal floats (below ~1.2e-38) as zero in this thread and in the intra-op threads it starts later.
+
+    Late in training, gradients and Adam's moments drift into that range, and x86 float math on them is several
+    times slower (bench/overhead.py's bare loop: 4x slower per step once its loss neared zero). The intra-op pool
+    threads copy the setting when they are created, so call this before the thread's first parallel op. False
+    where the CPU cannot flush them. GPU kernels are unaffected."""
+    return torch.set_flush_denormal(on)
+
+
 class Precision:
     """Parameters and gradients stay fp32; only the forward runs in the reduced dtype."""
 

@@ -27,6 +27,7 @@ from orchestrator.training.memory import (
     state_bytes,
 )
 from orchestrator.training.parts import Parts, build_parts, compile_model
+from orchestrator.training.precision import flush_denormals
 from orchestrator.training.reporting import RayReporter, quiet_report_log
 from orchestrator.training.resume import loadable_checkpoint
 from pipelines.batches import RankBatches, collate_sample
@@ -115,6 +116,7 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
     context = ray.train.get_context()
     world, rank = context.get_world_size(), context.get_world_rank()
     cfg = for_world_size(config_from_dict(spec["config"]), world)
+    flush_denormals(cfg.train.flush_denormal)  # before this thread's first parallel op (see its docstring)
     device = ray.train.torch.get_device()
     pretrained = fetch_pretrained(cfg.model.pretrained, cfg.data.s3) if cfg.model.pretrained else None
     parts = build_parts(cfg, spec["in_features"], device, pretrained)

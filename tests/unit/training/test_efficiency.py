@@ -226,3 +226,31 @@ def test_auto_micro_batch_resumes_with_the_checkpoints_size_at_the_same_world_si
     assert checkpoint_micro_batch(state, per_worker=64, world=1) is None  # resized: measure again
     assert checkpoint_micro_batch(state, per_worker=12, world=2) is None  # 8 does not divide the batch
     assert checkpoint_micro_batch(None, per_worker=32, world=2) is None
+
+
+FLUSH_CHECK = """
+import sys, threading, torch
+from orchestrator.training.precision import flush_denormals
+torch.set_num_threads(2)
+out = {}
+def train_thread():  # Ray Train runs the training function in a thread of its own, as here
+    out["supported"] = flush_denormals(sys.argv[1] == "on")
+    # Large enough to run on both intra-op threads, which this thread starts here.
+    out["zeros"] = bool((torch.full((1 << 18,), 1e-39) * 3.0 == 0).all())
+t = threading.Thread(target=train_thread)
+t.start(); t.join()
+print(out["supported"], out["zeros"])
+"""
+
+
+@pytest.mark.parametrize("setting", ["on", "off"])
+def test_flush_denormals_reaches_the_intra_op_threads_of_the_training_thread(setting: str) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", FLUSH_CHECK, setting], capture_output=True, text=True, check=True)
+    supported, zeros = done.stdout.split()
+    if supported != "True":
+        pytest.skip("this CPU cannot flush subnormal floats")
+    # Off: 3e-39 is a subnormal float32, kept as such. On: flushed to zero on every thread that computed a part.
+    assert zeros == ("True" if setting == "on" else "False")
