@@ -120,6 +120,7 @@ class EpochReplay:
         self.micro = micro
         self.padding = padding
         self.batches: list[Batch] | None = None
+        self.everything: Batch | None = None  # the kept pass in one batch, for reshuffled epochs
 
     def __call__(self, stream: Callable[[], Iterable[Batch]], epoch: int = 0) -> Iterator[Batch]:
         """The recorded pass in `epoch`'s order if there is one; else a new `stream()`, recorded when kept. A pass
@@ -145,14 +146,20 @@ class EpochReplay:
     def _whole(self, batches: Iterable[Batch]) -> Iterator[Batch]:
         return (batch for batch in batches if self._is_whole(batch))
 
-    def _in_order_of(self, epoch: int) -> list[Batch]:
+    def _in_order_of(self, epoch: int) -> Iterator[Batch]:
         batches = self.batches or []
         if self.reshuffle is None or epoch == 0 or not batches:
-            return list(self._whole(batches))
-        everything = cat_rows(batches)
-        order = torch.randperm(rows(everything), generator=torch.Generator().manual_seed(self.reshuffle(epoch)))
-        return list(self._whole(split_batches([take(everything, order)], self.micro or rows(batches[0]),
-                                              drop_last=False, padding=self.padding)))
+            yield from self._whole(batches)
+            return
+        if self.everything is None:
+            self.everything = cat_rows(batches)  # once; each epoch then gathers only the micro-batch in hand
+        order = torch.randperm(rows(self.everything), generator=torch.Generator().manual_seed(self.reshuffle(epoch)))
+        size = self.micro or rows(batches[0])
+        trim = self.padding.trim if self.padding is not None else (lambda batch: batch)
+        for start in range(0, len(order), size):
+            batch = trim(take(self.everything, order[start:start + size]))
+            if self._is_whole(batch):
+                yield batch
 
 
 class RankBatches:
