@@ -122,6 +122,7 @@ def _train(config: Config, address: str | None, verbose: bool, infos: dict[str, 
         started_ray = connect_ray(address, config)
         log.attach_ray()
         clock.mark("ray start")
+        stopping: threading.Thread | None = None
         try:
             import ray
 
@@ -130,9 +131,17 @@ def _train(config: Config, address: str | None, verbose: bool, infos: dict[str, 
             if missing:
                 raise ConfigError(f"this run needs {missing}")
             with train_environment(config, private_cluster=started_ray):
-                result, failures = _fit(config, infos, place, tracker, verbose, clock, log, history, started_ray)
-        finally:
+                result, failures, checkpoint = _fit(config, infos, place, tracker, verbose, clock, log, history,
+                                                    started_ray)
             if started_ray:
+                # Ray's shutdown mostly waits for its processes to exit: let them, while the artifacts are logged.
+                stopping = threading.Thread(target=shutdown_local_ray, name="ray-shutdown")
+                stopping.start()
+            _log_final_artifacts(tracker, config, result.checkpoint_path, history, infos["train"], checkpoint)
+        finally:
+            if stopping is not None:
+                stopping.join()
+            elif started_ray:
                 shutdown_local_ray()
         # Billed from the command's start to now, Ray's shutdown included: what the user's stopwatch shows.
         result.cost = _cost(config, result.history, clock.since_start(), failures)
@@ -241,10 +250,11 @@ def _reopen_id(config: Config, record: dict[str, Any] | None) -> str | None:
 
 def _fit(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, tracker: Tracker,
          verbose: bool, clock: StartupClock, log: RunLog, history: list[dict[str, Any]], private_cluster: bool
-         ) -> tuple[TrainResult, int]:
-    """Fit the run while a driver thread shows and tracks its metrics (appended to `history` as they come); the
-    result and how many worker failures Ray Train restarted from. On a `private_cluster` an error every restart
-    would repeat ends the run at once (shutting the cluster down ends Ray Train's restarts too)."""
+         ) -> tuple[TrainResult, int, Any]:
+    """Fit the run while a driver thread shows and tracks its metrics (appended to `history` as they come).
+    Returns the result, how many worker failures Ray Train restarted from, and the final Ray Checkpoint. On a
+    `private_cluster` an error every restart would repeat ends the run at once (shutting the cluster down ends Ray
+    Train's restarts too)."""
     import ray
     import ray.train
     from ray.util.queue import Queue
@@ -299,11 +309,10 @@ def _fit(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, tracker
     checkpoint_path = _checkpoint_uri(config, result.checkpoint.path) if result.checkpoint else None
     if history:
         tracker.log_metrics(run_summary(history), step=history[-1]["step"])
-    _log_final_artifacts(tracker, config, checkpoint_path, history, infos["train"], result.checkpoint)
     return TrainResult(
         config=config, metrics=dict(result.metrics or {}), checkpoint_path=checkpoint_path, run_dir=place.uri,
         run_id=tracker.run_id, tracking_uri=getattr(tracker, "uri", None), history=history, startup=clock.seconds(),
-    ), len(failures)
+    ), len(failures), result.checkpoint
 
 
 def _remove_unregistered_checkpoints(result: Any) -> None:
