@@ -48,7 +48,7 @@ MUTANTS = (
            "together = ddp and ranks.world()[1] > 1 and len(pieces) > 1", "together = False",
            (f"{UNIT}/test_rank_agreement.py",)),
     Mutant("data position counted in micro-batches", LOOP,
-           "if skip >= len(y):\n                skip -= len(y)", "if skip >= 1:\n                skip -= 1",
+           "if skip >= rows(batch):\n                skip -= rows(batch)", "if skip >= 1:\n                skip -= 1",
            (f"{UNIT}/test_loop.py",)),
     Mutant("local SGD resumes every rank from rank 0's optimizer", CHECKPOINT,
            "optimizer[rank if same_world else 0], precision[rank if same_world else 0]",
