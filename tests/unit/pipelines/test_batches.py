@@ -88,3 +88,44 @@ def test_replayed_epochs_reach_the_rows_of_the_incomplete_last_micro_batch() -> 
         ids = sum(ys(batches), [])
         assert [len(y) for y in ys(batches)] == [4, 4] and len(set(ids)) == 8  # whole micro-batches, no row twice
     assert {i for e in epochs[1:] for i in sum(ys(e), [])} == set(range(10))  # 8 and 9 are trained too
+
+
+COLLATE_IN_A_THREAD = """
+import os, threading, time
+import numpy as np, pyarrow as pa, torch
+from pipelines.batches import collate_arrow
+
+torch.set_num_threads(2)
+rows, width = 4096, 64  # each tensor well above one intra-op chunk (32768 elements)
+rng = np.random.default_rng(0)
+lengths = rng.integers(1, width, rows)
+tokens = pa.array([list(rng.integers(0, 100, n)) for n in lengths], pa.list_(pa.int64()))
+features = pa.FixedSizeListArray.from_arrays(pa.array(rng.random(rows * width), pa.float64()), width)
+table = pa.table({"tokens": tokens, "windows": pa.FixedSizeListArray.from_arrays(
+    pa.array(rng.integers(0, 100, rows * width)), width), "features": features, "label": rng.integers(0, 9, rows)})
+cases = [(["features"], "label", False), (["windows"], None, False), (["tokens", "features"], "label", True),
+         (["tokens"], None, True)]
+done = threading.Event()
+
+def collate_and_stay():  # as Ray Data's collate threads do: they live as long as the iterator
+    for features, label, named in cases:
+        collate_arrow(table, features, label, named)
+    done.set()
+    time.sleep(60)
+
+before = len(os.listdir("/proc/self/task"))
+threading.Thread(target=collate_and_stay, daemon=True).start()
+done.wait()
+print(len(os.listdir("/proc/self/task")) - before)
+"""
+
+
+def test_collate_starts_no_intra_op_thread_pool_in_the_thread_it_runs_in() -> None:
+    """Ray Data collates in threads of its own. A parallel torch op there would start a second intra-op pool for
+    the life of the iterator, and the training thread's ops run at about 0.6x beside it."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", COLLATE_IN_A_THREAD], capture_output=True, text=True, check=True,
+                          timeout=120)
+    assert done.stdout.split()[-1] == "1", "collating started threads besides its own: an intra-op pool"
