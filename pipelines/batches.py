@@ -156,11 +156,8 @@ class EpochReplay:
             self.everything = cat_rows(batches)  # once; each epoch then gathers only the micro-batch in hand
         order = torch.randperm(rows(self.everything), generator=torch.Generator().manual_seed(self.reshuffle(epoch)))
         size = self.micro or rows(batches[0])
-        trim = self.padding.trim if self.padding is not None else (lambda batch: batch)
-        for start in range(0, len(order), size):
-            batch = trim(take(self.everything, order[start:start + size]))
-            if self._is_whole(batch):
-                yield batch
+        gathered = (take(self.everything, order[start:start + size]) for start in range(0, len(order), size))
+        yield from self._whole(split_batches(gathered, size, drop_last=False, padding=self.padding))
 
 
 class RankBatches:
