@@ -140,12 +140,33 @@ def trial_cpus(config: Config) -> float:
     return s.max_workers * s.cpus_per_worker
 
 
-def max_concurrent(config: Config, cluster_cpus: float) -> int:
-    """tune.max_concurrent_trials, else as many trials as the CPUs hold with one CPU left for Ray Data's
-    read tasks (ingest waits forever when workers hold every CPU)."""
+@dataclass(frozen=True)
+class Concurrency:
+    """How many trials a study runs at once, and what holds it there (for the study's first line)."""
+
+    trials: int
+    bound: str
+
+
+def max_concurrent(config: Config, resources: dict[str, float]) -> Concurrency:
+    """As many trials as the cluster's `resources` (ray.cluster_resources()) hold at once, at most
+    tune.max_concurrent_trials: a trial started beyond that waits for its workers inside its own (billed) time.
+    CPUs keep one for Ray Data's read tasks (ingest waits forever when workers hold every CPU); with
+    scaling.use_gpu every worker takes one GPU (Ray's ScalingConfig). Sized, like check_capacity, for the widest
+    trial's largest group, so an elastic trial has room to grow."""
+    widest, per_trial = widest_trial(config).scaling, trial_cpus(config)
+    cpus, gpus = resources.get("CPU", 0.0), resources.get("GPU", 0.0)
+    limits = []  # (trials, what bounds them), in the order a tie names them
     if config.tune.max_concurrent_trials is not None:
-        return config.tune.max_concurrent_trials
-    return max(1, int((cluster_cpus - 1) // trial_cpus(config)))
+        limits.append((config.tune.max_concurrent_trials,
+                       f"tune.max_concurrent_trials={config.tune.max_concurrent_trials}"))
+    if widest.use_gpu:
+        limits.append((int(gpus // widest.max_workers),
+                       f"GPUs: {gpus:g} in the cluster, {widest.max_workers} per trial"))
+    limits.append((int((cpus - 1) // per_trial), f"CPUs: {cpus:g} in the cluster, 1 kept for Ray Data, "
+                                                 f"{per_trial:g} per trial"))
+    trials, bound = min(limits, key=lambda limit: limit[0])
+    return Concurrency(max(1, trials), bound)
 
 
 # Trial names: the last part of a searched key, or a shorter word for the long ones people search often.

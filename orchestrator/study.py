@@ -445,7 +445,8 @@ def _start_study(config: Config, base: Config, tree: dict[str, Any], infos: dict
     log.attach_ray()
     study = place.name
     check_capacity(config, ray.cluster_resources())
-    concurrency = max_concurrent(config, ray.cluster_resources().get("CPU", 1.0))
+    at_once = max_concurrent(config, ray.cluster_resources())
+    concurrency = at_once.trials
     if fresh:
         _delete(place.storage, place.path)
         _delete(place.storage, _trials(place).root)
@@ -466,7 +467,8 @@ def _start_study(config: Config, base: Config, tree: dict[str, Any], infos: dict
     if verbose:
         what = "resuming" if state else "starting"
         print(f"{what} study {study} at {place.uri}: {config.tune.num_samples} samples, up to {concurrency} "
-              f"trials at once, scheduler {config.tune.scheduler}, searcher {config.tune.searcher}", flush=True)
+              f"trials at once (bound by {at_once.bound}), scheduler {config.tune.scheduler}, searcher "
+              f"{config.tune.searcher}", flush=True)
         print(f"Ray and MLflow logs: {log_path}", flush=True)
     return _run_study(config, base, tree, infos, place, state is not None, tracker, concurrency, verbose,
                       private_cluster=started_ray, log_path=log_path)

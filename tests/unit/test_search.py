@@ -159,11 +159,11 @@ def test_best_yaml_loads_unchanged_with_the_best_values(tmp_path: Path) -> None:
 
 def test_concurrency_and_capacity_follow_the_widest_trial() -> None:
     cfg = study(LR, "scaling.num_workers=2", "train.global_batch_size=128")
-    assert max_concurrent(cfg, cluster_cpus=9) == 4  # one CPU kept for Ray Data's read tasks
-    assert max_concurrent(cfg, cluster_cpus=2) == 1
-    assert max_concurrent(study(LR, "tune.max_concurrent_trials=3"), cluster_cpus=64) == 3
+    assert max_concurrent(cfg, {"CPU": 9.0}).trials == 4  # one CPU kept for Ray Data's read tasks
+    assert max_concurrent(cfg, {"CPU": 2.0}).trials == 1
+    assert max_concurrent(study(LR, "tune.max_concurrent_trials=3"), {"CPU": 64.0}).trials == 3
     wide = study(LR, "tune.space.scaling.num_workers.choice=[1, 8]", "train.global_batch_size=128")
-    assert max_concurrent(wide, cluster_cpus=17) == 2
+    assert max_concurrent(wide, {"CPU": 17.0}).trials == 2
     check_capacity(wide, {"CPU": 8.0})
     with pytest.raises(ConfigError, match=r"a trial needs 8 CPUs .* the Ray cluster has 4"):
         check_capacity(wide, {"CPU": 4.0})
@@ -173,6 +173,36 @@ def test_concurrency_and_capacity_follow_the_widest_trial() -> None:
     check_capacity(typed, {"CPU": 16.0, "GPU": 8.0, "accelerator_type:H100": 1.0})
     with pytest.raises(ConfigError, match=r"needs H100 GPUs \(scaling.accelerator_type\) but the Ray cluster has A100"):
         check_capacity(typed, {"CPU": 16.0, "GPU": 8.0, "accelerator_type:A100": 1.0})
+
+
+def at_once(overrides: list[str], resources: dict[str, float]) -> tuple[int, str]:
+    found = max_concurrent(study(LR, "train.global_batch_size=128", *overrides), resources)
+    return found.trials, found.bound
+
+
+@pytest.mark.parametrize(("overrides", "resources", "trials", "bound"), [
+    # One GPU per worker (Ray's ScalingConfig with use_gpu): 2 GPUs hold 2 one-worker trials, not 31.
+    (["scaling.num_workers=1", "scaling.use_gpu=true"], {"CPU": 32.0, "GPU": 2.0}, 2, "GPUs"),
+    (["scaling.num_workers=2", "scaling.use_gpu=true"], {"CPU": 32.0, "GPU": 4.0}, 2, "GPUs"),
+    (["scaling.num_workers=2", "scaling.use_gpu=true"], {"CPU": 32.0, "GPU": 5.0}, 2, "GPUs"),
+    # Elastic and searched worker counts: sized for the largest group, as the CPUs are (each trial can grow).
+    (["scaling.num_workers=[1, 2]", "scaling.use_gpu=true"], {"CPU": 32.0, "GPU": 4.0}, 2, "GPUs"),
+    (["tune.space.scaling.num_workers.choice=[1, 4]", "scaling.use_gpu=true"], {"CPU": 32.0, "GPU": 8.0}, 2, "GPUs"),
+    # The workers' CPUs still count on a GPU cluster (one kept for Ray Data's read tasks).
+    (["scaling.num_workers=1", "scaling.use_gpu=true", "scaling.cpus_per_worker=4"], {"CPU": 9.0, "GPU": 8.0},
+     2, "CPUs"),
+    (["scaling.num_workers=1"], {"CPU": 32.0, "GPU": 2.0}, 31, "CPUs"),  # no GPUs asked for: CPU-bound as before
+    (["scaling.num_workers=1", "scaling.use_gpu=true"], {"CPU": 32.0}, 1, "GPUs"),  # never below one
+    (["scaling.num_workers=1", "scaling.use_gpu=true", "tune.max_concurrent_trials=1"], {"CPU": 32.0, "GPU": 2.0},
+     1, "tune.max_concurrent_trials"),
+    (["scaling.num_workers=1", "scaling.use_gpu=true", "tune.max_concurrent_trials=8"], {"CPU": 32.0, "GPU": 2.0},
+     2, "GPUs"),
+])
+def test_trials_at_once_are_bounded_by_the_gpus_too(overrides: list[str], resources: dict[str, float],
+                                                     trials: int, bound: str) -> None:
+    found, why = at_once(overrides, resources)
+    assert found == trials, why
+    assert why.startswith(bound), why
 
 
 def test_metric_list_matches_what_the_loop_reports() -> None:
