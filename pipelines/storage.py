@@ -236,32 +236,122 @@ def storage_error(exc: BaseException, storage: Storage, action: str, path: str |
     return DataError(f"S3 error {action} {what}: {detail}")
 
 
+def user_cache_dir() -> str:
+    """This user's own cache directory for the product, `$XDG_CACHE_HOME/orchestrator` or `~/.cache/orchestrator`
+    (a per-uid directory under the temp dir where the home is not writable), mode 0700. Never a shared,
+    predictable path: on a node others can write to, whoever creates such a path first decides what is in it."""
+    import tempfile
+
+    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    try:
+        return _private_dir(os.path.join(home, "orchestrator"))
+    except OSError:  # a read-only or missing home (some containers): a per-uid directory is still private
+        return _private_dir(os.path.join(tempfile.gettempdir(), f"orchestrator-{os.getuid()}"))
+
+
+def _private_dir(path: str) -> str:
+    """`path` as a real directory owned by this user and closed to others (created 0700, tightened if looser);
+    DataError if it is a symlink or someone else's."""
+    import stat
+
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except FileExistsError:
+        pass  # a file or a link to one: refused below
+    st = os.lstat(path)
+    what = ("a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory" if not stat.S_ISDIR(st.st_mode)
+            else f"owned by uid {st.st_uid}, not this user ({os.getuid()})" if st.st_uid != os.getuid() else "")
+    if what:
+        raise DataError(f"cache directory {path} is {what}: refused; remove it, or set XDG_CACHE_HOME to a "
+                        "directory of your own")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def local_name(rest: str, key: str) -> str:
+    """The relative local path for an object whose key is `key` and whose part below the fetched prefix is
+    `rest`; DataError naming the key if it could land anywhere but below the download directory. The bucket's
+    owner names the keys, so anything but plain name segments is refused: an absolute path, `..` (and `.` and
+    empty segments, which the SDK normalises away on the request, so they would fetch a different object),
+    backslashes (a separator on Windows), NUL."""
+    parts = rest.split("/")
+    if not rest or rest.startswith("/") or "\\" in rest or "\0" in rest or any(p in ("", ".", "..") for p in parts):
+        raise DataError(f"object key '{key}' refused: it is absolute or holds '..', '.', an empty segment, a "
+                        "backslash or NUL, so it could be written outside the download directory; rename or "
+                        "remove that object, or fetch from a prefix whose keys you trust")
+    return os.path.join(*parts)
+
+
+def _inside(directory: str, rest: str, key: str) -> str:
+    """`directory`/`rest`, checked once more after resolving: the result must lie strictly below `directory`."""
+    base = os.path.realpath(directory)
+    path = os.path.realpath(os.path.join(base, local_name(rest, key)))
+    if os.path.commonpath([base, path]) != base or path == base:
+        raise DataError(f"object key '{key}' refused: it resolves to {path}, outside the download directory {base}")
+    return path
+
+
+def _open_lock(path: str) -> int:
+    """A lock file's descriptor, never through a symlink (O_NOFOLLOW): a planted link would make this process
+    create or lock a file of the link's choosing."""
+    import errno
+
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise DataError(f"lock file {path} is a symlink: refused; remove it") from None
+        raise
+
+
 def fetch_prefix(uri: str, s3: S3Config | None = None, root: str | None = None) -> str:
-    """Every object under an s3:// prefix copied once to a local directory (per node: the first process holds a
-    file lock and downloads, the others wait and reuse the copy), keyed by the prefix and the objects' versions.
-    Returns the directory; DataError naming the prefix on failure."""
+    """Every object under an s3:// prefix copied once to a local directory below `root` (default: this user's
+    cache directory, see `user_cache_dir`), per node: the first process holds a file lock and downloads, the
+    others wait and reuse the copy, keyed by the prefix and the objects' versions. A key that could land outside
+    that directory is refused before anything is downloaded. Returns the directory; DataError naming the prefix
+    or the key on failure."""
     import fcntl
     import hashlib
+    import shutil
     import tempfile
 
     storage = open_storage(uri, s3)
     objects = storage.list_objects("")
     key = hashlib.sha256("\n".join(f"{o.path} {o.version}" for o in objects).encode()).hexdigest()[:16]
-    base = os.path.join(root or tempfile.gettempdir(), "orchestrator-pretrained")
+    prefix = storage.root.rstrip("/") + "/"
+    # (object, path below the copy, whether it only names a directory: "folder" markers such as "sub/", made by
+    # consoles, hold no bytes), every key checked before anything is written.
+    plan = []
+    for obj in objects:
+        rest = obj.path[len(prefix):] if obj.path.startswith(prefix) else os.path.basename(obj.path)
+        folder = obj.path.endswith("/")
+        if folder and not rest.removesuffix("/"):
+            continue  # the prefix's own marker
+        plan.append((obj, local_name(rest.removesuffix("/") if folder else rest, obj.path), folder))
+    base = os.path.join(root, "pretrained") if root else os.path.join(user_cache_dir(), "pretrained")
+    os.makedirs(base, mode=0o700, exist_ok=True)
     target = os.path.join(base, key)
-    os.makedirs(base, exist_ok=True)
-    with open(os.path.join(base, f".{key}.lock"), "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    lock = _open_lock(os.path.join(base, f".{key}.lock"))
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.isdir(target):
             staging = tempfile.mkdtemp(prefix=f".{key}-", dir=base)
-            prefix = storage.root.rstrip("/") + "/"
             try:
-                for obj in objects:
-                    local = os.path.join(staging, obj.path[len(prefix):] if obj.path.startswith(prefix)
-                                         else os.path.basename(obj.path))
+                for obj, rest, folder in plan:
+                    local = _inside(staging, rest, obj.path)
+                    if folder:
+                        os.makedirs(local, exist_ok=True)
+                        continue
                     os.makedirs(os.path.dirname(local), exist_ok=True)
                     pafs.copy_files(obj.path, local, source_filesystem=storage.filesystem())
+            except DataError:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
             except Exception as exc:
+                shutil.rmtree(staging, ignore_errors=True)
                 raise storage_error(exc, storage, "downloading") from None
             os.rename(staging, target)  # whole or not at all: a crash leaves only a staging directory
+    finally:
+        os.close(lock)  # releases the flock
     return target
