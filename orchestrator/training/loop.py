@@ -11,7 +11,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -50,12 +50,12 @@ class Interval:
     """Sums since the last report; losses stay on the device so no step waits for a host sync."""
 
     timer: PhaseTimer
-    loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    loss_sum: torch.Tensor | float = 0.0  # a tensor on the device from the first applied step
     targets: torch.Tensor | int = 0  # samples, or tokens for a language model (on the device: no host sync)
     samples: int = 0
     steps: int = 0
     micro: int = 0  # micro-batch size actually run (smaller after an out-of-memory retry)
-    grad_norm_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    grad_norm_sum: torch.Tensor | float = 0.0
     loss_targets: torch.Tensor | int = 0  # targets of the applied steps (a skipped non-finite step shows no loss)
     skipped: int = 0
     comm_start: int = 0  # Parts.comm_bytes when the interval began
@@ -63,8 +63,8 @@ class Interval:
     def add(self, result: StepResult, micro: int) -> None:
         """Count one step; a skipped (non-finite) step adds its targets but no loss or gradient norm."""
         if not result.skipped:
-            self.loss_sum = self.loss_sum.to(result.loss_sum.device) + result.loss_sum
-            self.grad_norm_sum = self.grad_norm_sum.to(result.grad_norm.device) + result.grad_norm
+            self.loss_sum = result.loss_sum + self.loss_sum
+            self.grad_norm_sum = result.grad_norm + self.grad_norm_sum
             self.loss_targets = self.loss_targets + result.targets.double()
         self.targets = self.targets + result.targets.double()  # float64: token counts pass 2**24
         self.samples += result.samples
@@ -128,7 +128,7 @@ def _non_finite_anywhere(step_loss: torch.Tensor, grad_norm: torch.Tensor, parts
     bad = ~torch.isfinite(step_loss)
     if parts.precision.scaler is None:
         bad = bad | ~torch.isfinite(grad_norm)
-    return ranks.any_rank(bad)
+    return ranks.any_rank(bad, parts.device)
 
 
 @dataclass
@@ -182,7 +182,7 @@ def _forward_backward(parts: Parts, pieces: list[Batch], scale: torch.Tensor,
         warnings.warn(f"out of memory: retrying the step with micro-batches cut in {parts.split * 2} "
                       "(same global batch, more accumulation)", stacklevel=3)
     if together:
-        out_of_memory = ranks.any_rank(torch.tensor(out_of_memory))
+        out_of_memory = ranks.any_rank(out_of_memory, parts.device)
     if out_of_memory:
         return None
     if ddp:  # an OOM in here is not retried: it may strike inside the all-reduce, which one rank cannot undo

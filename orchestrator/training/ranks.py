@@ -1,5 +1,6 @@
 """The collectives the worker side uses to keep its ranks in step. Each is a plain value in a single process (no
-process group), so the loop runs unchanged in-process and under DDP."""
+process group), so the loop runs unchanged in-process and under DDP. Each takes the training device explicitly: on
+GPUs the group is NCCL, which serves `cuda` tensors only, so a value left on the CPU fails the collective."""
 
 from __future__ import annotations
 
@@ -24,12 +25,13 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return tensor.tolist()
 
 
-def any_rank(flag: torch.Tensor) -> bool:
-    """True on every rank if `flag` is true on any rank (a MAX all-reduce)."""
-    flag = flag.to(torch.float32).reshape(1)
-    if world()[1] > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+def any_rank(flag: bool | torch.Tensor, device: torch.device) -> bool:
+    """True on every rank if `flag` is true on any rank (a MAX all-reduce on `device`)."""
+    if world()[1] == 1:
+        return bool(flag)
+    tensor = torch.as_tensor(flag, dtype=torch.float32, device=device).reshape(1)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return bool(tensor.item())
 
 
 def rank0_says(flag: bool, device: torch.device) -> bool:

@@ -36,7 +36,8 @@ from pipelines.tensors import Batch, rows, take, to_device
 
 def probe_batch(sample: Batch, size: int, device: torch.device) -> Batch:
     """`size` rows for memory probing: the driver's sample rows repeated (real shapes and values, any inputs)."""
-    return to_device(take(sample, torch.arange(size) % rows(sample)), device)
+    index = torch.arange(size, device="cpu") % rows(sample)  # the sample rows are on the host
+    return to_device(take(sample, index), device)
 
 
 def choose_micro_batch(cfg: Config, parts: Parts, sample: Batch) -> int:
@@ -140,7 +141,8 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
     data = RankBatches(cfg.data, ray.train.get_dataset_shard("train"),
                        ray.train.get_dataset_shard("val") if cfg.data.val is not None else None,
                        t.micro_batch_size, t.seed, rank, spec.get("epoch_clock"),  # type: ignore[arg-type]
-                       replay=bool(spec.get("replay_epochs")), named=named)
+                       replay=bool(spec.get("replay_epochs")), named=named,
+                       schema=getattr(spec.get("sample"), "schema", None))  # decides the padded columns
     # Facts only a worker knows, sent with the first report of every (re)start.
     facts = {"precision": parts.precision.mode, "grad_accum_steps": t.grad_accum_steps,
              "global_batch": t.micro_batch_size * t.grad_accum_steps * world,  # type: ignore[operator]
