@@ -54,6 +54,9 @@ class Task:
 
     metric = "val_loss"
     mode = "min"
+    counts_tokens = False  # True when `count` is tokens (the loop then reports tokens/s), not rows or labels
+    # The loss a Hugging Face model given `labels` must compute (config.problem_type), None: leave it as it is
+    problem_type: str | None = None
 
     def count(self, batch: Batch) -> torch.Tensor:
         """Targets in the batch the loss sums over (rows; tokens for a language model)."""
@@ -61,6 +64,10 @@ class Task:
 
     def loss_sum(self, output: Any, batch: Batch) -> torch.Tensor:
         raise NotImplementedError
+
+    def model_labels(self, batch: Batch) -> torch.Tensor:
+        """The targets as a model computing its own loss takes them (task.loss=model)."""
+        return batch[LABELS]
 
     def metric_sums(self, output: Any, batch: Batch) -> dict[str, torch.Tensor]:
         """Per-batch sums; at least `loss` (the loss sum) and `count` (`count(batch)`)."""
@@ -78,6 +85,7 @@ class Classification(Task):
     """One integer class per row; cross-entropy; accuracy (and top-5 accuracy with more than 5 classes)."""
 
     metric, mode = TASK_METRICS["classification"][1:]
+    problem_type = "single_label_classification"
 
     def __init__(self, num_classes: int | None = None) -> None:
         self.top5 = bool(num_classes and num_classes > 5)
@@ -105,9 +113,15 @@ class Multilabel(Task):
     """Several 0/1 labels per row (a fixed-size list); binary cross-entropy per label; micro accuracy and F1."""
 
     metric, mode = TASK_METRICS["multilabel"][1:]
+    problem_type = "multi_label_classification"
 
     def count(self, batch: Batch) -> torch.Tensor:
         return torch.tensor(float(batch[LABELS].numel()), device=batch[LABELS].device)
+
+    def model_labels(self, batch: Batch) -> torch.Tensor:
+        # Collate gives 0/1 lists as int64: binary cross-entropy takes float targets (and Hugging Face, without a
+        # problem_type, reads integer labels as single-label classes).
+        return batch[LABELS].float()
 
     def loss_sum(self, output: Any, batch: Batch) -> torch.Tensor:
         y = batch[LABELS].float()
@@ -131,9 +145,13 @@ class Regression(Task):
     """Float targets (one per row, or a fixed-size list); squared error; MSE, RMSE, MAE and R²."""
 
     metric, mode = TASK_METRICS["regression"][1:]
+    problem_type = "regression"
 
     def count(self, batch: Batch) -> torch.Tensor:
         return torch.tensor(float(batch[LABELS].numel()), device=batch[LABELS].device)
+
+    def model_labels(self, batch: Batch) -> torch.Tensor:
+        return batch[LABELS].float()  # integer targets are still numbers, not classes
 
     def _pair(self, output: Any, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         y = batch[LABELS].float()
@@ -148,15 +166,33 @@ class Regression(Task):
 
     def metric_sums(self, output: Any, batch: Batch) -> dict[str, torch.Tensor]:
         prediction, y = self._pair(output, batch)
-        prediction, y = prediction.double(), y.double()
-        return super().metric_sums(output, batch) | {
-            "abs": (prediction - y).abs().sum(), "y": y.sum(), "y2": (y * y).sum()}
+        if y.dim() == 1:
+            prediction, y = prediction[:, None], y[:, None]
+        prediction, y = prediction.double().flatten(1), y.double().flatten(1)  # rows x target columns
+        sums = super().metric_sums(output, batch) | {"abs": (prediction - y).abs().sum(),
+                                                     "rows": y.new_tensor(float(len(y)))}
+        # R² per target column needs each column's own sums: one variance pooled over columns counts the gaps
+        # between the columns' means as variance the model explains.
+        for name, column_sums in (("y", y.sum(0)), ("y2", (y * y).sum(0)), ("se", ((prediction - y) ** 2).sum(0))):
+            sums |= {f"{name}/{j}": value for j, value in enumerate(column_sums)}
+        return sums
 
     def metrics(self, sums: dict[str, float]) -> dict[str, float]:
         n, mse = sums["count"], sums["loss"] / sums["count"]
-        variance = sums["y2"] / n - (sums["y"] / n) ** 2  # of the targets: R² = 1 - MSE / Var(y)
         return {"val_loss": mse, "val_mse": mse, "val_rmse": math.sqrt(mse), "val_mae": sums["abs"] / n,
-                "val_r2": 1 - mse / variance if variance > 0 else math.nan}
+                "val_r2": self.r2(sums)}
+
+    @staticmethod
+    def r2(sums: dict[str, float]) -> float:
+        """R² averaged over the target columns weighted by their variance (scikit-learn's r2_score with
+        multioutput="variance_weighted"): 1 - squared error / total variation, over the columns that vary."""
+        rows, error, variation = sums["rows"], 0.0, 0.0
+        for j in range(sum(key.startswith("y/") for key in sums)):
+            y, y2 = sums[f"y/{j}"], sums[f"y2/{j}"]
+            column = y2 - y * y / rows  # the sum of squared deviations from the column's mean
+            if column > 1e-12 * y2:  # else constant up to rounding: weight 0, as in scikit-learn
+                error, variation = error + sums[f"se/{j}"], variation + column
+        return 1 - error / variation if variation > 0 else math.nan
 
 
 @TASKS.register("causal_lm")
@@ -166,6 +202,7 @@ class CausalLM(Task):
     the batch's labels are already the next tokens (the built-in `gpt` on x = tokens[:-1])."""
 
     metric, mode = TASK_METRICS["causal_lm"][1:]
+    counts_tokens = True
 
     def __init__(self, shift: bool = False) -> None:
         self.shift = shift
@@ -213,17 +250,19 @@ def build_task(name: str, num_classes: int | None, shift: bool) -> Task:
 class ModelCall:
     """How the model is called on a batch. `inputs` None: `model(batch["x"])`, the one concatenated float vector
     (or token window) of the classic contract. Else keyword arguments by name: {argument: batch key}; with
-    `labels`, the batch's targets go in too (for a model that computes its own loss)."""
+    `labels`, the batch's targets go in too (for a model that computes its own loss), as `task.model_labels`
+    gives them."""
 
-    def __init__(self, inputs: dict[str, str] | None = None, labels: bool = False) -> None:
-        self.inputs, self.labels = inputs, labels
+    def __init__(self, inputs: dict[str, str] | None = None, labels: bool = False, task: Task | None = None) -> None:
+        self.inputs, self.labels, self.task = inputs, labels, task
 
     def __call__(self, model: torch.nn.Module, batch: Batch) -> Any:
         if self.inputs is None:
             return model(batch["x"])
         kwargs = {argument: batch[key] for argument, key in self.inputs.items()}
         if self.labels:
-            kwargs["labels"] = batch[LABELS]
+            to_model = getattr(self.task, "model_labels", None)  # a user's task need not subclass Task
+            kwargs["labels"] = to_model(batch) if to_model is not None else batch[LABELS]
         return model(**kwargs)
 
 
@@ -245,9 +284,27 @@ def check_forward(model: torch.nn.Module, call: ModelCall, name: str) -> None:
                           f"{missing}; it takes {named}")
 
 
+def align_model_loss(model: torch.nn.Module, task: Task) -> None:
+    """Tell a Hugging Face model given `labels` which loss the task means. Without `config.problem_type` it guesses
+    from the labels: integer ones are single-label classes, one output is regression, several float outputs are
+    multi-label (so 0/1 lists, a single label, or multi-output regression would get the wrong loss)."""
+    config, wanted = getattr(model, "config", None), getattr(task, "problem_type", None)
+    if wanted is None or config is None or not hasattr(config, "problem_type"):
+        return
+    if config.problem_type is None:
+        config.problem_type = wanted
+    elif config.problem_type != wanted:
+        raise ConfigError(f"task.loss=model: the model's config.problem_type is '{config.problem_type}', but the "
+                          f"task needs '{wanted}': pass problem_type='{wanted}' to the model, or set task.loss=task")
+
+
 def step_loss_sum(task: Task, output: Any, batch: Batch, from_model: bool) -> torch.Tensor:
     """The loss of one micro-batch as a sum over its targets: the task's, or the model's own mean loss times the
     task's target count (the same normaliser, so accumulation and ranks stay exact)."""
-    if from_model:
-        return model_loss(output).float() * task.count(batch)
-    return task.loss_sum(output, batch)
+    if not from_model:
+        return task.loss_sum(output, batch)
+    count = task.count(batch)
+    # A piece with no target (rows of 0 or 1 token: nothing follows a token) has a 0/0 mean, and NaN x 0 is NaN,
+    # which would skip the whole step. Its sum is exactly 0. `where` keeps the loss in the graph, so backward
+    # still reaches every parameter (as DDP expects) with a zero gradient, and picks on the device (no host sync).
+    return torch.where(count > 0, model_loss(output).float() * count, 0.0)

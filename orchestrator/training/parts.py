@@ -10,7 +10,7 @@ import torch
 
 from orchestrator.config import Config
 from orchestrator.models import build_model
-from orchestrator.tasks import Classification, ModelCall, Task, build_task
+from orchestrator.tasks import Classification, ModelCall, Task, align_model_loss, build_task
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.precision import Precision, resolve_precision
 from orchestrator.training.sync import LocalSGD, build_local_sgd
@@ -45,10 +45,10 @@ def seed_everything(seed: int) -> None:
 def task_parts(cfg: Config) -> tuple[Task, ModelCall, bool]:
     """The task, how the model is called and whether its own loss is used, for a resolved config."""
     model_loss = cfg.task.loss == "model"
-    call = ModelCall(cfg.model.input_map, labels=model_loss)
+    inputs = cfg.model.input_map
     # A model given the whole token sequence by name shifts for next-token targets (the Hugging Face convention).
-    task = build_task(cfg.task.name, cfg.model.num_classes, shift=call.inputs is not None)  # type: ignore[arg-type]
-    return task, call, model_loss
+    task = build_task(cfg.task.name, cfg.model.num_classes, shift=inputs is not None)  # type: ignore[arg-type]
+    return task, ModelCall(inputs, labels=model_loss, task=task), model_loss
 
 
 def build_parts(cfg: Config, in_features: int | None, device: torch.device, pretrained: str | None = None) -> Parts:
@@ -61,9 +61,11 @@ def build_parts(cfg: Config, in_features: int | None, device: torch.device, pret
     seed_everything(t.seed)
     model = build_model(cfg.model.name, cfg.model.entrypoint, in_features, cfg.model.num_classes, cfg.model.kwargs,
                         pretrained)
+    task, call, model_loss = task_parts(cfg)
+    if model_loss:
+        align_model_loss(model, task)
     model = ray.train.torch.prepare_model(model)
     optimizer, scheduler = build_optimizer(model, cfg.optim, t.max_steps)  # type: ignore[arg-type]
-    task, call, model_loss = task_parts(cfg)
     return Parts(model, optimizer, scheduler, Precision(resolve_precision(t.precision, device), device), device,
                  cfg.optim.max_grad_norm, local_sgd=build_local_sgd(t.sync, *t.local_sgd), task=task, call=call,
                  model_loss=model_loss)
