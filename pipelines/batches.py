@@ -11,8 +11,50 @@ import torch
 from ray.data.collate_fn import ArrowBatchCollateFn
 
 from pipelines.config import DataConfig
+from pipelines.errors import DataError
 from pipelines.order import local_shuffle_seed, set_epoch
-from pipelines.tensors import IGNORE_INDEX, LABELS, Batch, Padding, cat_rows, column_array, rows, take, tensor
+from pipelines.tensors import (
+    IGNORE_INDEX,
+    LABELS,
+    Batch,
+    Padded,
+    Padding,
+    cat_rows,
+    column_array,
+    rows,
+    take,
+    tensor,
+)
+
+
+def padding_of(schema: pa.Schema, features: list[str], label: str | None, named: bool = False,
+               multiple: int | None = None) -> Padding:
+    """Which columns the collate of batches of `schema` pads together (variable-length integer lists, named inputs
+    only): each token column with its mask (`attention_mask` when it is the only one, else `<column>_mask`) and the
+    labels of its tokens; the labels are the first token column itself without a label, else a variable-length
+    label column tags the first token column's tokens (one label per token). A variable-length label column with
+    no token column is padded alone. Decided once, before iteration: the collate checks each batch against it."""
+    variable = [name for name in features if named and _is_list(schema.field(name).type)]
+    labelled = None  # the token column the labels are padded and trimmed with
+    groups = []
+    if label is None:
+        labelled = features[0] if features[0] in variable else None
+    elif _is_list(schema.field(label).type):
+        if not pa.types.is_integer(schema.field(label).type.value_type):
+            kind = schema.field(label).type.value_type
+            raise DataError(f"label column '{label}' is a variable-length list of {kind}: only integer labels can be "
+                            f"padded (with {IGNORE_INDEX}, which losses ignore); make it a fixed-size list")
+        labelled = variable[0] if variable else None
+        if labelled is None:
+            groups.append(Padded(LABELS))
+    for name in variable:
+        groups.append(Padded(name, "attention_mask" if len(variable) == 1 else f"{name}_mask",
+                             (LABELS,) if name == labelled else ()))
+    return Padding(tuple(groups), multiple)
+
+
+def _is_list(kind: pa.DataType) -> bool:
+    return pa.types.is_list(kind) or pa.types.is_large_list(kind)
 
 
 def collate_arrow(table: pa.Table, features: list[str], label: str | None, named: bool = False,
@@ -23,7 +65,17 @@ def collate_arrow(table: pa.Table, features: list[str], label: str | None, named
     path into torch); without a label the single column holds token windows: x = tokens[:-1], labels = tokens[1:].
     Named: every column by its name, as `column_array` converts it; a variable-length column brings its mask
     (`attention_mask` when it is the only one, else `<column>_mask`); without a label, `labels` are the tokens
-    themselves with padding ignored (the model shifts, as Hugging Face models do)."""
+    themselves with padding ignored (the model shifts, as Hugging Face models do). A variable-length label column
+    is padded with IGNORE_INDEX to the width of the tokens it tags (`padding_of`).
+
+    `padding`: the layout decided before iteration (`padding_of`); this batch must have it (DataError else).
+    Nothing shared is written here: Ray Data runs this in threads of its own while the training thread trims."""
+    expected = padding_of(table.schema, features, label, named, padding.multiple if padding else None)
+    if padding is not None and padding != expected:
+        raise DataError(f"this batch pads {_padded_keys(expected)} but the data's schema before iteration padded "
+                        f"{_padded_keys(padding)}: a data.transforms call changed whether a column is a "
+                        "variable-length list; keep each column's kind")
+    padding = expected
     if not named:
         if label is None:
             tokens = column_array(table.column(features[0]))[0]
@@ -31,45 +83,67 @@ def collate_arrow(table: pa.Table, features: list[str], label: str | None, named
         parts = [column_array(table.column(name))[0].reshape(table.num_rows, -1).astype(np.float32, copy=False)
                  for name in features]
         x = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
-        return {"x": tensor(x), LABELS: tensor(column_array(table.column(label))[0])}
+        return {"x": tensor(x), LABELS: tensor(_labels(table, label, padding, {}))}
     # Only numpy here, no torch op: this runs in Ray Data's threads, and one parallel torch op there would start a
     # second intra-op thread pool, which slows every op of the training thread (to 0.6x, measured).
-    padding = padding or Padding()
     arrays: dict[str, np.ndarray] = {}
     masks: dict[str, np.ndarray] = {}
     for name in features:
         arrays[name], mask = column_array(table.column(name), padding.multiple)
         if mask is not None:
             masks[name] = mask
-    for name, mask in masks.items():
-        key = "attention_mask" if len(masks) == 1 else f"{name}_mask"
-        arrays[key] = mask
-        padding.groups[key] = [name, key]
+    for group in padding.groups:
+        if group.mask is not None:
+            arrays[group.mask] = masks[group.column]
     if label is not None:
-        arrays[LABELS] = column_array(table.column(label))[0]
+        arrays[LABELS] = _labels(table, label, padding, masks)
     else:
         labels = arrays[features[0]].copy()
         if features[0] in masks:
             labels[masks[features[0]] == 0] = IGNORE_INDEX
-            padding.groups["attention_mask"].append(LABELS)
         arrays[LABELS] = labels
     return {key: tensor(value) for key, value in arrays.items()}
+
+
+def _labels(table: pa.Table, label: str, padding: Padding, masks: dict[str, np.ndarray]) -> np.ndarray:
+    """The label column; a variable-length one padded with IGNORE_INDEX to the width of the tokens it tags."""
+    values, mask = column_array(table.column(label), padding.multiple)
+    if mask is None:
+        return values
+    values = np.where(mask == 1, values, IGNORE_INDEX)
+    tokens = next((g for g in padding.groups if LABELS in g.along), None)
+    if tokens is None:
+        return values
+    # Trimmed with its tokens: a label past its row's last token would be cut off, so such rows are refused.
+    token_mask = masks[tokens.column]
+    longer = np.flatnonzero(mask.sum(axis=1) > token_mask.sum(axis=1))
+    if len(longer):
+        raise DataError(f"label column '{label}' has more labels than "
+                        f"'{tokens.column}' has tokens in {len(longer)} row(s): a variable-length label tags the "
+                        "tokens of its row, one each; pad or cut the labels to the tokens")
+    return np.pad(values, ((0, 0), (0, token_mask.shape[1] - values.shape[1])), constant_values=IGNORE_INDEX)
+
+
+def _padded_keys(padding: Padding) -> list[list[str]]:
+    return [list(group.keys) for group in padding.groups]
 
 
 def collate_sample(table: pa.Table, data: DataConfig, named: bool) -> Batch:
     """A few rows (the driver's sample of the training data) collated as the workers collate their batches: for
     the driver's checks, the workers' memory probe and the logged model's input example."""
-    return collate_arrow(table, data.features, data.label, named, Padding(data.pad_to_multiple_of))
+    padding = padding_of(table.schema, data.features, data.label, named, data.pad_to_multiple_of)
+    return collate_arrow(table, data.features, data.label, named, padding)
 
 
 class FeatureCollate(ArrowBatchCollateFn):
-    """Collate for `iter_torch_batches`: Arrow batch in, named tensors out (moved to the device by Ray)."""
+    """Collate for `iter_torch_batches`: Arrow batch in, named tensors out (moved to the device by Ray). Holds
+    only immutable settings: Ray Data calls it in threads of its own."""
 
     def __init__(self, features: list[str], label: str | None, named: bool = False,
                  padding: Padding | None = None) -> None:
         super().__init__()
         self.features, self.label, self.named = list(features), label, named
-        self.padding = padding or Padding()
+        self.padding = padding
 
     def __call__(self, batch: pa.Table) -> Batch:
         return collate_arrow(batch, self.features, self.label, self.named, self.padding)
@@ -163,13 +237,17 @@ class EpochReplay:
 class RankBatches:
     """The micro-batches one rank trains and validates on, epoch by epoch: fetched from its Ray Train dataset shards
     in chunks of about FETCH_ROWS, sliced into micro-batches, the epoch's shard order set through the epoch clock,
-    shuffled per (seed, epoch, rank) with a shuffle buffer, and small in-memory data replayed (EpochReplay)."""
+    shuffled per (seed, epoch, rank) with a shuffle buffer, and small in-memory data replayed (EpochReplay).
+    `schema`: the configured columns' (the driver's sample's), from which the padded columns are decided before
+    iteration (None only for data without rows)."""
 
     def __init__(self, data: DataConfig, train_shard: Any, val_shard: Any | None, micro_batch_size: int, seed: int,
-                 rank: int, epoch_clock: str | None, replay: bool, named: bool = False) -> None:
+                 rank: int, epoch_clock: str | None, replay: bool, named: bool = False,
+                 schema: pa.Schema | None = None) -> None:
         self.data, self.train_shard, self.val_shard = data, train_shard, val_shard
         self.micro, self.seed, self.rank, self.epoch_clock = micro_batch_size, seed, rank, epoch_clock
-        self.padding = Padding(data.pad_to_multiple_of)
+        self.padding = (padding_of(schema, data.features, data.label, named, data.pad_to_multiple_of)
+                        if schema is not None else Padding(multiple=data.pad_to_multiple_of))
         self.collate = FeatureCollate(data.features, data.label, named, self.padding)
         # Replayed only without a shuffle buffer (its order changes per epoch as it streams); with data.shuffle each
         # later epoch replays this rank's rows in a new order, seeded per (seed, epoch, rank).

@@ -3,6 +3,8 @@ and the loop share (slice, concatenate, trim padding). No Ray here: the loop run
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pyarrow as pa
 import torch
@@ -47,28 +49,52 @@ def cat_rows(batches: list[Batch]) -> Batch:
     return out
 
 
-class Padding:
-    """Variable-length integer list columns: padded to the longest row of the fetch by `to_tensors`, then each
-    micro-batch trimmed to its own longest row (rounded up to `multiple`). `groups`: mask key -> the keys padded
-    along with it (the column, its mask and, for a language model, the labels)."""
+@dataclass(frozen=True)
+class Padded:
+    """One variable-length column of a batch, padded to the longest row of its fetch: `column` (its key in the
+    batch), its 0/1 mask under `mask` and the keys padded to the same width with it (`along`: the labels of its
+    tokens). A label column with no tokens to follow (`mask` None) is padded with IGNORE_INDEX, and its real
+    positions are its length."""
 
-    def __init__(self, multiple: int | None = None) -> None:
-        self.multiple = multiple
-        self.groups: dict[str, list[str]] = {}
+    column: str
+    mask: str | None = None
+    along: tuple[str, ...] = ()
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return (self.column, *((self.mask,) if self.mask else ()), *self.along)
+
+
+@dataclass(frozen=True)
+class Padding:
+    """Which columns are padded together (`groups`), decided from the schema before iteration, and the multiple
+    their widths are rounded up to. The collate pads each group to the longest row of the fetch; `trim` cuts each
+    micro-batch back to its own longest row. Immutable: Ray Data collates in threads of its own while the training
+    thread trims, so nothing the trim reads may be written during iteration."""
+
+    groups: tuple[Padded, ...] = ()
+    multiple: int | None = None
 
     def trim(self, batch: Batch) -> Batch:
         if not self.groups:
             return batch
         batch = dict(batch)
-        for mask, keys in self.groups.items():
-            longest = int(batch[mask].sum(dim=1).max()) if rows(batch) else 0
-            width = min(self._rounded(longest), batch[mask].shape[1])
-            for key in keys:
+        for group in self.groups:
+            longest = _longest(batch, group) if rows(batch) else 0
+            width = min(self._rounded(longest), batch[group.column].shape[1])
+            for key in group.keys:
                 batch[key] = batch[key][:, :width]
         return batch
 
     def _rounded(self, width: int) -> int:
         return -(-width // self.multiple) * self.multiple if self.multiple else width
+
+
+def _longest(batch: Batch, group: Padded) -> int:
+    if group.mask is not None:
+        return int(batch[group.mask].sum(dim=1).max())
+    real = (batch[group.column] != IGNORE_INDEX).any(dim=0)  # the last real position of any row, plus one
+    return int((torch.arange(1, len(real) + 1, device=real.device) * real).max()) if len(real) else 0
 
 
 def column_array(column: pa.ChunkedArray | pa.Array, pad_multiple: int | None = None

@@ -100,11 +100,13 @@ rows, width = 4096, 64  # each tensor well above one intra-op chunk (32768 eleme
 rng = np.random.default_rng(0)
 lengths = rng.integers(1, width, rows)
 tokens = pa.array([list(rng.integers(0, 100, n)) for n in lengths], pa.list_(pa.int64()))
+tags = pa.array([list(rng.integers(0, 9, n)) for n in lengths], pa.list_(pa.int64()))
 features = pa.FixedSizeListArray.from_arrays(pa.array(rng.random(rows * width), pa.float64()), width)
 table = pa.table({"tokens": tokens, "windows": pa.FixedSizeListArray.from_arrays(
-    pa.array(rng.integers(0, 100, rows * width)), width), "features": features, "label": rng.integers(0, 9, rows)})
+    pa.array(rng.integers(0, 100, rows * width)), width), "features": features, "label": rng.integers(0, 9, rows),
+    "tags": tags})
 cases = [(["features"], "label", False), (["windows"], None, False), (["tokens", "features"], "label", True),
-         (["tokens"], None, True)]
+         (["tokens"], None, True), (["tokens"], "tags", True), (["features"], "tags", True)]
 done = threading.Event()
 
 def collate_and_stay():  # as Ray Data's collate threads do: they live as long as the iterator

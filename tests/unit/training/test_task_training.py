@@ -32,8 +32,8 @@ from orchestrator.training.loop import evaluate, run, train_step
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts
 from orchestrator.training.precision import Precision
-from pipelines.batches import EpochReplay, collate_arrow, split_batches
-from pipelines.tensors import IGNORE_INDEX, Padding, cat_rows
+from pipelines.batches import EpochReplay, collate_arrow, padding_of, split_batches
+from pipelines.tensors import IGNORE_INDEX, Padded, Padding, cat_rows
 
 SGD = ["optim.name=sgd", "optim.momentum=0", "optim.weight_decay=0", "optim.lr=1", "optim.warmup_steps=0",
        "optim.schedule=constant", "optim.max_grad_norm=null"]
@@ -51,7 +51,7 @@ def test_columns_keep_their_meaning_and_token_lists_are_padded_with_a_mask() -> 
         "image": ArrowTensorArray.from_numpy(np.arange(12, dtype=np.float32).reshape(3, 2, 2)),
         "label": pa.array([0, 1, 1]),
     }).slice(1)  # a sliced table exercises the list offsets
-    padding = Padding()
+    padding = padding_of(table.schema, ["ids", "category", "dense", "image"], "label", named=True)
     batch = collate_arrow(table, ["ids", "category", "dense", "image"], "label", named=True, padding=padding)
     assert batch["ids"].tolist() == [[1, 7, 0, 0, 0], [1, 8, 9, 10, 11]]
     assert batch["attention_mask"].tolist() == [[1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
@@ -62,7 +62,7 @@ def test_columns_keep_their_meaning_and_token_lists_are_padded_with_a_mask() -> 
     (short, long_) = split_batches([batch], 1, drop_last=False, padding=padding)
     assert short["ids"].tolist() == [[1, 7]] and short["attention_mask"].tolist() == [[1, 1]]
     assert long_["ids"].shape == (1, 5)
-    padding.multiple = 4
+    padding = Padding(padding.groups, multiple=4)
     assert next(iter(split_batches([batch], 1, drop_last=False, padding=padding)))["ids"].shape == (1, 4)
 
 
@@ -79,8 +79,7 @@ def test_replayed_epochs_mix_rows_of_different_padded_widths() -> None:
          "labels": torch.tensor([[3, 4, 5]])}
     both = cat_rows([a, b])
     assert both["ids"].tolist() == [[1, 2, 0], [3, 4, 5]] and both["labels"][0, 2] == IGNORE_INDEX
-    padding = Padding()
-    padding.groups["attention_mask"] = ["ids", "attention_mask", "labels"]
+    padding = Padding((Padded("ids", "attention_mask", ("labels",)),))
     replay = EpochReplay(keep=True, reshuffle=lambda epoch: epoch, micro=1, padding=padding)
     list(replay(lambda: [a, b], 0))
     later = list(replay(lambda: [a, b], 1))
