@@ -104,21 +104,24 @@ def _train(config: Config, address: str | None, verbose: bool, infos: dict[str, 
         import mlflow  # noqa: F401 - its loggers exist from here on: diverted before the store logs its set-up
 
         log.divert()
-    tracker = start_tracker(config.tracking, run_name, run_id=_reopen_id(config, record))
-    if record:
-        tracker.set_tags({f"orchestrator.resume.{time.strftime('%Y%m%d-%H%M%S')}": "driver restarted with --resume"})
-    tracker.log_params(config_params(config))  # model options' builder defaults included
-    tracker.set_tags({"orchestrator.run_dir": run_dir, "orchestrator.train_rows": str(infos["train"].num_rows)})
-    place.write_text(RUN_CONFIG, to_yaml(config))
-    log.open(log_path := _log_path(config, place))  # the run's directory exists from here on
-    if verbose:
-        print(f"Ray and MLflow logs: {log_path}" + ("" if log.verbose else " (--verbose shows them here)"),
-              flush=True)
-    place.write_record({"run_name": run_name, "mlflow_run_id": tracker.run_id,
-                        "tracking_uri": getattr(tracker, "uri", None)})
-    clock.mark("tracking")
     history: list[dict[str, Any]] = []
+    with interrupted(place, history):  # Ctrl+C while the run is opened: the tracker ends it KILLED
+        tracker = start_tracker(config.tracking, run_name, run_id=_reopen_id(config, record))
+    # From the moment the run exists, Ctrl+C ends it KILLED (an error FAILED), never leaving it RUNNING.
     with closed_on_error(tracker), interrupted(place, history):
+        if record:
+            tracker.set_tags({f"orchestrator.resume.{time.strftime('%Y%m%d-%H%M%S')}":
+                              "driver restarted with --resume"})
+        tracker.log_params(config_params(config))  # model options' builder defaults included
+        tracker.set_tags({"orchestrator.run_dir": run_dir, "orchestrator.train_rows": str(infos["train"].num_rows)})
+        place.write_text(RUN_CONFIG, to_yaml(config))
+        log.open(log_path := _log_path(config, place))  # the run's directory exists from here on
+        if verbose:
+            print(f"Ray and MLflow logs: {log_path}" + ("" if log.verbose else " (--verbose shows them here)"),
+                  flush=True)
+        place.write_record({"run_name": run_name, "mlflow_run_id": tracker.run_id,
+                            "tracking_uri": getattr(tracker, "uri", None)})
+        clock.mark("tracking")
         started_ray = connect_ray(address, config)
         log.attach_ray()
         clock.mark("ray start")

@@ -40,6 +40,8 @@ _HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_T
 # Once the store stops answering, calls are skipped (not each charged those retries) and one is tried again after
 # this long: a dead server costs one warning and a few seconds, not a stalled driver and a warning per report.
 OUTAGE_RETRY_S = 30.0
+# A param the config of a resumed run changed (MLflow keeps a param's first value): tagged `<prefix><key>: old -> new`.
+PARAM_CHANGED = "orchestrator.param_changed."
 
 
 class Tracker(Protocol):
@@ -151,6 +153,8 @@ class MlflowTracker:
         self._down_until: float | None = None  # while the store is unreachable: when to try it again
         self._skipped = 0
         self._summary: dict[str, Any] = {}  # the summary table's figures, written when the run ends
+        self._reopened = run_id is not None  # its params and tags may be there already
+        self.run_id: str | None = None  # from when the run exists
         try:
             experiment = self._client.get_experiment_by_name(cfg.experiment)
             if experiment is None:
@@ -165,8 +169,12 @@ class MlflowTracker:
             else:
                 run_id = self._client.create_run(self.experiment_id, run_name=run_name,
                                                  tags=context_tags() | (tags or {})).info.run_id
-            self.run_id: str | None = run_id
+            self.run_id = run_id
             _EXPERIMENT_OF[run_id] = self.experiment_id
+        except KeyboardInterrupt:  # Ctrl+C once the run is RUNNING: it ends KILLED, as after the set-up
+            if self.run_id is not None:
+                self.finish("KILLED")
+            raise
         except Exception as exc:  # unreachable server, bad URI, locked database...
             raise UserError(f"MLflow tracking at '{self.uri}' is unavailable ({type(exc).__name__}: "
                             f"{str(exc).splitlines()[0] if str(exc) else ''}): start the server, fix tracking.uri, "
@@ -190,11 +198,9 @@ class MlflowTracker:
 
     def _failure(self, what: str, exc: Exception) -> str | None:
         """The warning to show for a failed call, or None when this failure was already reported."""
-        from mlflow.exceptions import RestException
-
         detail = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
         with self._lock:
-            if isinstance(exc, RestException):  # the store answered and refused this call: others still work
+            if not is_outage(exc):  # the store answered and refused this call: others still work
                 if what in self._failed:  # warn once per kind of call, not once per step
                     return None
                 self._failed.add(what)
@@ -215,11 +221,30 @@ class MlflowTracker:
         return f"MLflow tracking at '{self.uri}' answers again; {skipped} tracking calls were skipped while it was down"
 
     def log_params(self, params: dict[str, Any]) -> None:
-        from mlflow.entities import Param
+        """Params not logged yet. MLflow refuses to change a param's value (a resumed run's config may: a resize),
+        so a changed one keeps its first value and gets a tag `PARAM_CHANGED<key>: old -> new`; one changed back
+        loses that tag."""
+        from mlflow.entities import Param, RunTag
 
-        batch = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        values = {k: str(v)[:6000] for k, v in params.items()}
+        logged: dict[str, str] = {}
+        stale: list[str] = []
+        if self._reopened:
+            run: list[Any] = []
+            self._safe("log_params", lambda: run.append(self._client.get_run(self.run_id)))
+            if run:
+                logged, tags = run[0].data.params, run[0].data.tags
+                stale = [PARAM_CHANGED + k for k, v in values.items()
+                         if logged.get(k) == v and PARAM_CHANGED + k in tags]
+        batch = [Param(k, v) for k, v in values.items() if k not in logged]
         for i in range(0, len(batch), 100):  # MLflow caps a batch at 100 params
             self._safe("log_params", self._client.log_batch, self.run_id, params=batch[i:i + 100])
+        changed = [RunTag(PARAM_CHANGED + k, f"{logged[k][:3900]} -> {v[:3900]}") for k, v in values.items()
+                   if k in logged and logged[k] != v]
+        for i in range(0, len(changed), 100):
+            self._safe("set_tags", self._client.log_batch, self.run_id, tags=changed[i:i + 100])
+        for key in stale:
+            self._safe("set_tags", self._client.delete_tag, self.run_id, key)
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
         """Figures under the loop's names (a report, the ledger's, the start-up breakdown): each under its
@@ -291,6 +316,30 @@ class MlflowTracker:
         except Exception:
             return None
         return runs[0].info.run_id if runs else None
+
+
+def is_outage(exc: BaseException) -> bool:
+    """Whether a failed tracking call means the store cannot be reached now (a connection refused, reset or timed
+    out, a database locked or that cannot be opened), not that it answered and refused this call (a changed param, a
+    bad key, a deleted run, a missing file): MLflow raises MlflowException for both, the cause tells them apart."""
+    import requests
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import ErrorCode
+
+    unreachable: tuple[type[BaseException], ...] = (
+        ConnectionError, TimeoutError, requests.ConnectionError, requests.Timeout, requests.exceptions.RetryError)
+    botocore = sys.modules.get("botocore.exceptions")  # S3 artifacts; raised only once loaded
+    if botocore is not None:
+        unreachable += (botocore.ConnectionError, botocore.HTTPClientError)
+    unavailable = ErrorCode.Name(ErrorCode.TEMPORARILY_UNAVAILABLE)  # SQLAlchemy's OperationalError, wrapped
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:  # MLflow wraps the requests or SQLAlchemy error
+        seen.add(id(cause))
+        if isinstance(cause, unreachable) or (isinstance(cause, MlflowException) and cause.error_code == unavailable):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 @contextmanager
