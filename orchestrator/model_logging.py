@@ -30,24 +30,28 @@ def log_final_model(tracker: Tracker, config: Config, info: DatasetInfo,
     warns (one line on stderr, or the tracker's own warning for the store) and never raises."""
     if not isinstance(tracker, MlflowTracker) or tracker.run_id is None:
         return
-    with tempfile.TemporaryDirectory() as tmp, _working_directory(tmp):
+    with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / MODEL_NAME
         try:
+            # In the user's working directory: a builder may read files relative to it.
             model, example, output = _rebuild(config, info, weights())
-            _save(model, example, output, path)
+            with _working_directory(tmp):
+                _save(model, example, output, path)
         except Exception as exc:  # noqa: BLE001 - a model that cannot be saved must not fail a finished run
             detail = (str(exc).splitlines() or [""])[0][:300]
             print(f"warning: the final model was not logged as an MLflow Model ({type(exc).__name__}: {detail}); "
                   "its weights are in the run's final checkpoint", file=sys.stderr)
             return
         # The store's calls through the tracker: skipped while the store is down, warned about once.
-        tracker._safe("log_model", _upload, tracker, path)
+        with _working_directory(tmp):
+            tracker._safe("log_model", _upload, tracker, path)
 
 
 @contextmanager
 def _working_directory(directory: str) -> Iterator[None]:
     """In `directory` for the block: MLflow and torch.export read the working directory, and under `ray job submit`
-    it is the job's working_dir package, which Ray may already have removed when the run's workers ended."""
+    it is the job's working_dir package, which Ray may already have removed when the run's workers ended. Only
+    around MLflow's calls: the user's builder runs in the user's directory."""
     try:
         before: str | None = os.getcwd()
     except FileNotFoundError:
@@ -62,16 +66,24 @@ def _working_directory(directory: str) -> Iterator[None]:
 
 def _rebuild(config: Config, info: DatasetInfo, weights: dict[str, Any]) -> tuple[Any, Any, Any]:
     """The model on the CPU with `weights`, in eval mode; its input on the sample rows (the `x` array, or a dict
-    of arrays by forward argument) and its logits there, as numpy."""
+    of arrays by forward argument) and its logits there, as numpy. With model.pretrained, in the architecture of
+    its saved config.json (what the workers' from_pretrained built), not the builder's default."""
     import torch
 
-    from orchestrator.models import build_model
+    from orchestrator.models import build_model, pretrained_config, with_saved_architecture
     from orchestrator.tasks import logits_of
     from orchestrator.trainer import in_features
     from pipelines.batches import collate_sample
 
     model = build_model(config.model.name, config.model.entrypoint, in_features(config, info),
                         config.model.num_classes, config.model.kwargs)
+    if config.model.pretrained:
+        saved = pretrained_config(config.model.pretrained, config.data.s3)
+        model = with_saved_architecture(model, saved, config.model.entrypoint or config.model.name)
+    # from_pretrained keeps the saved dtype (bf16 weights train as bf16): the model in the weights' one dtype.
+    dtypes = {value.dtype for value in weights.values() if torch.is_tensor(value) and value.is_floating_point()}
+    if len(dtypes) == 1:
+        model.to(dtypes.pop())
     model.load_state_dict(weights)
     model.eval()
     if info.sample is None or info.sample.num_rows == 0:

@@ -7,6 +7,7 @@ import inspect
 import math
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -97,14 +98,17 @@ def check_model_options(model: ModelConfig) -> None:
     raise ConfigError(message)
 
 
-def check_model_build(model: ModelConfig, in_features: int | None, num_classes: int | None) -> nn.Module | None:
+def check_model_build(model: ModelConfig, in_features: int | None, num_classes: int | None,
+                      s3: Any = None) -> nn.Module | None:
     """Build the model once on the driver, on the meta device (shapes only: no memory, no weights, about a
     millisecond for the examples), so that options the builder cannot take fail before any resource is taken
-    instead of in every worker. Returns the model, or None where this check cannot tell (the workers will)."""
+    instead of in every worker. With model.pretrained (on S3: through `s3`, the data's S3Config), in the
+    architecture of its config.json, which the workers' from_pretrained builds. Returns the model, or None where
+    this check cannot tell (the workers will)."""
     try:
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a builder's warnings are the workers' to show
-            return build_model(model.name, model.entrypoint, in_features, num_classes, model.kwargs)
+            built = build_model(model.name, model.entrypoint, in_features, num_classes, model.kwargs)
     except ConfigError:
         raise
     # Only a TypeError/ValueError not about meta tensors blames the options: others may be the driver's (CUDA, network).
@@ -113,6 +117,18 @@ def check_model_build(model: ModelConfig, in_features: int | None, num_classes: 
             return None
         raise ConfigError(_cannot_build(model, exc)) from None
     except Exception:  # noqa: BLE001 - see above
+        return None
+    if model.pretrained is None:
+        return built
+    _check_pretrainable(built, model.entrypoint or model.name)
+    saved = pretrained_config(model.pretrained, s3)
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return with_saved_architecture(built, saved, model.entrypoint or model.name)
+    except ConfigError:
+        raise
+    except Exception:  # noqa: BLE001 - a saved config only from_pretrained understands: the workers will tell
         return None
 
 
@@ -143,11 +159,68 @@ def build_model(name: str, entrypoint: str | None, in_features: int | None, num_
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model builder '{entrypoint or name}' returned {type(model).__name__}, not a torch Module")
     if pretrained is not None:
-        if not hasattr(model, "from_pretrained"):
-            raise ConfigError(f"model.pretrained is set, but model '{entrypoint or name}' ({type(model).__name__}) "
-                              "has no from_pretrained: build a Hugging Face model, or load weights in the builder")
+        _check_pretrainable(model, entrypoint or name)
         model = type(model).from_pretrained(pretrained)
     return model
+
+
+def _check_pretrainable(model: nn.Module, name: str) -> None:
+    if not hasattr(model, "from_pretrained"):
+        raise ConfigError(f"model.pretrained is set, but model '{name}' ({type(model).__name__}) has no "
+                          "from_pretrained: build a Hugging Face model, or load weights in the builder")
+
+
+def pretrained_config(uri: str, s3: Any = None) -> dict[str, Any]:
+    """The config.json save_pretrained wrote at `uri` (a local directory or s3:// prefix; `s3` its S3Config): the
+    architecture the workers' from_pretrained builds, read without the weights. ConfigError when it is missing."""
+    import json
+
+    from pipelines.storage import open_storage, storage_error
+
+    storage = open_storage(uri, s3)
+    path = storage.join("config.json")
+    try:
+        with storage.filesystem().open_input_stream(path) as handle:
+            return json.loads(handle.read())
+    except FileNotFoundError:
+        raise ConfigError(f"config key 'model.pretrained': {uri} holds no config.json: point it at a directory (or "
+                          "s3:// prefix) written by the model's save_pretrained") from None
+    except ValueError as exc:
+        raise ConfigError(f"config key 'model.pretrained': {uri}/config.json is not JSON ({exc})") from None
+    except OSError as exc:
+        if storage.remote:
+            raise storage_error(exc, storage, "reading", path) from None
+        raise ConfigError(f"config key 'model.pretrained': cannot read {path} ({exc})") from None
+
+
+def with_saved_architecture(model: nn.Module, saved: dict[str, Any], name: str) -> nn.Module:
+    """A new model of `model`'s class with the architecture of `saved` (a save_pretrained config.json) and fresh
+    weights, on the current default device: what the workers' from_pretrained builds, without reading weights."""
+    _check_pretrainable(model, name)
+    config_class = getattr(type(model), "config_class", None)
+    if config_class is None or not hasattr(config_class, "from_dict"):
+        raise ConfigError(f"model.pretrained is set, but model '{name}' ({type(model).__name__}) has no "
+                          "config_class to read config.json with: build a Hugging Face model")
+    return type(model)(config_class.from_dict(saved))
+
+
+def position_limit(model: nn.Module) -> tuple[int, str] | None:
+    """(positions, the config key setting them) of a model with a learned table of positions, which a longer
+    sequence indexes past ('IndexError: index out of range in self'): a Hugging Face config's
+    max_position_embeddings (GPT-2's n_positions) with an embedding of that many rows (OPT and BART: 2 more).
+    None otherwise: rotary or relative positions run longer sequences."""
+    config = getattr(model, "config", None)
+    limit = getattr(config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or isinstance(limit, bool):
+        return None
+    try:
+        tokens = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    except (NotImplementedError, AttributeError):
+        tokens = None
+    if not any(isinstance(m, nn.Embedding) and m is not tokens and m.num_embeddings in (limit, limit + 2)
+               for m in model.modules()):
+        return None
+    return limit, getattr(config, "attribute_map", {}).get("max_position_embeddings", "max_position_embeddings")
 
 
 class CausalSelfAttention(nn.Module):

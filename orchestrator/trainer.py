@@ -99,15 +99,16 @@ def check_label(config: Config, info: DatasetInfo) -> None:
 
 
 def check_model_call(config: Config, info: DatasetInfo) -> None:
-    """The model builds with its options (on the meta device: no memory, no weights loaded), for every model; with
-    named inputs also: the sample rows convert to tensors, hold every input the model is given, and the model's
-    forward takes them by name."""
+    """The model builds with its options (on the meta device: no memory, no weights loaded; with model.pretrained,
+    in its saved config's architecture), for every model; the sample rows' sequences fit its learned positions;
+    with named inputs also: the sample rows convert to tensors, hold every input the model is given, and the
+    model's forward takes them by name."""
     from orchestrator.models import check_model_build
+    from pipelines.batches import collate_sample
 
-    call = None
+    call, batch = None, None
     if config.model.inputs is not None and info.sample is not None:
         from orchestrator.training.parts import task_parts
-        from pipelines.batches import collate_sample
 
         try:
             batch = collate_sample(info.sample, config.data, named=True)
@@ -118,12 +119,54 @@ def check_model_call(config: Config, info: DatasetInfo) -> None:
         if missing:
             raise ConfigError(f"config key 'model.inputs': {missing} are not in the batch, which has {sorted(batch)} "
                               "(a mask comes only with a variable-length token column)")
+    elif info.sample is not None and config.data.label is None:  # token windows: forward(x) takes their tokens
+        try:
+            batch = collate_sample(info.sample, config.data, named=False)
+        except ValueError:
+            batch = None  # the workers collate the same rows and will say why
     # What the workers build with (spec["in_features"]), so that the driver's check sees the workers' model.
-    model = check_model_build(config.model, in_features(config, info), config.model.num_classes)
-    if call is not None and model is not None:
+    model = check_model_build(config.model, in_features(config, info), config.model.num_classes, config.data.s3)
+    if model is None:
+        return
+    if call is not None:
         from orchestrator.tasks import check_forward
 
         check_forward(model, call, config.model.entrypoint or config.model.name)
+    if batch is not None:
+        check_positions(config, info, model, batch)
+
+
+def check_positions(config: Config, info: DatasetInfo, model: Any, batch: dict[str, Any]) -> None:
+    """The sample rows' token sequences fit the model's learned position table (GPT-2's n_positions, BERT's
+    max_position_embeddings): past it every worker fails with 'IndexError: index out of range in self', which Ray
+    does not retry. ConfigError naming both lengths and the fix."""
+    from orchestrator.models import position_limit
+
+    found = position_limit(model)
+    if found is None:
+        return
+    limit, key = found
+    # {batch key: its column}: the named inputs' own columns (a mask is as long as its tokens), or forward(x).
+    named = config.model.input_map
+    columns = ({k: k for k in named.values() if k in config.data.features} if named is not None
+               else {"x": config.data.features[0]})
+    for batch_key, column in columns.items():
+        value = batch.get(batch_key)
+        if value is None or value.ndim != 2 or value.is_floating_point() or value.shape[1] <= limit:
+            continue
+        length = value.shape[1]
+        name = config.model.entrypoint or config.model.name
+        source = f"{key} in {config.model.pretrained}/config.json" if config.model.pretrained else key
+        fix = f"shorten column '{column}' to at most {limit} tokens"
+        kind = info.schema.field(column).type if info.schema is not None else None
+        if config.data.label is None and kind is not None and pa.types.is_fixed_size_list(kind):
+            # `prepare text --seq-len N` writes windows of N + 1 tokens; forward(x) takes the first N of them.
+            seq_len = limit - (length - (kind.list_size - 1))
+            if seq_len >= 1:
+                fix = f"write shorter windows (`orchestrator prepare text --seq-len {seq_len}`)"
+        raise ConfigError(f"data in {info.path}: column '{column}' gives the model sequences of {length} tokens, but "
+                          f"model '{name}' ({type(model).__name__}) has {limit} positions ({source}): {fix}, or use "
+                          f"a model with {key} >= {length}")
 
 
 def build_trainer(config: Config, spec: dict[str, Any], datasets: dict[str, Any], place: RunPlace,
