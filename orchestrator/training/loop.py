@@ -45,6 +45,10 @@ class NonFiniteLossError(UserError):
     """The loss became NaN/inf; continuing would only write a broken model."""
 
 
+class DeviceMemoryError(UserError):
+    """Even the smallest micro-batch does not fit in device memory."""
+
+
 @dataclass
 class Interval:
     """Sums since the last report; losses stay on the device so no step waits for a host sync."""
@@ -184,6 +188,12 @@ def _forward_backward(parts: Parts, pieces: list[Batch], scale: torch.Tensor,
     if together:
         out_of_memory = ranks.any_rank(out_of_memory, parts.device)
     if out_of_memory:
+        # Once no rank's pieces can be cut further, a retry would redo the identical step forever.
+        splittable = max(rows(batch) for batch in pieces) > 1
+        if not (ranks.any_rank(splittable, parts.device) if together else splittable):
+            raise DeviceMemoryError(
+                "out of memory even with a micro-batch of 1 row: use a smaller model or shorter sequences, "
+                "train.precision=bf16, or a device with more memory")
         return None
     if ddp:  # an OOM in here is not retried: it may strike inside the all-reduce, which one rank cannot undo
         piece(pieces[-1], synced=True)
@@ -384,7 +394,7 @@ def run(
         metrics["interval_s"] = seconds
         metrics["samples_per_s"] = samples / seconds
         metrics["data_wait_frac"] = metrics["time/data_wait_frac"]
-        if targets != samples:  # a language model: targets are tokens
+        if getattr(parts.task, "counts_tokens", False):  # a user's task need not subclass Task
             metrics["tokens_per_s"] = targets / seconds
         metrics["flops_per_sample"] = flops_per_sample
         if peak and flops_per_sample:  # model FLOPs utilisation of the devices over the wall clock
@@ -433,20 +443,42 @@ def _flops_per_sample(parts: Parts, batch: Batch) -> float:
 
 
 def _first_compiled_step(parts: Parts, batch: list[Batch]) -> tuple[StepResult, float]:
-    """The first step of a compiled model compiles it: timed apart, and on failure the model runs eagerly."""
+    """The first step of a compiled model compiles it: timed apart. Compiling can fail on some ranks only (a
+    backend missing on one node): every rank first compiles on one piece without a collective, then all agree, and
+    all run eagerly if any failed. A rank that redid the step alone would meet the others' collectives with its own."""
     started = time.perf_counter()
+    failure = _compile_failure(parts, batch[0])
+    if ranks.any_rank(failure is not None, parts.device):
+        why = failure or "on another rank"
+        warnings.warn(f"torch.compile failed ({why}); continuing in eager mode", stacklevel=2)
+        parts.model = parts.eager_model  # type: ignore[assignment]
+    parts.eager_model = None
+    result = train_step(parts, batch)
+    return result, _elapsed(started, parts.device)
+
+
+def _compile_failure(parts: Parts, batch: Batch) -> str | None:
+    """Forward and backward of the compiled model on the first piece, which compiles both: the error's first line if
+    that fails, else None. Runs under DDP's no_sync (no collective) with the RNG forked; the gradients are dropped.
+    An out-of-memory error is left to the step's own agreed retry."""
+    model = parts.model
+    piece = chunk(batch, parts.split)[0]
+    model.train()
     try:
-        result = train_step(parts, batch)
+        with torch.random.fork_rng(devices=[parts.device] if parts.device.type == "cuda" else []), \
+                model.no_sync() if hasattr(model, "no_sync") else nullcontext():
+            with parts.precision.autocast():
+                output = parts.call(model, piece)
+            step_loss_sum(parts.task, output, piece, parts.model_loss).backward()
     except Exception as exc:
         if is_oom(exc):
-            raise
-        warnings.warn(f"torch.compile failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
-                      "continuing in eager mode", stacklevel=2)
+            return None
+        # Two lines: dynamo's first ("backend='inductor' raised:") and the backend's own error after it.
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        return f"{type(exc).__name__}: {' '.join(lines[:2])[:240]}"
+    finally:
         parts.optimizer.zero_grad(set_to_none=True)
-        parts.model, parts.eager_model = parts.eager_model, None  # type: ignore[assignment]
-        result = train_step(parts, batch)
-    parts.eager_model = None
-    return result, _elapsed(started, parts.device)
+    return None
 
 
 def _interval_metrics(interval: Interval, progress: Progress, parts: Parts, world: int

@@ -10,7 +10,7 @@ import torch
 from test_loop import Recorder, xy
 
 from orchestrator.config import load_config
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, UserError
 from orchestrator.models import GPT
 from orchestrator.tasks import CausalLM, Classification
 from orchestrator.training.loop import run, train_step
@@ -98,6 +98,34 @@ def test_oom_retry_gives_the_same_weights_as_an_uninterrupted_step() -> None:
     assert (retried.split, retried.oom_retries) == (2, 1)
     for a, b in zip(reference.model.parameters(), retried.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+class OomAlways(OomAbove):
+    """A model that never fits: even one row runs out of memory. Counts its calls so a retry loop that never gives
+    up is stopped by the test (with a distinct error) instead of hanging it."""
+
+    def __init__(self) -> None:
+        super().__init__(limit=0)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls > 50:
+            raise RuntimeError("still retrying after 50 forwards")
+        return super().forward(x)
+
+
+def test_an_oom_with_one_row_pieces_fails_in_one_line_instead_of_retrying_forever() -> None:
+    g = torch.Generator().manual_seed(0)
+    micro = [xy(torch.randn(4, 16, generator=g), torch.randint(0, 4, (4,), generator=g)) for _ in range(2)]
+    parts = parts_for(OomAlways())
+    with pytest.warns(UserWarning, match="out of memory: retrying"), pytest.raises(UserError) as raised:
+        train_step(parts, micro)
+    message = str(raised.value)
+    assert "a micro-batch of 1 row" in message and "\n" not in message
+    assert "train.precision" in message  # what to change
+    # 4-row micro-batches: retried at 2 rows and at 1 row, then no smaller piece exists.
+    assert (parts.split, parts.oom_retries) == (4, 2)
 
 
 def run_digits_like(*overrides: str, delay: float = 0.0, model: torch.nn.Module | None = None,

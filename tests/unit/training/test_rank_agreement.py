@@ -176,3 +176,49 @@ def test_a_resume_on_two_ranks_is_bitwise_exact(resumes: list[dict[str, Any]], s
         assert result[sync]["step"] == 8
         for straight, resumed in zip(result[sync]["straight"], result[sync]["resumed"], strict=True):
             assert torch.equal(straight, resumed)
+
+
+def _failing_backend(graph: Any, example_inputs: Any) -> Any:
+    raise RuntimeError("this backend cannot compile anything")
+
+
+def _compile_fails_on_rank_1(rank: int, shared: Path) -> dict[str, Any]:
+    """The first (compiling) step when compiling fails on rank 1 only, with two micro-batches and with one: every
+    rank must fall back to eager together, or rank 1 would redo the step alone against rank 0's collectives."""
+    from orchestrator.training.loop import _first_compiled_step
+
+    out: dict[str, Any] = {}
+    x, y = _rows(rank)
+    for pieces in (2, 1):
+        cfg = _config("train.global_batch_size=64", f"train.micro_batch_size={32 // pieces}", "train.max_steps=1",
+                      *SGD)
+        parts = _parts(DistributedDataParallel(OomOnce(1000)), cfg)
+        parts.eager_model = parts.model
+        parts.model = torch.compile(parts.model, backend=_failing_backend if rank == 1 else "eager")
+        batch = [{"x": x[i:i + 32 // pieces], "labels": y[i:i + 32 // pieces]} for i in range(0, 32, 32 // pieces)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _first_compiled_step(parts, batch)
+        out[pieces] = {"eager": isinstance(parts.model, DistributedDataParallel) and parts.eager_model is None,
+                       "weights": [p.detach().clone() for p in parts.model.parameters()],
+                       "warnings": [str(w.message) for w in caught if "compile" in str(w.message)]}
+    reference = OomOnce(1000)
+    both = [_rows(r) for r in (0, 1)]
+    torch.nn.functional.cross_entropy(reference(torch.cat([b[0] for b in both])),
+                                      torch.cat([b[1] for b in both])).backward()
+    out["expected"] = [p.detach() - p.grad for p in reference.parameters()]
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_a_compile_failure_on_one_rank_makes_every_rank_run_eagerly(tmp_path: Path) -> None:
+    results = run_two_ranks(_compile_fails_on_rank_1, tmp_path)
+    for pieces in (2, 1):
+        assert [r[pieces]["eager"] for r in results] == [True, True]
+        # Rank 1 says why; rank 0 says that another rank failed.
+        assert "this backend cannot compile anything" in " ".join(results[1][pieces]["warnings"])
+        assert "another rank" in " ".join(results[0][pieces]["warnings"])
+        for a, b, expected in zip(results[0][pieces]["weights"], results[1][pieces]["weights"],
+                                  results[0]["expected"], strict=True):
+            assert torch.equal(a, b)
+            torch.testing.assert_close(a, expected, atol=1e-6, rtol=1e-5)

@@ -257,3 +257,20 @@ def test_a_forward_that_does_not_take_the_named_inputs_is_refused() -> None:
         check_forward(model, ModelCall({"input_ids": "ids"}), "two")
     with pytest.raises(ConfigError, match="task.loss=model needs the forward"):
         check_forward(torch.nn.Linear(2, 1), ModelCall({"input": "x"}, labels=True), "linear")
+
+
+def test_tokens_per_second_is_reported_for_token_counts_only() -> None:
+    # Multi-output regression counts one target per label column (2 per row), so its targets differ from its
+    # samples without being tokens; a causal LM's targets are tokens.
+    cfg = load_config(None, ["task=regression", "data.label=target", "scaling.num_workers=1",
+                             "train.global_batch_size=16", "train.max_steps=2", "train.log_every=2",
+                             "data.val=null", "checkpoint.every=2", "optim.warmup_steps=0"])
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 4, generator=g)
+    rows = {"x": x, "labels": x[:, :2] * 3}
+    model = torch.nn.Linear(4, 2)
+    optimizer, scheduler = build_optimizer(model, cfg.optim, 2)
+    parts = Parts(model, optimizer, scheduler, Precision("fp32", CPU), CPU, None, task=Regression())
+    recorder = Recorder()
+    run(cfg, parts, lambda epoch: micro(rows, 16), None, recorder)
+    assert "samples_per_s" in recorder.reports[-1][0] and "tokens_per_s" not in recorder.reports[-1][0]
