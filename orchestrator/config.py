@@ -340,7 +340,9 @@ class TuneConfig(_Section):
     reduction_factor: float | None = Field(None, gt=1, description="ASHA: keep the top 1/reduction_factor at "
                                            "each rung; null = 3.")
     searcher: Literal["random", "optuna"] = Field("random", description="random sampling, or Optuna's TPE.")
-    max_concurrent_trials: int | None = Field(None, ge=1, description="null: cluster CPUs / CPUs per trial.")
+    max_concurrent_trials: int | None = Field(None, ge=1, description="An upper bound; at most what the "
+                                         "cluster holds: (CPUs - 1) / CPUs per trial, and GPUs / workers per trial "
+                                         "with scaling.use_gpu.")
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Seed of the searcher's sampling, for a "
                              "repeatable study.")
     rank_by: Literal["metric", "metric_per_dollar"] = Field(

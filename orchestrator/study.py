@@ -459,11 +459,12 @@ def _start_study(config: Config, base: Config, tree: dict[str, Any], infos: dict
     tracker = start_tracker(config.tracking, study, run_id=state.get("parent_run_id") if state else None,
                             tags={"orchestrator.study": study, "orchestrator.role": "study"})
     if state is None:
-        tracker.log_params(config_params(config))
-        tracker.set_tags({"orchestrator.scheduler": config.tune.scheduler,
-                          "orchestrator.searcher": config.tune.searcher,
-                          "orchestrator.search_space": json.dumps(config.tune.space)})
-        place.write_record({"config": _fingerprint(config), "parent_run_id": tracker.run_id}, STATE_FILE)
+        with closed_on_error(tracker):  # Ctrl+C or an error while the parent run is set up: never left RUNNING
+            tracker.log_params(config_params(config))
+            tracker.set_tags({"orchestrator.scheduler": config.tune.scheduler,
+                              "orchestrator.searcher": config.tune.searcher,
+                              "orchestrator.search_space": json.dumps(config.tune.space)})
+            place.write_record({"config": _fingerprint(config), "parent_run_id": tracker.run_id}, STATE_FILE)
     if verbose:
         what = "resuming" if state else "starting"
         print(f"{what} study {study} at {place.uri}: {config.tune.num_samples} samples, up to {concurrency} "

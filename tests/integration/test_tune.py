@@ -263,3 +263,26 @@ def test_trials_wider_than_the_cluster_are_refused(ray_cluster: None, tmp_path: 
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+class _CtrlC:
+    """A param value whose str() is where Ctrl+C lands: in the middle of writing the study's params."""
+
+    def __str__(self) -> str:
+        raise KeyboardInterrupt
+
+
+def test_ctrl_c_while_the_study_run_is_set_up_ends_it_killed(ray_cluster: None, tmp_path: Path, digits_dir: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlflow.tracking import MlflowClient
+
+    import orchestrator.study
+
+    params = orchestrator.study.config_params
+    monkeypatch.setattr(orchestrator.study, "config_params", lambda c: {**params(c), "zz.interrupted": _CtrlC()})
+    config = study_config(tmp_path, digits_dir, "tracking.experiment=tune-setup")
+    with pytest.raises(KeyboardInterrupt):
+        tune(config, verbose=False)
+    client = MlflowClient(config.tracking.uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("tune-setup").experiment_id])
+    assert run.info.status == "KILLED"
