@@ -25,6 +25,7 @@ from orchestrator.trainer import RunFailedError, build_run, resolve_for_data, ro
 from pipelines.config import is_remote
 from pipelines.datasets import inspect_datasets
 from pipelines.sources import DatasetInfo
+from pipelines.storage import user_cache_dir
 
 
 @dataclass
@@ -91,9 +92,10 @@ def train(config: Config, address: str | None = None, verbose: bool = True, resu
 
 
 def _log_path(config: Config, place: RunPlace) -> Path:
-    """The run's log file: in its directory, or for a run stored in S3 a local file named after it."""
+    """The run's log file: in its directory, or for a run stored in S3 a local file named after it, in this user's
+    private cache (a shared temp path would let another user plant a link the log is written through)."""
     if is_remote(config.storage.path):
-        return Path(tempfile.gettempdir()) / "orchestrator-logs" / f"{place.name}.log"
+        return Path(user_cache_dir()) / "logs" / f"{place.name}.log"
     return Path(place.path) / LOG_FILE
 
 

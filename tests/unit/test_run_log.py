@@ -52,3 +52,20 @@ def test_worker_lines_of_the_product_are_recognised() -> None:
     assert product_line("2026-12-01 17:17:04,605\tWARNING __init__.py:28 -- Progress bars disabled.") is None
     assert product_line("/x/site-packages/ray/data/y.py:3: RayDeprecationWarning: exclude_resources") is None
 
+
+
+def test_a_run_stored_in_s3_logs_to_a_private_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Not a shared, predictable path such as /tmp/orchestrator-logs, where another user could plant a symlink
+    # that the run's log would then be written through.
+    import stat
+
+    from orchestrator.config import load_config
+    from orchestrator.launch import _log_path
+    from orchestrator.runs import RunPlace
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    config = load_config(None, ["storage.path=s3://bucket/runs"])
+    place = RunPlace(storage=None, name="digits-1")  # type: ignore[arg-type]  # the name is all the path needs
+    path = _log_path(config, place)
+    assert path.is_relative_to(tmp_path / "cache" / "orchestrator") and path.name == "digits-1.log"
+    assert stat.S_IMODE((tmp_path / "cache" / "orchestrator").stat().st_mode) == 0o700
