@@ -100,19 +100,27 @@ def test_tracking_server_dying_mid_run_warns_once_and_training_finishes(
         digits_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
     uri, server = mlflow_server
     killed: dict[str, float] = {}  # how many reports the server held, and when it was killed
+    hold = tmp_path / "hold"
+    hold.mkdir()
 
-    def kill_after_two_reports() -> None:
-        killed["logged"] = wait_for(lambda: (n := logged_steps(uri, "tracking")) >= 2 and n, "two logged reports",
-                                    timeout=240)
-        kill_group(server)
-        killed["at"] = time.monotonic()
+    def kill_while_held() -> None:
+        # The worker holds in step 51 (held_model): the server has every report up to step 50 and no later one
+        # when it dies, however fast or slow the run got there; the last 20 reports can only meet a dead server.
+        try:
+            wait_for(lambda: list(hold.glob("held-*")), "the worker held at step 51", timeout=240)
+            killed["logged"] = wait_for(lambda: (n := logged_steps(uri, "tracking")) >= 10 and n,
+                                        "the reports up to step 50 logged", timeout=120)
+            kill_group(server)
+            killed["at"] = time.monotonic()
+        finally:
+            (hold / "release").touch()  # killed or not: training goes on, and the assertions below say which
 
     config = load_config(None, [
         f"data.train={digits_dir}/train", f"data.val={digits_dir}/val", f"storage.path={tmp_path}/runs",
         f"tracking.uri={uri}", "tracking.experiment=tracking", "scaling.num_workers=1",
         "train.global_batch_size=64", "train.precision=fp32", "train.max_steps=150", "train.log_every=5",
-        "checkpoint.every=50", "model.entrypoint=fault_model:build", "model.step_s=0.03"])
-    killer = threading.Thread(target=kill_after_two_reports, daemon=True)
+        "checkpoint.every=50", "model.entrypoint=held_model:build", "model.hold_call=52", f"model.marker={hold}"])
+    killer = threading.Thread(target=kill_while_held, daemon=True)
     started = time.monotonic()
     killer.start()
     result = train(config, verbose=False)
@@ -120,13 +128,14 @@ def test_tracking_server_dying_mid_run_warns_once_and_training_finishes(
     stderr = capsys.readouterr().err.splitlines()
     killer.join(timeout=5)
 
-    assert "at" in killed, "the server was never killed: the run may have ended before two reports were logged"
+    assert "at" in killed, "the server was never killed while the worker held at step 51"
     with pytest.raises(OSError):
         urllib.request.urlopen(f"{uri}/health", timeout=5)  # really gone
     assert result.metrics["step"] == 150  # training finished
     assert result.checkpoint_path and Path(result.checkpoint_path, "state.pt").is_file()
-    assert [r["step"] for r in result.history][-1] == 150  # every report reached the driver
-    assert len(result.history) - killed["logged"] >= 10  # most reports met the dead server
+    # Every report reached the driver: the 10 the server logged before it died and the 20 (steps 55..150) after.
+    assert [r["step"] for r in result.history] == list(range(5, 151, 5))
+    assert killed["logged"] == 10, killed
     tracking = [line for line in stderr if "MLflow" in line]
     assert len(tracking) == 1, tracking  # one line for the outage, not one per report or per kind of call
     assert tracking[0].startswith("warning: ") and uri in tracking[0] and "training continues" in tracking[0]

@@ -84,12 +84,16 @@ def test_best_trial_is_the_best_completed_one(study: tuple[TuneResult, Path]) ->
 def test_no_more_trials_ran_at_once_than_the_study_allows(study: tuple[TuneResult, Path],
                                                           study_cli: tuple[Path, str, str]) -> None:
     """tune.max_concurrent_trials=2, measured on Ray Tune's own record of when each trial started and when its last
-    result came in (the study ran 4 at once when Ray ignored the setting)."""
+    result came in (the study ran 4 at once when Ray ignored the setting). The cap is the guarantee: whether two
+    trials did overlap depends on the machine's speed, so the study is checked to have been allowed 2 at once."""
     result, _ = study
     spans = [(t.started_at, t.ended_at) for t in result.trials]
     assert all(start is not None and end is not None and start < end for start, end in spans), spans
-    assert peak_concurrency(spans) == 2  # type: ignore[arg-type]
-    assert "4 trials (at most 2 at once)" in study_cli[1]
+    peak = peak_concurrency(spans)  # type: ignore[arg-type]
+    assert 1 <= peak <= 2, spans
+    # Its own cluster (at least 3 CPUs: 1 kept for Ray Data, 1 per trial) holds 2 trials: the setting is the bound.
+    assert "up to 2 trials at once (bound by tune.max_concurrent_trials=2)" in study_cli[1]
+    assert f"4 trials (at most {peak} at once)" in study_cli[1]  # the summary reports what was measured
     assert "max_concurrent_trials" not in study_cli[2]  # Ray's warning that it ignores the setting
 
 
