@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import uuid
 from typing import Any
 
@@ -13,7 +14,8 @@ import pyarrow as pa
 from orchestrator.config import Config, config_from_dict, to_dict
 from orchestrator.errors import ConfigError, UserError
 from orchestrator.runs import RunPlace
-from pipelines.datasets import build_datasets, replay_epochs
+from pipelines.config import DataConfig
+from pipelines.datasets import MEMORY, REPLAY, STREAM, build_datasets, cache_decision
 from pipelines.order import create_epoch_clock
 from pipelines.sources import DatasetInfo
 from pipelines.storage import Storage
@@ -213,6 +215,27 @@ def _worker_env(config: Config) -> dict[str, str]:
     return {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
 
+_FEEDS = {STREAM: "streamed from storage", MEMORY: "held in memory and streamed again each epoch",
+          REPLAY: "held in memory and replayed by the workers"}
+
+
+def resumed_cache_decision(data: DataConfig, infos: dict[str, DatasetInfo], store_bytes: float,
+                           saved: str | None) -> str:
+    """The cache decision a run is fed under: its checkpoints' (`saved`) when it has one, since their data
+    position counts rows in that decision's epoch order (another would train some rows twice and others never),
+    else what `data.cache` and the object store decide now. Says so in one line when it overrides them."""
+    current = cache_decision(data, infos, store_bytes)
+    if saved is None or saved == current:
+        return current
+    if saved not in _FEEDS:
+        raise ConfigError(f"the run's checkpoint records an unknown cache decision '{saved}': resume it with the "
+                          "version that wrote it, or run without --resume")
+    print(f"resumed run: keeping the data {_FEEDS[saved]} ('{saved}'), as when its checkpoints counted their data "
+          f"position, not {_FEEDS[current]} as data.cache={data.cache} with {store_bytes / 2**30:.1f} GiB of object "
+          "store would now have it", file=sys.stderr, flush=True)
+    return saved
+
+
 def build_run(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, callbacks: list[Any],
               metrics_queue: Any) -> Any:
     """Datasets and TorchTrainer for one run, in this process's Ray Data context (the driver for `train`, the
@@ -220,19 +243,25 @@ def build_run(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, ca
     import ray
     from ray.data import DataContext
 
+    from orchestrator.training.resume import checkpointed_cache_decision
+
     # The workers advance this clock each epoch; the train reader draws that epoch's shard order from it.
     clock = f"orchestrator-epoch-{place.name}-{uuid.uuid4().hex[:8]}" if config.data.shuffle else None
     if clock:
         create_epoch_clock(clock)
     store_bytes = ray.cluster_resources().get("object_store_memory", 0)
+    # A resumed run (one with checkpoints in its place) is fed as its checkpoints were; a new one decides now.
+    saved = checkpointed_cache_decision(place.storage.filesystem(), place.path)
+    decision = resumed_cache_decision(config.data, infos, store_bytes, saved)
     spec = {"config": to_dict(config), "in_features": in_features(config, infos["train"]), "epoch_clock": clock,
-            "replay_epochs": replay_epochs(config.data, infos, store_bytes), "metrics_queue": metrics_queue,
+            "replay_epochs": decision == REPLAY, "cache_decision": decision, "metrics_queue": metrics_queue,
             "sample": infos["train"].sample}
     context = DataContext.get_current()
     context.execution_options.preserve_order = True
     context.print_on_execution_start = False  # one log line per epoch per dataset otherwise
     context.enable_progress_bars = False
-    datasets = build_datasets(config.data, infos, store_bytes, seed=config.train.seed, epoch_clock=clock)
+    datasets = build_datasets(config.data, infos, store_bytes, seed=config.train.seed, epoch_clock=clock,
+                              decision=decision)
     return build_trainer(config, spec, datasets, place, callbacks)
 
 

@@ -91,7 +91,8 @@ class DataConfig(BaseModel):
         "auto",
         description="memory: decode once and keep the blocks in Ray's object store for later epochs (Ray Data "
         "otherwise re-reads every epoch); auto: memory when the files use under 5% of the object store; none; "
-        "or a directory: a node-local disk cache of remote (s3://) shards.",
+        "or a directory: a node-local disk cache of remote (s3://) shards. A resumed run keeps whether its "
+        "checkpoints' data was streamed, held in memory or replayed (its data position counts rows in that order).",
     )
     cache_max_gb: float | None = Field(None, gt=0, description="Size cap of the disk cache per node (LRU "
                                        "eviction); default 50. Only with cache: DIR.")

@@ -45,12 +45,27 @@ def replay_epochs(cfg: DataConfig, infos: dict[str, DatasetInfo], object_store_b
     return use_memory_cache(cfg, infos, object_store_bytes) and is_small(infos, object_store_bytes)
 
 
+# The cache decision: how the train data reaches the workers each epoch. Each gives an epoch another row order, so
+# a checkpoint's data position (rows into its epoch's order) holds only under the decision it was made under; a
+# resumed run keeps its checkpoint's decision (orchestrator.trainer), whatever data.cache or the object store say.
+STREAM = "stream"  # read from storage (or the disk cache) every epoch, the shards in (seed, epoch) order
+MEMORY = "memory"  # decoded once into the object store, its blocks handed out again each epoch in (seed, epoch) order
+REPLAY = "replay"  # decoded once in epoch 0's shard order, small: each worker replays (and reshuffles) its first pass
+CACHE_DECISIONS = (STREAM, MEMORY, REPLAY)
+
+
+def cache_decision(cfg: DataConfig, infos: dict[str, DatasetInfo], object_store_bytes: float) -> str:
+    """What `data.cache` and the object store's size decide (STREAM, MEMORY or REPLAY)."""
+    if not use_memory_cache(cfg, infos, object_store_bytes):
+        return STREAM
+    return REPLAY if replay_epochs(cfg, infos, object_store_bytes) else MEMORY
+
+
 def reorders_memory_blocks(cfg: DataConfig, infos: dict[str, DatasetInfo], object_store_bytes: float) -> bool:
     """Whether the train data is held in memory yet streamed again every epoch (not small enough for workers to
     replay): then each epoch hands out the decoded blocks in that epoch's (seed, epoch) order, as `cache: none`
     does with the shards. Replayed data keeps epoch 0's order; the workers reshuffle their own pass instead."""
-    return (cfg.shuffle and use_memory_cache(cfg, infos, object_store_bytes)
-            and not replay_epochs(cfg, infos, object_store_bytes))
+    return cfg.shuffle and cache_decision(cfg, infos, object_store_bytes) == MEMORY
 
 
 @dataclass(frozen=True)
@@ -130,21 +145,26 @@ def __getattr__(name: str) -> Any:
 
 def build_datasets(
     cfg: DataConfig, infos: dict[str, DatasetInfo], object_store_bytes: float, *, seed: int = 0,
-    epoch_clock: str | None = None,
+    epoch_clock: str | None = None, decision: str | None = None,
 ) -> dict[str, ray.data.Dataset]:
     """Streaming readers over the already-checked shards (nothing is read until a worker iterates), with the
     configured transforms in `map_batches`. The train shards are read in (seed, epoch) order when `cfg.shuffle`
     and `epoch_clock` names the clock the workers advance. With the memory cache the blocks are decoded once into
     the object store (never into the driver); small data keeps the shard order of epoch 0 (the workers replay and
-    reshuffle it), larger data is handed out block by block in (seed, epoch) order (`reorders_memory_blocks`)."""
+    reshuffle it), larger data is handed out block by block in (seed, epoch) order (`reorders_memory_blocks`).
+    `decision` (a resumed run's, from its checkpoint) replaces what `cache_decision` would decide now."""
     import ray.data
 
     from pipelines.reader import ShardDatasource
     from pipelines.transforms import apply_transforms
 
+    if decision is None:
+        decision = cache_decision(cfg, infos, object_store_bytes)
+    if decision not in CACHE_DECISIONS:
+        raise ValueError(f"unknown cache decision {decision!r}; valid: {CACHE_DECISIONS}")
     columns = cfg.columns
     cache = DiskCache(cfg.disk_cache, cfg.cache_max_gb) if cfg.disk_cache else None
-    reorder = epoch_clock is not None and reorders_memory_blocks(cfg, infos, object_store_bytes)
+    reorder = epoch_clock is not None and cfg.shuffle and decision == MEMORY
     datasets = {}
     for name, info in infos.items():
         assert info.storage is not None  # set by inspect_parquet
@@ -164,7 +184,7 @@ def build_datasets(
             ds = ds.map_batches(functools.partial(apply_transforms, transforms=cfg.transforms, features=cfg.features),
                                 batch_format="pyarrow", batch_size=None, zero_copy_batch=True)
         datasets[name] = ds
-    if use_memory_cache(cfg, infos, object_store_bytes):
+    if decision != STREAM:
         datasets = {name: ds.materialize() for name, ds in datasets.items()}
     if reorder:
         blocks = memory_blocks(datasets["train"])

@@ -23,13 +23,16 @@ MANIFEST = "manifest.json"
 
 @dataclass
 class Progress:
-    """Where training stands. `rows_in_epoch` counts this rank's rows already trained on in `epoch`."""
+    """Where training stands. `rows_in_epoch` counts this rank's rows already trained on in `epoch`, in the epoch
+    order of `cache_decision` (pipelines.datasets: stream, memory or replay; None when unknown), which a resumed
+    run keeps: under another decision the same count names other rows."""
 
     step: int = 0
     samples_seen: int = 0
     epoch: int = 0
     rows_in_epoch: int = 0
     nonfinite_skipped: int = 0  # steps skipped for a NaN/inf loss or gradient (budget: train.max_nonfinite_steps)
+    cache_decision: str | None = None
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -67,7 +70,9 @@ def save_state(directory: str | Path, state: dict[str, Any]) -> Path:
              and not p.name.startswith(".")}
     manifest = Path(directory) / MANIFEST
     tmp = manifest.with_name(f".{MANIFEST}.tmp")
-    tmp.write_text(json.dumps({"format": 1, "step": state["progress"]["step"], "files": files}))
+    # The cache decision too: the driver reads it (manifest_cache_decision) before it builds the datasets.
+    tmp.write_text(json.dumps({"format": 1, "step": state["progress"]["step"],
+                               "cache_decision": state["progress"].get("cache_decision"), "files": files}))
     os.replace(tmp, manifest)
     return path
 
@@ -96,6 +101,17 @@ def manifest_step(filesystem: Any, path: str) -> int | None:
             return int(json.loads(f.read())["step"])
     except (OSError, ValueError, KeyError):
         return None
+
+
+def manifest_cache_decision(filesystem: Any, path: str) -> str | None:
+    """The cache decision a checkpoint's data position counts rows under; None if it records none (written before
+    it was saved) or the manifest is unreadable."""
+    try:
+        with filesystem.open_input_stream(f"{path}/{MANIFEST}") as f:
+            decision = json.loads(f.read()).get("cache_decision")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return decision if isinstance(decision, str) else None
 
 
 def load_state(directory: str | Path) -> dict[str, Any]:
@@ -143,10 +159,11 @@ def _to_cpu(tree: Any) -> Any:
     return tree
 
 
-def restore(parts: Parts, state: dict[str, Any]) -> Progress:
+def restore(parts: Parts, state: dict[str, Any], cache_decision: str | None = None) -> Progress:
     """Load a checkpoint written by `checkpoint_state`. At the same world size every rank gets its RNG streams,
-    optimizer state (its own under local SGD) and data position back (an exact resume); after a resize the run
-    continues at the next epoch boundary."""
+    optimizer state (its own under local SGD) and data position back (an exact resume); after a resize, or when the
+    data is fed under another `cache_decision` than the checkpoint's (another epoch order), the run continues at
+    the next epoch boundary."""
     rank, size = world()
     same_world = len(state["rng"]) == size
     unwrap(parts.model).load_state_dict(state["model"])
@@ -160,13 +177,23 @@ def restore(parts: Parts, state: dict[str, Any]) -> Progress:
     if parts.local_sgd is not None:
         parts.local_sgd.load_state_dict(state.get("local_sgd", {}), unwrap(parts.model))
     progress = Progress(**state["progress"])
+    saved, progress.cache_decision = progress.cache_decision, cache_decision or progress.cache_decision
+    # The driver keeps the checkpoint's decision on resume; another one here means it could not read it. A
+    # checkpoint that records none (written before the decision was saved) keeps its position, as it always did.
+    same_order = saved is None or cache_decision is None or saved == cache_decision
     if same_world:
         restore_rng(state["rng"][rank])
-        return progress
-    # Resized: Ray Data splits an epoch's rows into one stream per rank, so the old ranks' positions describe a
-    # different split and skipping them here would miss some rows and repeat others. Finish the interrupted epoch
-    # early instead (none of its rows is seen twice) and start the next one. New RNG streams, drawn per (step, rank).
-    torch.manual_seed(int(np.random.default_rng([progress.step, rank]).integers(2**62)))
+        if same_order:
+            return progress
+        if rank == 0 and progress.rows_in_epoch:
+            print(f"the checkpoint's data position counts rows in the '{saved}' epoch order, but the data comes "
+                  f"'{cache_decision}': finishing epoch {progress.epoch} early", flush=True)
+    else:
+        # Resized: Ray Data splits an epoch's rows into one stream per rank, so the old ranks' positions describe a
+        # different split. New RNG streams, drawn per (step, rank).
+        torch.manual_seed(int(np.random.default_rng([progress.step, rank]).integers(2**62)))
+    # Skipping a position that describes another split or order would miss some rows and repeat others. Finish the
+    # interrupted epoch early instead (none of its rows is seen twice) and start the next one.
     if progress.rows_in_epoch:
         progress.epoch, progress.rows_in_epoch = progress.epoch + 1, 0
     return progress

@@ -16,7 +16,7 @@ from typing import Any
 import pyarrow.fs as pafs
 import ray.train
 
-from orchestrator.training.checkpoint import check_complete, manifest_step
+from orchestrator.training.checkpoint import check_complete, manifest_cache_decision, manifest_step
 
 _NAME = re.compile(r"^checkpoint_(\d+)_")
 _OURS = re.compile(r"^checkpoint_\d{8}_[0-9a-f]{6}$")  # exactly what checkpoint_dir_name makes
@@ -40,6 +40,22 @@ def unregistered_checkpoints(filesystem: Any, run_path: str, registered: list[st
     infos = filesystem.get_file_info(pafs.FileSelector(run_path.rstrip("/"), allow_not_found=True))
     return sorted(i.path for i in infos if i.type == pafs.FileType.Directory and _OURS.match(i.base_name)
                   and i.path.rstrip("/") not in kept)
+
+
+def checkpointed_cache_decision(filesystem: Any, run_path: str) -> str | None:
+    """The cache decision of the newest complete checkpoint of the run at `run_path` (read by the driver before it
+    builds the datasets of a resumed run); None for a run without one, or whose checkpoint records none. Every
+    checkpoint of a run holds the same decision, as each resume keeps it, so any complete one answers for the one
+    Ray Train resumes from."""
+    try:
+        infos = filesystem.get_file_info(pafs.FileSelector(run_path.rstrip("/"), allow_not_found=True))
+    except OSError:
+        return None  # the workers then check the decision against the checkpoint they load (`restore`)
+    ours = [i.path for i in infos if i.type == pafs.FileType.Directory and _OURS.match(i.base_name)]
+    for path in sorted(ours, key=lambda p: p.rsplit("/", 1)[-1], reverse=True):  # names sort by step
+        if check_complete(filesystem, path) is None:
+            return manifest_cache_decision(filesystem, path)
+    return None
 
 
 def loadable_checkpoint(checkpoint: ray.train.Checkpoint | None) -> ray.train.Checkpoint | None:

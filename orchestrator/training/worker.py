@@ -16,7 +16,7 @@ from orchestrator.batching import split_batch
 from orchestrator.config import Config, config_from_dict
 from orchestrator.errors import ConfigError
 from orchestrator.tasks import step_loss_sum
-from orchestrator.training.checkpoint import load_state, restore, unwrap
+from orchestrator.training.checkpoint import Progress, load_state, restore, unwrap
 from orchestrator.training.loop import run
 from orchestrator.training.memory import (
     GIB,
@@ -110,8 +110,9 @@ def for_world_size(cfg: Config, world: int, micro: int | None = None) -> Config:
 
 def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Entry point passed to TorchTrainer. `spec` = {"config": resolved config dict, "in_features": int or None,
-    "epoch_clock": name or None, "replay_epochs": bool, "metrics_queue": Ray queue or None, "sample": the first
-    rows of the training data (an Arrow table)}."""
+    "epoch_clock": name or None, "replay_epochs": bool, "cache_decision": how the driver feeds the train data
+    (pipelines.datasets: stream, memory or replay; saved with every checkpoint's data position), "metrics_queue":
+    Ray queue or None, "sample": the first rows of the training data (an Arrow table)}."""
     entered = time.time()
     quiet_report_log()
     context = ray.train.get_context()
@@ -134,7 +135,8 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
         release_cached_memory(device)
     if cfg.train.compile:
         compile_model(parts)
-    progress = restore(parts, state) if state is not None else None
+    decision = spec.get("cache_decision")
+    progress = restore(parts, state, decision) if state is not None else Progress(cache_decision=decision)
     del state  # the model and optimizer hold their copies now
 
     t = cfg.train
