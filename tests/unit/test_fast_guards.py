@@ -1,0 +1,84 @@
+"""Two guarantees the slow Ray tests also cover, checked here in about a second each with no Ray runtime, S3 server
+or MLflow store: nothing shipped to workers carries an S3 credential, and Ctrl+C ends `orchestrator train` with
+exit status 130 and the line that says how to continue."""
+
+from __future__ import annotations
+
+import pickle
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import pytest
+
+from orchestrator import cli, launch
+from orchestrator.config import load_config
+from orchestrator.runs import RAY_CHECKPOINTS, RunPlace, open_run_storage
+from orchestrator.trainer import storage_args
+from pipelines.config import S3Config
+from pipelines.reader import ShardDatasource
+from pipelines.storage import ObjectInfo, open_storage
+
+CANARY = {"AWS_ACCESS_KEY_ID": "AKIAFASTGUARDCANARY1", "AWS_SECRET_ACCESS_KEY": "SECRET-fast-guard-canary-161803",
+          "AWS_SESSION_TOKEN": "TOKEN-fast-guard-canary-141421"}
+NOWHERE = "http://127.0.0.1:9"  # nothing listens: building and pickling the objects must not need a server
+
+
+def test_nothing_shipped_to_workers_carries_a_credential(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import boto3
+
+    for name, value in CANARY.items():
+        monkeypatch.setenv(name, value)  # distinctive values: finding them in a pickle means they were shipped
+    for name in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):  # the environment is the only source
+        monkeypatch.setenv(name, str(tmp_path / "none"))
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    assert boto3.Session().get_credentials().secret_key == CANARY["AWS_SECRET_ACCESS_KEY"]  # the chain has them
+
+    s3 = S3Config(endpoint=NOWHERE)
+    data = open_storage("s3://bucket/data", s3)
+    data.filesystem()  # built (with this process's credentials at hand) before it is pickled
+    config = load_config(None, ["storage.path=s3://bucket/runs", f"data.s3.endpoint={NOWHERE}"])
+    runs = RunPlace(open_run_storage(config), "exp-20250101-000000").storage
+    runs.filesystem()
+    source = ShardDatasource(data, [ObjectInfo("bucket/data/part-0.parquet", 1000, "etag")], [10], ["x", "label"])
+    shipped = {
+        "data storage": pickle.dumps(data),
+        "run storage": pickle.dumps(runs),
+        "a storage below": pickle.dumps(runs.below("exp")),
+        "filesystem": pickle.dumps(data.filesystem()),
+        "RunConfig storage (Train, Tune, tuner.pkl)": cloudpickle.dumps(storage_args(runs)),
+        "datasource": cloudpickle.dumps(source),
+        "read tasks": cloudpickle.dumps(source.get_read_tasks(1)),
+    }
+    assert "storage_filesystem" in storage_args(runs)  # the S3 filesystem itself travels in the RunConfig
+    for what, blob in shipped.items():
+        for name, value in CANARY.items():
+            assert value.encode() not in blob, f"{what} carries {name}"
+    # What arrives is still usable: the copy builds its own filesystem from its own process's chain.
+    arrived = pickle.loads(shipped["data storage"])
+    assert arrived.filesystem().type_name == "s3" and arrived.root == "bucket/data"
+
+
+def test_ctrl_c_during_training_exits_130_and_says_how_to_continue(
+        tmp_path: Path, digits_dir: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["train", "--set", f"data.train={digits_dir}/train", "--set", f"data.val={digits_dir}/val",
+            "--set", f"storage.path={tmp_path}/runs", "--set", "tracking.enabled=false",
+            "--set", "scaling.num_workers=1"]
+    monkeypatch.setattr(sys, "argv", [str(tmp_path / ".venv/bin/orchestrator"), *argv])  # as the console script
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(launch, "connect_ray", lambda address, config: False)  # no cluster: a joined one, say
+
+    def fit_until_ctrl_c(config: Any, infos: Any, place: RunPlace, *args: Any) -> Any:
+        # Twelve steps reported, step 10's checkpoint registered by Ray Train, then Ctrl+C.
+        history = args[-2]
+        history.append({"step": 12})
+        place.write_text(RAY_CHECKPOINTS, '{"checkpoints": ["checkpoint_00000010_d41d8cd9"]}')
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "_fit", fit_until_ctrl_c)
+    assert cli.main(argv) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    again = shlex.join(["orchestrator", *argv, "--resume"])
+    assert err[-1] == f"interrupted at step 12; last checkpoint step 10; continue with: {again}", err

@@ -1,0 +1,167 @@
+"""Where each figure a run reports goes in MLflow (a charted metric or a row of the `summary.json` table), checked
+against the README's own lists: every key the product reports, taken from a real in-process run, the driver's
+whole-run figures, and the key literals in the code that set figures only on some runs (compile, CUDA, a drain)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from orchestrator.config import load_config
+from orchestrator.cost import Pricing, build_ledger
+from orchestrator.launch import run_summary
+from orchestrator.models import build_model
+from orchestrator.startup import STAGES, StartupClock
+from orchestrator.tracking import logged_as, mlflow_key
+from orchestrator.training.loop import run
+from orchestrator.training.optim import build_optimizer
+from orchestrator.training.parts import Parts
+from orchestrator.training.precision import Precision
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU = torch.device("cpu")
+
+
+# --- what the README says --------------------------------------------------------------------------------------
+
+def _bullet(section: str, start: str) -> str:
+    """The text of the README bullet that begins with `start` in the `## <section>` section (up to the next one)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    found = re.search(rf"^- {re.escape(start)}.*?(?=^- |^\S|\Z)", body, re.MULTILINE | re.DOTALL)
+    assert found, f"README's '{section}' section has no bullet starting {start!r}"
+    return " ".join(found[0].split())
+
+
+def _pattern(key: str) -> str:
+    """A README key as a regex: `<rank>` one path part, `...` and `*` anything."""
+    out = re.escape(key).replace(r"\.\.\.", ".+").replace(r"\*", ".*")
+    return re.sub(r"<[^>]+>", "[^/]+", out)
+
+
+def readme_keys(start: str) -> list[str]:
+    """The keys a README bullet names, as regexes: each backticked key with a `/`, and a section followed by its
+    names in parentheses (`train/` (loss, lr) -> train/loss, train/lr; prose in them means the whole section)."""
+    bullet = _bullet("Tracking: MLflow", start)
+    patterns = []
+    for key, inside in re.findall(r"`([^`]*/[^`]*)`(?: \(([^()`]*)\))?", bullet):
+        names = [n.strip() for n in inside.split(",")] if inside else []
+        if key.endswith("/") and names and all(re.fullmatch(r"[a-z_]+", n) for n in names):
+            patterns += [_pattern(key + n) for n in names]
+        else:
+            patterns.append(_pattern(key + "*" if key.endswith("/") else key))
+    assert patterns, f"README's {start} bullet names no keys"
+    return patterns
+
+
+CHARTED = readme_keys("**metrics**")
+SUMMARISED = readme_keys("**`summary.json`**")
+
+
+def _matches(patterns: list[str], key: str) -> bool:
+    return any(re.fullmatch(p, key) for p in patterns)
+
+
+def test_the_readme_lists_parse_into_the_keys_they_name() -> None:
+    # The parser itself: a section with names, a section with prose, placeholders, wildcards.
+    assert _matches(CHARTED, "train/grad_norm") and not _matches(CHARTED, "train/step")
+    assert _matches(CHARTED, "time/interval_s") and _matches(CHARTED, "val/perplexity")
+    assert _matches(CHARTED, "worker/3/samples_per_s") and _matches(CHARTED, "system/node-1/cpu_percent")
+    assert not _matches(CHARTED, "final/perf/compile_s") and _matches(SUMMARISED, "final/perf/compile_s")
+    assert not _matches(SUMMARISED, "figure")  # the table's columns are not keys
+
+
+# --- what the product reports ------------------------------------------------------------------------------------
+
+def _literal_keys(path: str, function: str, containers: set[str] | None = None) -> set[str]:
+    """String keys `function` in `path` writes: dict-literal and comprehension keys, and `x["key"] = ...` stores
+    into a name in `containers` (all when None). An f-string key gets `0` for each placeholder."""
+    tree = ast.parse((ROOT / path).read_text(encoding="utf-8"))
+    (node,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == function]
+
+    def text(expr: ast.expr | None) -> str | None:
+        if isinstance(expr, ast.Constant) and isinstance(expr.value, str):
+            return expr.value
+        if isinstance(expr, ast.JoinedStr):
+            return "".join(v.value if isinstance(v, ast.Constant) else "0" for v in expr.values)
+        return None
+
+    keys: list[str | None] = []
+    for n in ast.walk(node):
+        if isinstance(n, ast.Dict):
+            keys += [text(k) for k in n.keys]
+        elif isinstance(n, ast.DictComp):
+            keys.append(text(n.key))
+        elif isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name) and (
+                containers is None or n.value.id in containers):
+            keys.append(text(n.slice))
+    return {k for k in keys if k}
+
+
+class _Reports:
+    def __init__(self) -> None:
+        self.history: list[dict[str, Any]] = []
+
+    def publish(self, metrics: dict[str, Any]) -> None:
+        self.history.append(dict(metrics))
+
+    def checkpoint(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def reported() -> set[str]:
+    """Every name the worker and the driver hand to the tracker, by MLflow key."""
+    cfg = load_config(None, ["scaling.num_workers=1", "train.global_batch_size=16", "model.hidden=[8]",
+                             "optim.warmup_steps=0", "train.max_steps=4", "train.log_every=2", "train.eval_every=2",
+                             "checkpoint.every=4", "train.peak_tflops=0.001"])
+    torch.manual_seed(0)
+    model = build_model("mlp", None, 4, 3, cfg.model.kwargs)
+    optimizer, scheduler = build_optimizer(model, cfg.optim, 4)
+    parts = Parts(model, optimizer, scheduler, Precision("fp32", CPU), CPU, cfg.optim.max_grad_norm)
+    x = torch.randn(64, 4)
+    rows = [{"x": x[i:i + 16], "labels": x[i:i + 16, :3].argmax(1)} for i in range(0, 64, 16)]
+    reports = _Reports()
+    run(cfg, parts, lambda epoch: rows, lambda: rows[:1], reports)
+    for report in reports.history:
+        report["elapsed_s"] = 1.0  # the driver stamps each report's arrival (launch.py)
+    clock = StartupClock(0.0, dict.fromkeys(STAGES, 1.0))
+    names = {k for report in reports.history for k in report}
+    names |= set(run_summary(reports.history)) | set(clock.metrics())
+    names |= set(build_ledger(reports.history, 10.0, Pricing(1, 1.0, "one node")).metrics())
+    # What only some runs report: a group, a compiled model, a causal LM, a GPU, a drain; the worker's facts.
+    names |= _literal_keys("orchestrator/training/loop.py", "run", {"metrics", "once"})
+    names |= _literal_keys("orchestrator/training/loop.py", "_interval_metrics")
+    names |= _literal_keys("orchestrator/training/loop.py", "_worker_paces")
+    names |= _literal_keys("orchestrator/training/worker.py", "train_worker", set())
+    names |= _literal_keys("orchestrator/training/memory.py", "device_facts")
+    names |= _literal_keys("orchestrator/training/memory.py", "cuda_memory_stats")
+    names |= {f"summary/{k}" for k in ("compile_s", "tokens_per_s", "mfu")}  # run_summary's when measured
+    return {mlflow_key(name) for name in names}
+
+
+def test_the_run_reports_what_the_list_covers(reported: set[str]) -> None:
+    # So that the next test checks the facts a run has, not a list that lost them.
+    assert {"train/world_size", "train/epoch", "train/samples_seen", "train/oom_retries", "train/skipped_steps",
+            "train/nonfinite_skipped", "perf/comm_bytes", "perf/compile_s", "perf/tokens_per_s", "perf/mfu",
+            "worker/0/samples_per_s", "memory/allocated_gb", "final/perf/compile_s", "cost/usd",
+            "startup/total_s", "train/worker_pid", "device/cuda"} <= reported
+
+
+def test_what_is_charted_and_what_is_summarised_is_what_the_readme_says(reported: set[str]) -> None:
+    wrong = []
+    for key in sorted(reported):
+        charted, summarised = _matches(CHARTED, key), _matches(SUMMARISED, key)
+        where = logged_as(key)
+        if not (charted or summarised):
+            # Not in the README: only the driver's bookkeeping may go unlogged (`at/*`, `elapsed_s`, ...).
+            if where is not None:
+                wrong.append(f"{key}: logged as {where}, but README's Tracking section does not list it")
+        elif where != ("metric" if charted else "summary"):
+            wrong.append(f"{key}: logged as {where}, README says {'charted' if charted else 'summary table'}")
+    assert not wrong, "\n".join(wrong)
