@@ -21,5 +21,7 @@ spec.loader.exec_module(mutate)
 def test_each_mutant_finds_its_code_once_and_names_tests_that_exist(mutant: object) -> None:
     assert (ROOT / mutant.file).read_text().count(mutant.old) == 1, f"update scripts/mutate.py: {mutant.name}"
     assert mutant.new != mutant.old
-    for test in mutant.tests:
-        assert (ROOT / test).exists(), test
+    for test in mutant.tests:  # a file, or one test in it (file::name)
+        path, _, name = test.partition("::")
+        assert (ROOT / path).exists(), test
+        assert not name or f"def {name}(" in (ROOT / path).read_text(), test
