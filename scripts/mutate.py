@@ -122,6 +122,34 @@ MUTANTS = (
     Mutant("tokens/s reported for targets that are not tokens", LOOP,
            'if getattr(parts.task, "counts_tokens", False):', "if targets != samples:",
            (f"{UNIT}/test_task_training.py::test_tokens_per_second_is_reported_for_token_counts_only",)),
+    # Figures and guarantees that were checked for existing, not for being right.
+    Mutant("samples/s of one rank, not the group", LOOP, 'metrics["samples_per_s"] = samples / seconds',
+           'metrics["samples_per_s"] = interval.samples / seconds', (f"{UNIT}/test_rank_figures.py",)),
+    Mutant("tokens/s of one rank, not the group", LOOP, 'metrics["tokens_per_s"] = targets / seconds',
+           'metrics["tokens_per_s"] = float(interval.targets) / seconds', (f"{UNIT}/test_rank_figures.py",)),
+    Mutant("MFU without the world factor", LOOP,
+           'metrics["mfu"] = flops_per_sample * metrics["samples_per_s"] / (peak * world)',
+           'metrics["mfu"] = flops_per_sample * metrics["samples_per_s"] / peak', (f"{UNIT}/test_rank_figures.py",)),
+    Mutant("every worker shown at one rank's pace", LOOP, "paces[rank] = interval.samples / max(busy, 1e-9)",
+           "paces[:] = [interval.samples / max(busy, 1e-9)] * world", (f"{UNIT}/test_rank_figures.py",)),
+    Mutant("train loss of one rank's targets", LOOP,
+           "loss = loss_sum_ / loss_targets if loss_targets else math.nan",
+           "loss = float(interval.loss_sum) / float(interval.loss_targets) if loss_targets else math.nan",
+           (f"{UNIT}/test_rank_figures.py",)),
+    Mutant("world size dropped from the summary table", "orchestrator/tracking.py",
+           '"train/precision", "train/world_size", "train/worker_pid",', '"train/precision", "train/worker_pid",',
+           ("tests/unit/test_summary_keys.py",)),
+    Mutant("the S3 filesystem shipped to workers carries the credentials", "pipelines/storage.py",
+           '            "region": self.region,\n',
+           '            "region": self.region, "access_key": os.environ.get("AWS_ACCESS_KEY_ID"),\n'
+           '            "secret_key": os.environ.get("AWS_SECRET_ACCESS_KEY"),\n'
+           '            "session_token": os.environ.get("AWS_SESSION_TOKEN"),\n',
+           ("tests/unit/test_fast_guards.py",)),
+    Mutant("Ctrl+C exits 1, not 130", "orchestrator/cli.py", "        return 130", "        return 1",
+           ("tests/unit/test_fast_guards.py",)),
+    Mutant("the resume line forgets --resume", "orchestrator/launch.py",
+           'again = shlex.join(command + ([] if "--resume" in command else ["--resume"]))',
+           "again = shlex.join(command)", ("tests/unit/test_fast_guards.py",)),
 )
 
 
