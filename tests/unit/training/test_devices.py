@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from gloo import run_two_ranks
+from test_rank_agreement import OomOnce
 from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator.config import load_config
@@ -79,22 +80,6 @@ def test_a_cuda_gloo_group_refuses_cpu_collectives_as_nccl_does(tmp_path: Path) 
             assert "No backend type associated with device type cpu" in message
 
 
-class OomOnce(torch.nn.Module):
-    """Out of memory the first time it sees more than `limit` rows, like a full GPU."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
-        self.limit, self.raised = limit, False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if len(x) > self.limit and not self.raised:
-            self.raised = True
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
-        return self.net(x)
-
-
 def _step_elsewhere(rank: int, shared: Path) -> dict[str, Any]:
     """A DDP step of two micro-batches (and one with an OOM retry on rank 1) while the default device is not the
     training device: every tensor the step makes without `device=` lands on `meta` and breaks the step."""
@@ -102,7 +87,7 @@ def _step_elsewhere(rank: int, shared: Path) -> dict[str, Any]:
                              "train.max_steps=1", "optim.name=sgd", "optim.momentum=0", "optim.weight_decay=0",
                              "optim.warmup_steps=0", "optim.schedule=constant", "optim.max_grad_norm=1.0"])
     g = torch.Generator().manual_seed(10 + rank)
-    x, y = torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
+    x, y = torch.randn(16, 16, generator=g), torch.randint(0, 4, (16,), generator=g)
     out: dict[str, Any] = {}
     for name, limit in (("clean", 100), ("oom", 4 if rank == 1 else 100)):
         model = DistributedDataParallel(OomOnce(limit))
