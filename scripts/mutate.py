@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-COPIED = ("orchestrator", "pipelines", "tests", "cluster", "examples", "pyproject.toml")
+# The tests read the docs too (the summary keys from README, text for tokenizers): without them a mutant "dies" of that.
+COPIED = ("orchestrator", "pipelines", "tests", "cluster", "examples", "docs", "pyproject.toml", "README.md")
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,8 @@ MUTANTS = (
     Mutant("R²'s total variation taken about zero, not each column's mean", "orchestrator/tasks.py",
            "column = y2 - y * y / rows", "column = y2",
            (f"{UNIT}/test_task_edges.py",)),
-    Mutant("a fine-tuned pretrained model logged in the builder's default architecture", "orchestrator/model_logging.py",
+    Mutant("a fine-tuned pretrained model logged in the builder's default architecture",
+           "orchestrator/model_logging.py",
            "        model = with_saved_architecture(model, saved, config.model.entrypoint or config.model.name)\n",
            "", ("tests/unit/test_model_logging.py",)),
     Mutant("model logging rebuilds in a temporary working directory", "orchestrator/model_logging.py",
@@ -150,6 +152,21 @@ MUTANTS = (
     Mutant("the resume line forgets --resume", "orchestrator/launch.py",
            'again = shlex.join(command + ([] if "--resume" in command else ["--resume"]))',
            "again = shlex.join(command)", ("tests/unit/test_fast_guards.py",)),
+    Mutant("causal LM pairs each position with itself, not the next token", "orchestrator/tasks.py",
+           "logits, labels = logits[:, :-1], labels[:, 1:]", "logits, labels = logits[:, :-1], labels[:, :-1]",
+           (f"{UNIT}/test_task_meaning.py",)),
+    Mutant("perplexity of the summed loss, not the mean", "orchestrator/tasks.py", "math.exp(min(loss, 700.0))",
+           'math.exp(min(sums["loss"], 700.0))', (f"{UNIT}/test_task_meaning.py",)),
+    Mutant("multilabel F1 counts false positives twice, false negatives never", "orchestrator/tasks.py",
+           'f1_denominator = 2 * sums["tp"] + sums["fp"] + sums["fn"]',
+           'f1_denominator = 2 * sums["tp"] + 2 * sums["fp"]',
+           (f"{UNIT}/test_task_meaning.py",)),
+    Mutant("multilabel predicts at logit 0.5 instead of probability 0.5", "orchestrator/tasks.py",
+           "predicted = logits_of(output).reshape(y.shape) > 0", "predicted = logits_of(output).reshape(y.shape) > 0.5",
+           (f"{UNIT}/test_task_meaning.py",)),
+    Mutant("a label list is not rounded to the padding multiple", "pipelines/batches.py",
+           "values, mask = column_array(table.column(label), padding.multiple)",
+           "values, mask = column_array(table.column(label))", ("tests/unit/pipelines/test_padding_widths.py",)),
 )
 
 
