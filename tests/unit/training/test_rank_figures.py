@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator.config import Config, load_config
 from orchestrator.tasks import CausalLM
-from orchestrator.training.loop import run
+from orchestrator.training.loop import evaluate, run
 from orchestrator.training.parts import Parts
 from orchestrator.training.precision import Precision
 from pipelines.tensors import IGNORE_INDEX
@@ -75,7 +75,11 @@ def _train(rank: int, shared: Path) -> dict[str, Any]:
     recorder = Recorder()
     run(cfg, parts, lambda epoch: [{"x": x[i:i + MICRO], "labels": y[i:i + MICRO]} for i in range(0, ROWS, MICRO)],
         None, recorder)
-    return {"reports": [metrics for metrics, _ in recorder.reports], "x": x, "y": y}
+    # Each rank evaluates its own validation shard (rank 0 in two batches, rank 1 in one): the figures must be the
+    # whole split's.
+    val = [{"x": x[:ROWS // 2], "labels": y[:ROWS // 2]}, {"x": x[ROWS // 2:], "labels": y[ROWS // 2:]}]
+    evaluated = evaluate(parts, val if rank == 0 else [{"x": x, "labels": y}])
+    return {"reports": [metrics for metrics, _ in recorder.reports], "x": x, "y": y, "val": evaluated}
 
 
 @pytest.fixture(scope="module")
@@ -148,3 +152,16 @@ def test_train_loss_is_the_mean_over_both_ranks_targets(ranks: list[dict[str, An
         assert abs(expected - sum(s / c for s, c in zip(sums, counts, strict=True)) / 2) > 1e-3
         for result in ranks:
             assert result["reports"][i]["train_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_validation_figures_are_the_whole_splits_over_both_ranks(ranks: list[dict[str, Any]]) -> None:
+    model = TinyLM()
+    with torch.no_grad():
+        logits = torch.cat([model(r["x"]) for r in ranks]).double().flatten(0, 1)
+    labels = torch.cat([r["y"] for r in ranks]).flatten()
+    real = labels != IGNORE_INDEX
+    loss = float(torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX))
+    accuracy = float((logits.argmax(1) == labels)[real].double().mean())
+    for result in ranks:
+        assert result["val"]["val_loss"] == pytest.approx(loss, rel=1e-6)
+        assert result["val"]["val_accuracy"] == pytest.approx(accuracy, rel=1e-9)
