@@ -83,23 +83,34 @@ def test_a_cuda_gloo_group_refuses_cpu_collectives_as_nccl_does(tmp_path: Path) 
 def _step_elsewhere(rank: int, shared: Path) -> dict[str, Any]:
     """A DDP step of two micro-batches (and one with an OOM retry on rank 1) while the default device is not the
     training device: every tensor the step makes without `device=` lands on `meta` and breaks the step."""
+    return _steps(rank, CPU, default="meta")
+
+
+def _step_on_the_gpu(rank: int, shared: Path) -> dict[str, Any]:
+    """The same steps on a CUDA device in a `cuda:gloo` group (both ranks share the one GPU, which NCCL refuses):
+    a CPU tensor anywhere in a collective fails there."""
+    torch.cuda.set_device(0)
+    return _steps(rank, torch.device("cuda", 0), default=None)
+
+
+def _steps(rank: int, device: torch.device, default: str | None) -> dict[str, Any]:
     cfg = load_config(None, ["scaling.num_workers=2", "train.global_batch_size=32", "train.micro_batch_size=8",
                              "train.max_steps=1", "optim.name=sgd", "optim.momentum=0", "optim.weight_decay=0",
                              "optim.warmup_steps=0", "optim.schedule=constant", "optim.max_grad_norm=1.0"])
     g = torch.Generator().manual_seed(10 + rank)
-    x, y = torch.randn(16, 16, generator=g), torch.randint(0, 4, (16,), generator=g)
+    x, y = torch.randn(16, 16, generator=g).to(device), torch.randint(0, 4, (16,), generator=g).to(device)
     out: dict[str, Any] = {}
     for name, limit in (("clean", 100), ("oom", 4 if rank == 1 else 100)):
-        model = DistributedDataParallel(OomOnce(limit))
+        model = DistributedDataParallel(OomOnce(limit).to(device))
         optimizer, scheduler = build_optimizer(model, cfg.optim, 1)
-        parts = Parts(model, optimizer, scheduler, Precision("fp32", CPU), CPU, cfg.optim.max_grad_norm)
-        torch.set_default_device("meta")
+        parts = Parts(model, optimizer, scheduler, Precision("fp32", device), device, cfg.optim.max_grad_norm)
+        torch.set_default_device(default)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 result = train_step(parts, [{"x": x[:8], "labels": y[:8]}, {"x": x[8:], "labels": y[8:]}])
             out[name] = {"loss": float(result.loss_sum), "retries": parts.oom_retries,
-                         "weights": [p.detach().clone() for p in model.parameters()]}
+                         "weights": [p.detach().cpu() for p in model.parameters()]}
         except Exception as exc:  # shown in the assertion: the line a GPU user would have seen
             out[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
         finally:
@@ -107,8 +118,13 @@ def _step_elsewhere(rank: int, shared: Path) -> dict[str, Any]:
     return out
 
 
-def test_a_ddp_step_with_accumulation_and_an_oom_retry_makes_no_tensor_off_its_device(tmp_path: Path) -> None:
-    results = run_two_ranks(_step_elsewhere, tmp_path)
+@pytest.mark.parametrize("where", ["cpu-meta-default", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_ddp_step_with_accumulation_and_an_oom_retry_makes_no_tensor_off_its_device(tmp_path: Path,
+                                                                                     where: str) -> None:
+    if where == "cuda":
+        results = run_two_ranks(_step_on_the_gpu, tmp_path, backend="cuda:gloo")
+    else:
+        results = run_two_ranks(_step_elsewhere, tmp_path)
     for result in results:
         for name in ("clean", "oom"):
             assert "error" not in result[name], result[name]["error"]
