@@ -12,7 +12,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -75,10 +75,14 @@ def _rebuild(config: Config, info: DatasetInfo, weights: dict[str, Any]) -> tupl
     from orchestrator.trainer import in_features
     from pipelines.batches import collate_sample
 
-    model = build_model(config.model.name, config.model.entrypoint, in_features(config, info),
-                        config.model.num_classes, config.model.kwargs)
-    if config.model.pretrained:
-        saved = pretrained_config(config.model.pretrained, config.data.s3)
+    pretrained = config.model.pretrained
+    # With model.pretrained only the builder's class is needed: its default build on the meta device (no memory),
+    # then the saved architecture for real.
+    with torch.device("meta") if pretrained else nullcontext():
+        model = build_model(config.model.name, config.model.entrypoint, in_features(config, info),
+                            config.model.num_classes, config.model.kwargs)
+    if pretrained:
+        saved = pretrained_config(pretrained, config.data.s3)
         model = with_saved_architecture(model, saved, config.model.entrypoint or config.model.name)
     # from_pretrained keeps the saved dtype (bf16 weights train as bf16): the model in the weights' one dtype.
     dtypes = {value.dtype for value in weights.values() if torch.is_tensor(value) and value.is_floating_point()}

@@ -295,7 +295,8 @@ def align_model_loss(model: torch.nn.Module, task: Task) -> None:
         config.problem_type = wanted
     elif config.problem_type != wanted:
         raise ConfigError(f"task.loss=model: the model's config.problem_type is '{config.problem_type}', but the "
-                          f"task needs '{wanted}': pass problem_type='{wanted}' to the model, or set task.loss=task")
+                          f"task needs '{wanted}': build the model with problem_type='{wanted}' (with "
+                          "model.pretrained, in its config.json), or set task.loss=task")
 
 
 def step_loss_sum(task: Task, output: Any, batch: Batch, from_model: bool) -> torch.Tensor:

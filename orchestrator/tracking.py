@@ -165,6 +165,7 @@ class MlflowTracker:
                     if key not in experiment.tags:
                         self._client.set_experiment_tag(self.experiment_id, key, value)
             if run_id is not None:
+                self.run_id = run_id  # first: a Ctrl+C right after the update still ends it KILLED
                 self._client.update_run(run_id, status="RUNNING")
             else:
                 run_id = self._client.create_run(self.experiment_id, run_name=run_name,
@@ -231,7 +232,7 @@ class MlflowTracker:
         stale: list[str] = []
         if self._reopened:
             run: list[Any] = []
-            self._safe("log_params", lambda: run.append(self._client.get_run(self.run_id)))
+            self._safe("get_run", lambda: run.append(self._client.get_run(self.run_id)))
             if run:
                 logged, tags = run[0].data.params, run[0].data.tags
                 stale = [PARAM_CHANGED + k for k, v in values.items()

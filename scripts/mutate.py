@@ -118,6 +118,8 @@ MUTANTS = (
     Mutant("a compile failure on one rank is not agreed", LOOP,
            "if ranks.any_rank(failure is not None, parts.device):", "if failure is not None:",
            (f"{UNIT}/test_rank_agreement.py::test_a_compile_failure_on_one_rank_makes_every_rank_run_eagerly",)),
+    Mutant("the compile probe moves BatchNorm's running statistics", LOOP, "value.copy_(buffers[name])", "pass",
+           (f"{UNIT}/test_efficiency.py::test_the_compile_probe_leaves_the_first_step_as_an_eager_one",)),
     Mutant("multilabel's integer labels reach a model's own loss as classes", "orchestrator/tasks.py",
            "        return batch[LABELS].float()\n\n", "        return batch[LABELS]\n\n",
            (f"{UNIT}/test_task_edges.py",)),

@@ -147,7 +147,8 @@ class StepResult:
 def _forward_backward(parts: Parts, pieces: list[Batch], scale: torch.Tensor,
                       timer: PhaseTimer) -> torch.Tensor | None:
     """Forward and backward of every piece, accumulating gradients; returns the summed loss, or None when some rank
-    ran out of memory before DDP's gradient all-reduce (every rank then redoes the step with smaller pieces)."""
+    ran out of memory before DDP's gradient all-reduce (every rank then redoes the step with smaller pieces).
+    DeviceMemoryError when pieces of one row still do not fit."""
     model = parts.model
     model.train()
     # DDP all-reduces gradients in the backward of the last piece only: every piece but the last runs under
@@ -175,25 +176,24 @@ def _forward_backward(parts: Parts, pieces: list[Batch], scale: torch.Tensor,
         total += loss.detach()
         seconds.append(_elapsed(started, parts.device))
 
-    out_of_memory = False
+    ran_out = False  # on this rank
     try:
         for batch in pieces[:-1] if ddp else pieces:
             piece(batch, synced=False)
     except Exception as exc:
         if not is_oom(exc):
             raise
-        out_of_memory = True
-        warnings.warn(f"out of memory: retrying the step with micro-batches cut in {parts.split * 2} "
-                      "(same global batch, more accumulation)", stacklevel=3)
-    if together:
-        out_of_memory = ranks.any_rank(out_of_memory, parts.device)
-    if out_of_memory:
+        ran_out = True
+    if ranks.any_rank(ran_out, parts.device) if together else ran_out:
         # Once no rank's pieces can be cut further, a retry would redo the identical step forever.
         splittable = max(rows(batch) for batch in pieces) > 1
         if not (ranks.any_rank(splittable, parts.device) if together else splittable):
             raise DeviceMemoryError(
                 "out of memory even with a micro-batch of 1 row: use a smaller model or shorter sequences, "
                 "train.precision=bf16, or a device with more memory")
+        if ran_out:  # the rank that ran out says so; the others retry quietly, as agreed
+            warnings.warn(f"out of memory: retrying the step with micro-batches cut in {parts.split * 2} "
+                          "(same global batch, more accumulation)", stacklevel=3)
         return None
     if ddp:  # an OOM in here is not retried: it may strike inside the all-reduce, which one rank cannot undo
         piece(pieces[-1], synced=True)
@@ -459,26 +459,39 @@ def _first_compiled_step(parts: Parts, batch: list[Batch]) -> tuple[StepResult, 
 
 def _compile_failure(parts: Parts, batch: Batch) -> str | None:
     """Forward and backward of the compiled model on the first piece, which compiles both: the error's first line if
-    that fails, else None. Runs under DDP's no_sync (no collective) with the RNG forked; the gradients are dropped.
-    An out-of-memory error is left to the step's own agreed retry."""
+    that fails, else None. Runs under DDP's no_sync (no gradient all-reduce; a buffer broadcast in forward is called
+    by every rank alike) with the RNG forked; the gradients are dropped and the buffers (BatchNorm's running
+    statistics) put back, so the step itself runs as without the probe. Out of memory: the probe is retried on
+    smaller pieces, down to one row (the step's own agreed retry then handles memory)."""
     model = parts.model
-    piece = chunk(batch, parts.split)[0]
+    buffers = {name: value.clone() for name, value in unwrap(model).named_buffers()}
     model.train()
+    pieces = chunk(batch, parts.split)
     try:
-        with torch.random.fork_rng(devices=[parts.device] if parts.device.type == "cuda" else []), \
-                model.no_sync() if hasattr(model, "no_sync") else nullcontext():
-            with parts.precision.autocast():
-                output = parts.call(model, piece)
-            step_loss_sum(parts.task, output, piece, parts.model_loss).backward()
-    except Exception as exc:
-        if is_oom(exc):
-            return None
-        # Two lines: dynamo's first ("backend='inductor' raised:") and the backend's own error after it.
-        lines = [line for line in str(exc).splitlines() if line.strip()]
-        return f"{type(exc).__name__}: {' '.join(lines[:2])[:240]}"
+        while True:
+            try:
+                with torch.random.fork_rng(devices=[parts.device] if parts.device.type == "cuda" else []), \
+                        model.no_sync() if hasattr(model, "no_sync") else nullcontext():
+                    with parts.precision.autocast():
+                        output = parts.call(model, pieces[0])
+                    step_loss_sum(parts.task, output, pieces[0], parts.model_loss).backward()
+                return None
+            except Exception as exc:
+                if is_oom(exc) and rows(pieces[0]) > 1:
+                    parts.optimizer.zero_grad(set_to_none=True)
+                    release_cached_memory(parts.device)
+                    pieces = chunk(pieces[0], 2)
+                    continue
+                if is_oom(exc):
+                    return None
+                # Two lines: dynamo's first ("backend='inductor' raised:") and the backend's own error after it.
+                lines = [line for line in str(exc).splitlines() if line.strip()]
+                return f"{type(exc).__name__}: {' '.join(lines[:2])[:240]}"
     finally:
         parts.optimizer.zero_grad(set_to_none=True)
-    return None
+        with torch.no_grad():
+            for name, value in unwrap(model).named_buffers():
+                value.copy_(buffers[name])
 
 
 def _interval_metrics(interval: Interval, progress: Progress, parts: Parts, world: int

@@ -1,6 +1,7 @@
 """The collectives the worker side uses to keep its ranks in step. Each is a plain value in a single process (no
-process group), so the loop runs unchanged in-process and under DDP. Each takes the training device explicitly: on
-GPUs the group is NCCL, which serves `cuda` tensors only, so a value left on the CPU fails the collective."""
+process group), so the loop runs unchanged in-process and under DDP. The tensor collectives take the training device
+explicitly: on GPUs the group is NCCL, which serves `cuda` tensors only, so a value left on the CPU fails there. The
+object collectives (gather_*) use the current CUDA device, which Ray Train sets for each worker."""
 
 from __future__ import annotations
 

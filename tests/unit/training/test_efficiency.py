@@ -234,6 +234,28 @@ def test_a_model_that_fails_to_compile_falls_back_to_eager() -> None:
     assert metrics[-1]["step"] == 20 and metrics[-1]["train_loss"] < metrics[0]["train_loss"]
 
 
+def test_the_compile_probe_leaves_the_first_step_as_an_eager_one() -> None:
+    # The probe's forward runs in training mode: BatchNorm's running statistics would move twice, and a resumed run
+    # (which probes again) would no longer match an uninterrupted one. Weights and buffers equal an eager step's.
+    from orchestrator.training.loop import _first_compiled_step
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                                   torch.nn.Linear(32, 4))
+
+    g = torch.Generator().manual_seed(0)
+    micro = [xy(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(2)]
+    eager = parts_for(model())
+    train_step(eager, micro)
+    net = model()
+    compiled = parts_for(torch.compile(net, backend="eager"))
+    compiled.eager_model = net
+    _first_compiled_step(compiled, micro)
+    for a, b in zip(eager.model.state_dict().values(), net.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
 def failing_backend(graph: Any, example_inputs: Any) -> Any:
     raise RuntimeError("this backend cannot compile anything")
 
