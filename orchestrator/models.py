@@ -195,8 +195,8 @@ def pretrained_config(uri: str, s3: Any = None) -> dict[str, Any]:
 
 def with_saved_architecture(model: nn.Module, saved: dict[str, Any], name: str) -> nn.Module:
     """A new model of `model`'s class with the architecture of `saved` (a save_pretrained config.json) and fresh
-    weights, on the current default device: what the workers' from_pretrained builds, without reading weights."""
-    _check_pretrainable(model, name)
+    weights, on the current default device: what the workers' from_pretrained builds, without reading weights.
+    That `model` has from_pretrained at all is check_model_build's to say, before config.json is read."""
     config_class = getattr(type(model), "config_class", None)
     if config_class is None or not hasattr(config_class, "from_dict"):
         raise ConfigError(f"model.pretrained is set, but model '{name}' ({type(model).__name__}) has no "
@@ -208,6 +208,7 @@ def position_limit(model: nn.Module) -> tuple[int, str] | None:
     """(positions, the config key setting them) of a model with a learned table of positions, which a longer
     sequence indexes past ('IndexError: index out of range in self'): a Hugging Face config's
     max_position_embeddings (GPT-2's n_positions) with an embedding of that many rows (OPT and BART: 2 more).
+    RoBERTa's table has a padding row and starts its positions after it (514 rows, 512 tokens): less those rows.
     None otherwise: rotary or relative positions run longer sequences."""
     config = getattr(model, "config", None)
     limit = getattr(config, "max_position_embeddings", None)
@@ -217,10 +218,15 @@ def position_limit(model: nn.Module) -> tuple[int, str] | None:
         tokens = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     except (NotImplementedError, AttributeError):
         tokens = None
-    if not any(isinstance(m, nn.Embedding) and m is not tokens and m.num_embeddings in (limit, limit + 2)
-               for m in model.modules()):
+    table = next((m for m in model.modules() if isinstance(m, nn.Embedding) and m is not tokens
+                  and m.num_embeddings in (limit, limit + 2)), None)
+    if table is None:
         return None
-    return limit, getattr(config, "attribute_map", {}).get("max_position_embeddings", "max_position_embeddings")
+    key = getattr(config, "attribute_map", {}).get("max_position_embeddings", "max_position_embeddings")
+    if table.padding_idx is not None and table.num_embeddings == limit:
+        # RoBERTa-style: position ids run from padding_idx + 1, so the rows up to the padding row never hold a token.
+        return limit - table.padding_idx - 1, key
+    return limit, key
 
 
 class CausalSelfAttention(nn.Module):

@@ -135,11 +135,6 @@ def widest_trial(config: Config) -> Config:
     return trial_config(user_tree(config), params) if params else config
 
 
-def trial_cpus(config: Config) -> float:
-    s = widest_trial(config).scaling
-    return s.max_workers * s.cpus_per_worker
-
-
 @dataclass(frozen=True)
 class Concurrency:
     """How many trials a study runs at once, and what holds it there (for the study's first line)."""
@@ -154,7 +149,8 @@ def max_concurrent(config: Config, resources: dict[str, float]) -> Concurrency:
     CPUs keep one for Ray Data's read tasks (ingest waits forever when workers hold every CPU); with
     scaling.use_gpu every worker takes one GPU (Ray's ScalingConfig). Sized, like check_capacity, for the widest
     trial's largest group, so an elastic trial has room to grow."""
-    widest, per_trial = widest_trial(config).scaling, trial_cpus(config)
+    widest = widest_trial(config).scaling
+    per_trial = widest.max_workers * widest.cpus_per_worker
     cpus, gpus = resources.get("CPU", 0.0), resources.get("GPU", 0.0)
     limits = []  # (trials, what bounds them), in the order a tie names them
     if config.tune.max_concurrent_trials is not None:

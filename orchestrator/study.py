@@ -444,8 +444,9 @@ def _start_study(config: Config, base: Config, tree: dict[str, Any], infos: dict
         import mlflow  # noqa: F401 - its loggers exist from here on, so the run log diverts them too
     log.attach_ray()
     study = place.name
-    check_capacity(config, ray.cluster_resources())
-    at_once = max_concurrent(config, ray.cluster_resources())
+    resources = ray.cluster_resources()
+    check_capacity(config, resources)
+    at_once = max_concurrent(config, resources)
     concurrency = at_once.trials
     if fresh:
         _delete(place.storage, place.path)

@@ -15,7 +15,7 @@ from orchestrator.config import Config, config_from_dict, to_dict
 from orchestrator.errors import ConfigError, UserError
 from orchestrator.runs import RunPlace
 from pipelines.config import DataConfig
-from pipelines.datasets import MEMORY, REPLAY, STREAM, build_datasets, cache_decision
+from pipelines.datasets import CACHE_DECISIONS, build_datasets, cache_decision
 from pipelines.order import create_epoch_clock
 from pipelines.sources import DatasetInfo
 from pipelines.storage import Storage
@@ -140,35 +140,50 @@ def check_model_call(config: Config, info: DatasetInfo) -> None:
 
 def check_positions(config: Config, info: DatasetInfo, model: Any, batch: dict[str, Any]) -> None:
     """The sample rows' token sequences fit the model's learned position table (GPT-2's n_positions, BERT's
-    max_position_embeddings): past it every worker fails with 'IndexError: index out of range in self', which Ray
-    does not retry. ConfigError naming both lengths and the fix."""
+    max_position_embeddings), padded as the workers pad them (data.pad_to_multiple_of): past it every worker fails
+    with 'IndexError: index out of range in self', which Ray does not retry. ConfigError naming the longest real
+    row, the table and the fix."""
     from orchestrator.models import position_limit
+    from pipelines.batches import padding_of
 
     found = position_limit(model)
     if found is None:
         return
     limit, key = found
+    # The config key counts rows the table never gives a token (RoBERTa's padding row and the one before it).
+    configured = getattr(model.config, "max_position_embeddings", limit)
     # {batch key: its column}: the named inputs' own columns (a mask is as long as its tokens), or forward(x).
     named = config.model.input_map
     columns = ({k: k for k in named.values() if k in config.data.features} if named is not None
                else {"x": config.data.features[0]})
+    masks = ({g.column: g.mask for g in padding_of(info.sample.schema, config.data.features, config.data.label,
+                                                   True).groups if g.mask is not None}
+             if named is not None and info.sample is not None else {})
+    multiple = config.data.pad_to_multiple_of
     for batch_key, column in columns.items():
         value = batch.get(batch_key)
         if value is None or value.ndim != 2 or value.is_floating_point() or value.shape[1] <= limit:
             continue
-        length = value.shape[1]
+        width = value.shape[1]  # the longest row, rounded up to data.pad_to_multiple_of: what the workers feed
+        mask = batch.get(masks.get(column, ""))
+        length = int(mask.sum(dim=1).max()) if mask is not None else width
         name = config.model.entrypoint or config.model.name
         source = f"{key} in {config.model.pretrained}/config.json" if config.model.pretrained else key
-        fix = f"shorten column '{column}' to at most {limit} tokens"
         kind = info.schema.field(column).type if info.schema is not None else None
-        if config.data.label is None and kind is not None and pa.types.is_fixed_size_list(kind):
-            # `prepare text --seq-len N` writes windows of N + 1 tokens; forward(x) takes the first N of them.
-            seq_len = limit - (length - (kind.list_size - 1))
-            if seq_len >= 1:
-                fix = f"write shorter windows (`orchestrator prepare text --seq-len {seq_len}`)"
+        if length <= limit:
+            fix = (f"data.pad_to_multiple_of={multiple} rounds them up to {width} tokens: set it to a divisor of "
+                   f"{limit} or null")
+        else:
+            fit = limit - limit % multiple if multiple else limit
+            fix = f"shorten column '{column}' to at most {fit} tokens"
+            if config.data.label is None and kind is not None and pa.types.is_fixed_size_list(kind):
+                # `prepare text --seq-len N` writes windows of N + 1 tokens; forward(x) takes the first N of them.
+                seq_len = limit - (length - (kind.list_size - 1))
+                if seq_len >= 1:
+                    fix = f"write shorter windows (`orchestrator prepare text --seq-len {seq_len}`)"
         raise ConfigError(f"data in {info.path}: column '{column}' gives the model sequences of {length} tokens, but "
                           f"model '{name}' ({type(model).__name__}) has {limit} positions ({source}): {fix}, or use "
-                          f"a model with {key} >= {length}")
+                          f"a model with {key} >= {width + configured - limit}")
 
 
 def build_trainer(config: Config, spec: dict[str, Any], datasets: dict[str, Any], place: RunPlace,
@@ -215,10 +230,6 @@ def _worker_env(config: Config) -> dict[str, str]:
     return {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
 
-_FEEDS = {STREAM: "streamed from storage", MEMORY: "held in memory and streamed again each epoch",
-          REPLAY: "held in memory and replayed by the workers"}
-
-
 def resumed_cache_decision(data: DataConfig, infos: dict[str, DatasetInfo], store_bytes: float,
                            saved: str | None) -> str:
     """The cache decision a run is fed under: its checkpoints' (`saved`) when it has one, since their data
@@ -227,12 +238,12 @@ def resumed_cache_decision(data: DataConfig, infos: dict[str, DatasetInfo], stor
     current = cache_decision(data, infos, store_bytes)
     if saved is None or saved == current:
         return current
-    if saved not in _FEEDS:
+    if saved not in CACHE_DECISIONS:  # the one check: build_datasets takes the decision as given
         raise ConfigError(f"the run's checkpoint records an unknown cache decision '{saved}': resume it with the "
                           "version that wrote it, or run without --resume")
-    print(f"resumed run: keeping the data {_FEEDS[saved]} ('{saved}'), as when its checkpoints counted their data "
-          f"position, not {_FEEDS[current]} as data.cache={data.cache} with {store_bytes / 2**30:.1f} GiB of object "
-          "store would now have it", file=sys.stderr, flush=True)
+    print(f"resumed run: keeping the data {CACHE_DECISIONS[saved]} ('{saved}'), as when its checkpoints counted "
+          f"their data position, not {CACHE_DECISIONS[current]} as data.cache={data.cache} with "
+          f"{store_bytes / 2**30:.1f} GiB of object store would now have it", file=sys.stderr, flush=True)
     return saved
 
 
@@ -251,11 +262,10 @@ def build_run(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, ca
         create_epoch_clock(clock)
     store_bytes = ray.cluster_resources().get("object_store_memory", 0)
     # A resumed run (one with checkpoints in its place) is fed as its checkpoints were; a new one decides now.
-    saved = checkpointed_cache_decision(place.storage.filesystem(), place.path)
+    saved = checkpointed_cache_decision(place.storage.filesystem(), place.path, place.registered_step())
     decision = resumed_cache_decision(config.data, infos, store_bytes, saved)
     spec = {"config": to_dict(config), "in_features": in_features(config, infos["train"]), "epoch_clock": clock,
-            "replay_epochs": decision == REPLAY, "cache_decision": decision, "metrics_queue": metrics_queue,
-            "sample": infos["train"].sample}
+            "cache_decision": decision, "metrics_queue": metrics_queue, "sample": infos["train"].sample}
     context = DataContext.get_current()
     context.execution_options.preserve_order = True
     context.print_on_execution_start = False  # one log line per epoch per dataset otherwise

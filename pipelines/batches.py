@@ -29,11 +29,12 @@ from pipelines.tensors import (
 
 def padding_of(schema: pa.Schema, features: list[str], label: str | None, named: bool = False,
                multiple: int | None = None) -> Padding:
-    """Which columns the collate of batches of `schema` pads together (variable-length integer lists, named inputs
-    only): each token column with its mask (`attention_mask` when it is the only one, else `<column>_mask`) and the
-    labels of its tokens; the labels are the first token column itself without a label, else a variable-length
-    label column tags the first token column's tokens (one label per token). A variable-length label column with
-    no token column is padded alone. Decided once, before iteration: the collate checks each batch against it."""
+    """Which columns the collate of batches of `schema` pads together: with named inputs, each variable-length token
+    column with its mask (`attention_mask` when it is the only one, else `<column>_mask`) and the labels of its
+    tokens; the labels are the first token column itself without a label, else a variable-length label column tags
+    the first token column's tokens (one label per token). A variable-length integer label column with no token
+    column to follow (always so in the classic path) is padded alone. Decided once, before iteration: the collate
+    checks each batch against it."""
     variable = [name for name in features if named and _is_list(schema.field(name).type)]
     labelled = None  # the token column the labels are padded and trimmed with
     groups = []
@@ -72,9 +73,10 @@ def collate_arrow(table: pa.Table, features: list[str], label: str | None, named
     Nothing shared is written here: Ray Data runs this in threads of its own while the training thread trims."""
     expected = padding_of(table.schema, features, label, named, padding.multiple if padding else None)
     if padding is not None and padding != expected:
-        raise DataError(f"this batch pads {_padded_keys(expected)} but the data's schema before iteration padded "
-                        f"{_padded_keys(padding)}: a data.transforms call changed whether a column is a "
-                        "variable-length list; keep each column's kind")
+        raise DataError(f"this batch pads {_padded_keys(expected)} but the train sample's schema, read before "
+                        f"iteration, padded {_padded_keys(padding)}: a column is a variable-length list in one and "
+                        "not in the other (a data.transforms call changed its kind, or data.val's column kinds differ "
+                        "from data.train's); keep each column's kind in every split")
     padding = expected
     if not named:
         if label is None:

@@ -51,21 +51,24 @@ def replay_epochs(cfg: DataConfig, infos: dict[str, DatasetInfo], object_store_b
 STREAM = "stream"  # read from storage (or the disk cache) every epoch, the shards in (seed, epoch) order
 MEMORY = "memory"  # decoded once into the object store, its blocks handed out again each epoch in (seed, epoch) order
 REPLAY = "replay"  # decoded once in epoch 0's shard order, small: each worker replays (and reshuffles) its first pass
-CACHE_DECISIONS = (STREAM, MEMORY, REPLAY)
+# Each decision as a user reads it (the resumed driver's line when it keeps a checkpoint's decision).
+CACHE_DECISIONS = {STREAM: "streamed from storage", MEMORY: "held in memory and streamed again each epoch",
+                   REPLAY: "held in memory and replayed by the workers"}
 
 
 def cache_decision(cfg: DataConfig, infos: dict[str, DatasetInfo], object_store_bytes: float) -> str:
     """What `data.cache` and the object store's size decide (STREAM, MEMORY or REPLAY)."""
     if not use_memory_cache(cfg, infos, object_store_bytes):
         return STREAM
-    return REPLAY if replay_epochs(cfg, infos, object_store_bytes) else MEMORY
+    return REPLAY if is_small(infos, object_store_bytes) else MEMORY  # replay_epochs, its memory half known
 
 
-def reorders_memory_blocks(cfg: DataConfig, infos: dict[str, DatasetInfo], object_store_bytes: float) -> bool:
-    """Whether the train data is held in memory yet streamed again every epoch (not small enough for workers to
-    replay): then each epoch hands out the decoded blocks in that epoch's (seed, epoch) order, as `cache: none`
-    does with the shards. Replayed data keeps epoch 0's order; the workers reshuffle their own pass instead."""
-    return cfg.shuffle and cache_decision(cfg, infos, object_store_bytes) == MEMORY
+def reorders_memory_blocks(cfg: DataConfig, decision: str) -> bool:
+    """Whether, under the cache `decision`, the train data is held in memory yet streamed again every epoch (not
+    small enough for workers to replay): then each epoch hands out the decoded blocks in that epoch's (seed, epoch)
+    order, as `cache: none` does with the shards. Replayed data keeps epoch 0's order; the workers reshuffle their
+    own pass instead."""
+    return cfg.shuffle and decision == MEMORY
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,8 @@ def build_datasets(
     and `epoch_clock` names the clock the workers advance. With the memory cache the blocks are decoded once into
     the object store (never into the driver); small data keeps the shard order of epoch 0 (the workers replay and
     reshuffle it), larger data is handed out block by block in (seed, epoch) order (`reorders_memory_blocks`).
-    `decision` (a resumed run's, from its checkpoint) replaces what `cache_decision` would decide now."""
+    `decision` (a resumed run's, from its checkpoint, one of CACHE_DECISIONS: the driver refuses others as it
+    reads them) replaces what `cache_decision` would decide now."""
     import ray.data
 
     from pipelines.reader import ShardDatasource
@@ -160,11 +164,9 @@ def build_datasets(
 
     if decision is None:
         decision = cache_decision(cfg, infos, object_store_bytes)
-    if decision not in CACHE_DECISIONS:
-        raise ValueError(f"unknown cache decision {decision!r}; valid: {CACHE_DECISIONS}")
     columns = cfg.columns
     cache = DiskCache(cfg.disk_cache, cfg.cache_max_gb) if cfg.disk_cache else None
-    reorder = epoch_clock is not None and cfg.shuffle and decision == MEMORY
+    reorder = epoch_clock is not None and reorders_memory_blocks(cfg, decision)
     datasets = {}
     for name, info in infos.items():
         assert info.storage is not None  # set by inspect_parquet

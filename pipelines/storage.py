@@ -283,10 +283,11 @@ def local_name(rest: str, key: str) -> str:
     return os.path.join(*parts)
 
 
-def _inside(directory: str, rest: str, key: str) -> str:
-    """`directory`/`rest`, checked once more after resolving: the result must lie strictly below `directory`."""
+def _inside(directory: str, relative: str, key: str) -> str:
+    """`directory`/`relative` (a `local_name`, already checked by name), checked once more after resolving links:
+    the result must lie strictly below `directory`."""
     base = os.path.realpath(directory)
-    path = os.path.realpath(os.path.join(base, local_name(rest, key)))
+    path = os.path.realpath(os.path.join(base, relative))
     if os.path.commonpath([base, path]) != base or path == base:
         raise DataError(f"object key '{key}' refused: it resolves to {path}, outside the download directory {base}")
     return path
@@ -338,18 +339,17 @@ def fetch_prefix(uri: str, s3: S3Config | None = None, root: str | None = None) 
         if not os.path.isdir(target):
             staging = tempfile.mkdtemp(prefix=f".{key}-", dir=base)
             try:
-                for obj, rest, folder in plan:
-                    local = _inside(staging, rest, obj.path)
+                for obj, relative, folder in plan:
+                    local = _inside(staging, relative, obj.path)
                     if folder:
                         os.makedirs(local, exist_ok=True)
                         continue
                     os.makedirs(os.path.dirname(local), exist_ok=True)
                     pafs.copy_files(obj.path, local, source_filesystem=storage.filesystem())
-            except DataError:
-                shutil.rmtree(staging, ignore_errors=True)
-                raise
             except Exception as exc:
                 shutil.rmtree(staging, ignore_errors=True)
+                if isinstance(exc, DataError):
+                    raise
                 raise storage_error(exc, storage, "downloading") from None
             os.rename(staging, target)  # whole or not at all: a crash leaves only a staging directory
     finally:

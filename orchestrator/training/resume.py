@@ -42,16 +42,19 @@ def unregistered_checkpoints(filesystem: Any, run_path: str, registered: list[st
                   and i.path.rstrip("/") not in kept)
 
 
-def checkpointed_cache_decision(filesystem: Any, run_path: str) -> str | None:
-    """The cache decision of the newest complete checkpoint of the run at `run_path` (read by the driver before it
-    builds the datasets of a resumed run); None for a run without one, or whose checkpoint records none. Every
-    checkpoint of a run holds the same decision, as each resume keeps it, so any complete one answers for the one
-    Ray Train resumes from."""
+def checkpointed_cache_decision(filesystem: Any, run_path: str, registered_step: int | None = None) -> str | None:
+    """The cache decision of the checkpoint a resumed run at `run_path` loads (read by the driver before it builds
+    the datasets): the newest complete one at or before `registered_step` (the newest checkpoint Ray Train
+    registered, `RunPlace.registered_step`), as `loadable_checkpoint` falls back from a damaged registered one to an
+    older complete one and never to a newer one Ray did not register; the newest complete one when no step is known.
+    None for a run without one, or whose checkpoint records none (then the current decision applies)."""
     try:
         infos = filesystem.get_file_info(pafs.FileSelector(run_path.rstrip("/"), allow_not_found=True))
     except OSError:
         return None  # the workers then check the decision against the checkpoint they load (`restore`)
     ours = [i.path for i in infos if i.type == pafs.FileType.Directory and _OURS.match(i.base_name)]
+    if registered_step is not None:
+        ours = [p for p in ours if (_step(filesystem, p) or 0) <= registered_step]
     for path in sorted(ours, key=lambda p: p.rsplit("/", 1)[-1], reverse=True):  # names sort by step
         if check_complete(filesystem, path) is None:
             return manifest_cache_decision(filesystem, path)

@@ -31,6 +31,7 @@ from orchestrator.training.precision import flush_denormals
 from orchestrator.training.reporting import RayReporter, quiet_report_log
 from orchestrator.training.resume import loadable_checkpoint
 from pipelines.batches import RankBatches, collate_sample
+from pipelines.datasets import REPLAY
 from pipelines.tensors import Batch, rows, take, to_device
 
 
@@ -110,9 +111,9 @@ def for_world_size(cfg: Config, world: int, micro: int | None = None) -> Config:
 
 def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Entry point passed to TorchTrainer. `spec` = {"config": resolved config dict, "in_features": int or None,
-    "epoch_clock": name or None, "replay_epochs": bool, "cache_decision": how the driver feeds the train data
-    (pipelines.datasets: stream, memory or replay; saved with every checkpoint's data position), "metrics_queue":
-    Ray queue or None, "sample": the first rows of the training data (an Arrow table)}."""
+    "epoch_clock": name or None, "cache_decision": how the driver feeds the train data (pipelines.datasets:
+    stream, memory or replay: the workers replay their first pass under replay; saved with every checkpoint's data
+    position), "metrics_queue": Ray queue or None, "sample": the first rows of the training data (an Arrow table)}."""
     entered = time.time()
     quiet_report_log()
     context = ray.train.get_context()
@@ -143,7 +144,7 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
     data = RankBatches(cfg.data, ray.train.get_dataset_shard("train"),
                        ray.train.get_dataset_shard("val") if cfg.data.val is not None else None,
                        t.micro_batch_size, t.seed, rank, spec.get("epoch_clock"),  # type: ignore[arg-type]
-                       replay=bool(spec.get("replay_epochs")), named=named,
+                       replay=decision == REPLAY, named=named,
                        schema=getattr(spec.get("sample"), "schema", None))  # decides the padded columns
     # Facts only a worker knows, sent with the first report of every (re)start.
     facts = {"precision": parts.precision.mode, "grad_accum_steps": t.grad_accum_steps,

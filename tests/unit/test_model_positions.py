@@ -99,3 +99,80 @@ def test_the_positions_of_a_pretrained_model_are_its_saved_configs(text: Path, t
 def test_rotary_positions_have_no_table_and_are_not_refused(text: Path) -> None:
     run_past_the_table(text, llama(positions=32))  # runs: nothing to refuse
     resolve(text, "model.entrypoint=test_model_positions:llama", "model.positions=32")
+
+
+def roberta(num_classes: int = 64, positions: int = 34) -> Any:
+    """RoBERTa's table: positions start at padding_idx + 1, so max_position_embeddings=34 holds 32 tokens."""
+    from transformers import RobertaConfig, RobertaModel
+
+    return RobertaModel(RobertaConfig(vocab_size=num_classes, hidden_size=16, num_hidden_layers=1,
+                                      num_attention_heads=2, intermediate_size=32, max_position_embeddings=positions))
+
+
+def test_roberta_limit_is_the_longest_sequence_its_table_runs() -> None:
+    from orchestrator.models import position_limit
+
+    model = roberta(positions=34)
+    found = position_limit(model)
+    assert found is not None
+    limit, key = found
+    assert key == "max_position_embeddings"
+
+    def forward(length: int) -> None:
+        # token_type_ids given, so the position table (not RoBERTa's token-type buffer) is what a longer row hits.
+        with torch.no_grad():
+            model(input_ids=torch.full((1, length), 5), token_type_ids=torch.zeros(1, length, dtype=torch.long))
+
+    forward(limit)  # the limit runs
+    with pytest.raises(IndexError, match="index out of range"):
+        forward(limit + 1)
+
+
+@pytest.fixture(scope="module")
+def ragged(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Variable-length token rows of 58, 40 and 12 tokens (a mask comes with them), two micro-batches' worth."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = tmp_path_factory.mktemp("ragged")
+    (out / "train").mkdir()
+    rows = [list(range(1, n + 1)) for n in (58, 40, 12) * 43]
+    pq.write_table(pa.table({"tokens": pa.array(rows, pa.list_(pa.int64()))}), out / "train" / "part-0.parquet")
+    return out
+
+
+def forward_sample(data: Path, model: torch.nn.Module, *overrides: str) -> None:
+    """The model's forward on the sample rows collated as the workers collate them (mask and all)."""
+    from pipelines.batches import collate_sample
+    from pipelines.datasets import inspect_datasets
+
+    config = load_config(None, [f"data.train={data}/train", "data.val=null", "data.features=[tokens]",
+                                "data.label=null", *overrides])
+    batch = collate_sample(inspect_datasets(config.data, named=True)["train"].sample, config.data, named=True)
+    with torch.no_grad():
+        model(input_ids=batch["tokens"], attention_mask=batch["attention_mask"])
+
+
+def test_rounding_alone_past_the_table_names_pad_to_multiple_of_and_the_real_length(ragged: Path) -> None:
+    # 58 real tokens fit 60 positions, but rounded up to a multiple of 16 the rows are 64 wide: the workers fail.
+    forward_sample(ragged, gpt2(positions=60))
+    with pytest.raises(IndexError, match="index out of range"):
+        forward_sample(ragged, gpt2(positions=60), "data.pad_to_multiple_of=16")
+    with pytest.raises(ConfigError) as refused:
+        resolve(ragged, "model.entrypoint=test_model_positions:gpt2", "model.positions=60",
+                "data.pad_to_multiple_of=16")
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "58 tokens" in message and "64 tokens" in message and "60 positions" in message
+    assert "data.pad_to_multiple_of" in message
+    resolve(ragged, "model.entrypoint=test_model_positions:gpt2", "model.positions=60")  # unrounded: accepted
+    resolve(ragged, "model.entrypoint=test_model_positions:gpt2", "model.positions=60", "data.pad_to_multiple_of=4")
+
+
+def test_rows_past_the_table_report_the_longest_real_row_not_the_padded_width(ragged: Path) -> None:
+    with pytest.raises(ConfigError) as refused:  # 58 real tokens, padded to 64, 32 positions
+        resolve(ragged, "model.entrypoint=test_model_positions:gpt2", "model.positions=32",
+                "data.pad_to_multiple_of=16")
+    message = str(refused.value)
+    assert "sequences of 58 tokens" in message and "32 positions" in message
+    assert "at most 32 tokens" in message and "n_positions >= 64" in message  # the workers pad 58 to 64

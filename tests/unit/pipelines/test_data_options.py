@@ -181,17 +181,21 @@ def test_only_small_datasets_held_in_memory_are_replayed_by_workers() -> None:
 
 
 def test_memory_cached_data_not_replayed_is_reordered_per_epoch() -> None:
-    from pipelines.datasets import reorders_memory_blocks
+    from pipelines.datasets import cache_decision, reorders_memory_blocks
     from pipelines.sources import DatasetInfo
 
     infos = {"train": DatasetInfo("d", ["a.parquet"], num_rows=10, num_bytes=1000, feature_dim=4, num_classes=2)}
     memory, auto, none = (DataConfig(train="d", cache=c) for c in ("memory", "auto", "none"))
+
+    def reorders(cfg: DataConfig, store: float) -> bool:
+        return reorders_memory_blocks(cfg, cache_decision(cfg, infos, store))
+
     # Held in memory but not small (1000 bytes > 5% of 10_000): streamed each epoch, its blocks reordered.
-    assert reorders_memory_blocks(memory, infos, 10_000)
-    assert not reorders_memory_blocks(memory.model_copy(update={"shuffle": False}), infos, 10_000)
-    assert not reorders_memory_blocks(memory, infos, 100_000)  # small: replayed (and reshuffled) by the workers
-    assert not reorders_memory_blocks(auto, infos, 100_000)
-    assert not reorders_memory_blocks(none, infos, 10_000)  # streamed from storage in the epoch's shard order
+    assert reorders(memory, 10_000)
+    assert not reorders(memory.model_copy(update={"shuffle": False}), 10_000)
+    assert not reorders(memory, 100_000)  # small: replayed (and reshuffled) by the workers
+    assert not reorders(auto, 100_000)
+    assert not reorders(none, 10_000)  # streamed from storage in the epoch's shard order
 
 
 def test_memory_blocks_are_handed_out_in_the_epoch_order(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from orchestrator.config import load_config
+from orchestrator.errors import ConfigError
 from orchestrator.models import build_model
 from orchestrator.runs import RunPlace
 from orchestrator.training.checkpoint import (
@@ -151,11 +152,39 @@ def test_no_line_when_the_decision_holds_and_none_without_a_checkpoint(
     assert resumed_cache_decision(auto, INFOS, SMALL_STORE, None) == STREAM  # a new run decides afresh
     assert resumed_cache_decision(auto, INFOS, LARGE_STORE, REPLAY) == REPLAY
     assert capsys.readouterr().err == ""
+    with pytest.raises(ConfigError, match="unknown cache decision 'shuffled': resume it with the version"):
+        resumed_cache_decision(auto, INFOS, LARGE_STORE, "shuffled")  # a later version's checkpoint
     # A checkpoint written before the decision was saved records none: the current decision applies.
     old = tmp_path / "old" / "checkpoint_00000004_cccccc"
     old.mkdir(parents=True)
     save_state(old, {"progress": {"step": 4, "epoch": 0, "rows_in_epoch": 8}})
     assert checkpointed_cache_decision(pafs.LocalFileSystem(), str(tmp_path / "old")) is None
+
+
+def test_the_decision_read_is_the_registered_checkpoints_not_a_newer_unregistered_ones(tmp_path: Path) -> None:
+    """Ray resumes from the checkpoint it registered (the worker falls back from it to an older complete one, never
+    to a newer one): a newer complete directory Ray never registered (its worker died before registration) must
+    not decide how the resumed run is fed."""
+    from orchestrator.runs import RAY_CHECKPOINTS
+    from orchestrator.training.resume import checkpointed_cache_decision
+    from pipelines.datasets import REPLAY, STREAM
+
+    place = RunPlace(open_storage(str(tmp_path)), "run")
+    run = Path(place.path)
+    for step, decision in ((5, REPLAY), (10, REPLAY), (15, STREAM), (20, STREAM)):
+        directory = run / f"checkpoint_{step:08d}_aaaaaa"
+        directory.mkdir(parents=True)
+        save_state(directory, {"progress": {"step": step, "epoch": 0, "rows_in_epoch": 0, "cache_decision": decision}})
+    place.write_text(RAY_CHECKPOINTS, '{"checkpoints": ["checkpoint_00000005_aaaaaa", "checkpoint_00000010_aaaaaa"]}')
+    fs = place.storage.filesystem()
+    assert place.registered_step() == 10
+    assert checkpointed_cache_decision(fs, place.path, place.registered_step()) == REPLAY
+    # The registered one damaged: the worker loads the newest complete one before it, and so is it read.
+    (run / "checkpoint_00000010_aaaaaa" / "state.pt").write_bytes(b"")
+    place.write_text(RAY_CHECKPOINTS, '{"checkpoints": ["checkpoint_00000010_aaaaaa"]}')
+    assert checkpointed_cache_decision(fs, place.path, place.registered_step()) == REPLAY
+    # No record of Ray's: the newest complete directory.
+    assert checkpointed_cache_decision(fs, place.path, None) == STREAM
 
 
 def _parts() -> Parts:
