@@ -19,10 +19,10 @@ from _common import scratch_run
 
 from orchestrator import load_config, train
 from orchestrator.models import mlp
-from orchestrator.training.loop import train_step
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts
 from orchestrator.training.precision import Precision
+from orchestrator.training.step import train_step
 
 
 def rate(parts: Parts, micro: int, accum: int, steps: int) -> float:

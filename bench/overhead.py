@@ -39,10 +39,10 @@ def bare_loop(args: argparse.Namespace) -> None:
 
     from orchestrator.config import load_config
     from orchestrator.models import mlp
-    from orchestrator.training.loop import train_step
     from orchestrator.training.optim import build_optimizer
     from orchestrator.training.parts import Parts
     from orchestrator.training.precision import Precision, flush_denormals
+    from orchestrator.training.step import train_step
     from pipelines.batches import collate_arrow
 
     cfg = load_config(None, overrides(args, Path(args.bare)))

@@ -13,13 +13,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from orchestrator.config import Config, load_config
     from orchestrator.launch import TrainResult, train
-    from orchestrator.study import TuneResult, tune
+    from orchestrator.tuning.results import TuneResult
+    from orchestrator.tuning.study import tune
 
 __all__ = ["Config", "TrainResult", "TuneResult", "load_config", "train", "tune"]
 
 _HOMES = {"Config": "orchestrator.config", "load_config": "orchestrator.config",
           "TrainResult": "orchestrator.launch", "train": "orchestrator.launch",
-          "TuneResult": "orchestrator.study", "tune": "orchestrator.study"}
+          "TuneResult": "orchestrator.tuning.results", "tune": "orchestrator.tuning.study"}
 
 
 def __getattr__(name: str) -> Any:

@@ -166,8 +166,8 @@ def run_command(args: argparse.Namespace) -> int:
         return 0
 
     if args.command == "tune":
-        from orchestrator.study import summary as tune_summary
-        from orchestrator.study import tune
+        from orchestrator.tuning.results import summary as tune_summary
+        from orchestrator.tuning.study import tune
 
         print(tune_summary(tune(config, address=args.address, fresh=args.fresh, show_logs=args.verbose)))
         return 0

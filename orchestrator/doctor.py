@@ -15,10 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from orchestrator.config import Config
 from orchestrator.cost import PARTS
 from orchestrator.errors import UserError
 from orchestrator.startup import STAGES
-from orchestrator.tracking import mlflow_key
+from orchestrator.tracking import mlflow_key, read_metrics, resolve_uri
 
 HIGH, MEDIUM, LOW = 3, 2, 1
 _SEVERITY = {HIGH: "high", MEDIUM: "medium", LOW: "low"}
@@ -367,7 +368,6 @@ def field_bounds(key: str) -> tuple[Bound | None, Bound | None]:
     import annotated_types
     from pydantic import BaseModel
 
-    from orchestrator.config import Config
 
     model: Any = Config
     *sections, leaf = key.split(".")
@@ -497,7 +497,6 @@ def load_run(run_id: str, tracking_uri: str | None = None) -> RunRecord:
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from orchestrator.tracking import read_metrics, resolve_uri
 
     uri = resolve_uri(tracking_uri)
     client = MlflowClient(tracking_uri=uri)

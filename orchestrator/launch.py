@@ -14,14 +14,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator.checks import resolve_for_data
 from orchestrator.cluster import connect_ray, shutdown_local_ray, train_environment
 from orchestrator.config import Config, to_yaml
 from orchestrator.console import LOG_FILE, RunLog
+from orchestrator.cost import build_ledger, resolve_pricing
 from orchestrator.errors import ConfigError
+from orchestrator.model_logging import log_final_model
+from orchestrator.plots import plot_history
+from orchestrator.progress import ForwardFailures, ReportConsumer, progress_line
 from orchestrator.runs import RUN_CONFIG, RunPlace, latest_run, new_run, open_run_storage
 from orchestrator.startup import StartupClock
-from orchestrator.tracking import Tracker, closed_on_error, config_params, run_url, start_tracker, ui_command
-from orchestrator.trainer import RunFailedError, build_run, resolve_for_data, root_cause
+from orchestrator.tracking import (
+    Tracker,
+    closed_on_error,
+    config_params,
+    resolve_uri,
+    run_url,
+    start_tracker,
+    ui_command,
+)
+from orchestrator.trainer import RunFailedError, build_run, root_cause
+from orchestrator.training.checkpoint import load_state
+from orchestrator.training.resume import unregistered_checkpoints
 from pipelines.config import is_remote
 from pipelines.datasets import inspect_datasets
 from pipelines.sources import DatasetInfo
@@ -47,10 +62,6 @@ def _log_final_artifacts(tracker: Tracker, config: Config, checkpoint_path: str 
                          history: list[dict[str, Any]], info: DatasetInfo, checkpoint: Any = None) -> None:
     """The resolved config, the final weights as an MLflow Model named "model" (model_logging.py; `info`: the
     training data, whose sample rows give its input example and signature) and the learning curves."""
-    from orchestrator.model_logging import log_final_model
-    from orchestrator.plots import plot_history
-    from orchestrator.training.checkpoint import load_state
-
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.yaml").write_text(to_yaml(config))
         tracker.log_artifact(Path(tmp) / "config.yaml")
@@ -77,8 +88,6 @@ def train(config: Config, address: str | None = None, verbose: bool = True, resu
     CLI passes its process start) is where the start-up breakdown and the cost ledger's clock begin. Ray's and
     MLflow's own lines go to the run's log file (console.py), and to the terminal too with `show_logs`.
     Ctrl+C ends the MLflow run as KILLED and raises KeyboardInterrupt after saying how to continue."""
-    from orchestrator.cost import resolve_pricing
-
     clock = StartupClock(started_at or time.time())
     clock.mark("command")
     # Before any cluster resource is taken.
@@ -242,8 +251,6 @@ def _place_run(config: Config, resume: bool, verbose: bool) -> tuple[RunPlace, d
 
 def _reopen_id(config: Config, record: dict[str, Any] | None) -> str | None:
     """The MLflow run to continue: the resumed run's, if it was tracked at the same URI."""
-    from orchestrator.tracking import resolve_uri
-
     if not record or not record.get("mlflow_run_id") or not config.tracking.enabled:
         return None
     if record.get("tracking_uri") != resolve_uri(config.tracking.uri):
@@ -264,7 +271,6 @@ def _fit(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, tracker
     import ray.train
     from ray.util.queue import Queue
 
-    from orchestrator.progress import ForwardFailures, ReportConsumer, progress_line
 
     total = config.train.max_steps or 0
     failures: list[float] = []
@@ -323,8 +329,6 @@ def _fit(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, tracker
 def _remove_unregistered_checkpoints(result: Any) -> None:
     """Delete what a worker killed mid-checkpoint left in storage: Ray never registered it, so its retention
     (`checkpoint.keep`) would never delete it and it would stay forever. Only after a run that finished."""
-    from orchestrator.training.resume import unregistered_checkpoints
-
     registered = [c.path for c, _ in result.best_checkpoints or []]
     registered += [result.checkpoint.path] if result.checkpoint else []
     try:
@@ -337,7 +341,6 @@ def _remove_unregistered_checkpoints(result: Any) -> None:
 
 
 def _cost(config: Config, history: list[dict[str, Any]], wall_s: float, failures: int) -> Any:
-    from orchestrator.cost import build_ledger, resolve_pricing
 
     # An elastic group is billed at the largest size it reached.
     world = max((int(r["world_size"]) for r in history if "world_size" in r), default=None)

@@ -16,8 +16,12 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
+from orchestrator.checks import in_features
 from orchestrator.config import Config
+from orchestrator.models import build_model, pretrained_config, with_saved_architecture
+from orchestrator.tasks import logits_of
 from orchestrator.tracking import MlflowTracker, Tracker
+from pipelines.batches import collate_sample
 from pipelines.sources import DatasetInfo
 
 MODEL_NAME = "model"  # runs:/<run_id>/model
@@ -70,10 +74,6 @@ def _rebuild(config: Config, info: DatasetInfo, weights: dict[str, Any]) -> tupl
     its saved config.json (what the workers' from_pretrained built), not the builder's default."""
     import torch
 
-    from orchestrator.models import build_model, pretrained_config, with_saved_architecture
-    from orchestrator.tasks import logits_of
-    from orchestrator.trainer import in_features
-    from pipelines.batches import collate_sample
 
     pretrained = config.model.pretrained
     # With model.pretrained only the builder's class is needed: its default build on the meta device (no memory),

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from orchestrator.config import TASK_METRICS
+from orchestrator.config import TASK_METRICS, Config
 from orchestrator.errors import ConfigError
 from orchestrator.registry import Registry, load_entrypoint
 
@@ -309,3 +309,12 @@ def step_loss_sum(task: Task, output: Any, batch: Batch, from_model: bool) -> to
     # which would skip the whole step. Its sum is exactly 0. `where` keeps the loss in the graph, so backward
     # still reaches every parameter (as DDP expects) with a zero gradient, and picks on the device (no host sync).
     return torch.where(count > 0, model_loss(output).float() * count, 0.0)
+
+
+def task_parts(cfg: Config) -> tuple[Task, ModelCall, bool]:
+    """The task, how the model is called and whether its own loss is used, for a resolved config."""
+    model_loss = cfg.task.loss == "model"
+    inputs = cfg.model.input_map
+    # A model given the whole token sequence by name shifts for next-token targets (the Hugging Face convention).
+    task = build_task(cfg.task.name, cfg.model.num_classes, shift=inputs is not None)  # type: ignore[arg-type]
+    return task, ModelCall(inputs, labels=model_loss, task=task), model_loss

@@ -1,19 +1,18 @@
-"""What every driver (`train`, each Tune trial) builds a run from: the config resolved for the data, the datasets and
-the TorchTrainer, Train's storage arguments, and the one line a Ray failure boils down to."""
+"""The Ray wiring every driver (`train`, each Tune trial) builds a run with: the datasets and the TorchTrainer,
+Train's storage arguments, and the one line a Ray failure boils down to. The checks before it are in checks.py."""
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import uuid
 from typing import Any
 
-import pyarrow as pa
-
-from orchestrator.config import Config, config_from_dict, to_dict
+from orchestrator.checks import in_features
+from orchestrator.config import Config, to_dict
 from orchestrator.errors import ConfigError, UserError
 from orchestrator.runs import RunPlace
+from orchestrator.training.resume import checkpointed_cache_decision
 from pipelines.config import DataConfig
 from pipelines.datasets import CACHE_DECISIONS, build_datasets, cache_decision
 from pipelines.order import create_epoch_clock
@@ -25,52 +24,6 @@ class RunFailedError(UserError):
     """Training stopped for good (failure budget spent, or an error every retry hits)."""
 
 
-def resolve_for_data(config: Config, infos: dict[str, DatasetInfo]) -> Config:
-    """Fill in what the data decides: the number of classes and, when epochs are given, the step count. Also checks
-    the model's options against its builder (the first driver step that may import the model zoo)."""
-    from orchestrator.models import check_model_options
-
-    check_model_options(config.model)
-    train = infos["train"]
-    if "val" in infos and infos["val"].feature_dim != train.feature_dim:
-        raise ConfigError(f"data.val has {infos['val'].feature_dim} feature values per row but data.train has "
-                          f"{train.feature_dim}: both splits must have the same columns")
-    check_label(config, train)
-    tree = to_dict(config)
-    if config.model.num_classes is None:
-        outputs = 1 if config.task.name == "regression" else train.num_classes
-        if config.task.name == "regression" and train.schema is not None:
-            label_type = train.schema.field(config.data.label).type
-            outputs = label_type.list_size if pa.types.is_fixed_size_list(label_type) else 1
-        # A model given named inputs builds its own head (a Hugging Face config says num_labels, vocab_size).
-        needed = config.model.inputs is None or config.task.name == "classification"
-        if outputs < (2 if config.task.name == "classification" else 1) and needed:
-            source = (f"'{config.data.label}' statistics" if config.data.label
-                      else "the token column's vocab_size metadata")
-            raise ConfigError(f"cannot infer the number of classes from {source}: set model.num_classes")
-        tree["model"]["num_classes"] = outputs or None
-    t = config.train
-    rows_per_worker = train.num_rows // config.scaling.max_workers
-    smallest = t.micro_batch_size if isinstance(t.micro_batch_size, int) else 1
-    if rows_per_worker < smallest:
-        raise ConfigError(f"data.train has {train.num_rows} rows, fewer than one micro-batch "
-                          f"({smallest}) per worker: lower train.global_batch_size")
-    if t.epochs is not None:
-        per_worker_step = t.global_batch_size // config.scaling.max_workers
-        steps = max(1, math.ceil(t.epochs * rows_per_worker / per_worker_step))
-        # Config validation could not check the warmup against a step count only the data decides.
-        if config.optim.warmup_steps >= steps:
-            raise ConfigError(f"config key 'optim.warmup_steps': optim.warmup_steps={config.optim.warmup_steps} "
-                              f"must be below the run's {steps} optimizer steps (train.epochs={t.epochs:g} over "
-                              f"{train.num_rows} rows at global batch {t.global_batch_size}): lower "
-                              "optim.warmup_steps or train longer")
-        tree["train"]["max_steps"] = steps
-        tree["train"]["epochs"] = None
-    resolved = config_from_dict(tree)
-    check_model_call(resolved, train)
-    return resolved
-
-
 def ingest_options() -> Any:
     """Ray Data's options for the workers' ingest: Ray Train's defaults (the current DataContext's), in order, so
     two runs (and a resumed run) see the same batches on the same ranks. Built here rather than by
@@ -80,110 +33,6 @@ def ingest_options() -> Any:
     current = DataContext.get_current().execution_options
     return ExecutionOptions(resource_limits=current.resource_limits, preserve_order=True,
                             verbose_progress=current.verbose_progress)
-
-
-def check_label(config: Config, info: DatasetInfo) -> None:
-    """The target column suits the task: integer classes, a fixed-size list of 0/1 labels, numbers to regress."""
-    label, task = config.data.label, config.task.name
-    if label is None or info.schema is None or ":" in (task or ""):
-        return
-    kind = info.schema.field(label).type
-    value = kind.value_type if pa.types.is_fixed_size_list(kind) else kind
-    numeric = pa.types.is_integer(value) or pa.types.is_floating(value) or pa.types.is_boolean(value)
-    wanted = {"classification": pa.types.is_integer(kind),
-              "multilabel": pa.types.is_fixed_size_list(kind) and numeric,
-              "regression": numeric}[task]  # type: ignore[index]
-    if not wanted:
-        need = {"classification": "integer class ids (for float targets use task.name=regression)",
-                "multilabel": "a fixed-size list of 0/1 values per row",
-                "regression": "numbers (or a fixed-size list of numbers)"}[task]  # type: ignore[index]
-        raise ConfigError(f"data.label '{label}' in {info.path} has type {kind}, but task {task} needs {need}")
-
-
-def check_model_call(config: Config, info: DatasetInfo) -> None:
-    """The model builds with its options (on the meta device: no memory, no weights loaded; with model.pretrained,
-    in its saved config's architecture), for every model; the sample rows' sequences fit its learned positions;
-    with named inputs also: the sample rows convert to tensors, hold every input the model is given, and the
-    model's forward takes them by name."""
-    from orchestrator.models import check_model_build
-    from pipelines.batches import collate_sample
-
-    call, batch = None, None
-    if config.model.inputs is not None and info.sample is not None:
-        from orchestrator.training.parts import task_parts
-
-        try:
-            batch = collate_sample(info.sample, config.data, named=True)
-        except ValueError as exc:
-            raise ConfigError(f"data in {info.path}: {exc}") from None
-        _, call, _ = task_parts(config)
-        missing = [key for key in (call.inputs or {}).values() if key not in batch]
-        if missing:
-            raise ConfigError(f"config key 'model.inputs': {missing} are not in the batch, which has {sorted(batch)} "
-                              "(a mask comes only with a variable-length token column)")
-    elif info.sample is not None and config.data.label is None:  # token windows: forward(x) takes their tokens
-        try:
-            batch = collate_sample(info.sample, config.data, named=False)
-        except ValueError:
-            batch = None  # the workers collate the same rows and will say why
-    # What the workers build with (spec["in_features"]), so that the driver's check sees the workers' model.
-    model = check_model_build(config.model, in_features(config, info), config.model.num_classes, config.data.s3)
-    if model is None:
-        return
-    if call is not None:
-        from orchestrator.tasks import check_forward
-
-        check_forward(model, call, config.model.entrypoint or config.model.name)
-    if batch is not None:
-        check_positions(config, info, model, batch)
-
-
-def check_positions(config: Config, info: DatasetInfo, model: Any, batch: dict[str, Any]) -> None:
-    """The sample rows' token sequences fit the model's learned position table (GPT-2's n_positions, BERT's
-    max_position_embeddings), padded as the workers pad them (data.pad_to_multiple_of): past it every worker fails
-    with 'IndexError: index out of range in self', which Ray does not retry. ConfigError naming the longest real
-    row, the table and the fix."""
-    from orchestrator.models import position_limit
-    from pipelines.batches import padding_of
-
-    found = position_limit(model)
-    if found is None:
-        return
-    limit, key = found
-    # The config key counts rows the table never gives a token (RoBERTa's padding row and the one before it).
-    configured = getattr(model.config, "max_position_embeddings", limit)
-    # {batch key: its column}: the named inputs' own columns (a mask is as long as its tokens), or forward(x).
-    named = config.model.input_map
-    columns = ({k: k for k in named.values() if k in config.data.features} if named is not None
-               else {"x": config.data.features[0]})
-    masks = ({g.column: g.mask for g in padding_of(info.sample.schema, config.data.features, config.data.label,
-                                                   True).groups if g.mask is not None}
-             if named is not None and info.sample is not None else {})
-    multiple = config.data.pad_to_multiple_of
-    for batch_key, column in columns.items():
-        value = batch.get(batch_key)
-        if value is None or value.ndim != 2 or value.is_floating_point() or value.shape[1] <= limit:
-            continue
-        width = value.shape[1]  # the longest row, rounded up to data.pad_to_multiple_of: what the workers feed
-        mask = batch.get(masks.get(column, ""))
-        length = int(mask.sum(dim=1).max()) if mask is not None else width
-        name = config.model.entrypoint or config.model.name
-        source = f"{key} in {config.model.pretrained}/config.json" if config.model.pretrained else key
-        kind = info.schema.field(column).type if info.schema is not None else None
-        if length <= limit:
-            fix = (f"data.pad_to_multiple_of={multiple} rounds them up to {width} tokens: set it to a divisor of "
-                   f"{limit} or null")
-        else:
-            fit = limit - limit % multiple if multiple else limit
-            fix = f"shorten column '{column}' to at most {fit} tokens"
-            if config.data.label is None and kind is not None and pa.types.is_fixed_size_list(kind):
-                # `prepare text --seq-len N` writes windows of N + 1 tokens; forward(x) takes the first N of them.
-                seq_len = limit - (length - (kind.list_size - 1))
-                if seq_len >= 1:
-                    fix = f"write shorter windows (`orchestrator prepare text --seq-len {seq_len}`)"
-        raise ConfigError(f"data in {info.path}: column '{column}' gives the model sequences of {length} tokens, but "
-                          f"model '{name}' ({type(model).__name__}) has {limit} positions ({source}): {fix}, or use "
-                          f"a model with {key} >= {width + configured - limit}")
 
 
 def build_trainer(config: Config, spec: dict[str, Any], datasets: dict[str, Any], place: RunPlace,
@@ -254,7 +103,6 @@ def build_run(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, ca
     import ray
     from ray.data import DataContext
 
-    from orchestrator.training.resume import checkpointed_cache_decision
 
     # The workers advance this clock each epoch; the train reader draws that epoch's shard order from it.
     clock = f"orchestrator-epoch-{place.name}-{uuid.uuid4().hex[:8]}" if config.data.shuffle else None
@@ -273,13 +121,6 @@ def build_run(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, ca
     datasets = build_datasets(config.data, infos, store_bytes, seed=config.train.seed, epoch_clock=clock,
                               decision=decision)
     return build_trainer(config, spec, datasets, place, callbacks)
-
-
-def in_features(config: Config, info: DatasetInfo) -> int | None:
-    """Width of the classic model input; None for named inputs whose columns are not all fixed-width numbers."""
-    if config.model.inputs is None and config.data.label is None:
-        return info.feature_dim - 1  # token windows of seq_len + 1: the inputs and the next tokens shifted by one
-    return info.feature_dim or None
 
 
 def _worker_entry(spec: dict[str, Any]) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""The training loop, readable top to bottom: `train_step` (one optimizer step) and `run` (steps, eval, reports,
-checkpoints). It knows nothing of Ray: the caller passes batch sources and a `Reporter`, so tests run it
+"""The training loop, readable top to bottom: `run` (steps, eval, reports, checkpoints) around step.py's
+`train_step`. It knows nothing of Ray: the caller passes batch sources and a `Reporter`, so tests run it
 in-process."""
 
 from __future__ import annotations
@@ -8,26 +8,22 @@ import math
 import shutil
 import tempfile
 import time
-import warnings
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
 from orchestrator.config import Config
 from orchestrator.errors import UserError
-from orchestrator.tasks import step_loss_sum
 from orchestrator.training import ranks
 from orchestrator.training.checkpoint import Progress, checkpoint_state, save_state, unwrap
-from orchestrator.training.memory import cuda_memory_stats, device_facts, is_oom, release_cached_memory
+from orchestrator.training.memory import cuda_memory_stats, device_facts, release_cached_memory
 from orchestrator.training.parts import Parts
-from orchestrator.training.sync import grad_bytes
+from orchestrator.training.step import StepResult, first_compiled_step, flops_per_sample, train_step
 from orchestrator.training.system import node_stats
-from orchestrator.training.timing import PhaseTimer, count_flops, peak_flops
-from pipelines.tensors import Batch, chunk, rows, take, to_device
+from orchestrator.training.timing import PhaseTimer, peak_flops
+from pipelines.tensors import Batch, rows, take, to_device
 
 
 class Reporter(Protocol):
@@ -43,10 +39,6 @@ class Reporter(Protocol):
 
 class NonFiniteLossError(UserError):
     """The loss became NaN/inf; continuing would only write a broken model."""
-
-
-class DeviceMemoryError(UserError):
-    """Even the smallest micro-batch does not fit in device memory."""
 
 
 @dataclass
@@ -75,144 +67,6 @@ class Interval:
         self.steps += 1
         self.skipped += result.skipped
         self.micro = micro
-
-
-def train_step(parts: Parts, micro_batches: list[Batch], timer: PhaseTimer | None = None) -> StepResult:
-    """Forward/backward every micro-batch, then one optimizer step.
-
-    After an out-of-memory error on any rank before DDP's gradient all-reduce, every rank redoes the step with
-    each micro-batch cut in two (twice the accumulation): the same samples and the same normaliser, so the same
-    update.
-    """
-    timer = timer or PhaseTimer(parts.device)
-    # Normalise by the targets (samples, or tokens) of the whole step on all ranks, not per micro-batch: then
-    # k micro-batches of size b give the gradient of one batch of k*b, and DDP's mean over ranks (hence the
-    # world factor) gives the mean over the global batch even when ranks hold different token counts.
-    local_targets = sum(parts.task.count(batch) for batch in micro_batches).to(torch.float32)
-    targets = local_targets.clone()
-    # Local SGD: each rank's step is its own (no gradient mean), so the normaliser is its own targets too.
-    world = ranks.world()[1] if parts.local_sgd is None else 1
-    if world > 1:
-        dist.all_reduce(targets)
-        parts.comm_bytes += targets.element_size()
-    scale = world / targets.clamp(min=1)
-    while True:
-        pieces = [piece for batch in micro_batches for piece in chunk(batch, parts.split)]
-        step_loss = _forward_backward(parts, pieces, scale, timer)
-        if step_loss is not None:
-            break
-        parts.optimizer.zero_grad(set_to_none=True)
-        release_cached_memory(parts.device)
-        parts.split *= 2
-        parts.oom_retries += 1
-    samples = sum(rows(batch) for batch in micro_batches)
-    with timer.phase("compute"):
-        parts.precision.unscale_(parts.optimizer)
-        max_norm = parts.max_grad_norm if parts.max_grad_norm is not None else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(parts.model.parameters(), max_norm)
-        if _non_finite_anywhere(step_loss, grad_norm, parts):
-            # No update from this step; its samples are consumed and the LR schedule (indexed by samples) moves
-            # on, as after a step the fp16 scaler skips.
-            parts.optimizer.zero_grad(set_to_none=True)
-            parts.precision.skip()
-            with warnings.catch_warnings():  # torch warns when the schedule moves before any optimizer step
-                warnings.simplefilter("ignore", UserWarning)
-                parts.scheduler.step()
-            return StepResult(step_loss, grad_norm.detach(), samples, local_targets, skipped=True)
-        parts.precision.step(parts.optimizer)
-        parts.optimizer.zero_grad(set_to_none=True)
-        parts.scheduler.step()
-    return StepResult(step_loss, grad_norm.detach(), samples, local_targets)
-
-
-def _non_finite_anywhere(step_loss: torch.Tensor, grad_norm: torch.Tensor, parts: Parts) -> bool:
-    """True on every rank if any rank's loss (or the gradient) is NaN/inf. Losses differ per rank, and skipping on
-    one rank only would leave the ranks' weights apart and their collectives misaligned: so all-reduce a flag.
-    With fp16 the GradScaler already skips overflowing gradients, so only the loss is judged."""
-    bad = ~torch.isfinite(step_loss)
-    if parts.precision.scaler is None:
-        bad = bad | ~torch.isfinite(grad_norm)
-    return ranks.any_rank(bad, parts.device)
-
-
-@dataclass
-class StepResult:
-    loss_sum: torch.Tensor  # summed over this rank's targets
-    grad_norm: torch.Tensor
-    samples: int
-    targets: torch.Tensor  # this rank's targets (samples, or tokens) in the step, on the device
-    skipped: bool = False  # non-finite loss or gradient on some rank: no update was applied
-
-
-def _forward_backward(parts: Parts, pieces: list[Batch], scale: torch.Tensor,
-                      timer: PhaseTimer) -> torch.Tensor | None:
-    """Forward and backward of every piece, accumulating gradients; returns the summed loss, or None when some rank
-    ran out of memory before DDP's gradient all-reduce (every rank then redoes the step with smaller pieces).
-    DeviceMemoryError when pieces of one row still do not fit."""
-    model = parts.model
-    model.train()
-    # DDP all-reduces gradients in the backward of the last piece only: every piece but the last runs under
-    # no_sync. Under local SGD no piece is all-reduced: ranks step alone and average parameters later.
-    ddp = hasattr(model, "no_sync") and parts.local_sgd is None
-    # With several ranks, an OOM retry is decided together before the synced piece: a rank redoing the step alone
-    # would meet the others' gradient all-reduce with collectives of its own (gloo aborts, NCCL hangs).
-    together = ddp and ranks.world()[1] > 1 and len(pieces) > 1
-    total = torch.zeros((), device=parts.device)
-    seconds: list[float] = []
-    forward_s = 0.0
-
-    def piece(batch: Batch, synced: bool) -> None:
-        nonlocal total, forward_s
-        started = time.perf_counter()
-        # The forward must be inside no_sync too, because DDP arms its reducer during forward.
-        with nullcontext() if synced or not hasattr(model, "no_sync") else model.no_sync():
-            with parts.precision.autocast():
-                output = parts.call(model, batch)
-            loss = step_loss_sum(parts.task, output, batch, parts.model_loss)
-            forward_s = _elapsed(started, parts.device)
-            parts.precision.backward(loss * scale)
-        if synced and ranks.world()[1] > 1:
-            parts.comm_bytes += grad_bytes(model)
-        total += loss.detach()
-        seconds.append(_elapsed(started, parts.device))
-
-    ran_out = False  # on this rank
-    try:
-        for batch in pieces[:-1] if ddp else pieces:
-            piece(batch, synced=False)
-    except Exception as exc:
-        if not is_oom(exc):
-            raise
-        ran_out = True
-    if ranks.any_rank(ran_out, parts.device) if together else ran_out:
-        # Once no rank's pieces can be cut further, a retry would redo the identical step forever.
-        splittable = max(rows(batch) for batch in pieces) > 1
-        if not (ranks.any_rank(splittable, parts.device) if together else splittable):
-            raise DeviceMemoryError(
-                "out of memory even with a micro-batch of 1 row: use a smaller model or shorter sequences, "
-                "train.precision=bf16, or a device with more memory")
-        if ran_out:  # the rank that ran out says so; the others retry quietly, as agreed
-            warnings.warn(f"out of memory: retrying the step with micro-batches cut in {parts.split * 2} "
-                          "(same global batch, more accumulation)", stacklevel=3)
-        return None
-    if ddp:  # an OOM in here is not retried: it may strike inside the all-reduce, which one rank cannot undo
-        piece(pieces[-1], synced=True)
-    # The all-reduce overlaps the last backward; what it adds beyond compute is the exposed sync time.
-    if not (ddp and ranks.world()[1] > 1):
-        sync_s = 0.0
-    elif len(seconds) > 1:
-        sync_s = max(0.0, seconds[-1] - sum(seconds[:-1]) / (len(seconds) - 1))
-    else:  # no unsynced piece to compare with: backward costs about twice the forward's FLOPs
-        sync_s = max(0.0, seconds[-1] - 3 * forward_s)
-    timer.add("compute", sum(seconds) - sync_s)
-    timer.add("sync", sync_s)
-    return total
-
-
-def _elapsed(started: float, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - started
 
 
 @torch.no_grad()
@@ -324,13 +178,12 @@ def run(
     t = cfg.train
     assert t.max_steps is not None and isinstance(t.grad_accum_steps, int)  # resolved before the loop
     progress = progress or Progress()
-    rank, world = ranks.world()
     stream = micro_batches(train_batches, progress, parts.device)
     cadence = Cadence(cfg, val_batches is not None, preempted, parts.device)
     peak = peak_flops(parts.device, t.peak_tflops)
     metrics: dict[str, Any] = {}
     once = dict(facts or {}) | device_facts(parts.device) | {"at/loop": time.time()}
-    flops_per_sample: float | None = None
+    flops: float | None = None
     if parts.local_sgd is not None and not parts.local_sgd.anchor:
         parts.local_sgd.start(unwrap(parts.model))
     # Waiting for the first batch is start-up (the pipeline's first read), not part of the first interval.
@@ -343,10 +196,10 @@ def run(
         else:
             with interval.timer.phase("data_wait"):
                 batch = [next(stream) for _ in range(t.grad_accum_steps)]
-        if flops_per_sample is None:
-            flops_per_sample = _flops_per_sample(parts, batch[0])
+        if flops is None:
+            flops = flops_per_sample(parts, batch[0])
         if parts.eager_model is not None:  # the first step of this process, also after a resume: it compiles
-            result, once["compile_s"] = _first_compiled_step(parts, batch)
+            result, once["compile_s"] = first_compiled_step(parts, batch)
             interval = Interval(PhaseTimer(parts.device), comm_start=parts.comm_bytes)  # compiling isn't training
         else:
             result = train_step(parts, batch, interval.timer)
@@ -370,48 +223,59 @@ def run(
                 parts.comm_bytes += parts.local_sgd.average(unwrap(parts.model))
         if due is None:
             continue
-        # Raises on a non-finite loss before anything is evaluated or saved: a broken model is never persisted.
-        metrics, samples, targets = _interval_metrics(interval, progress, parts, world)
-        if due.drain:
-            metrics["drain_checkpoint"] = 1
-        if due.eval:
-            with interval.timer.phase("eval"):
-                metrics |= evaluate(parts, val_batches())  # type: ignore[misc]
-        checkpoint_dir = None
-        with interval.timer.phase("checkpoint"):
-            if due.checkpoint:
-                _check_finite_weights(parts, progress.step)
-                state = checkpoint_state(parts, progress, t.micro_batch_size)  # a collective: every rank
-                if state is not None:
-                    checkpoint_dir = tempfile.mkdtemp(prefix="orchestrator-ckpt-")
-                    save_state(checkpoint_dir, state)
-        metrics |= interval.timer.shares() | cuda_memory_stats(parts.device) | node_stats(world)
-        metrics |= _worker_paces(interval, parts.device)
-        # Throughput is the wall clock's: the interval from the end of the previous report to now, with its data
-        # waits, evaluation, checkpoint and the time the previous report blocked (consecutive intervals tile the
-        # run, and the driver's cost ledger splits each by the time/* shares).
-        seconds = max(time.perf_counter() - interval.timer.started, 1e-9)
-        metrics["interval_s"] = seconds
-        metrics["samples_per_s"] = samples / seconds
-        metrics["data_wait_frac"] = metrics["time/data_wait_frac"]
-        if getattr(parts.task, "counts_tokens", False):  # a user's task need not subclass Task
-            metrics["tokens_per_s"] = targets / seconds
-        metrics["flops_per_sample"] = flops_per_sample
-        if peak and flops_per_sample:  # model FLOPs utilisation of the devices over the wall clock
-            metrics["mfu"] = flops_per_sample * metrics["samples_per_s"] / (peak * world)
-        metrics |= once
+        metrics, interval = _report(due, interval, progress, parts, reporter, val_batches,
+                                    once | {"flops_per_sample": flops}, peak, t.micro_batch_size)
         once = {}
-        # The next interval starts now: time blocked in registering the checkpoint is billed to it as "report".
-        interval = Interval(PhaseTimer(parts.device), comm_start=parts.comm_bytes)
-        with interval.timer.phase("report"):
-            try:
-                if due.checkpoint:
-                    reporter.checkpoint(metrics, checkpoint_dir)
-            finally:
-                if checkpoint_dir:
-                    shutil.rmtree(checkpoint_dir, ignore_errors=True)
-            reporter.publish(metrics)
     return metrics
+
+
+def _report(due: Due, interval: Interval, progress: Progress, parts: Parts, reporter: Reporter,
+            val_batches: Callable[[], Iterable[Batch]] | None, once: dict[str, Any], peak: float | None,
+            micro_batch_size: int | str | None) -> tuple[dict[str, Any], Interval]:
+    """A report step: the interval's figures summed over ranks, evaluation and a checkpoint when due, then the
+    report. Returns its metrics and the next interval, which starts before the report so that time blocked in
+    registering the checkpoint is billed to it as "report". `once`: figures sent with this report only."""
+    world = ranks.world()[1]
+    # Raises on a non-finite loss before anything is evaluated or saved: a broken model is never persisted.
+    metrics, samples, targets = _interval_metrics(interval, progress, parts, world)
+    if due.drain:
+        metrics["drain_checkpoint"] = 1
+    if due.eval:
+        with interval.timer.phase("eval"):
+            metrics |= evaluate(parts, val_batches())  # type: ignore[misc]
+    checkpoint_dir = None
+    with interval.timer.phase("checkpoint"):
+        if due.checkpoint:
+            _check_finite_weights(parts, progress.step)
+            state = checkpoint_state(parts, progress, micro_batch_size)  # a collective: every rank
+            if state is not None:
+                checkpoint_dir = tempfile.mkdtemp(prefix="orchestrator-ckpt-")
+                save_state(checkpoint_dir, state)
+    metrics |= interval.timer.shares() | cuda_memory_stats(parts.device) | node_stats(world)
+    metrics |= _worker_paces(interval, parts.device)
+    # Throughput is the wall clock's: the interval from the end of the previous report to now, with its data
+    # waits, evaluation, checkpoint and the time the previous report blocked (consecutive intervals tile the
+    # run, and the driver's cost ledger splits each by the time/* shares).
+    seconds = max(time.perf_counter() - interval.timer.started, 1e-9)
+    metrics["interval_s"] = seconds
+    metrics["samples_per_s"] = samples / seconds
+    metrics["data_wait_frac"] = metrics["time/data_wait_frac"]
+    if getattr(parts.task, "counts_tokens", False):  # a user's task need not subclass Task
+        metrics["tokens_per_s"] = targets / seconds
+    flops = once.get("flops_per_sample")
+    if peak and flops:  # model FLOPs utilisation of the devices over the wall clock
+        metrics["mfu"] = flops * metrics["samples_per_s"] / (peak * world)
+    metrics |= once
+    following = Interval(PhaseTimer(parts.device), comm_start=parts.comm_bytes)
+    with following.timer.phase("report"):
+        try:
+            if due.checkpoint:
+                reporter.checkpoint(metrics, checkpoint_dir)
+        finally:
+            if checkpoint_dir:
+                shutil.rmtree(checkpoint_dir, ignore_errors=True)
+        reporter.publish(metrics)
+    return metrics, following
 
 
 def _worker_paces(interval: Interval, device: torch.device) -> dict[str, float]:
@@ -424,74 +288,6 @@ def _worker_paces(interval: Interval, device: torch.device) -> dict[str, float]:
     paces = [0.0] * world
     paces[rank] = interval.samples / max(busy, 1e-9)
     return {f"worker/{r}/samples_per_s": p for r, p in enumerate(ranks.all_reduce_sum(paces, device))}
-
-
-def _flops_per_sample(parts: Parts, batch: Batch) -> float:
-    """Forward + backward FLOPs per sample, counted once on the bare module (no DDP hooks, no compilation)."""
-    model = unwrap(parts.model)
-
-    def step() -> None:
-        with parts.precision.autocast():
-            output = parts.call(model, batch)
-        step_loss_sum(parts.task, output, batch, parts.model_loss).backward()
-
-    # Dropout draws random numbers: fork the RNG so counting leaves the training stream (and exact resume) intact.
-    with torch.random.fork_rng(devices=[parts.device] if parts.device.type == "cuda" else []):
-        flops = count_flops(step)
-    model.zero_grad(set_to_none=True)
-    return flops / max(rows(batch), 1)
-
-
-def _first_compiled_step(parts: Parts, batch: list[Batch]) -> tuple[StepResult, float]:
-    """The first step of a compiled model compiles it: timed apart. Compiling can fail on some ranks only (a
-    backend missing on one node): every rank first compiles on one piece without a collective, then all agree, and
-    all run eagerly if any failed. A rank that redid the step alone would meet the others' collectives with its own."""
-    started = time.perf_counter()
-    failure = _compile_failure(parts, batch[0])
-    if ranks.any_rank(failure is not None, parts.device):
-        why = failure or "on another rank"
-        warnings.warn(f"torch.compile failed ({why}); continuing in eager mode", stacklevel=2)
-        parts.model = parts.eager_model  # type: ignore[assignment]
-    parts.eager_model = None
-    result = train_step(parts, batch)
-    return result, _elapsed(started, parts.device)
-
-
-def _compile_failure(parts: Parts, batch: Batch) -> str | None:
-    """Forward and backward of the compiled model on the first piece, which compiles both: the error's first line if
-    that fails, else None. Runs under DDP's no_sync (no gradient all-reduce; a buffer broadcast in forward is called
-    by every rank alike) with the RNG forked; the gradients are dropped and the buffers (BatchNorm's running
-    statistics) put back, so the step itself runs as without the probe. Out of memory: the probe is retried on
-    smaller pieces, down to one row (the step's own agreed retry then handles memory)."""
-    model = parts.model
-    buffers = {name: value.clone() for name, value in unwrap(model).named_buffers()}
-    model.train()
-    pieces = chunk(batch, parts.split)
-    try:
-        while True:
-            try:
-                with torch.random.fork_rng(devices=[parts.device] if parts.device.type == "cuda" else []), \
-                        model.no_sync() if hasattr(model, "no_sync") else nullcontext():
-                    with parts.precision.autocast():
-                        output = parts.call(model, pieces[0])
-                    step_loss_sum(parts.task, output, pieces[0], parts.model_loss).backward()
-                return None
-            except Exception as exc:
-                if is_oom(exc) and rows(pieces[0]) > 1:
-                    parts.optimizer.zero_grad(set_to_none=True)
-                    release_cached_memory(parts.device)
-                    pieces = chunk(pieces[0], 2)
-                    continue
-                if is_oom(exc):
-                    return None
-                # Two lines: dynamo's first ("backend='inductor' raised:") and the backend's own error after it.
-                lines = [line for line in str(exc).splitlines() if line.strip()]
-                return f"{type(exc).__name__}: {' '.join(lines[:2])[:240]}"
-    finally:
-        parts.optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for name, value in unwrap(model).named_buffers():
-                value.copy_(buffers[name])
 
 
 def _interval_metrics(interval: Interval, progress: Progress, parts: Parts, world: int

@@ -10,7 +10,7 @@ import torch
 
 from orchestrator.config import Config
 from orchestrator.models import build_model
-from orchestrator.tasks import Classification, ModelCall, Task, align_model_loss, build_task
+from orchestrator.tasks import Classification, ModelCall, Task, align_model_loss, task_parts
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.precision import Precision, resolve_precision
 from orchestrator.training.sync import LocalSGD, build_local_sgd
@@ -40,15 +40,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def task_parts(cfg: Config) -> tuple[Task, ModelCall, bool]:
-    """The task, how the model is called and whether its own loss is used, for a resolved config."""
-    model_loss = cfg.task.loss == "model"
-    inputs = cfg.model.input_map
-    # A model given the whole token sequence by name shifts for next-token targets (the Hugging Face convention).
-    task = build_task(cfg.task.name, cfg.model.num_classes, shift=inputs is not None)  # type: ignore[arg-type]
-    return task, ModelCall(inputs, labels=model_loss, task=task), model_loss
 
 
 def build_parts(cfg: Config, in_features: int | None, device: torch.device, pretrained: str | None = None) -> Parts:

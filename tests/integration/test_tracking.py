@@ -273,9 +273,9 @@ def test_named_inputs_are_logged_with_a_dict_signature(tmp_path: Path, digits_di
     """Without a training run: the logging itself, for a model called by keyword (`model.inputs`)."""
     import mlflow
 
+    from orchestrator.checks import resolve_for_data
     from orchestrator.model_logging import log_final_model
     from orchestrator.tracking import MlflowTracker
-    from orchestrator.trainer import resolve_for_data
     from pipelines.datasets import inspect_datasets
 
     config = load_config(None, [
@@ -306,9 +306,9 @@ def test_a_model_that_cannot_be_logged_warns_one_line_and_tracking_goes_on(
         tmp_path: Path, digits_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
     from mlflow.tracking import MlflowClient
 
+    from orchestrator.checks import resolve_for_data
     from orchestrator.model_logging import log_final_model
     from orchestrator.tracking import MlflowTracker, NullTracker
-    from orchestrator.trainer import resolve_for_data
     from pipelines.datasets import inspect_datasets
 
     config = load_config(None, [f"data.train={digits_dir}/train", f"data.val={digits_dir}/val",

@@ -18,9 +18,9 @@ from orchestrator import load_config, train, tune
 from orchestrator.config import Config
 from orchestrator.console import LOG_FILE
 from orchestrator.errors import ConfigError
-from orchestrator.search import TrialNamer, peak_concurrency
-from orchestrator.study import TuneResult
 from orchestrator.tracking import mlflow_key
+from orchestrator.tuning.results import TuneResult
+from orchestrator.tuning.search import TrialNamer, peak_concurrency
 
 pytestmark = pytest.mark.slow
 
@@ -280,10 +280,10 @@ def test_ctrl_c_while_the_study_run_is_set_up_ends_it_killed(ray_cluster: None, 
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     from mlflow.tracking import MlflowClient
 
-    import orchestrator.study
+    import orchestrator.tuning.study
 
-    params = orchestrator.study.config_params
-    monkeypatch.setattr(orchestrator.study, "config_params", lambda c: {**params(c), "zz.interrupted": _CtrlC()})
+    params = orchestrator.tuning.study.config_params
+    monkeypatch.setattr(orchestrator.tuning.study, "config_params", lambda c: {**params(c), "zz.interrupted": _CtrlC()})
     config = study_config(tmp_path, digits_dir, "tracking.experiment=tune-setup")
     with pytest.raises(KeyboardInterrupt):
         tune(config, verbose=False)

@@ -1,4 +1,6 @@
-"""Import directions from DESIGN.md, enforced by scanning the source, and a light package import."""
+"""The import rules of the README's Layout section, enforced by scanning the source: each folder's allow-list of
+the product's own modules it may import (a new module is checked by the rule of its folder), the SDKs a side must
+not load, no import cycle, and a light package import."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+PRODUCT = ("orchestrator", "pipelines")
 
 
 def imports(path: Path) -> set[str]:
@@ -20,35 +23,132 @@ def imports(path: Path) -> set[str]:
     return names
 
 
-def offenders(folder: str, banned: tuple[str, ...]) -> list[str]:
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+# Each rule: which files it covers (first match wins), the product modules they may import, the SDKs they may not.
+LEAF = ("orchestrator.config", "orchestrator.errors", "orchestrator.registry", "pipelines.config",
+        "pipelines.entrypoints")
+WORKER = (*LEAF, "orchestrator.tasks", "orchestrator.models", "orchestrator.training", "pipelines")
+DRIVER_SDKS_ONLY = ("mlflow", "ray.tune", "boto3")
+RULES: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
+    # (files: a folder or a file under ROOT, allowed product imports, banned third-party imports)
+    ("pipelines", ("pipelines",), ("mlflow", "ray.tune")),
+    ("orchestrator/config", LEAF, ("torch", "ray", "mlflow")),
+    ("orchestrator/errors.py", (), ("torch", "ray", "mlflow")),
+    ("orchestrator/registry.py", LEAF, ("torch", "ray", "mlflow")),
+    # Worker side: what Ray Train workers import. No driver module, no tracking or tuning SDK.
+    ("orchestrator/training", WORKER, DRIVER_SDKS_ONLY),
+    ("orchestrator/tasks.py", WORKER, DRIVER_SDKS_ONLY),
+    ("orchestrator/models.py", WORKER, DRIVER_SDKS_ONLY),
+    # Entry points: the CLI and the package's lazy attributes reach everything.
+    ("orchestrator/cli.py", PRODUCT, ()),
+    ("orchestrator/__init__.py", PRODUCT, ()),
+    ("orchestrator/__main__.py", PRODUCT, ()),
+    # The study is built on the driver's modules; they never reach back into it.
+    ("orchestrator/tuning", ("orchestrator.config", "orchestrator.errors", "orchestrator.registry",
+                             "orchestrator.tasks", "orchestrator.models", "orchestrator.training",
+                             "orchestrator.tuning", "orchestrator.checks", "orchestrator.cluster",
+                             "orchestrator.console", "orchestrator.cost", "orchestrator.plots", "orchestrator.runs",
+                             "orchestrator.tracking", "orchestrator.trainer", "pipelines"), ()),
+    # Every other module of orchestrator/ is driver side: anything but the entry points and the study.
+    ("orchestrator", tuple(f"orchestrator.{p.stem}" for p in (ROOT / "orchestrator").glob("*.py")
+                           if p.stem not in ("cli", "__init__", "__main__"))
+     + ("orchestrator.config", "orchestrator.training", "pipelines"), ()),
+]
+
+
+def rule_of(path: Path) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    rel = path.relative_to(ROOT).as_posix()
+    return next(r for r in RULES if rel == r[0] or rel.startswith(r[0] + "/"))
+
+
+def broken_rules(folder: str) -> list[str]:
     found = []
     for path in sorted((ROOT / folder).rglob("*.py")):
-        for name in imports(path):
-            if any(name == b or name.startswith(b + ".") for b in banned):
-                found.append(f"{path.relative_to(ROOT)} imports {name}")
+        where, allowed, banned = rule_of(path)
+        for name in sorted(imports(path)):
+            if _under(name, PRODUCT) and not _under(name, allowed):
+                found.append(f"{path.relative_to(ROOT)} imports {name} (not allowed under {where})")
+            if _under(name, banned):
+                found.append(f"{path.relative_to(ROOT)} imports {name} (banned under {where})")
     return found
 
 
-def test_pipelines_never_import_orchestrator() -> None:
-    assert offenders("pipelines", ("orchestrator",)) == []
+def test_every_module_keeps_to_its_folders_rule() -> None:
+    assert broken_rules("pipelines") + broken_rules("orchestrator") == []
 
 
-DRIVER = ("orchestrator.cli", "orchestrator.launch", "orchestrator.cluster", "orchestrator.trainer",
-          "orchestrator.study", "orchestrator.trials", "orchestrator.search", "orchestrator.tracking",
-          "orchestrator.runs", "orchestrator.cost", "orchestrator.doctor", "orchestrator.plots",
-          "orchestrator.progress", "orchestrator.model_logging", "orchestrator.console")
+def test_a_module_added_to_a_folder_is_held_to_its_rule() -> None:
+    for folder in (r[0] for r in RULES if not r[0].endswith(".py")):
+        assert rule_of(ROOT / folder / "zz_architecture_probe.py")[0] == folder
+    # The worker side may not reach a driver module, nor the driver side the study, nor the config a model.
+    assert not _under("orchestrator.tracking", rule_of(ROOT / "orchestrator/training/new.py")[1])
+    assert not _under("orchestrator.launch", rule_of(ROOT / "orchestrator/models.py")[1])
+    assert not _under("orchestrator.tuning.study", rule_of(ROOT / "orchestrator/new_driver.py")[1])
+    assert not _under("orchestrator.models", rule_of(ROOT / "orchestrator/config/new.py")[1])
 
 
-def test_worker_side_imports_no_driver_sdks_or_modules() -> None:
-    assert offenders("orchestrator/training", ("mlflow", "ray.tune", "boto3", *DRIVER)) == []
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def test_config_is_a_leaf() -> None:
-    # Loading a config imports no torch, no model zoo and no driver code (the search-space grammar is its own leaf).
-    banned = ("torch", "ray", "mlflow", "orchestrator.models", "orchestrator.training", *DRIVER)
-    for module in ("config.py", "space.py", "registry.py", "errors.py"):
-        found = [o for o in offenders("orchestrator", banned) if o.startswith(f"orchestrator/{module} ")]
-        assert found == [], found
+def import_graph() -> dict[str, set[str]]:
+    """Product module -> the product modules it imports (anywhere in the file, functions included)."""
+    files = {_module_name(p): p for pkg in PRODUCT for p in (ROOT / pkg).rglob("*.py")}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            targets |= {r for n in names if _under(n, PRODUCT) and (r := resolve(n)) and r != module}
+        graph[module] = targets
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import cycle, each as the path that closes it (depth-first search)."""
+    found, state = [], {}  # state: 1 on the current path, 2 done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                found.append(path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt])
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return found
+
+
+def test_no_import_cycle() -> None:
+    assert cycles(import_graph()) == []
+
+
+def test_cycle_search_finds_a_cycle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_config_is_light() -> None:
+    # Loading a config imports no torch and no Ray: `orchestrator train --help` and config refusals stay fast.
     code = "import sys, orchestrator.config; print(','.join(m for m in ('torch', 'ray') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == ""
@@ -69,7 +169,7 @@ def test_package_import_is_light() -> None:
 
 def test_exported_functions_are_not_shadowed_by_subpackages() -> None:
     # A subpackage named like an exported function replaces it once imported (orchestrator.train did).
-    code = ("import orchestrator.training.loop, orchestrator.study, orchestrator.launch\n"
+    code = ("import orchestrator.training.loop, orchestrator.tuning.study, orchestrator.launch\n"
             "from orchestrator import train, tune\n"
             "assert callable(train) and callable(tune), (train, tune)\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, capture_output=True)

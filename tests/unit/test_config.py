@@ -86,7 +86,7 @@ def test_bad_config_names_the_key(overrides: list[str], message: str) -> None:
 
 
 def test_warmup_must_fit_the_steps_epochs_make(tmp_path: Path) -> None:
-    from orchestrator.trainer import resolve_for_data
+    from orchestrator.checks import resolve_for_data
     from pipelines.sources import DatasetInfo
 
     # The default config (warmup 20, global batch 128, 2 workers) for one epoch of 1438 rows: 12 steps.
@@ -181,7 +181,7 @@ def test_tracking_uri_falls_back_to_environment_then_local_sqlite(monkeypatch: p
 
 
 def test_one_split_of_the_global_batch() -> None:
-    from orchestrator.batching import common_micro_batch, split_batch
+    from orchestrator.config.batching import common_micro_batch, split_batch
 
     assert split_batch(256, 2) == (128, 1)
     assert split_batch(256, 2, accum=4) == (32, 4)

@@ -96,7 +96,7 @@ def test_pricing_errors_name_the_key(tmp_path: Path) -> None:
 # ---- a study whose trials search scaling.num_workers: each trial is billed for its own nodes ----
 
 def _trial_study() -> tuple[dict[str, Any], dict[str, Any]]:
-    from orchestrator.search import user_tree
+    from orchestrator.tuning.search import user_tree
     from pipelines.sources import DatasetInfo
 
     # gpu_spot nodes hold one GPU each: 2 workers occupy 2 nodes, 8 workers 8 nodes.
@@ -114,7 +114,7 @@ def _tune_reports(wall: float) -> list[dict[str, Any]]:
 def test_study_bills_each_trial_for_its_own_searched_worker_count() -> None:
     import pandas as pd
 
-    from orchestrator.study import _summaries, pick_best
+    from orchestrator.tuning.results import pick_best, summaries
 
     tree, infos = _trial_study()
     results = []
@@ -124,7 +124,7 @@ def test_study_bills_each_trial_for_its_own_searched_worker_count() -> None:
             metrics={**rows[-1], "trial_id": trial_id, "done": True, "val_accuracy": accuracy},
             config={"scaling.num_workers": workers}, metrics_dataframe=pd.DataFrame(rows), error=None,
             path=f"/tmp/{trial_id}"))
-    small, large = _summaries(results, tree, infos, "val_accuracy")
+    small, large = summaries(results, tree, infos, "val_accuracy")
     assert (small.cost.pricing.nodes, large.cost.pricing.nodes) == (2, 8)
     assert large.usd == pytest.approx(4 * small.usd)  # same wall time, four times the nodes
     # 0.92 per 8 node-hours is a worse buy than 0.90 per 2: billed at the base size, "large" would win.
@@ -132,7 +132,7 @@ def test_study_bills_each_trial_for_its_own_searched_worker_count() -> None:
 
 
 def test_study_callback_logs_each_trial_ledger_at_its_own_size() -> None:
-    from orchestrator.trials import StudyCallback
+    from orchestrator.tuning.trials import StudyCallback
 
     tree, infos = _trial_study()
     callback = StudyCallback("s", tree, ["scaling.num_workers"], "val_accuracy", 100, None, None, verbose=False,

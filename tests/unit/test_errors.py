@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.checks import resolve_for_data
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError
 from orchestrator.models import check_model_build, check_model_options
-from orchestrator.trainer import resolve_for_data
 from pipelines.sources import DatasetInfo
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -157,7 +157,7 @@ def test_a_union_without_a_note_is_described_from_its_members() -> None:
 
     from pydantic import BaseModel
 
-    from orchestrator.config import _accepts
+    from orchestrator.config.load import _accepts
 
     class Loose(BaseModel):
         size: int | list[str] | None = None

@@ -69,8 +69,8 @@ def test_a_fine_tuned_pretrained_model_is_logged_with_the_saved_architecture(
     import mlflow
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    from orchestrator.checks import resolve_for_data
     from orchestrator.models import build_model
-    from orchestrator.trainer import resolve_for_data
     from pipelines.batches import collate_sample
     from pipelines.datasets import inspect_datasets
     from pipelines.prepare import prepare_text
@@ -119,7 +119,7 @@ def test_a_builder_reading_a_relative_file_is_logged(tmp_path: Path, digits_dir:
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     import mlflow
 
-    from orchestrator.trainer import resolve_for_data
+    from orchestrator.checks import resolve_for_data
     from pipelines.batches import collate_sample
     from pipelines.datasets import inspect_datasets
 

@@ -44,7 +44,7 @@ def text(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def resolve(text: Path, *overrides: str, named: bool = True) -> Any:
     """The driver's checks (trainer.resolve_for_data, which `train` runs before Ray starts) on the prepared text."""
-    from orchestrator.trainer import resolve_for_data
+    from orchestrator.checks import resolve_for_data
     from pipelines.datasets import inspect_datasets
 
     config = load_config(None, [f"data.train={text}/train", "data.val=null", "data.features=[tokens]",

@@ -22,10 +22,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator.config import load_config
 from orchestrator.training import ranks
-from orchestrator.training.loop import train_step
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts
 from orchestrator.training.precision import Precision
+from orchestrator.training.step import train_step
 
 ROOT = Path(__file__).resolve().parents[3]
 # The worker side: the training package and the task and model code it runs.

@@ -13,7 +13,7 @@ from orchestrator.config import load_config
 from orchestrator.errors import ConfigError, UserError
 from orchestrator.models import GPT
 from orchestrator.tasks import CausalLM, Classification
-from orchestrator.training.loop import run, train_step
+from orchestrator.training.loop import run
 from orchestrator.training.memory import (
     activation_bytes_per_sample,
     divisors_descending,
@@ -24,6 +24,7 @@ from orchestrator.training.memory import (
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts
 from orchestrator.training.precision import Precision
+from orchestrator.training.step import train_step
 from orchestrator.training.timing import PhaseTimer, peak_flops
 
 CPU = torch.device("cpu")
@@ -237,7 +238,7 @@ def test_a_model_that_fails_to_compile_falls_back_to_eager() -> None:
 def test_the_compile_probe_leaves_the_first_step_as_an_eager_one() -> None:
     # The probe's forward runs in training mode: BatchNorm's running statistics would move twice, and a resumed run
     # (which probes again) would no longer match an uninterrupted one. Weights and buffers equal an eager step's.
-    from orchestrator.training.loop import _first_compiled_step
+    from orchestrator.training.step import first_compiled_step
 
     def model() -> torch.nn.Module:
         torch.manual_seed(0)
@@ -251,7 +252,7 @@ def test_the_compile_probe_leaves_the_first_step_as_an_eager_one() -> None:
     net = model()
     compiled = parts_for(torch.compile(net, backend="eager"))
     compiled.eager_model = net
-    _first_compiled_step(compiled, micro)
+    first_compiled_step(compiled, micro)
     for a, b in zip(eager.model.state_dict().values(), net.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
@@ -275,7 +276,7 @@ def test_gpt_learns_a_repeating_byte_sequence() -> None:
 
 
 def test_auto_micro_batch_resumes_with_the_checkpoints_size_at_the_same_world_size() -> None:
-    from orchestrator.training.worker import checkpoint_micro_batch
+    from orchestrator.training.micro_batch import checkpoint_micro_batch
 
     state = {"micro_batch_size": 8, "rng": [{}, {}]}  # written by a 2-worker group
     assert checkpoint_micro_batch(state, per_worker=32, world=2) == 8

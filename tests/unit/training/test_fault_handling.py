@@ -15,8 +15,9 @@ from test_loop import Recorder, batches, config, dataset, make_parts
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError
 from orchestrator.training.checkpoint import MANIFEST, STATE_FILE, check_complete, load_state, restore, save_state
-from orchestrator.training.loop import NonFiniteLossError, run, train_step
+from orchestrator.training.loop import NonFiniteLossError, run
 from orchestrator.training.optim import lr_factor
+from orchestrator.training.step import train_step
 
 
 class NanOnce(torch.nn.Module):

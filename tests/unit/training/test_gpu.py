@@ -10,11 +10,11 @@ from test_loop import xy
 from orchestrator.config import load_config
 from orchestrator.models import GPT, mlp
 from orchestrator.tasks import CausalLM
-from orchestrator.training.loop import train_step
 from orchestrator.training.memory import cuda_memory_stats, fit_micro_batch_cuda
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts
 from orchestrator.training.precision import Precision, resolve_precision
+from orchestrator.training.step import train_step
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")

@@ -19,10 +19,11 @@ from torch.nn.parallel import DistributedDataParallel
 from orchestrator.config import Config, load_config
 from orchestrator.models import build_model
 from orchestrator.training.checkpoint import load_state, restore
-from orchestrator.training.loop import run, train_step
+from orchestrator.training.loop import run
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts
 from orchestrator.training.precision import Precision
+from orchestrator.training.step import train_step
 from orchestrator.training.sync import build_local_sgd
 
 CPU = torch.device("cpu")
@@ -185,7 +186,7 @@ def _failing_backend(graph: Any, example_inputs: Any) -> Any:
 def _compile_fails_on_rank_1(rank: int, shared: Path) -> dict[str, Any]:
     """The first (compiling) step when compiling fails on rank 1 only, with two micro-batches and with one: every
     rank must fall back to eager together, or rank 1 would redo the step alone against rank 0's collectives."""
-    from orchestrator.training.loop import _first_compiled_step
+    from orchestrator.training.step import first_compiled_step
 
     out: dict[str, Any] = {}
     x, y = _rows(rank)
@@ -198,7 +199,7 @@ def _compile_fails_on_rank_1(rank: int, shared: Path) -> dict[str, Any]:
         batch = [{"x": x[i:i + 32 // pieces], "labels": y[i:i + 32 // pieces]} for i in range(0, 32, 32 // pieces)]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            _first_compiled_step(parts, batch)
+            first_compiled_step(parts, batch)
         out[pieces] = {"eager": isinstance(parts.model, DistributedDataParallel) and parts.eager_model is None,
                        "weights": [p.detach().clone() for p in parts.model.parameters()],
                        "warnings": [str(w.message) for w in caught if "compile" in str(w.message)]}

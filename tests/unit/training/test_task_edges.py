@@ -26,10 +26,11 @@ from orchestrator.tasks import (
     align_model_loss,
     build_task,
     step_loss_sum,
+    task_parts,
 )
-from orchestrator.training.loop import train_step
-from orchestrator.training.parts import Parts, task_parts
+from orchestrator.training.parts import Parts
 from orchestrator.training.precision import Precision
+from orchestrator.training.step import train_step
 
 CPU = torch.device("cpu")
 VOCAB = 40

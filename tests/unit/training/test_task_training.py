@@ -28,10 +28,11 @@ from orchestrator.tasks import (
     logits_of,
 )
 from orchestrator.training.checkpoint import Progress, restore
-from orchestrator.training.loop import evaluate, run, train_step
+from orchestrator.training.loop import evaluate, run
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts
 from orchestrator.training.precision import Precision
+from orchestrator.training.step import train_step
 from pipelines.batches import EpochReplay, collate_arrow, padding_of, split_batches
 from pipelines.tensors import IGNORE_INDEX, Padded, Padding, cat_rows
 

@@ -11,87 +11,41 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from orchestrator.checks import resolve_for_data
 from orchestrator.cluster import connect_ray, shutdown_local_ray, train_environment
-from orchestrator.config import Config, flatten, to_dict, to_yaml
+from orchestrator.config import Config, flatten, to_dict
 from orchestrator.console import LOG_FILE, RunLog
+from orchestrator.cost import resolve_pricing
 from orchestrator.errors import ConfigError, UserError
 from orchestrator.runs import RunPlace, open_run_storage
-from orchestrator.search import (
+from orchestrator.tracking import Tracker, closed_on_error, config_params, start_tracker
+from orchestrator.trainer import RunFailedError, build_run, root_cause, storage_args
+from orchestrator.tuning.results import TuneResult, local_dir, pick_best, record, summaries
+from orchestrator.tuning.search import (
     TrialNamer,
     check_capacity,
     check_extremes,
     check_study,
     domains,
     max_concurrent,
-    peak_concurrency,
     resolved_mode,
-    short_keys,
     to_tune,
     trial_config,
     user_tree,
     widest_trial,
 )
-from orchestrator.tracking import Tracker, closed_on_error, config_params, run_url, start_tracker, ui_command
-from orchestrator.trainer import RunFailedError, build_run, resolve_for_data, root_cause, storage_args
+from orchestrator.tuning.trials import StudyCallback
 from pipelines.datasets import inspect_datasets
 from pipelines.sources import DatasetInfo
 from pipelines.storage import Storage
 
 STATE_FILE = "orchestrator-study.json"
-
-
-@dataclass
-class TrialSummary:
-    """One trial as the study ended: status is completed | stopped (early, by ASHA) | error | running."""
-
-    trial_id: str
-    params: dict[str, Any]
-    status: str
-    steps: int
-    metric: float | None
-    history: list[dict[str, Any]] = field(default_factory=list)
-    cost: Any = None  # orchestrator.cost.Ledger of the trial's run
-    name: str = ""  # its searched values, `lr=3.2e-03,warmup=20` (search.TrialNamer); also its Tune trial name
-    # When Ray Tune started the trial and when its last result reached the driver (epoch seconds, the driver's
-    # clock): the trial's place among the study's concurrent trials. None where Tune recorded none.
-    started_at: float | None = None
-    ended_at: float | None = None
-    error: str | None = None  # the first line of a failed trial's error
-
-    @property
-    def label(self) -> str:
-        return self.name or self.trial_id
-
-    @property
-    def usd(self) -> float | None:
-        return self.cost.usd if self.cost is not None else None
-
-
-@dataclass
-class TuneResult:
-    """What `tune()` returns: the best trial, its ready-to-train config (also written to `best_config_path`)."""
-
-    config: Config
-    best: TrialSummary
-    trials: list[TrialSummary]
-    metric: str
-    mode: str
-    best_config_path: str
-    study_path: str
-    parent_run_id: str | None
-    tracking_uri: str | None
-    resumed: bool
-    rank_by: str = "metric"
-    cost: dict[str, float] = field(default_factory=dict)  # the study's cost/* metrics (summed over trials)
 
 
 def study_name(config: Config) -> str:
@@ -141,13 +95,6 @@ def _run_trial(params: dict[str, Any], *, tree: dict[str, Any], infos: dict[str,
         if isinstance(failed[0], ray.train.TrainingFailedError):
             raise RunFailedError(f"trial {trial_id} failed: {root_cause(failed[0])}") from None
         raise failed[0]
-
-
-def best_yaml(tree: dict[str, Any], params: dict[str, Any], header: str = "") -> str:
-    """The full config with the best values, minus the tune section: `orchestrator train` takes it unchanged."""
-    config = to_dict(trial_config(tree, params))
-    config.pop("tune")
-    return header + yaml.safe_dump(config, sort_keys=False)
 
 
 # ---- the study on storage: where it is, whether it can be resumed, what it was started with ----
@@ -300,83 +247,8 @@ def _fit(config: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo], ma
         return tuner.fit()
 
 
-def _tune_trials(grid: Any) -> dict[str, tuple[str, float | None, float | None]]:
-    """trial path -> (trial id, started, last result) as Ray Tune recorded them (Trial.run_metadata, kept in the
-    study's saved state). The ResultGrid's own trials: Ray has no public accessor for them; empty if that changes."""
-    found: dict[str, tuple[str, float | None, float | None]] = {}
-    for trial in getattr(getattr(grid, "_experiment_analysis", None), "trials", None) or []:
-        meta = getattr(trial, "run_metadata", None)
-        start, last = getattr(meta, "start_time", None), getattr(meta, "last_result_time", None)
-        found[str(trial.path)] = (trial.trial_id, start, last if isinstance(last, float) and last > 0 else None)
-    return found
-
-
-def _error_line(error: BaseException | None) -> str | None:
-    """A failed trial's error in one line: the trial's own exception, not Ray's wrapping and traceback."""
-    if error is None:
-        return None
-    cause = getattr(error, "cause", None) or error
-    text = str(cause).strip()
-    line = next((x.strip() for x in text.splitlines() if x.strip()), type(cause).__name__)
-    return line if len(line) <= 200 else line[:197] + "..."
-
-
-def _summaries(grid: Any, tree: dict[str, Any], infos: dict[str, DatasetInfo], metric: str,
-               namer: TrialNamer | None = None) -> list[TrialSummary]:
-    """One TrialSummary per trial of the ResultGrid; `namer` names them (default: by their params' keys)."""
-    from orchestrator.cost import build_ledger, resolve_pricing
-    from orchestrator.trials import trial_status
-
-    tune_trials = _tune_trials(grid)
-    trials = []
-    for result in grid:
-        last = dict(result.metrics or {})
-        params = dict(result.config or {})
-        resolved = resolve_for_data(trial_config(tree, params), infos)
-        max_steps = resolved.train.max_steps or 0
-        frame = result.metrics_dataframe
-        history: list[dict[str, Any]] = []
-        ledger = None
-        if frame is not None and "step" in frame:
-            # The trial's clock is Tune's time_total_s: from its actor's start, Train start-up included.
-            # Priced from the trial's own config: a searched num_workers changes the nodes it held.
-            rows = [{k: v for k, v in row.items() if v == v} for row in frame.to_dict("records")]
-            wall = max((r.get("time_total_s", 0.0) for r in rows), default=0.0)
-            ledger = build_ledger(rows, wall, resolve_pricing(resolved), elapsed_key="time_total_s")
-        if frame is not None and "step" in frame:
-            keep = [c for c in ("step", "train_loss", "val_loss", "val_accuracy", metric) if c in frame]
-            history = [{k: v for k, v in row.items() if v == v} for row in frame[list(dict.fromkeys(keep))]
-                       .to_dict("records")]  # v == v drops NaN (reports without eval)
-        fallback_id = str(last.get("trial_id") or Path(result.path).name)
-        trial_id, started, ended = tune_trials.get(str(result.path), (fallback_id, None, None))
-        name = (namer or TrialNamer(tuple(short_keys(params).items())))(params)
-        trials.append(TrialSummary(
-            trial_id=trial_id, params=params,
-            status=trial_status(last, max_steps, errored=result.error is not None),
-            steps=int(last.get("step", 0)), metric=last.get(metric), history=history,
-            cost=ledger, name=name, started_at=started, ended_at=ended, error=_error_line(result.error),
-        ))
-    return trials
-
-
-def pick_best(trials: list[TrialSummary], mode: str, rank_by: str = "metric") -> TrialSummary | None:
-    """Best final metric among trials that ran to the end (an early-stopped trial's value is from fewer steps);
-    among all trials with a value when none completed. rank_by=metric_per_dollar: metric / the trial's $."""
-    scored = [t for t in trials if t.metric is not None]
-    if rank_by == "metric_per_dollar":
-        scored = [t for t in scored if t.usd]
-    pool = [t for t in scored if t.status == "completed"] or scored
-    if not pool:
-        return None
-    if rank_by == "metric_per_dollar":
-        return max(pool, key=lambda t: t.metric / t.usd)  # type: ignore[operator]
-    return (max if mode == "max" else min)(pool, key=lambda t: t.metric)  # type: ignore[arg-type,return-value]
-
-
 def check_rank_by(config: Config) -> None:
     """metric_per_dollar needs prices and a metric where more is better; raises ConfigError otherwise."""
-    from orchestrator.search import resolved_mode
-
     if config.tune.rank_by != "metric_per_dollar":
         return
     if not config.cost.priced:
@@ -391,8 +263,6 @@ def check_trials(config: Config, base: Config, infos: dict[str, DatasetInfo]) ->
     """What only the data decides (epochs -> steps; the warmup and ASHA's grace period against them) and each
     trial's own nodes and price, for every searched value at its extremes: fails here, not in a trial or after
     the study. `base` is `config` resolved for the data."""
-    from orchestrator.cost import resolve_pricing
-
     steps, grace = base.train.max_steps or 0, config.tune.asha[0]
     # check_study compares a given train.max_steps; epochs make theirs here. Ray's ASHAScheduler would assert.
     if config.train.epochs is not None and config.tune.scheduler == "asha" and grace >= steps:
@@ -408,8 +278,6 @@ def tune(config: Config, address: str | None = None, fresh: bool = False, verbos
     before any trial starts; an interrupted study raises KeyboardInterrupt after saving its state. Ray's, Tune's
     and MLflow's own lines, and what the trials' workers print, go to the study's log file (console.py), and to
     the terminal too with `show_logs`."""
-    from orchestrator.cost import resolve_pricing
-
     check_study(config)
     check_rank_by(config)
     infos = inspect_datasets(config.data, named=config.model.inputs is not None)
@@ -451,10 +319,10 @@ def _start_study(config: Config, base: Config, tree: dict[str, Any], infos: dict
     if fresh:
         _delete(place.storage, place.path)
         _delete(place.storage, _trials(place).root)
-    log_path = _local_dir(place) / LOG_FILE
+    log_path = local_dir(place) / LOG_FILE
     log.open(log_path)
     restorable = ray_tune.Tuner.can_restore(place.path, storage_args(place.storage).get("storage_filesystem"))
-    state = place.read_record(STATE_FILE) if restorable else None
+    state = place.readrecord(STATE_FILE) if restorable else None
     if state is not None:
         _check_same_study(state, config, study, place.uri)
     tracker = start_tracker(config.tracking, study, run_id=state.get("parent_run_id") if state else None,
@@ -465,7 +333,7 @@ def _start_study(config: Config, base: Config, tree: dict[str, Any], infos: dict
             tracker.set_tags({"orchestrator.scheduler": config.tune.scheduler,
                               "orchestrator.searcher": config.tune.searcher,
                               "orchestrator.search_space": json.dumps(config.tune.space)})
-            place.write_record({"config": _fingerprint(config), "parent_run_id": tracker.run_id}, STATE_FILE)
+            place.writerecord({"config": _fingerprint(config), "parent_run_id": tracker.run_id}, STATE_FILE)
     if verbose:
         what = "resuming" if state else "starting"
         print(f"{what} study {study} at {place.uri}: {config.tune.num_samples} samples, up to {concurrency} "
@@ -476,16 +344,9 @@ def _start_study(config: Config, base: Config, tree: dict[str, Any], infos: dict
                       private_cluster=started_ray, log_path=log_path)
 
 
-def _local_dir(place: RunPlace) -> Path:
-    """Where the study's local files go (best.yaml, plots, the log): its directory, or for a study stored in S3
-    ./<study> in the working directory."""
-    return Path(place.path) if "://" not in place.uri else Path.cwd() / place.name
-
-
 def _run_study(config: Config, base: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo], place: RunPlace,
                resumed: bool, tracker: Tracker, concurrency: int, verbose: bool, private_cluster: bool,
                log_path: Path) -> TuneResult:
-    from orchestrator.trials import StudyCallback
 
     metric, mode = config.tune.metric, resolved_mode(config)
     max_steps = base.train.max_steps or 0
@@ -495,7 +356,7 @@ def _run_study(config: Config, base: Config, tree: dict[str, Any], infos: dict[s
                              infos=infos)
     with closed_on_error(tracker):
         grid = _fit(config, tree, infos, max_steps, place, resumed, callback, concurrency, private_cluster)
-        trials = _summaries(grid, tree, infos, metric, TrialNamer.for_config(config))
+        trials = summaries(grid, tree, infos, metric, TrialNamer.for_config(config))
     if any(t.status == "running" for t in trials):  # Tune caught Ctrl+C and saved the study
         tracker.finish("KILLED")
         print(f"study {study} interrupted: run the same command again to continue it", file=sys.stderr)
@@ -507,99 +368,8 @@ def _run_study(config: Config, base: Config, tree: dict[str, Any], infos: dict[s
         raise UserError(f"no trial of study {study} reported {metric}"
                         + (f" ({len(errors)} distinct errors; the first: {errors[0]})" if errors else "")
                         + f": see {log_path} and the trials' error files under {study_path}")
-    result = _record(config, tree, trials, best, metric, mode, place, tracker, resumed)
+    result = record(config, tree, trials, best, metric, mode, place, tracker, resumed)
     tracker.finish("FINISHED")
     return result
 
 
-def _record(config: Config, tree: dict[str, Any], trials: list[TrialSummary], best: TrialSummary, metric: str,
-            mode: str, place: RunPlace, tracker: Tracker, resumed: bool) -> TuneResult:
-    """best.yaml, plots and the best trial on the parent run."""
-    from orchestrator.plots import plot_lr_sweep, plot_trial_curves
-
-    study, study_path = place.name, place.uri
-    values = ", ".join(f"{k}={v}" for k, v in best.params.items())
-    header = (f"# Best of study {study}: trial {best.trial_id} ({best.label}), {metric}={best.metric:.4f} with "
-              f"{values}.\n# Train it: orchestrator train --config <this file>\n")
-    out = _local_dir(place)
-    out.mkdir(parents=True, exist_ok=True)
-    best_path = out / "best.yaml"
-    best_path.write_text(best_yaml(tree, best.params, header))
-    keys = list(config.tune.space)
-    listed = {key for key, domain in domains(config).items() if domain.kind in ("choice", "grid")}
-    plots = [plot_lr_sweep(trials, keys, metric, out / "metric_vs_lr.png", categorical=listed),
-             plot_trial_curves(trials, metric, out / "learning_curves.png")]
-    tracker.log_artifact(best_path)
-    for plot in plots:
-        tracker.log_artifact(plot, "plots")
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "study.yaml").write_text(to_yaml(config))
-        tracker.log_artifact(Path(tmp) / "study.yaml")
-    from orchestrator.cost import study_metrics
-
-    cost = study_metrics([t.cost for t in trials if t.cost is not None])
-    tracker.log_metrics({f"best_{metric}": best.metric or 0.0,
-                         **{f"trials_{s}": sum(t.status == s for t in trials)
-                            for s in ("completed", "stopped", "error")}, **cost}, step=best.steps)
-    tracker.set_tags({"orchestrator.best_trial": best.trial_id, "orchestrator.best_params": json.dumps(best.params),
-                      "orchestrator.best_config": str(best_path)})
-    return TuneResult(
-        config=trial_config(tree, best.params), best=best, trials=trials, metric=metric, mode=mode,
-        best_config_path=str(best_path), study_path=study_path, parent_run_id=tracker.run_id,
-        tracking_uri=getattr(tracker, "uri", None), resumed=resumed, rank_by=config.tune.rank_by, cost=cost,
-    )
-
-
-def summary(result: TuneResult) -> str:
-    """The lines printed after a study: the table, the best trial, and how to train it."""
-    from orchestrator.trials import format_table
-
-    # Trials by name (their searched values), then the id that finds their directory and MLflow run.
-    rows = [{"trial_id": t.label, "status": t.status, "params": {"id": t.trial_id}, "step": t.steps,
-             "metric": t.metric, "usd": t.usd} for t in result.trials]
-    counts = {s: sum(t.status == s for t in result.trials) for s in ("completed", "stopped", "error")}
-    spans = [(t.started_at, t.ended_at) for t in result.trials if t.started_at is not None and t.ended_at is not None]
-    at_once = f" (at most {peak_concurrency(spans)} at once)" if spans else ""
-    b = result.best
-    lines = [format_table(rows, ["id"], result.metric), "",
-             f"study {Path(result.study_path).name}{' (resumed)' if result.resumed else ''}: {len(result.trials)} "
-             f"trials{at_once}, {counts['completed']} completed, {counts['stopped']} stopped early, "
-             f"{counts['error']} failed",
-             *[f"trial {t.label} ({t.trial_id}) failed: {t.error}" for t in result.trials if t.error],
-             f"best trial {b.label} ({b.trial_id}): {result.metric} {b.metric:.4f} at step {b.steps} with "
-             + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in b.params.items()),
-             *([f"ranked by {result.metric} per dollar: {b.metric / b.usd:.4g} per $ (${b.usd:.4f})"]
-               if result.rank_by == "metric_per_dollar" and b.usd else []),
-             *([study_cost_line(result.cost)] if result.cost else []),
-             f"best config: {result.best_config_path}",
-             f"train it: orchestrator train --config {result.best_config_path}"]
-    if result.parent_run_id:
-        lines.append(f"MLflow parent run id: {result.parent_run_id}")
-        lines.append(f"open the MLflow UI: {ui_command(result.tracking_uri or '')}")
-        url = run_url(result.tracking_uri or "", result.parent_run_id)
-        if url:
-            lines.append(f"this run in the MLflow UI: {url}")
-    return "\n".join(lines)
-
-
-def _share(frac: float) -> str:
-    """A share as the summary prints it: whole percents, one decimal below 10%, '<0.1%' for a sliver."""
-    if 0 < frac < 0.001:
-        return "<0.1%"
-    return f"{frac:.1%}" if frac < 0.1 else f"{frac:.0%}"
-
-
-def study_cost_line(cost: dict[str, float]) -> str:
-    """'study cost: $0.0421 over 4 trials, 0.0210 node-hours | productive 38% | start-up 51% | eval 9.0% | ...':
-    the trials' node-hours split as their cost ledgers split them (compute + sync is productive); every other part
-    of at least 0.5% follows, largest first, so a small productive share comes with what took the time."""
-    from orchestrator.cost import PARTS, PRODUCTIVE
-
-    usd = f"${cost['cost/usd']:.4f}" if "cost/usd" in cost else "unpriced"
-    head = f"study cost: {usd} over {cost['cost/trials']:.0f} trials, {cost['cost/node_hours']:.4f} node-hours"
-    if "cost/productive_frac" not in cost:
-        return f"{head} | productive share unknown: no trial ran long enough to report its timings"
-    others = sorted((cost.get(f"cost/{p}_frac", 0.0), p) for p in PARTS if p not in PRODUCTIVE)
-    shares = [f"{p.replace('startup', 'start-up').replace('_', ' ')} {_share(f)}" for f, p in reversed(others)
-              if f >= 0.005]
-    return " | ".join([head, f"productive {_share(cost['cost/productive_frac'])}", *shares])

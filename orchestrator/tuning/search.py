@@ -9,16 +9,15 @@ import re
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from orchestrator.config import TASK_METRICS, Config, config_from_dict
+from orchestrator.config.space import Domain, parse_domain
 from orchestrator.errors import ConfigError
+from orchestrator.models import check_model_options
 from orchestrator.registry import suggest
-from orchestrator.space import Domain, parse_domain
 
-if TYPE_CHECKING:
-    from orchestrator.config import Config
-
-# What train/loop.py reports (`_interval_metrics` every log_every steps, `evaluate` at eval steps);
+# What training/loop.py reports (`_interval_metrics` every log_every steps, `evaluate` at eval steps);
 # tests/unit/test_search.py runs the loop and fails if this drifts.
 TRAIN_METRICS = ("step", "epoch", "samples_seen", "train_loss", "lr", "grad_norm", "samples_per_s",
                  "data_wait_frac", "skipped_steps", "world_size")
@@ -27,8 +26,6 @@ _HIGHER_IS_BETTER = ("val_accuracy", "val_top5_accuracy", "val_f1", "val_r2", "s
 
 def val_metrics(config: Config) -> tuple[str, ...]:
     """What the run's task reports at validation (a user's task: at least val_loss)."""
-    from orchestrator.config import TASK_METRICS
-
     return TASK_METRICS.get(config.task.name or "", (("val_loss",),))[0]
 
 
@@ -75,8 +72,6 @@ def apply_params(tree: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]
 
 def trial_config(tree: dict[str, Any], params: dict[str, Any]) -> Config:
     """The config one trial trains with: the user's tree with the sampled values set."""
-    from orchestrator.config import config_from_dict
-
     return config_from_dict(apply_params(tree, params))
 
 
@@ -110,7 +105,6 @@ def check_study(config: Config) -> None:
             raise ConfigError(f"tune.grace_period={t.asha[0]} is not below train.max_steps="
                               f"{config.train.max_steps}: ASHA could never stop a trial early; lower it or set "
                               "tune.scheduler=fifo")
-    from orchestrator.models import check_model_options
 
     check_extremes(config, lambda trial: check_model_options(trial.model))
 

@@ -14,12 +14,12 @@ from typing import Any
 
 from ray.tune import Callback
 
+from orchestrator.checks import resolve_for_data
 from orchestrator.config import TrackingConfig
 from orchestrator.cost import Pricing, build_ledger, resolve_pricing
 from orchestrator.errors import ConfigError
-from orchestrator.search import TRAIN_METRICS, trial_config
 from orchestrator.tracking import MlflowTracker, config_params
-from orchestrator.trainer import resolve_for_data
+from orchestrator.tuning.search import TRAIN_METRICS, trial_config
 from pipelines.sources import DatasetInfo
 
 _METRICS = set(TRAIN_METRICS)  # and every val_* metric of the trial's task

@@ -1,0 +1,116 @@
+"""The micro-batch a worker trains with: the configured one at this group's world size, or under
+`train.micro_batch_size=auto` the largest that fits the device (a probe on the GPU, an estimate on the CPU), agreed
+by all ranks and kept across a resume at the same world size."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psutil
+import ray.train
+import torch
+import torch.distributed as dist
+
+from orchestrator.config import Config
+from orchestrator.config.batching import split_batch
+from orchestrator.errors import ConfigError
+from orchestrator.tasks import step_loss_sum
+from orchestrator.training.checkpoint import unwrap
+from orchestrator.training.memory import (
+    GIB,
+    activation_bytes_per_sample,
+    fit_micro_batch_cpu,
+    fit_micro_batch_cuda,
+    release_cached_memory,
+    state_bytes,
+)
+from orchestrator.training.parts import Parts
+from pipelines.tensors import Batch, rows, take, to_device
+
+
+def probe_batch(sample: Batch, size: int, device: torch.device) -> Batch:
+    """`size` rows for memory probing: the driver's sample rows repeated (real shapes and values, any inputs)."""
+    index = torch.arange(size, device="cpu") % rows(sample)  # the sample rows are on the host
+    return to_device(take(sample, index), device)
+
+
+def choose_micro_batch(cfg: Config, parts: Parts, sample: Batch) -> int:
+    """The largest micro-batch (a divisor of the per-worker batch) that fits, agreed by all ranks (their minimum)."""
+    context = ray.train.get_context()
+    world, device = context.get_world_size(), parts.device
+    per_worker = cfg.train.global_batch_size // world
+    model = unwrap(parts.model)
+
+    def loss_of(batch: Batch) -> torch.Tensor:
+        with parts.precision.autocast():
+            output = parts.call(model, batch)
+        return step_loss_sum(parts.task, output, batch, parts.model_loss)
+
+    # Dropout in the probes must not move the training RNG streams.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        if device.type == "cuda":
+            saved = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+            def try_step(size: int) -> None:
+                loss_of(probe_batch(sample, size, device)).backward()
+                parts.optimizer.step()  # allocates the optimizer state, part of the footprint
+                parts.optimizer.zero_grad(set_to_none=True)
+
+            try:
+                size = fit_micro_batch_cuda(per_worker, try_step, device)
+            finally:
+                model.load_state_dict(saved)
+                parts.optimizer.state.clear()
+        else:
+            budget = (cfg.train.memory_budget_gb * GIB if cfg.train.memory_budget_gb
+                      else psutil.virtual_memory().total / 2 / context.get_local_world_size())
+            batch = probe_batch(sample, min(per_worker, 8), device)
+            per_sample = activation_bytes_per_sample(model, rows(batch), lambda: loss_of(batch))
+            slots = 2 if cfg.optim.name == "adamw" else 1
+            size = fit_micro_batch_cpu(per_worker, state_bytes(model, slots), per_sample, budget)
+    agreed = torch.tensor([size], device=device)
+    if world > 1:
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    size = int(agreed.item())
+    if context.get_world_rank() == 0:
+        print(f"auto micro-batch: {size} per worker x {per_worker // size} accumulation x {world} workers "
+              f"= global batch {cfg.train.global_batch_size}", flush=True)
+    return size
+
+
+def checkpoint_micro_batch(state: dict[str, Any] | None, per_worker: int, world: int) -> int | None:
+    """The micro-batch an auto-sized run checkpointed with, when this group resumes it at the same world size: a
+    new measurement may pick another size (the CPU budget depends on how many workers share a node, the GPU probe
+    on fragmentation), and with it another summation order and end-of-epoch remainder than the run it continues."""
+    if state is None or not state.get("micro_batch_size") or len(state["rng"]) != world:
+        return None
+    micro = int(state["micro_batch_size"])
+    return micro if per_worker % micro == 0 else None
+
+
+def for_world_size(cfg: Config, world: int, micro: int | None = None) -> Config:
+    """The config at the world size this group actually has (an elastic group keeps its micro-batch and global
+    batch across resizes), with `micro` when measured (auto): the accumulation derived once more, in batching.py."""
+    t = cfg.train
+    micro = micro if micro is not None else t.micro_batch_size if isinstance(t.micro_batch_size, int) else None
+    if micro is None:
+        return cfg  # auto: measured later, at this world size
+    try:
+        micro, accum = split_batch(t.global_batch_size, world, micro)
+    except ValueError as exc:
+        raise ConfigError(f"{exc}: fix scaling.num_workers") from None
+    return cfg.model_copy(update={"train": t.model_copy(update={"micro_batch_size": micro, "grad_accum_steps": accum})})
+
+
+def with_auto_micro_batch(cfg: Config, parts: Parts, state: dict[str, Any] | None, sample: Batch) -> Config:
+    """`train.micro_batch_size=auto` resolved on this group: the checkpoint's micro-batch when resuming at the same
+    world size, else the largest that fits (measured here, agreed by all ranks); the accumulation derived from it."""
+    context = ray.train.get_context()
+    world = context.get_world_size()
+    micro = checkpoint_micro_batch(state, cfg.train.global_batch_size // world, world)
+    if micro is None:
+        micro = choose_micro_batch(cfg, parts, sample)
+    elif context.get_world_rank() == 0:
+        print(f"auto micro-batch: {micro} per worker, as in the checkpoint", flush=True)
+    release_cached_memory(parts.device)
+    return for_world_size(cfg, world, micro)
