@@ -9,8 +9,10 @@ train: setup
 	@test -d data/digits/train || .venv/bin/orchestrator prepare digits --out data/digits
 	.venv/bin/orchestrator train --config examples/digits.yaml $(ARGS)
 
+# Two pytest-xdist workers, each running whole modules (a module's Ray cluster stays one), the longest first
+# (tests/conftest.py orders them; --no-loadscope-reorder keeps that order): most of a Ray test's time is waiting.
 test: setup
-	.venv/bin/python -m pytest -q $(PYTEST_ARGS)
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: setup
 	.venv/bin/ruff check orchestrator pipelines tests bench

@@ -35,7 +35,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(check: Any, what: str, timeout: float = 120.0) -> Any:
+# A service's start-up, not a product figure: on a loaded 2-core machine an `mlflow server` took over 2 minutes.
+def wait_for(check: Any, what: str, timeout: float = 300.0) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:

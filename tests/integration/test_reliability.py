@@ -236,7 +236,12 @@ def test_ctrl_c_exits_130_marks_the_run_killed_and_its_resume_command_continues(
     import ray
     from mlflow.tracking import MlflowClient
 
-    sets = [a for o in overrides(tmp_path, digits_dir, "train.max_steps=60", "model.step_s=0.1",
+    # Both workers hold in step 21 (held_model) until the test releases them: Ctrl+C reaches a run still training,
+    # after step 10's checkpoint, however slow or fast the machine is. The resume finds the release already there.
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    sets = [a for o in overrides(tmp_path, digits_dir, "train.max_steps=60", "model.entrypoint=held_model:build",
+                                 "model.hold_call=22", f"model.marker={hold}",
                                  "tracking.enabled=true", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
                                  "experiment=ctrl-c")
             for a in ("--set", o)]
@@ -248,8 +253,9 @@ def test_ctrl_c_exits_130_marks_the_run_killed_and_its_resume_command_continues(
     threading.Thread(target=lambda: err.extend(first.stderr or []), daemon=True).start()
     threading.Thread(target=lambda: list(first.stdout or []), daemon=True).start()
     try:
-        wait_for(lambda: "checkpoint_00000010" in registered_snapshot(tmp_path / "runs"),
-                 "step 10's checkpoint registered", timeout=120)
+        wait_for(lambda: len(list(hold.glob("held-*"))) == 2
+                 and "checkpoint_00000010" in registered_snapshot(tmp_path / "runs"),
+                 "both workers held after step 10's checkpoint registered", timeout=240)
         os.killpg(first.pid, signal.SIGINT)
         sent = time.monotonic()
         code = first.wait(timeout=60)
@@ -257,6 +263,7 @@ def test_ctrl_c_exits_130_marks_the_run_killed_and_its_resume_command_continues(
     finally:
         if first.poll() is None:
             first.kill()
+    (hold / "release").touch()
     assert code == 130 and took < 15, (code, took, err)
     time.sleep(0.5)  # the reader thread's last lines
     (line,) = [x for x in err if x.startswith("interrupted at step")]
