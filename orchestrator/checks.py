@@ -28,13 +28,14 @@ def resolve_for_data(config: Config, infos: dict[str, DatasetInfo]) -> Config:
     check_label(config, train)
     tree = to_dict(config)
     if config.model.num_classes is None:
-        outputs = 1 if config.task.name == "regression" else train.num_classes
-        if config.task.name == "regression" and train.schema is not None:
+        label = config.task.kind.label if config.task.kind else None
+        outputs = 1 if label == "numbers" else train.num_classes
+        if label == "numbers" and train.schema is not None:
             label_type = train.schema.field(config.data.label).type
             outputs = label_type.list_size if pa.types.is_fixed_size_list(label_type) else 1
         # A model given named inputs builds its own head (a Hugging Face config says num_labels, vocab_size).
-        needed = config.model.inputs is None or config.task.name == "classification"
-        if outputs < (2 if config.task.name == "classification" else 1) and needed:
+        needed = config.model.inputs is None or label == "classes"
+        if outputs < (2 if label == "classes" else 1) and needed:
             source = (f"'{config.data.label}' statistics" if config.data.label
                       else "the token column's vocab_size metadata")
             raise ConfigError(f"cannot infer the number of classes from {source}: set model.num_classes")
@@ -63,20 +64,20 @@ def resolve_for_data(config: Config, infos: dict[str, DatasetInfo]) -> Config:
 
 def check_label(config: Config, info: DatasetInfo) -> None:
     """The target column suits the task: integer classes, a fixed-size list of 0/1 labels, numbers to regress."""
-    label, task = config.data.label, config.task.name
-    if label is None or info.schema is None or ":" in (task or ""):
+    label, task = config.data.label, config.task
+    if label is None or info.schema is None or task.kind is None or task.kind.label is None:
         return
     kind = info.schema.field(label).type
     value = kind.value_type if pa.types.is_fixed_size_list(kind) else kind
     numeric = pa.types.is_integer(value) or pa.types.is_floating(value) or pa.types.is_boolean(value)
-    wanted = {"classification": pa.types.is_integer(kind),
-              "multilabel": pa.types.is_fixed_size_list(kind) and numeric,
-              "regression": numeric}[task]  # type: ignore[index]
+    wanted = {"classes": pa.types.is_integer(kind),
+              "multi-hot": pa.types.is_fixed_size_list(kind) and numeric,
+              "numbers": numeric}[task.kind.label]
     if not wanted:
-        need = {"classification": "integer class ids (for float targets use task.name=regression)",
-                "multilabel": "a fixed-size list of 0/1 values per row",
-                "regression": "numbers (or a fixed-size list of numbers)"}[task]  # type: ignore[index]
-        raise ConfigError(f"data.label '{label}' in {info.path} has type {kind}, but task {task} needs {need}")
+        need = {"classes": "integer class ids (for float targets use task.name=regression)",
+                "multi-hot": "a fixed-size list of 0/1 values per row",
+                "numbers": "numbers (or a fixed-size list of numbers)"}[task.kind.label]
+        raise ConfigError(f"data.label '{label}' in {info.path} has type {kind}, but task {task.name} needs {need}")
 
 
 def check_model_call(config: Config, info: DatasetInfo) -> None:

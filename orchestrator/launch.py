@@ -374,7 +374,7 @@ def summary(result: TrainResult) -> str:
     m = result.metrics
     lines = [f"finished {result.config.experiment}: step {m.get('step')}, "
              f"train loss {m.get('train_loss', float('nan')):.4f}"]
-    if "val_accuracy" in m and result.config.task.name == "classification":
+    if "val_accuracy" in m and result.config.task.kind is not None and result.config.task.kind.label == "classes":
         lines.append(f"final validation accuracy: {m['val_accuracy']:.4f} (val loss {m['val_loss']:.4f})")
     elif "val_loss" in m:  # every validation figure of the task, its headline first
         keys = sorted((k for k in m if k.startswith("val_")), key=lambda k: (k != result.config.tune.metric, k))

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from orchestrator.config import TASK_METRICS, Config
+from orchestrator.config import TASK_KINDS, Config
 from orchestrator.errors import ConfigError
 from orchestrator.registry import Registry, load_entrypoint
 
@@ -84,7 +84,7 @@ TASKS: Registry[type[Task]] = Registry("task")
 class Classification(Task):
     """One integer class per row; cross-entropy; accuracy (and top-5 accuracy with more than 5 classes)."""
 
-    metric, mode = TASK_METRICS["classification"][1:]
+    metric, mode = TASK_KINDS["classification"].metric, TASK_KINDS["classification"].mode
     problem_type = "single_label_classification"
 
     def __init__(self, num_classes: int | None = None) -> None:
@@ -112,7 +112,7 @@ class Classification(Task):
 class Multilabel(Task):
     """Several 0/1 labels per row (a fixed-size list); binary cross-entropy per label; micro accuracy and F1."""
 
-    metric, mode = TASK_METRICS["multilabel"][1:]
+    metric, mode = TASK_KINDS["multilabel"].metric, TASK_KINDS["multilabel"].mode
     problem_type = "multi_label_classification"
 
     def count(self, batch: Batch) -> torch.Tensor:
@@ -144,7 +144,7 @@ class Multilabel(Task):
 class Regression(Task):
     """Float targets (one per row, or a fixed-size list); squared error; MSE, RMSE, MAE and R²."""
 
-    metric, mode = TASK_METRICS["regression"][1:]
+    metric, mode = TASK_KINDS["regression"].metric, TASK_KINDS["regression"].mode
     problem_type = "regression"
 
     def count(self, batch: Batch) -> torch.Tensor:
@@ -201,7 +201,7 @@ class CausalLM(Task):
     sequence and `labels` are its tokens (the Hugging Face convention): position t predicts token t+1. Without,
     the batch's labels are already the next tokens (the built-in `gpt` on x = tokens[:-1])."""
 
-    metric, mode = TASK_METRICS["causal_lm"][1:]
+    metric, mode = TASK_KINDS["causal_lm"].metric, TASK_KINDS["causal_lm"].mode
     counts_tokens = True
 
     def __init__(self, shift: bool = False) -> None:

@@ -17,7 +17,8 @@ from orchestrator.config.load import (
 )
 from orchestrator.config.schema import (
     MAX_SEED,
-    TASK_METRICS,
+    TASK_KINDS,
+    USER_TASK,
     CheckpointConfig,
     Config,
     CostConfig,
@@ -28,14 +29,15 @@ from orchestrator.config.schema import (
     ScalingConfig,
     StorageConfig,
     TaskConfig,
+    TaskKind,
     TrackingConfig,
     TrainConfig,
     TuneConfig,
 )
 
 __all__ = [
-    "MAX_SEED", "TASK_METRICS", "CheckpointConfig", "Config", "CostConfig", "FailureConfig", "ModelConfig",
-    "OptimConfig", "Precision", "ScalingConfig", "StorageConfig", "TaskConfig", "TrackingConfig", "TrainConfig",
-    "TuneConfig", "config_from_dict", "either", "flatten", "format_validation_error", "keys_elsewhere", "load_config",
-    "parse_override", "read_yaml_mapping", "to_dict", "to_yaml",
+    "MAX_SEED", "TASK_KINDS", "USER_TASK", "CheckpointConfig", "Config", "CostConfig", "FailureConfig",
+    "ModelConfig", "OptimConfig", "Precision", "ScalingConfig", "StorageConfig", "TaskConfig", "TaskKind",
+    "TrackingConfig", "TrainConfig", "TuneConfig", "config_from_dict", "either", "flatten", "format_validation_error",
+    "keys_elsewhere", "load_config", "parse_override", "read_yaml_mapping", "to_dict", "to_yaml",
 ]

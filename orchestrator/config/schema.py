@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
@@ -13,14 +14,27 @@ from orchestrator.registry import suggest
 from pipelines.config import DataConfig
 
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
-# Per built-in task (orchestrator/tasks.py): the validation metrics it reports, and the one (with its mode) Tune and
-# doctor rank by unless tune.metric says otherwise. A user's task ("module:Class") is ranked by val_loss, min.
-TASK_METRICS: dict[str, tuple[tuple[str, ...], str, Literal["max", "min"]]] = {
-    "classification": (("val_loss", "val_accuracy", "val_top5_accuracy"), "val_accuracy", "max"),
-    "multilabel": (("val_loss", "val_accuracy", "val_f1"), "val_f1", "max"),
-    "regression": (("val_loss", "val_mse", "val_rmse", "val_mae", "val_r2"), "val_rmse", "min"),
-    "causal_lm": (("val_loss", "val_perplexity", "val_accuracy"), "val_loss", "min"),
+
+
+@dataclass(frozen=True)
+class TaskKind:
+    """What a built-in task (orchestrator/tasks.py) means to the driver: the validation metrics it reports, the one
+    (with its mode) Tune and doctor rank by unless tune.metric says otherwise, and what `data.label` must hold."""
+
+    metrics: tuple[str, ...]
+    metric: str
+    mode: Literal["max", "min"]
+    label: Literal["classes", "multi-hot", "numbers"] | None  # None: the next tokens of the token column
+
+
+TASK_KINDS: dict[str, TaskKind] = {
+    "classification": TaskKind(("val_loss", "val_accuracy", "val_top5_accuracy"), "val_accuracy", "max", "classes"),
+    "multilabel": TaskKind(("val_loss", "val_accuracy", "val_f1"), "val_f1", "max", "multi-hot"),
+    "regression": TaskKind(("val_loss", "val_mse", "val_rmse", "val_mae", "val_r2"), "val_rmse", "min", "numbers"),
+    "causal_lm": TaskKind(("val_loss", "val_perplexity", "val_accuracy"), "val_loss", "min", None),
 }
+# A user's task ("module:Class") reports at least val_loss and is ranked by it.
+USER_TASK = TaskKind(("val_loss",), "val_loss", "min", None)
 MAX_SEED = 2**32 - 1  # numpy's global seed (set on every worker) takes no more
 
 
@@ -91,6 +105,11 @@ class TaskConfig(_Section):
                              "'module:Class'; null: classification with data.label, causal_lm without.")
     loss: Literal["task", "model"] = Field("task", description="task: the task's loss on the model's logits; "
                                            "model: the loss the model returns when given `labels` (Hugging Face).")
+
+    @property
+    def kind(self) -> TaskKind | None:
+        """The built-in task's meaning; None for a user's own task (`module:Class`) or before the name is resolved."""
+        return TASK_KINDS.get(self.name or "")
 
 
 class TrainConfig(_Section):
@@ -403,21 +422,21 @@ class Config(_Section):
         task, label = self.task, self.data.label
         if task.name is None:
             object.__setattr__(task, "name", "classification" if label else "causal_lm")
-        if task.name not in TASK_METRICS and ":" not in task.name:
-            raise _key_error(("task", "name"), f"unknown task '{task.name}'{suggest(task.name, TASK_METRICS)}; "
-                             f"valid: {sorted(TASK_METRICS)} or 'module:Class'", task.name)
-        _, metric, mode = TASK_METRICS.get(task.name, ((), "val_loss", "min"))
+        if task.kind is None and ":" not in task.name:
+            raise _key_error(("task", "name"), f"unknown task '{task.name}'{suggest(task.name, TASK_KINDS)}; "
+                             f"valid: {sorted(TASK_KINDS)} or 'module:Class'", task.name)
+        kind = task.kind or USER_TASK
         if self.tune.metric is None:
-            object.__setattr__(self.tune, "metric", metric)
-            object.__setattr__(self.tune, "mode", self.tune.mode or mode)
-        if task.name == "causal_lm" and label:
-            raise _key_error(("task", "name"), f"causal_lm predicts the next token of the token column, but "
+            object.__setattr__(self.tune, "metric", kind.metric)
+            object.__setattr__(self.tune, "mode", self.tune.mode or kind.mode)
+        if task.kind is not None and task.kind.label is None and label:
+            raise _key_error(("task", "name"), f"{task.name} predicts the next token of the token column, but "
                              f"data.label={label} is set: set data.label to null", task.name)
-        if task.name in ("classification", "multilabel", "regression") and not label:
+        if kind.label is not None and not label:
             raise _key_error(("data", "label"), f"task {task.name} needs a target column: set data.label",
                              label)
-        if task.name == "classification" and self.model.num_classes == 1:
-            raise _key_error(("model", "num_classes"), "classification needs at least 2 classes", 1)
+        if kind.label == "classes" and self.model.num_classes == 1:
+            raise _key_error(("model", "num_classes"), f"{task.name} needs at least 2 classes", 1)
         if task.loss == "model" and self.model.inputs is None:
             raise _key_error(("task", "loss"), "task.loss=model passes `labels` to the model by name: set "
                              "model.inputs to its other arguments", task.loss)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.config import TASK_METRICS, Config, config_from_dict
+from orchestrator.config import USER_TASK, Config, config_from_dict
 from orchestrator.config.space import Domain, parse_domain
 from orchestrator.errors import ConfigError
 from orchestrator.models import check_model_options
@@ -26,7 +26,7 @@ _HIGHER_IS_BETTER = ("val_accuracy", "val_top5_accuracy", "val_f1", "val_r2", "s
 
 def val_metrics(config: Config) -> tuple[str, ...]:
     """What the run's task reports at validation (a user's task: at least val_loss)."""
-    return TASK_METRICS.get(config.task.name or "", (("val_loss",),))[0]
+    return (config.task.kind or USER_TASK).metrics
 
 
 def to_tune(domain: Domain) -> Any:
@@ -87,7 +87,7 @@ def check_study(config: Config) -> None:
         raise ConfigError("tune.space is empty: add the keys to search, e.g. "
                           "tune.space: {optim.lr: {loguniform: [1.0e-4, 1.0e-1]}}")
     reported = TRAIN_METRICS + (val_metrics(config) if config.data.val is not None else ())
-    if t.metric not in reported and ":" not in (config.task.name or ""):  # a user's task may report more
+    if t.metric not in reported and config.task.kind is not None:  # a user's task may report more
         if t.metric in val_metrics(config):
             raise ConfigError(f"tune.metric={t.metric} is only reported with a validation split: set data.val")
         raise ConfigError(f"tune.metric={t.metric} is never reported by the training loop"

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from orchestrator.config import TASK_METRICS, load_config
+from orchestrator.config import TASK_KINDS, load_config
 from orchestrator.config.space import Domain
 from orchestrator.errors import ConfigError
 from orchestrator.tasks import Classification
@@ -277,7 +277,7 @@ def test_cli_tune_refuses_bad_input_with_one_line() -> None:
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         "error: tune.metric=val_acc is never reported by the training loop (did you mean "
-        "'tune.metric=val_accuracy'?); reported: " + ", ".join(TRAIN_METRICS + TASK_METRICS["classification"][0])]
+        "'tune.metric=val_accuracy'?); reported: " + ", ".join(TRAIN_METRICS + TASK_KINDS["classification"].metrics)]
 
 
 def test_trials_are_named_by_their_searched_values_short_and_filesystem_safe() -> None:
