@@ -3,9 +3,14 @@ productive training and the overheads around it.
 
 The split comes from the reports: each carries its interval's wall seconds (`interval_s`) and the shares of that
 interval per phase (`time/<phase>_frac`), plus when it reached the driver (`elapsed_s` since the run started,
-or Tune's `time_total_s`). From those: start-up is everything before the first interval began; restarts are the
-time between intervals lost to failures (the restart gap and the steps redone from the last checkpoint); shutdown
-is everything after the last report (teardown, final artifacts).
+or Tune's `time_total_s`). From those: start-up is everything before the first interval began; wasted progress is
+the intervals whose steps were trained again after a restart from an earlier checkpoint; recovery is the time from
+the last report before a restart to the first interval after it (a resize, when the group came back at another
+world size); shutdown is everything after the last report (teardown, final artifacts). The first report of every
+(re)start carries the worker's facts (`at/loop`): that is how a restart is recognised.
+
+These are the terms of ML goodput (Google's goodput library, Meta's ETTR): the effective training time ratio is the
+productive time (the optimizer steps kept) over the wall clock from the command to the last kept step.
 """
 
 from __future__ import annotations
@@ -20,11 +25,13 @@ from orchestrator.errors import ConfigError
 
 # Ledger parts, in display order; they add up to the wall clock. Compute + sync is the training itself
 # (`productive`); `report` is time the workers spent blocked registering checkpoints with Ray Train.
-PARTS = ("startup", "compute", "sync", "data_wait", "eval", "checkpoint", "report", "other", "restarts", "shutdown")
+PARTS = ("startup", "compute", "sync", "data_wait", "eval", "checkpoint", "report", "wasted", "recovery", "resize",
+         "other", "shutdown")
 PRODUCTIVE = ("compute", "sync")
+RESTARTS = ("wasted", "recovery", "resize")  # what failures and resizes cost
 _LABELS = {"startup": "start-up", "compute": "compute", "sync": "sync", "data_wait": "data wait", "eval": "eval",
-           "checkpoint": "checkpoint", "report": "report", "other": "other", "restarts": "restarts",
-           "shutdown": "shutdown"}
+           "checkpoint": "checkpoint", "report": "report", "wasted": "wasted progress", "recovery": "recovery",
+           "resize": "resize", "other": "other", "shutdown": "shutdown"}
 _PHASES = ("compute", "sync", "data_wait", "eval", "checkpoint", "report", "other")
 
 
@@ -98,6 +105,13 @@ class Ledger:
         price = self.pricing.usd_per_node_hour
         return None if price is None else self.node_hours * price
 
+    @property
+    def ettr(self) -> float:
+        """Effective training time ratio: productive seconds over the wall clock up to the last kept step (the
+        shutdown after it is not training time lost)."""
+        until_done = self.wall_s - self.seconds.get("shutdown", 0.0)
+        return sum(self.seconds.get(p, 0.0) for p in PRODUCTIVE) / until_done if until_done > 0 else 0.0
+
     def frac(self, part: str) -> float:
         if part == "productive":
             return sum(self.frac(p) for p in PRODUCTIVE)
@@ -107,6 +121,7 @@ class Ledger:
         """MLflow metrics: cost/usd, cost/productive_usd, cost/overhead_usd, cost/node_hours, cost/<part>_frac."""
         out = {"cost/wall_s": self.wall_s, "cost/node_hours": self.node_hours, "cost/nodes": float(self.pricing.nodes)}
         out |= {f"cost/{part}_frac": self.frac(part) for part in (*PARTS, "productive")}
+        out["cost/ettr"] = self.ettr
         usd = self.usd
         if usd is not None:
             out |= {"cost/usd": usd, "cost/usd_per_node_hour": float(self.pricing.usd_per_node_hour or 0.0),
@@ -129,7 +144,7 @@ class Ledger:
         productive = f"productive {self.frac('productive'):.0%}"
         if usd is not None:
             productive += f" (${usd * self.frac('productive'):.4f})"
-        return f"{head} | {productive}"
+        return f"{head} | {productive} | ETTR {self.ettr:.0%}"
 
 
 def build_ledger(history: list[dict[str, Any]], wall_s: float, pricing: Pricing, failures: int = 0,
@@ -143,16 +158,24 @@ def build_ledger(history: list[dict[str, Any]], wall_s: float, pricing: Pricing,
         return Ledger(wall_s, pricing, seconds)
     last_index = {int(r["step"]): i for i, r in enumerate(timed)}  # the kept report of every step
     kept = [r for i, r in enumerate(timed) if last_index[int(r["step"])] == i]
-    redone = len(timed) > len(kept)
     first, last = timed[0], timed[-1]
     seconds["startup"] = max(0.0, first[elapsed_key] - first["interval_s"])
     for report in kept:
         for phase in _PHASES:
             seconds[phase] += report.get(f"time/{phase}_frac", 0.0) * report["interval_s"]
-    # Between the first interval's start and the last report, what the kept intervals do not cover: report
-    # transport in a healthy run, restarts (gap + redone steps) after a failure.
-    gap = max(0.0, last[elapsed_key] - seconds["startup"] - sum(r["interval_s"] for r in kept))
-    seconds["restarts" if failures or redone else "other"] += gap
+    seconds["wasted"] = sum(r["interval_s"] for i, r in enumerate(timed) if last_index[int(r["step"])] != i)
+    # Between two reports, what the later one's interval does not cover: report transport in a healthy run; a
+    # restart's recovery (or resize) before the first report of a (re)start. Histories without the restart mark
+    # bill every gap of a run that failed or redid steps as recovery.
+    marked = any("at/loop" in r for r in timed[1:])
+    unmarked = "recovery" if not marked and (failures or len(kept) < len(timed)) else "other"
+    for before, after in zip(timed, timed[1:], strict=False):
+        gap = max(0.0, after[elapsed_key] - before[elapsed_key] - after["interval_s"])
+        if "at/loop" in after:
+            resized = before.get("world_size", after.get("world_size")) != after.get("world_size")
+            seconds["resize" if resized else "recovery"] += gap
+        else:
+            seconds[unmarked] += gap
     seconds["shutdown"] = max(0.0, wall_s - last[elapsed_key])
     # Clock skew between worker intervals and driver arrivals can overshoot by a little: keep the sum = wall_s.
     total = sum(seconds.values())

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.config import Config
-from orchestrator.cost import PARTS
+from orchestrator.cost import PARTS, RESTARTS
 from orchestrator.errors import UserError
 from orchestrator.startup import STAGES
 from orchestrator.tracking import mlflow_key, read_metrics, resolve_uri
@@ -66,7 +66,7 @@ class RunRecord:
 Rule = Callable[[RunRecord], "Finding | None"]
 
 # The ledger's parts that are the training itself (first step to last): the rest is start-up, restarts, shutdown.
-_TRAINING_PARTS = tuple(p for p in PARTS if p not in ("startup", "restarts", "shutdown"))
+_TRAINING_PARTS = tuple(p for p in PARTS if p not in ("startup", *RESTARTS, "shutdown"))
 
 
 def training_share(run: RunRecord, phase: str) -> float | None:

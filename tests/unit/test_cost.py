@@ -29,7 +29,7 @@ def test_healthy_run_splits_wall_time_into_startup_phases_and_shutdown() -> None
     assert s["compute"] == pytest.approx(7 + 7 + 5) and s["sync"] == pytest.approx(3.0)  # share x interval
     assert ledger.frac("productive") == pytest.approx((8 + 8 + 6) / 60)  # compute + sync
     assert s["data_wait"] == pytest.approx(3.0) and s["eval"] == pytest.approx(2.0)
-    assert s["shutdown"] == pytest.approx(10.0) and s["restarts"] == 0.0
+    assert s["shutdown"] == pytest.approx(10.0) and s["wasted"] == s["recovery"] == s["resize"] == 0.0
     assert sum(s.values()) == pytest.approx(60.0)
     assert ledger.node_hours == pytest.approx(2 * 60 / 3600)
     assert ledger.usd == pytest.approx(2 * 60 / 3600 * 3.6)
@@ -39,17 +39,38 @@ def test_healthy_run_splits_wall_time_into_startup_phases_and_shutdown() -> None
     assert sum(m[f"cost/{p}_frac"] for p in PARTS) == pytest.approx(1.0)
     assert ledger.time_line() == ("time: 60.0 s | start-up 33% | compute 32% | sync 5% | data wait 5% | eval 3% | "
                                   "other 5% | shutdown 17%")
-    assert ledger.line().endswith("| productive 37% ($0.0440)")
+    assert ledger.line().endswith("| productive 37% ($0.0440) | ETTR 44%")  # 22 s of the 50 s to the last step
 
 
-def test_restart_time_and_redone_steps_are_billed_as_restarts() -> None:
-    # Step 20 was reported, the worker crashed, the group restarted from step 10's checkpoint and redid 20.
-    history = [report(10, 30.0), report(20, 40.0), report(20, 75.0), report(30, 85.0)]
+def test_a_restart_bills_the_redone_steps_as_wasted_and_the_gap_as_recovery() -> None:
+    # Step 20 was reported, the worker crashed, the group restarted from step 10's checkpoint and redid 20. The
+    # first report of every (re)start carries its facts (`at/loop`): that is where a restart shows.
+    history = [report(10, 30.0) | {"at/loop": 1.0}, report(20, 40.0), report(20, 75.0) | {"at/loop": 2.0},
+               report(30, 85.0)]
     ledger = build_ledger(history, wall_s=90.0, pricing=PRICED, failures=1)
-    # Kept intervals: 10 + 10 + 10 s from t=20 to t=85: 35 s is the restart gap plus the redone interval.
-    assert ledger.seconds["restarts"] == pytest.approx(35.0)
+    # The superseded step-20 interval (10 s) is wasted progress; from its report at t=40 to the redone interval's
+    # start at t=65, 25 s, the group was recovering; kept intervals 3 x 10 s.
+    assert ledger.seconds["wasted"] == pytest.approx(10.0)
+    assert ledger.seconds["recovery"] == pytest.approx(25.0)
+    assert ledger.seconds["resize"] == 0.0
     assert ledger.seconds["compute"] + ledger.seconds["sync"] == pytest.approx(3 * 8.0)
-    assert "restarts 39%" in ledger.time_line()
+    assert sum(ledger.seconds.values()) == pytest.approx(90.0)
+    assert "wasted progress 11% | recovery 28%" in ledger.time_line()
+    # ETTR: productive time over the wall clock from the command to the last committed step (85 s, not 90).
+    assert ledger.ettr == pytest.approx(24.0 / 85.0)
+    assert ledger.metrics()["cost/ettr"] == pytest.approx(24.0 / 85.0)
+    assert f"ETTR {24 / 85:.0%}" in ledger.line()
+
+
+def test_a_restart_at_another_world_size_is_a_resize() -> None:
+    # An elastic group grew from 1 to 2 workers: it restarted from step 10's checkpoint at the new size.
+    history = [report(10, 30.0) | {"at/loop": 1.0, "world_size": 1}, report(20, 40.0) | {"world_size": 1},
+               report(20, 62.0) | {"at/loop": 2.0, "world_size": 2}, report(30, 72.0) | {"world_size": 2}]
+    ledger = build_ledger(history, wall_s=75.0, pricing=PRICED)
+    assert ledger.seconds["resize"] == pytest.approx(12.0)  # 52 (the new interval's start) - 40
+    assert ledger.seconds["wasted"] == pytest.approx(10.0)
+    assert ledger.seconds["recovery"] == 0.0
+    assert sum(ledger.seconds.values()) == pytest.approx(75.0)
 
 
 def test_unpriced_run_logs_node_hours_but_no_dollars() -> None:
@@ -151,14 +172,14 @@ def test_study_callback_logs_each_trial_ledger_at_its_own_size() -> None:
     assert logged["large"]["cost/usd"] == pytest.approx(4 * logged["small"]["cost/usd"])
 
 
-def test_time_blocked_in_reports_is_its_own_part_not_restarts() -> None:
+def test_time_blocked_in_reports_is_its_own_part_not_recovery() -> None:
     # Intervals include the time their workers sat in the previous report (here 4 s of each 10 s): with a failure
-    # in the run, only the real restart gap is billed as restarts, and the blocked time shows as "report".
+    # in the run, only the real restart gap is billed as recovery, and the blocked time shows as "report".
     blocked = {"compute": 0.4, "report": 0.4, "data_wait": 0.05, "other": 0.05}
     history = [report(10, 30.0, **blocked), report(20, 40.0, **blocked), report(30, 65.0, **blocked)]
     ledger = build_ledger(history, wall_s=70.0, pricing=PRICED, failures=1)
     assert ledger.seconds["report"] == pytest.approx(12.0)
-    assert ledger.seconds["restarts"] == pytest.approx(15.0)  # 65 - 20 (start-up) - 3 x 10 (intervals)
+    assert ledger.seconds["recovery"] == pytest.approx(15.0)  # 65 - 20 (start-up) - 3 x 10 (intervals)
     assert "report 17%" in ledger.time_line()
 
 
