@@ -7,7 +7,7 @@ or Tune's `time_total_s`). From those: start-up is everything before the first i
 the intervals whose steps were trained again after a restart from an earlier checkpoint; recovery is the time from
 the last report before a restart to the first interval after it (a resize, when the group came back at another
 world size); shutdown is everything after the last report (teardown, final artifacts). The first report of every
-(re)start carries the worker's facts (`at/loop`): that is how a restart is recognised.
+(re)start carries the worker's facts (its pid among them, `RESTART_MARK`): that is how a restart is recognised.
 
 These are the terms of ML goodput (Google's goodput library, Meta's ETTR): the effective training time ratio is the
 productive time (the optimizer steps kept) over the wall clock from the command to the last kept step.
@@ -29,6 +29,7 @@ PARTS = ("startup", "compute", "sync", "data_wait", "eval", "checkpoint", "repor
          "other", "shutdown")
 PRODUCTIVE = ("compute", "sync")
 RESTARTS = ("wasted", "recovery", "resize")  # what failures and resizes cost
+RESTART_MARK = "worker_pid"  # in the first report of every (re)start only (training/worker.py's facts)
 _LABELS = {"startup": "start-up", "compute": "compute", "sync": "sync", "data_wait": "data wait", "eval": "eval",
            "checkpoint": "checkpoint", "report": "report", "wasted": "wasted progress", "recovery": "recovery",
            "resize": "resize", "other": "other", "shutdown": "shutdown"}
@@ -167,11 +168,11 @@ def build_ledger(history: list[dict[str, Any]], wall_s: float, pricing: Pricing,
     # Between two reports, what the later one's interval does not cover: report transport in a healthy run; a
     # restart's recovery (or resize) before the first report of a (re)start. Histories without the restart mark
     # bill every gap of a run that failed or redid steps as recovery.
-    marked = any("at/loop" in r for r in timed[1:])
+    marked = any(RESTART_MARK in r for r in timed)
     unmarked = "recovery" if not marked and (failures or len(kept) < len(timed)) else "other"
     for before, after in zip(timed, timed[1:], strict=False):
         gap = max(0.0, after[elapsed_key] - before[elapsed_key] - after["interval_s"])
-        if "at/loop" in after:
+        if RESTART_MARK in after:
             resized = before.get("world_size", after.get("world_size")) != after.get("world_size")
             seconds["resize" if resized else "recovery"] += gap
         else:

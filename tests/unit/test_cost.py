@@ -44,8 +44,8 @@ def test_healthy_run_splits_wall_time_into_startup_phases_and_shutdown() -> None
 
 def test_a_restart_bills_the_redone_steps_as_wasted_and_the_gap_as_recovery() -> None:
     # Step 20 was reported, the worker crashed, the group restarted from step 10's checkpoint and redid 20. The
-    # first report of every (re)start carries its facts (`at/loop`): that is where a restart shows.
-    history = [report(10, 30.0) | {"at/loop": 1.0}, report(20, 40.0), report(20, 75.0) | {"at/loop": 2.0},
+    # first report of every (re)start carries the worker's facts (its pid): that is where a restart shows.
+    history = [report(10, 30.0) | {"worker_pid": 101}, report(20, 40.0), report(20, 75.0) | {"worker_pid": 102},
                report(30, 85.0)]
     ledger = build_ledger(history, wall_s=90.0, pricing=PRICED, failures=1)
     # The superseded step-20 interval (10 s) is wasted progress; from its report at t=40 to the redone interval's
@@ -64,8 +64,8 @@ def test_a_restart_bills_the_redone_steps_as_wasted_and_the_gap_as_recovery() ->
 
 def test_a_restart_at_another_world_size_is_a_resize() -> None:
     # An elastic group grew from 1 to 2 workers: it restarted from step 10's checkpoint at the new size.
-    history = [report(10, 30.0) | {"at/loop": 1.0, "world_size": 1}, report(20, 40.0) | {"world_size": 1},
-               report(20, 62.0) | {"at/loop": 2.0, "world_size": 2}, report(30, 72.0) | {"world_size": 2}]
+    history = [report(10, 30.0) | {"worker_pid": 101, "world_size": 1}, report(20, 40.0) | {"world_size": 1},
+               report(20, 62.0) | {"worker_pid": 102, "world_size": 2}, report(30, 72.0) | {"world_size": 2}]
     ledger = build_ledger(history, wall_s=75.0, pricing=PRICED)
     assert ledger.seconds["resize"] == pytest.approx(12.0)  # 52 (the new interval's start) - 40
     assert ledger.seconds["wasted"] == pytest.approx(10.0)
