@@ -234,6 +234,32 @@ def report_blocking(run: RunRecord) -> Finding | None:
                    f"workers were blocked registering checkpoints {share:.0%} of the time", tuple(changes))
 
 
+def checkpoint_interval(run: RunRecord) -> Finding | None:
+    """A run that failed: checkpoints so rare that each failure redoes much work, or so frequent that saving them
+    costs more than failures lose. The interval that loses least is about sqrt(2 x checkpoint cost x mean time
+    between failures) (Young's approximation), measured here from the run's own ledger and failures."""
+    failures = sum(1 for tag in run.tags if tag.startswith("orchestrator.failure."))
+    wall, steps = run.last("cost/wall_s"), _int_param(run, "train.max_steps")
+    every = _int_param(run, "checkpoint.every")
+    if not failures or not wall or not steps or not every:
+        return None
+    saves = max(1, steps // every)
+    # The checkpoint's blocked part: writing it, then registering it with Ray Train.
+    cost_s = ((run.last("cost/checkpoint_frac") or 0.0) + (run.last("cost/report_frac") or 0.0)) * wall / saves
+    step_s = sum(run.last(f"cost/{p}_frac") or 0.0 for p in _TRAINING_PARTS) * wall / steps
+    if cost_s <= 0 or step_s <= 0:
+        return None
+    mtbf = wall / failures
+    best_s = math.sqrt(2 * cost_s * mtbf)
+    best = max(1, round(best_s / step_s))
+    if every / 2 <= best <= every * 2:
+        return None
+    title = (f"{failures} failure{'s' * (failures > 1)} in {wall:.0f} s (one every {mtbf:.0f} s) at {cost_s:.1f} s "
+             f"per checkpoint: the interval that loses least is about sqrt(2 x {cost_s:.1f} s x {mtbf:.0f} s) = "
+             f"{best_s:.0f} s, {best} steps (checkpoint.every is {every})")
+    return Finding("checkpoint interval", MEDIUM, abs(math.log(best / every)), title, (f"checkpoint.every={best}",))
+
+
 def evaluation(run: RunRecord) -> Finding | None:
     """Validation passes took a large share of the training: evaluate less often, or on a smaller split."""
     share = training_share(run, "eval")
@@ -480,8 +506,9 @@ def search_space_edge(run: RunRecord) -> Finding | None:
                    tuple(changes))
 
 
-RULES: list[Rule] = [startup, report_blocking, data_pipeline, evaluation, bookkeeping, gradient_sync, uneven_workers,
-                     memory_headroom, precision, compile_small_kernels, nonfinite_steps, study_size, search_space_edge]
+RULES: list[Rule] = [startup, report_blocking, checkpoint_interval, data_pipeline, evaluation, bookkeeping,
+                     gradient_sync, uneven_workers, memory_headroom, precision, compile_small_kernels, nonfinite_steps,
+                     study_size, search_space_edge]
 
 
 def diagnose(run: RunRecord, rules: list[Rule] | None = None) -> list[Finding]:

@@ -13,6 +13,7 @@ from orchestrator.doctor import (
     Finding,
     RunRecord,
     bookkeeping,
+    checkpoint_interval,
     compile_small_kernels,
     data_pipeline,
     diagnose,
@@ -409,3 +410,20 @@ def test_metrics_are_read_under_their_mlflow_keys(monkeypatch: pytest.MonkeyPatc
     renamed = RunRecord({f"renamed/{k}": v for k, v in {**HEALTHY, **ISSUE_RUN}.items()}, PARAMS, {})
     assert [(f.rule, f.title, f.changes) for f in diagnose(renamed)] == expected
     assert diagnose(RunRecord({k: v for k, v in {**HEALTHY, **ISSUE_RUN}.items()}, PARAMS, {})) == []
+
+
+def test_checkpoint_interval_follows_the_measured_failure_rate_and_checkpoint_cost() -> None:
+    import math
+
+    ledger = {"cost/wall_s": [1000.0], "cost/compute_frac": [0.70], "cost/checkpoint_frac": [0.04],
+              "cost/report_frac": [0.01], "cost/startup_frac": [0.25]}
+    failed = {f"orchestrator.failure.{i}": f"after step {100 * i}: boom" for i in (1, 2, 3, 4)}
+    params = {"train.max_steps": "1000", "checkpoint.every": "500"}
+    # 2 checkpoints cost 50 s, 25 s each; 4 failures in 1000 s; a step is 750 s / 1000 steps of training.
+    found = checkpoint_interval(record(ledger, params, failed))
+    expected = round(math.sqrt(2 * 25.0 * 250.0) / 0.75)  # 149 steps
+    assert found is not None and found.changes == (f"checkpoint.every={expected}",), found
+    assert "one every 250 s" in found.title and "25.0 s per checkpoint" in found.title
+    # Without failures there is no rate to weigh against; near the optimum there is nothing to change.
+    assert checkpoint_interval(record(ledger, params)) is None
+    assert checkpoint_interval(record(ledger, {**params, "checkpoint.every": str(expected)}, failed)) is None
