@@ -1,4 +1,5 @@
-"""`orchestrator train | tune | doctor | prepare | show-config`: each subcommand is a few lines around one API call."""
+"""`orchestrator train | tune | ui | doctor | prepare | show-config`: each subcommand is a few lines around one API
+call."""
 
 from __future__ import annotations
 
@@ -61,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("run_id", metavar="RUN_ID", help="MLflow run id (printed at the end of train and tune)")
     doctor.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else "
                         "sqlite:///mlruns.db in the working directory)")
+
+    ui = sub.add_parser("ui", help="start the MLflow UI on the runs' store (this environment's MLflow, a free port) "
+                        "and print the experiment's URL; Ctrl+C stops it")
+    _config_args(ui)
+    ui.add_argument("--tracking-uri", help="MLflow store (default: the config's tracking.uri, else "
+                    "$MLFLOW_TRACKING_URI, else sqlite:///mlruns.db in the working directory)")
+    ui.add_argument("--experiment", help="MLflow experiment to open (default: the config's tracking.experiment)")
+    ui.add_argument("--port", type=int, help="port on 127.0.0.1 (default: 5055, or a free one when it is taken)")
 
     show = sub.add_parser("show-config", help="print the resolved config as YAML")
     _config_args(show)
@@ -165,6 +174,16 @@ def run_command(args: argparse.Namespace) -> int:
         print(to_yaml(config), end="")
         return 0
 
+    if args.command == "ui":
+        from pathlib import Path
+
+        from orchestrator.ui import serve
+        from pipelines.storage import user_cache_dir
+
+        log = Path(user_cache_dir()) / "logs" / "mlflow-ui.log"
+        return serve(args.tracking_uri or config.tracking.uri, args.experiment or config.tracking.experiment,
+                     args.port, log)
+
     if args.command == "tune":
         from orchestrator.tuning.results import summary as tune_summary
         from orchestrator.tuning.study import tune
@@ -191,8 +210,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        if args.command != "train":  # train says where it stopped and how to continue
+        if args.command not in ("train", "ui"):  # train says where it stopped and how to continue
             print("interrupted", file=sys.stderr)
+        if args.command == "ui":  # Ctrl+C is how the UI is stopped
+            return 0
         return 130
 
 

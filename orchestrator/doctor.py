@@ -92,7 +92,9 @@ def is_study(run: RunRecord) -> bool:
 
 def trial_counts(run: RunRecord) -> dict[str, int]:
     """A study's trials by how they ended, from its parent run (empty while the study runs)."""
-    counts = {status: int(run.last(f"trials_{status}") or 0) for status in ("completed", "stopped", "error")}
+    # Rows of the parent's summary table (`study/trials_*`); metrics of a study recorded before that.
+    counts = {status: int(run.last(f"study/trials_{status}", f"trials_{status}") or 0)
+              for status in ("completed", "stopped", "error")}
     if not any(counts.values()) and run.last("cost/trials"):
         return {"total": int(run.last("cost/trials") or 0)}
     return {status: n for status, n in counts.items() if n}

@@ -31,6 +31,7 @@ from orchestrator.tracking import (
     config_params,
     resolve_uri,
     run_url,
+    short_run_name,
     start_tracker,
     ui_command,
 )
@@ -61,7 +62,8 @@ class TrainResult:
 def _log_final_artifacts(tracker: Tracker, config: Config, checkpoint_path: str | None,
                          history: list[dict[str, Any]], info: DatasetInfo, checkpoint: Any = None) -> None:
     """The resolved config, the final weights as an MLflow Model named "model" (model_logging.py; `info`: the
-    training data, whose sample rows give its input example and signature) and the learning curves."""
+    training data, whose sample rows give its input example and signature) and the learning curves (top level:
+    the first file the run's Artifacts tab lists after the model)."""
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.yaml").write_text(to_yaml(config))
         tracker.log_artifact(Path(tmp) / "config.yaml")
@@ -77,7 +79,8 @@ def _log_final_artifacts(tracker: Tracker, config: Config, checkpoint_path: str 
 
             log_final_model(tracker, config, info, final_weights)
         if history:
-            tracker.log_artifact(plot_history(history, Path(tmp) / "learning_curves.png"), "plots")
+            metric = config.tune.metric if (config.tune.metric or "").startswith("val_") else "val_loss"
+            tracker.log_artifact(plot_history(history, Path(tmp) / "learning_curves.png", metric))
 
 
 def train(config: Config, address: str | None = None, verbose: bool = True, resume: bool = False,
@@ -110,20 +113,22 @@ def _log_path(config: Config, place: RunPlace) -> Path:
 
 def _train(config: Config, address: str | None, verbose: bool, infos: dict[str, DatasetInfo], place: RunPlace,
            record: dict[str, Any] | None, clock: StartupClock, log: RunLog) -> TrainResult:
-    run_name, run_dir = place.name, place.uri
+    run_name, run_dir = short_run_name(config, place.name), place.uri
     if config.tracking.enabled:
         import mlflow  # noqa: F401 - its loggers exist from here on: diverted before the store logs its set-up
 
         log.divert()
     history: list[dict[str, Any]] = []
     with interrupted(place, history):  # Ctrl+C while the run is opened: the tracker ends it KILLED
-        tracker = start_tracker(config.tracking, run_name, run_id=_reopen_id(config, record))
+        tracker = start_tracker(config.tracking, run_name, run_id=_reopen_id(config, record),
+                                headline=config.tune.metric)
     # From the moment the run exists, Ctrl+C ends it KILLED (an error FAILED), never leaving it RUNNING.
     with closed_on_error(tracker), interrupted(place, history):
         if record:
             tracker.set_tags({f"orchestrator.resume.{time.strftime('%Y%m%d-%H%M%S')}":
                               "driver restarted with --resume"})
         tracker.log_params(config_params(config))  # model options' builder defaults included
+        tracker.log_datasets(infos)
         tracker.set_tags({"orchestrator.run_dir": run_dir, "orchestrator.train_rows": str(infos["train"].num_rows)})
         place.write_text(RUN_CONFIG, to_yaml(config))
         log.open(log_path := _log_path(config, place))  # the run's directory exists from here on
@@ -394,7 +399,8 @@ def summary(result: TrainResult) -> str:
     lines.append(f"checkpoint: {result.checkpoint_path}")
     if result.run_id:
         lines.append(f"MLflow run id: {result.run_id}")
-        lines.append(f"open the MLflow UI: {ui_command(result.tracking_uri or '')}")
+        command = ui_command(result.tracking_uri or "", result.config.tracking.experiment)
+        lines.append(f"open the MLflow UI: {command}")
         url = run_url(result.tracking_uri or "", result.run_id)
         if url:
             lines.append(f"this run in the MLflow UI: {url}")

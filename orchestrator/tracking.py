@@ -2,18 +2,21 @@
 a store that stops answering mid-run is warned about once, then skipped (tried again every OUTAGE_RETRY_S).
 
 What a run holds (the same for a Tune trial's child run and a study's parent run): the loop reports under its own
-names (the progress line, the history and Tune use them); `mlflow_key` names each in MLflow, in sections a user
-reads first (`train/`, `val/`, `perf/`, `time/`, `system/`, `memory/`), and `logged_as` says where it goes. Series
-that change from report to report are metrics; facts that do not (the worker's pid, precision, FLOPs per sample,
-device facts, the start-up breakdown, the cost ledger, whole-run figures) go into one `summary.json` table
-artifact; a few whole-run figures a user compares across runs are metrics too (`final/val/*`,
-`final/perf/samples_per_s`, `cost/productive_frac`, `cost/usd` when priced).
+names (the progress line, the history and Tune use them); `mlflow_key` names each in MLflow, in sections (`train/`,
+`val/`, `perf/`, `time/`, `system/`, `memory/`), and `logged_as` says where it goes. The three a user looks for
+first, the training loss, the task's validation metric and samples/s, are charted in the `headline/` section, which
+the UI shows first (it sorts sections by name). Series that change from report to report are metrics; a series
+whose values never changed (`comm_bytes_per_sample` on one worker, top-5 accuracy on 5 classes), facts that do not
+change (the worker's pid, precision, FLOPs per sample, device facts, the start-up breakdown) and whole-run figures
+(`final/*`, the cost ledger `cost/*`) go into one `summary.json` table artifact, rounded and grouped, and the
+headline figures into the run's description (`mlflow.note.content`).
 """
 
 from __future__ import annotations
 
 import functools
 import getpass
+import hashlib
 import json
 import math
 import os
@@ -33,6 +36,7 @@ from orchestrator.errors import UserError
 
 if TYPE_CHECKING:
     from orchestrator.config import Config, ModelConfig
+    from pipelines.sources import DatasetInfo
 
 # A dead tracking server would otherwise stall training for minutes (7 retries, 120 s timeout by default).
 _HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15",
@@ -51,6 +55,7 @@ class Tracker(Protocol):
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None: ...
     def set_tags(self, tags: dict[str, str]) -> None: ...
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
+    def log_datasets(self, infos: Mapping[str, DatasetInfo]) -> None: ...
     def finish(self, status: str) -> None: ...
 
 
@@ -77,16 +82,20 @@ _FACTS = {"train/step", "train/epoch", "train/samples_seen", "train/skipped_step
           "train/oom_retries", "train/micro_batch_size", "train/grad_accum_steps", "train/global_batch",
           "train/precision", "train/world_size", "train/worker_pid", "perf/comm_bytes", "perf/flops_per_sample",
           "perf/compile_s"}
-# Run-level figures that are also metrics, to compare runs in the runs table and charts.
-_FINAL_METRICS = {"final/perf/samples_per_s", "final/perf/tokens_per_s", "final/perf/mfu", "cost/usd",
-                  "cost/productive_frac"}
-# Sections of whole-run figures: the summary table's (`final/` and `cost/` less the few above).
-_SUMMARY_SECTIONS = ("final/", "cost/", "startup/", "device/")
+# Sections of whole-run figures, and of a study's (`study/`): rows of the summary table, never charted.
+_SUMMARY_SECTIONS = ("final/", "cost/", "startup/", "device/", "study/")
+# The summary table's groups, in the order a reader wants them; a figure of another section comes after.
+_SUMMARY_ORDER = ("final", "study", "cost", "startup", "train", "val", "perf", "device")
 # What only the driver uses: when a report arrived, the worker's start-up marks, which rank reported, events.
 _DROPPED = {"elapsed_s", "world_rank", "drain_checkpoint"}
 SUMMARY_TABLE = "summary.json"
 # The MLflow UI opens an experiment of this kind on its "Training runs" table (a study's trials under their parent).
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
+# The section that holds the training loss, the task's validation metric and samples/s: MLflow 3's run page sorts
+# its chart sections by name (plain string order), so this one comes before memory/, perf/, train/, val/...
+HEADLINE = "headline/"
+NOTE_TAG = "mlflow.note.content"  # the run's description in the UI
+SIGNIFICANT = 4  # digits of a figure in the summary table
 
 
 def mlflow_key(name: str) -> str:
@@ -103,15 +112,76 @@ def mlflow_key(name: str) -> str:
 
 
 def logged_as(key: str) -> Literal["metric", "summary"] | None:
-    """Where the figure under MLflow key `key` goes: a metric (a series over steps, or a final figure worth
-    comparing across runs), a row of the run's summary table, or nowhere (None: the driver's own bookkeeping)."""
+    """Where the figure under MLflow key `key` goes: a metric (a series over steps; one whose values never change is
+    moved to the summary table when the run ends, see MlflowTracker), a row of the run's summary table, or nowhere
+    (None: the driver's own bookkeeping)."""
     if key in _DROPPED or key.startswith("at/"):
         return None
-    if key in _FACTS:
+    if key in _FACTS or key.startswith(_SUMMARY_SECTIONS):
         return "summary"
-    if key in _FINAL_METRICS or key.startswith("final/val/"):
-        return "metric"
-    return "summary" if key.startswith(_SUMMARY_SECTIONS) else "metric"
+    return "metric"
+
+
+def headline_keys(metric: str | None) -> dict[str, str]:
+    """MLflow key -> the key it is charted under in the headline section: the training loss, the task's validation
+    metric `metric` (tune.metric, resolved per task; val_loss when it is not a validation figure) and samples/s."""
+    val = metric if metric and metric.startswith("val_") else "val_loss"
+    return {mlflow_key(name): HEADLINE + name for name in ("train_loss", val, "samples_per_s")}
+
+
+def canonical_key(key: str) -> str:
+    """The MLflow key a charted key reads back as: `headline/<name>` -> `mlflow_key(name)`, anything else itself."""
+    return mlflow_key(key.removeprefix(HEADLINE)) if key.startswith(HEADLINE) else key
+
+
+def chart_key(key: str, metric: str | None) -> str:
+    """The key under which the metric with MLflow key `key` is charted, on a run whose validation metric is
+    `metric`."""
+    return headline_keys(metric).get(key, key)
+
+
+def rounded(value: Any) -> Any:
+    """A float to SIGNIFICANT significant digits (what the summary table shows); anything else as it is."""
+    if isinstance(value, float) and math.isfinite(value) and value != 0:
+        return float(f"{value:.{SIGNIFICANT}g}")
+    return value
+
+
+def summary_rows(figures: Mapping[str, Any]) -> list[list[Any]]:
+    """[section, figure, value] rows of the summary table: grouped by section (_SUMMARY_ORDER first), by name
+    within one, each value rounded."""
+    def order(key: str) -> tuple[int, str]:
+        section = key.split("/")[0]
+        return (_SUMMARY_ORDER.index(section) if section in _SUMMARY_ORDER else len(_SUMMARY_ORDER), key)
+
+    return [[key.split("/")[0] if "/" in key else "run", key, rounded(figures[key])]
+            for key in sorted(figures, key=order)]
+
+
+def headline_note(figures: Mapping[str, Any], metric: str | None = None) -> str:
+    """The run's description: its headline figures in one line, from the summary table's figures (by MLflow key),
+    the task's validation `metric` first."""
+    parts = []
+    val = {k.removeprefix("final/val/"): v for k, v in figures.items() if k.startswith("final/val/")}
+    head = (metric or "").removeprefix("val_")
+    if val:
+        names = sorted(val, key=lambda n: (n != head, n != "loss", n))[:3]
+        text = ", ".join(f"val_{n} {rounded(float(val[n])):.4g}" for n in names)
+        step = figures.get("train/step")
+        parts.append(text + (f" at step {int(step)}" if isinstance(step, int | float) else ""))
+    if isinstance(figures.get("final/perf/samples_per_s"), int | float):
+        parts.append(f"{figures['final/perf/samples_per_s']:,.0f} samples/s over the training")
+    if isinstance(figures.get("startup/total_s"), int | float):
+        parts.append(f"start-up {figures['startup/total_s']:.1f} s")
+    if isinstance(figures.get("cost/wall_s"), int | float):
+        wall = f"{figures['cost/wall_s']:.0f} s wall clock"
+        if isinstance(figures.get("cost/productive_frac"), int | float):
+            wall += f", productive {figures['cost/productive_frac']:.0%}"
+        parts.append(wall)
+    if isinstance(figures.get("cost/usd"), int | float):
+        parts.append(f"${figures['cost/usd']:.4f}")
+    return "; ".join(parts) + ("." if parts else "") + (" All run-level figures: the summary.json artifact."
+                                                       if parts else "")
 
 
 def resolve_uri(uri: str | None) -> str:
@@ -133,6 +203,7 @@ class NullTracker:
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None: ...
     def set_tags(self, tags: dict[str, str]) -> None: ...
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
+    def log_datasets(self, infos: Mapping[str, DatasetInfo]) -> None: ...
     def finish(self, status: str) -> None: ...
 
 
@@ -140,8 +211,9 @@ class MlflowTracker:
     """Wraps the MLflow client with explicit run ids (no global active run, safe from callback threads)."""
 
     def __init__(self, cfg: TrackingConfig, run_name: str, tags: dict[str, str] | None = None,
-                 run_id: str | None = None) -> None:
-        """A new run, or with `run_id` the existing run reopened (a resumed Tune study or trial)."""
+                 run_id: str | None = None, headline: str | None = None) -> None:
+        """A new run, or with `run_id` the existing run reopened (a resumed Tune study or trial). `headline`: the
+        task's validation metric (tune.metric), charted with the loss and samples/s in the headline section."""
         for key, value in _HTTP_DEFAULTS.items():
             os.environ.setdefault(key, value)
         from mlflow.tracking import MlflowClient
@@ -153,6 +225,13 @@ class MlflowTracker:
         self._down_until: float | None = None  # while the store is unreachable: when to try it again
         self._skipped = 0
         self._summary: dict[str, Any] = {}  # the summary table's figures, written when the run ends
+        self._metric = headline
+        self._headline = headline_keys(headline)
+        # A series is charted from its first change on; until then its value and (timestamp, step)s wait here, and
+        # one that never changed is a row of the summary table instead (a constant is not a chart).
+        self._charted: set[str] = set()
+        self._held: dict[str, tuple[float, list[tuple[int, int]]]] = {}
+        self._noted = False  # a description set by the caller is kept
         self._reopened = run_id is not None  # its params and tags may be there already
         self.run_id: str | None = None  # from when the run exists
         try:
@@ -167,6 +246,8 @@ class MlflowTracker:
             if run_id is not None:
                 self.run_id = run_id  # first: a Ctrl+C right after the update still ends it KILLED
                 self._client.update_run(run_id, status="RUNNING")
+                # What an earlier session charted stays charted, constant or not from here on.
+                self._charted = {canonical_key(k) for k in self._client.get_run(run_id).data.metrics}
             else:
                 run_id = self._client.create_run(self.experiment_id, run_name=run_name,
                                                  tags=context_tags() | (tags or {})).info.run_id
@@ -249,8 +330,9 @@ class MlflowTracker:
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
         """Figures under the loop's names (a report, the ledger's, the start-up breakdown): each under its
-        `mlflow_key`, as a metric at `step` or (`logged_as`) a row of the summary table, written when the run ends;
-        whole-run figures (`final/`, `cost/`, ...) are in the table even when they are metrics too."""
+        `mlflow_key`, as a point at `step` of a charted series (the headline three under HEADLINE) or (`logged_as`)
+        a row of the summary table, written when the run ends. A series is charted from the report that changes
+        its value, with the points before it; one that never changes ends in the summary table."""
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
@@ -261,13 +343,27 @@ class MlflowTracker:
             if (where is None or isinstance(value, bool) or not isinstance(value, int | float | str)
                     or (not isinstance(value, str) and not math.isfinite(value))):
                 continue
-            if where == "summary" or key.startswith(_SUMMARY_SECTIONS):
+            if where == "summary":
                 with self._lock:
                     self._summary[key] = value
-            if where == "metric" and not isinstance(value, str):
-                batch.append(Metric(key, float(value), now, step))
+            elif not isinstance(value, str):
+                chart = self._headline.get(key, key)
+                batch += [Metric(chart, v, t, s) for v, t, s in self._points(key, float(value), now, step)]
         if batch:
             self._safe("log_metrics", self._client.log_batch, self.run_id, metrics=batch)
+
+    def _points(self, key: str, value: float, now: int, step: int) -> list[tuple[float, int, int]]:
+        """The (value, timestamp, step) points of series `key` to log now: none while it has kept one value."""
+        with self._lock:
+            if key in self._charted:
+                return [(value, now, step)]
+            held = self._held.get(key)
+            if held is None or held[0] == value:
+                self._held.setdefault(key, (value, []))[1].append((now, step))
+                return []
+            del self._held[key]
+            self._charted.add(key)
+        return [(held[0], t, s) for t, s in held[1]] + [(value, now, step)]
 
     def summary(self) -> dict[str, Any]:
         """The summary table's figures so far, by MLflow key."""
@@ -275,17 +371,25 @@ class MlflowTracker:
             return dict(self._summary)
 
     def _log_summary(self) -> None:
-        """The summary table as `summary.json` (MLflow's table format: a `figure` and a `value` column, one row per
-        figure), replacing the one an earlier session of this run wrote; shown in the UI like `log_table`'s."""
+        """The summary table as `summary.json` (MLflow's table format: `section`, `figure` and `value` columns,
+        one row per figure, rounded, grouped by section), replacing the one an earlier session of this run wrote;
+        shown in the UI like `log_table`'s. Series that never changed join it here."""
+        with self._lock:
+            for key, (value, _) in self._held.items():
+                self._summary[key] = value
+            self._held.clear()
         figures = self.summary()
         if not figures:
             return
-        table = {"columns": ["figure", "value"], "data": [[key, figures[key]] for key in sorted(figures)]}
+        table = {"columns": ["section", "figure", "value"], "data": summary_rows(figures)}
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / SUMMARY_TABLE
             path.write_text(json.dumps(table, indent=1, allow_nan=False, default=str) + "\n")
             self._safe("log_table", self._client.log_artifact, self.run_id, str(path))
         self._safe("log_table", self._mark_table)
+        note = headline_note(figures, self._metric)
+        if note and not self._noted:
+            self._safe("set_tags", self._client.set_tag, self.run_id, NOTE_TAG, note)
 
     def _mark_table(self) -> None:
         """The tag by which the UI lists the artifact as a table (what `MlflowClient.log_table` sets)."""
@@ -298,10 +402,20 @@ class MlflowTracker:
     def set_tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
 
+        self._noted = self._noted or NOTE_TAG in tags
         self._safe("set_tags", self._client.log_batch, self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         self._safe("log_artifact", self._client.log_artifact, self.run_id, str(path), artifact_path)
+
+    def log_datasets(self, infos: Mapping[str, DatasetInfo]) -> None:
+        """The training and validation data as the run's inputs (the UI's Dataset column): `dataset_input` of each."""
+        from mlflow.entities import DatasetInput, InputTag
+
+        inputs = [DatasetInput(dataset_entity(info), [InputTag("mlflow.data.context", _CONTEXTS.get(split, split))])
+                  for split, info in infos.items()]
+        if inputs:
+            self._safe("log_inputs", self._client.log_inputs, self.run_id, datasets=inputs)
 
     def finish(self, status: str) -> None:
         """Write the summary table, then end the run with `status` (tried even while the store is down)."""
@@ -317,6 +431,26 @@ class MlflowTracker:
         except Exception:
             return None
         return runs[0].info.run_id if runs else None
+
+
+_CONTEXTS = {"train": "training", "val": "validation"}
+
+
+def dataset_entity(info: DatasetInfo) -> Any:
+    """An MLflow Dataset for the Parquet data `info` describes: named by its last two path parts (`digits/train`),
+    its URI as source, its columns as schema, its rows, bytes and files as profile; the digest (8 hex digits) of
+    the path, schema and row count tells two datasets apart in the UI."""
+    from mlflow.entities import Dataset
+
+    path = info.path.rstrip("/")
+    name = "/".join(path.split("/")[-2:])
+    columns = [{"name": f.name, "type": str(f.type)} for f in info.schema] if info.schema is not None else []
+    schema = json.dumps({"mlflow_colspec": columns})
+    digest = hashlib.sha256(f"{path}|{schema}|{info.num_rows}".encode()).hexdigest()[:8]
+    profile = json.dumps({"num_rows": info.num_rows, "num_bytes": info.num_bytes}
+                         | ({"num_files": len(info.files)} if info.files else {}))
+    return Dataset(name=name, digest=digest, source_type="s3" if path.startswith("s3://") else "local",
+                   source=json.dumps({"uri": path}), schema=schema, profile=profile)
 
 
 def is_outage(exc: BaseException) -> bool:
@@ -357,29 +491,79 @@ def closed_on_error(tracker: Tracker) -> Iterator[None]:
 
 
 def start_tracker(cfg: TrackingConfig, run_name: str, tags: dict[str, str] | None = None,
-                  run_id: str | None = None) -> Tracker:
-    return MlflowTracker(cfg, run_name, tags, run_id) if cfg.enabled else NullTracker()
+                  run_id: str | None = None, headline: str | None = None) -> Tracker:
+    return MlflowTracker(cfg, run_name, tags, run_id, headline) if cfg.enabled else NullTracker()
 
 
-UI_PORT = 5000
+UI_PORT = 5055  # `orchestrator ui`'s default (or the next free one): not 5000, which macOS's AirPlay takes
 _EXPERIMENT_OF: dict[str, str] = {}  # run id -> experiment id, for the runs this process tracked
+# MLflow 3 opens an experiment on its GenAI views unless asked for the training ones (the experiment's
+# `mlflow.experimentKind` tag does not change that in 3.17): every URL the product prints asks.
+TRAINING_VIEW = "workflowType=machine_learning"
 
 
-def ui_command(uri: str) -> str:
-    """The exact command that opens the MLflow UI on these results."""
+def ui_base(uri: str, port: int = UI_PORT) -> str:
+    """Where the UI for the store `uri` answers: the tracking server itself, else the local `orchestrator ui`."""
+    return uri.rstrip("/") if uri.startswith(("http://", "https://")) else f"http://127.0.0.1:{port}"
+
+
+def ui_command(uri: str, experiment: str | None = None) -> str:
+    """The command that opens the MLflow UI on these results, as a new shell runs it: this environment's own
+    `orchestrator ui` (its path when the environment is not on PATH), or the server's address."""
     if uri.startswith(("http://", "https://")):
         return f"open {uri}"
-    return f"mlflow ui --backend-store-uri {uri} --port {UI_PORT}   # then open http://127.0.0.1:{UI_PORT}"
+    command = f"{orchestrator_program()} ui --tracking-uri {shlex.quote(uri)}"
+    return command + (f" --experiment {shlex.quote(experiment)}" if experiment else "")
 
 
-def run_url(uri: str, run_id: str, experiment_id: str | None = None) -> str | None:
-    """The run's page in the MLflow UI: on the tracking server for an http(s) URI, else on the `mlflow ui` that
-    `ui_command` starts. None when the run's experiment is unknown (not tracked by this process nor given)."""
+def orchestrator_program() -> str:
+    """`orchestrator` as a new shell finds this installation: its path in this Python's bin directory (relative to
+    the working directory when below it), or the bare name where no such script exists."""
+    program = Path(sys.executable).parent / "orchestrator"
+    if not program.is_file():
+        return "orchestrator"
+    try:
+        return str(program.relative_to(Path.cwd()))
+    except ValueError:
+        return str(program)
+
+
+def experiment_url(uri: str, experiment_id: str, port: int = UI_PORT) -> str:
+    """The experiment's runs list in the UI, in its training view."""
+    return f"{ui_base(uri, port)}/#/experiments/{experiment_id}?{TRAINING_VIEW}"
+
+
+def run_url(uri: str, run_id: str, experiment_id: str | None = None, tab: str = "model-metrics",
+            port: int = UI_PORT) -> str | None:
+    """The run's page in the MLflow UI, on its `tab` (model-metrics: the charts, headline first; overview: the
+    description, params and datasets): on the tracking server for an http(s) URI, else on the one `orchestrator ui`
+    starts. None when the run's experiment is unknown (not tracked by this process nor given)."""
     experiment_id = experiment_id or _EXPERIMENT_OF.get(run_id)
     if not experiment_id:
         return None
-    base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else f"http://127.0.0.1:{UI_PORT}"
-    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
+    page = "" if tab == "overview" else f"/{tab}"
+    return f"{ui_base(uri, port)}/#/experiments/{experiment_id}/runs/{run_id}{page}?{TRAINING_VIEW}"
+
+
+def experiment_of(run_id: str) -> str | None:
+    """The experiment id of a run this process tracked."""
+    return _EXPERIMENT_OF.get(run_id)
+
+
+def short_run_name(config: Config, place_name: str) -> str:
+    """A run's MLflow name, short enough for the runs table and different between runs in its first 20
+    characters: the model, its learning rate and 4 hex digits of the run's directory name (`mlp-lr3e-3-0f2a`)."""
+    model = (config.model.entrypoint or config.model.name).split(":")[-1].split(".")[-1][:10]
+    tag = hashlib.sha1(place_name.encode()).hexdigest()[:4]
+    return f"{model}-lr{compact_number(config.optim.lr)}-{tag}"
+
+
+def compact_number(value: float) -> str:
+    """3e-3, 2.5e-4, 0.05, 1: a number in the fewest characters that keep 2 significant digits."""
+    if value != 0 and not 1e-2 <= abs(value) < 1e4:
+        mantissa, exponent = f"{value:.1e}".split("e")
+        return f"{mantissa.removesuffix('.0')}e{int(exponent)}"
+    return f"{value:.2g}"
 
 
 # Run context: MLflow's own tags for where a run came from (the UI's Source and User columns), set on new runs.
@@ -450,14 +634,18 @@ def model_defaults(model: ModelConfig) -> dict[str, Any]:
             and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)}
 
 
-def config_params(config: Config) -> dict[str, Any]:
+def config_params(config: Config, study: bool = False) -> dict[str, Any]:
     """The flattened resolved config, defaults included: the model's options from its builder's signature under
-    `model.*`, overridden by the config's (an option set to null means the builder's default)."""
+    `model.*`, overridden by the config's (an option set to null means the builder's default). Keys left null are
+    left out, and so is the `tune` section unless `study` (a study's parent run): the full config is the run's
+    `config.yaml`."""
     tree = to_dict(config)
     model = tree["model"]
     defaults = model_defaults(config.model)
     tree["model"] = {**model, **{key: value for key, value in defaults.items() if model.get(key) is None}}
-    return flatten(tree)
+    if not study:
+        tree.pop("tune", None)
+    return {key: value for key, value in flatten(tree).items() if value is not None}
 
 
 # Reading a run back (doctor, tests).
@@ -471,17 +659,21 @@ def read_summary(client: Any, run_id: str) -> dict[str, Any]:
             table = json.loads(Path(path).read_text())
     except Exception:  # no table: a run still going, or one from before the table existed
         return {}
-    return {str(row[0]): row[1] for row in table.get("data", [])}
+    columns = table.get("columns", [])
+    at = columns.index("figure") if "figure" in columns else 0
+    value = columns.index("value") if "value" in columns else 1
+    return {str(row[at]): row[value] for row in table.get("data", [])}
 
 
 def read_metrics(client: Any, run_id: str) -> dict[str, list[float]]:
-    """Every metric's values in step order, and each number of the summary table as a one-value history, all under
-    their MLflow keys: what `RunRecord.values(name)` looks up as `mlflow_key(name)`."""
+    """Every metric's values in step order (a headline chart's under its own MLflow key), and each number of the
+    summary table as a one-value history, all under their MLflow keys: what `RunRecord.values(name)` looks up as
+    `mlflow_key(name)`."""
     run = client.get_run(run_id)
     metrics, last_step = {}, None
     for key in run.data.metrics:
         history = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
-        metrics[key] = [m.value for m in history]
+        metrics[canonical_key(key)] = [m.value for m in history]
         last_step = max([last_step or 0, *(m.step for m in history)])
     for key, value in read_summary(client, run_id).items():
         if key not in metrics and isinstance(value, int | float) and not isinstance(value, bool):

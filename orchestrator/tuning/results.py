@@ -16,7 +16,7 @@ from orchestrator.config import Config, to_dict, to_yaml
 from orchestrator.cost import PARTS, PRODUCTIVE, build_ledger, resolve_pricing, study_metrics
 from orchestrator.plots import plot_lr_sweep, plot_trial_curves
 from orchestrator.runs import RunPlace
-from orchestrator.tracking import Tracker, run_url, ui_command
+from orchestrator.tracking import NOTE_TAG, Tracker, experiment_of, experiment_url, run_url, ui_command
 from orchestrator.tuning.search import TrialNamer, domains, peak_concurrency, short_keys, trial_config
 from orchestrator.tuning.trials import format_table, trial_status
 from pipelines.sources import DatasetInfo
@@ -166,23 +166,36 @@ def record(config: Config, tree: dict[str, Any], trials: list[TrialSummary], bes
     plots = [plot_lr_sweep(trials, keys, metric, out / "metric_vs_lr.png", categorical=listed),
              plot_trial_curves(trials, metric, out / "learning_curves.png")]
     tracker.log_artifact(best_path)
-    for plot in plots:
-        tracker.log_artifact(plot, "plots")
+    for plot in plots:  # top level: beside best.yaml, where the run's Artifacts tab opens
+        tracker.log_artifact(plot)
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "study.yaml").write_text(to_yaml(config))
         tracker.log_artifact(Path(tmp) / "study.yaml")
 
     cost = study_metrics([t.cost for t in trials if t.cost is not None])
-    tracker.log_metrics({f"best_{metric}": best.metric or 0.0,
-                         **{f"trials_{s}": sum(t.status == s for t in trials)
-                            for s in ("completed", "stopped", "error")}, **cost}, step=best.steps)
+    counts = {s: sum(t.status == s for t in trials) for s in ("completed", "stopped", "error")}
+    # Figures of the whole study: rows of the parent run's summary table (tracking.py), not one-point charts.
+    tracker.log_metrics({f"study/best_{metric}": best.metric or 0.0,
+                         **{f"study/trials_{s}": n for s, n in counts.items()}, **cost}, step=best.steps)
     tracker.set_tags({"orchestrator.best_trial": best.trial_id, "orchestrator.best_params": json.dumps(best.params),
-                      "orchestrator.best_config": str(best_path)})
+                      "orchestrator.best_config": str(best_path), NOTE_TAG: study_note(trials, best, metric, cost)})
     return TuneResult(
         config=trial_config(tree, best.params), best=best, trials=trials, metric=metric, mode=mode,
         best_config_path=str(best_path), study_path=study_path, parent_run_id=tracker.run_id,
         tracking_uri=getattr(tracker, "uri", None), resumed=resumed, rank_by=config.tune.rank_by, cost=cost,
     )
+
+
+def study_note(trials: list[TrialSummary], best: TrialSummary, metric: str, cost: dict[str, float]) -> str:
+    """The parent run's description: the best trial and its figure, how the trials ended, what the study cost."""
+    counts = {s: sum(t.status == s for t in trials) for s in ("completed", "stopped", "error")}
+    text = (f"Best trial {best.label}: {metric} {best.metric:.4g} at step {best.steps}. {len(trials)} trials: "
+            f"{counts['completed']} completed, {counts['stopped']} stopped early, {counts['error']} failed.")
+    if "cost/usd" in cost:
+        text += f" Cost ${cost['cost/usd']:.4f}."
+    elif "cost/node_hours" in cost:
+        text += f" {cost['cost/node_hours']:.4f} node-hours."
+    return text + " Each trial is a child run, named by its values; best.yaml trains the best one."
 
 
 def summary(result: TuneResult) -> str:
@@ -207,11 +220,15 @@ def summary(result: TuneResult) -> str:
              f"best config: {result.best_config_path}",
              f"train it: orchestrator train --config {result.best_config_path}"]
     if result.parent_run_id:
+        uri = result.tracking_uri or ""
         lines.append(f"MLflow parent run id: {result.parent_run_id}")
-        lines.append(f"open the MLflow UI: {ui_command(result.tracking_uri or '')}")
-        url = run_url(result.tracking_uri or "", result.parent_run_id)
+        lines.append(f"open the MLflow UI: {ui_command(uri, result.config.tracking.experiment)}")
+        experiment = experiment_of(result.parent_run_id)
+        if experiment:  # the runs list shows the parent with its trials nested under it
+            lines.append(f"the study's runs in the MLflow UI: {experiment_url(uri, experiment)}")
+        url = run_url(uri, result.parent_run_id, tab="overview")
         if url:
-            lines.append(f"this run in the MLflow UI: {url}")
+            lines.append(f"this study in the MLflow UI: {url}")
     return "\n".join(lines)
 
 

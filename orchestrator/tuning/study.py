@@ -329,7 +329,8 @@ def _start_study(config: Config, base: Config, tree: dict[str, Any], infos: dict
                             tags={"orchestrator.study": study, "orchestrator.role": "study"})
     if state is None:
         with closed_on_error(tracker):  # Ctrl+C or an error while the parent run is set up: never left RUNNING
-            tracker.log_params(config_params(config))
+            tracker.log_params(config_params(config, study=True))
+            tracker.log_datasets(infos)
             tracker.set_tags({"orchestrator.scheduler": config.tune.scheduler,
                               "orchestrator.searcher": config.tune.searcher,
                               "orchestrator.search_space": json.dumps(config.tune.space)})

@@ -107,10 +107,10 @@ class StudyCallback(Callback):
             existing = self._parent.find_run({"orchestrator.trial_id": trial.trial_id,
                                               "orchestrator.study": self.study})
             # Named by its searched values (study.py's trial names); the trial id is a tag.
-            run = MlflowTracker(self.tracking, str(trial), tags=tags, run_id=existing)
+            run = MlflowTracker(self.tracking, str(trial), tags=tags, run_id=existing, headline=self.metric)
             if existing is None:  # the trial's resolved config, model defaults included; the study's tune.* not
-                params = config_params(trial_config(self.tree, trial.config))
-                run.log_params({k: v for k, v in params.items() if k.split(".")[0] != "tune"})
+                run.log_params(config_params(trial_config(self.tree, trial.config)))
+                run.log_datasets(self.infos or {})
         except Exception as exc:  # tracking never stops the study
             print(f"warning: no MLflow run for trial {trial.trial_id}: {exc}", file=sys.stderr)
             return None

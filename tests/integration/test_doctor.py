@@ -102,8 +102,8 @@ def test_doctor_on_a_study_counts_trials_and_names_the_study_rules(
     pricing = Pricing(1, None, "1 node")
     ledgers = [Ledger(30.0, pricing, {"startup": 13.0, "compute": 1.0, "sync": 0.5, "eval": 4.0, "other": 8.0,
                                       "shutdown": 3.5}) for _ in range(4)]
-    parent.log_metrics({"best_val_accuracy": 0.97, "trials_completed": 3, "trials_stopped": 1, "trials_error": 0,
-                        **study_metrics(ledgers)}, step=300)
+    parent.log_metrics({"study/best_val_accuracy": 0.97, "study/trials_completed": 3, "study/trials_stopped": 1,
+                        "study/trials_error": 0, **study_metrics(ledgers)}, step=300)
     parent.set_tags({"orchestrator.best_params": json.dumps({"optim.lr": 0.0031, "optim.warmup_steps": 200})})
     parent.finish("FINISHED")
     assert parent.run_id is not None

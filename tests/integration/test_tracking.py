@@ -111,7 +111,7 @@ def test_tracking_server_dying_mid_run_warns_once_and_training_finishes(
             killed["logged"] = wait_for(lambda: (n := logged_steps(uri, "tracking")) >= 10 and n,
                                         "the reports up to step 50 logged", timeout=120)
             kill_group(server)
-            killed["at"] = time.monotonic()
+            killed["at"], killed["wall"] = time.monotonic(), time.time()
         finally:
             (hold / "release").touch()  # killed or not: training goes on, and the assertions below say which
 
@@ -147,8 +147,12 @@ def test_tracking_server_dying_mid_run_warns_once_and_training_finishes(
     assert f"this run in the MLflow UI: {uri}/#/experiments/" in summary(result)
     assert summary(result).splitlines()[-1].endswith(f"/runs/{result.run_id}")
     # ~25 reports and the final artifacts met a dead server: with the client's default retries each call would wait
-    # minutes; tracking.py's budget keeps the whole tail near the training time itself.
-    assert after_kill < 45, f"{after_kill:.0f} s after the server died: tracking calls stalled the run"
+    # minutes; tracking.py's budget keeps the whole tail near the training time itself. The training part of the
+    # tail (to the final checkpoint, written by the worker whatever the driver's tracking does) is what a loaded
+    # machine stretches, so only the rest is charged to tracking.
+    training = max(0.0, Path(result.checkpoint_path, "state.pt").stat().st_mtime - killed["wall"])
+    assert after_kill - training < 45, \
+        f"{after_kill:.0f} s after the server died, {training:.0f} s of it training: tracking calls stalled the run"
 
 
 # The final model as an MLflow Model (orchestrator/model_logging.py): loadable and registrable from the run.
@@ -257,14 +261,14 @@ def test_final_model_is_an_mlflow_model_that_loads_predicts_and_registers(
     # The other final artifacts are still there; the bare state dict is gone (the MLflow Model replaces it).
     client = MlflowClient(tracking_uri=result.tracking_uri)
     artifacts = {a.path for a in client.list_artifacts(result.run_id)}
-    assert {"config.yaml", "plots", "summary.json"} <= artifacts and "model" not in artifacts
+    assert {"config.yaml", "learning_curves.png", "summary.json"} <= artifacts and "model" not in artifacts
     mlrun = client.get_run(result.run_id)
     assert mlrun.info.status == "FINISHED"
     # The summary's last lines: how to open the UI, then this run's page in it (a SQLite store: the local UI's).
     *_, command, page = summary(result).splitlines()
-    assert command.startswith("open the MLflow UI: mlflow ui --backend-store-uri ")
-    assert page == (f"this run in the MLflow UI: http://127.0.0.1:5000/#/experiments/{mlrun.info.experiment_id}/runs/"
-                    f"{result.run_id}")
+    assert command.startswith("open the MLflow UI: ") and " ui --tracking-uri " in command
+    assert page == (f"this run in the MLflow UI: http://127.0.0.1:5055/#/experiments/{mlrun.info.experiment_id}/runs/"
+                    f"{result.run_id}/model-metrics?workflowType=machine_learning")
 
 
 def test_named_inputs_are_logged_with_a_dict_signature(tmp_path: Path, digits_dir: str,

@@ -18,7 +18,7 @@ from orchestrator import load_config, train, tune
 from orchestrator.config import Config
 from orchestrator.console import LOG_FILE
 from orchestrator.errors import ConfigError
-from orchestrator.tracking import mlflow_key
+from orchestrator.tracking import read_summary
 from orchestrator.tuning.results import TuneResult
 from orchestrator.tuning.search import TrialNamer, peak_concurrency
 
@@ -123,7 +123,7 @@ def test_the_terminal_shows_the_product_lines_and_ray_goes_to_the_log(study: tup
     names = tuple(f"{n} " for t in result.trials for n in (t.trial_id, t.name))
     product = re.compile(r"^(starting study |Ray and MLflow logs: |\[\d+:\d\d\] digits-t-tune: |trial |study |"
                          r"best trial |best config: |train it: |MLflow parent run id: |open the MLflow UI: |"
-                         r"this run in the MLflow UI: |warning: )")
+                         r"the study.s runs in the MLflow UI: |this study in the MLflow UI: |warning: )")
     lines = (stdout + stderr).splitlines()
     foreign = [line for line in lines if line.strip() and not product.match(line) and not line.startswith(names)]
     assert len(foreign) <= 3, "\n".join(foreign)
@@ -141,10 +141,12 @@ def test_mlflow_parent_and_child_runs_all_end(study: tuple[TuneResult, Path]) ->
     assert parent.info.status == "FINISHED"
     assert parent.data.tags["orchestrator.best_trial"] == result.best.trial_id
     assert parent.data.params["tune.space.optim.lr.loguniform"] == "[0.0001, 0.1]"
-    assert parent.data.metrics["best_val_accuracy"] == pytest.approx(result.best.metric)
-    assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {"best.yaml", "plots", "study.yaml"}
-    assert {a.path for a in client.list_artifacts(parent.info.run_id, "plots")} == {
-        "plots/metric_vs_lr.png", "plots/learning_curves.png"}
+    table = read_summary(client, parent.info.run_id)
+    assert table["study/best_val_accuracy"] == pytest.approx(result.best.metric, rel=1e-3)  # 4 digits
+    assert not parent.data.metrics  # run-level figures only: the summary table and the description
+    assert result.best.label in parent.data.tags["mlflow.note.content"]
+    assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {
+        "best.yaml", "study.yaml", "metric_vs_lr.png", "learning_curves.png", "summary.json"}
 
     experiment = client.get_experiment_by_name("tune-tests").experiment_id
     children = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{result.parent_run_id}'")
@@ -155,7 +157,7 @@ def test_mlflow_parent_and_child_runs_all_end(study: tuple[TuneResult, Path]) ->
         assert run.info.status == "FINISHED"  # never left RUNNING, even when ASHA killed the trial's actor
         assert run.data.tags["orchestrator.stop_reason"] == ("max_steps" if t.status == "completed" else "asha")
         assert float(run.data.params["optim.lr"]) == pytest.approx(t.params["optim.lr"])
-        steps = [m.step for m in client.get_metric_history(run.info.run_id, mlflow_key("val_accuracy"))]
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, "headline/val_accuracy")]
         assert steps == list(range(10, t.steps + 1, 10))
         assert run.info.run_name == t.name and "model.hidden" in run.data.params  # named by its values; defaults
         assert not {"step", "train/step"} & set(run.data.metrics)  # no constants charted
@@ -172,15 +174,15 @@ def test_every_trial_and_the_study_have_a_cost(study: tuple[TuneResult, Path],
     usds = [t.usd for t in result.trials]
     assert all(u is not None and u > 0 for u in usds)
     client = MlflowClient(result.tracking_uri)
-    parent = client.get_run(result.parent_run_id).data.metrics
-    assert parent["cost/usd"] == pytest.approx(sum(usds))  # type: ignore[arg-type]
+    parent = read_summary(client, result.parent_run_id)  # run-level figures: rows of its summary table
+    assert parent["cost/usd"] == pytest.approx(sum(usds), rel=1e-3)  # type: ignore[arg-type]  # 4 digits
     assert 0 < parent["cost/productive_frac"] < 1
     # The summary's cost line names the productive share and what took the rest, largest first.
     line = next(x for x in study_cli[1].splitlines() if x.startswith("study cost: "))
     assert re.search(r"over 4 trials, [\d.]+ node-hours \| productive [\d.]+% \| start-up [\d.]+%", line), line
     experiment = client.get_experiment_by_name("tune-tests").experiment_id
     children = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{result.parent_run_id}'")
-    assert all(r.data.metrics.get("cost/usd", 0) > 0 for r in children)
+    assert all(read_summary(client, r.info.run_id).get("cost/usd", 0) > 0 for r in children)
 
 
 def test_best_yaml_validates_and_trains(study: tuple[TuneResult, Path]) -> None:

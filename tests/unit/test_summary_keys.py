@@ -17,7 +17,7 @@ from orchestrator.cost import Pricing, build_ledger
 from orchestrator.launch import run_summary
 from orchestrator.models import build_model
 from orchestrator.startup import STAGES, StartupClock
-from orchestrator.tracking import logged_as, mlflow_key
+from orchestrator.tracking import chart_key, logged_as, mlflow_key
 from orchestrator.training.loop import run
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts
@@ -157,7 +157,8 @@ def test_the_run_reports_what_the_list_covers(reported: set[str]) -> None:
 def test_what_is_charted_and_what_is_summarised_is_what_the_readme_says(reported: set[str]) -> None:
     wrong = []
     for key in sorted(reported):
-        charted, summarised = _matches(CHARTED, key), _matches(SUMMARISED, key)
+        # A charted key as the UI shows it: the loss, the validation metric and samples/s in the headline section.
+        charted, summarised = _matches(CHARTED, chart_key(key, "val_accuracy")), _matches(SUMMARISED, key)
         where = logged_as(key)
         if not (charted or summarised):
             # Not in the README: only the driver's bookkeeping may go unlogged (`at/*`, `elapsed_s`, ...).

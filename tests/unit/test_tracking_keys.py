@@ -1,6 +1,7 @@
-"""What an MLflow run holds, without Ray: the loop's names under namespaced keys, constants in the summary table
-instead of charted, the resolved config with the model's defaults as params, where the run came from as tags, the
-experiment's kind, and the run's page in the UI. One real SQLite store, written and read back through MlflowClient."""
+"""What an MLflow run holds, without Ray: the loop's names under namespaced keys (the headline three in their own
+section), constants and run-level figures in the summary table instead of charted, the resolved config with the
+model's defaults as params, where the run came from as tags, the experiment's kind, and the run's page in the UI. One
+real SQLite store, written and read back through MlflowClient."""
 
 from __future__ import annotations
 
@@ -58,11 +59,13 @@ def test_the_loops_names_map_to_namespaced_keys_and_mapping_a_key_again_keeps_it
 def test_constants_are_not_charted() -> None:
     for name in CONSTANTS:
         assert logged_as(mlflow_key(name)) != "metric", name
-    for name in ("startup/total_s", "cost/wall_s", "cost/startup_frac", "summary/time/compute_frac", "at/loop"):
+    # Run-level figures (once per run) are rows of the summary table, never one-point charts.
+    for name in ("startup/total_s", "cost/wall_s", "cost/startup_frac", "summary/time/compute_frac", "at/loop",
+                 "summary/samples_per_s", "summary/val_accuracy", "cost/usd", "cost/productive_frac",
+                 "study/best_val_accuracy", "study/trials_completed"):
         assert logged_as(mlflow_key(name)) != "metric", name
     for name in ("train_loss", "val_accuracy", "samples_per_s", "time/data_wait_frac", "system/vm/cpu_percent",
-                 "memory/allocated_gb", "summary/samples_per_s", "summary/val_accuracy", "cost/usd",
-                 "cost/productive_frac", "best_val_accuracy"):
+                 "memory/allocated_gb"):
         assert logged_as(mlflow_key(name)) == "metric", name
 
 
@@ -73,42 +76,51 @@ def test_a_run_holds_short_metrics_a_summary_table_params_and_tags(tmp_path: Pat
     monkeypatch.chdir(tmp_path)  # not a git checkout: no commit tag, and no error
     uri = f"sqlite:///{tmp_path}/mlruns.db"
     config = load_config(None, [f"tracking.uri={uri}", "tracking.experiment=keys"])
-    tracker = MlflowTracker(config.tracking, "keys-run")
+    tracker = MlflowTracker(config.tracking, "keys-run", headline=config.tune.metric)
     tracker.log_params(config_params(config))
     tracker.log_metrics({"startup/total_s": 9.5, "startup/command_s": 1.0}, step=25)
     tracker.log_metrics(FIRST_REPORT, step=25)
-    tracker.log_metrics({**FIRST_REPORT, "step": 50, "train_loss": 1.2, "val_loss": 0.5, "val_accuracy": 0.9,
-                         "worker_pid": 4343}, step=50)
+    # The series change from report to report (the facts do not); validation comes at steps 50 and 75.
+    later = {"lr": 2e-3, "grad_norm": 0.7, "samples_per_s": 6500.0, "time/compute_frac": 0.65,
+             "time/data_wait_frac": 0.05, "data_wait_frac": 0.05, "system/vm/cpu_percent": 55.0}
+    tracker.log_metrics({**FIRST_REPORT, **later, "step": 50, "train_loss": 1.2, "val_loss": 0.5,
+                         "val_accuracy": 0.9, "worker_pid": 4343}, step=50)
+    tracker.log_metrics({**FIRST_REPORT, **later, "step": 75, "train_loss": 1.1, "val_loss": 0.4,
+                         "val_accuracy": 0.92, "lr": 1e-3, "worker_pid": 4343}, step=75)
     tracker.log_metrics({"summary/samples_per_s": 6000.0, "summary/time/data_wait_frac": 0.1,
                          "summary/val_accuracy": 0.9, "cost/wall_s": 20.0, "cost/productive_frac": 0.4,
-                         "cost/startup_frac": 0.45, "train_loss": float("nan")}, step=50)
+                         "cost/startup_frac": 0.45, "train_loss": float("nan")}, step=75)
     tracker.finish("FINISHED")
 
     client = MlflowClient(uri)
     run = client.get_run(tracker.run_id)
     metrics = run.data.metrics
-    assert {"train/loss", "train/lr", "train/grad_norm", "val/loss", "val/accuracy", "perf/samples_per_s",
-            "perf/data_wait_frac", "time/compute_frac", "system/vm/cpu_percent", "final/perf/samples_per_s",
-            "final/val/accuracy", "cost/productive_frac"} <= set(metrics)
+    assert {"headline/train_loss", "train/lr", "train/grad_norm", "val/loss", "headline/val_accuracy",
+            "headline/samples_per_s", "perf/data_wait_frac", "time/compute_frac", "system/vm/cpu_percent"} <= set(
+        metrics)
     assert not [k for k in metrics if "/" not in k], metrics  # every key in a section
     charted_constants = {mlflow_key(name) for name in CONSTANTS} | set(CONSTANTS) | {"time/data_wait_frac"}
     assert not charted_constants & set(metrics)
-    assert not [k for k in metrics if k.startswith(("startup/", "device/", "summary/", "at/"))]
-    assert [m.step for m in client.get_metric_history(tracker.run_id, "train/loss")] == [25, 50]  # nan skipped
+    # Run-level figures and series that never changed (comm bytes per sample, an idle phase) are not charted.
+    assert not [k for k in metrics if k.startswith(("startup/", "device/", "summary/", "at/", "final/", "cost/"))]
+    assert not {"perf/comm_bytes_per_sample", "time/eval_frac", "system/vm/memory_used_gb"} & set(metrics)
+    assert [m.step for m in client.get_metric_history(tracker.run_id, "headline/train_loss")] == [25, 50, 75]
 
     summary = read_summary(client, tracker.run_id)
     assert summary["train/worker_pid"] == 4343 and summary["train/precision"] == "bf16"  # the last value
     assert summary["perf/flops_per_sample"] == 1.2e5 and summary["startup/total_s"] == 9.5
     assert summary["final/perf/samples_per_s"] == 6000.0 and summary["cost/productive_frac"] == 0.4
-    assert summary["train/step"] == 50 and "world_rank" not in summary and "elapsed_s" not in summary
+    assert summary["perf/comm_bytes_per_sample"] == 400.0 and summary["time/eval_frac"] == 0.0
+    assert summary["train/step"] == 75 and "world_rank" not in summary and "elapsed_s" not in summary
     logged = json.loads(run.data.tags["mlflow.loggedArtifacts"])
     assert {"path": "summary.json", "type": "table"} in logged  # the UI lists it as a table
     table = json.loads(Path(client.download_artifacts(tracker.run_id, "summary.json", str(tmp_path))).read_text())
-    assert table["columns"] == ["figure", "value"] and len(table["data"]) == len(summary)  # log_table's format
-    # What doctor reads: histories of metrics, and the table's numbers as one-value histories.
+    assert table["columns"] == ["section", "figure", "value"] and len(table["data"]) == len(summary)
+    # What doctor reads: histories of metrics (under their own keys), and the table's numbers as one-value ones.
     histories = read_metrics(client, tracker.run_id)
-    assert histories[mlflow_key("train_loss")] == [1.7, 1.2] and histories[mlflow_key("flops_per_sample")] == [1.2e5]
-    assert histories[mlflow_key("summary/time/data_wait_frac")] == [0.1] and histories[mlflow_key("step")] == [50]
+    assert histories[mlflow_key("train_loss")] == [1.7, 1.2, 1.1]
+    assert histories[mlflow_key("flops_per_sample")] == [1.2e5]
+    assert histories[mlflow_key("summary/time/data_wait_frac")] == [0.1] and histories[mlflow_key("step")] == [75]
 
     params = run.data.params
     assert params["model.hidden"] == "[256, 256]" and params["model.dropout"] == "0.0"  # the builder's defaults
@@ -118,18 +130,20 @@ def test_a_run_holds_short_metrics_a_summary_table_params_and_tags(tmp_path: Pat
     assert tags["mlflow.source.type"] == "LOCAL" and tags["mlflow.source.name"] and tags["mlflow.user"]
     assert "mlflow.source.git.commit" not in tags
     assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
-    assert run_url(uri, tracker.run_id) == (f"http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/"
-                                            f"{tracker.run_id}")
+    assert run_url(uri, tracker.run_id) == (f"http://127.0.0.1:5055/#/experiments/{run.info.experiment_id}/runs/"
+                                            f"{tracker.run_id}/model-metrics?workflowType=machine_learning")
 
     # Reopened (a resume): the table is replaced, not appended to; an experiment made elsewhere gets its kind.
-    again = MlflowTracker(config.tracking, "keys-run", run_id=tracker.run_id)
-    again.log_metrics({"startup/total_s": 7.0, "train_loss": 1.0, "step": 60}, step=60)
-    assert read_metrics(client, tracker.run_id)[mlflow_key("step")] == [50]  # until the run ends: the last table's
+    again = MlflowTracker(config.tracking, "keys-run", run_id=tracker.run_id, headline=config.tune.metric)
+    again.log_metrics({"startup/total_s": 7.0, "train_loss": 1.0, "step": 90}, step=90)
+    assert read_metrics(client, tracker.run_id)[mlflow_key("step")] == [75]  # until the run ends: the last table's
+    assert read_metrics(client, tracker.run_id)["train/loss"][-1] == 1.0  # charted before: charted at once
     again.finish("FINISHED")
-    assert read_summary(client, tracker.run_id) == {"startup/total_s": 7.0, "train/step": 60}
+    assert read_summary(client, tracker.run_id) == {"startup/total_s": 7.0, "train/step": 90}
     going = MlflowTracker(config.tracking, "still-going")
     going.log_metrics({"train_loss": 1.0, "step": 30, "flops_per_sample": 1.0}, step=30)
-    assert read_metrics(client, going.run_id) == {"train/loss": [1.0], "train/step": [30.0]}  # no table yet
+    going.log_metrics({"train_loss": 0.9, "step": 40}, step=40)
+    assert read_metrics(client, going.run_id) == {"train/loss": [1.0, 0.9], "train/step": [40.0]}  # no table yet
     other = client.create_experiment("made-elsewhere")
     MlflowTracker(TrackingConfig(uri=uri, experiment="made-elsewhere"), "x").finish("FINISHED")
     assert client.get_experiment(other).tags["mlflow.experimentKind"] == "custom_model_development"
@@ -151,8 +165,10 @@ def test_source_tags_and_the_run_url() -> None:
     assert source_name(["/home/me/train_script.py", "--fast"]) == "/home/me/train_script.py"
     assert source_type({}) == "LOCAL"
     assert source_type({"RAY_JOB_CONFIG_JSON_ENV_VAR": "{}"}) == "JOB"  # a dict: no Ray variable is set
-    assert run_url("http://mlflow.internal:5000/", "abc", "7") == "http://mlflow.internal:5000/#/experiments/7/runs/abc"
-    assert run_url("sqlite:////tmp/m.db", "abc", "7") == "http://127.0.0.1:5000/#/experiments/7/runs/abc"
+    assert run_url("http://mlflow.internal:5000/", "abc", "7", tab="overview") == (
+        "http://mlflow.internal:5000/#/experiments/7/runs/abc?workflowType=machine_learning")
+    assert run_url("sqlite:////tmp/m.db", "abc", "7") == (
+        "http://127.0.0.1:5055/#/experiments/7/runs/abc/model-metrics?workflowType=machine_learning")
     assert run_url("sqlite:////tmp/m.db", "never-tracked-here") is None
 
 

@@ -1,0 +1,136 @@
+"""What a user sees of a run in the MLflow UI, without Ray: the headline charts (loss, the task's validation metric,
+samples/s) in the section that sorts first, run-level figures in a rounded, grouped summary table and the run's
+description instead of single-point metrics, constants kept out of the charts by their values, params without
+nulls or the study's keys, the datasets as run inputs, short run names, and URLs that open the training view.
+One real SQLite store, read back through MlflowClient."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.config import load_config
+from orchestrator.tracking import (
+    HEADLINE,
+    MlflowTracker,
+    config_params,
+    experiment_url,
+    read_metrics,
+    read_summary,
+    run_url,
+    short_run_name,
+    ui_command,
+)
+from pipelines.datasets import inspect_datasets
+
+NOTE = "mlflow.note.content"
+
+
+@pytest.fixture()
+def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.chdir(tmp_path)
+    return f"sqlite:///{tmp_path}/mlruns.db"
+
+
+def _reports(steps: int = 4) -> list[dict[str, float]]:
+    """What rank 0 reports on a 5-class run of one worker: comm bytes 0 and top-5 accuracy 1.0 every time."""
+    return [{"step": 10 * (i + 1), "train_loss": 2.0 / (i + 1), "lr": 1e-3 * (i + 1), "samples_per_s": 900.0 + i,
+             "comm_bytes_per_sample": 0.0, "val_loss": 1.5 / (i + 1), "val_accuracy": 0.5 + 0.1 * i,
+             "val_top5_accuracy": 1.0, "world_size": 1} for i in range(steps)]
+
+
+def test_charts_hold_the_series_that_change_and_the_headline_sorts_first(store: str) -> None:
+    from mlflow.tracking import MlflowClient
+
+    config = load_config(None, [f"tracking.uri={store}", "tracking.experiment=view"])
+    tracker = MlflowTracker(config.tracking, "view", headline=config.tune.metric)
+    for report in _reports():
+        tracker.log_metrics(report, step=int(report["step"]))
+    tracker.log_metrics({"summary/samples_per_s": 912.345678, "summary/val_accuracy": 0.8, "cost/wall_s": 20.123456,
+                         "cost/productive_frac": 0.41234567, "startup/total_s": 9.87654321}, step=40)
+    tracker.finish("FINISHED")
+
+    client = MlflowClient(store)
+    run = client.get_run(tracker.run_id)
+    metrics = set(run.data.metrics)
+    # The three a user looks for first, in the one section that sorts before every other.
+    headline = {f"{HEADLINE}train_loss", f"{HEADLINE}val_accuracy", f"{HEADLINE}samples_per_s"}
+    assert headline <= metrics
+    assert sorted(k.split("/")[0] for k in metrics)[:3] == [HEADLINE.rstrip("/")] * 3
+    assert "train/lr" in metrics and "val/loss" in metrics
+    # No single-point run-level figure and no constant is charted.
+    assert not [k for k in metrics if k.startswith(("final/", "cost/", "startup/"))], metrics
+    assert not {"perf/comm_bytes_per_sample", "val/top5_accuracy", "train/world_size"} & metrics
+    history = client.get_metric_history(tracker.run_id, f"{HEADLINE}val_accuracy")
+    assert [m.step for m in history] == [10, 20, 30, 40]  # every point, none held back
+    # Constants and run-level figures are rows of the summary table, rounded to 4 significant digits.
+    table = read_summary(client, tracker.run_id)
+    assert table["perf/comm_bytes_per_sample"] == 0.0 and table["val/top5_accuracy"] == 1.0
+    assert table["final/perf/samples_per_s"] == 912.3 and table["cost/productive_frac"] == 0.4123
+    assert table["startup/total_s"] == 9.877
+    raw = json.loads(Path(client.download_artifacts(tracker.run_id, "summary.json", ".")).read_text())
+    assert raw["columns"] == ["section", "figure", "value"]
+    sections = [row[0] for row in raw["data"]]
+    assert sections[:2] == ["final", "final"] and sections == sorted(sections, key=sections.index)  # grouped
+    # Readers see one key per figure, whatever section charts it.
+    assert read_metrics(client, tracker.run_id)["train/loss"] == [2.0, 1.0, 2.0 / 3, 0.5]
+    # The description: the headline figures in one short paragraph.
+    note = run.data.tags[NOTE]
+    assert "val_accuracy 0.8" in note and "912 samples/s" in note and "start-up 9.9 s" in note
+    assert "productive 41%" in note and len(note) < 400 and "\n" not in note
+
+
+def test_params_leave_out_nulls_and_the_study_on_a_train_run() -> None:
+    config = load_config(None, [])
+    params = config_params(config)
+    assert params and all(value is not None for value in params.values())
+    assert not [k for k in params if k.startswith("tune.")]
+    assert config_params(config, study=True)["tune.num_samples"] == config.tune.num_samples
+
+
+def test_the_datasets_are_run_inputs(store: str, digits_dir: str) -> None:
+    from mlflow.tracking import MlflowClient
+
+    config = load_config(None, [f"tracking.uri={store}", f"data.train={digits_dir}/train",
+                                f"data.val={digits_dir}/val"])
+    infos = inspect_datasets(config.data)
+    tracker = MlflowTracker(config.tracking, "inputs")
+    tracker.log_datasets(infos)
+    tracker.finish("FINISHED")
+    inputs = MlflowClient(store).get_run(tracker.run_id).inputs.dataset_inputs
+    found = {i.tags[0].value: i.dataset for i in inputs}
+    assert set(found) == {"training", "validation"}
+    train = found["training"]
+    assert json.loads(train.profile)["num_rows"] == infos["train"].num_rows
+    assert json.loads(train.source)["uri"] == infos["train"].path and train.source_type == "local"
+    columns = [c["name"] for c in json.loads(train.schema)["mlflow_colspec"]]
+    assert columns == infos["train"].schema.names
+    assert len(train.digest) == 8 and train.digest != found["validation"].digest
+
+
+def test_run_names_are_short_and_differ_early() -> None:
+    a = short_run_name(load_config(None, ["optim.lr=3e-3"]), "digits-mlp-20261202-003110")
+    b = short_run_name(load_config(None, ["optim.lr=3e-3"]), "digits-mlp-20261202-003245")
+    assert a.startswith("mlp-lr3e-3-") and len(a) <= 20 and a[:20] != b[:20]
+    assert short_run_name(load_config(None, ["optim.lr=2.5e-4"]), "x").startswith("mlp-lr2.5e-4-")
+    assert short_run_name(load_config(None, ["optim.lr=0.05"]), "x").startswith("mlp-lr0.05-")
+
+
+def test_urls_open_the_training_view_on_the_ui_the_product_starts(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path}/m.db"
+    url = run_url(uri, "abc", "7")
+    assert url is not None and ":5000" not in url
+    assert url.endswith("/#/experiments/7/runs/abc/model-metrics?workflowType=machine_learning")
+    assert experiment_url(uri, "7").endswith("/#/experiments/7?workflowType=machine_learning")
+    assert run_url("http://mlflow.internal:5000/", "abc", "7") == (
+        "http://mlflow.internal:5000/#/experiments/7/runs/abc/model-metrics?workflowType=machine_learning")
+    # A command that works in a new shell: the venv's own `orchestrator ui`, not `mlflow` from PATH.
+    command = ui_command(uri)
+    program = command.split()[0]
+    assert command.split()[1:4] == ["ui", "--tracking-uri", uri]
+    assert ui_command(uri, "digits").endswith(" --experiment digits")
+    assert Path(program).name == "orchestrator" and Path(os.path.abspath(program)).parent == Path(sys.executable).parent
