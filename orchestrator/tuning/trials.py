@@ -64,19 +64,21 @@ def _short(value: Any) -> str:
 class StudyCallback(Callback):
     """Child runs (tag mlflow.parentRunId: the UI nests them under the study's parent run) with params and step
     metrics (under the tracker's MLflow keys; the trial's cost and other facts in its summary table), closed with a
-    terminal status and an `orchestrator.stop_reason` tag; prints the trial table on every status change and every
-    `table_every_s`."""
+    terminal status and an `orchestrator.stop_reason` tag. On a terminal, one table of the trials (named by their
+    values) redrawn in place on every status change and at most every `table_every_s`; on a pipe or a log (`live`
+    false), one line per trial that ends. The study's summary prints the final table once."""
 
     def __init__(self, study: str, tree: dict[str, Any], keys: list[str], metric: str, max_steps: int,
                  tracking: TrackingConfig | None, parent_run_id: str | None, verbose: bool = True,
-                 table_every_s: float = 30.0, infos: dict[str, DatasetInfo] | None = None) -> None:
+                 table_every_s: float = 2.0, infos: dict[str, DatasetInfo] | None = None,
+                 live: bool | None = None) -> None:
         self.study, self.tree, self.keys, self.metric, self.max_steps = study, tree, keys, metric, max_steps
         # What pricing a trial needs of the data (None: no cost ledger). Only the sizes: the callback is pickled
         # into the study's saved state, which has no use for shard lists or storage handles.
         self.infos = None if infos is None else {
             split: replace(info, files=[], storage=None, objects=[], file_rows=[]) for split, info in infos.items()}
         self.tracking, self.parent_run_id = tracking, parent_run_id
-        self.verbose, self.table_every_s = verbose, table_every_s
+        self.verbose, self.table_every_s, self.live = verbose, table_every_s, live
         self._runtime()
 
     def _runtime(self) -> None:
@@ -85,6 +87,7 @@ class StudyCallback(Callback):
         self._parent: MlflowTracker | None = None
         self._printed = 0.0
         self._started = time.monotonic()
+        self._drawn = 0  # lines of the table on the terminal now, redrawn over
 
     # Tune pickles its callbacks with the study (for Tuner.restore): keep settings, drop clients and open runs.
     def __getstate__(self) -> dict[str, Any]:
@@ -162,10 +165,12 @@ class StudyCallback(Callback):
 
     def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         self._close(trial, errored=False)
+        self._ended(trial, errored=False)
         self._table(trials, force=True)
 
     def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         self._close(trial, errored=True)
+        self._ended(trial, errored=True)
         self._table(trials, force=True)
 
     def on_experiment_end(self, trials: list[Any], **info: Any) -> None:
@@ -175,23 +180,40 @@ class StudyCallback(Callback):
             run.finish("KILLED")
 
     def rows(self, trials: list[Any]) -> list[dict[str, Any]]:
+        """One row per trial, named by its searched values (its Tune trial name), as the final table names it."""
         rows = []
         for trial in trials:
             last = trial.last_result or {}
             status = ("pending" if trial.status == "PENDING" else
                       trial_status(last, self.max_steps, errored=trial.status == "ERROR"))
-            rows.append({"trial_id": trial.trial_id, "status": status, "params": trial.config,
+            rows.append({"trial_id": str(trial), "status": status, "params": trial.config,
                          "step": last.get("step"), "metric": last.get(self.metric)})
         return rows
 
+    def _live(self) -> bool:
+        return sys.stdout.isatty() if self.live is None else self.live
+
+    def _ended(self, trial: Any, errored: bool) -> None:
+        """Off a terminal: the one line a trial's end gets (the table comes once, in the study's summary)."""
+        if not self.verbose or self._live():
+            return
+        last = trial.last_result or {}
+        status = trial_status(last, self.max_steps, errored)
+        value = last.get(self.metric)
+        figure = f", {self.metric} {value:.4f}" if isinstance(value, int | float) else ""
+        print(f"trial {trial} {status} at step {last.get('step', 0)}{figure}", flush=True)
+
     def _table(self, trials: list[Any], force: bool = False) -> None:
+        """On a terminal: the trial table, drawn over the one before (cursor up its lines, clear to the end)."""
         now = time.monotonic()
-        if not self.verbose or (not force and now - self._printed < self.table_every_s):
+        if not self.verbose or not self._live() or (not force and now - self._printed < self.table_every_s):
             return
         self._printed = now
         rows = self.rows(trials)
         counts = {s: sum(r["status"] == s for r in rows) for s in ("running", "completed", "stopped", "error")}
         elapsed = int(now - self._started)
-        print(f"\n[{elapsed // 60}:{elapsed % 60:02d}] {self.study}: "
-              + ", ".join(f"{n} {s}" for s, n in counts.items()), flush=True)
-        print(format_table(rows, self.keys, self.metric), flush=True)
+        text = (f"[{elapsed // 60}:{elapsed % 60:02d}] {self.study}: "
+                + ", ".join(f"{n} {s}" for s, n in counts.items()) + "\n" + format_table(rows, self.keys, self.metric))
+        over = f"\x1b[{self._drawn}F\x1b[J" if self._drawn else ""
+        print(over + text, flush=True)
+        self._drawn = text.count("\n") + 1
