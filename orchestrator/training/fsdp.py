@@ -210,21 +210,8 @@ def async_save_sharded(path: str | Path, model: nn.Module, optimizer: torch.opti
     """`save_sharded` in a background thread. The state is first copied to CPU memory (before this returns), so
     training may go on changing the parameters; `.result()` on the returned future waits for the files. Pass a
     `checkpoint_group()`; call `.result()` before the next save and before the process ends."""
-    # DCP's default stager copies device tensors to CPU but keeps tensors already on the CPU by reference (all of
-    # them on a CPU run; the optimizers' step counters on GPU): those are copied here, or later steps leak in.
-    state = _copy_cpu_tensors(_to_save(model, optimizer, extra))
-    future = dcp.async_save(state, checkpoint_id=str(path), process_group=group)
-    return future  # type: ignore[return-value]
-
-
-def _copy_cpu_tensors(tree: Any) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().clone() if tree.device.type == "cpu" else tree
-    if isinstance(tree, dict):
-        return {k: _copy_cpu_tensors(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_copy_cpu_tensors(v) for v in tree]
-    return tree
+    return dcp.async_save(_to_save(model, optimizer, extra), checkpoint_id=str(path),  # type: ignore[return-value]
+                          process_group=group)
 
 
 def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
@@ -268,8 +255,9 @@ def _live(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> s
 
 
 def _unaliased(tree: Any, live: set[int]) -> Any:
-    """`tree` with every tensor that shares memory with the training state copied. On one CPU rank the gathered
-    "full" state is the live shard itself (the gather and the CPU offload are no-ops), which later steps change."""
+    """`tree` with every tensor that shares memory with the training state copied. torch 2.13's full state dict
+    hands back plain tensors as they are (the optimizer's step counters at any world size; every tensor on one CPU
+    rank, where the gather and the CPU offload are no-ops): later steps would change the "copy"."""
     if isinstance(tree, torch.Tensor):
         return tree.clone() if tree.numel() and tree.data_ptr() in live else tree
     if isinstance(tree, dict):
