@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,8 +34,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from orchestrator.errors import ConfigError
-
-Mode = Literal["bf16", "fp16", "fp32"]
+from orchestrator.training.precision import Mode
 
 # Block classes of built-in models that do not name their own (`_no_split_modules`): qualified class name -> blocks.
 BUILTIN_BLOCKS: dict[str, tuple[str, ...]] = {"orchestrator.models.GPT": ("Block",)}
