@@ -165,7 +165,7 @@ def headline_note(figures: Mapping[str, Any], metric: str | None = None) -> str:
     val = {k.removeprefix("final/val/"): v for k, v in figures.items() if k.startswith("final/val/")}
     head = (metric or "").removeprefix("val_")
     if val:
-        names = sorted(val, key=lambda n: (n != head, n != "loss", n))[:3]
+        names = sorted(val, key=lambda n: (n != head, n != "loss", n))[:2]
         text = ", ".join(f"val_{n} {rounded(float(val[n])):.4g}" for n in names)
         step = figures.get("train/step")
         parts.append(text + (f" at step {int(step)}" if isinstance(step, int | float) else ""))
@@ -176,7 +176,8 @@ def headline_note(figures: Mapping[str, Any], metric: str | None = None) -> str:
     if isinstance(figures.get("cost/wall_s"), int | float):
         wall = f"{figures['cost/wall_s']:.0f} s wall clock"
         if isinstance(figures.get("cost/productive_frac"), int | float):
-            wall += f", productive {figures['cost/productive_frac']:.0%}"
+            share = figures["cost/productive_frac"]
+            wall += f", productive {share:.0%}" if share >= 0.1 else f", productive {share:.1%}"
         parts.append(wall)
     if isinstance(figures.get("cost/usd"), int | float):
         parts.append(f"${figures['cost/usd']:.4f}")

@@ -1,0 +1,164 @@
+"""The MLflow UI a user opens after `orchestrator train`, in a real browser: a short real run into a SQLite store,
+`orchestrator ui` started on it (a free port), and the URLs the product printed loaded in headless Chromium at
+1600x1200 with a fresh profile. From the rendered DOM: the experiment opens on its training-runs list (not the GenAI
+overview), the run's first charts are the loss, the validation metric and samples/s, and its Overview holds the
+description. Screenshots stay under runs/ui/ (CI keeps runs/ as artifacts) for a person to look at."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from orchestrator import load_config, train
+from orchestrator.launch import TrainResult, summary
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+SHOTS = ROOT / "runs" / "ui"
+WINDOW = "1600,1200"
+SETTLE_MS = 60_000  # virtual time for the page to fetch and draw its charts (charts render once in the viewport)
+
+
+def chromium() -> str:
+    """Debian's `chromium`, installed here when it is missing and this test runs as root with apt-get; else the
+    test is skipped saying why."""
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found:
+        return found
+    if os.name != "posix" or os.geteuid() != 0 or not shutil.which("apt-get"):
+        pytest.skip("needs Debian's chromium package: not installed, and cannot install it here (not root, or no "
+                    "apt-get); install it with `apt-get install -y chromium`")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for command in (["apt-get", "install", "-y", "--no-install-recommends", "chromium"],
+                    ["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", "chromium"]):
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=False)
+        if command[1] == "install" and done.returncode == 0 and shutil.which("chromium"):
+            return str(shutil.which("chromium"))
+    pytest.skip(f"chromium could not be installed with apt-get: {(done.stderr or done.stdout).strip()[-300:]}")
+
+
+class _Text(HTMLParser):
+    """The page's visible text, in document order (scripts and styles left out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parts: list[str] = []
+        self._hidden = 0
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self._hidden += tag in ("script", "style")
+
+    def handle_endtag(self, tag: str) -> None:
+        self._hidden -= tag in ("script", "style")
+
+    def handle_data(self, data: str) -> None:
+        if data.strip() and not self._hidden:
+            self.parts.append(data.strip())
+
+
+def browse(browser: str, url: str, name: str, profile: Path) -> list[str]:
+    """The visible text of `url` once settled (its DOM dumped), and a screenshot as runs/ui/<name>.png."""
+    common = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+              f"--user-data-dir={profile / name}", f"--window-size={WINDOW}", f"--virtual-time-budget={SETTLE_MS}",
+              "--run-all-compositor-stages-before-draw"]
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    dom = subprocess.run([*common, "--dump-dom", url], capture_output=True, text=True, timeout=300, check=True)
+    subprocess.run([*common, f"--screenshot={SHOTS / f'{name}.png'}", url], capture_output=True, timeout=300,
+                   check=True)
+    (SHOTS / f"{name}.html").write_text(dom.stdout)
+    text = _Text()
+    text.feed(dom.stdout)
+    return text.parts
+
+
+@pytest.fixture(scope="module")
+def trained(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory, digits_dir: str) -> tuple[TrainResult, str]:
+    """One short digits run, validated three times (so its validation metric is a curve), tracked in a SQLite
+    store in a temp dir; with what the command prints after it."""
+    tmp = tmp_path_factory.mktemp("ui")
+    config = load_config(None, [f"data.train={digits_dir}/train", f"data.val={digits_dir}/val",
+                                f"storage.path={tmp}/runs", f"tracking.uri=sqlite:///{tmp}/mlruns.db",
+                                "tracking.experiment=ui-tests", "scaling.num_workers=1", "train.max_steps=60",
+                                "train.log_every=10", "train.eval_every=20", "checkpoint.every=60"])
+    result = train(config, verbose=False)
+    return result, summary(result)
+
+
+@pytest.fixture(scope="module")
+def ui(trained: tuple[TrainResult, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
+    """`orchestrator ui` as the run's summary prints it (this environment's program), until the module ends: the
+    URL it printed and its port."""
+    result, printed = trained
+    command = next(line for line in printed.splitlines() if line.startswith("open the MLflow UI: "))
+    argv = command.removeprefix("open the MLflow UI: ").split()
+    assert Path(argv[0]).name == "orchestrator" and argv[1] == "ui", command
+    log = tmp_path_factory.mktemp("ui-log") / "out.txt"
+    with open(log, "w") as out:
+        process = subprocess.Popen([str(Path(sys.executable).parent / "orchestrator"), *argv[1:]], stdout=out,
+                                   stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (found := re.search(r"^open: (http://127\.0\.0\.1:(\d+)/\S+)$", log.read_text(), re.MULTILINE)):
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        yield found[1], int(found[2])
+    finally:
+        process.send_signal(2)  # Ctrl+C: how a user stops it
+        try:
+            assert process.wait(timeout=30) == 0, log.read_text()
+        finally:
+            if process.poll() is None:
+                process.kill()
+
+
+def on_port(url: str, port: int) -> str:
+    """A URL the product printed, on the port the UI took (5055, or a free one when that was taken)."""
+    return re.sub(r"^http://127\.0\.0\.1:\d+", f"http://127.0.0.1:{port}", url)
+
+
+def test_the_printed_urls_open_the_training_views(trained: tuple[TrainResult, str], ui: tuple[str, int],
+                                                  tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    result, printed = trained
+    experiment_url, port = ui
+    browser = chromium()
+    run = MlflowClient(result.tracking_uri).get_run(result.run_id)
+
+    # The experiment: the "Model training" runs list with this run and its dataset, not the GenAI overview.
+    assert experiment_url.endswith(f"/#/experiments/{run.info.experiment_id}?workflowType=machine_learning")
+    page = browse(browser, experiment_url, "experiment", tmp_path)
+    assert "Runs" in page and run.info.run_name in page and "Dataset" in page, page[:80]
+    assert not {"Detect Issues", "Token Usage", "Usage"} & set(page), page[:80]
+
+    # The run, at the URL `orchestrator train` printed: its charts, the headline section first.
+    run_line = next(line for line in printed.splitlines() if line.startswith("this run in the MLflow UI: "))
+    run_url = on_port(run_line.removeprefix("this run in the MLflow UI: "), port)
+    assert run_url.endswith("/model-metrics?workflowType=machine_learning")
+    page = browse(browser, run_url, "run-charts", tmp_path)
+    assert run.info.run_name in page and "Model metrics" in page
+    sections = [p for p, n in zip(page, page[1:], strict=False) if re.fullmatch(r"\(\d+\)", n)]
+    assert sections[0] == "headline", sections
+    # Each rendered chart's legend names the run and the key: the first three charts drawn on the first screen.
+    legend = re.compile(rf"^{re.escape(run.info.run_name)} \((\S+)\)$")
+    charts = [m[1] for p in page if (m := legend.match(p))]
+    assert set(charts[:3]) == {"headline/train_loss", "headline/val_accuracy", "headline/samples_per_s"}, charts
+    assert page.index("train_loss") < page.index(f"{run.info.run_name} (headline/train_loss)")  # titled by name
+
+    # Its Overview: the description with the headline figures, and the datasets.
+    overview = on_port(run_line.removeprefix("this run in the MLflow UI: ").removesuffix(
+        "/model-metrics?workflowType=machine_learning") + "?workflowType=machine_learning", port)
+    page = browse(browser, overview, "run-overview", tmp_path)
+    text = " ".join(page)
+    assert "samples/s over the training" in text and "val_accuracy" in text, text[:500]
+    assert any("train" in p for p in page)
