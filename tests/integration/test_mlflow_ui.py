@@ -82,6 +82,12 @@ def browse(browser: str, url: str, name: str, profile: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
+def browser() -> str:
+    """Chromium, looked for (and installed) before anything is trained: a skip costs nothing."""
+    return chromium()
+
+
+@pytest.fixture(scope="module")
 def trained(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory, digits_dir: str) -> tuple[TrainResult, str]:
     """One short digits run, validated three times (so its validation metric is a curve), tracked in a SQLite
     store in a temp dir; with what the command prints after it."""
@@ -126,13 +132,12 @@ def on_port(url: str, port: int) -> str:
     return re.sub(r"^http://127\.0\.0\.1:\d+", f"http://127.0.0.1:{port}", url)
 
 
-def test_the_printed_urls_open_the_training_views(trained: tuple[TrainResult, str], ui: tuple[str, int],
-                                                  tmp_path: Path) -> None:
+def test_the_printed_urls_open_the_training_views(browser: str, trained: tuple[TrainResult, str],
+                                                  ui: tuple[str, int], tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
     result, printed = trained
     experiment_url, port = ui
-    browser = chromium()
     run = MlflowClient(result.tracking_uri).get_run(result.run_id)
 
     # The experiment: the "Model training" runs list with this run and its dataset, not the GenAI overview.
