@@ -85,12 +85,12 @@ def kill_group(process: subprocess.Popen[bytes]) -> None:
 
 def logged_steps(uri: str, experiment: str) -> int:
     """How many training-loss points the server holds for the experiment's run (0 before the run exists)."""
-    from orchestrator.tracking import mlflow_key
+    from orchestrator.tracking import chart_key, mlflow_key
 
     found = http_json(f"{uri}/api/2.0/mlflow/experiments/get-by-name?experiment_name={experiment}")
     runs = http_json(f"{uri}/api/2.0/mlflow/runs/search", {"experiment_ids": [found["experiment"]["experiment_id"]]})
     run_id = runs["runs"][0]["info"]["run_id"]
-    key = urllib.parse.quote(mlflow_key("train_loss"), safe="")
+    key = urllib.parse.quote(chart_key(mlflow_key("train_loss"), None), safe="")  # headline/train_loss
     history = http_json(f"{uri}/api/2.0/mlflow/metrics/get-history?run_id={run_id}&metric_key={key}")
     return len(history.get("metrics", []))
 
@@ -145,7 +145,8 @@ def test_tracking_server_dying_mid_run_warns_once_and_training_finishes(
     print(f"run {elapsed:.1f} s, of which {after_kill:.1f} s after the server died")
     # The summary names the run's page on the server, without asking the dead server for it.
     assert f"this run in the MLflow UI: {uri}/#/experiments/" in summary(result)
-    assert summary(result).splitlines()[-1].endswith(f"/runs/{result.run_id}")
+    last = summary(result).splitlines()[-1]
+    assert last.endswith(f"/runs/{result.run_id}/model-metrics?workflowType=machine_learning")
     # ~25 reports and the final artifacts met a dead server: with the client's default retries each call would wait
     # minutes; tracking.py's budget keeps the whole tail near the training time itself. The training part of the
     # tail (to the final checkpoint, written by the worker whatever the driver's tracking does) is what a loaded

@@ -134,3 +134,21 @@ def test_urls_open_the_training_view_on_the_ui_the_product_starts(tmp_path: Path
     assert command.split()[1:4] == ["ui", "--tracking-uri", uri]
     assert ui_command(uri, "digits").endswith(" --experiment digits")
     assert Path(program).name == "orchestrator" and Path(os.path.abspath(program)).parent == Path(sys.executable).parent
+
+
+def test_orchestrator_ui_refuses_a_store_that_is_not_there_and_finds_a_free_port(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    from orchestrator.cli import main
+    from orchestrator.ui import free_port
+
+    assert main(["ui", "--tracking-uri", f"sqlite:///{tmp_path}/missing.db"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: no MLflow store at {tmp_path}/missing.db"), err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        other = free_port(busy)
+        assert other != busy and other > 0
