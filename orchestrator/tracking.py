@@ -6,10 +6,10 @@ names (the progress line, the history and Tune use them); `mlflow_key` names eac
 `val/`, `perf/`, `time/`, `system/`, `memory/`), and `logged_as` says where it goes. The three a user looks for
 first, the training loss, the task's validation metric and samples/s, are charted in the `headline/` section, which
 the UI shows first (it sorts sections by name). Series that change from report to report are metrics; a series
-whose values never changed (`comm_bytes_per_sample` on one worker, top-5 accuracy on 5 classes), facts that do not
-change (the worker's pid, precision, FLOPs per sample, device facts, the start-up breakdown) and whole-run figures
-(`final/*`, the cost ledger `cost/*`) go into one `summary.json` table artifact, rounded and grouped, and the
-headline figures into the run's description (`mlflow.note.content`).
+reported more than once whose values never changed (`comm_bytes_per_sample` on one worker, top-5 accuracy on 5
+classes), facts that do not change (the worker's pid, precision, FLOPs per sample, device facts, the start-up
+breakdown) and whole-run figures (`final/*`, the cost ledger `cost/*`) go into one `summary.json` table artifact,
+rounded and grouped, and the headline figures into the run's description (`mlflow.note.content`).
 """
 
 from __future__ import annotations
@@ -333,7 +333,8 @@ class MlflowTracker:
         """Figures under the loop's names (a report, the ledger's, the start-up breakdown): each under its
         `mlflow_key`, as a point at `step` of a charted series (the headline three under HEADLINE) or (`logged_as`)
         a row of the summary table, written when the run ends. A series is charted from the report that changes
-        its value, with the points before it; one that never changes ends in the summary table."""
+        its value, with the points before it; one reported more than once that never changes ends in the summary
+        table (one reported once is charted when the run ends)."""
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
@@ -374,11 +375,19 @@ class MlflowTracker:
     def _log_summary(self) -> None:
         """The summary table as `summary.json` (MLflow's table format: `section`, `figure` and `value` columns,
         one row per figure, rounded, grouped by section), replacing the one an earlier session of this run wrote;
-        shown in the UI like `log_table`'s. Series that never changed join it here."""
+        shown in the UI like `log_table`'s. Series reported twice or more that never changed join it here."""
+        from mlflow.entities import Metric
+
+        once = []  # a series reported once is not known to be constant: a point (an early-stopped trial's metric)
         with self._lock:
-            for key, (value, _) in self._held.items():
-                self._summary[key] = value
+            for key, (value, points) in self._held.items():
+                if len(points) > 1:
+                    self._summary[key] = value
+                else:
+                    once += [Metric(self._headline.get(key, key), value, t, s) for t, s in points]
             self._held.clear()
+        if once:
+            self._safe("log_metrics", self._client.log_batch, self.run_id, metrics=once)
         figures = self.summary()
         if not figures:
             return

@@ -322,7 +322,7 @@ def _start_study(config: Config, base: Config, tree: dict[str, Any], infos: dict
     log_path = local_dir(place) / LOG_FILE
     log.open(log_path)
     restorable = ray_tune.Tuner.can_restore(place.path, storage_args(place.storage).get("storage_filesystem"))
-    state = place.readrecord(STATE_FILE) if restorable else None
+    state = place.read_record(STATE_FILE) if restorable else None
     if state is not None:
         _check_same_study(state, config, study, place.uri)
     tracker = start_tracker(config.tracking, study, run_id=state.get("parent_run_id") if state else None,
@@ -334,7 +334,7 @@ def _start_study(config: Config, base: Config, tree: dict[str, Any], infos: dict
             tracker.set_tags({"orchestrator.scheduler": config.tune.scheduler,
                               "orchestrator.searcher": config.tune.searcher,
                               "orchestrator.search_space": json.dumps(config.tune.space)})
-            place.writerecord({"config": _fingerprint(config), "parent_run_id": tracker.run_id}, STATE_FILE)
+            place.write_record({"config": _fingerprint(config), "parent_run_id": tracker.run_id}, STATE_FILE)
     if verbose:
         what = "resuming" if state else "starting"
         print(f"{what} study {study} at {place.uri}: {config.tune.num_samples} samples, up to {concurrency} "

@@ -50,6 +50,7 @@ def test_charts_hold_the_series_that_change_and_the_headline_sorts_first(store: 
     tracker = MlflowTracker(config.tracking, "view", headline=config.tune.metric)
     for report in _reports():
         tracker.log_metrics(report, step=int(report["step"]))
+    tracker.log_metrics({"val_f1": 0.4}, step=40)  # reported once: one point, not known to be a constant
     tracker.log_metrics({"summary/samples_per_s": 912.345678, "summary/val_accuracy": 0.8, "cost/wall_s": 20.123456,
                          "cost/productive_frac": 0.41234567, "startup/total_s": 9.87654321}, step=40)
     tracker.finish("FINISHED")
@@ -65,6 +66,7 @@ def test_charts_hold_the_series_that_change_and_the_headline_sorts_first(store: 
     # No single-point run-level figure and no constant is charted.
     assert not [k for k in metrics if k.startswith(("final/", "cost/", "startup/"))], metrics
     assert not {"perf/comm_bytes_per_sample", "val/top5_accuracy", "train/world_size"} & metrics
+    assert [(m.step, m.value) for m in client.get_metric_history(tracker.run_id, "val/f1")] == [(40, 0.4)]
     history = client.get_metric_history(tracker.run_id, f"{HEADLINE}val_accuracy")
     assert [m.step for m in history] == [10, 20, 30, 40]  # every point, none held back
     # Constants and run-level figures are rows of the summary table, rounded to 4 significant digits.
