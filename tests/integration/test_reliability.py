@@ -92,20 +92,27 @@ def test_worker_killed_by_pid_mid_epoch_ends_with_the_uninterrupted_weights(
     from ray.util.state import list_actors
 
     outcome: dict[str, Any] = {}
+    # Both workers hold in step 31 (held_model: the clean run's MLP and weights, no fault knobs) until the kill, so
+    # the kill lands mid-run however slow or fast the machine is; the restarted group finds the release there.
+    hold = tmp_path / "hold"
+    hold.mkdir()
 
     def target() -> None:
         try:
-            outcome["result"] = run(tmp_path, digits_dir, "train.max_steps=60", "model.step_s=0.01")
+            outcome["result"] = run(tmp_path, digits_dir, "train.max_steps=60", "model.entrypoint=held_model:build",
+                                    "model.hold_call=32", f"model.marker={hold}")
         except BaseException as exc:  # re-raised in the test thread
             outcome["error"] = exc
 
     thread = threading.Thread(target=target)
     thread.start()
     # Two in storage: the first is registered by then (Ray registers them in order, after their upload).
-    wait_for(lambda: len(complete_checkpoints(tmp_path / "runs")) >= 2, "two checkpoints")
+    wait_for(lambda: len(complete_checkpoints(tmp_path / "runs")) >= 2 and len(list(hold.glob("held-*"))) == 2,
+             "two checkpoints and both workers held", timeout=240)
     workers = wait_for(lambda: [a for a in list_actors(filters=[("state", "=", "ALIVE")])
                                 if a.class_name == "RayTrainWorker" and a.pid], "the training workers")
     os.kill(workers[-1].pid, signal.SIGKILL)  # mid-epoch: an epoch of digits is ~22 steps, checkpoints every 10
+    (hold / "release").touch()
     thread.join(timeout=180)
     assert "error" not in outcome, outcome.get("error")
     result: TrainResult = outcome["result"]
