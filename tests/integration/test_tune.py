@@ -285,7 +285,8 @@ def test_ctrl_c_while_the_study_run_is_set_up_ends_it_killed(ray_cluster: None, 
     import orchestrator.tuning.study
 
     params = orchestrator.tuning.study.config_params
-    monkeypatch.setattr(orchestrator.tuning.study, "config_params", lambda c: {**params(c), "zz.interrupted": _CtrlC()})
+    monkeypatch.setattr(orchestrator.tuning.study, "config_params",
+                        lambda c, **kw: {**params(c, **kw), "zz.interrupted": _CtrlC()})
     config = study_config(tmp_path, digits_dir, "tracking.experiment=tune-setup")
     with pytest.raises(KeyboardInterrupt):
         tune(config, verbose=False)
