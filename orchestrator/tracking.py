@@ -229,8 +229,9 @@ class MlflowTracker:
         self._metric = headline
         self._headline = headline_keys(headline)
         # A series is charted from its first change on; until then its value and (timestamp, step)s wait here, and
-        # one that never changed is a row of the summary table instead (a constant is not a chart).
-        self._charted: set[str] = set()
+        # one that never changed is a row of the summary table instead (a constant is not a chart). The headline is
+        # charted from its first point: a driver that dies before a change must not lose it.
+        self._charted: set[str] = set(self._headline)
         self._held: dict[str, tuple[float, list[tuple[int, int]]]] = {}
         self._noted = False  # a description set by the caller is kept
         self._reopened = run_id is not None  # its params and tags may be there already
@@ -248,7 +249,7 @@ class MlflowTracker:
                 self.run_id = run_id  # first: a Ctrl+C right after the update still ends it KILLED
                 self._client.update_run(run_id, status="RUNNING")
                 # What an earlier session charted stays charted, constant or not from here on.
-                self._charted = {canonical_key(k) for k in self._client.get_run(run_id).data.metrics}
+                self._charted |= {canonical_key(k) for k in self._client.get_run(run_id).data.metrics}
             else:
                 run_id = self._client.create_run(self.experiment_id, run_name=run_name,
                                                  tags=context_tags() | (tags or {})).info.run_id

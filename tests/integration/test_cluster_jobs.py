@@ -176,7 +176,7 @@ def test_job_submit_trains_on_two_nodes_and_tracks_to_mlflow_server(
     assert run["info"]["run_id"] in logs  # the id the job printed is the run on the server
     metrics = {m["key"]: m["value"] for m in run["data"]["metrics"]}
     params = {p["key"]: p["value"] for p in run["data"]["params"]}
-    assert metrics["val/accuracy"] > 0.8 and params["scaling.num_workers"] == "2"
+    assert metrics["headline/val_accuracy"] > 0.8 and params["scaling.num_workers"] == "2"  # charted first
     assert params["train.max_steps"] == "60"
     assert {t["key"]: t["value"] for t in run["data"]["tags"]}["mlflow.source.type"] == "JOB"
 

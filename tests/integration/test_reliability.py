@@ -230,9 +230,9 @@ def test_killed_driver_resumes_with_the_same_run_and_mlflow_run(ray_cluster: Non
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("default").experiment_id])
     assert [r.info.run_id for r in runs] == [run_id] and runs[0].info.status == "FINISHED"
-    from orchestrator.tracking import mlflow_key
+    from orchestrator.tracking import chart_key, mlflow_key
 
-    logged = [m.step for m in client.get_metric_history(run_id, mlflow_key("train_loss"))]
+    logged = [m.step for m in client.get_metric_history(run_id, chart_key(mlflow_key("train_loss"), None))]
     assert min(logged) == 5 and max(logged) == 40
 
 

@@ -17,8 +17,10 @@ from orchestrator.config import load_config
 from orchestrator.tracking import (
     HEADLINE,
     MlflowTracker,
+    chart_key,
     config_params,
     experiment_url,
+    mlflow_key,
     read_metrics,
     read_summary,
     run_url,
@@ -84,6 +86,20 @@ def test_charts_hold_the_series_that_change_and_the_headline_sorts_first(store: 
     note = run.data.tags[NOTE]
     assert "val_accuracy 0.8" in note and "912 samples/s" in note and "start-up 9.9 s" in note
     assert "productive 41%" in note and len(note) < 400 and "\n" not in note
+
+
+def test_the_headline_is_charted_from_its_first_report_even_if_the_driver_dies(store: str) -> None:
+    """A driver killed after one report (the run is resumed later) must not lose the headline's first points: they
+    are charted as they come, not held back until the series changes."""
+    from mlflow.tracking import MlflowClient
+
+    config = load_config(None, [f"tracking.uri={store}", "tracking.experiment=killed"])
+    tracker = MlflowTracker(config.tracking, "killed", headline=config.tune.metric)
+    tracker.log_metrics(_reports(1)[0], step=10)  # no finish(): the driver died here
+    client = MlflowClient(store)
+    for name in ("train_loss", "val_accuracy", "samples_per_s"):
+        key = chart_key(mlflow_key(name), "val_accuracy")
+        assert [m.step for m in client.get_metric_history(tracker.run_id, key)] == [10], name
 
 
 def test_params_leave_out_nulls_and_the_study_on_a_train_run() -> None:
