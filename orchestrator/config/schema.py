@@ -112,6 +112,17 @@ class TaskConfig(_Section):
         return TASK_KINDS.get(self.name or "")
 
 
+class FSDPConfig(_Section):
+    """train.parallel=fsdp: how the model is cut into sharded units (training/fsdp.py)."""
+
+    blocks: list[str] | None = Field(None, description="Class names of the blocks sharded one by one (e.g. "
+                                     "[MyBlock]); null: a Hugging Face model's _no_split_modules or the built-in "
+                                     "gpt's Block, else the whole model as one unit (no memory saved in compute).")
+    defer_sync: bool = Field(False, description="With grad_accum_steps > 1, reduce-scatter gradients once per "
+                             "optimizer step instead of once per micro-batch: less communication, but each rank "
+                             "holds unsharded gradients (the whole model's size) until the step.")
+
+
 class TrainConfig(_Section):
     """Length of training, batch arithmetic, precision and cadence of logging/eval."""
 
@@ -138,6 +149,10 @@ class TrainConfig(_Section):
                                      "(no update) before training stops with an error.")
     log_every: int = Field(25, ge=1, description="Steps between reports (each report is a barrier; keep it >= 10).")
     eval_every: int | None = Field(100, ge=1, description="Steps between validation passes; also at the end.")
+    parallel: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="ddp: every worker holds the whole model, its gradients and optimizer state; fsdp: "
+        "they are sharded across the workers (FSDP2), for models bigger than one device.")
+    fsdp: FSDPConfig = Field(default_factory=FSDPConfig)  # type: ignore[arg-type]
     sync: Literal["ddp", "local_sgd"] = Field(
         "ddp", description="ddp: all-reduce gradients every step; local_sgd: each worker takes sync_every "
         "optimizer steps alone, then the workers average their parameters (~sync_every x less communication)."
@@ -174,6 +189,12 @@ class TrainConfig(_Section):
         if self.sync == "ddp" and dead:
             raise ValueError(f"train.{dead[0]} has no effect with train.sync=ddp; remove it or set "
                              "train.sync=local_sgd")
+        if self.parallel == "fsdp" and self.sync == "local_sgd":
+            raise ValueError("train.sync=local_sgd averages whole replicas and cannot run on sharded parameters: "
+                             "use train.parallel=ddp with local_sgd, or train.sync=ddp with fsdp")
+        if self.parallel == "ddp" and self.fsdp != FSDPConfig():
+            raise ValueError("train.fsdp has no effect with train.parallel=ddp; remove it or set "
+                             "train.parallel=fsdp")
         return self
 
     @property

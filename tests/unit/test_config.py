@@ -52,6 +52,10 @@ def test_any_two_batch_sizes_derive_the_third(overrides: list[str], expected: tu
         (["train.epochs=2", "train.max_steps=10"], "set exactly one of train.max_steps and train.epochs"),
         (["optim.momentum=0.9"], "optim.momentum has no effect with optim.name=adamw"),
         (["optim.schedule=constant", "optim.min_lr_ratio=0.1"], "min_lr_ratio has no effect"),
+        (["train.parallel=fsdp", "train.sync=local_sgd"], "train.sync=local_sgd averages whole replicas and cannot "
+                                                          "run on sharded parameters"),
+        (["train.fsdp.defer_sync=true"], "train.fsdp has no effect with train.parallel=ddp"),
+        (["train.parallel=zero3"], "config key 'train.parallel'"),
         (["scaling.accelerator_type=H100"], "scaling.accelerator_type needs scaling.use_gpu=true"),
         (["optim.lr"], "must look like section.key=value"),
         # Values that used to pass and crash later (ZeroDivisionError, workers' IndexError, numpy's seed check)
