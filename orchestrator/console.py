@@ -42,11 +42,13 @@ class _PendingFile(logging.Handler):
 
     def open(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = logging.FileHandler(path, encoding="utf-8")
-        self.file.setFormatter(self.formatter)
-        for record in self.pending:
-            self.file.handle(record)
-        self.pending.clear()
+        with self.lock:  # opened in a thread while Ray starts and logs in the main one: no record lost between
+            file = logging.FileHandler(path, encoding="utf-8")
+            file.setFormatter(self.formatter)
+            for record in self.pending:
+                file.handle(record)
+            self.pending.clear()
+            self.file = file
 
     def emit(self, record: logging.LogRecord) -> None:
         if self.file is not None:

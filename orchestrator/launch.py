@@ -8,7 +8,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +20,7 @@ from orchestrator.config import Config, to_yaml
 from orchestrator.console import LOG_FILE, RunLog
 from orchestrator.cost import build_ledger, resolve_pricing
 from orchestrator.errors import ConfigError
-from orchestrator.model_logging import log_final_model
+from orchestrator.model_logging import checkpoint_weights, log_final_model
 from orchestrator.plots import plot_history
 from orchestrator.progress import ForwardFailures, ReportConsumer, progress_line
 from orchestrator.runs import RUN_CONFIG, RunPlace, latest_run, new_run, open_run_storage
@@ -36,7 +36,6 @@ from orchestrator.tracking import (
     ui_command,
 )
 from orchestrator.trainer import RunFailedError, build_run, root_cause
-from orchestrator.training.checkpoint import load_state
 from orchestrator.training.resume import unregistered_checkpoints
 from pipelines.config import is_remote
 from pipelines.datasets import inspect_datasets
@@ -56,7 +55,8 @@ class TrainResult:
     tracking_uri: str | None
     history: list[dict[str, Any]] = field(default_factory=list)
     cost: Any = None  # orchestrator.cost.Ledger: node-hours, $ and the productive/overhead split
-    startup: dict[str, float] = field(default_factory=dict)  # seconds per start-up stage, to the first step
+    startup: dict[str, float] = field(default_factory=dict)  # seconds per start-up part, to the first step
+    startup_alongside: dict[str, float] = field(default_factory=dict)  # stages run at once with one of those parts
 
 
 def _log_final_artifacts(tracker: Tracker, config: Config, checkpoint_path: str | None,
@@ -75,7 +75,7 @@ def _log_final_artifacts(tracker: Tracker, config: Config, checkpoint_path: str 
 
             def final_weights() -> dict[str, Any]:
                 with final.as_directory() as directory:
-                    return load_state(directory)["model"]
+                    return checkpoint_weights(directory)  # DDP's state.pt, or FSDP's shards put together
 
             log_final_model(tracker, config, info, final_weights)
         if history:
@@ -103,6 +103,68 @@ def train(config: Config, address: str | None = None, verbose: bool = True, resu
         return _train(config, address, verbose, infos, place, record, clock, log)
 
 
+class _Alongside:
+    """A driver stage run in a thread while the main thread does another; `result()` waits for it (Ctrl+C still
+    reaching the main thread) and raises what it raised."""
+
+    def __init__(self, work: Callable[[], Any]) -> None:
+        self.began = time.time()
+        self.ended: float | None = None
+        self._outcome: dict[str, Any] = {}
+        self._thread = threading.Thread(target=self._run, args=(work,), name="orchestrator-alongside", daemon=True)
+        self._thread.start()
+
+    def _run(self, work: Callable[[], Any]) -> None:
+        try:
+            self._outcome["value"] = work()
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread as is
+            self._outcome["error"] = exc
+        finally:
+            self.ended = time.time()
+
+    def result(self) -> Any:
+        while self._thread.is_alive():
+            self._thread.join(timeout=0.2)
+        if "error" in self._outcome:
+            raise self._outcome["error"]
+        return self._outcome["value"]
+
+
+def _open_tracking(config: Config, place: RunPlace, record: dict[str, Any] | None, infos: dict[str, DatasetInfo],
+                   run_name: str, run_dir: str, log: RunLog, verbose: bool) -> Tracker:
+    """The MLflow run opened with its params, datasets and tags, the run's directory, log file and record written.
+    A run it opened and could not finish setting up ends FAILED (KILLED on KeyboardInterrupt)."""
+    tracker = start_tracker(config.tracking, run_name, run_id=_reopen_id(config, record), headline=config.tune.metric)
+    with closed_on_error(tracker):
+        if record:
+            tracker.set_tags({f"orchestrator.resume.{time.strftime('%Y%m%d-%H%M%S')}":
+                              "driver restarted with --resume"})
+        tracker.log_params(config_params(config))  # model options' builder defaults included
+        tracker.log_datasets(infos)
+        tracker.set_tags({"orchestrator.run_dir": run_dir, "orchestrator.train_rows": str(infos["train"].num_rows)})
+        place.write_text(RUN_CONFIG, to_yaml(config))
+        log.open(log_path := _log_path(config, place))  # the run's directory exists from here on
+        if verbose:
+            print(f"Ray and MLflow logs: {log_path}" + ("" if log.verbose else " (--verbose shows them here)"),
+                  flush=True)
+        place.write_record({"run_name": run_name, "mlflow_run_id": tracker.run_id,
+                            "tracking_uri": getattr(tracker, "uri", None)})
+    return tracker
+
+
+def _abandon_start(opening: _Alongside, exc: BaseException, started_ray: bool) -> None:
+    """Ray's start or the run's opening failed (or Ctrl+C came): end the run the other one opened as the command
+    ends (KILLED or FAILED) and stop the cluster started here."""
+    try:
+        tracker = opening.result()
+    except BaseException:  # noqa: BLE001 - its own failure: a run it opened was ended there, the error is raised
+        tracker = None
+    if tracker is not None:
+        tracker.finish("KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
+    if started_ray:
+        shutdown_local_ray()
+
+
 def _log_path(config: Config, place: RunPlace) -> Path:
     """The run's log file: in its directory, or for a run stored in S3 a local file named after it, in this user's
     private cache (a shared temp path would let another user plant a link the log is written through)."""
@@ -119,28 +181,22 @@ def _train(config: Config, address: str | None, verbose: bool, infos: dict[str, 
 
         log.divert()
     history: list[dict[str, Any]] = []
-    with interrupted(place, history):  # Ctrl+C while the run is opened: the tracker ends it KILLED
-        tracker = start_tracker(config.tracking, run_name, run_id=_reopen_id(config, record),
-                                headline=config.tune.metric)
+    with interrupted(place, history):  # Ctrl+C while Ray starts or the run is opened: an opened run ends KILLED
+        # MLflow's run is opened in a thread while Ray starts here (Ray wants the main thread for its signal
+        # handlers, and Ctrl+C reaches only this one): neither waits for the other.
+        opening = _Alongside(lambda: _open_tracking(config, place, record, infos, run_name, run_dir, log, verbose))
+        started_ray = False
+        try:
+            started_ray = connect_ray(address, config)
+            ray_ended = time.time()
+            log.attach_ray()
+            tracker = opening.result()
+        except BaseException as exc:
+            _abandon_start(opening, exc, started_ray)
+            raise
+        clock.mark_together(opening.began, {"tracking": opening.ended or time.time(), "ray start": ray_ended})
     # From the moment the run exists, Ctrl+C ends it KILLED (an error FAILED), never leaving it RUNNING.
     with closed_on_error(tracker), interrupted(place, history):
-        if record:
-            tracker.set_tags({f"orchestrator.resume.{time.strftime('%Y%m%d-%H%M%S')}":
-                              "driver restarted with --resume"})
-        tracker.log_params(config_params(config))  # model options' builder defaults included
-        tracker.log_datasets(infos)
-        tracker.set_tags({"orchestrator.run_dir": run_dir, "orchestrator.train_rows": str(infos["train"].num_rows)})
-        place.write_text(RUN_CONFIG, to_yaml(config))
-        log.open(log_path := _log_path(config, place))  # the run's directory exists from here on
-        if verbose:
-            print(f"Ray and MLflow logs: {log_path}" + ("" if log.verbose else " (--verbose shows them here)"),
-                  flush=True)
-        place.write_record({"run_name": run_name, "mlflow_run_id": tracker.run_id,
-                            "tracking_uri": getattr(tracker, "uri", None)})
-        clock.mark("tracking")
-        started_ray = connect_ray(address, config)
-        log.attach_ray()
-        clock.mark("ray start")
         stopping: threading.Thread | None = None
         try:
             import ray
@@ -328,6 +384,7 @@ def _fit(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, tracker
     return TrainResult(
         config=config, metrics=dict(result.metrics or {}), checkpoint_path=checkpoint_path, run_dir=place.uri,
         run_id=tracker.run_id, tracking_uri=getattr(tracker, "uri", None), history=history, startup=clock.seconds(),
+        startup_alongside=clock.alongside(),
     ), len(failures), result.checkpoint
 
 

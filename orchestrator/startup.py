@@ -2,7 +2,9 @@
 
 The driver marks the end of its own stages; the worker's first report brings when rank 0 entered the worker
 function, when its loop started and when it had its first batch (`at/*`, epoch seconds: one clock per machine,
-and NTP-close across nodes). Each stage is the time since the previous mark.
+and NTP-close across nodes). Each stage is the time since the previous mark. Stages the driver runs at once
+(MLflow's run opened while Ray starts) are one part of that series, named after the stage it waited for, with the
+others shown alongside it at their own durations: the parts still add up to the wall clock.
 """
 
 from __future__ import annotations
@@ -36,10 +38,22 @@ def process_started_at() -> float:
 class StartupClock:
     started_at: float = field(default_factory=time.time)  # epoch seconds the command started
     marks: dict[str, float] = field(default_factory=dict)  # stage -> epoch seconds it ended
+    beside: dict[str, tuple[str, float]] = field(default_factory=dict)  # stage run at once -> (the part, seconds)
 
     def mark(self, stage: str) -> None:
         assert stage in STAGES, stage
         self.marks[stage] = time.time()
+
+    def mark_together(self, began: float, ended: dict[str, float], now: float | None = None) -> None:
+        """Stages that started at once at `began` and ended at `ended` (epoch seconds), joined at `now`: the one
+        that ended last is the part the command waited for (up to the join); the others ran alongside it."""
+        joined = time.time() if now is None else now
+        waited = max(ended, key=lambda stage: ended[stage])
+        for stage, end in ended.items():
+            assert stage in STAGES, stage
+            if stage != waited:
+                self.beside[stage] = (waited, max(0.0, end - began))
+        self.marks[waited] = joined
 
     def since_start(self) -> float:
         return time.time() - self.started_at
@@ -55,22 +69,31 @@ class StartupClock:
         return True
 
     def seconds(self) -> dict[str, float]:
-        """Seconds per marked stage, in order; a stage's clock starts where the previous marked one ended."""
+        """Seconds per part of the series, in order; a part's clock starts where the previous one ended. Together
+        they are the wall clock to the first step; stages run alongside a part are in `alongside()`."""
         out, previous = {}, self.started_at
         for stage in STAGES:
-            if stage in self.marks:
+            if stage in self.marks and stage not in self.beside:
                 out[stage] = max(0.0, self.marks[stage] - previous)
                 previous = max(previous, self.marks[stage])
         return out
 
+    def alongside(self) -> dict[str, float]:
+        """Seconds of each stage that ran at once with a part of the series (its own duration)."""
+        return {stage: seconds for stage, (_, seconds) in self.beside.items()}
+
     def line(self) -> str:
-        """'start-up 9.8 s to the first step: command 2.1 s | data inspection 0.3 s | ... | first batch 0.2 s'"""
+        """'start-up 9.8 s to the first step: command 2.1 s | data inspection 0.3 s | ray start 4.0 s (tracking 1.5 s
+        alongside) | ... | first batch 0.2 s'"""
         seconds = self.seconds()
-        parts = [f"{stage} {s:.1f} s" for stage, s in seconds.items()]
+        parts = [f"{stage} {s:.1f} s" + "".join(f" ({other} {o:.1f} s alongside)"
+                                                for other, (part, o) in self.beside.items() if part == stage)
+                 for stage, s in seconds.items()]
         return f"start-up {sum(seconds.values()):.1f} s to the first step: " + " | ".join(parts)
 
     def metrics(self) -> dict[str, float]:
         seconds = self.seconds()
-        out = {f"startup/{stage.replace(' ', '_').replace('-', '_')}_s": s for stage, s in seconds.items()}
+        out = {f"startup/{stage.replace(' ', '_').replace('-', '_')}_s": s
+               for stage, s in (seconds | self.alongside()).items()}
         out["startup/total_s"] = sum(seconds.values())
         return out

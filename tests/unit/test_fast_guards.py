@@ -7,6 +7,7 @@ from __future__ import annotations
 import pickle
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -82,3 +83,70 @@ def test_ctrl_c_during_training_exits_130_and_says_how_to_continue(
     err = capsys.readouterr().err.strip().splitlines()
     again = shlex.join(["orchestrator", *argv, "--resume"])
     assert err[-1] == f"interrupted at step 12; last checkpoint step 10; continue with: {again}", err
+
+
+def _tracked_cli(tmp_path: Path, digits_dir: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    argv = ["train", "--set", f"data.train={digits_dir}/train", "--set", f"data.val={digits_dir}/val",
+            "--set", f"storage.path={tmp_path}/runs", "--set", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+            "--set", "scaling.num_workers=1"]
+    monkeypatch.setattr(sys, "argv", [str(tmp_path / ".venv/bin/orchestrator"), *argv])
+    monkeypatch.chdir(tmp_path)
+    return argv
+
+
+def _statuses(tmp_path: Path) -> list[str]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    return [r.info.status for r in client.search_runs([client.get_experiment_by_name("default").experiment_id])]
+
+
+def test_the_mlflow_run_is_opened_while_ray_starts_and_the_start_up_parts_still_tile(
+        tmp_path: Path, digits_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    argv = _tracked_cli(tmp_path, digits_dir, monkeypatch)
+
+    ray_began: list[float] = []
+
+    def ray_start(address: str | None, config: Any) -> bool:
+        ray_began.append(time.time())
+        time.sleep(1.0)  # Ray's own start (seconds): the command need not wait for MLflow before it
+        return False
+
+    clocks: list[Any] = []
+
+    def fit(config: Any, infos: Any, place: RunPlace, tracker: Any, verbose: bool, clock: Any, *args: Any) -> Any:
+        clocks.append(clock)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "connect_ray", ray_start)
+    monkeypatch.setattr(launch, "_fit", fit)
+    assert cli.main(argv) == 130
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("default").experiment_id])
+    assert run.info.status == "KILLED" and run.info.start_time / 1000 >= ray_began[0]  # opened as Ray started
+    # One part of the series holds both stages: the one the command waited for, the other alongside it.
+    (clock,) = clocks
+    ((beside, (part, own)),) = clock.beside.items()
+    assert {beside, part} == {"tracking", "ray start"}
+    seconds = clock.seconds()
+    assert seconds[part] >= max(own, 1.0) - 0.01 and beside not in seconds
+    assert sum(seconds.values()) == pytest.approx(clock.marks[part] - clock.started_at)  # the wall clock
+
+
+def test_ctrl_c_while_ray_starts_ends_the_mlflow_run_opened_beside_it_killed(
+        tmp_path: Path, digits_dir: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = _tracked_cli(tmp_path, digits_dir, monkeypatch)
+
+    def ray_start_interrupted(address: str | None, config: Any) -> bool:
+        deadline = time.time() + 60  # Ctrl+C once MLflow's run exists (opened beside Ray's start)
+        while not list((tmp_path / "runs").glob("*/*/run.json")) and time.time() < deadline:
+            time.sleep(0.05)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "connect_ray", ray_start_interrupted)
+    assert cli.main(argv) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "interrupted at step 0; no checkpoint yet: a new run starts from step 0")
+    assert _statuses(tmp_path) == ["KILLED"]

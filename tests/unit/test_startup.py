@@ -50,3 +50,33 @@ def test_run_throughput_is_samples_over_the_training_wall_clock() -> None:
     history.append({"step": 30, "interval_s": 20.0, "samples_per_s": 500.0, "time/compute_frac": 0.2})
     # 50,000 samples in 40 s: 1,250 samples/s, where the median of the rates would say 1,000.
     assert run_summary(history)["summary/samples_per_s"] == pytest.approx((10_000 + 30_000 + 10_000) / 40)
+
+
+def test_stages_run_at_once_are_shown_alongside_and_the_parts_still_tile_the_wall_clock() -> None:
+    # MLflow's run opened (2.5 s) while Ray started (4.0 s), both from the end of data inspection at 102.0; the
+    # driver joined them at 106.1. Ray start is the part the command waited for; tracking ran beside it.
+    clock = StartupClock(started_at=100.0)
+    clock.marks = {"command": 101.5, "data inspection": 102.0}
+    clock.mark_together(began=102.0, ended={"tracking": 104.5, "ray start": 106.0}, now=106.1)
+    clock.marks["datasets"] = 107.2
+    clock.take_worker_marks({"at/worker": 113.0, "at/loop": 114.0, "at/first_batch": 114.5})
+    seconds = clock.seconds()
+    assert "tracking" not in seconds and seconds["ray start"] == pytest.approx(4.1)
+    assert sum(seconds.values()) == pytest.approx(114.5 - 100.0)  # the series parts tile the wall clock
+    assert clock.alongside() == {"tracking": pytest.approx(2.5)}
+    assert clock.line() == ("start-up 14.5 s to the first step: command 1.5 s | data inspection 0.5 s | ray start "
+                            "4.1 s (tracking 2.5 s alongside) | datasets 1.1 s | worker group 5.8 s | worker set-up "
+                            "1.0 s | first batch 0.5 s")
+    metrics = clock.metrics()
+    assert metrics["startup/total_s"] == pytest.approx(14.5)
+    assert metrics["startup/tracking_s"] == pytest.approx(2.5) and metrics["startup/ray_start_s"] == pytest.approx(4.1)
+
+
+def test_the_stage_that_ended_last_is_the_one_waited_for() -> None:
+    # On a running cluster joining takes 0.8 s and MLflow 2.5 s: the command waited for tracking.
+    clock = StartupClock(started_at=100.0)
+    clock.marks = {"command": 101.0, "data inspection": 102.0}
+    clock.mark_together(began=102.0, ended={"tracking": 104.5, "ray start": 102.8}, now=104.5)
+    assert clock.seconds() == pytest.approx({"command": 1.0, "data inspection": 1.0, "tracking": 2.5})
+    assert clock.alongside() == {"ray start": pytest.approx(0.8)}
+    assert "tracking 2.5 s (ray start 0.8 s alongside)" in clock.line()
