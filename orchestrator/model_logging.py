@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -25,6 +26,35 @@ from pipelines.batches import collate_sample
 from pipelines.sources import DatasetInfo
 
 MODEL_NAME = "model"  # runs:/<run_id>/model
+SHARDED_MODEL_KEY = "model"  # the model's entries in a sharded (DCP) checkpoint: "model.<parameter name>"
+
+
+def checkpoint_weights(directory: str | Path) -> dict[str, Any]:
+    """The whole model's state dict from a local checkpoint directory: DDP's `state.pt`, or under
+    train.parallel=fsdp the ranks' shards (torch.distributed.checkpoint) put together in this one process, on the
+    CPU (no process group: the driver reads every shard itself)."""
+    from orchestrator.training.checkpoint import STATE_FILE, load_state
+
+    if (Path(directory) / STATE_FILE).is_file():
+        return load_state(directory)["model"]
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(directory))
+    prefix = f"{SHARDED_MODEL_KEY}."
+    # Empty full-size tensors named and shaped by the checkpoint's metadata: DCP fills each from the shards
+    # that cover it, whatever world size wrote them.
+    weights = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
+               for key, meta in reader.read_metadata().state_dict_metadata.items()
+               if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+    if not weights:
+        raise ValueError(f"checkpoint {directory} holds no model weights (neither {STATE_FILE} nor model shards)")
+    state = {SHARDED_MODEL_KEY: weights}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=reader)
+    return state[SHARDED_MODEL_KEY]
 
 
 def log_final_model(tracker: Tracker, config: Config, info: DatasetInfo,

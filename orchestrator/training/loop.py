@@ -13,13 +13,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from orchestrator.config import Config
 from orchestrator.errors import UserError
-from orchestrator.training import ranks
+from orchestrator.training import fsdp, ranks
 from orchestrator.training.checkpoint import Progress, checkpoint_state, save_state, unwrap
 from orchestrator.training.memory import cuda_memory_stats, device_facts, release_cached_memory
-from orchestrator.training.parts import Parts
+from orchestrator.training.parts import Parts, rank_bytes
 from orchestrator.training.step import StepResult, first_compiled_step, flops_per_sample, train_step
 from orchestrator.training.system import node_stats
 from orchestrator.training.timing import PhaseTimer, peak_flops
@@ -76,10 +77,12 @@ def evaluate(parts: Parts, batches: Iterable[Batch]) -> dict[str, float]:
     model = unwrap(parts.model)
     model.eval()
     totals: dict[str, torch.Tensor] = {}
-    for batch in batches:
+    for batch, real in _lockstep(batches, parts) if fsdp.is_sharded(model) else ((b, True) for b in batches):
         batch = to_device(batch, parts.device)
         with parts.precision.autocast():
             output = parts.call(model, batch)
+        if not real:
+            continue
         for key, value in parts.task.metric_sums(output, batch).items():
             totals[key] = totals.get(key, 0) + value.double()
     # Every rank reduces the same keys in the same order; a rank without rows learns them from the others.
@@ -90,6 +93,23 @@ def evaluate(parts: Parts, batches: Iterable[Batch]) -> dict[str, float]:
     if not sums.get("count"):
         raise UserError("the validation split gave no rows to any worker: add rows or set data.val to null")
     return parts.task.metrics(sums)
+
+
+def _lockstep(batches: Iterable[Batch], parts: Parts) -> Iterator[tuple[Batch, bool]]:
+    """Under FSDP every forward all-gathers parameters, so every rank must run as many forwards as the others: a
+    rank whose validation shard ran out runs empty (zero-row) batches, marked not real, until no rank has one left.
+    One flag all-reduce per batch; a rank without any rows gets its empty batch's shape from the others."""
+    mine = iter(batches)
+    empty: Batch | None = None
+    while True:
+        batch = next(mine, None)
+        if not ranks.any_rank(batch is not None, parts.device):
+            return
+        if empty is None:  # once: the first batches' shapes (a collective, on every rank at the same iteration)
+            shapes: list[Batch | None] = [None] * ranks.world()[1]
+            dist.all_gather_object(shapes, None if batch is None else take(batch, slice(0, 0)))
+            empty = next(b for b in shapes if b is not None)
+        yield (batch, True) if batch is not None else (empty, False)
 
 
 def micro_batches(
@@ -184,6 +204,7 @@ def run(
     metrics: dict[str, Any] = {}
     once = dict(facts or {}) | device_facts(parts.device) | {"at/loop": time.time()}
     flops: float | None = None
+    held: dict[str, Any] | None = None  # this rank's parameter and optimizer bytes, with the parallel mode
     if parts.local_sgd is not None and not parts.local_sgd.anchor:
         parts.local_sgd.start(unwrap(parts.model))
     # Waiting for the first batch is start-up (the pipeline's first read), not part of the first interval.
@@ -205,6 +226,9 @@ def run(
             result = train_step(parts, batch, interval.timer)
         progress.step += 1
         progress.samples_seen += t.global_batch_size
+        if held is None:  # after this process's first step, when the optimizer state exists
+            held = rank_bytes(parts)
+            once |= held
         progress.nonfinite_skipped += result.skipped
         if progress.nonfinite_skipped > t.max_nonfinite_steps:
             raise NonFiniteLossError(

@@ -15,6 +15,7 @@ from orchestrator.config import Config
 from orchestrator.config.batching import split_batch
 from orchestrator.errors import ConfigError
 from orchestrator.tasks import step_loss_sum
+from orchestrator.training import fsdp
 from orchestrator.training.checkpoint import unwrap
 from orchestrator.training.memory import (
     GIB,
@@ -102,9 +103,18 @@ def for_world_size(cfg: Config, world: int, micro: int | None = None) -> Config:
     return cfg.model_copy(update={"train": t.model_copy(update={"micro_batch_size": micro, "grad_accum_steps": accum})})
 
 
+def refuse_auto_under_fsdp(parts: Parts) -> None:
+    """The probe runs forwards of its own sizes and, on a GPU, stops at an out-of-memory error: under FSDP every
+    forward holds all-gathers, so one rank running out while the others go on would leave them waiting."""
+    if fsdp.is_sharded(parts.model):
+        raise ConfigError("train.micro_batch_size=auto cannot probe memory under train.parallel=fsdp: set "
+                          "train.micro_batch_size to a number of rows per worker")
+
+
 def with_auto_micro_batch(cfg: Config, parts: Parts, state: dict[str, Any] | None, sample: Batch) -> Config:
     """`train.micro_batch_size=auto` resolved on this group: the checkpoint's micro-batch when resuming at the same
     world size, else the largest that fits (measured here, agreed by all ranks); the accumulation derived from it."""
+    refuse_auto_under_fsdp(parts)
     context = ray.train.get_context()
     world = context.get_world_size()
     micro = checkpoint_micro_batch(state, cfg.train.global_batch_size // world, world)

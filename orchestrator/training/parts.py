@@ -9,16 +9,19 @@ import numpy as np
 import torch
 
 from orchestrator.config import Config
+from orchestrator.errors import ConfigError
 from orchestrator.models import build_model
 from orchestrator.tasks import Classification, ModelCall, Task, align_model_loss, task_parts
+from orchestrator.training import fsdp, ranks
 from orchestrator.training.optim import build_optimizer
-from orchestrator.training.precision import Precision, resolve_precision
+from orchestrator.training.precision import Mode, Precision, resolve_precision
 from orchestrator.training.sync import LocalSGD, build_local_sgd
 
 
 @dataclass
 class Parts:
-    """What a step needs. `model` may be DDP-wrapped; `unwrap(model)` is the bare module."""
+    """What a step needs. `model` may be DDP-wrapped (`unwrap(model)` is the bare module) or, under
+    train.parallel=fsdp, sharded in place (`fsdp.is_sharded(model)`)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -34,6 +37,7 @@ class Parts:
     task: Task = field(default_factory=Classification)  # the loss as a sum with its target count, the metrics
     call: ModelCall = field(default_factory=ModelCall)  # how the model takes a batch: forward(x) or by name
     model_loss: bool = False  # task.loss=model: the model's own loss (given labels), not the task's
+    defer_sync: bool = False  # fsdp: one reduce-scatter per step (train.fsdp.defer_sync), not one per micro-batch
 
 
 def seed_everything(seed: int) -> None:
@@ -43,27 +47,61 @@ def seed_everything(seed: int) -> None:
 
 
 def build_parts(cfg: Config, in_features: int | None, device: torch.device, pretrained: str | None = None) -> Parts:
-    """Model (wrapped in DDP by Ray Train for more than one worker), optimizer, LR schedule, precision and the
-    local-SGD state, on this worker's device. `pretrained`: a local directory to load the weights from."""
-    import ray.train.torch
-
+    """Model (wrapped in DDP by Ray Train for more than one worker, or sharded over all ranks under
+    train.parallel=fsdp), optimizer, LR schedule, precision and the local-SGD state, on this worker's device.
+    `pretrained`: a local directory to load the weights from."""
     t = cfg.train
-    # Same seed on every rank: identical initial weights (DDP also broadcasts rank 0's at wrap time).
+    # Same seed on every rank: identical initial weights (DDP also broadcasts rank 0's at wrap time; FSDP does not,
+    # each rank keeps its shard of the weights it built).
     seed_everything(t.seed)
     model = build_model(cfg.model.name, cfg.model.entrypoint, in_features, cfg.model.num_classes, cfg.model.kwargs,
                         pretrained)
     task, call, model_loss = task_parts(cfg)
     if model_loss:
         align_model_loss(model, task)
-    model = ray.train.torch.prepare_model(model)
+    precision = Precision(resolve_precision(t.precision, device), device)
+    if t.parallel == "fsdp":
+        model = shard(model, device, precision.mode, t.fsdp.blocks)
+    elif ranks.world()[1] == 1:
+        # One rank, as in a Tune trial that trains in its own process (no Ray Train context there): all that
+        # prepare_model does for a group of one is move the model to the device.
+        model = model.to(device)
+    else:
+        import ray.train.torch
+
+        model = ray.train.torch.prepare_model(model)
+    # Under FSDP after sharding: the optimizer holds (and its state grows on) this rank's shards only.
     optimizer, scheduler = build_optimizer(model, cfg.optim, t.max_steps)  # type: ignore[arg-type]
-    return Parts(model, optimizer, scheduler, Precision(resolve_precision(t.precision, device), device), device,
-                 cfg.optim.max_grad_norm, local_sgd=build_local_sgd(t.sync, *t.local_sgd), task=task, call=call,
-                 model_loss=model_loss)
+    return Parts(model, optimizer, scheduler, precision, device, cfg.optim.max_grad_norm,
+                 local_sgd=build_local_sgd(t.sync, *t.local_sgd), task=task, call=call, model_loss=model_loss,
+                 defer_sync=t.fsdp.defer_sync)
+
+
+def shard(model: torch.nn.Module, device: torch.device, mode: Mode, blocks: list[str] | None) -> torch.nn.Module:
+    """The model on `device`, `fully_shard` on each block then the root, over every rank of the process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError("train.parallel=fsdp needs a process group (Ray Train starts one per run): run it through "
+                          "orchestrator train, or set train.parallel=ddp")
+    return fsdp.shard_model(model.to(device), mesh=fsdp.mesh_of_all_ranks(device), blocks=blocks, precision=mode)
+
+
+def rank_bytes(parts: Parts) -> dict[str, str | int]:
+    """What this rank holds for parameters and optimizer state (its shards under FSDP; the whole model under DDP),
+    with the parallel mode: facts the driver logs (after the first step, when the optimizer state exists)."""
+    held = fsdp.local_bytes(parts.model, parts.optimizer)
+    return {"parallel": "fsdp" if fsdp.is_sharded(parts.model) else "ddp",
+            "param_bytes_per_rank": held["params"], "optimizer_bytes_per_rank": held["optimizer"]}
 
 
 def compile_model(parts: Parts) -> None:
     """Compile the DDP-wrapped model (DDP's optimizer splits graphs at bucket boundaries), keeping the eager one as
     the fallback if compilation fails on the first step of this process."""
+    if fsdp.is_sharded(parts.model):
+        # The compile probe and its eager fallback run forward outside the agreed step: under FSDP every forward
+        # holds all-gathers, and a rank that failed to compile would leave the others waiting in one.
+        raise ConfigError("train.compile=true does not combine with train.parallel=fsdp yet: set "
+                          "train.compile=false (or train.parallel=ddp)")
     parts.eager_model = parts.model
     parts.model = torch.compile(parts.model)  # type: ignore[assignment]

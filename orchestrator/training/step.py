@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from orchestrator.errors import UserError
 from orchestrator.tasks import step_loss_sum
-from orchestrator.training import ranks
+from orchestrator.training import fsdp, ranks
 from orchestrator.training.checkpoint import unwrap
 from orchestrator.training.memory import is_oom, release_cached_memory
 from orchestrator.training.parts import Parts
@@ -60,7 +60,9 @@ def train_step(parts: Parts, micro_batches: list[Batch], timer: PhaseTimer | Non
     with timer.phase("compute"):
         parts.precision.unscale_(parts.optimizer)
         max_norm = parts.max_grad_norm if parts.max_grad_norm is not None else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(parts.model.parameters(), max_norm)
+        # Under FSDP each rank holds a shard of every gradient: the norm is reduced over the ranks' shards.
+        grad_norm = (fsdp.clip_grad_norm(parts.model, max_norm) if fsdp.is_sharded(parts.model)
+                     else torch.nn.utils.clip_grad_norm_(parts.model.parameters(), max_norm))
         if _non_finite_anywhere(step_loss, grad_norm, parts):
             # No update from this step; its samples are consumed and the LR schedule (indexed by samples) moves
             # on, as after a step the fp16 scaler skips.
@@ -102,12 +104,14 @@ def _forward_backward(parts: Parts, pieces: list[Batch], scale: torch.Tensor,
     DeviceMemoryError when pieces of one row still do not fit."""
     model = parts.model
     model.train()
+    sharded = fsdp.is_sharded(model)
     # DDP all-reduces gradients in the backward of the last piece only: every piece but the last runs under
-    # no_sync. Under local SGD no piece is all-reduced: ranks step alone and average parameters later.
-    ddp = hasattr(model, "no_sync") and parts.local_sgd is None
+    # no_sync. Under local SGD no piece is all-reduced: ranks step alone and average parameters later. FSDP's
+    # counterpart of no_sync (train.fsdp.defer_sync) is fsdp.gradient_sync.
+    ddp = (hasattr(model, "no_sync") and parts.local_sgd is None) or sharded
     # With several ranks, an OOM retry is decided together before the synced piece: a rank redoing the step alone
     # would meet the others' gradient all-reduce with collectives of its own (gloo aborts, NCCL hangs).
-    together = ddp and ranks.world()[1] > 1 and len(pieces) > 1
+    together = ddp and not sharded and ranks.world()[1] > 1 and len(pieces) > 1
     total = torch.zeros((), device=parts.device)
     seconds: list[float] = []
     forward_s = 0.0
@@ -116,13 +120,15 @@ def _forward_backward(parts: Parts, pieces: list[Batch], scale: torch.Tensor,
         nonlocal total, forward_s
         started = time.perf_counter()
         # The forward must be inside no_sync too, because DDP arms its reducer during forward.
-        with nullcontext() if synced or not hasattr(model, "no_sync") else model.no_sync():
+        with fsdp.gradient_sync(model, synced, parts.defer_sync) if sharded else \
+                nullcontext() if synced or not hasattr(model, "no_sync") else model.no_sync():
             with parts.precision.autocast():
                 output = parts.call(model, batch)
             loss = step_loss_sum(parts.task, output, batch, parts.model_loss)
             forward_s = _elapsed(started, parts.device)
             parts.precision.backward(loss * scale)
-        if synced and ranks.world()[1] > 1:
+        # FSDP without defer_sync reduce-scatters every piece's gradients (a world share of them, for all ranks).
+        if (synced or (sharded and not parts.defer_sync)) and ranks.world()[1] > 1:
             parts.comm_bytes += grad_bytes(model)
         total += loss.detach()
         seconds.append(_elapsed(started, parts.device))
@@ -134,6 +140,13 @@ def _forward_backward(parts: Parts, pieces: list[Batch], scale: torch.Tensor,
     except Exception as exc:
         if not is_oom(exc):
             raise
+        if sharded:
+            # Every FSDP forward and backward holds all-gathers: the other ranks are already waiting in the next
+            # one, so this rank cannot retry alone, nor tell them (they will fail when this worker ends).
+            raise DeviceMemoryError(
+                "out of memory under train.parallel=fsdp, where a step cannot be retried on one rank: lower "
+                f"train.micro_batch_size (now {max(rows(b) for b in pieces)} rows per forward; the global batch "
+                "stays, accumulation grows), set train.precision=bf16, or add workers") from exc
         ran_out = True
     if ranks.any_rank(ran_out, parts.device) if together else ran_out:
         # Once no rank's pieces can be cut further, a retry would redo the identical step forever.
