@@ -11,6 +11,7 @@ import pyarrow as pa
 
 from orchestrator.config import Config, config_from_dict, to_dict
 from orchestrator.errors import ConfigError
+from orchestrator.memory_plan import GIB, estimate_bytes_per_rank, fsdp_advice
 from orchestrator.models import check_model_build, check_model_options, position_limit
 from orchestrator.tasks import check_forward, task_parts
 from pipelines.batches import collate_sample, padding_of
@@ -163,3 +164,45 @@ def in_features(config: Config, info: DatasetInfo) -> int | None:
     if config.model.inputs is None and config.data.label is None:
         return info.feature_dim - 1  # token windows of seq_len + 1: the inputs and the next tokens shifted by one
     return info.feature_dim or None
+
+
+def model_state_advice(config: Config, info: DatasetInfo) -> str | None:
+    """Before Ray starts: the line saying that `train.parallel=ddp` would not fit the model's state (parameters,
+    gradients, optimizer state) in a worker while fsdp would (memory_plan.fsdp_advice), for the model the workers
+    will build, counted on the meta device. None when ddp fits, fsdp would not help, or the budget is unknown."""
+    if config.train.parallel != "ddp":
+        return None
+    budget = worker_memory_budget(config)
+    model = check_model_build(config.model, in_features(config, info), config.model.num_classes, config.data.s3)
+    if budget is None or model is None:
+        return None
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    optimizer = "sgd_plain" if config.optim.name == "sgd" and config.optim.momentum == 0 else config.optim.name
+    # auto: bf16 where the device supports it; fp32 is the larger of the transient gathered blocks.
+    precision = "fp32" if config.train.precision == "auto" else config.train.precision
+    world = config.scaling.min_workers  # the smallest group an elastic run may have must fit too
+    if estimate_bytes_per_rank(n, world, "ddp", optimizer, precision)["total"] <= budget[0]:
+        return None  # the usual case: no need to look for blocks
+    from orchestrator.training.fsdp import find_blocks
+
+    # Without blocks fsdp shards the whole model as one unit, which is gathered whole in compute.
+    block = max((sum(p.numel() for p in b.parameters()) for b in find_blocks(model)), default=n)
+    return fsdp_advice(n, block, world, optimizer, precision, budget, defer_sync=config.train.fsdp.defer_sync)
+
+
+def worker_memory_budget(config: Config) -> tuple[float, str] | None:
+    """(bytes, where the figure comes from) one worker may use: train.memory_budget_gb, else the driver's GPU memory
+    (scaling.use_gpu; a driver without one cannot tell), else half this machine's RAM over the run's workers (the
+    workers' own default, for workers that share one node as a local run's do)."""
+    if config.train.memory_budget_gb is not None:
+        return config.train.memory_budget_gb * GIB, f"train.memory_budget_gb={config.train.memory_budget_gb:g}"
+    if config.scaling.use_gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        return float(torch.cuda.get_device_properties(0).total_memory), "the GPU's memory"
+    import psutil
+
+    workers = config.scaling.max_workers
+    return psutil.virtual_memory().total / 2 / workers, f"half this machine's RAM over {workers} workers"

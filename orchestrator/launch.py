@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.checks import resolve_for_data
+from orchestrator.checks import model_state_advice, resolve_for_data
 from orchestrator.cluster import connect_ray, shutdown_local_ray, train_environment
 from orchestrator.config import Config, to_yaml
 from orchestrator.console import LOG_FILE, RunLog
@@ -97,6 +97,9 @@ def train(config: Config, address: str | None = None, verbose: bool = True, resu
     infos = inspect_datasets(config.data, named=config.model.inputs is not None)
     config = resolve_for_data(config, infos)
     resolve_pricing(config)  # an unknown node type fails now, not after training
+    advice = model_state_advice(config, infos["train"])  # ddp would not fit a worker, fsdp would
+    if advice and verbose:
+        print(advice, file=sys.stderr, flush=True)
     place, record = _place_run(config, resume, verbose)
     clock.mark("data inspection")
     with RunLog(show_logs) as log:

@@ -47,3 +47,22 @@ def estimate_bytes_per_rank(n_params: int, world: int, parallel: Parallel, optim
         "gathered": 2 * block_params * _COMPUTE_BYTES[precision] if sharded and world > 1 else 0,
     }
     return figures | {"total": sum(figures.values())}
+
+
+GIB = 2**30
+
+
+def fsdp_advice(n_params: int, block_params: int, world: int, optimizer: str, precision: str,
+                budget: tuple[float, str], *, defer_sync: bool = False) -> str | None:
+    """One line saying that DDP's model state (parameters, gradients, optimizer state) would not fit a worker's
+    `budget` (bytes, and where that figure comes from) while FSDP's shards over `world` workers would, naming the
+    setting; None otherwise (DDP fits, or FSDP would not fit either, or one worker has nothing to shard over)."""
+    limit, basis = budget
+    ddp = estimate_bytes_per_rank(n_params, world, "ddp", optimizer, precision)["total"]
+    fsdp = estimate_bytes_per_rank(n_params, world, "fsdp", optimizer, precision, block_params=block_params,
+                                   defer_sync=defer_sync)["total"]
+    if world < 2 or ddp <= limit or fsdp > limit:
+        return None
+    return (f"memory: with train.parallel=ddp each worker holds {ddp / GIB:.1f} GiB of model state ({n_params:,} "
+            f"parameters, their gradients and {optimizer} state), more than its {limit / GIB:.1f} GiB ({basis}); "
+            f"sharded over {world} workers it holds {fsdp / GIB:.1f} GiB: --set train.parallel=fsdp")

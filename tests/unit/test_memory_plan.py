@@ -3,6 +3,9 @@ The FSDP figures are checked against bytes measured on real ranks in tests/unit/
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 
@@ -39,3 +42,79 @@ def test_fsdp_shards_everything_but_deferred_gradients_and_gathers_a_block() -> 
 def test_unknown_values_name_their_key(args: tuple, key: str) -> None:
     with pytest.raises(ConfigError, match=key):
         estimate_bytes_per_rank(*args)
+
+
+def test_the_fsdp_advice_names_the_setting_only_when_ddp_would_not_fit_and_fsdp_would() -> None:
+    from orchestrator.memory_plan import fsdp_advice
+
+    n, gib = 1_000_000_000, 2**30  # a 1B-parameter model under AdamW: 16 GB of model state per DDP rank
+    ddp = estimate_bytes_per_rank(n, 4, "ddp", "adamw", "bf16")["total"]
+    fsdp = estimate_bytes_per_rank(n, 4, "fsdp", "adamw", "bf16", block_params=50_000_000)["total"]
+    assert ddp == 16 * n and fsdp == 4 * n + 2 * 50_000_000 * 2  # a quarter of it, two bf16 blocks in flight
+    budget = (8 * gib, "train.memory_budget_gb=8")
+    line = fsdp_advice(n, 50_000_000, 4, "adamw", "bf16", budget)
+    assert line is not None and "\n" not in line and "--set train.parallel=fsdp" in line
+    assert f"{ddp / gib:.1f} GiB" in line and f"{fsdp / gib:.1f} GiB" in line and "8.0 GiB" in line
+    assert "train.memory_budget_gb=8" in line and "4 workers" in line
+    assert fsdp_advice(n, 50_000_000, 4, "adamw", "bf16", (16 * gib, "budget")) is None  # ddp fits
+    assert fsdp_advice(n, 50_000_000, 1, "adamw", "bf16", budget) is None  # one worker: nothing to shard over
+    assert fsdp_advice(n, 50_000_000, 2, "adamw", "bf16", (6 * gib, "budget")) is None  # fsdp would not fit either
+    # Plain SGD holds no optimizer state: 8 bytes per parameter under DDP fits the 8 GiB budget.
+    assert fsdp_advice(n, 0, 4, "sgd_plain", "fp32", budget) is None
+
+
+def _text_config(*overrides: str):  # type: ignore[no-untyped-def]
+    from orchestrator.config import load_config
+
+    return load_config(ROOT / "examples/text-gpt.yaml", ["model.num_classes=256", *overrides])
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+TOKENS = __import__("pipelines.sources", fromlist=["DatasetInfo"]).DatasetInfo(
+    "train", [], num_rows=10_000, num_bytes=0, feature_dim=129, num_classes=256)
+
+
+def test_the_driver_counts_the_workers_model_and_says_fsdp_fits_where_ddp_does_not() -> None:
+    from orchestrator.checks import model_state_advice
+    from orchestrator.models import build_model
+    from orchestrator.training.fsdp import find_blocks
+
+    # The built-in gpt at d_model 1024, 8 layers: counted here on the meta device as the driver counts it.
+    sets = ["model.d_model=1024", "model.n_layer=8", "model.n_head=8", "scaling.num_workers=4"]
+    with torch.device("meta"):
+        model = build_model("gpt", None, 128, 256, {"d_model": 1024, "n_layer": 8, "n_head": 8})
+    n = sum(p.numel() for p in model.parameters())
+    block = max(sum(p.numel() for p in b.parameters()) for b in find_blocks(model))
+    ddp_gib = estimate_bytes_per_rank(n, 4, "ddp", "adamw", "fp32")["total"] / 2**30
+    fsdp_gib = estimate_bytes_per_rank(n, 4, "fsdp", "adamw", "fp32", block_params=block)["total"] / 2**30
+    assert fsdp_gib < 1.0 < ddp_gib  # ~1.5 GiB replicated, ~0.5 GiB sharded: a 1 GiB budget tells them apart
+    line = model_state_advice(_text_config(*sets, "train.memory_budget_gb=1"), TOKENS)
+    assert line is not None and f"{n:,} parameters" in line and "--set train.parallel=fsdp" in line
+    assert f"{ddp_gib:.1f} GiB" in line and f"{fsdp_gib:.1f} GiB" in line and "train.memory_budget_gb" in line
+    assert model_state_advice(_text_config(*sets, "train.memory_budget_gb=2"), TOKENS) is None  # ddp fits
+    assert model_state_advice(_text_config(*sets, "train.memory_budget_gb=1", "train.parallel=fsdp"),
+                              TOKENS) is None  # already sharded
+
+
+def test_orchestrator_train_says_so_before_ray_starts(tmp_path: Path, digits_dir: str,
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from orchestrator import cli, launch
+
+    # An MLP of 17M parameters has no blocks: fsdp gathers it whole in compute (2 x 4 bytes per parameter) and
+    # shards the rest over 4 workers, 12 bytes per parameter in all against ddp's 16: a 0.22 GB budget lies between.
+    argv = ["train", "--set", f"data.train={digits_dir}/train", "--set", f"data.val={digits_dir}/val",
+            "--set", f"storage.path={tmp_path}/runs", "--set", "tracking.enabled=false",
+            "--set", "model.hidden=[4096,4096]", "--set", "scaling.num_workers=4",
+            "--set", "train.micro_batch_size=auto", "--set", "train.memory_budget_gb=0.22"]
+    monkeypatch.chdir(tmp_path)
+    printed: list[str] = []
+
+    def ray_start(address: str | None, config: Any) -> bool:
+        printed.extend(capsys.readouterr().err.splitlines())  # what the user saw before Ray started
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "connect_ray", ray_start)
+    assert cli.main(argv) == 130
+    (line,) = [x for x in printed if "train.parallel=fsdp" in x]
+    assert line.startswith("memory: with train.parallel=ddp each worker holds 0.3 GiB") and "0.2 GiB" in line
