@@ -192,6 +192,12 @@ class TrainConfig(_Section):
         if self.parallel == "fsdp" and self.sync == "local_sgd":
             raise ValueError("train.sync=local_sgd averages whole replicas and cannot run on sharded parameters: "
                              "use train.parallel=ddp with local_sgd, or train.sync=ddp with fsdp")
+        if self.parallel == "fsdp" and self.compile:
+            raise ValueError("train.compile=true does not combine with train.parallel=fsdp yet: set "
+                             "train.compile=false (or train.parallel=ddp)")
+        if self.parallel == "fsdp" and self.micro_batch_size == "auto":
+            raise ValueError("train.micro_batch_size=auto cannot probe memory under train.parallel=fsdp: set "
+                             "train.micro_batch_size to a number (or train.parallel=ddp)")
         if self.parallel == "ddp" and self.fsdp != FSDPConfig():
             raise ValueError("train.fsdp has no effect with train.parallel=ddp; remove it or set "
                              "train.parallel=fsdp")

@@ -55,6 +55,11 @@ def test_any_two_batch_sizes_derive_the_third(overrides: list[str], expected: tu
         (["train.parallel=fsdp", "train.sync=local_sgd"], "train.sync=local_sgd averages whole replicas and cannot "
                                                           "run on sharded parameters"),
         (["train.fsdp.defer_sync=true"], "train.fsdp has no effect with train.parallel=ddp"),
+        # What the workers could only refuse after the worker group started: refused on the driver instead.
+        (["train.parallel=fsdp", "train.compile=true"], "train.compile=true does not combine with "
+                                                        "train.parallel=fsdp"),
+        (["train.parallel=fsdp", "train.micro_batch_size=auto"], "train.micro_batch_size=auto cannot probe memory "
+                                                                 "under train.parallel=fsdp"),
         (["train.parallel=zero3"], "config key 'train.parallel'"),
         (["scaling.accelerator_type=H100"], "scaling.accelerator_type needs scaling.use_gpu=true"),
         (["optim.lr"], "must look like section.key=value"),
