@@ -187,6 +187,28 @@ def build_ledger(history: list[dict[str, Any]], wall_s: float, pricing: Pricing,
     return Ledger(wall_s, pricing, seconds)
 
 
+def attempt_record(began: float, history: list[dict[str, Any]], ended: float) -> dict[str, Any]:
+    """One driver attempt of a run (a command, or its `--resume`) as the ledger needs it: when the command began and
+    when it was last seen (epoch seconds), and its reports' steps, intervals, phase shares and restart marks, their
+    arrival made absolute. Kept in storage beside the run (runs.ATTEMPTS_DIR) so a later `--resume` can bill the
+    whole run; plain JSON."""
+    keep = ("step", "interval_s", "world_size", RESTART_MARK)
+    reports = [{k: v for k, v in r.items() if k in keep or (k.startswith("time/") and k.endswith("_frac"))}
+               | {"at": began + r["elapsed_s"]} for r in history if "elapsed_s" in r and "interval_s" in r]
+    return {"began": began, "ended": ended, "reports": reports}
+
+
+def ledger_across_attempts(attempts: list[dict[str, Any]], pricing: Pricing) -> Ledger:
+    """The run's ledger over every attempt (Google's goodput and Meta's ETTR count a job's wall clock from its first
+    start): the wall clock from the first command to the end of the last one; steps an attempt trained again after
+    an earlier one had reported them are wasted progress, and the gap between one attempt's last report and the
+    next one's first interval (the driver's death, the wait for `--resume`, the new start-up) is recovery."""
+    ordered = sorted(attempts, key=lambda a: a["began"])
+    t0 = ordered[0]["began"]
+    history = [r | {"elapsed_s": r["at"] - t0} for a in ordered for r in a["reports"]]
+    return build_ledger(history, max(a["ended"] for a in ordered) - t0, pricing)
+
+
 def study_metrics(ledgers: list[Ledger]) -> dict[str, float]:
     """Summed over a study's trials: what the trials held (concurrent trials each count their own nodes)."""
     if not ledgers:

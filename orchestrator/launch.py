@@ -18,12 +18,12 @@ from orchestrator.checks import model_state_advice, resolve_for_data
 from orchestrator.cluster import connect_ray, shutdown_local_ray, train_environment
 from orchestrator.config import Config, to_yaml
 from orchestrator.console import LOG_FILE, RunLog
-from orchestrator.cost import build_ledger, resolve_pricing
+from orchestrator.cost import build_ledger, ledger_across_attempts, resolve_pricing
 from orchestrator.errors import ConfigError
 from orchestrator.model_logging import checkpoint_weights, log_final_model
 from orchestrator.plots import plot_history
 from orchestrator.progress import ForwardFailures, ReportConsumer, progress_line
-from orchestrator.runs import RUN_CONFIG, RunPlace, latest_run, new_run, open_run_storage
+from orchestrator.runs import RUN_CONFIG, AttemptLog, RunPlace, latest_run, new_run, open_run_storage
 from orchestrator.startup import StartupClock
 from orchestrator.tracking import (
     Tracker,
@@ -57,6 +57,8 @@ class TrainResult:
     cost: Any = None  # orchestrator.cost.Ledger: node-hours, $ and the productive/overhead split
     startup: dict[str, float] = field(default_factory=dict)  # seconds per start-up part, to the first step
     startup_alongside: dict[str, float] = field(default_factory=dict)  # stages run at once with one of those parts
+    run_cost: Any = None  # a resumed run's Ledger over all its attempts (cost.ledger_across_attempts); else None
+    attempts: int = 1  # driver attempts of this run: the first command and each `--resume`
 
 
 def _log_final_artifacts(tracker: Tracker, config: Config, checkpoint_path: str | None,
@@ -184,6 +186,7 @@ def _train(config: Config, address: str | None, verbose: bool, infos: dict[str, 
 
         log.divert()
     history: list[dict[str, Any]] = []
+    attempt = AttemptLog(place, clock.started_at)
     with interrupted(place, history):  # Ctrl+C while Ray starts or the run is opened: an opened run ends KILLED
         # MLflow's run is opened in a thread while Ray starts here (Ray wants the main thread for its signal
         # handlers, and Ctrl+C reaches only this one): neither waits for the other.
@@ -210,7 +213,7 @@ def _train(config: Config, address: str | None, verbose: bool, infos: dict[str, 
                 raise ConfigError(f"this run needs {missing}")
             with train_environment(config, private_cluster=started_ray):
                 result, failures, checkpoint = _fit(config, infos, place, tracker, verbose, clock, log, history,
-                                                    started_ray)
+                                                    started_ray, attempt)
             if started_ray:
                 # Ray's shutdown mostly waits for its processes to exit: let them, while the artifacts are logged.
                 stopping = threading.Thread(target=shutdown_local_ray, name="ray-shutdown")
@@ -221,9 +224,16 @@ def _train(config: Config, address: str | None, verbose: bool, infos: dict[str, 
                 stopping.join()
             elif started_ray:
                 shutdown_local_ray()
+            attempt.save(history, force=True)  # also when the run failed or was interrupted: a resume bills it
         # Billed from the command's start to now, Ray's shutdown included: what the user's stopwatch shows.
-        result.cost = _cost(config, result.history, clock.since_start(), failures)
-        tracker.log_metrics(result.cost.metrics(), step=result.history[-1]["step"] if result.history else 0)
+        wall_s = clock.since_start()
+        result.cost = _cost(config, result.history, wall_s, failures)
+        attempt.save(history, ended=clock.started_at + wall_s, force=True)
+        attempts = place.read_attempts() if record is not None else []
+        if len(attempts) > 1:  # a resumed run: MLflow's run spans every attempt, so its cost figures do too
+            result.attempts, result.run_cost = len(attempts), ledger_across_attempts(attempts, result.cost.pricing)
+        logged = (result.run_cost or result.cost).metrics() | {"cost/attempts": float(result.attempts)}
+        tracker.log_metrics(logged, step=result.history[-1]["step"] if result.history else 0)
     tracker.finish("FINISHED")
     return result
 
@@ -325,8 +335,8 @@ def _reopen_id(config: Config, record: dict[str, Any] | None) -> str | None:
 
 
 def _fit(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, tracker: Tracker,
-         verbose: bool, clock: StartupClock, log: RunLog, history: list[dict[str, Any]], private_cluster: bool
-         ) -> tuple[TrainResult, int, Any]:
+         verbose: bool, clock: StartupClock, log: RunLog, history: list[dict[str, Any]], private_cluster: bool,
+         attempt: AttemptLog) -> tuple[TrainResult, int, Any]:
     """Fit the run while a driver thread shows and tracks its metrics (appended to `history` as they come).
     Returns the result, how many worker failures Ray Train restarted from, and the final Ray Checkpoint. On a
     `private_cluster` an error every restart would repeat ends the run at once (shutting the cluster down ends Ray
@@ -360,6 +370,7 @@ def _fit(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, tracker
             print(line, file=sys.stderr)
         report["elapsed_s"] = clock.since_start()  # when it arrived: the cost ledger's timeline
         history.append(report)
+        attempt.save(history)
         tracker.log_metrics(report, step=report["step"])
         if "precision" in report:
             tracker.set_tags({"orchestrator.precision": report["precision"]})
@@ -456,6 +467,9 @@ def summary(result: TrainResult) -> str:
         lines.append(throughput + " over the training's wall clock (first step to last)")
     if result.cost is not None:
         lines.append(result.cost.line())
+    if result.run_cost is not None:
+        lines.append(f"run over its {result.attempts} attempts (from the first command): "
+                     f"{result.run_cost.time_line().removeprefix('time: ')} | ETTR {result.run_cost.ettr:.0%}")
     lines.append(f"checkpoint: {result.checkpoint_path}")
     if result.run_id:
         lines.append(f"MLflow run id: {result.run_id}")

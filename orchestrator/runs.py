@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -16,12 +17,14 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from orchestrator.config import Config, flatten, to_dict
+from orchestrator.cost import attempt_record
 from orchestrator.errors import ConfigError
 from pipelines.config import is_remote
 from pipelines.storage import Storage, open_storage
 
 RUN_RECORD = "orchestrator-run.json"
 RUN_CONFIG = "config.yaml"
+ATTEMPTS_DIR = "attempts"  # one JSON record per driver attempt (cost.attempt_record), named by its start
 RAY_CHECKPOINTS = "checkpoint_manager_snapshot.json"  # Ray Train's record of the checkpoints it registered
 
 # What `--resume` may change: how the run is watched, fed, placed and billed, and how the global batch is split
@@ -69,6 +72,17 @@ class RunPlace:
     def write_record(self, record: dict[str, Any], name: str = RUN_RECORD) -> None:
         self.write_text(name, json.dumps(record, indent=1))
 
+    def write_attempt(self, attempt: dict[str, Any]) -> None:
+        """Write (or rewrite) this attempt's record; each attempt owns its own file, so none overwrites another."""
+        self.write_text(f"{ATTEMPTS_DIR}/{attempt['began']:.3f}.json", json.dumps(attempt))
+
+    def read_attempts(self) -> list[dict[str, Any]]:
+        """Every attempt's record written so far (an unreadable one, cut by a kill mid-write, is left out)."""
+        fs = self.storage.filesystem()
+        infos = fs.get_file_info(pafs.FileSelector(f"{self.path}/{ATTEMPTS_DIR}", allow_not_found=True))
+        attempts = [self.read_record(f"{ATTEMPTS_DIR}/{i.base_name}") for i in infos if i.base_name.endswith(".json")]
+        return [a for a in attempts if a]
+
     def read_text(self, name: str) -> str | None:
         try:
             with self.storage.filesystem().open_input_stream(f"{self.path}/{name}") as f:
@@ -94,9 +108,30 @@ class RunPlace:
 
     def write_text(self, name: str, text: str) -> None:
         fs = self.storage.filesystem()
-        fs.create_dir(self.path, recursive=True)
-        with fs.open_output_stream(f"{self.path}/{name}") as f:
+        target = f"{self.path}/{name}"
+        fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
+        with fs.open_output_stream(target) as f:
             f.write(text.encode())
+
+
+class AttemptLog:
+    """This command's attempt record in the run's storage (runs.ATTEMPTS_DIR), so that a `--resume` bills the whole
+    run. Rewritten with every report, at most every `every_s` seconds: a driver killed by SIGKILL loses at most that
+    much of its record, and the time is still billed (as recovery) by the attempt after it."""
+
+    def __init__(self, place: RunPlace, began: float, every_s: float = 5.0) -> None:
+        self.place, self.began, self.every_s = place, began, every_s
+        self._saved_at = 0.0
+
+    def save(self, history: list[dict[str, Any]], ended: float | None = None, force: bool = False) -> None:
+        now = time.time()
+        if not force and now - self._saved_at < self.every_s:
+            return
+        self._saved_at = now
+        try:
+            self.place.write_attempt(attempt_record(self.began, history, ended or now))
+        except OSError as exc:  # the record is for billing: it must not fail a run that trains
+            print(f"warning: could not write the run's attempt record in {self.place.uri}: {exc}", file=sys.stderr)
 
 
 def _run_names(storage: Storage, experiment: str) -> list[str]:

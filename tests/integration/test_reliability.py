@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from orchestrator import load_config
+from orchestrator.cost import PARTS
 from orchestrator.launch import TrainResult, train
 from orchestrator.training.checkpoint import check_complete, load_state
 
@@ -193,6 +194,7 @@ def test_killed_driver_resumes_with_the_same_run_and_mlflow_run(ray_cluster: Non
             for a in ("--set", o)]
     command = [str(BIN / "orchestrator"), "train", "--config", str(config),
                "--address", ray.get_runtime_context().gcs_address, *sets]
+    began = time.time()
     first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(first.stdout or []), daemon=True).start()
@@ -204,6 +206,7 @@ def test_killed_driver_resumes_with_the_same_run_and_mlflow_run(ray_cluster: Non
     finally:
         first.kill()  # SIGKILL: no cleanup, like a lost head node shell or an OOM-killed driver
         first.wait(timeout=30)
+        killed = time.time()
     assert not any(line.startswith("step 40/40") for line in lines), "killed too late: the first run had finished"
     (run_dir,) = (tmp_path / "runs").glob("resume-me-*")
     run_id = json.loads((run_dir / "orchestrator-run.json").read_text())["mlflow_run_id"]
@@ -217,7 +220,9 @@ def test_killed_driver_resumes_with_the_same_run_and_mlflow_run(ray_cluster: Non
     assert refused.returncode == 2 and "optim.lr:" in refused.stderr and "-> 0.5" in refused.stderr, refused.stderr
     assert "without --resume to start a new run" in refused.stderr
 
+    resuming = time.time()
     resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=180)
+    ended = time.time()
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     steps = [int(s) for s in re.findall(r"^step (\d+)/40", resumed.stdout, re.MULTILINE)]
     assert steps and steps[0] > 10 and steps[-1] == 40, steps  # continued, not redone from step 5
@@ -230,10 +235,18 @@ def test_killed_driver_resumes_with_the_same_run_and_mlflow_run(ray_cluster: Non
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("default").experiment_id])
     assert [r.info.run_id for r in runs] == [run_id] and runs[0].info.status == "FINISHED"
-    from orchestrator.tracking import chart_key, mlflow_key
+    from orchestrator.tracking import chart_key, mlflow_key, read_summary
 
     logged = [m.step for m in client.get_metric_history(run_id, chart_key(mlflow_key("train_loss"), None))]
     assert min(logged) == 5 and max(logged) == 40
+    # The run's ledger spans both attempts: its wall clock runs from the first command's start to the resumed
+    # one's end, and the time from the kill to the resume (at least) is recovery.
+    assert "run over its 2 attempts (from the first command)" in resumed.stdout
+    cost = read_summary(client, run_id)  # 4 significant digits
+    assert cost["cost/attempts"] == 2
+    assert ended - began - 5 < cost["cost/wall_s"] <= (ended - began) * 1.001, (cost["cost/wall_s"], ended - began)
+    assert cost["cost/recovery_frac"] * cost["cost/wall_s"] >= (resuming - killed) * 0.999
+    assert sum(cost[f"cost/{part}_frac"] for part in PARTS) == pytest.approx(1.0, abs=0.02)
 
 
 def test_ctrl_c_exits_130_marks_the_run_killed_and_its_resume_command_continues(

@@ -201,3 +201,29 @@ def test_elastic_run_is_billed_at_the_largest_world_size_it_reached() -> None:
     pinned = load_config(None, ["scaling.num_workers=[2, 6]", "train.global_batch_size=120", "scaling.use_gpu=true",
                                 "cost.node_type=gpu_spot", "cost.nodes=3"])
     assert resolve_pricing(pinned, world_size=6).nodes == 3
+
+
+def test_a_resumed_run_is_one_ledger_across_its_attempts() -> None:
+    from orchestrator.cost import attempt_record, ledger_across_attempts
+
+    # Attempt 1 began at t=1000 (epoch seconds), reported steps 10 and 20, then its driver was killed (last record
+    # at t=1045). Attempt 2 (`--resume`) began at t=1100 from step 10's checkpoint, redid step 20, reached 30, and
+    # ended at t=1150. Each attempt's `elapsed_s` counts from its own command's start.
+    first = attempt_record(1000.0, [report(10, 30.0) | {"worker_pid": 101}, report(20, 40.0)], ended=1045.0)
+    second = attempt_record(1100.0, [report(20, 35.0) | {"worker_pid": 102}, report(30, 45.0)], ended=1150.0)
+    ledger = ledger_across_attempts([second, first], PRICED)  # in any order: sorted by when each began
+    s = ledger.seconds
+    assert ledger.wall_s == pytest.approx(150.0)  # from the first command to the end of the last one
+    assert s["startup"] == pytest.approx(20.0)  # attempt 1's first interval began at t=1020
+    assert s["wasted"] == pytest.approx(10.0)  # attempt 1's step 20, trained again by attempt 2
+    # From attempt 1's last report (t=1040) to attempt 2's first kept interval (began t=1125): the driver's death,
+    # the time before --resume, and attempt 2's start-up. A restart to the first step again is recovery.
+    assert s["recovery"] == pytest.approx(85.0)
+    assert s["compute"] + s["sync"] == pytest.approx(3 * 8.0)  # steps 10 (attempt 1), 20 and 30 (attempt 2)
+    assert s["shutdown"] == pytest.approx(5.0)
+    assert sum(s.values()) == pytest.approx(150.0)
+    assert ledger.ettr == pytest.approx(24.0 / 145.0)
+    # A record keeps what the ledger needs, and survives JSON (it is written beside the run in storage).
+    import json
+
+    assert json.loads(json.dumps(first)) == first and "val_loss" not in json.dumps(first)
