@@ -45,7 +45,7 @@ def checkpoint_weights(directory: str | Path) -> dict[str, Any]:
     prefix = f"{SHARDED_MODEL_KEY}."
     # Empty full-size tensors named and shaped by the checkpoint's metadata: DCP fills each from the shards
     # that cover it, whatever world size wrote them.
-    weights = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
+    weights = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype, device="cpu")
                for key, meta in reader.read_metadata().state_dict_metadata.items()
                if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
     if not weights:

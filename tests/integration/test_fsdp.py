@@ -1,0 +1,149 @@
+"""train.parallel=fsdp end to end on a real local Ray cluster (2 workers, gloo): digits, the built-in GPT and a Hugging
+Face GPT-2 train, the MLflow run finishes, and the logged MLflow Model is the whole trained model (its outputs are
+those of the final checkpoint's shards, put together here by torch's own DCP consolidation)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from orchestrator import load_config, train
+from orchestrator.launch import TrainResult
+from orchestrator.models import build_model
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+# ---- fixtures shared by this module's tests (one Ray cluster: conftest's module-scoped `ray_cluster`) -----------
+
+
+@pytest.fixture(scope="module")
+def text_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Byte-tokenised text in sequences of 32 (`prepare text`): a random lowercase letter, then its capital."""
+    from pipelines.prepare import prepare_text
+
+    out = tmp_path_factory.mktemp("fsdp_text")
+    letters = np.random.default_rng(0).integers(0, 16, 8_000)
+    text = np.empty(2 * len(letters), np.uint8)
+    text[0::2], text[1::2] = ord("a") + letters, ord("A") + letters
+    (out / "pairs.txt").write_bytes(text.tobytes())
+    prepare_text([str(out / "pairs.txt")], str(out / "text"), seq_len=32)
+    return str(out / "text")
+
+
+@pytest.fixture()
+def mlflow_uri(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
+    """Points MLflow's process-wide tracking URI (what runs:/ resolves against) at a test's store, and back."""
+    import mlflow
+    from mlflow.tracking._tracking_service import utils
+
+    monkeypatch.setattr(utils, "_tracking_uri", utils._tracking_uri)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return mlflow.set_tracking_uri
+
+
+def fsdp_run(tmp_path: Path, config: Path | None, *overrides: str) -> TrainResult:
+    """A 2-worker FSDP run with MLflow tracking into a SQLite store under `tmp_path`."""
+    return train(load_config(config, [
+        "scaling.num_workers=2", "train.parallel=fsdp", f"storage.path={tmp_path}/runs",
+        f"tracking.uri=sqlite:///{tmp_path}/mlruns.db", "tracking.experiment=fsdp", *overrides]), verbose=False)
+
+
+def checkpoint_model(result: TrainResult) -> dict[str, torch.Tensor]:
+    """The final checkpoint's model, consolidated from the ranks' shards by torch's own DCP tools (not the
+    product's reader)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    assert result.checkpoint_path is not None
+    assert (Path(result.checkpoint_path) / ".metadata").is_file()  # sharded: DCP's files, no state.pt
+    full = Path(result.checkpoint_path).parent / "consolidated.pt"
+    dcp_to_torch_save(result.checkpoint_path, full)
+    return torch.load(full, weights_only=False)["model"]
+
+
+def assert_finished_with_the_trained_model(result: TrainResult, mlflow_uri: Callable[[str], None],
+                                           reference: torch.nn.Module, call: Callable[[Any], torch.Tensor]) -> None:
+    """MLflow run FINISHED; `mlflow.pytorch.load_model` gives a model whose outputs (`call`) are those of
+    `reference` holding the final checkpoint's weights."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    assert result.run_id is not None and result.tracking_uri is not None
+    assert MlflowClient(tracking_uri=result.tracking_uri).get_run(result.run_id).info.status == "FINISHED"
+    reference.load_state_dict(checkpoint_model(result))
+    reference.eval()
+    mlflow_uri(result.tracking_uri)
+    loaded = mlflow.pytorch.load_model(f"runs:/{result.run_id}/model")
+    with torch.no_grad():
+        torch.testing.assert_close(call(loaded), call(reference), atol=1e-5, rtol=1e-5)
+
+
+def assert_sharded_facts(result: TrainResult, reference: torch.nn.Module) -> None:
+    """The first report's facts: the mode and rank 0's bytes, about half the model's (a row of padding more)."""
+    first = result.history[0]
+    full = sum(p.numel() * p.element_size() for p in reference.parameters())
+    assert first["parallel"] == "fsdp"
+    assert full / 2 * 0.95 <= first["param_bytes_per_rank"] <= full / 2 * 1.25, (first["param_bytes_per_rank"], full)
+    assert first["optimizer_bytes_per_rank"] >= 2 * first["param_bytes_per_rank"]  # AdamW: two moments per shard
+
+
+# ---- tests -------------------------------------------------------------------------------------------------------
+
+
+def test_digits_mlp_trains_sharded_and_logs_the_whole_model(ray_cluster: None, tmp_path: Path, digits_dir: str,
+                                                            mlflow_uri: Callable[[str], None]) -> None:
+    result = fsdp_run(tmp_path, None, f"data.train={digits_dir}/train", f"data.val={digits_dir}/val",
+                      "train.fsdp.blocks=[Linear]", "train.max_steps=40", "train.log_every=20",
+                      "train.eval_every=40", "checkpoint.every=40", "train.micro_batch_size=32")
+    assert result.metrics["step"] == 40 and result.metrics["world_size"] == 2
+    assert result.metrics["val_accuracy"] > 0.8  # 10 classes: chance is 0.1
+    assert result.history[-1]["train_loss"] < 0.5 * result.history[0]["train_loss"]
+    reference = build_model("mlp", None, 64, 10, result.config.model.kwargs)
+    assert_sharded_facts(result, reference)
+    x = torch.rand(5, 64) * 16
+    assert_finished_with_the_trained_model(result, mlflow_uri, reference, lambda model: model(x))
+
+
+def test_builtin_gpt_trains_sharded_per_block(ray_cluster: None, tmp_path: Path, text_dir: str,
+                                              mlflow_uri: Callable[[str], None]) -> None:
+    result = fsdp_run(tmp_path, ROOT / "examples" / "text-gpt.yaml", f"data.train={text_dir}/train",
+                      f"data.val={text_dir}/val", "model.d_model=32", "model.n_layer=2", "model.n_head=2",
+                      "train.max_steps=20", "train.log_every=10", "train.eval_every=20", "checkpoint.every=20",
+                      "train.global_batch_size=16", "train.micro_batch_size=4", "train.fsdp.defer_sync=true",
+                      "optim.warmup_steps=2")
+    assert result.config.train.grad_accum_steps == 2
+    assert result.history[-1]["train_loss"] < result.history[0]["train_loss"] < 6.0  # per token: ln(256) = 5.5
+    assert 0 < result.metrics["val_accuracy"] < 1
+    context = checkpoint_model(result)["position.weight"].shape[0]  # the data's sequence, less the last token
+    reference = build_model("gpt", None, context, 256, result.config.model.kwargs)
+    assert_sharded_facts(result, reference)
+    tokens = torch.randint(0, 256, (3, context))
+    assert_finished_with_the_trained_model(result, mlflow_uri, reference, lambda model: model(tokens))
+
+
+def test_hugging_face_gpt2_trains_sharded_and_loads_as_its_own_class(
+        ray_cluster: None, tmp_path: Path, text_dir: str, mlflow_uri: Callable[[str], None],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("transformers")
+    from examples.models import gpt2
+
+    result = fsdp_run(tmp_path, ROOT / "examples" / "text-gpt2.yaml", f"data.train={text_dir}/train",
+                      f"data.val={text_dir}/val", "model.context=33", "model.width=16", "train.max_steps=4",
+                      "train.log_every=2", "train.eval_every=4", "checkpoint.every=4", "train.global_batch_size=8",
+                      "train.micro_batch_size=2", "optim.warmup_steps=1")
+    assert result.metrics["step"] == 4 and 0 < result.metrics["val_accuracy"] < 1
+    reference = gpt2(256, context=33, width=16)
+    assert_sharded_facts(result, reference)
+    monkeypatch.setenv("MLFLOW_ALLOW_PICKLE_DESERIALIZATION", "true")  # a Hugging Face model is saved pickled
+    import mlflow
+
+    mlflow_uri(result.tracking_uri or "")
+    assert type(mlflow.pytorch.load_model(f"runs:/{result.run_id}/model")).__name__ == "GPT2LMHeadModel"
+    input_ids = torch.randint(0, 256, (2, 33))
+    assert_finished_with_the_trained_model(result, mlflow_uri, reference,
+                                           lambda model: model(input_ids=input_ids).logits)
