@@ -100,17 +100,24 @@ def build_run(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, ca
               metrics_queue: Any) -> Any:
     """Datasets and TorchTrainer for one run, in this process's Ray Data context (the driver for `train`, the
     trial actor for each Tune trial). Rank 0 puts its metrics on `metrics_queue` (a ray.util.queue.Queue)."""
+    # A resumed run (one with checkpoints in its place) is fed as its checkpoints were; a new one decides now.
+    saved = checkpointed_cache_decision(place.storage.filesystem(), place.path, place.registered_step())
+    spec, datasets = build_inputs(config, infos, place.name, saved, metrics_queue)
+    return build_trainer(config, spec, datasets, place, callbacks)
+
+
+def build_inputs(config: Config, infos: dict[str, DatasetInfo], name: str, saved: str | None,
+                 metrics_queue: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What the ranks of run `name` are handed (train_worker's spec) and its datasets, fed under the cache decision
+    of the checkpoint it resumes from (`saved`), else the one data.cache and the object store make now."""
     import ray
     from ray.data import DataContext
 
-
     # The workers advance this clock each epoch; the train reader draws that epoch's shard order from it.
-    clock = f"orchestrator-epoch-{place.name}-{uuid.uuid4().hex[:8]}" if config.data.shuffle else None
+    clock = f"orchestrator-epoch-{name}-{uuid.uuid4().hex[:8]}" if config.data.shuffle else None
     if clock:
         create_epoch_clock(clock)
     store_bytes = ray.cluster_resources().get("object_store_memory", 0)
-    # A resumed run (one with checkpoints in its place) is fed as its checkpoints were; a new one decides now.
-    saved = checkpointed_cache_decision(place.storage.filesystem(), place.path, place.registered_step())
     decision = resumed_cache_decision(config.data, infos, store_bytes, saved)
     spec = {"config": to_dict(config), "in_features": in_features(config, infos["train"]), "epoch_clock": clock,
             "cache_decision": decision, "metrics_queue": metrics_queue, "sample": infos["train"].sample}
@@ -120,7 +127,7 @@ def build_run(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, ca
     context.enable_progress_bars = False
     datasets = build_datasets(config.data, infos, store_bytes, seed=config.train.seed, epoch_clock=clock,
                               decision=decision)
-    return build_trainer(config, spec, datasets, place, callbacks)
+    return spec, datasets
 
 
 def _worker_entry(spec: dict[str, Any]) -> dict[str, Any]:

@@ -4,10 +4,10 @@ by all ranks and kept across a resume at the same world size."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import psutil
-import ray.train
 import torch
 import torch.distributed as dist
 
@@ -15,7 +15,7 @@ from orchestrator.config import Config
 from orchestrator.config.batching import split_batch
 from orchestrator.errors import ConfigError
 from orchestrator.tasks import step_loss_sum
-from orchestrator.training import fsdp
+from orchestrator.training import fsdp, ranks
 from orchestrator.training.checkpoint import unwrap
 from orchestrator.training.memory import (
     GIB,
@@ -37,8 +37,7 @@ def probe_batch(sample: Batch, size: int, device: torch.device) -> Batch:
 
 def choose_micro_batch(cfg: Config, parts: Parts, sample: Batch) -> int:
     """The largest micro-batch (a divisor of the per-worker batch) that fits, agreed by all ranks (their minimum)."""
-    context = ray.train.get_context()
-    world, device = context.get_world_size(), parts.device
+    world, device = ranks.world()[1], parts.device
     per_worker = cfg.train.global_batch_size // world
     model = unwrap(parts.model)
 
@@ -64,7 +63,7 @@ def choose_micro_batch(cfg: Config, parts: Parts, sample: Batch) -> int:
                 parts.optimizer.state.clear()
         else:
             budget = (cfg.train.memory_budget_gb * GIB if cfg.train.memory_budget_gb
-                      else psutil.virtual_memory().total / 2 / context.get_local_world_size())
+                      else psutil.virtual_memory().total / 2 / _ranks_on_this_node())
             batch = probe_batch(sample, min(per_worker, 8), device)
             per_sample = activation_bytes_per_sample(model, rows(batch), lambda: loss_of(batch))
             slots = 2 if cfg.optim.name == "adamw" else 1
@@ -73,7 +72,7 @@ def choose_micro_batch(cfg: Config, parts: Parts, sample: Batch) -> int:
     if world > 1:
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
     size = int(agreed.item())
-    if context.get_world_rank() == 0:
+    if ranks.world()[0] == 0:
         print(f"auto micro-batch: {size} per worker x {per_worker // size} accumulation x {world} workers "
               f"= global batch {cfg.train.global_batch_size}", flush=True)
     return size
@@ -103,6 +102,12 @@ def for_world_size(cfg: Config, world: int, micro: int | None = None) -> Config:
     return cfg.model_copy(update={"train": t.model_copy(update={"micro_batch_size": micro, "grad_accum_steps": accum})})
 
 
+def _ranks_on_this_node() -> int:
+    """Ranks sharing this node's memory: Ray Train sets LOCAL_WORLD_SIZE in each worker; a Tune trial that trains
+    in its own process is one rank."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def refuse_auto_under_fsdp(parts: Parts) -> None:
     """The probe runs forwards of its own sizes and, on a GPU, stops at an out-of-memory error: under FSDP every
     forward holds all-gathers, so one rank running out while the others go on would leave them waiting."""
@@ -115,12 +120,11 @@ def with_auto_micro_batch(cfg: Config, parts: Parts, state: dict[str, Any] | Non
     """`train.micro_batch_size=auto` resolved on this group: the checkpoint's micro-batch when resuming at the same
     world size, else the largest that fits (measured here, agreed by all ranks); the accumulation derived from it."""
     refuse_auto_under_fsdp(parts)
-    context = ray.train.get_context()
-    world = context.get_world_size()
+    rank, world = ranks.world()  # the process group's: Ray Train's, or one rank in a Tune trial's own process
     micro = checkpoint_micro_batch(state, cfg.train.global_batch_size // world, world)
     if micro is None:
         micro = choose_micro_batch(cfg, parts, sample)
-    elif context.get_world_rank() == 0:
+    elif rank == 0:
         print(f"auto micro-batch: {micro} per worker, as in the checkpoint", flush=True)
     release_cached_memory(parts.device)
     return for_world_size(cfg, world, micro)

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import ray.train
 import ray.train.torch
+import torch
 
-from orchestrator.config import config_from_dict
+from orchestrator.config import Config, config_from_dict
 from orchestrator.training.checkpoint import Progress, load_state, restore
-from orchestrator.training.loop import run
+from orchestrator.training.loop import Reporter, run
 from orchestrator.training.micro_batch import for_world_size, with_auto_micro_batch
 from orchestrator.training.parts import build_parts, compile_model
 from orchestrator.training.precision import flush_denormals
@@ -31,13 +34,46 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
     quiet_report_log()
     context = ray.train.get_context()
     world, rank = context.get_world_size(), context.get_world_rank()
+    cfg = rank_config(spec, world)
+    seat = Seat(world, rank, ray.train.torch.get_device(), entered)
+    reporter = RayReporter(spec.get("metrics_queue"), cfg.checkpoint.upload)
+    try:
+        return train_rank(spec, cfg, seat, checkpoint_to_resume, ray.train.get_dataset_shard("train"),
+                          ray.train.get_dataset_shard("val") if cfg.data.val is not None else None, reporter,
+                          preempted if cfg.checkpoint.on_preemption else None)
+    finally:
+        reporter.close()
+
+
+@dataclass(frozen=True)
+class Seat:
+    """Where one rank's loop runs: its group's size, its rank, its device, and when its process entered it."""
+
+    world: int
+    rank: int
+    device: torch.device
+    entered: float
+
+
+def rank_config(spec: dict[str, Any], world: int) -> Config:
+    """The run's config for a rank of a `world`-rank group, with this thread's denormal setting applied (before its
+    first parallel op, see flush_denormals): the first thing a rank does, under Ray Train or in a Tune trial."""
     cfg = for_world_size(config_from_dict(spec["config"]), world)
-    flush_denormals(cfg.train.flush_denormal)  # before this thread's first parallel op (see its docstring)
-    device = ray.train.torch.get_device()
+    flush_denormals(cfg.train.flush_denormal)
+    return cfg
+
+
+def train_rank(spec: dict[str, Any], cfg: Config, seat: Seat, load_state: Callable[[], dict[str, Any] | None],
+               train_shard: Any, val_shard: Any | None, reporter: Reporter,
+               preempted: Callable[[], bool] | None) -> dict[str, Any]:
+    """One rank from its device on: model, optimizer and data wired from `spec` (see train_worker), the checkpoint
+    `load_state` returns restored, then `loop.run`. Shared by Ray Train's workers and a one-worker Tune trial that
+    trains in its own process (tuning/trial.py): same seed, same set-up, same loop, same figures."""
+    device = seat.device
     pretrained = fetch_pretrained(cfg.model.pretrained, cfg.data.s3) if cfg.model.pretrained else None
     parts = build_parts(cfg, spec["in_features"], device, pretrained)
     named = cfg.model.inputs is not None
-    state = checkpoint_to_resume()
+    state = load_state()
     if cfg.train.micro_batch_size == "auto":
         # Before the checkpoint is restored: probing touches weights and optimizer state, then puts them back.
         cfg = with_auto_micro_batch(cfg, parts, state, collate_sample(spec["sample"], cfg.data, named))
@@ -48,21 +84,16 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
     del state  # the model and optimizer hold their copies now
 
     t = cfg.train
-    data = RankBatches(cfg.data, ray.train.get_dataset_shard("train"),
-                       ray.train.get_dataset_shard("val") if cfg.data.val is not None else None,
-                       t.micro_batch_size, t.seed, rank, spec.get("epoch_clock"),  # type: ignore[arg-type]
+    data = RankBatches(cfg.data, train_shard, val_shard,
+                       t.micro_batch_size, t.seed, seat.rank, spec.get("epoch_clock"),  # type: ignore[arg-type]
                        replay=decision == REPLAY, named=named,
                        schema=getattr(spec.get("sample"), "schema", None))  # decides the padded columns
     # Facts only a worker knows, sent with the first report of every (re)start.
     facts = {"precision": parts.precision.mode, "grad_accum_steps": t.grad_accum_steps,
-             "global_batch": t.micro_batch_size * t.grad_accum_steps * world,  # type: ignore[operator]
-             "worker_pid": os.getpid(), "world_rank": rank, "at/worker": entered}
-    reporter = RayReporter(spec.get("metrics_queue"), cfg.checkpoint.upload)
-    try:
-        return run(cfg, parts, data.train, data.val if cfg.data.val is not None else None, reporter, progress,
-                   preempted if cfg.checkpoint.on_preemption else None, facts)
-    finally:
-        reporter.close()
+             "global_batch": t.micro_batch_size * t.grad_accum_steps * seat.world,  # type: ignore[operator]
+             "worker_pid": os.getpid(), "world_rank": seat.rank, "at/worker": seat.entered}
+    return run(cfg, parts, data.train, data.val if cfg.data.val is not None else None, reporter, progress,
+               preempted, facts)
 
 
 def fetch_pretrained(uri: str, s3: Any) -> str:
@@ -73,7 +104,12 @@ def fetch_pretrained(uri: str, s3: Any) -> str:
 
 def checkpoint_to_resume() -> dict[str, Any] | None:
     """The state of the checkpoint Ray Train restarts this group from (the newest complete one), or None."""
-    checkpoint = loadable_checkpoint(ray.train.get_checkpoint())
+    return state_of(ray.train.get_checkpoint())
+
+
+def state_of(checkpoint: ray.train.Checkpoint | None) -> dict[str, Any] | None:
+    """The state of `checkpoint`, or of the newest complete one before it when it is incomplete; None if none."""
+    checkpoint = loadable_checkpoint(checkpoint)
     if checkpoint is None:
         return None
     with checkpoint.as_directory() as directory:

@@ -65,6 +65,7 @@ class TuneResult:
     resumed: bool
     rank_by: str = "metric"
     cost: dict[str, float] = field(default_factory=dict)  # the study's cost/* metrics (summed over trials)
+    goodput: dict[str, float] = field(default_factory=dict)  # study/goodput and its parts (study_goodput)
 
 
 def best_yaml(tree: dict[str, Any], params: dict[str, Any], header: str = "") -> str:
@@ -151,8 +152,9 @@ def local_dir(place: RunPlace) -> Path:
 
 
 def record(config: Config, tree: dict[str, Any], trials: list[TrialSummary], best: TrialSummary, metric: str,
-            mode: str, place: RunPlace, tracker: Tracker, resumed: bool) -> TuneResult:
-    """best.yaml, plots and the best trial on the parent run."""
+            mode: str, place: RunPlace, tracker: Tracker, resumed: bool, wall_s: float | None = None) -> TuneResult:
+    """best.yaml, plots and the best trial on the parent run. `wall_s`: the study's wall clock so far, from the
+    command's start (its goodput's denominator)."""
     study, study_path = place.name, place.uri
     values = ", ".join(f"{k}={v}" for k, v in best.params.items())
     header = (f"# Best of study {study}: trial {best.trial_id} ({best.label}), {metric}={best.metric:.4f} with "
@@ -173,17 +175,39 @@ def record(config: Config, tree: dict[str, Any], trials: list[TrialSummary], bes
         tracker.log_artifact(Path(tmp) / "study.yaml")
 
     cost = study_metrics([t.cost for t in trials if t.cost is not None])
+    goodput = study_goodput(trials, wall_s) if wall_s else {}
     counts = {s: sum(t.status == s for t in trials) for s in ("completed", "stopped", "error")}
     # Figures of the whole study: rows of the parent run's summary table (tracking.py), not one-point charts.
     tracker.log_metrics({f"study/best_{metric}": best.metric or 0.0,
-                         **{f"study/trials_{s}": n for s, n in counts.items()}, **cost}, step=best.steps)
+                         **{f"study/trials_{s}": n for s, n in counts.items()}, **cost, **goodput}, step=best.steps)
     tracker.set_tags({"orchestrator.best_trial": best.trial_id, "orchestrator.best_params": json.dumps(best.params),
                       "orchestrator.best_config": str(best_path), NOTE_TAG: study_note(trials, best, metric, cost)})
     return TuneResult(
         config=trial_config(tree, best.params), best=best, trials=trials, metric=metric, mode=mode,
         best_config_path=str(best_path), study_path=study_path, parent_run_id=tracker.run_id,
         tracking_uri=getattr(tracker, "uri", None), resumed=resumed, rank_by=config.tune.rank_by, cost=cost,
+        goodput=goodput,
     )
+
+
+def study_goodput(trials: list[TrialSummary], wall_s: float) -> dict[str, float]:
+    """A study's goodput, as ML goodput counts a job's: its trials' productive seconds (compute + sync of the steps
+    they kept) over the trial-seconds its wall clock held (the wall clock times the trials it ran at once, at most).
+    What the trials ASHA stopped held, and the productive part of it, are shown apart. {} without ledgers."""
+    priced = [t for t in trials if t.cost is not None]
+    spans = [(t.started_at, t.ended_at) for t in priced if t.started_at is not None and t.ended_at is not None]
+    slots = peak_concurrency(spans) or 1  # type: ignore[arg-type]
+    held = wall_s * slots
+    if not priced or held <= 0:
+        return {}
+
+    def productive(t: TrialSummary) -> float:
+        return sum(t.cost.seconds.get(p, 0.0) for p in PRODUCTIVE)
+
+    stopped = [t for t in priced if t.status == "stopped"]
+    return {"study/goodput": sum(map(productive, priced)) / held, "study/wall_s": wall_s, "study/slots": float(slots),
+            "study/stopped_trials_frac": sum(t.cost.wall_s for t in stopped) / held,
+            "study/stopped_productive_frac": sum(map(productive, stopped)) / held}
 
 
 def study_note(trials: list[TrialSummary], best: TrialSummary, metric: str, cost: dict[str, float]) -> str:
@@ -217,6 +241,7 @@ def summary(result: TuneResult) -> str:
              *([f"ranked by {result.metric} per dollar: {b.metric / b.usd:.4g} per $ (${b.usd:.4f})"]
                if result.rank_by == "metric_per_dollar" and b.usd else []),
              *([study_cost_line(result.cost)] if result.cost else []),
+             *([goodput_line(result.goodput)] if result.goodput else []),
              f"best config: {result.best_config_path}",
              f"train it: orchestrator train --config {result.best_config_path}"]
     if result.parent_run_id:
@@ -237,6 +262,17 @@ def _share(frac: float) -> str:
     if 0 < frac < 0.001:
         return "<0.1%"
     return f"{frac:.1%}" if frac < 0.1 else f"{frac:.0%}"
+
+
+def goodput_line(g: dict[str, float]) -> str:
+    """'study goodput 30%: productive trial time over 100 s x 2 trial slots | trials ASHA stopped held 12% (5%
+    productive)'."""
+    line = f"study goodput {_share(g['study/goodput'])}: productive trial time over {g['study/wall_s']:.0f} s"
+    line += f" x {g['study/slots']:.0f} trial slots" if g["study/slots"] > 1 else " of the study's wall clock"
+    if g["study/stopped_trials_frac"] > 0:
+        line += (f" | trials ASHA stopped held {_share(g['study/stopped_trials_frac'])} "
+                 f"({_share(g['study/stopped_productive_frac'])} productive)")
+    return line
 
 
 def study_cost_line(cost: dict[str, float]) -> str:

@@ -1,9 +1,10 @@
-"""Driver side of `orchestrator tune` (the study): a Ray Tune study whose every trial is a full Ray Train run.
+"""Driver side of `orchestrator tune` (the study): a Ray Tune study of training runs.
 
 The study is named from the experiment (`<experiment>-tune`) and lives at `<storage.path>/<study>`: running the
-same command again continues it (Tuner.restore) unless `fresh`. Each trial is a Tune function trainable that builds
-and fits its own TorchTrainer and hands rank 0's metrics to Tune (the Train V2 pattern; `Tuner(TorchTrainer)` is
-not supported). MLflow holds one parent run per study and one child run per trial (see trials.py).
+same command again continues it (Tuner.restore) unless `fresh`. Each trial is a Tune function trainable: a one-worker
+trial trains in the trial's own process (trial.py: no worker group to start per trial); a wider one builds and fits
+its own TorchTrainer and hands rank 0's metrics to Tune (the Train V2 pattern; `Tuner(TorchTrainer)` is not
+supported). MLflow holds one parent run per study and one child run per trial (see trials.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from orchestrator.tuning.search import (
     user_tree,
     widest_trial,
 )
+from orchestrator.tuning.trial import in_trial_process, train_in_trial, trial_resources
 from orchestrator.tuning.trials import StudyCallback
 from pipelines.datasets import inspect_datasets
 from pipelines.sources import DatasetInfo
@@ -59,8 +61,9 @@ def _trials(study: RunPlace) -> Storage:
 
 def _run_trial(params: dict[str, Any], *, tree: dict[str, Any], infos: dict[str, DatasetInfo],
                trials: Storage, private_cluster: bool) -> None:
-    """The Tune trainable, run in the trial's actor: one TorchTrainer, fitted in a thread while this one hands
-    rank 0's metrics to Tune as they arrive (they come straight from rank 0, not through Ray Train's report).
+    """The Tune trainable, run in the trial's actor. A one-worker trial trains right here (trial.py). A wider one
+    fits its own TorchTrainer in a thread while this one hands rank 0's metrics to Tune as they arrive (they come
+    straight from rank 0, not through Ray Train's report).
 
     Its Train run is named by the trial id under `trials`, so a trial restarted by a resumed study continues
     from its own latest checkpoint."""
@@ -72,6 +75,9 @@ def _run_trial(params: dict[str, Any], *, tree: dict[str, Any], infos: dict[str,
 
     config = resolve_for_data(trial_config(tree, {**params, "storage.path": trials.uri}), infos)
     trial_id = ray_tune.get_context().get_trial_id()
+    if in_trial_process(config):  # one worker: trained right here, without a worker group of its own
+        train_in_trial(config, infos, trial_id)
+        return
     queue = Queue(actor_options={"num_cpus": 0})
     failed: list[BaseException] = []
 
@@ -161,6 +167,20 @@ def _searcher(config: Config, concurrency: int) -> Any:
 
 
 @dataclass(frozen=True)
+class _TrialResources:
+    """Tune's resource request for a trial, from its own config (a searched scaling.* changes it): see
+    trial.trial_resources. `infos`: the data's sizes only, all that resolving a config needs."""
+
+    tree: dict[str, Any]
+    infos: dict[str, DatasetInfo]
+
+    def __call__(self, params: dict[str, Any]) -> Any:
+        from ray.tune import PlacementGroupFactory
+
+        return PlacementGroupFactory([trial_resources(resolve_for_data(trial_config(self.tree, params), self.infos))])
+
+
+@dataclass(frozen=True)
 class _TrialName:
     """Tune's trial_name_creator / trial_dirname_creator: the trial's searched values (its directory: the trial id
     first, unique even when two trials drew the same values). Pickled with the study, so Tuner.restore finds it."""
@@ -215,10 +235,11 @@ def _fit(config: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo], ma
          resume: bool, callback: Any, concurrency: int, private_cluster: bool) -> Any:
     from ray import tune as ray_tune
 
+    sizes = {split: replace(info, files=[], storage=None, objects=[], file_rows=[]) for split, info in infos.items()}
     trainable = ray_tune.with_resources(
         ray_tune.with_parameters(_run_trial, tree=tree, infos=infos, trials=_trials(place),
                                  private_cluster=private_cluster),
-        {"cpu": 0.01},  # the trial's actor only waits on its TorchTrainer; {"cpu": 0} is refused
+        _TrialResources(tree, sizes),
     )
     storage = storage_args(place.storage)
     if resume:
@@ -241,6 +262,10 @@ def _fit(config: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo], ma
         run_config=ray_tune.RunConfig(
             name=place.name, **storage, callbacks=[callback],
             verbose=0,  # the callback prints the trial table
+            # What Ray Train's run config holds for a wider trial, for the trials that train in their own process.
+            checkpoint_config=ray_tune.CheckpointConfig(num_to_keep=config.checkpoint.keep),
+            failure_config=ray_tune.FailureConfig(
+                max_failures=config.failure.max_failures if in_trial_process(widest_trial(config)) else 0),
         ),
     )
     with _credentials_stay_home(), _quiet_tune():

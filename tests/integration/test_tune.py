@@ -97,6 +97,28 @@ def test_no_more_trials_ran_at_once_than_the_study_allows(study: tuple[TuneResul
     assert "max_concurrent_trials" not in study_cli[2]  # Ray's warning that it ignores the setting
 
 
+def test_one_worker_trials_train_in_their_own_tune_process(study: tuple[TuneResult, Path]) -> None:
+    """No worker group per 1-worker trial: the loop runs in the Tune trial's own process (the worker pid of its first
+    report is the pid Tune records for the trial) and checkpoints through Tune into the trial's directory."""
+    import json
+
+    import pyarrow.fs
+
+    from orchestrator.training.checkpoint import check_complete, manifest_step
+
+    result, tmp_path = study
+    runs = tmp_path / "runs"
+    assert not (runs / "digits-t-tune-trials").exists()  # no Ray Train run was started for any trial
+    local = pyarrow.fs.LocalFileSystem()
+    for t in result.trials:
+        trial_dir = runs / "digits-t-tune" / f"{t.trial_id}_{t.name}"
+        first = json.loads((trial_dir / "result.json").read_text().splitlines()[0])
+        assert first["worker_pid"] == first["pid"] and first["world_size"] == 1
+        steps = sorted(manifest_step(local, str(c)) for c in trial_dir.glob("checkpoint_*")
+                       if check_complete(local, str(c)) is None)
+        assert steps == ([40] if t.status == "completed" else []), (t.status, steps)  # checkpoint.every=40
+
+
 def test_trials_are_named_by_their_values_in_tune_the_summary_and_the_plots(
         study: tuple[TuneResult, Path], study_cli: tuple[Path, str, str]) -> None:
     result, tmp_path = study
@@ -238,8 +260,8 @@ def test_a_study_on_s3_keeps_its_state_and_trials_there_and_resumes(
     keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket)
             for o in page.get("Contents", [])]
     assert "runs/digits-s3-tune/orchestrator-study.json" in keys
-    for t in result.trials:  # each trial's Train run checkpointed into the bucket, beside the study
-        assert any(k.startswith(f"runs/digits-s3-tune-trials/{t.trial_id}/checkpoint_000000") for k in keys), t
+    for t in result.trials:  # each 1-worker trial checkpointed through Tune into its directory in the bucket
+        assert any(k.startswith(f"runs/digits-s3-tune/{t.trial_id}_") and "/checkpoint_" in k for k in keys), t
     assert not (tmp_path / "runs").exists()
     assert load_config(result.best_config_path).optim.lr == pytest.approx(result.best.params["optim.lr"])
 

@@ -227,3 +227,28 @@ def test_a_resumed_run_is_one_ledger_across_its_attempts() -> None:
     import json
 
     assert json.loads(json.dumps(first)) == first and "val_loss" not in json.dumps(first)
+
+
+def test_a_studys_goodput_is_its_trials_productive_time_over_the_slots_its_wall_clock_held() -> None:
+    from orchestrator.tuning.results import TrialSummary, study_goodput
+
+    def trial(status: str, productive: float, wall: float, started: float) -> TrialSummary:
+        ledger = Ledger(wall, Pricing(1, None, "1 node"), {"compute": productive * 0.75, "sync": productive * 0.25,
+                                                           "startup": wall - productive})
+        return TrialSummary(f"t{started:g}", {}, status, 10, 0.5, cost=ledger, started_at=started,
+                            ended_at=started + wall)
+
+    # Two trials at a time over a 100 s study: 200 trial-seconds the study could have trained. Productive: 30 + 20
+    # in completed trials, 10 in the trial ASHA stopped (which held 25 s).
+    trials = [trial("completed", 30.0, 60.0, 10.0), trial("stopped", 10.0, 25.0, 12.0),
+              trial("completed", 20.0, 50.0, 40.0)]
+    g = study_goodput(trials, wall_s=100.0)
+    assert g["study/slots"] == 2 and g["study/wall_s"] == 100.0
+    assert g["study/goodput"] == pytest.approx(60.0 / 200.0)
+    assert g["study/stopped_trials_frac"] == pytest.approx(25.0 / 200.0)  # apart: what ASHA's stopped trials held
+    assert g["study/stopped_productive_frac"] == pytest.approx(10.0 / 200.0)
+    assert study_goodput([], wall_s=100.0) == {}
+    from orchestrator.tuning.results import goodput_line
+
+    assert goodput_line(g) == ("study goodput 30%: productive trial time over 100 s x 2 trial slots | trials ASHA "
+                               "stopped held 12% (5.0% productive)")

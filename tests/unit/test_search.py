@@ -22,6 +22,7 @@ from orchestrator.tuning.search import (
     user_tree,
     val_metrics,
 )
+from orchestrator.tuning.trial import in_trial_process, trial_resources
 from orchestrator.tuning.trials import format_table, trial_status
 
 LR = "tune.space.optim.lr.loguniform=[1e-4, 1e-1]"
@@ -173,6 +174,26 @@ def test_concurrency_and_capacity_follow_the_widest_trial() -> None:
     check_capacity(typed, {"CPU": 16.0, "GPU": 8.0, "accelerator_type:H100": 1.0})
     with pytest.raises(ConfigError, match=r"needs H100 GPUs \(scaling.accelerator_type\) but the Ray cluster has A100"):
         check_capacity(typed, {"CPU": 16.0, "GPU": 8.0, "accelerator_type:A100": 1.0})
+
+
+@pytest.mark.parametrize("overrides", [
+    ["scaling.num_workers=1"], ["scaling.num_workers=1", "scaling.cpus_per_worker=2"],
+    ["scaling.num_workers=1", "scaling.use_gpu=true", "scaling.cpus_per_worker=3"],
+])
+def test_a_trial_that_trains_in_its_own_process_holds_its_one_workers_share(overrides: list[str]) -> None:
+    """What Tune reserves for a one-worker trial is what its one worker would hold, so the cluster fits as many of
+    them at once as max_concurrent counts (one CPU kept for Ray Data); a wider trial's actor holds next to nothing
+    beside the workers of its Ray Train run."""
+    cfg = study(LR, "train.global_batch_size=128", *overrides)
+    held = trial_resources(cfg)
+    assert in_trial_process(cfg) and held["CPU"] == cfg.scaling.cpus_per_worker
+    assert held.get("GPU", 0.0) == (1.0 if cfg.scaling.use_gpu else 0.0)
+    cluster = {"CPU": 13.0, "GPU": 8.0}
+    fits = min(int((cluster[k] - (1 if k == "CPU" else 0)) // v) for k, v in held.items())
+    assert max_concurrent(cfg, cluster).trials == fits
+    wide = study(LR, "train.global_batch_size=128", "scaling.num_workers=2")
+    assert not in_trial_process(wide) and trial_resources(wide) == {"CPU": 0.01}
+    assert not in_trial_process(study(LR, "train.global_batch_size=128", "scaling.num_workers=[1, 2]"))
 
 
 def at_once(overrides: list[str], resources: dict[str, float]) -> tuple[int, str]:

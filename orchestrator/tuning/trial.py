@@ -1,0 +1,88 @@
+"""A one-worker trial trained in its Tune trial's own process: no Ray Train run, so no worker group to start per
+trial (about 10 s on a small machine, for trials that often train for seconds).
+
+The rank is set up and trained by the same code a Ray Train worker runs (`training.worker.train_rank`): same config,
+seed, device, data order and loop, so the trial reports the figures a 1-worker `orchestrator train` run reports.
+Its reports go to Tune directly, checkpoints included (Tune persists them into the trial's directory, keeps
+`checkpoint.keep` of them and hands the newest back when the trial restarts); trials wider than one worker keep
+their own Ray Train run (study.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from orchestrator.config import Config
+from orchestrator.trainer import build_inputs
+from orchestrator.training.checkpoint import manifest_cache_decision
+from orchestrator.training.resume import loadable_checkpoint
+from orchestrator.training.worker import Seat, rank_config, state_of, train_rank
+from pipelines.sources import DatasetInfo
+
+
+def in_trial_process(config: Config) -> bool:
+    """Whether a trial with this (resolved) config trains in its own process: one worker, never more."""
+    return config.scaling.max_workers == 1
+
+
+def trial_resources(config: Config) -> dict[str, float]:
+    """What the trial's actor holds: its one worker's CPUs (and GPU) when it trains itself; else next to nothing,
+    as it only waits on its Ray Train run, whose workers hold their own."""
+    s = config.scaling
+    if not in_trial_process(config):
+        return {"CPU": 0.01}  # {"CPU": 0} is refused
+    held = {"CPU": float(s.cpus_per_worker)} | ({"GPU": 1.0} if s.use_gpu else {})
+    if s.accelerator_type:  # as Ray Train's ScalingConfig asks for it
+        held[f"accelerator_type:{s.accelerator_type}"] = 0.001
+    return held
+
+
+class TrialReporter:
+    """The loop's `Reporter` in a Tune trial: every report goes to `ray.tune.report`, a checkpoint step's once, with
+    its checkpoint (Tune copies the directory into the trial's storage before report returns)."""
+
+    def __init__(self) -> None:
+        self.checkpointed: dict[str, Any] | None = None
+
+    def publish(self, metrics: dict[str, Any]) -> None:
+        from ray import tune
+
+        if metrics is self.checkpointed:  # already reported with its checkpoint
+            self.checkpointed = None
+            return
+        tune.report(dict(metrics))
+
+    def checkpoint(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
+        from ray import tune
+
+        assert checkpoint_dir is not None  # one rank: it writes every checkpoint
+        tune.report(dict(metrics), checkpoint=tune.Checkpoint.from_directory(checkpoint_dir))
+        self.checkpointed = metrics
+
+
+def trial_device(config: Config) -> torch.device:
+    """The trial's device: the GPU Ray gave its actor (the only one it sees), else the CPU; what
+    ray.train.torch.get_device names for a worker."""
+    if not config.scaling.use_gpu:
+        return torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(device)
+    return device
+
+
+def train_in_trial(config: Config, infos: dict[str, DatasetInfo], name: str) -> None:
+    """Train one trial here, resuming from the checkpoint Tune restarts it from, if any. `name`: the trial's id."""
+    from ray import tune
+
+    entered = time.time()
+    checkpoint = loadable_checkpoint(tune.get_checkpoint())
+    # A resumed trial is fed as its checkpoint counted its data position (trainer.resumed_cache_decision).
+    saved = manifest_cache_decision(checkpoint.filesystem, checkpoint.path) if checkpoint is not None else None
+    spec, datasets = build_inputs(config, infos, name, saved, metrics_queue=None)
+    cfg = rank_config(spec, world=1)
+    val = datasets["val"].iterator() if cfg.data.val is not None else None
+    train_rank(spec, cfg, Seat(1, 0, trial_device(cfg), entered), lambda: state_of(checkpoint),
+               datasets["train"].iterator(), val, TrialReporter(), preempted=None)
