@@ -18,6 +18,7 @@ from typing import Any
 from orchestrator.config import Config
 from orchestrator.cost import PARTS, RESTARTS
 from orchestrator.errors import UserError
+from orchestrator.memory_plan import GIB
 from orchestrator.startup import STAGES
 from orchestrator.tracking import mlflow_key, read_metrics, resolve_uri
 
@@ -152,6 +153,30 @@ def memory_headroom(run: RunRecord) -> Finding | None:
         changes.append("train.global_batch_size=<2x, with a matching optim.lr> (no accumulation left to trade)")
     return Finding("memory headroom", MEDIUM if used < 0.3 else LOW, 1 - used,
                    f"device memory peaked at {max(peak):.1f} of {total:.0f} GiB ({used:.0%})", tuple(changes))
+
+
+def model_state(run: RunRecord) -> Finding | None:
+    """Under ddp every worker holds the whole model state (parameters, their gradients and the optimizer state,
+    from the worker's facts): when it takes over half a worker's memory (train.memory_budget_gb, else the device's)
+    or a worker ran out of memory, and fsdp's shards over the run's workers would take at most half, shard it."""
+    if (run.param("train.parallel") or "ddp") != "ddp":
+        return None
+    params, optimizer = run.last("param_bytes_per_rank"), run.last("optimizer_bytes_per_rank")
+    budget = run.param("train.memory_budget_gb")
+    memory_gb = float(budget) if budget else run.last("device/memory_total_gb")
+    world = _world(run)
+    if params is None or optimizer is None or not memory_gb or world < 2:
+        return None
+    state = 2 * params + optimizer  # the gradients are as large as the parameters (fp32 master copies)
+    share, sharded = state / (memory_gb * GIB), state / world
+    failures = " ".join(v for k, v in run.tags.items() if k.startswith("orchestrator.failure.")).lower()
+    oom = bool(run.last("oom_retries")) or "out of memory" in failures
+    if sharded > memory_gb * GIB / 2 or (share <= 0.5 and not oom):
+        return None
+    title = (f"under ddp each worker holds {state / GIB:.1f} GiB of model state (parameters, gradients, optimizer "
+             f"state), {share:.0%} of its {memory_gb:g} GiB" + (" and ran out of memory" if oom else "")
+             + f"; fsdp over {world} workers would hold {sharded / GIB:.1f} GiB")
+    return Finding("model state", HIGH if oom or share >= 1 else MEDIUM, share, title, ("train.parallel=fsdp",))
 
 
 def precision(run: RunRecord) -> Finding | None:
@@ -509,8 +534,8 @@ def search_space_edge(run: RunRecord) -> Finding | None:
 
 
 RULES: list[Rule] = [startup, report_blocking, checkpoint_interval, data_pipeline, evaluation, bookkeeping,
-                     gradient_sync, uneven_workers, memory_headroom, precision, compile_small_kernels, nonfinite_steps,
-                     study_size, search_space_edge]
+                     gradient_sync, uneven_workers, memory_headroom, model_state, precision, compile_small_kernels,
+                     nonfinite_steps, study_size, search_space_edge]
 
 
 def diagnose(run: RunRecord, rules: list[Rule] | None = None) -> list[Finding]:

@@ -445,6 +445,24 @@ def run_summary(history: list[dict[str, Any]]) -> dict[str, float]:
     return summary
 
 
+def parallel_line(history: list[dict[str, Any]]) -> str | None:
+    """'parallel: fsdp over 2 workers, each holding 1.2 GiB of parameters and 2.4 GiB of optimizer state', from the
+    worker's facts in the latest (re)start's first report; None when the workers sent none."""
+    facts = next((r for r in reversed(history) if "param_bytes_per_rank" in r), None)
+    if facts is None:
+        return None
+    workers = f" over {facts['world_size']} workers" if "world_size" in facts else ""
+    return (f"parallel: {facts.get('parallel', 'ddp')}{workers}, each holding {_bytes(facts['param_bytes_per_rank'])} "
+            f"of parameters and {_bytes(facts.get('optimizer_bytes_per_rank', 0))} of optimizer state")
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
 def summary(result: TrainResult) -> str:
     """The lines printed after a run: final accuracy, where the time went, where things are, how to look at them."""
     m = result.metrics
@@ -470,6 +488,9 @@ def summary(result: TrainResult) -> str:
     if result.run_cost is not None:
         lines.append(f"run over its {result.attempts} attempts (from the first command): "
                      f"{result.run_cost.time_line().removeprefix('time: ')} | ETTR {result.run_cost.ettr:.0%}")
+    held = parallel_line(result.history)
+    if held:
+        lines.append(held)
     lines.append(f"checkpoint: {result.checkpoint_path}")
     if result.run_id:
         lines.append(f"MLflow run id: {result.run_id}")

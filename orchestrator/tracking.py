@@ -70,6 +70,9 @@ _KEYS = {
     "oom_retries": "train/oom_retries", "micro_batch_size": "train/micro_batch_size",
     "grad_accum_steps": "train/grad_accum_steps", "global_batch": "train/global_batch",
     "precision": "train/precision", "world_size": "train/world_size", "worker_pid": "train/worker_pid",
+    # train.parallel's facts: ddp or fsdp, and the fp32 parameter and optimizer-state bytes one worker holds.
+    "parallel": "train/parallel", "param_bytes_per_rank": "train/param_bytes_per_rank",
+    "optimizer_bytes_per_rank": "train/optimizer_bytes_per_rank",
     "samples_per_s": "perf/samples_per_s", "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu",
     # One name for the interval's data-wait share (the loop reports it twice, as a time/* share and on its own).
     "data_wait_frac": "perf/data_wait_frac", "time/data_wait_frac": "perf/data_wait_frac",
@@ -81,7 +84,7 @@ _KEYS = {
 _FACTS = {"train/step", "train/epoch", "train/samples_seen", "train/skipped_steps", "train/nonfinite_skipped",
           "train/oom_retries", "train/micro_batch_size", "train/grad_accum_steps", "train/global_batch",
           "train/precision", "train/world_size", "train/worker_pid", "perf/comm_bytes", "perf/flops_per_sample",
-          "perf/compile_s"}
+          "perf/compile_s", "train/parallel", "train/param_bytes_per_rank", "train/optimizer_bytes_per_rank"}
 # Sections of whole-run figures, and of a study's (`study/`): rows of the summary table, never charted.
 _SUMMARY_SECTIONS = ("final/", "cost/", "startup/", "device/", "study/")
 # The summary table's groups, in the order a reader wants them; a figure of another section comes after.

@@ -21,6 +21,7 @@ from orchestrator.doctor import (
     format_findings,
     gradient_sync,
     memory_headroom,
+    model_state,
     nonfinite_steps,
     precision,
     report_blocking,
@@ -86,6 +87,28 @@ def test_free_device_memory_suggests_a_larger_micro_batch() -> None:
     assert finding.changes[:2] == ("train.micro_batch_size=auto", "train.micro_batch_size=128 (or more)")
     assert memory_headroom(record({**gpu, "memory/peak_allocated_gb": [60.0]})) is None
     assert memory_headroom(record()) is None  # CPU: no device memory figures
+
+
+def test_a_ddp_run_whose_model_state_fills_the_device_is_told_to_shard_it() -> None:
+    gib = 2**30
+    # 1B parameters under AdamW on 4 workers of 24 GiB: 4 GB of parameters, 4 of gradients, 8 of optimizer state
+    # on every worker (the worker's facts), 62% of the device; sharded, a quarter of it.
+    gpu = {"device/cuda": [1.0], "device/memory_total_gb": [24.0], "world_size": [4.0] * 4,
+           "param_bytes_per_rank": [4e9], "optimizer_bytes_per_rank": [8e9]}
+    finding = model_state(record(gpu))
+    assert finding is not None and finding.changes == ("train.parallel=fsdp",) and finding.severity == MEDIUM
+    assert f"{16e9 / gib:.1f} GiB" in finding.title and f"{4e9 / gib:.1f} GiB" in finding.title, finding.title
+    assert "4 workers" in finding.title and f"{16e9 / (24 * gib):.0%}" in finding.title
+    # Out of memory once (the auto micro-batch retried): high, whatever the share.
+    oom = model_state(record({**gpu, "device/memory_total_gb": [80.0], "oom_retries": [1.0]}))
+    assert oom is not None and oom.severity == HIGH and "out of memory" in oom.title
+    # The budget the user set counts instead of the device's memory.
+    assert model_state(record({**gpu, "device/memory_total_gb": [80.0]}, {"train.memory_budget_gb": "20"}))
+    assert model_state(record({**gpu, "device/memory_total_gb": [80.0]})) is None  # a fifth of the device
+    assert model_state(record(gpu, {"train.parallel": "fsdp"})) is None  # sharded already
+    assert model_state(record({**gpu, "world_size": [1.0]})) is None  # one worker: nothing to shard over
+    assert model_state(record({**gpu, "device/memory_total_gb": [6.0]})) is None  # sharded: over half of it
+    assert model_state(record()) is None  # no memory figures
 
 
 def test_fp32_on_a_bf16_gpu_suggests_bf16() -> None:

@@ -118,3 +118,21 @@ def test_orchestrator_train_says_so_before_ray_starts(tmp_path: Path, digits_dir
     assert cli.main(argv) == 130
     (line,) = [x for x in printed if "train.parallel=fsdp" in x]
     assert line.startswith("memory: with train.parallel=ddp each worker holds 0.3 GiB") and "0.2 GiB" in line
+
+
+def test_the_printed_summary_shows_the_parallel_mode_and_what_each_worker_holds() -> None:
+    from orchestrator.config import load_config
+    from orchestrator.launch import TrainResult, summary
+
+    # The worker's facts come with the first report of each (re)start; a resize's later facts are the ones shown.
+    history = [{"step": 25, "train_loss": 1.0, "parallel": "fsdp", "world_size": 2,
+                "param_bytes_per_rank": 3 * 2**20, "optimizer_bytes_per_rank": 6 * 2**20},
+               {"step": 50, "train_loss": 0.5},
+               {"step": 75, "train_loss": 0.4, "parallel": "fsdp", "world_size": 3,
+                "param_bytes_per_rank": 2 * 2**20, "optimizer_bytes_per_rank": 4 * 2**30}]
+    result = TrainResult(load_config(None, ["train.parallel=fsdp"]), {"step": 75, "train_loss": 0.4}, None, "runs",
+                         None, None, history)
+    lines = summary(result).splitlines()
+    assert "parallel: fsdp over 3 workers, each holding 2.0 MiB of parameters and 4.0 GiB of optimizer state" in lines
+    result.history = [{k: v for k, v in r.items() if "bytes" not in k and k != "parallel"} for r in history]
+    assert not [line for line in summary(result).splitlines() if line.startswith("parallel:")]  # no facts, no line

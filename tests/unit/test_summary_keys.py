@@ -143,6 +143,8 @@ def reported() -> set[str]:
     names |= _literal_keys("orchestrator/training/memory.py", "device_facts")
     names |= _literal_keys("orchestrator/training/memory.py", "cuda_memory_stats")
     names |= {f"summary/{k}" for k in ("compile_s", "tokens_per_s", "mfu")}  # run_summary's when measured
+    # The worker's train.parallel facts, with its first report: the mode and what one worker holds.
+    names |= {"parallel", "param_bytes_per_rank", "optimizer_bytes_per_rank"}
     return {mlflow_key(name) for name in names}
 
 
