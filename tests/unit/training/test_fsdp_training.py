@@ -257,3 +257,22 @@ def test_final_weights_are_put_together_from_the_shards_on_one_process(ranks: li
     assert all(torch.equal(weights[k], gathered[k]) for k in gathered)
     model = build_model("gpt", None, CONTEXT, VOCAB, config("gpt", "sgd", None).model.kwargs)
     model.load_state_dict(weights)  # strict: every parameter and buffer, the model's own shapes
+
+
+def test_ddp_facts_are_the_whole_model_and_its_adamw_moments() -> None:
+    from test_loop import Recorder, batches, config, dataset, make_parts
+
+    from orchestrator.training.loop import run
+
+    cfg = config("train.max_steps=2", "train.log_every=2", "train.eval_every=null", "checkpoint.every=2",
+                 "optim.warmup_steps=0")
+    parts = make_parts(cfg)
+    report = Recorder()
+    x, y = dataset(64)
+    run(cfg, parts, lambda epoch: batches(x, y, 32), None, report)
+    first = report.reports[0][0]
+    params = list(parts.model.parameters())
+    full = sum(p.numel() * p.element_size() for p in params)
+    assert first["parallel"] == "ddp" and first["param_bytes_per_rank"] == full
+    # Two moments per parameter, and one step counter each (a 0-d tensor of 4 or 8 bytes).
+    assert 2 * full + 4 * len(params) <= first["optimizer_bytes_per_rank"] <= 2 * full + 8 * len(params)
