@@ -187,7 +187,12 @@ def model_state_advice(config: Config, info: DatasetInfo) -> str | None:
 
     # Without blocks fsdp shards the whole model as one unit, which is gathered whole in compute.
     block = max((sum(p.numel() for p in b.parameters()) for b in find_blocks(model)), default=n)
-    return fsdp_advice(n, block, world, optimizer, precision, budget, defer_sync=config.train.fsdp.defer_sync)
+    line = fsdp_advice(n, block, world, optimizer, precision, budget, defer_sync=config.train.fsdp.defer_sync)
+    if line and config.train.micro_batch_size == "auto":  # refused with fsdp: say what replaces it
+        line += (" --set train.micro_batch_size=<rows per worker>"
+                 + (" --set train.memory_budget_gb=null" if config.train.memory_budget_gb is not None else "")
+                 + " (auto cannot probe memory under fsdp)")
+    return line
 
 
 def worker_memory_budget(config: Config) -> tuple[float, str] | None:
