@@ -1,17 +1,31 @@
-"""What a checkpoint holds (everything for an exact resume) and how it is written and read."""
+"""What a checkpoint holds (everything for an exact resume) and how it is written and read.
+
+Two layouts. DDP (and local SGD): rank 0 writes `state.pt` into a local directory that Ray Train copies into run
+storage. FSDP (`train.parallel=fsdp`): no rank holds the whole model, so every rank writes its own shards of the
+model and optimizer with torch.distributed.checkpoint (DCP) straight into the checkpoint directory in run storage,
+and the state every rank shares (schedule, progress, each rank's RNG streams) goes into the same DCP checkpoint.
+Both are committed by the manifest, written last by rank 0: a checkpoint without it is never loaded.
+"""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.fs as pafs
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
+from orchestrator.errors import ConfigError
+from orchestrator.training import fsdp
 from orchestrator.training.parts import Parts
 from orchestrator.training.ranks import gather_to_rank0, world
 
@@ -163,7 +177,12 @@ def restore(parts: Parts, state: dict[str, Any], cache_decision: str | None = No
     """Load a checkpoint written by `checkpoint_state`. At the same world size every rank gets its RNG streams,
     optimizer state (its own under local SGD) and data position back (an exact resume); after a resize, or when the
     data is fed under another `cache_decision` than the checkpoint's (another epoch order), the run continues at
-    the next epoch boundary."""
+    the next epoch boundary. A sharded checkpoint's state (`read_sharded_state`) goes to `restore_sharded`."""
+    if SHARDS in state:
+        return restore_sharded(parts, state, cache_decision)
+    if fsdp.is_sharded(parts.model):
+        raise ConfigError("config key 'train.parallel': the checkpoint holds a whole model (written with "
+                          "train.parallel=ddp); resume with --set train.parallel=ddp")
     rank, size = world()
     same_world = len(state["rng"]) == size
     unwrap(parts.model).load_state_dict(state["model"])
@@ -176,6 +195,14 @@ def restore(parts: Parts, state: dict[str, Any], cache_decision: str | None = No
     parts.precision.load_state_dict(precision)
     if parts.local_sgd is not None:
         parts.local_sgd.load_state_dict(state.get("local_sgd", {}), unwrap(parts.model))
+    return _position(state, cache_decision)
+
+
+def _position(state: dict[str, Any], cache_decision: str | None) -> Progress:
+    """The progress of a checkpoint's `state` for this rank: at the same world size its RNG streams and data
+    position; after a resize, or under another cache decision, the next epoch boundary."""
+    rank, size = world()
+    same_world = len(state["rng"]) == size
     progress = Progress(**state["progress"])
     saved, progress.cache_decision = progress.cache_decision, cache_decision or progress.cache_decision
     # The driver keeps the checkpoint's decision on resume; another one here means it could not read it. A
@@ -197,3 +224,159 @@ def restore(parts: Parts, state: dict[str, Any], cache_decision: str | None = No
     if progress.rows_in_epoch:
         progress.epoch, progress.rows_in_epoch = progress.epoch + 1, 0
     return progress
+
+
+# ---- sharded checkpoints (train.parallel=fsdp) -----------------------------------------------------------------
+
+
+def storage_writer(filesystem: pafs.FileSystem, path: str) -> dcp.FileSystemWriter:
+    """A DCP writer into `path` on a pyarrow filesystem (Ray Train's run storage: local or S3)."""
+    if isinstance(filesystem, pafs.LocalFileSystem):
+        return dcp.FileSystemWriter(path)
+    writer = dcp.FileSystemWriter(path, sync_files=False)  # fsync means nothing to an object store
+    writer.fs, writer.path = _arrow_fs(filesystem), path
+    return writer
+
+
+def storage_reader(filesystem: pafs.FileSystem, path: str) -> dcp.FileSystemReader:
+    """A DCP reader of the checkpoint at `path` on a pyarrow filesystem; every rank reads only what its shards need."""
+    reader = dcp.FileSystemReader(path)
+    if not isinstance(filesystem, pafs.LocalFileSystem):
+        reader.fs, reader.path = _arrow_fs(filesystem), path
+    return reader
+
+
+def _arrow_fs(filesystem: pafs.FileSystem) -> Any:
+    # DCP's fsspec adapter over fsspec's wrapper of the pyarrow filesystem: the same S3 client, endpoint and
+    # credential chain as the rest of the run's storage, and no second S3 library.
+    from fsspec.implementations.arrow import ArrowFSWrapper
+    from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
+
+    adapter = FileSystem()
+    adapter.fs = ArrowFSWrapper(filesystem)
+    return adapter
+
+
+def shared_state(parts: Parts, progress: Progress, micro_batch_size: int | str | None) -> dict[str, Any]:
+    """What a sharded checkpoint keeps beside the model and optimizer shards, the same on every rank (DCP keeps one
+    copy): schedule, loss scale, progress and every rank's RNG streams. A collective."""
+    rngs: list[Any] = [None] * world()[1]
+    if world()[1] > 1:
+        dist.all_gather_object(rngs, capture_rng())
+    else:
+        rngs = [capture_rng()]
+    return {"scheduler": parts.scheduler.state_dict(), "precision": parts.precision.state_dict(),
+            "progress": asdict(progress), "rng": rngs, "micro_batch_size": micro_batch_size}
+
+
+@dataclass
+class PendingCheckpoint:
+    """A sharded checkpoint whose shards are being written (`written`: DCP's future, None once written).
+    `commit` waits for them and, on rank 0, writes the manifest."""
+
+    filesystem: pafs.FileSystem
+    path: str
+    step: int
+    cache_decision: str | None
+    written: Future | None
+
+    def wait(self) -> None:
+        if self.written is not None:
+            self.written.result()
+            self.written = None
+
+    def commit(self) -> None:
+        """No collective (it may run in a background thread). On rank 0, DCP's own save ends with the coordinator
+        writing `.metadata` after every rank reported its shards written, so once rank 0's write is done, all of
+        the checkpoint is in storage and the manifest may name it."""
+        self.wait()
+        if world()[0] == 0:
+            write_manifest(self.filesystem, self.path, self.step, self.cache_decision)
+
+
+class ShardedSaver:
+    """Saves sharded checkpoints one at a time. `asynchronous`: each rank copies its shards to CPU memory and
+    returns; a background thread writes them (DCP's async save, on a group of its own so that its collectives do
+    not interleave with training's)."""
+
+    def __init__(self, asynchronous: bool) -> None:
+        self.asynchronous = asynchronous
+        self.group: dist.ProcessGroup | None = None
+        self.last: PendingCheckpoint | None = None
+
+    def save(self, filesystem: pafs.FileSystem, path: str, parts: Parts, progress: Progress,
+             micro_batch_size: int | str | None) -> PendingCheckpoint:
+        """Start writing the checkpoint of `parts` at `progress` into `path` (the same on every rank). A
+        collective. Call `commit()` on the result (on every rank) before registering it."""
+        self.close()  # one save at a time: DCP's collectives of two saves must not interleave
+        extra = shared_state(parts, progress, micro_batch_size)
+        writer = storage_writer(filesystem, path)
+        written: Future | None = None
+        if self.asynchronous:
+            if self.group is None:
+                self.group = fsdp.checkpoint_group()  # a collective: first checkpoint, every rank
+            written = fsdp.async_save_sharded(path, parts.model, parts.optimizer, extra, group=self.group,
+                                              storage=writer)
+        else:
+            fsdp.save_sharded(path, parts.model, parts.optimizer, extra, storage=writer)
+        self.last = PendingCheckpoint(filesystem, path, progress.step, progress.cache_decision, written)
+        return self.last
+
+    def close(self) -> None:
+        """Wait for the last save's shards (before the next save, and before the process ends)."""
+        if self.last is not None:
+            self.last.wait()
+
+
+def write_manifest(filesystem: pafs.FileSystem, path: str, step: int, cache_decision: str | None) -> None:
+    """The manifest of the checkpoint directory `path` in storage: every file in it (DCP's `.metadata` included)
+    with its size. Written under a temporary name and moved, so it appears whole or not at all."""
+    infos = filesystem.get_file_info(pafs.FileSelector(path))
+    files = {i.base_name: i.size for i in infos if i.type == pafs.FileType.File and i.base_name != MANIFEST
+             and not i.base_name.endswith(".tmp")}
+    tmp = f"{path}/.{MANIFEST}.tmp"
+    with filesystem.open_output_stream(tmp) as f:
+        f.write(json.dumps({"format": 2, "step": step, "cache_decision": cache_decision, "sharded": True,
+                            "files": files}).encode())
+    filesystem.move(tmp, f"{path}/{MANIFEST}")
+
+
+def is_sharded_checkpoint(filesystem: pafs.FileSystem, path: str) -> bool:
+    """Whether the checkpoint at `path` was written by FSDP's ranks (DCP) rather than as DDP's state.pt."""
+    return filesystem.get_file_info(f"{path}/.metadata").type == pafs.FileType.File
+
+
+SHARDS = "shards"  # the key of a sharded checkpoint's location in what read_sharded_state returns
+
+
+def read_sharded_state(filesystem: pafs.FileSystem, path: str) -> dict[str, Any]:
+    """The shared state of the sharded checkpoint at `path` (what `checkpoint_state` gives for DDP, less model and
+    optimizer), read by one rank without any collective (its micro-batch and world size are known before the model
+    is restored), with the checkpoint's location under SHARDS for `restore` to load the shards from."""
+    reader = storage_reader(filesystem, path)
+    metadata = reader.read_metadata()
+    where = next((info for index, info in metadata.storage_data.items() if index.fqn == fsdp.EXTRA_KEY), None)
+    if where is None:
+        raise ValueError(f"checkpoint {path} has no training state beside its shards: not written by this product")
+    with filesystem.open_input_file(f"{path}/{where.relative_path}") as f:
+        f.seek(where.offset)
+        blob = f.read(where.length)
+    # As DCP's loader reads it (torch.load of the stored bytes gives the buffer fsdp._to_save wrote), then the state.
+    buffer = torch.load(io.BytesIO(blob), weights_only=False)
+    buffer.seek(0)
+    return torch.load(buffer, map_location="cpu", weights_only=False) | {SHARDS: (filesystem, path)}
+
+
+def restore_sharded(parts: Parts, state: dict[str, Any], cache_decision: str | None = None) -> Progress:
+    """Load what `read_sharded_state` gave: the shards into the freshly sharded model and optimizer of `parts` at
+    any world size (the saved shards are cut again for this one), then the shared state; as `restore`, RNG streams
+    and the data position come back at the same world size, the next epoch boundary after a resize. A collective."""
+    if not fsdp.is_sharded(parts.model):
+        raise ConfigError("config key 'train.parallel': the checkpoint holds FSDP shards (written with "
+                          "train.parallel=fsdp); resume with --set train.parallel=fsdp")
+    filesystem, path = state[SHARDS]
+    fsdp.load_sharded(path, parts.model, parts.optimizer, storage=storage_reader(filesystem, path))
+    schedule, precision = state["scheduler"], state["precision"]
+    parts.scheduler.load_state_dict(schedule)
+    parts.precision.load_state_dict(precision)
+    return _position(state, cache_decision)

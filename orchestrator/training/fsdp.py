@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import StorageReader, StorageWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -191,11 +192,12 @@ def _to_save(model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str
 
 
 def save_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 extra: dict[str, Any] | None = None) -> None:
+                 extra: dict[str, Any] | None = None, *, storage: StorageWriter | None = None) -> None:
     """Write a sharded checkpoint into the directory `path`: every rank its own shards (`__<rank>_0.distcp`), the
     coordinator (rank 0) the `.metadata` file last. A collective: every rank calls it. `extra` (scheduler, progress,
-    precision state...) must be the same on every rank: one rank's copy is kept."""
-    dcp.save(_to_save(model, optimizer, extra), checkpoint_id=str(path))
+    precision state...) must be the same on every rank: one rank's copy is kept. `storage`: the DCP writer for `path`
+    in run storage, local or S3 (checkpoint.storage_writer); by default a local one."""
+    dcp.save(_to_save(model, optimizer, extra), checkpoint_id=None if storage else str(path), storage_writer=storage)
 
 
 def checkpoint_group() -> dist.ProcessGroup:
@@ -205,25 +207,27 @@ def checkpoint_group() -> dist.ProcessGroup:
 
 
 def async_save_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                       extra: dict[str, Any] | None = None, *, group: dist.ProcessGroup | None = None) -> Future:
+                       extra: dict[str, Any] | None = None, *, group: dist.ProcessGroup | None = None,
+                       storage: StorageWriter | None = None) -> Future:
     """`save_sharded` in a background thread. The state is first copied to CPU memory (before this returns), so
     training may go on changing the parameters; `.result()` on the returned future waits for the files. Pass a
     `checkpoint_group()`; call `.result()` before the next save and before the process ends."""
-    return dcp.async_save(_to_save(model, optimizer, extra), checkpoint_id=str(path),  # type: ignore[return-value]
-                          process_group=group)
+    return dcp.async_save(_to_save(model, optimizer, extra),  # type: ignore[return-value]
+                          checkpoint_id=None if storage else str(path), storage_writer=storage, process_group=group)
 
 
-def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                 storage: StorageReader | None = None) -> dict[str, Any] | None:
     """Load a checkpoint written by `save_sharded` into an already sharded model and its fresh optimizer (no step
     needed first: `get_state_dict` creates the optimizer's slots to load into). The saved shards are cut again for
     this world size, so a checkpoint from 2 ranks loads into 1 or 3. A collective. Returns the `extra` saved with it
-    (None if none)."""
+    (None if none). `storage`: the DCP reader of `path` in run storage (checkpoint.storage_reader)."""
     model_state, optim_state = state_dicts(model, optimizer)
     state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
-    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    if EXTRA_KEY in keys:
+    reader = storage or dcp.FileSystemReader(str(path))
+    if EXTRA_KEY in reader.read_metadata().state_dict_metadata:
         state[EXTRA_KEY] = io.BytesIO()
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, storage_reader=reader)
     load_state_dicts(model, optimizer, state["model"], state["optimizer"])
     if EXTRA_KEY not in state:
         return None

@@ -19,6 +19,7 @@ from orchestrator.config import Config
 from orchestrator.errors import UserError
 from orchestrator.training import fsdp, ranks
 from orchestrator.training.checkpoint import Progress, checkpoint_state, save_state, unwrap
+from orchestrator.training.fsdp import is_sharded
 from orchestrator.training.memory import cuda_memory_stats, device_facts, release_cached_memory
 from orchestrator.training.parts import Parts, rank_bytes
 from orchestrator.training.step import StepResult, first_compiled_step, flops_per_sample, train_step
@@ -35,7 +36,12 @@ class Reporter(Protocol):
         barrier: a report step must cost no more than the steps between two)."""
 
     def checkpoint(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
-        """Checkpoint steps only: register the checkpoint (a barrier); `checkpoint_dir` is set on rank 0 only."""
+        """Checkpoint steps only: register the checkpoint (a barrier); `checkpoint_dir` is set on rank 0 only. Under
+        train.parallel=fsdp every rank passes what its `save_sharded` returned instead."""
+
+    def save_sharded(self, parts: Parts, progress: Progress, micro_batch_size: int | str | None) -> Any:
+        """train.parallel=fsdp only, checkpoint steps, every rank: start writing this rank's shards into the next
+        checkpoint directory (training/checkpoint.py `ShardedSaver`); returns what `checkpoint` then registers."""
 
 
 class NonFiniteLossError(UserError):
@@ -267,12 +273,13 @@ def _report(due: Due, interval: Interval, progress: Progress, parts: Parts, repo
     if due.eval:
         with interval.timer.phase("eval"):
             metrics |= evaluate(parts, val_batches())  # type: ignore[misc]
-    checkpoint_dir = None
+    checkpoint_dir: Any = None
     with interval.timer.phase("checkpoint"):
         if due.checkpoint:
             _check_finite_weights(parts, progress.step)
-            state = checkpoint_state(parts, progress, micro_batch_size)  # a collective: every rank
-            if state is not None:
+            if is_sharded(parts.model):  # no rank holds the whole model: each writes its shards into run storage
+                checkpoint_dir = reporter.save_sharded(parts, progress, micro_batch_size)
+            elif (state := checkpoint_state(parts, progress, micro_batch_size)) is not None:  # a collective
                 checkpoint_dir = tempfile.mkdtemp(prefix="orchestrator-ckpt-")
                 save_state(checkpoint_dir, state)
     metrics |= interval.timer.shares() | cuda_memory_stats(parts.device) | node_stats(world)
@@ -296,7 +303,7 @@ def _report(due: Due, interval: Interval, progress: Progress, parts: Parts, repo
             if due.checkpoint:
                 reporter.checkpoint(metrics, checkpoint_dir)
         finally:
-            if checkpoint_dir:
+            if isinstance(checkpoint_dir, str):
                 shutil.rmtree(checkpoint_dir, ignore_errors=True)
         reporter.publish(metrics)
     return metrics, following

@@ -16,7 +16,10 @@ import threading
 from typing import Any
 
 import ray.train
+import torch.distributed as dist
 
+from orchestrator.training.checkpoint import PendingCheckpoint, Progress, ShardedSaver
+from orchestrator.training.parts import Parts
 from orchestrator.training.resume import checkpoint_dir_name
 
 
@@ -58,6 +61,7 @@ class RayReporter:
         self.upload = upload
         rank = ray.train.get_context().get_world_rank()
         self.outbox = Outbox(destination) if rank == 0 and destination is not None else None
+        self.sharded = ShardedSaver(asynchronous=upload == "async")
 
     def publish(self, metrics: dict[str, Any]) -> None:
         if self.outbox is not None:
@@ -67,7 +71,21 @@ class RayReporter:
         if self.outbox is not None:
             self.outbox.close()
 
-    def checkpoint(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
+    def save_sharded(self, parts: Parts, progress: Progress, micro_batch_size: int | str | None
+                     ) -> PendingCheckpoint:
+        """train.parallel=fsdp, every rank: start writing its shards straight into the next checkpoint directory in
+        run storage (local or S3), named by rank 0."""
+        storage = ray.train.get_context().get_storage()
+        name = [checkpoint_dir_name(progress.step)]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(name, src=0)
+        return self.sharded.save(storage.storage_filesystem, storage.build_checkpoint_path_from_name(name[0]), parts,
+                                 progress, micro_batch_size)
+
+    def checkpoint(self, metrics: dict[str, Any], checkpoint_dir: str | PendingCheckpoint | None) -> None:
+        if isinstance(checkpoint_dir, PendingCheckpoint):
+            self._register_sharded(metrics, checkpoint_dir)
+            return
         if checkpoint_dir is None:  # ranks other than 0 join the barrier with metrics only
             ray.train.report(metrics)
             return
@@ -80,6 +98,22 @@ class RayReporter:
             mode = ray.train.CheckpointUploadMode.ASYNC
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(checkpoint_dir),
                          checkpoint_dir_name=checkpoint_dir_name(metrics["step"]), checkpoint_upload_mode=mode)
+
+    def _register_sharded(self, metrics: dict[str, Any], pending: PendingCheckpoint) -> None:
+        """Every rank reports the checkpoint directory its shards go to. Ray's "upload" is the commit: wait for this
+        rank's shards (rank 0: for all of them, then write the manifest). Ray registers the checkpoint once every
+        rank's commit returned, in a background thread under upload=async (training goes on), before report
+        returns under sync. Nothing is copied: the shards are already in storage."""
+        in_storage = ray.train.Checkpoint(pending.path, filesystem=pending.filesystem)
+
+        def commit(_: ray.train.Checkpoint, __: str) -> ray.train.Checkpoint:
+            pending.commit()
+            return in_storage
+
+        mode = ray.train.CheckpointUploadMode.ASYNC if self.upload == "async" else ray.train.CheckpointUploadMode.SYNC
+        name = pending.path.rstrip("/").rsplit("/", 1)[-1]
+        ray.train.report(metrics, checkpoint=in_storage, checkpoint_dir_name=name, checkpoint_upload_mode=mode,
+                         checkpoint_upload_fn=commit, delete_local_checkpoint_after_upload=False)  # the one in storage
 
 
 def quiet_report_log() -> None:

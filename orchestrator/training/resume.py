@@ -16,7 +16,14 @@ from typing import Any
 import pyarrow.fs as pafs
 import ray.train
 
-from orchestrator.training.checkpoint import check_complete, manifest_cache_decision, manifest_step
+from orchestrator.training.checkpoint import (
+    check_complete,
+    is_sharded_checkpoint,
+    load_state,
+    manifest_cache_decision,
+    manifest_step,
+    read_sharded_state,
+)
 
 _NAME = re.compile(r"^checkpoint_(\d+)_")
 _OURS = re.compile(r"^checkpoint_\d{8}_[0-9a-f]{6}$")  # exactly what checkpoint_dir_name makes
@@ -84,3 +91,13 @@ def loadable_checkpoint(checkpoint: ray.train.Checkpoint | None) -> ray.train.Ch
     warnings.warn(f"checkpoint {path} is incomplete ({reason}) and no complete one precedes it: starting over",
                   stacklevel=2)
     return None
+
+
+def read_checkpoint(checkpoint: ray.train.Checkpoint) -> dict[str, Any]:
+    """What `restore` (checkpoint.py) takes. A DDP checkpoint is copied to this node and its state.pt read; of a sharded
+    one (train.parallel=fsdp) only the shared state is read here: each rank reads its own shards from storage
+    when the state is restored, at whatever world size."""
+    if is_sharded_checkpoint(checkpoint.filesystem, checkpoint.path):
+        return read_sharded_state(checkpoint.filesystem, checkpoint.path)
+    with checkpoint.as_directory() as directory:
+        return load_state(directory)
