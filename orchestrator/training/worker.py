@@ -13,13 +13,13 @@ import ray.train.torch
 import torch
 
 from orchestrator.config import Config, config_from_dict
-from orchestrator.training.checkpoint import Progress, load_state, restore
+from orchestrator.training.checkpoint import Progress, restore
 from orchestrator.training.loop import Reporter, run
 from orchestrator.training.micro_batch import for_world_size, with_auto_micro_batch
 from orchestrator.training.parts import build_parts, compile_model
 from orchestrator.training.precision import flush_denormals
 from orchestrator.training.reporting import RayReporter, quiet_report_log
-from orchestrator.training.resume import loadable_checkpoint
+from orchestrator.training.resume import loadable_checkpoint, read_checkpoint
 from pipelines.batches import RankBatches, collate_sample
 from pipelines.datasets import REPLAY
 from pipelines.storage import fetch_prefix
@@ -108,12 +108,10 @@ def checkpoint_to_resume() -> dict[str, Any] | None:
 
 
 def state_of(checkpoint: ray.train.Checkpoint | None) -> dict[str, Any] | None:
-    """The state of `checkpoint`, or of the newest complete one before it when it is incomplete; None if none."""
+    """The state of `checkpoint`, or of the newest complete one before it when it is incomplete; None if none.
+    Of a sharded checkpoint (train.parallel=fsdp) only what every rank shares: `restore` reads the shards."""
     checkpoint = loadable_checkpoint(checkpoint)
-    if checkpoint is None:
-        return None
-    with checkpoint.as_directory() as directory:
-        return load_state(directory)
+    return None if checkpoint is None else read_checkpoint(checkpoint)
 
 
 def preempted() -> bool:
