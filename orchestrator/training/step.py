@@ -33,7 +33,7 @@ def train_step(parts: Parts, micro_batches: list[Batch], timer: PhaseTimer | Non
 
     After an out-of-memory error on any rank before DDP's gradient all-reduce, every rank redoes the step with
     each micro-batch cut in two (twice the accumulation): the same samples and the same normaliser, so the same
-    update.
+    update. Under FSDP (train.parallel=fsdp) an out-of-memory error is fatal: see `_unretriable`.
     """
     timer = timer or PhaseTimer(parts.device)
     # Normalise by the targets (samples, or tokens) of the whole step on all ranks, not per micro-batch: then
@@ -141,12 +141,7 @@ def _forward_backward(parts: Parts, pieces: list[Batch], scale: torch.Tensor,
         if not is_oom(exc):
             raise
         if sharded:
-            # Every FSDP forward and backward holds all-gathers: the other ranks are already waiting in the next
-            # one, so this rank cannot retry alone, nor tell them (they will fail when this worker ends).
-            raise DeviceMemoryError(
-                "out of memory under train.parallel=fsdp, where a step cannot be retried on one rank: lower "
-                f"train.micro_batch_size (now {max(rows(b) for b in pieces)} rows per forward; the global batch "
-                "stays, accumulation grows), set train.precision=bf16, or add workers") from exc
+            raise _unretriable(pieces) from exc
         ran_out = True
     if ranks.any_rank(ran_out, parts.device) if together else ran_out:
         # Once no rank's pieces can be cut further, a retry would redo the identical step forever.
@@ -160,7 +155,12 @@ def _forward_backward(parts: Parts, pieces: list[Batch], scale: torch.Tensor,
                           "(same global batch, more accumulation)", stacklevel=3)
         return None
     if ddp:  # an OOM in here is not retried: it may strike inside the all-reduce, which one rank cannot undo
-        piece(pieces[-1], synced=True)
+        try:
+            piece(pieces[-1], synced=True)
+        except Exception as exc:
+            if sharded and is_oom(exc):
+                raise _unretriable(pieces) from exc
+            raise
     # The all-reduce overlaps the last backward; what it adds beyond compute is the exposed sync time.
     if not (ddp and ranks.world()[1] > 1):
         sync_s = 0.0
@@ -171,6 +171,15 @@ def _forward_backward(parts: Parts, pieces: list[Batch], scale: torch.Tensor,
     timer.add("compute", sum(seconds) - sync_s)
     timer.add("sync", sync_s)
     return total
+
+
+def _unretriable(pieces: list[Batch]) -> DeviceMemoryError:
+    """Out of memory under FSDP. Every FSDP forward and backward holds all-gathers: the other ranks are already
+    waiting in the next one, so this rank can neither retry alone nor tell them (they fail when this worker ends)."""
+    return DeviceMemoryError(
+        "out of memory under train.parallel=fsdp, where a step cannot be retried on one rank: lower "
+        f"train.micro_batch_size (now {max(rows(b) for b in pieces)} rows per forward; the global batch stays, "
+        "accumulation grows), set train.precision=bf16, or add workers")
 
 
 def _elapsed(started: float, device: torch.device) -> float:

@@ -115,18 +115,23 @@ def _nonfinite(rank: int) -> dict[str, Any]:
 def _oom(rank: int) -> dict[str, Any]:
     """Out of memory in a forward under FSDP: no one-rank retry (the others would wait in an all-gather), a fatal
     error naming the key to change."""
-    parts = build_parts(config("mlp", "sgd", None), FEATURES, CPU)
+    out: dict[str, Any] = {}
+    for where in ("first", "last"):  # an unsynced micro-batch, and the last one, whose backward reduce-scatters
+        parts = build_parts(config("mlp", "sgd", None), FEATURES, CPU)
+        calls = [0]
 
-    def full(*_: Any) -> None:
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        def full(*_: Any, where: str = where, calls: list[int] = calls) -> None:
+            calls[0] += 1
+            if where == "first" or calls[0] == 4:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
 
-    handle = parts.model[0].register_forward_pre_hook(full)  # type: ignore[index]
-    try:
-        train_step(parts, _micro_batches("mlp", 0, rank, 4))
-    except DeviceMemoryError as exc:
-        error = str(exc)
-    handle.remove()
-    return {"error": error, "split": parts.split}
+        parts.model[0].register_forward_pre_hook(full)  # type: ignore[index]
+        try:
+            train_step(parts, _micro_batches("mlp", 0, rank, 4))
+            out[where] = {"error": "none", "split": parts.split}
+        except DeviceMemoryError as exc:
+            out[where] = {"error": str(exc), "split": parts.split}
+    return out
 
 
 def _evaluate(rank: int) -> dict[str, Any]:
@@ -215,8 +220,10 @@ def test_a_nonfinite_loss_on_one_rank_skips_the_step_on_both(ranks: list[dict[st
 
 def test_out_of_memory_under_fsdp_is_one_fatal_error_naming_the_micro_batch(ranks: list[dict[str, Any]]) -> None:
     for r in ranks:
-        assert "train.micro_batch_size" in r["oom"]["error"] and "fsdp" in r["oom"]["error"]
-        assert r["oom"]["split"] == 1  # not retried
+        for where in ("first", "last"):
+            oom = r["oom"][where]
+            assert "train.micro_batch_size" in oom["error"] and "fsdp" in oom["error"], where
+            assert "now 2 rows per forward" in oom["error"] and oom["split"] == 1  # not retried
 
 
 def test_evaluation_on_uneven_shards_matches_all_rows(ranks: list[dict[str, Any]]) -> None:
