@@ -14,7 +14,7 @@ from orchestrator.errors import ConfigError, UserError
 from orchestrator.runs import RunPlace
 from orchestrator.training.resume import checkpointed_cache_decision
 from pipelines.config import DataConfig
-from pipelines.datasets import CACHE_DECISIONS, build_datasets, cache_decision
+from pipelines.datasets import CACHE_DECISIONS, REPLAY, build_datasets, cache_decision
 from pipelines.order import create_epoch_clock
 from pipelines.sources import DatasetInfo
 from pipelines.storage import Storage
@@ -113,12 +113,14 @@ def build_inputs(config: Config, infos: dict[str, DatasetInfo], name: str, saved
     import ray
     from ray.data import DataContext
 
-    # The workers advance this clock each epoch; the train reader draws that epoch's shard order from it.
-    clock = f"orchestrator-epoch-{name}-{uuid.uuid4().hex[:8]}" if config.data.shuffle else None
-    if clock:
-        create_epoch_clock(clock)
     store_bytes = ray.cluster_resources().get("object_store_memory", 0)
     decision = resumed_cache_decision(config.data, infos, store_bytes, saved)
+    # The workers advance this clock each epoch; the train reader draws that epoch's shard order from it. Replayed
+    # data is read once, in epoch 0's order, which is the order without a clock: no clock actor to start.
+    clock = (f"orchestrator-epoch-{name}-{uuid.uuid4().hex[:8]}" if config.data.shuffle and decision != REPLAY
+             else None)
+    if clock:
+        create_epoch_clock(clock)
     spec = {"config": to_dict(config), "in_features": in_features(config, infos["train"]), "epoch_clock": clock,
             "cache_decision": decision, "metrics_queue": metrics_queue, "sample": infos["train"].sample}
     context = DataContext.get_current()

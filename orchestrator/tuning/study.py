@@ -258,6 +258,10 @@ def _fit(config: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo], ma
             metric=t.metric, mode=resolved_mode(config), num_samples=t.num_samples,
             scheduler=_scheduler(config, max_steps), search_alg=_searcher(config, concurrency),
             trial_name_creator=_TrialName(namer), trial_dirname_creator=_TrialName(namer, directory=True),
+            # Trials that train in their own process start the next trial in the same one when theirs ends:
+            # imports and Ray Data's start paid once per actor, not per trial. A trial stopped mid-interval whose
+            # thread does not reach its next report within Tune's 2 s gets a fresh actor instead.
+            reuse_actors=in_trial_process(widest_trial(config)),
         ),
         run_config=ray_tune.RunConfig(
             name=place.name, **storage, callbacks=[callback],
