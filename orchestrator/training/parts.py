@@ -78,13 +78,15 @@ def build_parts(cfg: Config, in_features: int | None, device: torch.device, pret
 
 
 def shard(model: torch.nn.Module, device: torch.device, mode: Mode, blocks: list[str] | None) -> torch.nn.Module:
-    """The model on `device`, `fully_shard` on each block then the root, over every rank of the process group."""
+    """`fully_shard` on each block then the root, over every rank of the process group: the shards on `device`."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError("train.parallel=fsdp needs a process group (Ray Train starts one per run): run it through "
                           "orchestrator train, or set train.parallel=ddp")
-    return fsdp.shard_model(model.to(device), mesh=fsdp.mesh_of_all_ranks(device), blocks=blocks, precision=mode)
+    # Not moved to the device first: each fully_shard call moves its unit's parameters to the mesh's device and
+    # shards them, so the device holds one whole block at a time, never the whole model.
+    return fsdp.shard_model(model, mesh=fsdp.mesh_of_all_ranks(device), blocks=blocks, precision=mode)
 
 
 def rank_bytes(parts: Parts) -> dict[str, str | int]:
