@@ -149,51 +149,61 @@ def test_hugging_face_gpt2_trains_sharded_and_loads_as_its_own_class(
                                            lambda model: model(input_ids=input_ids).logits)
 
 
-# ---- checkpoints: a worker killed by PID mid-run resumes from the sharded checkpoints ---------------------------
+# ---- checkpoints: a worker killed by PID mid-run resumes from the sharded checkpoints in S3 ---------------------
 
 
-def test_worker_killed_by_pid_resumes_from_its_shards_to_the_uninterrupted_weights(ray_cluster: None,
-                                                                                    tmp_path: Path,
-                                                                                    digits_dir: str) -> None:
-    """Every rank writes its shards of the checkpoints at steps 10 and 20 straight into run storage; a worker killed
-    in step 21 restarts the group from the step-20 shards, which ends bitwise where an uninterrupted run ends
-    (fp32 on CPU: same data order, reduction order and RNG streams)."""
+def test_worker_killed_by_pid_resumes_from_its_shards_in_s3_to_the_uninterrupted_weights(
+        ray_cluster: None, tmp_path: Path, digits_dir: str, moto: Any, aws_env: None) -> None:
+    """Every rank writes its shards of the checkpoints at steps 10 and 20 straight into run storage on S3; a worker
+    killed in step 21 restarts the group from the newest registered checkpoint's shards, and the run ends bitwise
+    where an uninterrupted run (local storage) ends: fp32 on CPU, same data order, reduction order and RNG streams."""
+    import dataclasses
     import os
     import signal
     import threading
     import time
+    import uuid
 
+    import boto3
     import pyarrow.fs as pafs
     from ray.util.state import list_actors
 
     from orchestrator.training.checkpoint import check_complete
+    from pipelines.storage import open_storage
 
-    def run(storage: Path, *extra: str) -> TrainResult:
+    def run(storage: str, *extra: str) -> TrainResult:
         return train(load_config(None, [
             f"data.train={digits_dir}/train", "data.val=null", f"storage.path={storage}", "tracking.enabled=false",
-            "scaling.num_workers=2", "train.parallel=fsdp", "train.fsdp.blocks=[Linear]",
-            "train.global_batch_size=64", "train.precision=fp32", "train.log_every=5", "train.max_steps=30",
-            "checkpoint.every=10", "failure.max_failures=2", "model.entrypoint=held_model:build", *extra]),
-            verbose=False)
+            "scaling.num_workers=2", "train.parallel=fsdp",
+            "train.fsdp.blocks=[Linear]", "train.global_batch_size=64", "train.precision=fp32", "train.log_every=5",
+            "train.max_steps=30", "checkpoint.every=10", "failure.max_failures=2",
+            "model.entrypoint=held_model:build", *extra]), verbose=False)
 
-    clean = checkpoint_model(run(tmp_path / "clean"))
-    hold, runs, outcome = tmp_path / "hold", tmp_path / "runs", {}
+    clean = checkpoint_model(run(str(tmp_path / "clean")))
+    bucket = f"fsdp-{uuid.uuid4().hex[:10]}"
+    boto3.client("s3", endpoint_url=moto.url, region_name="us-east-1").create_bucket(Bucket=bucket)
+    hold, outcome = tmp_path / "hold", {}
     hold.mkdir()
 
     def target() -> None:
         try:
-            outcome["result"] = run(runs, "model.hold_call=22", f"model.marker={hold}")
+            outcome["result"] = run(f"s3://{bucket}/runs", f"data.s3.endpoint={moto.url}", "model.hold_call=22",
+                                    f"model.marker={hold}")
         except BaseException as exc:  # re-raised in the test thread
             outcome["error"] = exc
 
-    def complete() -> list[Path]:
-        return [p for p in runs.glob("*/checkpoint_0*") if check_complete(pafs.LocalFileSystem(), str(p)) is None]
+    fs = open_storage(f"s3://{bucket}/runs", load_config(None, [f"data.s3.endpoint={moto.url}"]).data.s3).filesystem()
+
+    def complete() -> list[str]:
+        infos = fs.get_file_info(pafs.FileSelector(f"{bucket}/runs", recursive=True, allow_not_found=True))
+        return [i.path for i in infos if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_0")
+                and check_complete(fs, i.path) is None]
 
     def wait_for(check: Callable[[], Any], what: str, timeout: float = 240.0) -> Any:
         deadline = time.monotonic() + timeout
         while not (found := check()):
             assert time.monotonic() < deadline, f"{what} not seen within {timeout:.0f} s"
-            time.sleep(0.05)
+            time.sleep(0.2)
         return found
 
     thread = threading.Thread(target=target)
@@ -211,7 +221,15 @@ def test_worker_killed_by_pid_resumes_from_its_shards_to_the_uninterrupted_weigh
     # Resumed from step 20's shards (or step 10's, if Ray had not registered step 20's yet): first report at 25 or 15.
     assert result.metrics["step"] == 30 and len(starts) == 2 and starts[1] in (15, 25), [r["step"] for r in
                                                                                          result.history]
-    resumed = checkpoint_model(result)
+    assert result.checkpoint_path is not None and result.checkpoint_path.startswith(f"s3://{bucket}/runs/")
+    final = result.checkpoint_path.removeprefix("s3://")
+    assert check_complete(fs, final) is None
+    names = {i.base_name for i in fs.get_file_info(pafs.FileSelector(final))}
+    assert names == {".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json"}  # each rank's own shards
+    local = tmp_path / "final" / final.rsplit("/", 1)[-1]
+    local.mkdir(parents=True)
+    pafs.copy_files(final, str(local), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+    resumed = checkpoint_model(dataclasses.replace(result, checkpoint_path=str(local)))
     assert resumed.keys() == clean.keys()
     for key in clean:
         assert torch.equal(resumed[key], clean[key]), f"{key} differs from the uninterrupted run"
@@ -230,6 +248,6 @@ def test_out_of_memory_on_one_rank_ends_the_run_with_one_clear_error(ray_cluster
     with pytest.raises(UserError) as failed:
         fsdp_run(tmp_path, None, f"data.train={digits_dir}/train", "data.val=null", "model.entrypoint=oom_model:build",
                  "train.max_steps=5", "train.micro_batch_size=16", "train.global_batch_size=64",
-                 "failure.max_failures=2", "tracking.enabled=false")
+                 "optim.warmup_steps=1", "failure.max_failures=2")
     assert "train.micro_batch_size" in str(failed.value) and "train.parallel=fsdp" in str(failed.value)
     assert time.monotonic() - started < 200
