@@ -281,9 +281,10 @@ class PendingCheckpoint:
     written: Future | None
 
     def wait(self) -> None:
-        if self.written is not None:
-            self.written.result()
-            self.written = None
+        """Called from two threads (the loop's next save, Ray's upload thread): read the future once."""
+        written = self.written
+        if written is not None:
+            written.result()
 
     def commit(self) -> None:
         """No collective (it may run in a background thread). On rank 0, DCP's own save ends with the coordinator

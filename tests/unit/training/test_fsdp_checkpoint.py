@@ -102,9 +102,15 @@ def _uninterrupted(rank: int, shared: Path) -> dict[str, Any]:
              "lr": p.optimizer.param_groups[0]["lr"]}
     losses += train_to(p, progress, STEPS)
     pending.commit()
+    # checkpoint.upload=sync: written before save returns, into another run's directory.
+    synced_path = shared.parent.parent / "sync" / f"checkpoint_{STEPS:08d}_000000"
+    synced = ShardedSaver(asynchronous=False).save(LOCAL, str(synced_path), p, progress, micro_batch_size=ROWS // 2)
+    assert synced.written is None
+    synced.commit()
     saver.close()
     return {"losses": losses, "saved": saved, "final": fsdp.full_state_dict(p.model),
-            "final_optimizer": fsdp.full_optimizer_state_dict(p.model, p.optimizer), "path": pending.path}
+            "final_optimizer": fsdp.full_optimizer_state_dict(p.model, p.optimizer), "path": pending.path,
+            "synced": synced.path}
 
 
 def _killed_mid_write(rank: int, shared: Path) -> None:
@@ -238,3 +244,16 @@ def test_a_damaged_shard_falls_back_to_the_previous_checkpoint(groups: dict[str,
     with pytest.warns(UserWarning, match="incomplete"):
         chosen = loadable_checkpoint(ray.train.Checkpoint(str(newer), filesystem=LOCAL))
     assert chosen is not None and chosen.path == str(older)
+
+
+def test_a_synchronous_save_holds_the_model_of_its_step(groups: dict[str, Any], tmp_path: Path) -> None:
+    """checkpoint.upload=sync: the same layout, committed before training goes on; torch's own converter (not the
+    product's reader) finds the weights of that step in it."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    ahead = groups["uninterrupted"][0]
+    path = ahead["synced"]
+    assert check_complete(LOCAL, path) is None and manifest_step(LOCAL, path) == STEPS
+    dcp_to_torch_save(path, tmp_path / "whole.pt")
+    whole = torch.load(tmp_path / "whole.pt", weights_only=False)
+    assert _equal(whole["model"], ahead["final"])
