@@ -32,6 +32,7 @@ CASES: dict[str, tuple[str, str, float | None, list[str]]] = {
     "mlp-adamw-clip": ("mlp", "adamw", 0.3, ["train.fsdp.blocks=[Linear]", "train.fsdp.defer_sync=true"]),
     "gpt-sgd-clip": ("gpt", "sgd", 0.5, ["train.fsdp.defer_sync=true"]),
     "gpt-sgd": ("gpt", "sgd", None, []),
+    "gpt-adamw": ("gpt", "adamw", None, []),
 }
 
 
@@ -187,8 +188,16 @@ def test_two_fsdp_ranks_accumulating_through_train_step_match_one_process(ranks:
     assert got["sharded"] and ranks[1]["parity"][name]["sharded"]
     assert ranks[1]["parity"][name]["weights"] == {}  # gathered on rank 0 only
     assert got["weights"].keys() == expected.keys()
-    diff = max(float((got["weights"][k] - expected[k]).abs().max()) for k in expected)
-    assert diff < 1e-6, diff
+    diffs = {k: (got["weights"][k] - expected[k]).abs() for k in expected}
+    if opt == "adamw" and kind == "gpt":
+        # The attention's key bias has a zero gradient up to rounding (softmax ignores a shift of the keys): AdamW
+        # (eps 1e-8) turns two summation orders' rounding noise into steps of up to lr. Checked apart, loosely.
+        for k in [k for k in diffs if k.endswith("attn.qkv.bias")]:
+            key_bias = diffs[k][16:32]  # d_model=16: q, k, v
+            assert float(key_bias.max()) < 1e-4, (k, float(key_bias.max()))
+            diffs[k] = torch.cat([diffs[k][:16], diffs[k][32:]])
+    worst = max(diffs, key=lambda k: float(diffs[k].max()))
+    assert float(diffs[worst].max()) < 1e-6, (worst, float(diffs[worst].max()))
     initial = build_model(kind if kind == "gpt" else "mlp", None, in_features(kind),
                           CLASSES if kind == "mlp" else VOCAB, config(kind, opt, max_norm).model.kwargs)
     assert any(float((got["weights"][k] - initial.state_dict()[k]).abs().max()) > 1e-3 for k in expected)
