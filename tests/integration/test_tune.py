@@ -4,6 +4,7 @@ back through MlflowClient; best.yaml trained as written; re-running continues th
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -100,8 +101,6 @@ def test_no_more_trials_ran_at_once_than_the_study_allows(study: tuple[TuneResul
 def test_one_worker_trials_train_in_their_own_tune_process(study: tuple[TuneResult, Path]) -> None:
     """No worker group per 1-worker trial: the loop runs in the Tune trial's own process (the worker pid of its first
     report is the pid Tune records for the trial) and checkpoints through Tune into the trial's directory."""
-    import json
-
     import pyarrow.fs
 
     from orchestrator.training.checkpoint import check_complete, manifest_step
@@ -117,6 +116,30 @@ def test_one_worker_trials_train_in_their_own_tune_process(study: tuple[TuneResu
         steps = sorted(manifest_step(local, str(c)) for c in trial_dir.glob("checkpoint_*")
                        if check_complete(local, str(c)) is None)
         assert steps == ([40] if t.status == "completed" else []), (t.status, steps)  # checkpoint.every=40
+
+
+def test_a_one_worker_trial_killed_mid_checkpoint_resumes_through_tune_to_the_clean_trials_figures(
+        ray_cluster: None, tmp_path: Path, digits_dir: str) -> None:
+    """The same resume and exactness in the trial's own process: a trial whose process is SIGKILLed halfway through
+    writing its second checkpoint is restarted by Tune from its first (failure.max_failures) and reports, step for
+    step, what a trial that never failed reports (same config otherwise, same seed)."""
+    marker = tmp_path / "killed"
+    config = study_config(tmp_path, digits_dir, "experiment=digits-kill", "tracking.enabled=false",
+                          "model.entrypoint=fault_model:build", "model.hidden=null", f"model.marker={marker}",
+                          "train.max_steps=30", "checkpoint.every=10", "failure.max_failures=1",
+                          "tune.space={model.die_in_checkpoint: {grid: [0, 2]}}", "tune.num_samples=1",
+                          "tune.scheduler=fifo", "tune.grace_period=null", "tune.reduction_factor=null")
+    result = tune(config, verbose=False)
+    assert marker.exists()  # the kill happened (once: the marker stops a second)
+    killed, clean = sorted(result.trials, key=lambda t: -t.params["model.die_in_checkpoint"])
+    assert killed.status == clean.status == "completed" and killed.steps == 30
+    keys = ("step", "train_loss", "val_loss", "val_accuracy")
+    assert [{k: r[k] for k in keys} for r in killed.history] == [{k: r[k] for k in keys} for r in clean.history]
+    assert [r["step"] for r in clean.history] == [10, 20, 30]
+    # Resumed from its step-10 checkpoint, not started over: the new process reported from step 20 on.
+    (results,) = (tmp_path / "runs" / "digits-kill-tune").glob(f"{killed.trial_id}_*/result.json")
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [r["step"] for r in lines] == [10, 20, 30] and lines[0]["pid"] != lines[1]["pid"] == lines[2]["pid"]
 
 
 def test_trials_are_named_by_their_values_in_tune_the_summary_and_the_plots(
