@@ -6,6 +6,7 @@ killed is never loaded (the previous one is)."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -51,6 +52,7 @@ def parts(seed: int) -> Parts:
     model = nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, CLASSES))
     model = fsdp.shard_model(model, mesh=fsdp.mesh_of_all_ranks(torch.device("cpu")), blocks=["Linear"])
     optimizer, scheduler = build_optimizer(model, OptimConfig(lr=3e-2, warmup_steps=4), STEPS)
+    torch.manual_seed(1000 * seed + dist.get_rank())  # each rank its own RNG stream (as dropout would draw)
     return Parts(model, optimizer, scheduler, Precision("fp32", torch.device("cpu")), torch.device("cpu"))
 
 
@@ -169,6 +171,8 @@ def test_every_rank_writes_its_shards_and_rank_0_commits_them_with_the_manifest(
     names = sorted(p.name for p in Path(path).iterdir())
     assert names == sorted([".metadata", "__0_0.distcp", "__1_0.distcp", MANIFEST])
     assert check_complete(LOCAL, path) is None
+    listed = json.loads((Path(path) / MANIFEST).read_text())["files"]  # DCP's metadata and every rank's shard
+    assert listed == {name: (Path(path) / name).stat().st_size for name in names if name != MANIFEST}
     assert manifest_step(LOCAL, path) == SAVED_AT
     assert manifest_cache_decision(LOCAL, path) == DECISION
     # Each rank's file holds its own shard of every parameter (about half), not the whole model: DCP's metadata
