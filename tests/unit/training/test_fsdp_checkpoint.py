@@ -261,3 +261,17 @@ def test_a_synchronous_save_holds_the_model_of_its_step(groups: dict[str, Any], 
     dcp_to_torch_save(path, tmp_path / "whole.pt")
     whole = torch.load(tmp_path / "whole.pt", weights_only=False)
     assert _equal(whole["model"], ahead["final"])
+
+
+def test_a_sharded_checkpoint_resumed_under_ddp_is_refused_naming_the_key(groups: dict[str, Any]) -> None:
+    """The shards load only into a sharded model: a resume under train.parallel=ddp stops with one line."""
+    from orchestrator.errors import ConfigError
+
+    path = groups["uninterrupted"][0]["path"]
+    state = read_checkpoint(ray.train.Checkpoint(path, filesystem=LOCAL))
+    model = nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, CLASSES))
+    optimizer, scheduler = build_optimizer(model, OptimConfig(), STEPS)
+    plain = Parts(model, optimizer, scheduler, Precision("fp32", torch.device("cpu")), torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"'train.parallel'.*--set train.parallel=fsdp"):
+        restore(plain, state, DECISION)
+    assert state["micro_batch_size"] == ROWS // 2 and len(state["rng"]) == 2  # read here, with no process group
