@@ -139,12 +139,13 @@ def reported() -> set[str]:
     names |= _literal_keys("orchestrator/training/loop.py", "_report", {"metrics", "once"})
     names |= _literal_keys("orchestrator/training/loop.py", "_interval_metrics")
     names |= _literal_keys("orchestrator/training/loop.py", "_worker_paces")
-    names |= _literal_keys("orchestrator/training/worker.py", "train_worker", set())
+    names |= _literal_keys("orchestrator/training/worker.py", "train_rank", set())
     names |= _literal_keys("orchestrator/training/memory.py", "device_facts")
     names |= _literal_keys("orchestrator/training/memory.py", "cuda_memory_stats")
     names |= {f"summary/{k}" for k in ("compile_s", "tokens_per_s", "mfu")}  # run_summary's when measured
     # The worker's train.parallel facts, with its first report: the mode and what one worker holds.
     names |= {"parallel", "param_bytes_per_rank", "optimizer_bytes_per_rank"}
+    names.add("cost/attempts")  # the driver's, with the cost ledger (launch.py)
     return {mlflow_key(name) for name in names}
 
 
