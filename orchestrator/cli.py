@@ -185,10 +185,12 @@ def run_command(args: argparse.Namespace) -> int:
                      args.port, log)
 
     if args.command == "tune":
+        from orchestrator.startup import process_started_at
         from orchestrator.tuning.results import summary as tune_summary
         from orchestrator.tuning.study import tune
 
-        print(tune_summary(tune(config, address=args.address, fresh=args.fresh, show_logs=args.verbose)))
+        print(tune_summary(tune(config, address=args.address, fresh=args.fresh, show_logs=args.verbose,
+                                started_at=process_started_at())))
         return 0
 
     from orchestrator.launch import summary, train

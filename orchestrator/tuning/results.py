@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -152,9 +153,10 @@ def local_dir(place: RunPlace) -> Path:
 
 
 def record(config: Config, tree: dict[str, Any], trials: list[TrialSummary], best: TrialSummary, metric: str,
-            mode: str, place: RunPlace, tracker: Tracker, resumed: bool, wall_s: float | None = None) -> TuneResult:
-    """best.yaml, plots and the best trial on the parent run. `wall_s`: the study's wall clock so far, from the
-    command's start (its goodput's denominator)."""
+            mode: str, place: RunPlace, tracker: Tracker, resumed: bool, began: float | None = None) -> TuneResult:
+    """best.yaml, plots and the best trial on the parent run. `began`: when the command started (epoch seconds):
+    the study's goodput is over its wall clock since then, and the trials it started (a resumed study's earlier
+    trials ran in another command)."""
     study, study_path = place.name, place.uri
     values = ", ".join(f"{k}={v}" for k, v in best.params.items())
     header = (f"# Best of study {study}: trial {best.trial_id} ({best.label}), {metric}={best.metric:.4f} with "
@@ -175,7 +177,8 @@ def record(config: Config, tree: dict[str, Any], trials: list[TrialSummary], bes
         tracker.log_artifact(Path(tmp) / "study.yaml")
 
     cost = study_metrics([t.cost for t in trials if t.cost is not None])
-    goodput = study_goodput(trials, wall_s) if wall_s else {}
+    goodput = {} if began is None else study_goodput(
+        [t for t in trials if t.started_at is None or t.started_at >= began], time.time() - began)
     counts = {s: sum(t.status == s for t in trials) for s in ("completed", "stopped", "error")}
     # Figures of the whole study: rows of the parent run's summary table (tracking.py), not one-point charts.
     tracker.log_metrics({f"study/best_{metric}": best.metric or 0.0,
@@ -267,12 +270,17 @@ def _share(frac: float) -> str:
 def goodput_line(g: dict[str, float]) -> str:
     """'study goodput 30%: productive trial time over 100 s x 2 trial slots | trials ASHA stopped held 12% (5%
     productive)'."""
-    line = f"study goodput {_share(g['study/goodput'])}: productive trial time over {g['study/wall_s']:.0f} s"
+    line = f"study goodput {_percent(g['study/goodput'])}: productive trial time over {g['study/wall_s']:.0f} s"
     line += f" x {g['study/slots']:.0f} trial slots" if g["study/slots"] > 1 else " of the study's wall clock"
     if g["study/stopped_trials_frac"] > 0:
         line += (f" | trials ASHA stopped held {_share(g['study/stopped_trials_frac'])} "
-                 f"({_share(g['study/stopped_productive_frac'])} productive)")
+                 f"({_percent(g['study/stopped_productive_frac'])} productive)")
     return line
+
+
+def _percent(frac: float) -> str:
+    """Two significant digits, however small: a study of short trials has a goodput of a fraction of a percent."""
+    return f"{100 * frac:.2g}%" if frac < 0.1 else f"{frac:.0%}"
 
 
 def study_cost_line(cost: dict[str, float]) -> str:

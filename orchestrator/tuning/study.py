@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -302,11 +303,13 @@ def check_trials(config: Config, base: Config, infos: dict[str, DatasetInfo]) ->
 
 
 def tune(config: Config, address: str | None = None, fresh: bool = False, verbose: bool = True,
-         show_logs: bool = False) -> TuneResult:
+         show_logs: bool = False, started_at: float | None = None) -> TuneResult:
     """Run (or resume) the hyperparameter study described by `config.tune`. Bad input raises ConfigError
     before any trial starts; an interrupted study raises KeyboardInterrupt after saving its state. Ray's, Tune's
     and MLflow's own lines, and what the trials' workers print, go to the study's log file (console.py), and to
-    the terminal too with `show_logs`."""
+    the terminal too with `show_logs`. `started_at` (epoch seconds, the CLI passes its process start) is where the
+    study's wall clock begins (its goodput)."""
+    began = started_at or time.time()
     check_study(config)
     check_rank_by(config)
     infos = inspect_datasets(config.data, named=config.model.inputs is not None)
@@ -324,14 +327,15 @@ def tune(config: Config, address: str | None = None, fresh: bool = False, verbos
     with RunLog(show_logs) as log:
         started_ray = connect_ray(address, widest_trial(base))
         try:
-            return _start_study(config, base, tree, infos, place, fresh, verbose, started_ray, log)
+            return _start_study(config, base, tree, infos, place, fresh, verbose, started_ray, log, began)
         finally:
             if started_ray:
                 shutdown_local_ray()
 
 
 def _start_study(config: Config, base: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo],
-                 place: RunPlace, fresh: bool, verbose: bool, started_ray: bool, log: RunLog) -> TuneResult:
+                 place: RunPlace, fresh: bool, verbose: bool, started_ray: bool, log: RunLog, began: float
+                 ) -> TuneResult:
     """On the cluster: the checks that need it, the study's state (new, or the saved one to continue), its parent
     MLflow run, then the study itself."""
     import ray
@@ -371,12 +375,12 @@ def _start_study(config: Config, base: Config, tree: dict[str, Any], infos: dict
               f"{config.tune.searcher}", flush=True)
         print(f"Ray and MLflow logs: {log_path}", flush=True)
     return _run_study(config, base, tree, infos, place, state is not None, tracker, concurrency, verbose,
-                      private_cluster=started_ray, log_path=log_path)
+                      private_cluster=started_ray, log_path=log_path, began=began)
 
 
 def _run_study(config: Config, base: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo], place: RunPlace,
                resumed: bool, tracker: Tracker, concurrency: int, verbose: bool, private_cluster: bool,
-               log_path: Path) -> TuneResult:
+               log_path: Path, began: float) -> TuneResult:
 
     metric, mode = config.tune.metric, resolved_mode(config)
     max_steps = base.train.max_steps or 0
@@ -398,7 +402,7 @@ def _run_study(config: Config, base: Config, tree: dict[str, Any], infos: dict[s
         raise UserError(f"no trial of study {study} reported {metric}"
                         + (f" ({len(errors)} distinct errors; the first: {errors[0]})" if errors else "")
                         + f": see {log_path} and the trials' error files under {study_path}")
-    result = record(config, tree, trials, best, metric, mode, place, tracker, resumed)
+    result = record(config, tree, trials, best, metric, mode, place, tracker, resumed, began)
     tracker.finish("FINISHED")
     return result
 

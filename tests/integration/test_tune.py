@@ -51,6 +51,7 @@ def study_cli(tmp_path_factory: pytest.TempPathFactory, digits_dir: str) -> tupl
     out = subprocess.run([sys.executable, "-m", "orchestrator", "tune", *args], capture_output=True, text=True,
                          cwd=tmp_path, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (tmp_path / "stopwatch_s").write_text(str(time.monotonic() - started))  # around the command, as a user's
     print(f"orchestrator tune: {time.monotonic() - started:.0f} s, {len(out.stdout.splitlines())} stdout lines, "
           f"{len(out.stderr.splitlines())} stderr lines")
     return tmp_path, out.stdout, out.stderr
@@ -228,6 +229,19 @@ def test_every_trial_and_the_study_have_a_cost(study: tuple[TuneResult, Path],
     experiment = client.get_experiment_by_name("tune-tests").experiment_id
     children = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{result.parent_run_id}'")
     assert all(read_summary(client, r.info.run_id).get("cost/usd", 0) > 0 for r in children)
+    # The study's goodput: the trials' productive seconds (as each child run's ledger has them) over the trial
+    # slots the command's wall clock held (at most tune.max_concurrent_trials=2 at once).
+    line = next(x for x in study_cli[1].splitlines() if x.startswith("study goodput "))
+    found = re.match(r"study goodput ([\d.e-]+)%: productive trial time over (\d+) s(?: x (\d) trial slots)?", line)
+    assert found, line
+    wall, slots = float(found[2]), int(found[3] or 1)
+    stopwatch = float((study_cli[0] / "stopwatch_s").read_text())
+    assert 0.5 * stopwatch < wall <= stopwatch + 0.5 and slots <= 2, (wall, stopwatch, slots)
+    tables = [read_summary(client, r.info.run_id) for r in children]
+    productive = sum(t["cost/productive_frac"] * t["cost/wall_s"] for t in tables)
+    # Two significant digits; tiny here (trials of 40 steps of about 2 ms): the trials' own ledgers against their
+    # child runs' 4-digit figures.
+    assert float(found[1]) == pytest.approx(100 * productive / (wall * slots), rel=0.06), (line, productive)
 
 
 def test_best_yaml_validates_and_trains(study: tuple[TuneResult, Path]) -> None:

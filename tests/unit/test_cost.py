@@ -251,4 +251,6 @@ def test_a_studys_goodput_is_its_trials_productive_time_over_the_slots_its_wall_
     from orchestrator.tuning.results import goodput_line
 
     assert goodput_line(g) == ("study goodput 30%: productive trial time over 100 s x 2 trial slots | trials ASHA "
-                               "stopped held 12% (5.0% productive)")
+                               "stopped held 12% (5% productive)")
+    small = study_goodput([trial("completed", 0.047, 60.0, 10.0)], wall_s=100.0)
+    assert goodput_line(small) == "study goodput 0.047%: productive trial time over 100 s of the study's wall clock"
