@@ -24,8 +24,9 @@ from pipelines.sources import DatasetInfo
 
 
 def in_trial_process(config: Config) -> bool:
-    """Whether a trial with this (resolved) config trains in its own process: one worker, never more."""
-    return config.scaling.max_workers == 1
+    """Whether a trial with this (resolved) config trains in its own process: one worker, never more, and not
+    sharded (train.parallel=fsdp writes its checkpoints through Ray Train's reporting)."""
+    return config.scaling.max_workers == 1 and config.train.parallel == "ddp"
 
 
 def trial_resources(config: Config) -> dict[str, float]:

@@ -194,6 +194,9 @@ def test_a_trial_that_trains_in_its_own_process_holds_its_one_workers_share(over
     wide = study(LR, "train.global_batch_size=128", "scaling.num_workers=2")
     assert not in_trial_process(wide) and trial_resources(wide) == {"CPU": 0.01}
     assert not in_trial_process(study(LR, "train.global_batch_size=128", "scaling.num_workers=[1, 2]"))
+    # Sharded checkpoints are written through Ray Train's reporting: a one-worker fsdp trial keeps its Train run.
+    assert not in_trial_process(study(LR, "train.global_batch_size=128", "scaling.num_workers=1",
+                                      "train.parallel=fsdp"))
 
 
 def at_once(overrides: list[str], resources: dict[str, float]) -> tuple[int, str]:
