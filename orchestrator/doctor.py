@@ -340,16 +340,22 @@ def gradient_sync(run: RunRecord) -> Finding | None:
     grad_bytes = statistics.median(per_sample) * batch if per_sample and batch else None
     size = f", {grad_bytes / 1e6:.2g} MB of gradients per step" if grad_bytes else ""
     title = f"gradient sync took {share:.0%} of the training time ({world} workers{size})"
-    if run.param("train.sync") == "local_sgd":
+    halve = (f"train.global_batch_size={2 * batch if batch else '<2x>'} (with a matching optim.lr: half the "
+             "all-reduces per sample)")
+    if run.param("train.parallel") == "fsdp":  # local SGD cannot run on shards (the config refuses it)
+        accumulates = (_int_param(run, "train.grad_accum_steps", 1) or 1) > 1
+        deferred = run.param("train.fsdp.defer_sync") == "True"
+        changes = [*(["train.fsdp.defer_sync=true (one reduce-scatter per optimizer step, not one per "
+                      "micro-batch; each worker then holds unsharded gradients)"] if accumulates and not deferred
+                     else []), halve]
+    elif run.param("train.sync") == "local_sgd":
         every = _int_param(run, "train.sync_every", 8) or 8
         changes = [f"train.sync_every={2 * every} (average parameters half as often)"]
     elif grad_bytes is not None and grad_bytes < SMALL_MODEL_BYTES:
         changes = [f"scaling.num_workers={max(1, world // 2)} (a model this small is latency-bound: compare "
                    "samples/s)", "train.sync=local_sgd (average parameters every 8 steps, not gradients every step)"]
     else:
-        changes = ["train.sync=local_sgd (average parameters every 8 steps, not gradients every step)",
-                   f"train.global_batch_size={2 * batch if batch else '<2x>'} (with a matching optim.lr: half the "
-                   "all-reduces per sample)"]
+        changes = ["train.sync=local_sgd (average parameters every 8 steps, not gradients every step)", halve]
     return Finding("gradient sync", HIGH if share >= 0.25 else MEDIUM, share, title, tuple(changes))
 
 

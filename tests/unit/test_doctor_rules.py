@@ -450,3 +450,13 @@ def test_checkpoint_interval_follows_the_measured_failure_rate_and_checkpoint_co
     # Without failures there is no rate to weigh against; near the optimum there is nothing to change.
     assert checkpoint_interval(record(ledger, params)) is None
     assert checkpoint_interval(record(ledger, {**params, "checkpoint.every": str(expected)}, failed)) is None
+
+
+def test_sync_heavy_fsdp_run_is_never_told_to_use_local_sgd() -> None:
+    # train.sync=local_sgd is refused with train.parallel=fsdp: the rule names what fsdp can change instead.
+    fsdp = {"train.parallel": "fsdp", "train.grad_accum_steps": "4", "train.fsdp.defer_sync": "False"}
+    finding = gradient_sync(record({"summary/time/sync_frac": [0.3], "comm_bytes_per_sample": [1e6]}, fsdp))
+    assert finding is not None and not any("local_sgd" in c for c in finding.changes), finding
+    assert [c.split(" ")[0] for c in finding.changes] == ["train.fsdp.defer_sync=true", "train.global_batch_size=256"]
+    deferred = gradient_sync(record({"summary/time/sync_frac": [0.3]}, {**fsdp, "train.fsdp.defer_sync": "True"}))
+    assert deferred is not None and [c.split(" ")[0] for c in deferred.changes] == ["train.global_batch_size=256"]
