@@ -27,6 +27,7 @@ from orchestrator.runs import RUN_CONFIG, AttemptLog, RunPlace, latest_run, new_
 from orchestrator.startup import StartupClock
 from orchestrator.tracking import (
     Tracker,
+    check_server_listens,
     closed_on_error,
     config_params,
     resolve_uri,
@@ -99,6 +100,7 @@ def train(config: Config, address: str | None = None, verbose: bool = True, resu
     infos = inspect_datasets(config.data, named=config.model.inputs is not None)
     config = resolve_for_data(config, infos)
     resolve_pricing(config)  # an unknown node type fails now, not after training
+    check_server_listens(config.tracking)  # the run is opened while Ray starts: a dead server must stop us first
     advice = model_state_advice(config, infos["train"])  # ddp would not fit a worker, fsdp would
     if advice and verbose:
         print(advice, file=sys.stderr, flush=True)

@@ -81,9 +81,10 @@ class ReportConsumer:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         self._stop.set()
-        self._thread.join(timeout=30)
+        # After fit() returned, the last reports are drained; after Ctrl+C or an error the command must end now.
+        self._thread.join(timeout=30 if exc_type is None else 2)
 
     def _loop(self) -> None:
         # After stop, keep draining: the last reports may still be in the queue.

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import shlex
+import socket
 import subprocess
 import sys
 import tempfile
@@ -196,6 +197,24 @@ def resolve_uri(uri: str | None) -> str:
     if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
         return prefix + os.path.abspath(uri[len(prefix):])
     return uri
+
+
+def check_server_listens(cfg: TrackingConfig, timeout_s: float = 3.0) -> None:
+    """An http(s) tracking server that nothing listens at fails here, before Ray starts (the MLflow run is otherwise
+    opened while Ray starts, and would be found unreachable only once Ray runs). A TCP connect only: whether the
+    store works is MlflowTracker's to find out."""
+    uri = resolve_uri(cfg.uri)
+    if not cfg.enabled or not uri.startswith(("http://", "https://")):
+        return
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(uri)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname or "localhost", port), timeout=timeout_s).close()
+    except OSError as exc:
+        raise UserError(f"MLflow tracking at '{uri}' is unavailable ({type(exc).__name__}: {exc}): start the "
+                        "server, fix tracking.uri, or set tracking.enabled=false") from None
 
 
 class NullTracker:

@@ -15,8 +15,8 @@ BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[2]
 # The product's own lines, start to end of a run (README shows them).
 PRODUCT = re.compile(r"^(Ray and MLflow logs: |start-up [\d.]+ s to the first step: |step \d+/\d+ \| |"
-                     r"auto micro-batch: |finished |final validation|time: |throughput: |cost: |checkpoint: |"
-                     r"MLflow run|open the MLflow UI: |this run in the MLflow UI: |warning: )")
+                     r"auto micro-batch: |finished |final validation|time: |throughput: |parallel: |cost: |"
+                     r"checkpoint: |MLflow run|open the MLflow UI: |this run in the MLflow UI: |warning: )")
 
 
 def test_a_healthy_run_prints_only_the_products_lines(tmp_path: Path, digits_dir: str) -> None:
