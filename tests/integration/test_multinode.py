@@ -177,3 +177,39 @@ def test_a_drained_node_triggers_a_checkpoint_before_it_goes(cluster: Any, tmp_p
     tags = MlflowClient(result.tracking_uri).get_run(result.run_id).data.tags
     assert any(k.startswith("orchestrator.drain.") and "checkpoint saved" in v for k, v in tags.items())
     cluster.remove_node(spot)
+
+
+def test_an_elastic_fsdp_group_grows_and_reshards_its_checkpoint(cluster: Any, tmp_path: Path,
+                                                                 digits_dir: str) -> None:
+    """train.parallel=fsdp, [1, 2]: the 1-worker group's checkpoint (one shard file) is loaded by the grown group at
+    2 workers, which cuts the shards anew and writes two per checkpoint; the global batch holds."""
+    from mlflow.tracking import MlflowClient
+
+    config = elastic_config(tmp_path, digits_dir, "elastic-fsdp", checkpoint_every=5)
+    config.train.parallel = "fsdp"
+    thread, outcome = train_in_background(config, cluster.address)
+    runs = tmp_path / "runs"
+    wait_for(lambda: len(alive_workers()) == 1 and list(runs.glob("*/checkpoint_0*/__0_0.distcp")),
+             "one worker and its sharded checkpoint")
+    joined = cluster.add_node(**NODE)
+    try:
+        thread.join(timeout=480)
+    finally:
+        cluster.remove_node(joined)
+    assert not thread.is_alive(), "training did not finish"
+    assert "error" not in outcome, outcome.get("error")
+    result: TrainResult = outcome["result"]
+    assert result.metrics["step"] == 300
+    sizes = [r["world_size"] for r in result.history]
+    assert sizes[0] == 1 and sizes[-1] == 2 and sorted(set(sizes)) == [1, 2], sizes
+    grown = next(r for r in result.history if r["world_size"] == 2 and "grad_accum_steps" in r)
+    assert grown["parallel"] == "fsdp" and grown["micro_batch_size"] * grown["grad_accum_steps"] * 2 == 64
+    # Each grown-group rank holds half of the model (one row of padding at most per parameter).
+    held = {r["world_size"]: r["param_bytes_per_rank"] for r in result.history if "param_bytes_per_rank" in r}
+    assert held[2] < 0.55 * held[1], held
+    (final,) = [p for p in runs.glob("*/checkpoint_0*") if p.name.startswith("checkpoint_00000300")]
+    assert sorted(p.name for p in final.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    losses = [r["train_loss"] for r in result.history]
+    assert losses[-1] < losses[0]  # it kept learning across the reshard
+    tags = MlflowClient(result.tracking_uri).get_run(result.run_id).data.tags
+    assert any("1 -> 2 workers, global batch 64" in v for k, v in tags.items() if k.startswith("orchestrator.resize."))
