@@ -226,11 +226,10 @@ def _train(config: Config, address: str | None, verbose: bool, infos: dict[str, 
                 stopping.join()
             elif started_ray:
                 shutdown_local_ray()
-            attempt.save(history, force=True)  # also when the run failed or was interrupted: a resume bills it
+            attempt.save(history, force=True)  # this attempt's final record; after a failure or Ctrl+C too
         # Billed from the command's start to now, Ray's shutdown included: what the user's stopwatch shows.
         wall_s = clock.since_start()
         result.cost = _cost(config, result.history, wall_s, failures)
-        attempt.save(history, ended=clock.started_at + wall_s, force=True)
         attempts = place.read_attempts() if record is not None else []
         if len(attempts) > 1:  # a resumed run: MLflow's run spans every attempt, so its cost figures do too
             result.attempts, result.run_cost = len(attempts), ledger_across_attempts(attempts, result.cost.pricing)
