@@ -30,6 +30,7 @@ from orchestrator.tracking import (
     check_server_listens,
     closed_on_error,
     config_params,
+    context_tags,
     resolve_uri,
     run_url,
     short_run_name,
@@ -138,10 +139,11 @@ class _Alongside:
 
 
 def _open_tracking(config: Config, place: RunPlace, record: dict[str, Any] | None, infos: dict[str, DatasetInfo],
-                   run_name: str, run_dir: str, log: RunLog, verbose: bool) -> Tracker:
+                   run_name: str, run_dir: str, log: RunLog, verbose: bool, context: dict[str, str]) -> Tracker:
     """The MLflow run opened with its params, datasets and tags, the run's directory, log file and record written.
     A run it opened and could not finish setting up ends FAILED (KILLED on KeyboardInterrupt)."""
-    tracker = start_tracker(config.tracking, run_name, run_id=_reopen_id(config, record), headline=config.tune.metric)
+    tracker = start_tracker(config.tracking, run_name, run_id=_reopen_id(config, record), headline=config.tune.metric,
+                            context=context)
     with closed_on_error(tracker):
         if record:
             tracker.set_tags({f"orchestrator.resume.{time.strftime('%Y%m%d-%H%M%S')}":
@@ -192,7 +194,10 @@ def _train(config: Config, address: str | None, verbose: bool, infos: dict[str, 
     with interrupted(place, history):  # Ctrl+C while Ray starts or the run is opened: an opened run ends KILLED
         # MLflow's run is opened in a thread while Ray starts here (Ray wants the main thread for its signal
         # handlers, and Ctrl+C reaches only this one): neither waits for the other.
-        opening = _Alongside(lambda: _open_tracking(config, place, record, infos, run_name, run_dir, log, verbose))
+        # Its context tags are taken first: in a Ray job, `ray.init` can replace the job's working directory.
+        context = context_tags() if config.tracking.enabled else {}
+        opening = _Alongside(lambda: _open_tracking(config, place, record, infos, run_name, run_dir, log, verbose,
+                                                    context))
         started_ray = False
         try:
             started_ray = connect_ray(address, config)

@@ -234,9 +234,12 @@ class MlflowTracker:
     """Wraps the MLflow client with explicit run ids (no global active run, safe from callback threads)."""
 
     def __init__(self, cfg: TrackingConfig, run_name: str, tags: dict[str, str] | None = None,
-                 run_id: str | None = None, headline: str | None = None) -> None:
+                 run_id: str | None = None, headline: str | None = None,
+                 context: dict[str, str] | None = None) -> None:
         """A new run, or with `run_id` the existing run reopened (a resumed Tune study or trial). `headline`: the
-        task's validation metric (tune.metric), charted with the loss and samples/s in the headline section."""
+        task's validation metric (tune.metric), charted with the loss and samples/s in the headline section.
+        `context`: the command's context_tags(), taken by a caller that opens the run while Ray starts (in a Ray
+        job, `ray.init` can replace the working directory the commit is read from); else taken here."""
         for key, value in _HTTP_DEFAULTS.items():
             os.environ.setdefault(key, value)
         from mlflow.tracking import MlflowClient
@@ -274,7 +277,7 @@ class MlflowTracker:
                 self._charted |= {canonical_key(k) for k in self._client.get_run(run_id).data.metrics}
             else:
                 run_id = self._client.create_run(self.experiment_id, run_name=run_name,
-                                                 tags=context_tags() | (tags or {})).info.run_id
+                                                 tags=(context or context_tags()) | (tags or {})).info.run_id
             self.run_id = run_id
             _EXPERIMENT_OF[run_id] = self.experiment_id
         except KeyboardInterrupt:  # Ctrl+C once the run is RUNNING: it ends KILLED, as after the set-up
@@ -524,8 +527,9 @@ def closed_on_error(tracker: Tracker) -> Iterator[None]:
 
 
 def start_tracker(cfg: TrackingConfig, run_name: str, tags: dict[str, str] | None = None,
-                  run_id: str | None = None, headline: str | None = None) -> Tracker:
-    return MlflowTracker(cfg, run_name, tags, run_id, headline) if cfg.enabled else NullTracker()
+                  run_id: str | None = None, headline: str | None = None,
+                  context: dict[str, str] | None = None) -> Tracker:
+    return MlflowTracker(cfg, run_name, tags, run_id, headline, context) if cfg.enabled else NullTracker()
 
 
 UI_PORT = 5055  # `orchestrator ui`'s default (or the next free one): not 5000, which macOS's AirPlay takes

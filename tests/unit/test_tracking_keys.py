@@ -177,3 +177,28 @@ def test_the_commit_is_the_checkouts_head() -> None:
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
     expected = head.stdout.strip() if head.returncode == 0 else None
     assert git_commit(str(root)) == expected
+
+
+def test_the_runs_source_is_what_the_command_saw_before_ray_started(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ray job's entrypoint runs in the job's unpacked working_dir, and `ray.init` there can remove it while the
+    MLflow run opens alongside (tests/integration/test_cluster_jobs.py): the command's context is taken before Ray
+    starts and the run gets that one, not what the working directory holds when it opens."""
+    from mlflow.tracking import MlflowClient
+
+    from orchestrator.tracking import context_tags
+
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    git = ["git", "-c", "user.email=u@example.com", "-c", "user.name=u"]
+    subprocess.run([*git, "init", "-q"], cwd=checkout, check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "c"], cwd=checkout, check=True)
+    monkeypatch.chdir(checkout)
+    context = context_tags()  # what the command saw
+    assert len(context["mlflow.source.git.commit"]) == 40
+    monkeypatch.chdir(tmp_path)  # no checkout here: read at opening, the run would have no commit
+    uri = f"sqlite:///{tmp_path}/mlruns.db"
+    tracker = MlflowTracker(TrackingConfig(uri=uri, experiment="jobs"), "job-run", context=context)
+    tracker.finish("FINISHED")
+    tags = MlflowClient(uri).get_run(tracker.run_id).data.tags
+    assert {k: tags.get(k) for k in context} == context
