@@ -16,7 +16,7 @@ import pytest
 
 from orchestrator import cli, launch
 from orchestrator.config import load_config
-from orchestrator.runs import RAY_CHECKPOINTS, RunPlace, open_run_storage
+from orchestrator.runs import RAY_CHECKPOINTS, RUN_RECORD, RunPlace, open_run_storage
 from orchestrator.trainer import storage_args
 from pipelines.config import S3Config
 from pipelines.reader import ShardDatasource
@@ -141,7 +141,7 @@ def test_ctrl_c_while_ray_starts_ends_the_mlflow_run_opened_beside_it_killed(
 
     def ray_start_interrupted(address: str | None, config: Any) -> bool:
         deadline = time.time() + 60  # Ctrl+C once MLflow's run exists (opened beside Ray's start)
-        while not list((tmp_path / "runs").glob("*/*/run.json")) and time.time() < deadline:
+        while not list((tmp_path / "runs").glob(f"*/{RUN_RECORD}")) and time.time() < deadline:
             time.sleep(0.05)
         raise KeyboardInterrupt
 
