@@ -244,10 +244,11 @@ def test_out_of_memory_on_one_rank_ends_the_run_with_one_clear_error(ray_cluster
 
     started = time.monotonic()
     # Rank 1's third forward (the second step's first micro-batch) runs out of memory while rank 0 goes on into
-    # the step's all-gathers and reduce-scatter: not a hang, one error naming the key to lower.
+    # the step's all-gathers and reduce-scatter: not a hang, one error naming the key to lower. (No restart: each
+    # would fail the same way, and cost a worker-group start.)
     with pytest.raises(UserError) as failed:
         fsdp_run(tmp_path, None, f"data.train={digits_dir}/train", "data.val=null", "model.entrypoint=oom_model:build",
                  "train.max_steps=5", "train.micro_batch_size=16", "train.global_batch_size=64",
-                 "optim.warmup_steps=1", "failure.max_failures=2")
+                 "optim.warmup_steps=1", "failure.max_failures=0")
     assert "train.micro_batch_size" in str(failed.value) and "train.parallel=fsdp" in str(failed.value)
     assert time.monotonic() - started < 200

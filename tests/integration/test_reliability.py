@@ -281,7 +281,11 @@ def test_ctrl_c_exits_130_marks_the_run_killed_and_its_resume_command_continues(
         try:
             code = first.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            code = None  # still running: what it printed says where it was stuck
+            code = None  # still running: where it is stuck (py-spy comes with ray[default]), and its signal masks
+            status = Path(f"/proc/{first.pid}/status").read_text()
+            err += [line for line in status.splitlines() if line.startswith("Sig")]
+            err.append(subprocess.run([str(BIN / "py-spy"), "dump", "--pid", str(first.pid)], capture_output=True,
+                                      text=True, timeout=30).stdout)
         took = time.monotonic() - sent
     finally:
         if first.poll() is None:
