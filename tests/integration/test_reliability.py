@@ -270,8 +270,9 @@ def test_ctrl_c_exits_130_marks_the_run_killed_and_its_resume_command_continues(
     first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              start_new_session=True)
     err: list[str] = []
+    out: list[str] = []
     threading.Thread(target=lambda: err.extend(first.stderr or []), daemon=True).start()
-    threading.Thread(target=lambda: list(first.stdout or []), daemon=True).start()
+    threading.Thread(target=lambda: out.extend(first.stdout or []), daemon=True).start()
     try:
         wait_for(lambda: len(list(hold.glob("held-*"))) == 2
                  and "checkpoint_00000010" in registered_snapshot(tmp_path / "runs"),
@@ -281,11 +282,10 @@ def test_ctrl_c_exits_130_marks_the_run_killed_and_its_resume_command_continues(
         try:
             code = first.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            code = None  # still running: where it is stuck (py-spy comes with ray[default]), and its signal masks
-            status = Path(f"/proc/{first.pid}/status").read_text()
-            err += [line for line in status.splitlines() if line.startswith("Sig")]
-            err.append(subprocess.run([str(BIN / "py-spy"), "dump", "--pid", str(first.pid)], capture_output=True,
-                                      text=True, timeout=30).stdout)
+            code = None  # still running: where it is stuck (py-spy comes with ray[default]), shown with the output
+            print("".join(out[-20:]), Path(f"/proc/{first.pid}/status").read_text(), subprocess.run(
+                [str(BIN / "py-spy"), "dump", "--pid", str(first.pid)], capture_output=True, text=True,
+                timeout=30).stdout, sep="\n")
         took = time.monotonic() - sent
     finally:
         if first.poll() is None:
