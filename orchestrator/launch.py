@@ -194,7 +194,7 @@ def _train(config: Config, address: str | None, verbose: bool, infos: dict[str, 
     with interrupted(place, history):  # Ctrl+C while Ray starts or the run is opened: an opened run ends KILLED
         # MLflow's run is opened in a thread while Ray starts here (Ray wants the main thread for its signal
         # handlers, and Ctrl+C reaches only this one): neither waits for the other.
-        # Its context tags are taken first: in a Ray job, `ray.init` can replace the job's working directory.
+        # Its context tags are taken first: in a Ray job, `ray.init` can remove the job's working directory.
         context = context_tags() if config.tracking.enabled else {}
         opening = _Alongside(lambda: _open_tracking(config, place, record, infos, run_name, run_dir, log, verbose,
                                                     context))
