@@ -17,6 +17,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from terminal import from_a_terminal
 
 from orchestrator import load_config, train
 from orchestrator.launch import TrainResult, summary
@@ -110,8 +111,8 @@ def ui(trained: tuple[TrainResult, str], tmp_path_factory: pytest.TempPathFactor
     assert Path(argv[0]).name == "orchestrator" and argv[1] == "ui", command
     log = tmp_path_factory.mktemp("ui-log") / "out.txt"
     with open(log, "w") as out:
-        process = subprocess.Popen([str(Path(sys.executable).parent / "orchestrator"), *argv[1:]], stdout=out,
-                                   stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        process = subprocess.Popen(from_a_terminal([str(Path(sys.executable).parent / "orchestrator"), *argv[1:]]),
+                                   stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
     try:
         deadline = time.monotonic() + 180
         while not (found := re.search(r"^open: (http://127\.0\.0\.1:(\d+)/\S+)$", log.read_text(), re.MULTILINE)):

@@ -20,6 +20,7 @@ from typing import Any
 import pyarrow.fs as pafs
 import pytest
 import torch
+from terminal import from_a_terminal
 
 from orchestrator import load_config
 from orchestrator.cost import PARTS
@@ -249,11 +250,6 @@ def test_killed_driver_resumes_with_the_same_run_and_mlflow_run(ray_cluster: Non
     assert sum(cost[f"cost/{part}_frac"] for part in PARTS) == pytest.approx(1.0, abs=0.02)
 
 
-# Runs argv[1:] with SIGINT's default action (exec keeps it; an inherited "ignore" would be kept too).
-INTERRUPTIBLE = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-                 "os.execv(sys.argv[1], sys.argv[1:])")
-
-
 def test_ctrl_c_exits_130_marks_the_run_killed_and_its_resume_command_continues(
         ray_cluster: None, tmp_path: Path, digits_dir: str) -> None:
     import shlex
@@ -271,11 +267,9 @@ def test_ctrl_c_exits_130_marks_the_run_killed_and_its_resume_command_continues(
                                  "experiment=ctrl-c")
             for a in ("--set", o)]
     command = [str(BIN / "orchestrator"), "train", "--address", ray.get_runtime_context().gcs_address, *sets]
-    # Its own process group, as a terminal gives a command: Ctrl+C is SIGINT to the whole group. And SIGINT not
-    # ignored, as a terminal's foreground command has it: a suite started in the background (`make test &`, nohup)
-    # ignores it, every process it starts inherits that, and Python then never raises KeyboardInterrupt.
-    first = subprocess.Popen([sys.executable, "-c", INTERRUPTIBLE, *command], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # Its own process group, as a terminal gives a command: Ctrl+C is SIGINT to the whole group.
+    first = subprocess.Popen(from_a_terminal(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
     err: list[str] = []
     out: list[str] = []
     threading.Thread(target=lambda: err.extend(first.stderr or []), daemon=True).start()
