@@ -124,8 +124,8 @@ def ui(trained: tuple[TrainResult, str], tmp_path_factory: pytest.TempPathFactor
         try:
             assert process.wait(timeout=30) == 0, log.read_text()
         finally:
-            if process.poll() is None:
-                process.kill()
+            if process.poll() is None:  # its `mlflow ui` child too: the group it leads
+                os.killpg(process.pid, 9)
 
 
 def on_port(url: str, port: int) -> str:
