@@ -213,8 +213,14 @@ def check_server_listens(cfg: TrackingConfig, timeout_s: float = 3.0) -> None:
     try:
         socket.create_connection((parts.hostname or "localhost", port), timeout=timeout_s).close()
     except OSError as exc:
-        raise UserError(f"MLflow tracking at '{uri}' is unavailable ({type(exc).__name__}: {exc}): start the "
-                        "server, fix tracking.uri, or set tracking.enabled=false") from None
+        raise unavailable(uri, exc) from None
+
+
+def unavailable(uri: str, exc: Exception) -> UserError:
+    """The one error for a tracking store the command cannot use at its start."""
+    detail = str(exc).splitlines()[0] if str(exc) else ""
+    return UserError(f"MLflow tracking at '{uri}' is unavailable ({type(exc).__name__}: {detail}): start the "
+                     "server, fix tracking.uri, or set tracking.enabled=false")
 
 
 class NullTracker:
@@ -285,9 +291,7 @@ class MlflowTracker:
                 self.finish("KILLED")
             raise
         except Exception as exc:  # unreachable server, bad URI, locked database...
-            raise UserError(f"MLflow tracking at '{self.uri}' is unavailable ({type(exc).__name__}: "
-                            f"{str(exc).splitlines()[0] if str(exc) else ''}): start the server, fix tracking.uri, "
-                            "or set tracking.enabled=false") from None
+            raise unavailable(self.uri, exc) from None
 
     def _safe(self, what: str, call: Any, *args: Any, force: bool = False, **kwargs: Any) -> None:
         """Make one tracking call; a failure prints one warning line (once) and never raises. While the store is
