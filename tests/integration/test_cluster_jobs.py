@@ -8,9 +8,7 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -20,33 +18,14 @@ from typing import Any
 
 import pytest
 import yaml
+from services import BIN, free_port, wait_for
+from services import mlflow_server as start_mlflow_server
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
 SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYEXAMPLEKEY-test"
 KEY_ID = "AKIAORCHESTRATORTEST1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# A service's start-up, not a product figure: on a loaded 2-core machine an `mlflow server` took over 2 minutes.
-def wait_for(check: Any, what: str, timeout: float = 300.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            result = check()
-            if result:
-                return result
-        except Exception:
-            pass
-        time.sleep(1.0)
-    raise TimeoutError(f"{what} not ready after {timeout:.0f} s")
 
 
 def stop(process: subprocess.Popen[bytes]) -> None:
@@ -69,21 +48,8 @@ def http_json(url: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    root = tmp_path_factory.mktemp("mlflow")
-    port = free_port()
-    log = open(root / "server.log", "wb")  # noqa: SIM115 - closed at teardown
-    process = subprocess.Popen(
-        [str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
-         "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
-    uri = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: urllib.request.urlopen(f"{uri}/health", timeout=5).status == 200, "mlflow server")
+    with start_mlflow_server(tmp_path_factory.mktemp("mlflow")) as (uri, _):
         yield uri
-    finally:
-        stop(process)
-        log.close()
 
 
 @pytest.fixture(scope="module")

@@ -178,9 +178,8 @@ def test_a_nan_on_one_rank_is_skipped_on_every_rank_and_counted(ray_cluster: Non
                  "model.nan_rank=1")
     assert result.metrics["nonfinite_skipped"] == 1 and result.metrics["step"] == 10
     assert all(torch.isfinite(v).all() for v in weights(result.checkpoint_path).values())  # type: ignore[arg-type]
-    with pytest.raises(Exception, match="max_nonfinite_steps=0"):
-        run(tmp_path, digits_dir, "train.max_steps=10", "optim.warmup_steps=2", "model.nan_call=4", "model.nan_rank=1",
-            "train.max_nonfinite_steps=0", "failure.max_failures=0")
+    # The budget's refusal (train.max_nonfinite_steps) is the loop's: tests/unit/training/test_fault_handling.py and
+    # test_loop.py; how a worker's error reaches the user through Ray: test_an_error_every_restart_would_repeat_...
 
 
 def test_killed_driver_resumes_with_the_same_run_and_mlflow_run(ray_cluster: None, tmp_path: Path,

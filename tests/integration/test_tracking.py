@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import threading
@@ -22,7 +21,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from test_cluster_jobs import BIN, free_port, http_json, wait_for
+from services import BIN, free_port, stop_group, wait_for
+from services import mlflow_server as start_mlflow_server
+from test_cluster_jobs import http_json
 
 from orchestrator import load_config, train
 from orchestrator.launch import summary
@@ -57,30 +58,8 @@ def test_unreachable_tracking_at_start_stops_before_ray_starts(tmp_path: Path, d
 
 @pytest.fixture()
 def mlflow_server(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """A real `mlflow server` in its own process group (it runs uvicorn as a child), stopped by that group's id."""
-    root = tmp_path / "mlflow"
-    root.mkdir()
-    port = free_port()
-    log = open(root / "server.log", "wb")  # noqa: SIM115 - closed at teardown
-    process = subprocess.Popen(
-        [str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
-         "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    uri = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: urllib.request.urlopen(f"{uri}/health", timeout=5).status == 200, "mlflow server")
-        yield uri, process
-    finally:
-        kill_group(process)
-        log.close()
-
-
-def kill_group(process: subprocess.Popen[bytes]) -> None:
-    """SIGKILL the process group this test started (the mlflow CLI and its uvicorn), like a crashed server."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=30)
+    with start_mlflow_server(tmp_path / "mlflow") as server:
+        yield server
 
 
 def logged_steps(uri: str, experiment: str) -> int:
@@ -110,7 +89,7 @@ def test_tracking_server_dying_mid_run_warns_once_and_training_finishes(
             wait_for(lambda: list(hold.glob("held-*")), "the worker held at step 51", timeout=240)
             killed["logged"] = wait_for(lambda: (n := logged_steps(uri, "tracking")) >= 10 and n,
                                         "the reports up to step 50 logged", timeout=120)
-            kill_group(server)
+            stop_group(server)  # SIGKILL: a crashed server
             killed["at"], killed["wall"] = time.monotonic(), time.time()
         finally:
             (hold / "release").touch()  # killed or not: training goes on, and the assertions below say which
