@@ -13,9 +13,11 @@ Two ratios, side by side:
     end to end   = bare command's wall / orchestrated command's wall, for the same steps (start-up, Ray's
                    teardown and MLflow included)
 
-The bare command runs before and after the orchestrated ones, so drift on a shared machine hits both sides.
+The bare command runs before and after each round of the orchestrated ones, so drift on a shared machine hits both
+sides. Single runs of the same variant differ by up to 0.1 here: `--repeat 3` gives each line the mean of 3 rounds
+and their range.
 
-    .venv/bin/python bench/overhead.py [--rows 200000 --steps 1200 --batch 256 --threads 2]
+    .venv/bin/python bench/overhead.py [--rows 200000 --steps 1200 --batch 256 --threads 2 --repeat 1]
 """
 
 from __future__ import annotations
@@ -113,6 +115,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--repeat", type=int, default=1, help="rounds of every variant, interleaved (the machine's "
+                        "noise between single runs is as large as the differences between variants)")
     parser.add_argument("--bare", help=argparse.SUPPRESS)  # internal: run the bare loop on this data directory
     args = parser.parse_args()
     if args.bare:
@@ -132,26 +136,34 @@ def main() -> None:
         variants = {"product defaults": [],
                     "with data.cache=memory": ["data.cache=memory"],
                     f"with checkpoint.every={args.steps} (only the last)": [f"checkpoint.every={args.steps}"]}
-        bare_wall, out = timed(bare_command)
-        bare = [steady(json.loads(out[-1][1]), args.batch)]
-        runs = {}
-        for label, extra in variants.items():
-            command = [str(ROOT / ".venv" / "bin" / "orchestrator"), "train",
-                       *(arg for setting in [*settings, *extra] for arg in ("--set", setting))]
-            runs[label] = timed(command)
-        wall, out = timed(bare_command)
-        bare.append(steady(json.loads(out[-1][1]), args.batch))
-        bare_wall = (bare_wall + wall) / 2
-    bare_rate = statistics.fmean(bare)
+        bare_walls, bare = [], []
+        runs: dict[str, list[tuple[float, list[tuple[float, str]]]]] = {label: [] for label in variants}
+
+        def run_bare() -> None:
+            wall, out = timed(bare_command)
+            bare_walls.append(wall)
+            bare.append(steady(json.loads(out[-1][1]), args.batch))
+
+        run_bare()
+        for _ in range(args.repeat):  # one round of every variant after another, so drift hits them alike
+            for label, extra in variants.items():
+                command = [str(ROOT / ".venv" / "bin" / "orchestrator"), "train",
+                           *(arg for setting in [*settings, *extra] for arg in ("--set", setting))]
+                runs[label].append(timed(command))
+            run_bare()
+    bare_rate, bare_wall = statistics.fmean(bare), statistics.fmean(bare_walls)
     print(f"model MLP 64-512-512-10, batch {args.batch}, {args.precision}, {args.threads} threads, "
           f"{args.steps} steps, {args.rows:,} rows; steady state = samples from the second progress line to the "
           "last over the time between them")
-    print(f"bare PyTorch loop         : {bare_rate:10,.0f} samples/s, command {bare_wall:.1f} s (mean of 2 runs)")
-    for label, (orch_wall, lines) in runs.items():
-        rate = steady(progress_marks(lines), args.batch)
+    print(f"bare PyTorch loop         : {bare_rate:10,.0f} samples/s, command {bare_wall:.1f} s "
+          f"(mean of {len(bare)} runs)")
+    for label, rounds in runs.items():
+        rates = [steady(progress_marks(lines), args.batch) for _, lines in rounds]
+        rate, orch_wall = statistics.fmean(rates), statistics.fmean(wall for wall, _ in rounds)
+        spread = f" (runs {min(rates) / bare_rate:.3f} to {max(rates) / bare_rate:.3f})" if len(rates) > 1 else ""
         print(f"orchestrated, {label:<40}: {rate:10,.0f} samples/s, command {orch_wall:.1f} s | steady state "
-              f"{rate / bare_rate:.3f} (target >= 0.85) | end to end {bare_wall / orch_wall:.3f}")
-        for _, text in lines:
+              f"{rate / bare_rate:.3f}{spread} (target >= 0.85) | end to end {bare_wall / orch_wall:.3f}")
+        for _, text in rounds[-1][1]:
             if text.startswith(("start-up ", "time: ", "cost: ")):
                 print(f"    {text}")
 

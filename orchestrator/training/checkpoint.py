@@ -16,18 +16,20 @@ import random
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from orchestrator.errors import ConfigError
 from orchestrator.training import fsdp
 from orchestrator.training.parts import Parts
 from orchestrator.training.ranks import gather_to_rank0, world
+
+if TYPE_CHECKING:
+    import torch.distributed.checkpoint as dcp
 
 STATE_FILE = "state.pt"
 # Written last, listing every other file and its size: a checkpoint without it, or whose files do not match it, is
@@ -231,6 +233,8 @@ def _position(state: dict[str, Any], cache_decision: str | None) -> Progress:
 
 def storage_writer(filesystem: pafs.FileSystem, path: str) -> dcp.FileSystemWriter:
     """A DCP writer into `path` on a pyarrow filesystem (Ray Train's run storage: local or S3)."""
+    import torch.distributed.checkpoint as dcp
+
     if isinstance(filesystem, pafs.LocalFileSystem):
         return dcp.FileSystemWriter(path)
     writer = dcp.FileSystemWriter(path, sync_files=False)  # fsync means nothing to an object store
@@ -240,6 +244,8 @@ def storage_writer(filesystem: pafs.FileSystem, path: str) -> dcp.FileSystemWrit
 
 def storage_reader(filesystem: pafs.FileSystem, path: str) -> dcp.FileSystemReader:
     """A DCP reader of the checkpoint at `path` on a pyarrow filesystem; every rank reads only what its shards need."""
+    import torch.distributed.checkpoint as dcp
+
     reader = dcp.FileSystemReader(path)
     if not isinstance(filesystem, pafs.LocalFileSystem):
         reader.fs, reader.path = _arrow_fs(filesystem), path

@@ -11,31 +11,28 @@ in forward/backward (`recover`), and state (`save_sharded`, `load_sharded`, `ful
 from __future__ import annotations
 
 import io
+import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import StorageReader, StorageWriter
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from orchestrator.errors import ConfigError
 from orchestrator.training.precision import Mode
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import StorageReader, StorageWriter
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+# torch's FSDP, DTensor and DCP modules are imported where they are used: importing them costs every process that
+# imports this module (each worker, the driver) about half a second, and a DDP run never needs them.
 
 # Block classes of built-in models that do not name their own (`_no_split_modules`): qualified class name -> blocks.
 BUILTIN_BLOCKS: dict[str, tuple[str, ...]] = {"orchestrator.models.GPT": ("Block",)}
@@ -44,7 +41,21 @@ EXTRA_KEY = "extra"  # the caller's picklable state beside model and optimizer i
 
 def mesh_of_all_ranks(device: torch.device) -> DeviceMesh:
     """The 1-D data-parallel mesh over every rank of the default process group (gloo on CPU, nccl on GPU)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def _loaded_class(module: str, name: str) -> type | None:
+    """`module.name` if `module` is imported, else None: no instance of a class can exist before its module is
+    imported, so "not imported" means "none here" (a DDP run never imports FSDP or DTensor)."""
+    found = sys.modules.get(module)
+    return getattr(found, name, None) if found is not None else None
+
+
+def _is_dtensor(t: Any) -> bool:
+    dtensor = _loaded_class("torch.distributed.tensor", "DTensor")
+    return dtensor is not None and isinstance(t, dtensor)
 
 
 def block_names(model: nn.Module, blocks: Sequence[str] | None = None) -> list[str]:
@@ -74,6 +85,8 @@ def mixed_precision_policy(precision: Mode) -> MixedPrecisionPolicy:
     """bf16/fp16: blocks compute with parameters gathered in the low dtype (half the all-gather bytes), gradients are
     reduced and kept in fp32 (sums of many ranks' small gradients lose bits in 16 bits), and the sharded master
     parameters the optimizer updates stay fp32. fp32: no casts."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     if low is None:
         return MixedPrecisionPolicy()
@@ -93,6 +106,8 @@ def shard_model(model: nn.Module, *, mesh: DeviceMesh, blocks: Sequence[str] | N
 
     fp16 works with the product's GradScaler: DTensor gradients unscale through a handler that max-reduces the
     found-inf flag over the mesh, so every rank skips an overflowing step together."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
     policy = mixed_precision_policy(precision)
     found = find_blocks(model, blocks)
     if not found:
@@ -107,7 +122,8 @@ def shard_model(model: nn.Module, *, mesh: DeviceMesh, blocks: Sequence[str] | N
 
 
 def is_sharded(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
+    fsdp_module = _loaded_class("torch.distributed.fsdp", "FSDPModule")
+    return fsdp_module is not None and isinstance(model, fsdp_module)
 
 
 @contextmanager
@@ -135,7 +151,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     every rank). On DTensor gradients torch's clip_grad_norm_ reduces the shard norms over the mesh (a collective:
     every rank calls it) and returns a DTensor."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    return norm.full_tensor() if _is_dtensor(norm) else norm
 
 
 def recover(model: nn.Module) -> None:
@@ -149,6 +165,8 @@ def recover(model: nn.Module) -> None:
     out-of-memory retry is only safe where all ranks fail together (an agreed probe), not for one rank's OOM."""
     if not is_sharded(model):
         return
+    from torch.distributed.fsdp import FSDPModule
+
     model.reset_iter_state()  # type: ignore[operator]
     model.set_requires_gradient_sync(True)  # type: ignore[operator]
     # torch 2.13's reset keeps the gradients a deferred micro-batch accumulated on the unsharded parameters (fp32:
@@ -170,12 +188,16 @@ def recover(model: nn.Module) -> None:
 def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
     """(model, optimizer) state dicts of this rank's shards (DTensor values, keyed by parameter name, so the same
     keys at every world size)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     return get_state_dict(model, optimizer)
 
 
 def load_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict[str, Any],
                      optim_state: dict[str, Any]) -> None:
     """Load what `state_dicts` gave (or DCP filled in) into the sharded model and its optimizer."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
 
 
@@ -197,6 +219,8 @@ def save_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Opti
     coordinator (rank 0) the `.metadata` file last. A collective: every rank calls it. `extra` (scheduler, progress,
     precision state...) must be the same on every rank: one rank's copy is kept. `storage`: the DCP writer for `path`
     in run storage, local or S3 (checkpoint.storage_writer); by default a local one."""
+    import torch.distributed.checkpoint as dcp
+
     dcp.save(_to_save(model, optimizer, extra), checkpoint_id=None if storage else str(path), storage_writer=storage)
 
 
@@ -212,6 +236,8 @@ def async_save_sharded(path: str | Path, model: nn.Module, optimizer: torch.opti
     """`save_sharded` in a background thread. The state is first copied to CPU memory (before this returns), so
     training may go on changing the parameters; `.result()` on the returned future waits for the files. Pass a
     `checkpoint_group()`; call `.result()` before the next save and before the process ends."""
+    import torch.distributed.checkpoint as dcp
+
     return dcp.async_save(_to_save(model, optimizer, extra),  # type: ignore[return-value]
                           checkpoint_id=None if storage else str(path), storage_writer=storage, process_group=group)
 
@@ -222,6 +248,8 @@ def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Opti
     needed first: `get_state_dict` creates the optimizer's slots to load into). The saved shards are cut again for
     this world size, so a checkpoint from 2 ranks loads into 1 or 3. A collective. Returns the `extra` saved with it
     (None if none). `storage`: the DCP reader of `path` in run storage (checkpoint.storage_reader)."""
+    import torch.distributed.checkpoint as dcp
+
     model_state, optim_state = state_dicts(model, optimizer)
     state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
     reader = storage or dcp.FileSystemReader(str(path))
@@ -235,19 +263,22 @@ def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Opti
     return torch.load(state[EXTRA_KEY], weights_only=False)
 
 
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's parameters and buffers on CPU, gathered on rank 0 (an empty dict on the others): the final
     model to log or save_pretrained. A collective: every rank calls it. Always a copy."""
-    return _unaliased(get_model_state_dict(model, options=_FULL), _live(model))
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return _unaliased(get_model_state_dict(model, options=whole), _live(model))
 
 
 def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's whole state keyed by parameter name, on CPU on rank 0 (empty elsewhere). A collective.
     Always a copy."""
-    return _unaliased(get_optimizer_state_dict(model, optimizer, options=_FULL), _live(model, optimizer))
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return _unaliased(get_optimizer_state_dict(model, optimizer, options=whole), _live(model, optimizer))
 
 
 def _live(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> set[int]:
@@ -274,7 +305,7 @@ def _unaliased(tree: Any, live: set[int]) -> Any:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if _is_dtensor(t) else t
 
 
 def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
