@@ -5,7 +5,8 @@ loop is a fresh Python process that reads the whole dataset into tensors (its be
 function with no Ray. The orchestrated run is `orchestrator train` with the product's defaults (a local Ray
 cluster it starts, the cache decision `data.cache=auto` makes, checkpoints every `checkpoint.every` steps, MLflow
 in a SQLite file); each override is a separate run on its own labelled line, to show what that default costs.
-Two ratios, side by side:
+A third command runs the bare loop itself inside a 1-worker Ray Train run (no product: its tensors, its step):
+the floor that running beside Ray's processes on this machine sets for any loop. Two ratios, side by side:
 
     steady state = orchestrated samples/s / bare samples/s: samples between the second and the last progress line
                    over the time between them (the lines' arrival on the wall clock: reports, checkpoints, pass
@@ -38,7 +39,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def bare_loop(args: argparse.Namespace) -> None:
-    """The bare command (run with --bare): prints the samples/s of each interval, as JSON."""
+    """The bare command (run with --bare): prints the loop's marks (step, seconds), as JSON."""
+    print(json.dumps(loop_marks(args, Path(args.bare))))
+
+
+def loop_marks(args: argparse.Namespace, data: Path) -> list[tuple[int, float]]:
+    """The bare loop on the whole dataset as tensors: (step, seconds) at every `log_every` steps."""
     import pyarrow.parquet as pq
     import torch
 
@@ -50,10 +56,10 @@ def bare_loop(args: argparse.Namespace) -> None:
     from orchestrator.training.step import train_step
     from pipelines.batches import collate_arrow
 
-    cfg = load_config(None, overrides(args, Path(args.bare)))
+    cfg = load_config(None, overrides(args, data))
     flush_denormals(cfg.train.flush_denormal)  # as the product's workers do
     torch.set_num_threads(args.threads)
-    x, y = collate_arrow(pq.read_table(Path(args.bare) / "train"), ["features"], "label").values()
+    x, y = collate_arrow(pq.read_table(data / "train"), ["features"], "label").values()
     torch.manual_seed(0)
     model = mlp(64, 10, hidden=[512, 512])
     optimizer, scheduler = build_optimizer(model, cfg.optim, args.steps)
@@ -68,7 +74,36 @@ def bare_loop(args: argparse.Namespace) -> None:
         if step % interval == 0:
             float(loss)  # the host sync the orchestrated loop does at a report
             marks.append((step, time.perf_counter()))
-    print(json.dumps(marks))
+    return marks
+
+
+def ray_floor(args: argparse.Namespace) -> None:
+    """The floor command (run with --floor): the bare loop itself (its tensors read with pyarrow in the worker)
+    inside a 1-worker Ray Train run on a local cluster started as the product starts one: what running beside Ray's
+    processes costs the loop, with none of the product's loop, data pipeline, reports, checkpoints or tracking."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from orchestrator.cluster import connect_ray, shutdown_local_ray, train_environment
+    from orchestrator.config import load_config
+
+    cfg = load_config(None, overrides(args, Path(args.floor)))
+    started = connect_ray(None, cfg)
+    try:
+        with tempfile.TemporaryDirectory() as runs, train_environment(cfg, private_cluster=started):
+            trainer = TorchTrainer(
+                _floor_worker, train_loop_config={"args": vars(args)},
+                scaling_config=ray.train.ScalingConfig(num_workers=1, resources_per_worker={"CPU": args.threads}),
+                run_config=ray.train.RunConfig(storage_path=runs, name="floor"))
+            print(json.dumps(trainer.fit().return_value))
+    finally:
+        if started:
+            shutdown_local_ray()
+
+
+def _floor_worker(config: dict) -> list[tuple[int, float]]:
+    args = argparse.Namespace(**config["args"])
+    return loop_marks(args, Path(args.floor))
 
 
 def log_every(args: argparse.Namespace) -> int:
@@ -118,9 +153,13 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="rounds of every variant, interleaved (the machine's "
                         "noise between single runs is as large as the differences between variants)")
     parser.add_argument("--bare", help=argparse.SUPPRESS)  # internal: run the bare loop on this data directory
+    parser.add_argument("--floor", help=argparse.SUPPRESS)  # internal: the same step in Ray Train with Ray Data
     args = parser.parse_args()
     if args.bare:
         bare_loop(args)
+        return
+    if args.floor:
+        ray_floor(args)
         return
 
     from pipelines.prepare import prepare_synthetic
@@ -131,12 +170,13 @@ def main() -> None:
         flags = ["--rows", str(args.rows), "--steps", str(args.steps), "--batch", str(args.batch),
                  "--threads", str(args.threads), "--precision", args.precision]
         bare_command = [sys.executable, __file__, "--bare", str(data), *flags]
+        floor_command = [sys.executable, __file__, "--floor", str(data), *flags]
         # MLflow on, in a SQLite file, as a user's run has it.
         settings = [*overrides(args, data), "tracking.enabled=true", f"tracking.uri=sqlite:///{tmp}/mlflow.db"]
         variants = {"product defaults": [],
                     "with data.cache=memory": ["data.cache=memory"],
                     f"with checkpoint.every={args.steps} (only the last)": [f"checkpoint.every={args.steps}"]}
-        bare_walls, bare = [], []
+        bare_walls, bare, floor = [], [], []
         runs: dict[str, list[tuple[float, list[tuple[float, str]]]]] = {label: [] for label in variants}
 
         def run_bare() -> None:
@@ -150,19 +190,23 @@ def main() -> None:
                 command = [str(ROOT / ".venv" / "bin" / "orchestrator"), "train",
                            *(arg for setting in [*settings, *extra] for arg in ("--set", setting))]
                 runs[label].append(timed(command))
+            floor.append(steady(json.loads(timed(floor_command)[1][-1][1]), args.batch))
             run_bare()
-    bare_rate, bare_wall = statistics.fmean(bare), statistics.fmean(bare_walls)
+    bare_rate, bare_wall, floor_rate = statistics.fmean(bare), statistics.fmean(bare_walls), statistics.fmean(floor)
     print(f"model MLP 64-512-512-10, batch {args.batch}, {args.precision}, {args.threads} threads, "
           f"{args.steps} steps, {args.rows:,} rows; steady state = samples from the second progress line to the "
           "last over the time between them")
     print(f"bare PyTorch loop         : {bare_rate:10,.0f} samples/s, command {bare_wall:.1f} s "
           f"(mean of {len(bare)} runs)")
+    print(f"Ray Train floor           : {floor_rate:10,.0f} samples/s | {floor_rate / bare_rate:.3f} of the bare loop: "
+          f"the bare loop itself inside a 1-worker Ray Train run, no product (mean of {len(floor)} runs)")
     for label, rounds in runs.items():
         rates = [steady(progress_marks(lines), args.batch) for _, lines in rounds]
         rate, orch_wall = statistics.fmean(rates), statistics.fmean(wall for wall, _ in rounds)
         spread = f" (runs {min(rates) / bare_rate:.3f} to {max(rates) / bare_rate:.3f})" if len(rates) > 1 else ""
         print(f"orchestrated, {label:<40}: {rate:10,.0f} samples/s, command {orch_wall:.1f} s | steady state "
-              f"{rate / bare_rate:.3f}{spread} (target >= 0.85) | end to end {bare_wall / orch_wall:.3f}")
+              f"{rate / bare_rate:.3f}{spread} (target >= 0.85), {rate / floor_rate:.3f} of the floor | end to end "
+              f"{bare_wall / orch_wall:.3f}")
         for _, text in rounds[-1][1]:
             if text.startswith(("start-up ", "time: ", "cost: ")):
                 print(f"    {text}")
