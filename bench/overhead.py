@@ -15,8 +15,8 @@ the floor that running beside Ray's processes on this machine sets for any loop.
                    teardown and MLflow included)
 
 The bare command runs before and after each round of the orchestrated ones, so drift on a shared machine hits both
-sides. Single runs of the same variant differ by up to 0.1 here: `--repeat 3` gives each line the mean of 3 rounds
-and their range.
+sides. Single runs of the same variant differed by up to 0.25 here: `--repeat 3` gives each line the mean of 3
+rounds and their range.
 
     .venv/bin/python bench/overhead.py [--rows 200000 --steps 1200 --batch 256 --threads 2 --repeat 1]
 """
@@ -153,7 +153,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="rounds of every variant, interleaved (the machine's "
                         "noise between single runs is as large as the differences between variants)")
     parser.add_argument("--bare", help=argparse.SUPPRESS)  # internal: run the bare loop on this data directory
-    parser.add_argument("--floor", help=argparse.SUPPRESS)  # internal: the same step in Ray Train with Ray Data
+    parser.add_argument("--floor", help=argparse.SUPPRESS)  # internal: the bare loop inside a Ray Train run
     args = parser.parse_args()
     if args.bare:
         bare_loop(args)

@@ -31,8 +31,9 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-# torch's FSDP, DTensor and DCP modules are imported where they are used: importing them costs every process that
-# imports this module (each worker, the driver) about half a second, and a DDP run never needs them.
+# torch's FSDP, DTensor and DCP modules are imported where they are used: they cost about half a second to import,
+# and the driver and a one-process Tune trial never need them (a DDP worker still gets FSDP and DTensor, which
+# torch's DistributedDataParallel imports itself, but not DCP).
 
 # Block classes of built-in models that do not name their own (`_no_split_modules`): qualified class name -> blocks.
 BUILTIN_BLOCKS: dict[str, tuple[str, ...]] = {"orchestrator.models.GPT": ("Block",)}
@@ -48,7 +49,7 @@ def mesh_of_all_ranks(device: torch.device) -> DeviceMesh:
 
 def _loaded_class(module: str, name: str) -> type | None:
     """`module.name` if `module` is imported, else None: no instance of a class can exist before its module is
-    imported, so "not imported" means "none here" (a DDP run never imports FSDP or DTensor)."""
+    imported, so "not imported" means "none here" without importing it."""
     found = sys.modules.get(module)
     return getattr(found, name, None) if found is not None else None
 

@@ -40,7 +40,7 @@ def wait_for(check: Any, what: str, timeout: float = 300.0) -> Any:
 
 
 @contextmanager
-def mlflow_server(root: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+def start_mlflow_server(root: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """The server's URI and process, its store and log under `root`; stopped (its whole group) on the way out."""
     root.mkdir(parents=True, exist_ok=True)
     port = free_port()

@@ -18,8 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
-from services import BIN, free_port, wait_for
-from services import mlflow_server as start_mlflow_server
+from services import BIN, free_port, start_mlflow_server, wait_for
 
 pytestmark = pytest.mark.slow
 

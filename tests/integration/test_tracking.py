@@ -21,8 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from services import BIN, free_port, stop_group, wait_for
-from services import mlflow_server as start_mlflow_server
+from services import BIN, free_port, start_mlflow_server, stop_group, wait_for
 from test_cluster_jobs import http_json
 
 from orchestrator import load_config, train
