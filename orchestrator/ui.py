@@ -16,6 +16,7 @@ from pathlib import Path
 from orchestrator.errors import UserError
 from orchestrator.tracking import TRAINING_VIEW, UI_PORT, experiment_url, resolve_uri, ui_base
 
+JOB_EXECUTION = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"
 START_TIMEOUT_S = 120.0  # a cold MLflow server imports a lot; on a busy laptop this took over a minute
 
 
@@ -64,7 +65,15 @@ def start(uri: str, port: int, log_path: Path) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
                "--port", str(port), "--workers", "1"]
     with open(log_path, "ab") as log:
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=ui_environment())
+
+
+def ui_environment() -> dict[str, str]:
+    """This environment, with MLflow's job runner off unless the user turned it on: its seven consumer processes
+    (GenAI evaluation and trace jobs, nothing a training run logs) each import MLflow, about 20 s of CPU that the
+    UI's own start competes with on a laptop."""
+    return {JOB_EXECUTION: "false", **os.environ}
 
 
 def wait_until_up(process: subprocess.Popen[bytes], port: int, log_path: Path,

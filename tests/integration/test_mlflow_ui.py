@@ -73,9 +73,9 @@ def browse(browser: str, url: str, name: str, profile: Path) -> list[str]:
               f"--user-data-dir={profile / name}", f"--window-size={WINDOW}", f"--virtual-time-budget={SETTLE_MS}",
               "--run-all-compositor-stages-before-draw"]
     SHOTS.mkdir(parents=True, exist_ok=True)
-    dom = subprocess.run([*common, "--dump-dom", url], capture_output=True, text=True, timeout=300, check=True)
-    subprocess.run([*common, f"--screenshot={SHOTS / f'{name}.png'}", url], capture_output=True, timeout=300,
-                   check=True)
+    # One browser for both: the DOM goes to stdout, the screenshot (taken at the same settled moment) to the file.
+    dom = subprocess.run([*common, "--dump-dom", f"--screenshot={SHOTS / f'{name}.png'}", url], capture_output=True,
+                         text=True, timeout=300, check=True)
     (SHOTS / f"{name}.html").write_text(dom.stdout)
     text = _Text()
     text.feed(dom.stdout)
@@ -102,9 +102,10 @@ def trained(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory, digits_
 
 
 @pytest.fixture(scope="module")
-def ui(trained: tuple[TrainResult, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
+def ui(trained: tuple[TrainResult, str],
+       tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int, subprocess.Popen[bytes]]]:
     """`orchestrator ui` as the run's summary prints it (this environment's program), until the module ends: the
-    URL it printed and its port."""
+    URL it printed, its port and its process (which leads the UI's process group)."""
     result, printed = trained
     command = next(line for line in printed.splitlines() if line.startswith("open the MLflow UI: "))
     argv = command.removeprefix("open the MLflow UI: ").split()
@@ -118,7 +119,7 @@ def ui(trained: tuple[TrainResult, str], tmp_path_factory: pytest.TempPathFactor
         while not (found := re.search(r"^open: (http://127\.0\.0\.1:(\d+)/\S+)$", log.read_text(), re.MULTILINE)):
             assert process.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.5)
-        yield found[1], int(found[2])
+        yield found[1], int(found[2]), process
     finally:
         process.send_signal(2)  # Ctrl+C: how a user stops it
         try:
@@ -134,11 +135,12 @@ def on_port(url: str, port: int) -> str:
 
 
 def test_the_printed_urls_open_the_training_views(browser: str, trained: tuple[TrainResult, str],
-                                                  ui: tuple[str, int], tmp_path: Path) -> None:
+                                                  ui: tuple[str, int, subprocess.Popen[bytes]],
+                                                  tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
     result, printed = trained
-    experiment_url, port = ui
+    experiment_url, port, _ = ui
     run = MlflowClient(result.tracking_uri).get_run(result.run_id)
 
     # The experiment: the "Model training" runs list with this run and its dataset, not the GenAI overview.
@@ -168,3 +170,13 @@ def test_the_printed_urls_open_the_training_views(browser: str, trained: tuple[T
     text = " ".join(page)
     assert "samples/s over the training" in text and "val_accuracy" in text, text[:500]
     assert any("train" in p for p in page)
+
+
+def test_the_ui_runs_no_job_runner(ui: tuple[str, int, subprocess.Popen[bytes]]) -> None:
+    """MLflow's job runner (GenAI jobs) starts seven processes that each import MLflow; the UI for training runs
+    needs none of them. What runs under `orchestrator ui`: `mlflow ui` and its one uvicorn."""
+    import psutil
+
+    commands = [" ".join(p.cmdline()) for p in psutil.Process(ui[2].pid).children(recursive=True)]
+    assert not [c for c in commands if "huey" in c], commands
+    assert any("uvicorn" in c for c in commands) and len(commands) == 2, commands

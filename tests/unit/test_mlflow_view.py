@@ -170,3 +170,14 @@ def test_orchestrator_ui_refuses_a_store_that_is_not_there_and_finds_a_free_port
         busy = taken.getsockname()[1]
         other = free_port(busy)
         assert other != busy and other > 0
+
+
+def test_the_ui_starts_without_mlflows_job_runner_unless_the_user_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from orchestrator.ui import ui_environment
+
+    monkeypatch.delenv("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///kept.db")
+    env = ui_environment()
+    assert env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false" and env["MLFLOW_TRACKING_URI"] == "sqlite:///kept.db"
+    monkeypatch.setenv("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "true")  # exported: the user's choice stands
+    assert ui_environment()["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "true"
