@@ -17,7 +17,7 @@ from recording_bert import read_calls
 
 from orchestrator import load_config
 from orchestrator.errors import ConfigError
-from orchestrator.launch import train
+from orchestrator.launch import TrainResult, train
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,13 +37,18 @@ def text_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_a_hugging_face_gpt2_trains_on_prepared_text_with_its_own_loss(ray_cluster: None, tmp_path: Path,
-                                                                        text_dir: Path) -> None:
-    cfg = example("text-gpt2.yaml", tmp_path, f"data.train={text_dir}/train", f"data.val={text_dir}/val",
-                  "model.context=64", "model.width=32", "model.layers=1", "train.max_steps=30",
-                  "train.log_every=10", "train.eval_every=30", "train.global_batch_size=16",
+@pytest.fixture(scope="module")
+def gpt2_run(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory, text_dir: Path) -> TrainResult:
+    """The GPT-2 example trained briefly on the prepared text; its final weights are the pretrained ones below."""
+    cfg = example("text-gpt2.yaml", tmp_path_factory.mktemp("gpt2"), f"data.train={text_dir}/train",
+                  f"data.val={text_dir}/val", "model.context=64", "model.width=32", "model.layers=1",
+                  "train.max_steps=30", "train.log_every=10", "train.eval_every=30", "train.global_batch_size=16",
                   "train.micro_batch_size=4", "optim.warmup_steps=5")
-    result = train(cfg, verbose=False)
+    return train(cfg, verbose=False)
+
+
+def test_a_hugging_face_gpt2_trains_on_prepared_text_with_its_own_loss(gpt2_run: TrainResult) -> None:
+    result = gpt2_run
     history, final = result.history, result.metrics
     assert result.config.model.num_classes == 256  # the vocabulary, from the shards' metadata
     assert history[0]["train_loss"] < 6.0  # near ln(256) = 5.5: the model's mean, turned into a sum and back
@@ -55,23 +60,17 @@ def test_a_hugging_face_gpt2_trains_on_prepared_text_with_its_own_loss(ray_clust
     assert 0 < final["val_accuracy"] < 1
 
 
-def test_pretrained_weights_come_from_an_object_store_prefix(ray_cluster: None, tmp_path: Path, text_dir: Path,
+def test_pretrained_weights_come_from_an_object_store_prefix(gpt2_run: TrainResult, tmp_path: Path, text_dir: Path,
                                                             moto: Any, aws_env: None) -> None:
     import boto3
-
-    from examples.models import gpt2
-
-    # Weights that already predict this text (a trained run's), saved as a user would, then uploaded.
-    cfg = example("text-gpt2.yaml", tmp_path, f"data.train={text_dir}/train", "data.val=null", "model.context=64",
-                  "model.width=32", "model.layers=1", "train.max_steps=40", "train.log_every=10",
-                  "train.global_batch_size=16", "train.micro_batch_size=8", "optim.warmup_steps=5")
-    trained = train(cfg, verbose=False)
     from ray.train import Checkpoint
 
+    from examples.models import gpt2
     from orchestrator.training.checkpoint import load_state
 
+    # Weights that already predict this text (the trained run's), saved as a user would, then uploaded.
     model = gpt2(context=64, width=32, layers=1)
-    with Checkpoint(trained.checkpoint_path).as_directory() as directory:  # type: ignore[arg-type]
+    with Checkpoint(gpt2_run.checkpoint_path).as_directory() as directory:  # type: ignore[arg-type]
         model.load_state_dict(load_state(directory)["model"])
     model.save_pretrained(tmp_path / "pretrained")
     client = boto3.client("s3", endpoint_url=moto.url, region_name="us-east-1")
@@ -86,7 +85,7 @@ def test_pretrained_weights_come_from_an_object_store_prefix(ray_cluster: None, 
                     f"data.s3.endpoint={moto.url}")
     start = train(again, verbose=False).history[0]["train_loss"]
     # Where the trained run ended, not at a fresh model's ln(256) = 5.5.
-    assert start == pytest.approx(trained.history[-1]["train_loss"], abs=0.4) and start < 4.5, start
+    assert start == pytest.approx(gpt2_run.history[-1]["train_loss"], abs=0.4) and start < 4.5, start
 
 
 def test_each_tasks_bad_input_is_refused_before_ray_starts(tmp_path: Path, text_dir: Path, digits_dir: str) -> None:
