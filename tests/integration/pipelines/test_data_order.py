@@ -68,14 +68,8 @@ def id_data(tmp_path_factory: pytest.TempPathFactory) -> str:
     return write_ids(tmp_path_factory.mktemp("ids"))
 
 
-@pytest.fixture(scope="module")
-def large_id_data(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The same rows in ~9 MiB of files: 7% of OBJECT_STORE, over the 5% under which data counts as small."""
-    return write_ids(tmp_path_factory.mktemp("large-ids"), pad_bytes=8 * 1024)
-
-
 # Rows that split unevenly: 2 ranks x 553 (the equal split leaves 1 out), each 11 micro-batches of 50 and 3 rows over.
-UNEVEN = 1107
+UNEVEN, UNEVEN_STEPS = 1107, 11
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +79,7 @@ def uneven_id_data(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def large_uneven_id_data(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """UNEVEN rows in ~9 MiB of files: not small (see large_id_data)."""
+    """UNEVEN rows in ~9 MiB of files: 7% of OBJECT_STORE, over the 5% under which data counts as small."""
     return write_ids(tmp_path_factory.mktemp("large-uneven-ids"), pad_bytes=8 * 1024, rows=UNEVEN)
 
 
@@ -110,23 +104,30 @@ def test_exactly_once_shuffled_per_epoch_and_exact_resume(ray_cluster: None, tmp
     assert_resumes_exactly(tmp_path, id_data, clean, ranks)
 
 
-def epoch_orders(ranks: list[list[list[int]]]) -> list[list[list[int]]]:
-    """Per epoch, per rank, the ids in the order that rank trained on them (from each rank's micro-batches);
-    checks that each epoch holds every row exactly once across the ranks."""
-    assert [len(calls) for calls in ranks] == [3 * STEPS_PER_EPOCH] * 2
+def epoch_orders(ranks: list[list[list[int]]], steps: int = STEPS_PER_EPOCH,
+                 rows: int = ROWS) -> list[list[list[int]]]:
+    """Per epoch, per rank, the ids in the order that rank trained on them (from each rank's micro-batches of
+    `steps` steps an epoch). Checks that no epoch trains a row twice and that each leaves out exactly the documented
+    rows: the one the equal split between the 2 ranks leaves when `rows` is odd, and each rank's incomplete last
+    micro-batch (none for ROWS: every row exactly once)."""
+    assert [len(calls) for calls in ranks] == [3 * steps] * 2
+    documented = rows % 2 + 2 * (rows // 2 % MICRO)
     epochs = []
     for e in range(3):
-        per_rank = [[v for batch in calls[e * STEPS_PER_EPOCH:(e + 1) * STEPS_PER_EPOCH] for v in batch]
-                    for calls in ranks]
-        assert sorted(per_rank[0] + per_rank[1]) == list(range(ROWS)), f"epoch {e}: not every row exactly once"
+        per_rank = [flat(calls[e * steps:(e + 1) * steps]) for calls in ranks]
+        trained = per_rank[0] + per_rank[1]
+        assert len(set(trained)) == len(trained), f"epoch {e}: a row trained on twice"
+        assert set(trained) <= set(range(rows))
+        assert rows - len(trained) == documented, f"epoch {e}: {rows - len(trained)} rows left out"
         epochs.append(per_rank)
     return epochs
 
 
 def assert_resumes_exactly(tmp_path: Path, data: str, clean: TrainResult, ranks: list[list[list[int]]],
-                           *extra: str) -> None:
-    """Run again with a crash in the middle of epoch 1 (call 21 of rank 0; last checkpoint at step 18 = epoch 1,
-    batch 6): same micro-batches as the clean run before and after the restart, and the same final weights."""
+                           *extra: str, steps: int = STEPS_PER_EPOCH) -> None:
+    """Run again with a crash in the middle of epoch 1 (call 21 of rank 0; last checkpoint at step 18, in epoch 1
+    for 11 or 12 steps an epoch): same micro-batches as the clean run before and after the restart, and the same
+    final weights."""
     crashed = run(tmp_path, data, "crashed", "failure.max_failures=1", f"model.marker={tmp_path}/marker",
                   "model.after_calls=21", *extra)
     assert (tmp_path / "marker").exists()
@@ -138,7 +139,7 @@ def assert_resumes_exactly(tmp_path: Path, data: str, clean: TrainResult, ranks:
         # the controller registers at its polls, and a crash soon after a report can lose that report's checkpoint
         # and the one before (seen in CI: step 6). From there, exactly the clean run's micro-batches, none replayed
         # and none skipped.
-        step = 3 * STEPS_PER_EPOCH - len(after)
+        step = 3 * steps - len(after)
         assert step in (0, 6, 12, 18) and after == ranks[rank][step:]
         resumed_at.add(step)
     assert len(resumed_at) == 1
@@ -147,25 +148,29 @@ def assert_resumes_exactly(tmp_path: Path, data: str, clean: TrainResult, ranks:
 
 
 def test_memory_cache_of_data_not_replayed_reshuffles_per_epoch(ray_cluster: None, tmp_path: Path,
-                                                                  large_id_data: str) -> None:
+                                                                  large_uneven_id_data: str) -> None:
+    """`cache: memory` on data above the replay threshold, streamed every epoch, with rows that split unevenly
+    (1107 = 2 x 553 + 1; 553 = 11 x 50 + 3): each epoch leaves out exactly the documented rows and trains every
+    other row once, reshuffled per epoch, and a worker restarted mid-epoch continues exactly."""
     import ray
 
-    memory = ("data.cache=memory", "data.shuffle_buffer=null")
-    data = load_config(None, [f"data.train={large_id_data}", "data.val=null", "data.features=[id, x]", *memory]).data
+    memory = ("data.cache=memory", "data.shuffle_buffer=null", f"train.max_steps={3 * UNEVEN_STEPS}")
+    data = load_config(None, [f"data.train={large_uneven_id_data}", "data.val=null", "data.features=[id, x]",
+                              *memory]).data
     infos = inspect_datasets(data)
     store = ray.cluster_resources()["object_store_memory"]
     # Held in the object store but not small: every epoch streams it again (workers do not replay their pass).
     assert use_memory_cache(data, infos, store) and not replay_epochs(data, infos, store)
 
-    clean = run(tmp_path, large_id_data, "clean", *memory)
+    clean = run(tmp_path, large_uneven_id_data, "clean", *memory)
     ranks = [read_runs(str(tmp_path / "clean"), r)[0] for r in (0, 1)]
-    epochs = epoch_orders(ranks)
+    epochs = epoch_orders(ranks, UNEVEN_STEPS, UNEVEN)
     for rank in (0, 1):
         orders = [epochs[e][rank] for e in range(3)]
         assert orders[0] != orders[1] and orders[1] != orders[2] and orders[0] != orders[2], \
             f"rank {rank} trained on the same order in two epochs: data.shuffle had no effect"
     # Deterministic per (seed, epoch): a second run, and a worker restarted mid-epoch, see the same order.
-    assert_resumes_exactly(tmp_path, large_id_data, clean, ranks, *memory)
+    assert_resumes_exactly(tmp_path, large_uneven_id_data, clean, ranks, *memory, steps=UNEVEN_STEPS)
 
 
 def flat(calls: list[list[int]]) -> list[int]:
@@ -229,33 +234,21 @@ def test_resize_mid_epoch_trains_no_row_twice_and_starts_the_next_epoch(ray_clus
     assert progress["epoch"] * ROWS + progress["rows_in_epoch"] == first * ROWS + len(new_ids), progress
 
 
-@pytest.mark.parametrize("replayed", [True, False], ids=["small-replayed", "large-streamed"])
-def test_memory_cache_exactly_once_per_epoch_with_remainder_rows(ray_cluster: None, tmp_path: Path,
-                                                                 request: pytest.FixtureRequest,
-                                                                 replayed: bool) -> None:
-    """`cache: memory` on rows that split unevenly (1107 = 2 x 553 + 1; 553 = 11 x 50 + 3), for small data that the
-    workers replay from their first pass and for data above the replay threshold that is streamed every epoch:
-    each epoch leaves out exactly the documented rows (the equal split's 1, each rank's incomplete last
-    micro-batch of 3) and trains every other row once."""
+def test_memory_cache_of_small_data_replays_exactly_once_per_epoch_with_remainder_rows(
+        ray_cluster: None, tmp_path: Path, uneven_id_data: str) -> None:
+    """`cache: memory` on small data that the workers replay from their first pass, with rows that split unevenly:
+    each epoch leaves out exactly the documented rows (the equal split's 1, each rank's incomplete last micro-batch
+    of 3), trains every other row once and in a new order (the streamed case: the test above)."""
     import ray
 
-    data = request.getfixturevalue("uneven_id_data" if replayed else "large_uneven_id_data")
-    memory = ("data.cache=memory", "data.shuffle_buffer=null")
-    cfg = load_config(None, [f"data.train={data}", "data.val=null", "data.features=[id, x]", *memory]).data
+    memory = ("data.cache=memory", "data.shuffle_buffer=null", f"train.max_steps={3 * UNEVEN_STEPS}")
+    cfg = load_config(None, [f"data.train={uneven_id_data}", "data.val=null", "data.features=[id, x]", *memory]).data
     infos, store = inspect_datasets(cfg), ray.cluster_resources()["object_store_memory"]
-    assert use_memory_cache(cfg, infos, store) and replay_epochs(cfg, infos, store) == replayed
+    assert use_memory_cache(cfg, infos, store) and replay_epochs(cfg, infos, store)
 
-    steps = 11  # full micro-batches per rank and epoch
-    run(tmp_path, data, "uneven", *memory, f"train.max_steps={3 * steps}")
+    run(tmp_path, uneven_id_data, "uneven", *memory)
     ranks = [read_runs(str(tmp_path / "uneven"), r)[0] for r in (0, 1)]
-    assert [len(calls) for calls in ranks] == [3 * steps] * 2
-    documented = UNEVEN % 2 + 2 * (UNEVEN // 2 % MICRO)  # 1 + 2 x 3
-    for e in range(3):
-        per_rank = [flat(calls[e * steps:(e + 1) * steps]) for calls in ranks]
-        trained = per_rank[0] + per_rank[1]
-        assert len(set(trained)) == len(trained), f"epoch {e}: a row trained on twice"
-        assert set(trained) <= set(range(UNEVEN))
-        assert UNEVEN - len(trained) == documented, f"epoch {e}: {UNEVEN - len(trained)} rows left out"
+    epochs = epoch_orders(ranks, UNEVEN_STEPS, UNEVEN)
     for rank in (0, 1):
-        orders = [flat(ranks[rank][e * steps:(e + 1) * steps]) for e in range(3)]
+        orders = [epochs[e][rank] for e in range(3)]
         assert orders[0] != orders[1] != orders[2] != orders[0], f"rank {rank}: an epoch repeated another's order"
