@@ -1,7 +1,7 @@
 """Fault injection on a real local Ray cluster (no mocks): a worker SIGKILLed by PID mid-epoch, a worker killed while
-writing a checkpoint (local and S3 storage), a killed driver resumed with `orchestrator train --resume`, and a
-NaN on one rank. Resumed runs must end with the same weights, bit for bit, as uninterrupted ones (fp32 on CPU:
-same data order, same reduction order, same RNG streams)."""
+writing a checkpoint (local and S3 storage), a run stopped with Ctrl+C and then its driver killed, each resumed
+with `orchestrator train --resume`, and a NaN on one rank. Resumed runs must end with the same weights, bit for
+bit, as uninterrupted ones (fp32 on CPU: same data order, same reduction order, same RNG streams)."""
 
 from __future__ import annotations
 
@@ -182,91 +182,42 @@ def test_a_nan_on_one_rank_is_skipped_on_every_rank_and_counted(ray_cluster: Non
     # test_loop.py; how a worker's error reaches the user through Ray: test_an_error_every_restart_would_repeat_...
 
 
-def test_killed_driver_resumes_with_the_same_run_and_mlflow_run(ray_cluster: None, tmp_path: Path,
-                                                                 digits_dir: str) -> None:
-    import ray
-    from mlflow.tracking import MlflowClient
-
-    config = tmp_path / "exp.yaml"
-    config.write_text("experiment: resume-me\n")
-    sets = [a for o in overrides(tmp_path, digits_dir, "train.max_steps=40", "model.step_s=0.1",
-                                 "tracking.enabled=true", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db")
-            for a in ("--set", o)]
-    command = [str(BIN / "orchestrator"), "train", "--config", str(config),
-               "--address", ray.get_runtime_context().gcs_address, *sets]
-    began = time.time()
-    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(first.stdout or []), daemon=True).start()
-    try:
-        # Progress travels apart from checkpoints, so a printed step says nothing about registration: wait until
-        # Ray's own snapshot of registered checkpoints names step 10's (what a resume restores from).
-        wait_for(lambda: "checkpoint_00000010" in registered_snapshot(tmp_path / "runs"),
-                 "step 10's checkpoint registered", timeout=120)
-    finally:
-        first.kill()  # SIGKILL: no cleanup, like a lost head node shell or an OOM-killed driver
-        first.wait(timeout=30)
-        killed = time.time()
-    assert not any(line.startswith("step 40/40") for line in lines), "killed too late: the first run had finished"
-    (run_dir,) = (tmp_path / "runs").glob("resume-me-*")
-    run_id = json.loads((run_dir / "orchestrator-run.json").read_text())["mlflow_run_id"]
-    # What a kill during Ray's copy into storage leaves: a half-copied checkpoint Ray never registered.
-    (orphan := run_dir / "checkpoint_00000015_0a1b2c").mkdir()
-    (orphan / "state.pt").write_bytes(b"\x80\x02half a pickle")
-
-    # A changed model/optimizer would not be the same run: refused before MLflow or Ray is touched.
-    refused = subprocess.run([*command, "--resume", "--set", "optim.lr=0.5"], capture_output=True, text=True,
-                             timeout=120)
-    assert refused.returncode == 2 and "optim.lr:" in refused.stderr and "-> 0.5" in refused.stderr, refused.stderr
-    assert "without --resume to start a new run" in refused.stderr
-
-    resuming = time.time()
-    resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=180)
-    ended = time.time()
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    steps = [int(s) for s in re.findall(r"^step (\d+)/40", resumed.stdout, re.MULTILINE)]
-    assert steps and steps[0] > 10 and steps[-1] == 40, steps  # continued, not redone from step 5
-    assert f"MLflow run id: {run_id}" in resumed.stdout
-    assert "resuming run" in resumed.stderr
-    # The finished run removed the never-registered copy and kept every registered checkpoint, all complete.
-    assert not orphan.exists() and f"removed unregistered checkpoint {orphan}" in resumed.stderr
-    kept = sorted(p.name[:19] for p in run_dir.glob("checkpoint_0*"))
-    assert kept[-1] == "checkpoint_00000040" and len(complete_checkpoints(tmp_path / "runs")) == len(kept), kept
-    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    runs = client.search_runs([client.get_experiment_by_name("default").experiment_id])
-    assert [r.info.run_id for r in runs] == [run_id] and runs[0].info.status == "FINISHED"
-    from orchestrator.tracking import chart_key, mlflow_key, read_summary
-
-    logged = [m.step for m in client.get_metric_history(run_id, chart_key(mlflow_key("train_loss"), None))]
-    assert min(logged) == 5 and max(logged) == 40
-    # The run's ledger spans both attempts: its wall clock runs from the first command's start to the resumed
-    # one's end, and the time from the kill to the resume (at least) is recovery.
-    assert "run over its 2 attempts (from the first command)" in resumed.stdout
-    cost = read_summary(client, run_id)  # 4 significant digits
-    assert cost["cost/attempts"] == 2
-    assert ended - began - 5 < cost["cost/wall_s"] <= (ended - began) * 1.001, (cost["cost/wall_s"], ended - began)
-    assert cost["cost/recovery_frac"] * cost["cost/wall_s"] >= (resuming - killed) * 0.999
-    assert sum(cost[f"cost/{part}_frac"] for part in PARTS) == pytest.approx(1.0, abs=0.02)
-
-
-def test_ctrl_c_exits_130_marks_the_run_killed_and_its_resume_command_continues(
-        ray_cluster: None, tmp_path: Path, digits_dir: str) -> None:
+def test_ctrl_c_and_a_killed_driver_each_resume_the_same_run_and_mlflow_run(ray_cluster: None, tmp_path: Path,
+                                                                           digits_dir: str) -> None:
+    """One run, stopped twice: Ctrl+C (exit 130, the run KILLED in MLflow, a resume command printed), then that
+    command's run SIGKILLed (no cleanup, like a lost head node shell or an OOM-killed driver); `--resume` refuses a
+    changed optimizer and then finishes the same run and MLflow run, its ledger spanning the 3 attempts."""
     import shlex
 
     import ray
     from mlflow.tracking import MlflowClient
 
-    # Both workers hold in step 21 (held_model) until the test releases them: Ctrl+C reaches a run still training,
-    # after step 10's checkpoint, however slow or fast the machine is. The resume finds the release already there.
+    from orchestrator.tracking import chart_key, mlflow_key, read_summary
+
+    # Every attempt's workers hold in their 22nd forward (held_model: step 21 of the first attempt, 21 steps after
+    # the checkpoint a resume starts from), so each stop reaches a run still training, after a checkpoint, however
+    # slow or fast the machine is. The test releases the holds before the last resume.
     hold = tmp_path / "hold"
     hold.mkdir()
+    config = tmp_path / "exp.yaml"
+    config.write_text("experiment: resume-me\n")
     sets = [a for o in overrides(tmp_path, digits_dir, "train.max_steps=60", "model.entrypoint=held_model:build",
                                  "model.hold_call=22", f"model.marker={hold}",
-                                 "tracking.enabled=true", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
-                                 "experiment=ctrl-c")
+                                 "tracking.enabled=true", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db")
             for a in ("--set", o)]
-    command = [str(BIN / "orchestrator"), "train", "--address", ray.get_runtime_context().gcs_address, *sets]
-    # Its own process group, as a terminal gives a command: Ctrl+C is SIGINT to the whole group.
+    command = [str(BIN / "orchestrator"), "train", "--config", str(config),
+               "--address", ray.get_runtime_context().gcs_address, *sets]
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+
+    def mlflow_runs() -> list[Any]:
+        return client.search_runs([client.get_experiment_by_name("default").experiment_id])
+
+    def held_after(workers: int, checkpoint: int) -> bool:
+        return (len(list(hold.glob("held-*"))) == workers
+                and f"checkpoint_{checkpoint:08d}" in registered_snapshot(tmp_path / "runs"))
+
+    # 1. Ctrl+C, from a terminal: the command in its own process group, as a terminal gives it (SIGINT to all).
+    began = time.time()
     first = subprocess.Popen(from_a_terminal(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              start_new_session=True)
     err: list[str] = []
@@ -274,9 +225,7 @@ def test_ctrl_c_exits_130_marks_the_run_killed_and_its_resume_command_continues(
     threading.Thread(target=lambda: err.extend(first.stderr or []), daemon=True).start()
     threading.Thread(target=lambda: out.extend(first.stdout or []), daemon=True).start()
     try:
-        wait_for(lambda: len(list(hold.glob("held-*"))) == 2
-                 and "checkpoint_00000010" in registered_snapshot(tmp_path / "runs"),
-                 "both workers held after step 10's checkpoint registered", timeout=240)
+        wait_for(lambda: held_after(2, 10), "both workers held after step 10's checkpoint registered", timeout=240)
         os.killpg(first.pid, signal.SIGINT)
         sent = time.monotonic()
         try:
@@ -287,10 +236,10 @@ def test_ctrl_c_exits_130_marks_the_run_killed_and_its_resume_command_continues(
                 [str(BIN / "py-spy"), "dump", "--pid", str(first.pid)], capture_output=True, text=True,
                 timeout=30).stdout, sep="\n")
         took = time.monotonic() - sent
+        interrupted = time.time()
     finally:
         if first.poll() is None:
             first.kill()
-    (hold / "release").touch()
     assert code == 130 and took < 15, (code, took, err)
     time.sleep(0.5)  # the reader thread's last lines
     (line,) = [x for x in err if x.startswith("interrupted at step")]
@@ -299,17 +248,70 @@ def test_ctrl_c_exits_130_marks_the_run_killed_and_its_resume_command_continues(
     stopped, saved, again = int(found[1]), int(found[2]), shlex.split(found[3])
     assert stopped < 60 and 10 <= saved <= stopped and saved % 10 == 0
     assert again[-1] == "--resume" and again[1:-1] == command[1:]  # the same command, resumed
-    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    (run,) = client.search_runs([client.get_experiment_by_name("default").experiment_id])
+    (run,) = mlflow_runs()
     assert run.info.status == "KILLED"
+    run_id = run.info.run_id
 
-    resumed = subprocess.run([str(BIN / "orchestrator"), *again[1:]], capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # 2. The printed command, SIGKILLed once its workers hold 21 steps into the resumed run (after the checkpoint
+    # 20 steps past the one it resumed from; a Ctrl+C during Ray's stop may have registered a later one).
+    resumed_once = time.time()
+    second = subprocess.Popen([str(BIN / "orchestrator"), *again[1:]], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(second.stdout or []), daemon=True).start()
+
+    def first_step_once_held() -> int | None:
+        # Its first report is 5 steps past the checkpoint it resumed from; it holds 21 steps past that one.
+        steps = re.findall(r"^step (\d+)/60", "".join(lines), re.MULTILINE)
+        return int(steps[0]) if steps and held_after(4, int(steps[0]) + 15) else None
+
+    try:
+        first_step = wait_for(first_step_once_held, "the resumed run held after its checkpoint 20 steps on",
+                              timeout=240)
+    finally:
+        second.kill()
+        second.wait(timeout=30)
+        killed = time.time()
+    assert saved + 5 <= first_step <= stopped + 5, (saved, stopped, first_step)  # from its checkpoint, not step 0
+    last_saved = first_step + 15
+    (run_dir,) = (tmp_path / "runs").glob("resume-me-*")
+    assert json.loads((run_dir / "orchestrator-run.json").read_text())["mlflow_run_id"] == run_id
+    # What a kill during Ray's copy into storage leaves: a half-copied checkpoint Ray never registered.
+    (orphan := run_dir / f"checkpoint_{last_saved + 5:08d}_0a1b2c").mkdir()
+    (orphan / "state.pt").write_bytes(b"\x80\x02half a pickle")
+
+    # 3. A changed model/optimizer would not be the same run: refused before MLflow or Ray is touched.
+    refused = subprocess.run([*command, "--resume", "--set", "optim.lr=0.5"], capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode == 2 and "optim.lr:" in refused.stderr and "-> 0.5" in refused.stderr, refused.stderr
+    assert "without --resume to start a new run" in refused.stderr
+
+    # 4. Released, resumed again: it finishes the same run from the killed attempt's last checkpoint.
+    (hold / "release").touch()
+    resuming = time.time()
+    resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=300)
+    ended = time.time()
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     steps = [int(s) for s in re.findall(r"^step (\d+)/60", resumed.stdout, re.MULTILINE)]
-    # From the checkpoint it named (or one registered while the run was being stopped), not from the start.
-    assert saved + 5 <= steps[0] <= stopped + 5 and steps[-1] == 60, (saved, stopped, steps)
-    (run,) = client.search_runs([client.get_experiment_by_name("default").experiment_id])
-    assert run.info.status == "FINISHED"
+    assert steps and steps[0] > last_saved and steps[-1] == 60, (last_saved, steps)  # continued, not redone
+    assert f"MLflow run id: {run_id}" in resumed.stdout and "resuming run" in resumed.stderr
+    # The finished run removed the never-registered copy and kept every registered checkpoint, all complete.
+    assert not orphan.exists() and f"removed unregistered checkpoint {orphan}" in resumed.stderr
+    kept = sorted(p.name[:19] for p in run_dir.glob("checkpoint_0*"))
+    assert kept[-1] == "checkpoint_00000060" and len(complete_checkpoints(tmp_path / "runs")) == len(kept), kept
+    (run,) = mlflow_runs()
+    assert run.info.run_id == run_id and run.info.status == "FINISHED"
+    logged = [m.step for m in client.get_metric_history(run_id, chart_key(mlflow_key("train_loss"), None))]
+    assert min(logged) == 5 and max(logged) == 60
+    # The run's ledger spans the attempts: its wall clock runs from the first command's start to the last one's
+    # end, and the time from each stop to the next command (at least) is recovery.
+    assert "run over its 3 attempts (from the first command)" in resumed.stdout
+    cost = read_summary(client, run_id)  # 4 significant digits
+    assert cost["cost/attempts"] == 3
+    assert ended - began - 5 < cost["cost/wall_s"] <= (ended - began) * 1.001, (cost["cost/wall_s"], ended - began)
+    waited = (resumed_once - interrupted) + (resuming - killed)
+    assert cost["cost/recovery_frac"] * cost["cost/wall_s"] >= waited * 0.999
+    assert sum(cost[f"cost/{part}_frac"] for part in PARTS) == pytest.approx(1.0, abs=0.02)
 
 
 def test_an_error_every_restart_would_repeat_is_not_retried(tmp_path: Path, digits_dir: str) -> None:
