@@ -102,7 +102,8 @@ def test_worker_killed_by_pid_mid_epoch_ends_with_the_uninterrupted_weights(
     def target() -> None:
         try:
             outcome["result"] = run(tmp_path, digits_dir, "train.max_steps=60", "model.entrypoint=held_model:build",
-                                    "model.hold_call=32", f"model.marker={hold}")
+                                    "model.hold_call=32", f"model.marker={hold}", "tracking.enabled=true",
+                                    f"tracking.uri=sqlite:///{tmp_path}/mlflow.db")
         except BaseException as exc:  # re-raised in the test thread
             outcome["error"] = exc
 
@@ -122,6 +123,13 @@ def test_worker_killed_by_pid_mid_epoch_ends_with_the_uninterrupted_weights(
     starts = [r["step"] for r in result.history if "world_rank" in r]  # the first report of each (re)start
     assert len(starts) == 2 and 5 < starts[1] < 60, [r["step"] for r in result.history]
     assert_same(weights(result.checkpoint_path), clean)  # type: ignore[arg-type]
+    # The MLflow run says what happened: one failure, after the step the workers were held in, and it finished.
+    from mlflow.tracking import MlflowClient
+
+    mlrun = MlflowClient(result.tracking_uri).get_run(result.run_id)
+    failures = {k: v for k, v in mlrun.data.tags.items() if k.startswith("orchestrator.failure.")}
+    assert list(failures) == ["orchestrator.failure.1"] and mlrun.info.status == "FINISHED", failures
+    assert re.match(r"after step (2\d|30): ", failures["orchestrator.failure.1"]), failures
 
 
 def test_worker_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(
