@@ -27,10 +27,13 @@ SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYEXAMPLEKEY-test"
 KEY_ID = "AKIAORCHESTRATORTEST1"
 
 
-def stop(process: subprocess.Popen[bytes]) -> None:
-    """Stop a process this module started (by PID), escalating to SIGKILL."""
-    if process.poll() is None:
+def stop(processes: list[subprocess.Popen[bytes]]) -> None:
+    """Stop processes this module started (by PID), all at once (each node takes seconds to stop its own),
+    escalating to SIGKILL."""
+    running = [p for p in processes if p.poll() is None]
+    for process in running:
         process.send_signal(signal.SIGTERM)
+    for process in running:
         try:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -87,9 +90,7 @@ def ray_nodes() -> Iterator[tuple[str, dict[str, str]]]:
         wait_for(lambda: alive_nodes(address) == 2, "worker node")
         yield address, env
     finally:
-        for process in (worker, head):
-            if process is not None:
-                stop(process)
+        stop([p for p in (worker, head) if p is not None])
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
