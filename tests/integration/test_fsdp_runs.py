@@ -116,7 +116,7 @@ def test_digits_mlp_trains_sharded_and_logs_the_whole_model(uninterrupted: Train
 
     result = uninterrupted
     assert result.metrics["step"] == 40 and result.metrics["world_size"] == 2
-    assert result.metrics["val_accuracy"] > 0.7  # 10 classes: chance is 0.1 
+    assert result.metrics["val_accuracy"] > 0.7  # 10 classes: chance is 0.1
     assert result.history[-1]["train_loss"] < 0.5 * result.history[0]["train_loss"]
     reference = build(64, 10)
     assert_sharded_facts(result, reference)
