@@ -20,7 +20,7 @@ SLOW_MODULES = {
     "tests/integration/test_reliability.py": 390,
     "tests/integration/test_multinode.py": 300,
     "tests/integration/pipelines/test_data_order.py": 290,
-    "tests/integration/test_tasks.py": 220,
+    "tests/integration/test_tasks.py": 260,
     "tests/integration/test_fsdp_runs.py": 185,
     "tests/integration/test_train.py": 155,
     "tests/integration/test_tune.py": 120,
@@ -30,7 +30,6 @@ SLOW_MODULES = {
     "tests/integration/test_console.py": 60,
     "tests/integration/test_doctor.py": 55,
     "tests/integration/pipelines/test_streaming.py": 53,
-    "tests/integration/test_language_model.py": 50,
     "tests/integration/pipelines/test_s3_train.py": 49,
     # Unit modules with real processes (gloo ranks, a Ray start): ahead of the second-long ones.
     "tests/unit/training/test_efficiency.py": 39,
