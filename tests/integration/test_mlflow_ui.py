@@ -105,7 +105,7 @@ def trained(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory, digits_
 def ui(trained: tuple[TrainResult, str],
        tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int, subprocess.Popen[bytes]]]:
     """`orchestrator ui` as the run's summary prints it (this environment's program), until the module ends: the
-    URL it printed, its port and its process (which leads the UI's process group)."""
+    URL it printed, its port and its process (`mlflow ui` and its server run as its children)."""
     result, printed = trained
     command = next(line for line in printed.splitlines() if line.startswith("open the MLflow UI: "))
     argv = command.removeprefix("open the MLflow UI: ").split()
