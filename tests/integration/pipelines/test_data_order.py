@@ -123,6 +123,14 @@ def epoch_orders(ranks: list[list[list[int]]], steps: int = STEPS_PER_EPOCH,
     return epochs
 
 
+def assert_each_rank_reordered(epochs: list[list[list[int]]]) -> None:
+    """No rank trains on the same order in two of the 3 epochs (data.shuffle took effect)."""
+    for rank in (0, 1):
+        orders = [epochs[e][rank] for e in range(3)]
+        assert orders[0] != orders[1] and orders[1] != orders[2] and orders[0] != orders[2], \
+            f"rank {rank} trained on the same order in two epochs: data.shuffle had no effect"
+
+
 def assert_resumes_exactly(tmp_path: Path, data: str, clean: TrainResult, ranks: list[list[list[int]]],
                            *extra: str, steps: int = STEPS_PER_EPOCH) -> None:
     """Run again with a crash in the middle of epoch 1 (call 21 of rank 0; last checkpoint at step 18, in epoch 1
@@ -164,11 +172,7 @@ def test_memory_cache_of_data_not_replayed_reshuffles_per_epoch(ray_cluster: Non
 
     clean = run(tmp_path, large_uneven_id_data, "clean", *memory)
     ranks = [read_runs(str(tmp_path / "clean"), r)[0] for r in (0, 1)]
-    epochs = epoch_orders(ranks, UNEVEN_STEPS, UNEVEN)
-    for rank in (0, 1):
-        orders = [epochs[e][rank] for e in range(3)]
-        assert orders[0] != orders[1] and orders[1] != orders[2] and orders[0] != orders[2], \
-            f"rank {rank} trained on the same order in two epochs: data.shuffle had no effect"
+    assert_each_rank_reordered(epoch_orders(ranks, UNEVEN_STEPS, UNEVEN))
     # Deterministic per (seed, epoch): a second run, and a worker restarted mid-epoch, see the same order.
     assert_resumes_exactly(tmp_path, large_uneven_id_data, clean, ranks, *memory, steps=UNEVEN_STEPS)
 
@@ -248,7 +252,4 @@ def test_memory_cache_of_small_data_replays_exactly_once_per_epoch_with_remainde
 
     run(tmp_path, uneven_id_data, "uneven", *memory)
     ranks = [read_runs(str(tmp_path / "uneven"), r)[0] for r in (0, 1)]
-    epochs = epoch_orders(ranks, UNEVEN_STEPS, UNEVEN)
-    for rank in (0, 1):
-        orders = [epochs[e][rank] for e in range(3)]
-        assert orders[0] != orders[1] != orders[2] != orders[0], f"rank {rank}: an epoch repeated another's order"
+    assert_each_rank_reordered(epoch_orders(ranks, UNEVEN_STEPS, UNEVEN))
