@@ -457,8 +457,9 @@ def parallel_line(history: list[dict[str, Any]]) -> str | None:
     facts = next((r for r in reversed(history) if "param_bytes_per_rank" in r), None)
     if facts is None:
         return None
-    workers = f" over {facts['world_size']} workers" if "world_size" in facts else ""
-    return (f"parallel: {facts.get('parallel', 'ddp')}{workers}, each holding {_bytes(facts['param_bytes_per_rank'])} "
+    world = facts.get("world_size")
+    workers = ", each" if world is None else " on 1 worker," if world == 1 else f" over {world} workers, each"
+    return (f"parallel: {facts.get('parallel', 'ddp')}{workers} holding {_bytes(facts['param_bytes_per_rank'])} "
             f"of parameters and {_bytes(facts.get('optimizer_bytes_per_rank', 0))} of optimizer state")
 
 

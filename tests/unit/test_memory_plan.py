@@ -139,3 +139,13 @@ def test_the_printed_summary_shows_the_parallel_mode_and_what_each_worker_holds(
     assert "parallel: fsdp over 3 workers, each holding 2.0 MiB of parameters and 4.0 GiB of optimizer state" in lines
     result.history = [{k: v for k, v in r.items() if "bytes" not in k and k != "parallel"} for r in history]
     assert not [line for line in summary(result).splitlines() if line.startswith("parallel:")]  # no facts, no line
+
+
+def test_the_parallel_line_of_one_worker_says_worker_not_workers() -> None:
+    from orchestrator.launch import parallel_line
+
+    facts = {"step": 10, "parallel": "ddp", "param_bytes_per_rank": 2**20, "optimizer_bytes_per_rank": 2**21}
+    assert parallel_line([facts | {"world_size": 1}]) == ("parallel: ddp on 1 worker, holding 1.0 MiB of parameters "
+                                                          "and 2.0 MiB of optimizer state")
+    assert parallel_line([facts | {"world_size": 2}]) == ("parallel: ddp over 2 workers, each holding 1.0 MiB of "
+                                                          "parameters and 2.0 MiB of optimizer state")
