@@ -61,18 +61,22 @@ class Interval:
     grad_norm_sum: torch.Tensor | float = 0.0
     loss_targets: torch.Tensor | int = 0  # targets of the applied steps (a skipped non-finite step shows no loss)
     skipped: int = 0
+    overflowed: int = 0  # fp16 steps the GradScaler skipped: their loss counts, their (inf/nan) norm does not
     comm_start: int = 0  # Parts.comm_bytes when the interval began
 
     def add(self, result: StepResult, micro: int) -> None:
-        """Count one step; a skipped (non-finite) step adds its targets but no loss or gradient norm."""
+        """Count one step; a skipped (non-finite) step adds its targets but no loss or gradient norm, and a step
+        the fp16 scaler skipped adds its loss but not its overflowed norm."""
         if not result.skipped:
             self.loss_sum = result.loss_sum + self.loss_sum
-            self.grad_norm_sum = result.grad_norm + self.grad_norm_sum
             self.loss_targets = self.loss_targets + result.targets.double()
+            if not result.overflowed:
+                self.grad_norm_sum = result.grad_norm + self.grad_norm_sum
         self.targets = self.targets + result.targets.double()  # float64: token counts pass 2**24
         self.samples += result.samples
         self.steps += 1
         self.skipped += result.skipped
+        self.overflowed += result.overflowed
         self.micro = micro
 
 
@@ -334,13 +338,15 @@ def _interval_metrics(interval: Interval, progress: Progress, parts: Parts, worl
             f"training loss became {loss} by step {progress.step}: lower optim.lr, raise optim.warmup_steps, "
             "set optim.max_grad_norm, or use train.precision=bf16/fp32"
         )
+    # The gradient norm is the mean over the steps that were applied; nan when none was (as train_loss).
+    applied = interval.steps - interval.skipped - interval.overflowed
     metrics = {
         "step": progress.step,
         "epoch": progress.epoch,
         "samples_seen": progress.samples_seen,
         "train_loss": loss,
         "lr": parts.optimizer.param_groups[0]["lr"],
-        "grad_norm": float(interval.grad_norm_sum) / max(interval.steps - interval.skipped, 1),
+        "grad_norm": float(interval.grad_norm_sum) / applied if applied else math.nan,
         "skipped_steps": parts.precision.skipped_steps,
         "nonfinite_skipped": progress.nonfinite_skipped,
         "oom_retries": parts.oom_retries,

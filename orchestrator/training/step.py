@@ -72,10 +72,10 @@ def train_step(parts: Parts, micro_batches: list[Batch], timer: PhaseTimer | Non
                 warnings.simplefilter("ignore", UserWarning)
                 parts.scheduler.step()
             return StepResult(step_loss, grad_norm.detach(), samples, local_targets, skipped=True)
-        parts.precision.step(parts.optimizer)
+        applied = parts.precision.step(parts.optimizer)
         parts.optimizer.zero_grad(set_to_none=True)
         parts.scheduler.step()
-    return StepResult(step_loss, grad_norm.detach(), samples, local_targets)
+    return StepResult(step_loss, grad_norm.detach(), samples, local_targets, overflowed=not applied)
 
 
 def _non_finite_anywhere(step_loss: torch.Tensor, grad_norm: torch.Tensor, parts: Parts) -> bool:
@@ -95,6 +95,9 @@ class StepResult:
     samples: int
     targets: torch.Tensor  # this rank's targets (samples, or tokens) in the step, on the device
     skipped: bool = False  # non-finite loss or gradient on some rank: no update was applied
+    # fp16: the GradScaler skipped the update (the unscaled gradient overflowed; its norm is inf/nan). The loss is
+    # real, the norm is not a figure of the model.
+    overflowed: bool = False
 
 
 def _forward_backward(parts: Parts, pieces: list[Batch], scale: torch.Tensor,

@@ -308,3 +308,36 @@ def test_metrics_are_published_at_every_report_step_and_only_checkpoints_wait() 
     first = log.reports[0][0]
     assert first["at/loop"] <= first["at/first_batch"] <= time.time()  # the start-up marks, once
     assert all("at/loop" not in m for m, _ in log.reports[1:])
+
+
+def test_fp16_grad_norm_averages_the_applied_steps_and_the_scalers_skips_are_counted() -> None:
+    """fp16's GradScaler skips a step whose unscaled gradient overflowed (its norm is inf/nan): the reported norm is
+    the mean over the steps that were applied, and the skipped ones are counted. fp16 autocast runs on the CPU here
+    (the config refuses fp16 on CPU for speed, not correctness)."""
+    cfg = config("train.max_steps=8", "train.log_every=8", "checkpoint.every=8", "data.val=null",
+                 "train.eval_every=null")
+    x, y = dataset(256)
+
+    def fp16_parts() -> Parts:
+        parts = make_parts(cfg, mode="fp16")
+        # A first loss scale so large that the fp16 backward overflows: the scaler skips steps until it backs off.
+        parts.precision.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+        return parts
+
+    # The reference, step by step: whether each step moved the weights, and the norm it measured.
+    by_hand, norms, applied = fp16_parts(), [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the LR schedule moving past a skipped optimizer step
+        for batch in batches(x, y, 32)[:8]:
+            before = [p.detach().clone() for p in by_hand.model.parameters()]
+            norms.append(float(train_step(by_hand, [batch]).grad_norm))
+            applied.append(any(not torch.equal(b, p) for b, p in zip(before, by_hand.model.parameters(),
+                                                                      strict=True)))
+        assert 0 < applied.count(False) < 8, applied  # some steps skipped, some applied
+        report = Recorder()
+        run(cfg, fp16_parts(), lambda epoch: batches(x, y, 32), None, report)
+    metrics = report.reports[-1][0]
+    assert metrics["grad_norm"] == pytest.approx(sum(n for n, a in zip(norms, applied, strict=True) if a)
+                                                 / applied.count(True), rel=1e-6)
+    assert metrics["skipped_steps"] == applied.count(False)
+    assert metrics["nonfinite_skipped"] == 0  # the scaler's skips are not non-finite losses
