@@ -32,7 +32,9 @@ class Mutant:
 LOOP = "orchestrator/training/loop.py"
 STEP = "orchestrator/training/step.py"
 CHECKPOINT = "orchestrator/training/checkpoint.py"
+FSDP = "orchestrator/training/fsdp.py"
 UNIT = "tests/unit/training"
+GUARANTEES = f"{UNIT}/test_rank_guarantees.py"
 MUTANTS = (
     Mutant("loss normalised per micro-batch", STEP,
            "precision.backward(loss * scale)", "precision.backward(loss * scale * len(pieces))",
@@ -179,6 +181,26 @@ MUTANTS = (
     Mutant("a label list is not rounded to the padding multiple", "pipelines/batches.py",
            "values, mask = column_array(table.column(label), padding.multiple)",
            "values, mask = column_array(table.column(label))", ("tests/unit/pipelines/test_padding_widths.py",)),
+    # What FSDP's ranks must decide together or keep consistent (issue 33).
+    Mutant("the finite-weights verdict before a checkpoint is not agreed across ranks", LOOP,
+           "if ranks.any_rank(~finite, parts.device):", "if not bool(finite):",
+           (f"{GUARANTEES}::test_an_overflow_in_one_ranks_shard_stops_every_rank_with_one_error_before_the_checkpoint",)),
+    Mutant("an FSDP block is not a unit of its own", FSDP,
+           "            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)",
+           "            pass", (f"{GUARANTEES}::test_every_configured_block_is_its_own_fsdp_unit",)),
+    Mutant("low-precision FSDP reduces gradients in the low dtype", FSDP,
+           "return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)",
+           "return MixedPrecisionPolicy(param_dtype=low)",
+           (f"{GUARANTEES}::test_bf16_fsdp_reduces_gradients_in_fp32",)),
+    Mutant("a sharded manifest written before every rank's write completed", CHECKPOINT,
+           "        self.wait()\n        if world()[0] == 0:", "        if world()[0] == 0:",
+           (f"{GUARANTEES}::test_a_sharded_manifest_is_written_after_every_ranks_write_even_a_slow_one",)),
+    Mutant("auto micro-batch agreed on the largest fit of the ranks", "orchestrator/training/micro_batch.py",
+           "dist.all_reduce(agreed, op=dist.ReduceOp.MIN)", "dist.all_reduce(agreed, op=dist.ReduceOp.MAX)",
+           (f"{GUARANTEES}::test_auto_micro_batch_agrees_on_the_smallest_fit_of_the_ranks",)),
+    Mutant("fp16 grad_norm averages in the steps the scaler skipped", LOOP,
+           "            if not result.overflowed:", "            if True:",
+           (f"{UNIT}/test_loop.py::test_fp16_grad_norm_averages_the_applied_steps_and_the_scalers_skips_are_counted",)),
 )
 
 

@@ -286,7 +286,7 @@ def _live(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> s
     tensors = [*model.parameters(), *model.buffers()]
     if optimizer is not None:
         tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    return {_local(t).data_ptr() for t in tensors if _local(t).numel()}
+    return {local_tensor(t).data_ptr() for t in tensors if local_tensor(t).numel()}
 
 
 def _unaliased(tree: Any, live: set[int]) -> Any:
@@ -305,8 +305,10 @@ def _unaliased(tree: Any, live: set[int]) -> Any:
 # ---- memory ----------------------------------------------------------------------------------------------------
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (no collective); any other tensor as it is."""
     return t.to_local() if _is_dtensor(t) else t
+
 
 
 def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -319,7 +321,7 @@ def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
         for t in tensors:
             if not isinstance(t, torch.Tensor):
                 continue
-            local = _local(t)
+            local = local_tensor(t)
             # By address and size, not storage: FSDP's sharded gradients of one block are views of one buffer.
             key = (local.data_ptr(), local.numel()) if local.numel() else (id(local), 0)
             if key in seen:

@@ -159,7 +159,7 @@ def test_workers_and_the_driver_import_fsdp_only_for_a_sharded_run() -> None:
     # start; a DDP run never uses them. Deciding whether a model is sharded must not import them either.
     code = ("import sys, torch, orchestrator.training.worker, orchestrator.launch\n"
             "from orchestrator.training import fsdp\n"
-            "assert not fsdp.is_sharded(torch.nn.Linear(2, 2)) and fsdp._local(torch.ones(1)).numel() == 1\n"
+            "assert not fsdp.is_sharded(torch.nn.Linear(2, 2)) and fsdp.local_tensor(torch.ones(1)).numel() == 1\n"
             "print(','.join(m for m in ('torch.distributed.fsdp', 'torch.distributed.tensor', "
             "'torch.distributed.checkpoint') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
