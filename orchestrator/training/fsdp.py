@@ -310,7 +310,6 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if _is_dtensor(t) else t
 
 
-
 def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes this rank holds now for parameters, gradients and optimizer state (its shards under FSDP, everything
     under DDP), each tensor counted once (tied weights too). Transient gathered parameters are not included."""
