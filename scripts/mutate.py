@@ -183,7 +183,7 @@ MUTANTS = (
            "values, mask = column_array(table.column(label))", ("tests/unit/pipelines/test_padding_widths.py",)),
     # What FSDP's ranks must decide together or keep consistent (issue 33).
     Mutant("the finite-weights verdict before a checkpoint is not agreed across ranks", LOOP,
-           "if ranks.any_rank(~finite, parts.device):", "if not bool(finite):",
+           "if ranks.any_rank(not finite, parts.device):", "if not finite:",
            (f"{GUARANTEES}::test_an_overflow_in_one_ranks_shard_stops_every_rank_with_one_error_before_the_checkpoint",)),
     Mutant("an FSDP block is not a unit of its own", FSDP,
            "            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)",

@@ -116,19 +116,19 @@ def _lockstep(batches: Iterable[Batch], parts: Parts) -> Iterator[tuple[Batch, b
         if not ranks.any_rank(batch is not None, parts.device):
             return
         if empty is None:  # once: the first batches' shapes (a collective, on every rank at the same iteration)
-            empty = _empty_like_others(batch)
+            empty = _empty_like_others(batch, parts.device)
         yield (batch, True) if batch is not None else (empty, False)
 
 
-def _empty_like_others(batch: Batch | None) -> Batch:
-    """A zero-row batch shaped like the first batch of a rank that has one. Only shapes and dtypes cross between
-    ranks: a tensor would be unpickled on the device it was on, so a CUDA one would make every rank open a CUDA
-    context on the sender's GPU. Built on the CPU (evaluate moves it to this rank's device)."""
+def _empty_like_others(batch: Batch | None, device: torch.device) -> Batch:
+    """A zero-row batch on `device` shaped like the first batch of a rank that has one. Only shapes and dtypes cross
+    between ranks (plain objects, no tensor): a pickled tensor is unpickled on the device it was on, so a CUDA one
+    made every rank open a CUDA context on the sender's GPU."""
     mine = None if batch is None else {k: (tuple(v.shape[1:]), v.dtype) for k, v in batch.items()}
     shapes: list[dict[str, tuple[tuple[int, ...], torch.dtype]] | None] = [None] * ranks.world()[1]
     dist.all_gather_object(shapes, mine)
     first = next(s for s in shapes if s is not None)
-    return {k: torch.empty((0, *shape), dtype=dtype) for k, (shape, dtype) in first.items()}
+    return {k: torch.empty((0, *shape), dtype=dtype, device=device) for k, (shape, dtype) in first.items()}
 
 
 def micro_batches(
@@ -158,9 +158,9 @@ def _check_finite_weights(parts: Parts, step: int) -> None:
     """A non-finite model is never checkpointed (it would poison every resume). Each rank checks what it holds (its
     shards under FSDP, where one rank's shard may overflow alone) and the verdict is agreed: a rank that stopped
     alone would leave the others waiting in the checkpoint's collectives."""
-    held = [fsdp.local_tensor(p) for p in unwrap(parts.model).parameters()]
-    finite = torch.stack([torch.isfinite(t).all() for t in held]).all() if held else torch.tensor(True)
-    if ranks.any_rank(~finite, parts.device):
+    held = [torch.isfinite(fsdp.local_tensor(p)).all() for p in unwrap(parts.model).parameters()]
+    finite = bool(torch.stack(held).all()) if held else True  # one host sync, not one per parameter
+    if ranks.any_rank(not finite, parts.device):
         raise NonFiniteLossError(f"the model weights are not finite at step {step}: not checkpointing them; lower "
                                  "optim.lr or set optim.max_grad_norm, and resume from the last checkpoint")
 
