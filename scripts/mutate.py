@@ -179,6 +179,21 @@ MUTANTS = (
     Mutant("a label list is not rounded to the padding multiple", "pipelines/batches.py",
            "values, mask = column_array(table.column(label), padding.multiple)",
            "values, mask = column_array(table.column(label))", ("tests/unit/pipelines/test_padding_widths.py",)),
+    # Security: the disk cache's directory and files (issue 33, item 1).
+    Mutant("a cache directory of another user's is trusted", "pipelines/storage.py",
+           "if st.st_uid != os.getuid()", "if False", ("tests/unit/pipelines/test_disk_cache_dir.py",)),
+    Mutant("a cache directory others can write to is trusted", "pipelines/storage.py",
+           "if st.st_mode & 0o022 else", "if False else", ("tests/unit/pipelines/test_disk_cache_dir.py",)),
+    Mutant("the disk cache skips the private-directory rule", "pipelines/cache.py",
+           "        private_dir(self.directory,", "        (self.directory,",
+           ("tests/unit/pipelines/test_disk_cache_dir.py",)),
+    Mutant("a lock file opened through a symlink", "pipelines/storage.py",
+           "os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC", "os.O_RDWR | os.O_CREAT | os.O_CLOEXEC",
+           ("tests/unit/pipelines/test_disk_cache_dir.py",)),
+    Mutant("the cache's counters written through a fixed temporary name", "pipelines/cache.py",
+           'fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".stats.", suffix=".tmp")',
+           'tmp = os.path.join(self.directory, ".stats.json.tmp"); fd = os.open(tmp, os.O_WRONLY | os.O_CREAT)',
+           ("tests/unit/pipelines/test_disk_cache_dir.py",)),
 )
 
 
