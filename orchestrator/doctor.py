@@ -7,11 +7,13 @@ Metrics are read by the name the loop (or the driver) reports them under; `track
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import re
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -613,7 +615,25 @@ def load_run(run_id: str, tracking_uri: str | None = None) -> RunRecord:
     except Exception as exc:
         raise UserError(f"MLflow tracking at '{uri}' is unavailable ({type(exc).__name__}): pass --tracking-uri "
                         "or start the server") from None
-    return RunRecord(read_metrics(client, run_id), dict(run.data.params), dict(run.data.tags))
+    with _quiet_downloads():
+        metrics = read_metrics(client, run_id)
+    return RunRecord(metrics, dict(run.data.params), dict(run.data.tags))
+
+
+@contextlib.contextmanager
+def _quiet_downloads() -> Iterator[None]:
+    """No MLflow progress bar for the summary table's download (doctor prints a report, not transfers); the
+    user's own setting of the variable is back as it was afterwards."""
+    name = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+    before = os.environ.get(name)
+    os.environ[name] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def format_findings(run_id: str, run: RunRecord, findings: list[Finding]) -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -590,7 +592,6 @@ def test_one_end_of_run_validation_pass_is_not_blamed_on_the_split() -> None:
 
 def test_the_readmes_doctor_example_prints_only_advice_that_applies() -> None:
     import re
-    from pathlib import Path
 
     from orchestrator.config import load_config
 
@@ -603,3 +604,24 @@ def test_the_readmes_doctor_example_prints_only_advice_that_applies() -> None:
         pairs = re.findall(SET, line)
         load_config(None, [f"{key}={value}" for key, value in pairs if not value.startswith("<")])
         assert all(config_key(key) for key, _ in pairs), line
+
+
+def test_doctor_prints_no_download_progress_bars_and_leaves_mlflows_setting_alone(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # doctor downloads the run's summary table: MLflow draws a tqdm bar on stderr for it unless told not to.
+    from orchestrator.cli import main
+    from orchestrator.config import TrackingConfig
+    from orchestrator.tracking import MlflowTracker
+
+    uri = f"sqlite:///{tmp_path}/mlruns.db"
+    tracker = MlflowTracker(TrackingConfig(uri=uri, experiment="doctor"), "r")
+    for step in (10, 20):  # reported twice, unchanged: a figure of the summary table (an artifact)
+        tracker.log_metrics({"train_loss": 1.0 / step, "flops_per_sample": 2e6, "step": step}, step=step)
+    tracker.finish("FINISHED")
+    monkeypatch.delenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", raising=False)
+    capfd.readouterr()
+    assert main(["doctor", str(tracker.run_id), "--tracking-uri", uri]) == 0
+    out, err = capfd.readouterr()
+    assert out.startswith("doctor: run r "), out
+    assert "Downloading artifacts" not in err and "it/s" not in err, err
+    assert "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR" not in os.environ  # the user's setting, untouched
