@@ -194,6 +194,12 @@ MUTANTS = (
            'fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".stats.", suffix=".tmp")',
            'tmp = os.path.join(self.directory, ".stats.json.tmp"); fd = os.open(tmp, os.O_WRONLY | os.O_CREAT)',
            ("tests/unit/pipelines/test_disk_cache_dir.py",)),
+    Mutant("the run's description not led by the task's metric", "orchestrator/tracking.py",
+           'names = sorted(val, key=lambda n: (n != head, n != "loss", n))[:2]',
+           'names = sorted(val, key=lambda n: (n != "loss", n))[:2]', ("tests/unit/test_run_description.py",)),
+    Mutant("the tracker writes the description without the run's metric", "orchestrator/tracking.py",
+           "note = headline_note(figures, self._metric)", "note = headline_note(figures)",
+           ("tests/unit/test_run_description.py",)),
 )
 
 
