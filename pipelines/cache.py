@@ -48,10 +48,14 @@ class DiskCache:
         self.directory = os.path.abspath(os.path.expanduser(directory))
         self.max_bytes = int((max_gb or DEFAULT_MAX_GB) * 1e9)
 
-    def _objects(self) -> Path:
-        # Checked on every use, on every node: the directory is made there, and whoever made it decides what is in
-        # it (cached names follow from the bucket listing, so planted Parquet would be trained on as a hit).
+    def check(self) -> None:
+        """The directory made (0700) if missing, refused (DataError) unless it is this user's own and closed to
+        others: whoever made it decides what is in it, and cached names follow from the bucket listing, so planted
+        Parquet would be trained on as a hit."""
         private_dir(self.directory, "set data.cache to a directory of your own (e.g. ~/.cache/orchestrator/shards)")
+
+    def _objects(self) -> Path:
+        self.check()  # on every use, on every node: each node has its own directory
         path = Path(self.directory, "objects")
         path.mkdir(parents=True, exist_ok=True)
         Path(self.directory, "tmp").mkdir(exist_ok=True)

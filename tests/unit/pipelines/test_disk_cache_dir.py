@@ -111,3 +111,16 @@ def test_the_docs_suggest_only_per_user_cache_directories() -> None:
     suggested = re.findall(r"(?:data\.cache=|cache: |e\.g\. )(\S*/\S*)", text)
     assert "~/.cache/orchestrator/shards" in suggested
     assert not [path for path in suggested if path.startswith(("/tmp", "/var/tmp", "/dev/shm"))], suggested
+
+
+def test_the_driver_refuses_a_cache_directory_before_ray_starts(tmp_path: Path) -> None:
+    # The driver's own node is checked with the data, before anything starts (every node checks again on use).
+    from pipelines.config import DataConfig
+    from pipelines.datasets import inspect_datasets
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chown(shared, OTHER_UID, OTHER_UID)
+    cfg = DataConfig(train="s3://bucket/train", val=None, cache=str(shared))
+    with pytest.raises(DataError, match=f"cache directory {shared} is owned by uid {OTHER_UID}"):
+        inspect_datasets(cfg)  # refused before the bucket is listed (there is no S3 here)
