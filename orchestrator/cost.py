@@ -73,6 +73,12 @@ def resolve_pricing(config: Config, world_size: int | None = None) -> Pricing:
     if not isinstance(entry, dict):
         raise ConfigError(f"cost.node_type={cost.node_type} is not in the {cost.cloud} price table; known: "
                           f"{sorted(table)}")
+    if entry.get("gpus") and not s.use_gpu and cost.price_per_hour is None:
+        # CPU workers (the GPU recipe checked on a laptop with scaling.use_gpu=false) do not run on this GPU node:
+        # its price would bill GPUs the run never held.
+        nodes = cost.nodes or 1
+        return Pricing(nodes, None, f"{nodes} node{'s' * (nodes > 1)} of CPU workers, not priced as {cost.node_type}, "
+                       "a GPU node type")
     spot = cost.spot if cost.spot is not None else entry.get("market") == "spot"
     market = "spot" if spot else "on_demand"
     price = cost.price_per_hour if cost.price_per_hour is not None else entry.get(market)

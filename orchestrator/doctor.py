@@ -7,11 +7,13 @@ Metrics are read by the name the loop (or the driver) reports them under; `track
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import re
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,7 +131,8 @@ def data_pipeline(run: RunRecord) -> Finding | None:
     cache = run.param("data.cache", "auto")
     remote = str(run.param("data.train", "")).startswith(("s3://", "gs://"))
     if cache in ("none", "auto"):
-        changes.append("data.cache=/local/disk/cache (remote shards)" if remote else "data.cache=memory")
+        changes.append("data.cache=~/.cache/orchestrator/shards (a node-local directory of your own: remote shards)"
+                       if remote else "data.cache=memory")
     if run.param("data.transforms") not in (None, "[]"):
         changes.append("data.transforms: cheaper or fewer per-batch transforms (they run in the read path)")
     return Finding("data pipeline", HIGH if share >= 0.3 else MEDIUM, share,
@@ -144,12 +147,17 @@ def memory_headroom(run: RunRecord) -> Finding | None:
     used = max(peak) / total
     if used >= 0.5:
         return None
-    micro = run.last("micro_batch_size")
+    micro, batch = int(run.last("micro_batch_size") or 0), _int_param(run, "train.global_batch_size")
     changes = ["train.micro_batch_size=auto"]
-    if micro:
-        changes.append(f"train.micro_batch_size={int(micro) * 2} (or more)")
-    accum = run.param("train.grad_accum_steps")
-    if accum in (None, "1"):
+    # global = micro x accumulation x workers: a doubled micro-batch halves an even accumulation, else it needs
+    # a doubled global batch (the config refuses a micro-batch that does not divide it).
+    accum = batch // (micro * _world(run)) if micro and batch else 0
+    if accum and accum % 2 == 0:
+        changes.append(f"train.micro_batch_size={2 * micro} (half the accumulation steps)")
+    elif micro and batch:
+        changes.append(f"train.micro_batch_size={2 * micro} --set train.global_batch_size={2 * batch} (no "
+                       "accumulation left to trade: with a matching optim.lr)")
+    else:
         changes.append("train.global_batch_size=<2x, with a matching optim.lr> (no accumulation left to trade)")
     return Finding("memory headroom", MEDIUM if used < 0.3 else LOW, 1 - used,
                    f"device memory peaked at {max(peak):.1f} of {total:.0f} GiB ({used:.0%})", tuple(changes))
@@ -287,8 +295,34 @@ def checkpoint_interval(run: RunRecord) -> Finding | None:
     return Finding("checkpoint interval", MEDIUM, abs(math.log(best / every)), title, (f"checkpoint.every={best}",))
 
 
+def under_asha(run: RunRecord) -> bool:
+    """A study whose ASHA scheduler ranks trials by a validation metric at every report: each report must then
+    validate (the README's rule), so the evaluation cadence follows the report cadence."""
+    scheduler = run.param("tune.scheduler", run.tags.get("orchestrator.scheduler"))
+    metric = run.param("tune.metric") or "val_"  # null: the task's metric, a validation one
+    return is_study(run) and scheduler == "asha" and metric.startswith("val_")
+
+
+def _fewer_reports(run: RunRecord) -> str | None:
+    """Under ASHA: reports (each one validating) half as often, as one change of both cadences; None without
+    a report cadence."""
+    log_every = _int_param(run, "train.log_every")
+    if not log_every:
+        return None
+    new = 2 * max(log_every, _int_param(run, "train.eval_every") or log_every)
+    return (f"train.log_every={new} --set train.eval_every={new} (ASHA compares trials at every report, so each "
+            "report validates: fewer reports, fewer passes)")
+
+
+# A validation pass as long as this many training steps reads roughly 3x that many global batches of rows (a
+# forward pass is about a third of a training step): a large split, whatever the run's length.
+LARGE_PASS_STEPS = 100
+
+
 def evaluation(run: RunRecord) -> Finding | None:
-    """Validation passes took a large share of the training: evaluate less often, or on a smaller split."""
+    """Validation passes took a large share of the training: evaluate less often, or on a smaller split. Under
+    ASHA every report validates, so fewer reports; a run validating only at its end paid for one pass, a fixed
+    cost that a short run's few steps do not spread thin, so the split is named only when that pass is long."""
     share = training_share(run, "eval")
     if share is None or share < 0.15:
         return None
@@ -297,13 +331,24 @@ def evaluation(run: RunRecord) -> Finding | None:
         f" ({passes} pass{'es' * (passes > 1)} over the validation split)" if passes else "")
     every = _int_param(run, "train.eval_every")
     steps = _int_param(run, "train.max_steps") or int(run.last("step") or 0)
+    smaller = "data.val=<a smaller validation split> (each pass reads all of it: e.g. a few of its shards)"
+    severity = HIGH if share >= 0.3 else MEDIUM
+    if under_asha(run):
+        return Finding("evaluation", severity, share, title, tuple(c for c in (_fewer_reports(run), smaller) if c))
+    end_only = steps and ("train.eval_every" in run.params and every is None or every is not None and every >= steps)
+    if end_only and share < 1:
+        pass_steps = share / (1 - share) * steps  # the one pass, in training steps
+        if pass_steps < LARGE_PASS_STEPS:
+            return Finding("evaluation", LOW, share,
+                           f"the one validation pass, at the end of the run, took {share:.0%} of its training time "
+                           f"(as long as ~{pass_steps:.0f} training steps): a fixed cost per run, nothing to change "
+                           "for a longer run, which spreads it thinner", ())
     changes = []
-    if every is not None and (not steps or every < steps):  # else it validates at the end only already
+    if every is not None and not end_only:
         changes.append("train.eval_every=null (validate at the end only)" if steps and 2 * every >= steps else
                        f"train.eval_every={2 * every}")
-    changes.append("data.val=<a smaller validation split> (each pass reads all of it; e.g. orchestrator prepare "
-                   "... --val-fraction 0.05)")
-    return Finding("evaluation", HIGH if share >= 0.3 else MEDIUM, share, title, tuple(changes))
+    changes.append(smaller)
+    return Finding("evaluation", severity, share, title, tuple(changes))
 
 
 def bookkeeping(run: RunRecord) -> Finding | None:
@@ -315,7 +360,9 @@ def bookkeeping(run: RunRecord) -> Finding | None:
         return None
     changes = []
     log_every = _int_param(run, "train.log_every")
-    if log_every:
+    if under_asha(run) and (fewer := _fewer_reports(run)):
+        changes.append(fewer)
+    elif log_every:
         changes.append(f"train.log_every={2 * log_every} (each report gathers figures and node stats from every "
                        "worker outside the timed phases)")
     batch = _int_param(run, "train.global_batch_size")
@@ -568,7 +615,25 @@ def load_run(run_id: str, tracking_uri: str | None = None) -> RunRecord:
     except Exception as exc:
         raise UserError(f"MLflow tracking at '{uri}' is unavailable ({type(exc).__name__}): pass --tracking-uri "
                         "or start the server") from None
-    return RunRecord(read_metrics(client, run_id), dict(run.data.params), dict(run.data.tags))
+    with _quiet_downloads():
+        metrics = read_metrics(client, run_id)
+    return RunRecord(metrics, dict(run.data.params), dict(run.data.tags))
+
+
+@contextlib.contextmanager
+def _quiet_downloads() -> Iterator[None]:
+    """No MLflow progress bar for the summary table's download (doctor prints a report, not transfers); the
+    user's own setting of the variable is back as it was afterwards."""
+    name = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+    before = os.environ.get(name)
+    os.environ[name] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def format_findings(run_id: str, run: RunRecord, findings: list[Finding]) -> str:

@@ -593,8 +593,11 @@ def experiment_of(run_id: str) -> str | None:
 
 def short_run_name(config: Config, place_name: str) -> str:
     """A run's MLflow name, short enough for the runs table and different between runs in its first 20
-    characters: the model, its learning rate and 4 hex digits of the run's directory name (`mlp-lr3e-3-0f2a`)."""
-    model = (config.model.entrypoint or config.model.name).split(":")[-1].split(".")[-1][:10]
+    characters: the model, its learning rate and 4 hex digits of the run's directory name (`mlp-lr3e-3-0f2a`). A
+    model built by `model.entrypoint` is named by its module (`my_models:build` -> `my_models`): the function's
+    name is most often a verb (`build`) that says nothing of the model."""
+    entrypoint = config.model.entrypoint
+    model = (entrypoint.split(":")[0].split(".")[-1] if entrypoint else config.model.name)[:10]
     tag = hashlib.sha1(place_name.encode()).hexdigest()[:4]
     return f"{model}-lr{compact_number(config.optim.lr)}-{tag}"
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from pipelines.storage import ObjectInfo, Storage, storage_error
+from pipelines.storage import ObjectInfo, Storage, open_lock, private_dir, storage_error
 
 DEFAULT_MAX_GB = 50.0
 _CHUNK = 8 << 20
@@ -48,7 +48,14 @@ class DiskCache:
         self.directory = os.path.abspath(os.path.expanduser(directory))
         self.max_bytes = int((max_gb or DEFAULT_MAX_GB) * 1e9)
 
+    def check(self) -> None:
+        """The directory made (0700) if missing, refused (DataError) unless it is this user's own and closed to
+        others: whoever made it decides what is in it, and cached names follow from the bucket listing, so planted
+        Parquet would be trained on as a hit."""
+        private_dir(self.directory, "set data.cache to a directory of your own (e.g. ~/.cache/orchestrator/shards)")
+
     def _objects(self) -> Path:
+        self.check()  # on every use, on every node: each node has its own directory
         path = Path(self.directory, "objects")
         path.mkdir(parents=True, exist_ok=True)
         Path(self.directory, "tmp").mkdir(exist_ok=True)
@@ -57,12 +64,12 @@ class DiskCache:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         self._objects()
-        with open(Path(self.directory, ".lock"), "a") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+        lock = open_lock(os.path.join(self.directory, ".lock"))
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(lock)  # closing releases the flock
 
     def _count(self, **deltas: int) -> None:
         """Add to the shared counters (caller holds the lock)."""
@@ -70,9 +77,15 @@ class DiskCache:
         stats = CacheStats(**json.loads(path.read_text())) if path.exists() else CacheStats()
         for key, delta in deltas.items():
             setattr(stats, key, getattr(stats, key) + delta)
-        tmp = path.with_name(".stats.json.tmp")
-        tmp.write_text(json.dumps(asdict(stats)))
-        os.replace(tmp, path)
+        # A fresh name (mkstemp: O_EXCL, never a planted link), renamed over the counters in one step.
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".stats.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as out:
+                out.write(json.dumps(asdict(stats)))
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
 
     @staticmethod
     def _names(storage: Storage, obj: ObjectInfo) -> tuple[str, str]:

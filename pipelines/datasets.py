@@ -18,7 +18,10 @@ if TYPE_CHECKING:
 
 def inspect_datasets(cfg: DataConfig, named: bool = False) -> dict[str, DatasetInfo]:
     """Check the train (and val) shards before Ray starts; raises `DataError` naming the problem. `named`: the
-    model takes the columns by name (model.inputs)."""
+    model takes the columns by name (model.inputs). A disk cache directory is checked here too, on the driver's
+    node (each node checks its own again on first use)."""
+    if cfg.disk_cache:
+        DiskCache(cfg.disk_cache).check()
     infos = {"train": inspect_parquet(cfg.train, cfg.features, cfg.label, cfg.s3, named)}
     if cfg.val is not None:
         infos["val"] = inspect_parquet(cfg.val, cfg.features, cfg.label, cfg.s3, named)

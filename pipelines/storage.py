@@ -244,14 +244,15 @@ def user_cache_dir() -> str:
 
     home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     try:
-        return _private_dir(os.path.join(home, "orchestrator"))
+        return private_dir(os.path.join(home, "orchestrator"))
     except OSError:  # a read-only or missing home (some containers): a per-uid directory is still private
-        return _private_dir(os.path.join(tempfile.gettempdir(), f"orchestrator-{os.getuid()}"))
+        return private_dir(os.path.join(tempfile.gettempdir(), f"orchestrator-{os.getuid()}"))
 
 
-def _private_dir(path: str) -> str:
-    """`path` as a real directory owned by this user and closed to others (created 0700, tightened if looser);
-    DataError if it is a symlink or someone else's."""
+def private_dir(path: str, instead: str = "set XDG_CACHE_HOME to a directory of your own") -> str:
+    """`path` as a real directory owned by this user that no one else can write to (created 0700, tightened if
+    others may only read it); DataError if it is a symlink, someone else's, or writable by others (whoever could
+    write there may have planted files this user would then trust). `instead` is the fix the error offers."""
     import stat
 
     try:
@@ -260,10 +261,10 @@ def _private_dir(path: str) -> str:
         pass  # a file or a link to one: refused below
     st = os.lstat(path)
     what = ("a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory" if not stat.S_ISDIR(st.st_mode)
-            else f"owned by uid {st.st_uid}, not this user ({os.getuid()})" if st.st_uid != os.getuid() else "")
+            else f"owned by uid {st.st_uid}, not this user ({os.getuid()})" if st.st_uid != os.getuid()
+            else f"writable by others (mode {stat.S_IMODE(st.st_mode):o})" if st.st_mode & 0o022 else "")
     if what:
-        raise DataError(f"cache directory {path} is {what}: refused; remove it, or set XDG_CACHE_HOME to a "
-                        "directory of your own")
+        raise DataError(f"cache directory {path} is {what}: refused; remove it, or {instead}")
     if st.st_mode & 0o077:
         os.chmod(path, 0o700)
     return path
@@ -293,7 +294,7 @@ def _inside(directory: str, relative: str, key: str) -> str:
     return path
 
 
-def _open_lock(path: str) -> int:
+def open_lock(path: str) -> int:
     """A lock file's descriptor, never through a symlink (O_NOFOLLOW): a planted link would make this process
     create or lock a file of the link's choosing."""
     import errno
@@ -333,7 +334,7 @@ def fetch_prefix(uri: str, s3: S3Config | None = None, root: str | None = None) 
     base = os.path.join(root, "pretrained") if root else os.path.join(user_cache_dir(), "pretrained")
     os.makedirs(base, mode=0o700, exist_ok=True)
     target = os.path.join(base, key)
-    lock = _open_lock(os.path.join(base, f".{key}.lock"))
+    lock = open_lock(os.path.join(base, f".{key}.lock"))
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.isdir(target):

@@ -98,10 +98,19 @@ def keys_elsewhere(name: str, section: str) -> list[str]:
     return [key for key in _keys_by_leaf().get(name, []) if key.rpartition(".")[0] != section]
 
 
+# Names other libraries (transformers, Lightning, timm) give keys of ours, too unlike ours for a spelling match.
+_SYNONYMS = {"learning_rate": ("lr",), "batch_size": ("global_batch_size", "micro_batch_size"),
+             "clip_grad_norm": ("max_grad_norm",), "gradient_clip_val": ("max_grad_norm",),
+             "warmup": ("warmup_steps",), "gradient_accumulation_steps": ("grad_accum_steps",)}
+
+
 def _unknown_key_hint(loc: tuple[str, ...]) -> str:
-    """' (did you mean ...?)': the same name in another section (lr -> optim.lr, train.lr -> optim.lr), else the
-    closest key of its own section (optim.lrr -> optim.lr), else ''."""
-    elsewhere = keys_elsewhere(loc[-1], ".".join(loc[:-1]))
+    """' (did you mean ...?)': a synonym's key in any section (optim.learning_rate -> optim.lr), the same name in
+    another section (lr -> optim.lr, train.lr -> optim.lr), else the closest key of its own section
+    (optim.lrr -> optim.lr), else ''."""
+    synonyms = _SYNONYMS.get(loc[-1], ())
+    elsewhere = ([key for leaf in synonyms for key in _keys_by_leaf().get(leaf, [])] if synonyms
+                 else keys_elsewhere(loc[-1], ".".join(loc[:-1])))
     if elsewhere:
         return f" (did you mean {either(elsewhere)}?)"
     return suggest(loc[-1], _field_names(loc[:-1]), "".join(f"{p}." for p in loc[:-1]))

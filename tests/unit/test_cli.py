@@ -20,7 +20,8 @@ def cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
 def test_bad_config_key_exits_non_zero_naming_it() -> None:
     out = cli("train", "--set", "optim.learning_rate=0.1")
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines() == ["error: unknown config key 'optim.learning_rate'"]
+    assert out.stderr.strip().splitlines() == [
+        "error: unknown config key 'optim.learning_rate' (did you mean 'optim.lr'?)"]
 
 
 def test_typo_gets_a_suggestion(tmp_path: Path) -> None:

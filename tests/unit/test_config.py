@@ -44,6 +44,12 @@ def test_any_two_batch_sizes_derive_the_third(overrides: list[str], expected: tu
     [
         (["optim.lrr=1"], "unknown config key 'optim.lrr' (did you mean 'optim.lr'?)"),
         (["trian.max_steps=3"], "unknown config key 'trian' (did you mean 'train'?)"),
+        # Names other libraries use for the same key (too unlike ours for a spelling match).
+        (["optim.learning_rate=1e-3"], "unknown config key 'optim.learning_rate' (did you mean 'optim.lr'?)"),
+        (["train.learning_rate=1e-3"], "unknown config key 'train.learning_rate' (did you mean 'optim.lr'?)"),
+        (["train.batch_size=64"], "unknown config key 'train.batch_size' (did you mean 'train.global_batch_size' or "
+                                  "'train.micro_batch_size'?)"),
+        (["scaling.workers=2"], "unknown config key 'scaling.workers' (did you mean 'scaling.num_workers'?)"),
         (["optim.lr=-1"], "config key 'optim.lr': Input should be greater than 0"),
         (["train.precision=fp8"], "config key 'train.precision'"),
         (["train.precision=fp16"], "fp16 needs a GPU"),

@@ -100,7 +100,8 @@ def test_pricing_from_the_table_counts_nodes_from_gpus() -> None:
     assert "on-demand" in p.description
     spot = resolve_pricing(load_config(None, ["scaling.use_gpu=true", "cost.node_type=gpu_spot"]))
     assert spot.nodes == 2 and "spot" in spot.description  # gpu_spot launches as spot: its spot price
-    forced = resolve_pricing(load_config(None, ["cost.node_type=gpu_a100", "cost.spot=true", "cost.cloud=gcp"]))
+    forced = resolve_pricing(load_config(None, ["scaling.use_gpu=true", "cost.node_type=gpu_a100", "cost.spot=true",
+                                                "cost.cloud=gcp"]))
     assert forced.usd_per_node_hour == pytest.approx(8.82)
     assert resolve_pricing(load_config(None, ["cost.price_per_hour=1.5", "cost.nodes=3"])).nodes == 3
 
@@ -254,3 +255,27 @@ def test_a_studys_goodput_is_its_trials_productive_time_over_the_slots_its_wall_
                                "stopped held 12% (5% productive)")
     small = study_goodput([trial("completed", 0.047, 60.0, 10.0)], wall_s=100.0)
     assert goodput_line(small) == "study goodput 0.047%: productive trial time over 100 s of the study's wall clock"
+
+
+def test_the_readmes_laptop_check_of_the_gpu_recipe_is_not_priced_as_gpu_nodes() -> None:
+    # README "From laptop to GPU cluster", step 3: examples/cluster-gpu.yaml (cost.node_type: gpu_spot) run on the
+    # laptop's CPUs with scaling.use_gpu=false. Its node-hours are a CPU's, never the GPU node type's price.
+    import shlex
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start = readme.index("orchestrator train --config examples/cluster-gpu.yaml --set scaling.use_gpu=false")
+    command = shlex.split(readme[start:readme.index("```", start)].replace("\\\n", " "))
+    config, overrides = command[command.index("--config") + 1], [
+        command[i + 1] for i, word in enumerate(command) if word == "--set"]
+    laptop = load_config(Path(__file__).resolve().parents[2] / config, overrides)
+    assert laptop.cost.node_type == "gpu_spot" and not laptop.scaling.use_gpu
+    pricing = resolve_pricing(laptop)
+    assert pricing.usd_per_node_hour is None, pricing
+    assert "$" not in pricing.description and "gpu_spot" in pricing.description  # says why it is unpriced
+    line = build_ledger([report(5, 12.0)], wall_s=20.0, pricing=pricing).line()
+    assert line.startswith("cost: unpriced") and "0.485" not in line, line
+    # On the cluster (the recipe as written) it is the GPU node's spot price; a price the user gives always counts.
+    assert resolve_pricing(load_config(Path(__file__).resolve().parents[2] / config)).usd_per_node_hour == 0.485
+    given = resolve_pricing(load_config(Path(__file__).resolve().parents[2] / config,
+                                        [*overrides, "cost.price_per_hour=0.1"]))
+    assert given.usd_per_node_hour == 0.1

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -84,7 +86,12 @@ def test_free_device_memory_suggests_a_larger_micro_batch() -> None:
     gpu = {"device/cuda": [1.0], "device/memory_total_gb": [80.0], "memory/peak_allocated_gb": [6.0, 7.5]}
     finding = memory_headroom(record(gpu))
     assert finding is not None and "7.5 of 80 GiB" in finding.title
-    assert finding.changes[:2] == ("train.micro_batch_size=auto", "train.micro_batch_size=128 (or more)")
+    # 128 = 64 x 1 x 2 workers: no accumulation to trade, so a doubled micro-batch comes with a doubled batch.
+    assert finding.changes == ("train.micro_batch_size=auto", "train.micro_batch_size=128 --set "
+                               "train.global_batch_size=256 (no accumulation left to trade: with a matching optim.lr)")
+    accumulating = memory_headroom(record(gpu, {"train.global_batch_size": "512"}))  # 4 accumulation steps
+    assert accumulating is not None
+    assert accumulating.changes[1] == "train.micro_batch_size=128 (half the accumulation steps)"
     assert memory_headroom(record({**gpu, "memory/peak_allocated_gb": [60.0]})) is None
     assert memory_headroom(record()) is None  # CPU: no device memory figures
 
@@ -279,8 +286,10 @@ def test_a_large_eval_share_suggests_evaluating_less_often_or_on_a_smaller_split
                               {"train.eval_every": "50"}))
     assert heavy is not None and heavy.severity == HIGH and "(1 pass over the validation split)" in heavy.title
     assert heavy.changes[0] == "train.eval_every=null (validate at the end only)"
-    # Already validating at the end only: a smaller split is the one change left.
-    end_only = evaluation(record({"summary/time/eval_frac": [0.4]}, {"train.eval_every": "None"}))
+    # Already validating at the end only, and that one pass as long as ~670 training steps: a smaller split is the
+    # one change left. (A short run's one pass: test_one_end_of_run_validation_pass_is_not_blamed_on_the_split.)
+    end_only = evaluation(record({"summary/time/eval_frac": [0.4]}, {"train.eval_every": "None",
+                                                                     "train.max_steps": "1000"}))
     assert end_only is not None and len(end_only.changes) == 1 and end_only.changes[0].startswith("data.val=")
     assert evaluation(record({"summary/time/eval_frac": [0.08]})) is None
     assert evaluation(record()) is None  # the healthy run: one pass, 3% of the training
@@ -460,3 +469,159 @@ def test_sync_heavy_fsdp_run_is_never_told_to_use_local_sgd() -> None:
     assert [c.split(" ")[0] for c in finding.changes] == ["train.fsdp.defer_sync=true", "train.global_batch_size=256"]
     deferred = gradient_sync(record({"summary/time/sync_frac": [0.3]}, {**fsdp, "train.fsdp.defer_sync": "True"}))
     assert deferred is not None and [c.split(" ")[0] for c in deferred.changes] == ["train.global_batch_size=256"]
+
+
+# --------------------------------------------------------------------------- what doctor prints can be run
+
+def every_rules_run() -> list[RunRecord]:
+    """Runs that, between them, make every rule in RULES fire."""
+    gpu = {"device/cuda": [1.0], "device/bf16_supported": [1.0], "device/memory_total_gb": [24.0],
+           "memory/peak_allocated_gb": [3.0], "world_size": [4.0] * 4, "param_bytes_per_rank": [4e9],
+           "optimizer_bytes_per_rank": [8e9], "mfu": [0.05], "flops_per_sample": [2e6],
+           "nonfinite_skipped": [0.0, 3.0, 6.0, 8.0]}
+    failed = {f"orchestrator.failure.{i}": f"after step {100 * i}: boom" for i in (1, 2, 3, 4)}
+    ledger = {"cost/wall_s": [1000.0], "cost/compute_frac": [0.70], "cost/checkpoint_frac": [0.04],
+              "cost/report_frac": [0.01], "cost/startup_frac": [0.25]}
+    return [*bad_runs(),
+            record(gpu, {"scaling.num_workers": "4", "train.global_batch_size": "256", "scaling.use_gpu": "True"},
+                   {"orchestrator.precision": "fp32"}),
+            record(ledger, {"train.max_steps": "1000", "checkpoint.every": "500"}, failed),
+            record({"time/data_wait_frac": [0.5]}, {"data.train": "s3://b/train", "data.val": "s3://b/val"}),
+            record({"summary/time/eval_frac": [0.4]}, {"train.max_steps": "300", "train.eval_every": "25"}),
+            record({"summary/time/eval_frac": [0.4]}, {"train.max_steps": "300", "train.eval_every": "100"}),
+            study(LR_WARMUP, {"optim.lr": 3e-3, "optim.warmup_steps": 200}, {"completed": 3},
+                  {"train.max_steps": "300", "train.log_every": "25", "train.eval_every": "100",
+                   "tune.metric": "None"})]
+
+
+def run_overrides(run: RunRecord) -> list[str]:
+    """The run's own config as --set flags (its params that are config keys): a suggestion is checked in the
+    context it was made for (a disk cache for remote data, local SGD for a ddp run)."""
+    return [f"{key}={value}" for key, value in run.params.items()
+            if config_key(key) and value != "None" and key != "train.grad_accum_steps"]  # derived: refused as input
+
+
+def printed_advice(text: str) -> tuple[list[str], list[tuple[str, str]], list[str]]:
+    """(the `orchestrator ...` commands, the `--set key=value` pairs, the `tune.space.KEY: VALUE` edits) in doctor's
+    output."""
+    import re
+
+    commands = [m.group(1).strip() for m in re.finditer(r"\b(orchestrator [^)`;]*)", text)]
+    sets = re.findall(SET, text)
+    spaces = re.findall(r"^\s+(tune\.space\.[\w.]+: .*)$", text, re.MULTILINE)
+    return commands, sets, spaces
+
+
+SET = r"--set ([\w.]+)=(<[^>]*>|\S+)"
+
+
+def test_every_command_and_set_doctor_prints_is_accepted_by_the_cli_and_the_config() -> None:
+    import re
+    import shlex
+
+    from orchestrator.cli import build_parser
+    from orchestrator.config import load_config
+    from orchestrator.doctor import RULES
+
+    runs = every_rules_run()
+    findings = [diagnose(run) for run in runs]
+    assert {f.rule for found in findings for f in found} == {
+        "start-up", "checkpoint reports", "checkpoint interval", "data pipeline", "evaluation", "other overhead",
+        "gradient sync", "uneven workers", "memory headroom", "model state", "precision", "compile",
+        "non-finite steps", "study size", "search space"}
+    assert len(RULES) == 15  # a new rule joins the set above, and a run here that makes it fire
+    checked = 0
+    for run, found in zip(runs, findings, strict=True):
+        base = run_overrides(run)
+        load_config(None, base)  # the run itself is a valid config
+        commands, sets, spaces = printed_advice(format_findings("r", run, found))
+        for command in commands:
+            try:
+                build_parser().parse_args(shlex.split(command)[1:])
+            except SystemExit:
+                pytest.fail(f"doctor printed a command the CLI refuses: {command}")
+        for line in format_findings("r", run, found).splitlines():  # the --set flags of a line apply together
+            pairs = re.findall(SET, line)
+            assert all(config_key(key) for key, _ in pairs), line
+            # A placeholder (<...>) stands for the user's own figure: its key is all there is to check.
+            load_config(None, [*base, *(f"{key}={value}" for key, value in pairs if not value.startswith("<"))])
+            checked += len(pairs)
+        assert sets
+        for edit in spaces:
+            key, _, domain = edit.removeprefix("tune.space.").partition(": ")
+            load_config(None, [*base, f"tune.space={{{key}: {domain}}}"])
+            checked += 1
+    assert checked >= 25
+
+
+# --------------------------------------------------------------------------- advice in its context
+
+def test_under_asha_evaluation_advice_keeps_a_validation_at_every_report() -> None:
+    # The README's rule: ASHA compares trials at every report, so a study on a validation metric evaluates at each.
+    run = study(LR_WARMUP, {"optim.lr": 3e-3, "optim.warmup_steps": 50}, {"completed": 8},
+                {"train.max_steps": "300", "train.log_every": "25", "train.eval_every": "25"})
+    run.metrics.update(keyed({"cost/startup_frac": [0.2], "cost/compute_frac": [0.3], "cost/eval_frac": [0.3],
+                              "cost/other_frac": [0.2]}))
+    found = {f.rule: f for f in diagnose(run)}
+    text = format_findings("p", run, list(found.values()))
+    sets = dict(printed_advice(text)[1])
+    assert "evaluation" in found and "other overhead" in found, text
+    assert sets.get("train.eval_every") == sets.get("train.log_every") == "50", text
+    for change in (*found["evaluation"].changes, *found["other overhead"].changes):
+        if "train.eval_every=" in change or "train.log_every=" in change:
+            assert "train.eval_every=50" in change and "train.log_every=50" in change, change
+    # Not under ASHA (fifo), or ranked by a training metric: the evaluation cadence is the run's own again.
+    fifo = study(LR_WARMUP, {}, {"completed": 8}, {"tune.scheduler": "fifo", "train.max_steps": "300",
+                                                   "train.log_every": "25", "train.eval_every": "25"})
+    fifo.metrics.update(run.metrics)
+    assert evaluation(fifo).changes[0] == "train.eval_every=50"  # type: ignore[union-attr]
+
+
+def test_one_end_of_run_validation_pass_is_not_blamed_on_the_split() -> None:
+    # 40 steps, validation at the end only (eval_every 100 > max_steps): the one pass is a fixed cost of the run.
+    short = record({"summary/time/eval_frac": [0.35], "step": [10.0, 20.0, 30.0, 40.0]},
+                   {"train.max_steps": "40", "train.eval_every": "100"})
+    finding = evaluation(short)
+    assert finding is None or not any("data.val" in c for c in finding.changes), finding
+    assert finding is None or ("one validation pass" in finding.title and "end of the run" in finding.title)
+    # Validating during the run (eval_every below max_steps), a large share is the cadence's doing.
+    often = evaluation(record({"summary/time/eval_frac": [0.35]}, {"train.max_steps": "300",
+                                                                   "train.eval_every": "25"}))
+    assert often is not None and often.changes[0] == "train.eval_every=50"
+
+
+def test_the_readmes_doctor_example_prints_only_advice_that_applies() -> None:
+    import re
+
+    from orchestrator.config import load_config
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    example = readme[readme.index("# doctor: run "):]
+    example = example[:example.index("```")]
+    commands, sets, _ = printed_advice(example)
+    assert sets and not [c for c in commands if not c.startswith("orchestrator doctor")], commands
+    for line in example.splitlines():
+        pairs = re.findall(SET, line)
+        load_config(None, [f"{key}={value}" for key, value in pairs if not value.startswith("<")])
+        assert all(config_key(key) for key, _ in pairs), line
+
+
+def test_doctor_prints_no_download_progress_bars_and_leaves_mlflows_setting_alone(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # doctor downloads the run's summary table: MLflow draws a tqdm bar on stderr for it unless told not to.
+    from orchestrator.cli import main
+    from orchestrator.config import TrackingConfig
+    from orchestrator.tracking import MlflowTracker
+
+    uri = f"sqlite:///{tmp_path}/mlruns.db"
+    tracker = MlflowTracker(TrackingConfig(uri=uri, experiment="doctor"), "r")
+    for step in (10, 20):  # reported twice, unchanged: a figure of the summary table (an artifact)
+        tracker.log_metrics({"train_loss": 1.0 / step, "flops_per_sample": 2e6, "step": step}, step=step)
+    tracker.finish("FINISHED")
+    monkeypatch.delenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", raising=False)
+    capfd.readouterr()
+    assert main(["doctor", str(tracker.run_id), "--tracking-uri", uri]) == 0
+    out, err = capfd.readouterr()
+    assert out.startswith("doctor: run r "), out
+    assert "Downloading artifacts" not in err and "it/s" not in err, err
+    assert "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR" not in os.environ  # the user's setting, untouched

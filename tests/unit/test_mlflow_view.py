@@ -136,6 +136,11 @@ def test_run_names_are_short_and_differ_early() -> None:
     assert a.startswith("mlp-lr3e-3-") and len(a) <= 20 and a[:20] != b[:20]
     assert short_run_name(load_config(None, ["optim.lr=2.5e-4"]), "x").startswith("mlp-lr2.5e-4-")
     assert short_run_name(load_config(None, ["optim.lr=0.05"]), "x").startswith("mlp-lr0.05-")
+    # A model built by `model.entrypoint` is named by its module: the function's name (`build`) says nothing.
+    own = short_run_name(load_config(None, ["model.entrypoint=my_models:build", "model.width=4"]), "x")
+    assert own.startswith("my_models-lr3e-3-"), own
+    assert short_run_name(load_config(None, ["model.entrypoint=tests.unit.my_models:build"]), "x").startswith(
+        "my_models-lr")
 
 
 def test_urls_open_the_training_view_on_the_ui_the_product_starts(tmp_path: Path) -> None:

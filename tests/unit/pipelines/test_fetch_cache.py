@@ -65,9 +65,12 @@ def test_user_cache_dir_without_xdg_is_under_home_and_tightened(tmp_path: Path,
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     loose = tmp_path / "home" / ".cache" / "orchestrator"
     loose.mkdir(parents=True)
-    loose.chmod(0o777)  # made by hand, world-writable
+    loose.chmod(0o755)  # made by hand, readable by others
     assert user_cache_dir() == str(loose)
     assert private(loose)
+    loose.chmod(0o777)  # writable by others: anyone may have planted a file in it
+    with pytest.raises(DataError, match=f"cache directory {loose} is writable by others"):
+        user_cache_dir()
 
 
 def test_user_cache_dir_falls_back_to_a_per_user_temp_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
