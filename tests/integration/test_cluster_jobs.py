@@ -9,9 +9,9 @@ import json
 import os
 import re
 import shlex
-import sqlite3
 import shutil
 import signal
+import sqlite3
 import subprocess
 import tempfile
 import time
