@@ -274,6 +274,9 @@ class MlflowTracker:
         job, `ray.init` can remove the working directory the commit is read from); else taken here."""
         for key, value in _HTTP_DEFAULTS.items():
             os.environ.setdefault(key, value)
+        # MLflow's own "View run ... at <tracking URI>" line on stdout: the product prints the run's URL itself
+        # (training view, no credentials), and MLflow's would show a password in the URI.
+        os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
         from mlflow.tracking import MlflowClient
 
         self.uri = resolve_uri(cfg.uri)  # what connects; `mask_password(self.uri)` is what is shown

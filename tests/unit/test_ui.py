@@ -1,5 +1,5 @@
 """`orchestrator ui` stopped the ways a user or a service manager stops it: the MLflow server it started (its own
-session, with its uvicorn worker) goes with it, and its port is free again. A real `orchestrator ui` on an empty
+session, with its uvicorn worker) goes with it, and nothing listens on its port. A real `orchestrator ui` on an empty
 SQLite store (MLflow creates the schema); no Ray."""
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ import pytest
 pytestmark = pytest.mark.slow  # an MLflow server's start: 10-60 s on a loaded 2-core machine
 
 
-def port_free(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
+def listening(port: int) -> bool:
+    """Whether something accepts connections on 127.0.0.1:`port` (a closed server's port may linger in TIME_WAIT,
+    which a new server binds through SO_REUSEADDR: what matters is that nothing listens)."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    except OSError:
+        return False
     return True
 
 
@@ -44,13 +45,13 @@ def test_a_terminated_ui_stops_its_mlflow_server(tmp_path: Path, sig: signal.Sig
             time.sleep(0.5)
         port = int(found[1])
         children = psutil.Process(ui.pid).children(recursive=True)
-        assert children and not port_free(port)  # `mlflow ui` and its server answer there
+        assert children and listening(port)  # `mlflow ui` and its server answer there
 
         ui.send_signal(sig)
         ui.wait(timeout=60)
         gone, alive = psutil.wait_procs(children, timeout=30)
         assert not alive, [" ".join(p.cmdline()) for p in alive]
-        assert port_free(port), f"port {port} still taken after {sig.name}"
+        assert not listening(port), f"port {port} still listened on after {sig.name}"
     finally:
         for process in [*children, ui]:  # whatever is left of what this test started, by pid
             try:
