@@ -4,6 +4,7 @@ SQLite store (MLflow creates the schema); no Ray."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
@@ -15,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # an MLflow server's start: 10-60 s on a loaded 2-core machine
 
 
@@ -33,10 +35,11 @@ def test_a_terminated_ui_stops_its_mlflow_server(tmp_path: Path, sig: signal.Sig
     store = tmp_path / "mlruns.db"
     store.touch()
     output = tmp_path / "out.txt"
-    program = Path(sys.executable).parent / "orchestrator"
+    # This checkout's code (not whatever the environment installed), as `orchestrator` runs it.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH")] if p)}
     with open(output, "w") as out:
-        ui = subprocess.Popen([str(program), "ui", "--tracking-uri", f"sqlite:///{store}"],
-                              stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
+        ui = subprocess.Popen([sys.executable, "-m", "orchestrator", "ui", "--tracking-uri", f"sqlite:///{store}"],
+                              stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True, env=env)
     children: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 240
