@@ -79,6 +79,9 @@ def outside_job_package(tracking: TrackingConfig) -> Iterator[None]:
         raise ConfigError(f"tracking.uri sqlite:///{store} is relative: in a Ray job it would be written into the "
                           "job's working directory, Ray's temporary copy of the package, which Ray deletes; set "
                           "tracking.uri to an absolute path (sqlite:////path/mlruns.db) or a tracking server")
+    if store is not None and not os.path.isdir(os.path.dirname(store)):
+        raise ConfigError(f"tracking.uri sqlite:///{store}: no directory {os.path.dirname(store)} on this node; "
+                          "create it, or give a path that exists")
     os.chdir(os.path.dirname(store) if store else user_cache_dir())
     try:
         yield

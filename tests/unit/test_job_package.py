@@ -54,6 +54,9 @@ def test_a_relative_sqlite_store_in_a_job_is_refused_before_anything_moves(packa
         with outside_job_package(load_config(None, []).tracking):  # the default store
             pass
     assert "absolute path" in str(error.value) and Path.cwd() == package
+    with pytest.raises(ConfigError, match=r"sqlite:////nowhere/at/all/m.db: no directory /nowhere/at/all on this"):
+        with outside_job_package(load_config(None, ["tracking.uri=sqlite:////nowhere/at/all/m.db"]).tracking):
+            pass
 
 
 def test_outside_a_job_nothing_moves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
