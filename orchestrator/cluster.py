@@ -3,13 +3,17 @@ the run, and stop only what was started here."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from orchestrator.config import Config
+from orchestrator.config import Config, TrackingConfig
+from orchestrator.errors import ConfigError
+from orchestrator.tracking import sqlite_file
+from pipelines.storage import user_cache_dir
 
 
 def connect_ray(address: str | None, config: Config) -> bool:
@@ -38,6 +42,52 @@ def connect_ray(address: str | None, config: Config) -> bool:
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=True,
              dashboard_host="127.0.0.1", dashboard_port=pin_state_api(), logging_config=logging_config)
     return True
+
+
+def job_package() -> str | None:
+    """The working directory Ray gave this process as the driver of a Ray job with a runtime-env `working_dir`
+    (Ray's extracted copy of the uploaded package); None for any other process."""
+    try:
+        job = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")
+    except ValueError:
+        return None
+    if not isinstance(job, dict) or not (job.get("runtime_env") or {}).get("working_dir"):
+        return None
+    try:
+        return os.getcwd()
+    except FileNotFoundError:  # already removed
+        return None
+
+
+@contextmanager
+def outside_job_package(tracking: TrackingConfig) -> Iterator[None]:
+    """A Ray job's driver starts in Ray's copy of the uploaded package, and its own `ray.init` has every node's
+    runtime-env agent install the job's env: an agent that shares this host's session directory (another node on
+    the same machine) deletes that copy and extracts it again (`overwrite=True`), so from then on the process has
+    no working directory (`os.getcwd()` raises FileNotFoundError, as MLflow's SQLite store does for every client),
+    and a file written there before is gone. So for the block the driver works from a directory that outlives
+    `ray.init`: the SQLite store's (MLflow's default artifact root `./mlruns` then lies beside the store, as in a
+    local run), else this user's cache directory; then back to the package's path. Enter it once the config's
+    paths are resolved (the data's, storage's and the store's are); a relative SQLite store would be written into
+    the package: refused. Anything else than a Ray job's driver stays where it is."""
+    package = job_package()
+    if package is None:
+        yield
+        return
+    store = sqlite_file(tracking.uri) if tracking.enabled else None
+    if store is not None and not os.path.isabs(store):
+        raise ConfigError(f"tracking.uri sqlite:///{store} is relative: in a Ray job it would be written into the "
+                          "job's working directory, Ray's temporary copy of the package, which Ray deletes; set "
+                          "tracking.uri to an absolute path (sqlite:////path/mlruns.db) or a tracking server")
+    if store is not None and not os.path.isdir(os.path.dirname(store)):
+        raise ConfigError(f"tracking.uri sqlite:///{store}: no directory {os.path.dirname(store)} on this node; "
+                          "create it, or give a path that exists")
+    os.chdir(os.path.dirname(store) if store else user_cache_dir())
+    try:
+        yield
+    finally:
+        if os.path.isdir(package):  # extracted again by then, or never removed
+            os.chdir(package)
 
 
 # Ray Train settings for the runs this process fits. Ray passes these variables from the process that calls

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.checks import model_state_advice, resolve_for_data
-from orchestrator.cluster import connect_ray, shutdown_local_ray, train_environment
+from orchestrator.cluster import connect_ray, outside_job_package, shutdown_local_ray, train_environment
 from orchestrator.config import Config, to_yaml
 from orchestrator.console import LOG_FILE, RunLog
 from orchestrator.cost import build_ledger, ledger_across_attempts, resolve_pricing
@@ -31,6 +31,7 @@ from orchestrator.tracking import (
     closed_on_error,
     config_params,
     context_tags,
+    mask_password,
     resolve_uri,
     run_url,
     short_run_name,
@@ -69,7 +70,7 @@ def _log_final_artifacts(tracker: Tracker, config: Config, checkpoint_path: str 
     training data, whose sample rows give its input example and signature) and the learning curves (top level:
     the first file the run's Artifacts tab lists after the model)."""
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.yaml").write_text(to_yaml(config))
+        (Path(tmp) / "config.yaml").write_text(mask_password(to_yaml(config)))  # no password of a URI
         tracker.log_artifact(Path(tmp) / "config.yaml")
         if checkpoint_path:
             from ray.train import Checkpoint
@@ -105,10 +106,14 @@ def train(config: Config, address: str | None = None, verbose: bool = True, resu
     advice = model_state_advice(config, infos["train"])  # ddp would not fit a worker, fsdp would
     if advice and verbose:
         print(advice, file=sys.stderr, flush=True)
-    place, record = _place_run(config, resume, verbose)
-    clock.mark("data inspection")
-    with RunLog(show_logs) as log:
-        return _train(config, address, verbose, infos, place, record, clock, log)
+    # The run's context tags are taken here, from the working directory (its commit): a Ray job's driver then
+    # leaves it, as `ray.init` can remove it (cluster.outside_job_package).
+    context = context_tags() if config.tracking.enabled else {}
+    with outside_job_package(config.tracking):
+        place, record = _place_run(config, resume, verbose)
+        clock.mark("data inspection")
+        with RunLog(show_logs) as log:
+            return _train(config, address, verbose, infos, place, record, clock, log, context)
 
 
 class _Alongside:
@@ -157,7 +162,7 @@ def _open_tracking(config: Config, place: RunPlace, record: dict[str, Any] | Non
             print(f"Ray and MLflow logs: {log_path}" + ("" if log.verbose else " (--verbose shows them here)"),
                   flush=True)
         place.write_record({"run_name": run_name, "mlflow_run_id": tracker.run_id,
-                            "tracking_uri": getattr(tracker, "uri", None)})
+                            "tracking_uri": mask_password(getattr(tracker, "uri", None) or "") or None})
     return tracker
 
 
@@ -183,7 +188,7 @@ def _log_path(config: Config, place: RunPlace) -> Path:
 
 
 def _train(config: Config, address: str | None, verbose: bool, infos: dict[str, DatasetInfo], place: RunPlace,
-           record: dict[str, Any] | None, clock: StartupClock, log: RunLog) -> TrainResult:
+           record: dict[str, Any] | None, clock: StartupClock, log: RunLog, context: dict[str, str]) -> TrainResult:
     run_name, run_dir = short_run_name(config, place.name), place.uri
     if config.tracking.enabled:
         import mlflow  # noqa: F401 - its loggers exist from here on: diverted before the store logs its set-up
@@ -194,8 +199,6 @@ def _train(config: Config, address: str | None, verbose: bool, infos: dict[str, 
     with interrupted(place, history):  # Ctrl+C while Ray starts or the run is opened: an opened run ends KILLED
         # MLflow's run is opened in a thread while Ray starts here (Ray wants the main thread for its signal
         # handlers, and Ctrl+C reaches only this one): neither waits for the other.
-        # Its context tags are taken first: in a Ray job, `ray.init` can remove the job's working directory.
-        context = context_tags() if config.tracking.enabled else {}
         opening = _Alongside(lambda: _open_tracking(config, place, record, infos, run_name, run_dir, log, verbose,
                                                     context))
         started_ray = False
@@ -333,8 +336,9 @@ def _reopen_id(config: Config, record: dict[str, Any] | None) -> str | None:
     """The MLflow run to continue: the resumed run's, if it was tracked at the same URI."""
     if not record or not record.get("mlflow_run_id") or not config.tracking.enabled:
         return None
-    if record.get("tracking_uri") != resolve_uri(config.tracking.uri):
-        print(f"the resumed run was tracked at {record.get('tracking_uri')}, not {resolve_uri(config.tracking.uri)}: "
+    uri = mask_password(resolve_uri(config.tracking.uri))  # as the record keeps it
+    if mask_password(record.get("tracking_uri") or "") != uri:
+        print(f"the resumed run was tracked at {mask_password(record.get('tracking_uri') or '')}, not {uri}: "
               "starting a new MLflow run", file=sys.stderr)
         return None
     return str(record["mlflow_run_id"])

@@ -20,6 +20,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -189,14 +190,39 @@ def headline_note(figures: Mapping[str, Any], metric: str | None = None) -> str:
                                                        if parts else "")
 
 
+# `scheme://user:PASSWORD@host`: the password of a URI's userinfo (up to the authority's last @).
+_PASSWORD = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://[^\s/@:]*):[^\s/]*@")
+
+
+def mask_password(text: str) -> str:
+    """`text` with the password of every URI in it (`postgresql://user:PASSWORD@host/db`, an http server's
+    `http://user:PASSWORD@host`) replaced by `***`: what is logged, written or printed of a tracking URI (MLflow
+    params cannot be deleted). Never what the product connects with."""
+    return _PASSWORD.sub(r"\1:***@", text)
+
+
+def without_userinfo(url: str) -> str:
+    """An http(s) URL without its `user:password@`: the address to open in a browser, which asks for the
+    credentials itself."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2])) if "@" in parts.netloc else url
+
+
 def resolve_uri(uri: str | None) -> str:
     """The configured URI, else $MLFLOW_TRACKING_URI (set by cluster runtime envs), else a local SQLite file.
     A relative SQLite path becomes absolute, so Ray processes and the printed UI command use the same file."""
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
-    prefix = "sqlite:///"
-    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
-        return prefix + os.path.abspath(uri[len(prefix):])
-    return uri
+    store = sqlite_file(uri)
+    return "sqlite:///" + os.path.abspath(store) if store is not None and not os.path.isabs(store) else uri
+
+
+def sqlite_file(uri: str | None) -> str | None:
+    """The database file of the SQLite store that `uri` (else $MLFLOW_TRACKING_URI, else the default) names, as
+    written (relative or absolute); None for any other store."""
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
+    return uri.removeprefix("sqlite:///") if uri.startswith("sqlite:///") else None
 
 
 def check_server_listens(cfg: TrackingConfig, timeout_s: float = 3.0) -> None:
@@ -218,9 +244,9 @@ def check_server_listens(cfg: TrackingConfig, timeout_s: float = 3.0) -> None:
 
 def unavailable(uri: str, exc: Exception) -> UserError:
     """The one error for a tracking store the command cannot use at its start."""
-    detail = str(exc).splitlines()[0] if str(exc) else ""
-    return UserError(f"MLflow tracking at '{uri}' is unavailable ({type(exc).__name__}: {detail}): start the "
-                     "server, fix tracking.uri, or set tracking.enabled=false")
+    detail = mask_password(str(exc).splitlines()[0]) if str(exc) else ""
+    return UserError(f"MLflow tracking at '{mask_password(uri)}' is unavailable ({type(exc).__name__}: {detail}): "
+                     "start the server, fix tracking.uri, or set tracking.enabled=false")
 
 
 class NullTracker:
@@ -248,9 +274,12 @@ class MlflowTracker:
         job, `ray.init` can remove the working directory the commit is read from); else taken here."""
         for key, value in _HTTP_DEFAULTS.items():
             os.environ.setdefault(key, value)
+        # MLflow's own "View run ... at <tracking URI>" line on stdout: the product prints the run's URL itself
+        # (training view, no credentials), and MLflow's would show a password in the URI.
+        os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
         from mlflow.tracking import MlflowClient
 
-        self.uri = resolve_uri(cfg.uri)
+        self.uri = resolve_uri(cfg.uri)  # what connects; `mask_password(self.uri)` is what is shown
         self._client = MlflowClient(tracking_uri=self.uri)
         self._failed: set[str] = set()
         self._lock = threading.Lock()  # calls come from the report thread and the driver's main thread
@@ -311,18 +340,19 @@ class MlflowTracker:
 
     def _failure(self, what: str, exc: Exception) -> str | None:
         """The warning to show for a failed call, or None when this failure was already reported."""
-        detail = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
+        detail = mask_password(f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}")
         with self._lock:
             if not is_outage(exc):  # the store answered and refused this call: others still work
                 if what in self._failed:  # warn once per kind of call, not once per step
                     return None
                 self._failed.add(what)
-                return f"MLflow {what} was refused by '{self.uri}' ({detail}); training continues"
+                return f"MLflow {what} was refused by '{mask_password(self.uri)}' ({detail}); training continues"
             first = self._down_until is None
             self._down_until = time.monotonic() + OUTAGE_RETRY_S
             if not first:  # still down: one warning per outage
                 return None
-        return (f"MLflow tracking at '{self.uri}' failed ({what}: {detail}); training continues without it, "
+        return (f"MLflow tracking at '{mask_password(self.uri)}' failed ({what}: {detail}); training continues "
+                f"without it, "
                 f"trying again every {OUTAGE_RETRY_S:.0f} s")
 
     def _answered(self) -> str | None:
@@ -331,7 +361,8 @@ class MlflowTracker:
             if self._down_until is None:
                 return None
             skipped, self._down_until, self._skipped = self._skipped, None, 0
-        return f"MLflow tracking at '{self.uri}' answers again; {skipped} tracking calls were skipped while it was down"
+        return (f"MLflow tracking at '{mask_password(self.uri)}' answers again; {skipped} tracking calls were "
+                "skipped while it was down")
 
     def log_params(self, params: dict[str, Any]) -> None:
         """Params not logged yet. MLflow refuses to change a param's value (a resumed run's config may: a resize),
@@ -544,17 +575,21 @@ TRAINING_VIEW = "workflowType=machine_learning"
 
 
 def ui_base(uri: str, port: int = UI_PORT) -> str:
-    """Where the UI for the store `uri` answers: the tracking server itself, else the local `orchestrator ui`."""
-    return uri.rstrip("/") if uri.startswith(("http://", "https://")) else f"http://127.0.0.1:{port}"
+    """Where the UI for the store `uri` answers: the tracking server itself (without credentials), else the local
+    `orchestrator ui`."""
+    return without_userinfo(uri).rstrip("/") if uri.startswith(("http://", "https://")) else f"http://127.0.0.1:{port}"
 
 
 def ui_command(uri: str, experiment: str | None = None) -> str:
     """The command that opens the MLflow UI on these results, as a new shell runs it: this environment's own
-    `orchestrator ui` (its path when the environment is not on PATH), or the server's address."""
+    `orchestrator ui` (its path when the environment is not on PATH), or the server's address. No password in it:
+    a store whose URI holds one is named by $MLFLOW_TRACKING_URI, which the user exports (README)."""
     if uri.startswith(("http://", "https://")):
-        return f"open {uri}"
-    command = f"{orchestrator_program()} ui --tracking-uri {shlex.quote(uri)}"
-    return command + (f" --experiment {shlex.quote(experiment)}" if experiment else "")
+        return f"open {ui_base(uri)}"
+    shown = mask_password(uri)
+    command = f"{orchestrator_program()} ui" + (f" --tracking-uri {shlex.quote(uri)}" if shown == uri else "")
+    command += f" --experiment {shlex.quote(experiment)}" if experiment else ""
+    return command if shown == uri else f"{command}  # with MLFLOW_TRACKING_URI={shown} exported, password filled in"
 
 
 def orchestrator_program() -> str:
@@ -620,7 +655,7 @@ def source_name(argv: list[str] | None = None) -> str:
         return "<console>"
     program = Path(argv[0])
     if program.name == "orchestrator" or (program.name == "__main__.py" and program.parent.name == "orchestrator"):
-        return shlex.join(["orchestrator", *argv[1:]])[:2000]
+        return mask_password(shlex.join(["orchestrator", *argv[1:]]))[:2000]
     return argv[0]
 
 
@@ -682,14 +717,15 @@ def config_params(config: Config, study: bool = False) -> dict[str, Any]:
     """The flattened resolved config, defaults included: the model's options from its builder's signature under
     `model.*`, overridden by the config's (an option set to null means the builder's default). Keys left null are
     left out, and so is the `tune` section unless `study` (a study's parent run): the full config is the run's
-    `config.yaml`."""
+    `config.yaml`. A password in a URI (tracking.uri) is masked."""
     tree = to_dict(config)
     model = tree["model"]
     defaults = model_defaults(config.model)
     tree["model"] = {**model, **{key: value for key, value in defaults.items() if model.get(key) is None}}
     if not study:
         tree.pop("tune", None)
-    return {key: value for key, value in flatten(tree).items() if value is not None}
+    return {key: mask_password(value) if isinstance(value, str) else value for key, value in flatten(tree).items()
+            if value is not None}
 
 
 # Reading a run back (doctor, tests).

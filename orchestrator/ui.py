@@ -9,12 +9,15 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from orchestrator.errors import UserError
-from orchestrator.tracking import TRAINING_VIEW, UI_PORT, experiment_url, resolve_uri, ui_base
+from orchestrator.tracking import TRAINING_VIEW, UI_PORT, experiment_url, mask_password, resolve_uri, ui_base
 
 JOB_EXECUTION = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"
 START_TIMEOUT_S = 120.0  # a cold MLflow server imports a lot; on a busy laptop this took over a minute
@@ -109,18 +112,40 @@ def stop(process: subprocess.Popen[bytes]) -> None:
 
 
 def serve(uri: str | None, experiment: str | None, port: int | None, log_path: Path) -> int:
-    """Start the UI, print where to look, and wait until Ctrl+C (which stops it) or until it exits."""
+    """Start the UI, print where to look, and wait until Ctrl+C, SIGTERM or SIGHUP (each stops it) or until it
+    exits."""
     uri = resolve_uri(uri)
     if uri.startswith(("http://", "https://")):
         print(f"the MLflow UI is the tracking server's: {landing_url(uri, experiment, 0)}", flush=True)
         return 0
     store_check(uri)
     port = free_port(port or UI_PORT)
-    process = start(uri, port, log_path)
+    with stopped_by_signals():
+        process = start(uri, port, log_path)
+        try:
+            wait_until_up(process, port, log_path)
+            print(f"MLflow UI for {mask_password(uri)} (its log: {log_path}); Ctrl+C stops it", flush=True)
+            print(f"open: {landing_url(uri, experiment, port)}", flush=True)
+            return process.wait()
+        finally:
+            stop(process)
+
+
+@contextmanager
+def stopped_by_signals() -> Iterator[None]:
+    """SIGTERM (`kill`, a service manager) and SIGHUP (the terminal closed) end the block as an exception, so that
+    its cleanup stops the UI: by default Python dies at once on them, and the UI, in a session of its own, would
+    keep listening. Only in the main thread (where Python runs signal handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def leave(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, leave) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        wait_until_up(process, port, log_path)
-        print(f"MLflow UI for {uri} (its log: {log_path}); Ctrl+C stops it", flush=True)
-        print(f"open: {landing_url(uri, experiment, port)}", flush=True)
-        return process.wait()
+        yield
     finally:
-        stop(process)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

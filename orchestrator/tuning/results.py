@@ -17,7 +17,15 @@ from orchestrator.config import Config, to_dict, to_yaml
 from orchestrator.cost import PARTS, PRODUCTIVE, build_ledger, resolve_pricing, study_metrics
 from orchestrator.plots import plot_lr_sweep, plot_trial_curves
 from orchestrator.runs import RunPlace
-from orchestrator.tracking import NOTE_TAG, Tracker, experiment_of, experiment_url, run_url, ui_command
+from orchestrator.tracking import (
+    NOTE_TAG,
+    Tracker,
+    experiment_of,
+    experiment_url,
+    mask_password,
+    run_url,
+    ui_command,
+)
 from orchestrator.tuning.search import TrialNamer, domains, peak_concurrency, short_keys, trial_config
 from orchestrator.tuning.trials import format_table, trial_status
 from pipelines.sources import DatasetInfo
@@ -173,7 +181,7 @@ def record(config: Config, tree: dict[str, Any], trials: list[TrialSummary], bes
     for plot in plots:  # top level: beside best.yaml, where the run's Artifacts tab opens
         tracker.log_artifact(plot)
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "study.yaml").write_text(to_yaml(config))
+        (Path(tmp) / "study.yaml").write_text(mask_password(to_yaml(config)))  # no password of a URI
         tracker.log_artifact(Path(tmp) / "study.yaml")
 
     cost = study_metrics([t.cost for t in trials if t.cost is not None])

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.checks import resolve_for_data
-from orchestrator.cluster import connect_ray, shutdown_local_ray, train_environment
+from orchestrator.cluster import connect_ray, outside_job_package, shutdown_local_ray, train_environment
 from orchestrator.config import Config, flatten, to_dict
 from orchestrator.console import LOG_FILE, RunLog
 from orchestrator.cost import resolve_pricing
@@ -324,7 +324,7 @@ def tune(config: Config, address: str | None = None, fresh: bool = False, verbos
     os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
 
     # The run log's file opens once the study may write (_start_study): a study refused before then writes none.
-    with RunLog(show_logs) as log:
+    with outside_job_package(config.tracking), RunLog(show_logs) as log:  # a Ray job's package can go at ray.init
         started_ray = connect_ray(address, widest_trial(base))
         try:
             return _start_study(config, base, tree, infos, place, fresh, verbose, started_ray, log, began)

@@ -1,13 +1,17 @@
 """`ray job submit -- orchestrator train` against a real Ray head + worker node (separate `ray start` processes)
 with the project's runtime env, tracked by a real `mlflow server` over HTTP and read back through its REST API.
-With AWS credentials in the environment, none of them may appear in MLflow or the job logs."""
+With AWS credentials in the environment and a password in the tracking URI, none of them may appear in MLflow or
+the job logs. And the path a new user takes: a SQLite store (no server) with a relative `--config`."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import shutil
 import signal
+import sqlite3
 import subprocess
 import tempfile
 import time
@@ -25,6 +29,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYEXAMPLEKEY-test"
 KEY_ID = "AKIAORCHESTRATORTEST1"
+CANARY = "Canary-Tracking-Password-7f3a"  # the password in the job's tracking URI (the server ignores basic auth)
 
 
 def stop(processes: list[subprocess.Popen[bytes]]) -> None:
@@ -122,12 +127,14 @@ def test_job_submit_trains_on_two_nodes_and_tracks_to_mlflow_server(
         "orchestrator", "train", "--config", "examples/digits.yaml",
         "--set", f"data.train={digits_dir}/train", "--set", f"data.val={digits_dir}/val",
         "--set", "train.max_steps=60", "--set", "train.log_every=20", "--set", "train.eval_every=60",
-        "--set", f"storage.path={tmp_path}/runs", "--set", "tracking.uri=null",  # from the runtime env
+        "--set", f"storage.path={tmp_path}/runs", "--set", f"tracking.uri={with_password(mlflow_server)}",
         "--set", "tracking.experiment=jobs", "--set", "scaling.num_workers=2",
     ]
     submit = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     logs = subprocess.run([str(BIN / "ray"), "job", "logs", "--address", address, submission_id], env=env,
                           capture_output=True, text=True, timeout=60).stdout
+    # Ray's own echo of the submitted command holds what the user typed; everything else is the product's.
+    submit.stdout, logs = without_ray_echo(submit.stdout), without_ray_echo(logs)
     status = http_json(f"{address}/api/jobs/{submission_id}")["status"]
     assert status == "SUCCEEDED", f"{submit.stdout[-3000:]}\n{submit.stderr[-3000:]}"
     assert "final validation accuracy" in logs and "MLflow run id" in logs
@@ -161,6 +168,61 @@ def test_job_submit_trains_on_two_nodes_and_tracks_to_mlflow_server(
                                                      dst_path=str(tmp_path / "m"), tracking_uri=mlflow_server))
     files = [p for p in [*artifacts.rglob("*"), *model.rglob("*")] if p.is_file()]
     assert {"config.yaml", "learning_curves.png", "MLmodel"} <= {p.name for p in files}
-    for secret in (SECRET, KEY_ID):
-        assert not any(secret in blob for blob in blobs)
-        assert not any(secret.encode() in p.read_bytes() for p in files)
+    run_log = next(Path(tmp_path, "runs").rglob("orchestrator.log")).read_text()  # the run log: Ray's, MLflow's lines
+    assert params["tracking.uri"] == with_password(mlflow_server).replace(CANARY, "***")  # masked, not dropped
+    assert "open the MLflow UI: open " + mlflow_server in logs  # the server's address, no credentials in it
+    named = dict(zip(["params", "tags", "job logs", "submit stdout", "submit stderr"], blobs, strict=True))
+    for secret in (SECRET, KEY_ID, CANARY):
+        found = [(name, re.findall(rf".{{0,80}}{re.escape(secret)}", blob)[:3])
+                 for name, blob in {**named, "run log": run_log}.items() if secret in blob]
+        assert not found, found
+        assert not [p for p in files if secret.encode() in p.read_bytes()], secret
+
+
+def with_password(uri: str) -> str:
+    """`uri` (http://host:port) with userinfo holding the canary password."""
+    return uri.replace("http://", f"http://jobs:{CANARY}@")
+
+
+def without_ray_echo(text: str) -> str:
+    return "\n".join(line for line in text.splitlines() if "Running entrypoint for job" not in line)
+
+
+def test_job_submit_tracks_to_a_sqlite_store_with_a_relative_config(
+    ray_nodes: tuple[str, dict[str, str]], digits_dir: str, tmp_path: Path
+) -> None:
+    """What a new user runs: no tracking server, the store a SQLite file (given through the runtime env's
+    MLFLOW_TRACKING_URI, as cluster/runtime_env.yaml does for a server), the config named relative to the job's
+    working directory. The job's own `ray.init` sets off every node's runtime-env agent installing the job's
+    working_dir: an agent sharing this host's session directory (the second node here) deletes and re-extracts it,
+    under the driver, which must not need its working directory from then on (MLflow's SQLite store reads it)."""
+    address, env = ray_nodes
+    store = tmp_path / "tracking" / "mlflow.db"
+    store.parent.mkdir()
+    submission_id = f"orchestrator-sqlite-{int(time.time())}"
+    command = [
+        str(BIN / "ray"), "job", "submit", "--address", address, "--submission-id", submission_id,
+        "--runtime-env", str(job_runtime_env(tmp_path, f"sqlite:///{store}")), "--",
+        "orchestrator", "train", "--config", "examples/digits.yaml",
+        "--set", f"data.train={digits_dir}/train", "--set", f"data.val={digits_dir}/val",
+        "--set", "train.max_steps=30", "--set", "train.log_every=10", "--set", "train.eval_every=30",
+        "--set", f"storage.path={tmp_path}/runs", "--set", "scaling.num_workers=2",
+    ]
+    submit = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    status = http_json(f"{address}/api/jobs/{submission_id}")["status"]
+    assert status == "SUCCEEDED", f"{submit.stdout[-3000:]}\n{submit.stderr[-3000:]}"
+    run_id = re.search(r"MLflow run id: (\w+)", submit.stdout)[1]
+
+    # The printed command opens this store, and the run's artifacts lie beside it (not in the job's working
+    # directory, Ray's temporary copy of the package).
+    printed = next(ln for ln in submit.stdout.splitlines() if "open the MLflow UI: " in ln)
+    argv = shlex.split(printed.split("open the MLflow UI: ", 1)[1])
+    assert Path(argv[0]).name == "orchestrator" and argv[1] == "ui", printed
+    assert argv[argv.index("--tracking-uri") + 1] == f"sqlite:///{store}", printed
+    with sqlite3.connect(store) as db:
+        ((status_in_store, artifact_uri),) = db.execute(
+            "select status, artifact_uri from runs where run_uuid = ?", (run_id,)).fetchall()
+    assert status_in_store == "FINISHED"
+    artifacts = Path(artifact_uri.removeprefix("file://"))
+    assert artifacts.is_relative_to(store.parent / "mlruns"), artifact_uri
+    assert {"config.yaml", "learning_curves.png", "summary.json"} <= {p.name for p in artifacts.iterdir()}

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +18,7 @@ from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
 
+import psutil
 import pytest
 from terminal import from_a_terminal
 
@@ -180,3 +183,49 @@ def test_the_ui_runs_no_job_runner(ui: tuple[str, int, subprocess.Popen[bytes]])
     commands = [" ".join(p.cmdline()) for p in psutil.Process(ui[2].pid).children(recursive=True)]
     assert not [c for c in commands if "huey" in c], commands
     assert any("uvicorn" in c for c in commands) and len(commands) == 2, commands
+
+
+def listening(port: int) -> bool:
+    """Whether something accepts connections on 127.0.0.1:`port` (a closed server's port may linger in TIME_WAIT,
+    which a new server binds through SO_REUSEADDR: what matters is that nothing listens)."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    except OSError:
+        return False
+    return True
+
+
+def test_a_terminated_ui_stops_its_mlflow_server(tmp_path: Path) -> None:
+    """`orchestrator ui` stopped as a service manager or `kill` stops it (SIGTERM; SIGHUP, a closed terminal, takes
+    the same path): the MLflow server it started in a session of its own (with its uvicorn worker) goes with it.
+    An empty SQLite store (MLflow creates the schema); no Ray, no browser."""
+    store = tmp_path / "mlruns.db"
+    store.touch()
+    output = tmp_path / "out.txt"
+    # This checkout's code (not whatever the environment installed), as `orchestrator` runs it.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH")] if p)}
+    with open(output, "w") as out:
+        ui = subprocess.Popen([sys.executable, "-m", "orchestrator", "ui", "--tracking-uri", f"sqlite:///{store}"],
+                              stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True, env=env)
+    children: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 240
+        while not (found := re.search(r"^open: http://127\.0\.0\.1:(\d+)/", output.read_text(), re.MULTILINE)):
+            assert ui.poll() is None and time.monotonic() < deadline, output.read_text()
+            time.sleep(0.5)
+        port = int(found[1])
+        children = psutil.Process(ui.pid).children(recursive=True)
+        assert children and listening(port)  # `mlflow ui` and its server answer there
+
+        ui.send_signal(signal.SIGTERM)
+        ui.wait(timeout=60)
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, [" ".join(p.cmdline()) for p in alive]
+        assert not listening(port), f"port {port} still listened on after SIGTERM"
+    finally:
+        for process in [*children, ui]:  # whatever is left of what this test started, by pid
+            try:
+                process.kill()
+            except (psutil.NoSuchProcess, ProcessLookupError):
+                pass
+        ui.wait(timeout=10)

@@ -1,0 +1,73 @@
+"""A password in a tracking URI (a SQL store's, an http server's userinfo) is never logged, written or printed:
+MLflow params cannot be deleted. Masked where the URI is shown (params, a Tune trial's params, config artifacts,
+tags, printed commands and URLs, warnings), never where it connects. The job test (test_cluster_jobs.py) greps a
+real run for it."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from orchestrator.config import load_config, to_yaml
+from orchestrator.tracking import (
+    config_params,
+    mask_password,
+    resolve_uri,
+    run_url,
+    source_name,
+    ui_command,
+    unavailable,
+)
+from orchestrator.tuning.search import trial_config, user_tree
+
+PASSWORD = "s3cr3t-Pa55"
+
+
+@pytest.mark.parametrize(("uri", "masked"), [
+    (f"postgresql://mlflow:{PASSWORD}@db.internal:5432/mlflow", "postgresql://mlflow:***@db.internal:5432/mlflow"),
+    (f"mysql+pymysql://u:{PASSWORD}@db/mlflow", "mysql+pymysql://u:***@db/mlflow"),
+    (f"http://me:{PASSWORD}@127.0.0.1:5000", "http://me:***@127.0.0.1:5000"),
+    (f"https://me:p@ss{PASSWORD}@host/path?x=1", "https://me:***@host/path?x=1"),  # an @ in the password
+    ("http://me@host:5000", "http://me@host:5000"),  # a user name alone: no password to hide
+    ("sqlite:////tmp/mlruns.db", "sqlite:////tmp/mlruns.db"),
+    ("http://127.0.0.1:5000/a@b", "http://127.0.0.1:5000/a@b"),  # an @ in the path is no userinfo
+])
+def test_the_password_of_a_uri_is_masked_and_nothing_else(uri: str, masked: str) -> None:
+    assert mask_password(uri) == masked
+    assert mask_password(f"--set tracking.uri={uri} and more") == f"--set tracking.uri={masked} and more"
+
+
+def test_params_and_a_trials_params_carry_the_uri_masked_and_the_config_keeps_it() -> None:
+    uri = f"postgresql://mlflow:{PASSWORD}@db/mlflow"
+    config = load_config(None, [f"tracking.uri={uri}"])
+    params = config_params(config)
+    assert params["tracking.uri"] == "postgresql://mlflow:***@db/mlflow"
+    assert not any(PASSWORD in str(v) for v in params.values())
+    # A Tune trial's child run: its params from the trial's config, built the way tuning/trials.py builds them.
+    trial = trial_config(user_tree(config), {"optim.lr": 0.01})
+    assert trial.tracking.uri == uri  # what the trial connects with
+    trial_params = config_params(trial)
+    assert trial_params["optim.lr"] == 0.01 and not any(PASSWORD in str(v) for v in trial_params.values())
+    assert PASSWORD not in mask_password(to_yaml(config)) and "mlflow:***@db" in mask_password(to_yaml(config))
+    assert resolve_uri(config.tracking.uri) == uri  # what the tracker connects with
+
+
+def test_the_command_line_tag_printed_commands_and_errors_hold_no_password() -> None:
+    uri = f"http://me:{PASSWORD}@mlflow.internal:5000"
+    argv = ["/venv/bin/orchestrator", "train", "--set", f"tracking.uri={uri}"]
+    assert source_name(argv) == "orchestrator train --set tracking.uri=http://me:***@mlflow.internal:5000"
+    assert ui_command(uri) == "open http://mlflow.internal:5000"  # the browser asks for the credentials
+    url = run_url(uri, "abc", experiment_id="1")
+    assert url is not None and url.startswith("http://mlflow.internal:5000/#/experiments/1/runs/abc")
+    assert PASSWORD not in str(unavailable(uri, ConnectionError(f"refused: {uri}")))
+
+    # A SQL store: the printed command reads $MLFLOW_TRACKING_URI and says so in a comment, so it runs as copied.
+    sql = f"postgresql://mlflow:{PASSWORD}@db/mlflow"
+    command = ui_command(sql, "digits")
+    assert PASSWORD not in command and "MLFLOW_TRACKING_URI=postgresql://mlflow:***@db/mlflow" in command
+    words = shlex.split(command, comments=True)
+    assert words[1:] == ["ui", "--experiment", "digits"]
+    # Without a password the store is named on the command line, as before.
+    assert shlex.split(ui_command("sqlite:////tmp/m.db", "digits"))[1:] == [
+        "ui", "--tracking-uri", "sqlite:////tmp/m.db", "--experiment", "digits"]
