@@ -148,6 +148,37 @@ def test_a_one_worker_trial_killed_mid_checkpoint_resumes_through_tune_to_the_cl
     assert all(r["pid"] != lines[-1]["pid"] for r in lines[:-2])
 
 
+def test_a_second_trial_in_the_same_actor_starts_as_a_fresh_process_would(ray_cluster: None, tmp_path: Path,
+                                                                          digits_dir: str) -> None:
+    """Two one-worker trials, one at a time, so the second runs in the first one's reused actor (reuse_actors), with
+    the other train.flush_denormal. The model records at its build what the trial inherited (trial_state_model.py)
+    and then changes it: the second trial must find what the first found in its fresh process (its own setting
+    aside), and no epoch clock but its own (streamed data: each run's reader has one)."""
+    log = tmp_path / "state.jsonl"
+    config = study_config(tmp_path, digits_dir, "experiment=digits-reuse", "tracking.enabled=false",
+                          "model.entrypoint=trial_state_model:build", "model.hidden=null", f"model.log={log}",
+                          "data.cache=none", "train.max_steps=20", "checkpoint.every=20", "optim.warmup_steps=0",
+                          "tune.space={train.flush_denormal: {grid: [true, false]}}", "tune.num_samples=1",
+                          "tune.max_concurrent_trials=1", "tune.scheduler=fifo", "tune.grace_period=null",
+                          "tune.reduction_factor=null")
+    result = tune(config, verbose=False)
+    assert {t.status for t in result.trials} == {"completed"}
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(records) == 2, records
+    first, second = records
+    assert first["pid"] == second["pid"], "the actor was not reused: the test proves nothing"
+    flush = {t.trial_id: t.params["train.flush_denormal"] for t in result.trials}
+    assert flush[first["trial"]] is True and flush[second["trial"]] is False
+    # The first trial's own clock only: the first trial's was released when it ended.
+    assert first["clocks"] == [c for c in first["clocks"] if first["trial"] in c] and len(first["clocks"]) == 1
+    assert len(second["clocks"]) == 1 and second["trial"] in second["clocks"][0], second["clocks"]
+    # What a fresh process has (the first trial's record, in the actor's fresh process), but its own flush setting.
+    fresh = {k: first[k] for k in ("dtype", "threads", "compiles")}
+    assert {k: second[k] for k in fresh} == fresh == {"dtype": "torch.float32", "threads": first["threads"],
+                                                      "compiles": True}
+    assert (first["flushed"], second["flushed"]) == (1.0, 0.0)
+
+
 def test_trials_are_named_by_their_values_in_tune_the_summary_and_the_plots(
         study: tuple[TuneResult, Path], study_cli: tuple[Path, str, str]) -> None:
     result, tmp_path = study
