@@ -359,7 +359,8 @@ def _start_study(config: Config, base: Config, tree: dict[str, Any], infos: dict
     if state is not None:
         _check_same_study(state, config, study, place.uri)
     tracker = start_tracker(config.tracking, study, run_id=state.get("parent_run_id") if state else None,
-                            tags={"orchestrator.study": study, "orchestrator.role": "study"})
+                            tags={"orchestrator.study": study, "orchestrator.role": "study"},
+                            headline=config.tune.metric)  # the best trial's headline figures (results.record)
     if state is None:
         with closed_on_error(tracker):  # Ctrl+C or an error while the parent run is set up: never left RUNNING
             tracker.log_params(config_params(config, study=True))

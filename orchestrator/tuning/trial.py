@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from orchestrator.config import Config
+from orchestrator.cost import REPORTED_AT
 from orchestrator.trainer import build_inputs
 from orchestrator.training.checkpoint import manifest_cache_decision
 from orchestrator.training.resume import loadable_checkpoint
@@ -56,14 +57,20 @@ class TrialReporter:
         if metrics is self.checkpointed:  # already reported with its checkpoint
             self.checkpointed = None
             return
-        tune.report(dict(metrics))
+        tune.report(stamped(metrics))
 
     def checkpoint(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
         from ray import tune
 
         assert checkpoint_dir is not None  # one rank: it writes every checkpoint
-        tune.report(dict(metrics), checkpoint=tune.Checkpoint.from_directory(checkpoint_dir))
+        tune.report(stamped(metrics), checkpoint=tune.Checkpoint.from_directory(checkpoint_dir))
         self.checkpointed = metrics
+
+
+def stamped(metrics: dict[str, Any]) -> dict[str, Any]:
+    """A report with when it was made (epoch seconds): the trial's cost ledger places it on a clock that a restart
+    does not rewind (trials.trial_ledger), as Tune's time_total_s is."""
+    return dict(metrics) | {REPORTED_AT: time.time()}
 
 
 def trial_device(config: Config) -> torch.device:

@@ -146,6 +146,16 @@ def test_a_one_worker_trial_killed_mid_checkpoint_resumes_through_tune_to_the_cl
     lines = [json.loads(line) for line in results.read_text().splitlines()]
     assert [r["step"] for r in lines][-2:] == [20, 30] and lines[-2]["pid"] == lines[-1]["pid"]
     assert all(r["pid"] != lines[-1]["pid"] for r in lines[:-2])
+    # Its cost counts the time the kill lost (Tune rewinds time_total_s to the checkpoint it restarts from; that
+    # cost 4.7 s of 17.8 s here): each trial's ledger covers the span Tune's driver saw it run, from its start to its
+    # last result. When Tune had collected the report before the kill, the gap to the restarted process's first
+    # report is recovery.
+    for t in (clean, killed):
+        assert t.started_at is not None and t.ended_at is not None and t.cost is not None
+        assert t.cost.wall_s == pytest.approx(t.ended_at - t.started_at, abs=0.5), (t.label, t.cost.seconds)
+        assert sum(t.cost.seconds.values()) == pytest.approx(t.cost.wall_s)
+    assert clean.cost.seconds["recovery"] == 0
+    assert (killed.cost.seconds["recovery"] > 0) == (killed_rows[0]["step"] == 10), killed.cost.seconds
 
 
 def test_a_second_trial_in_the_same_actor_starts_as_a_fresh_process_would(ray_cluster: None, tmp_path: Path,
