@@ -83,8 +83,9 @@ def trial_device(config: Config) -> torch.device:
     return device
 
 
-def train_in_trial(config: Config, infos: dict[str, DatasetInfo], name: str) -> None:
-    """Train one trial here, resuming from the checkpoint Tune restarts it from, if any. `name`: the trial's id.
+def train_in_trial(config: Config, infos: dict[str, DatasetInfo], name: str, node_ranks: int | None = None) -> None:
+    """Train one trial here, resuming from the checkpoint Tune restarts it from, if any. `name`: the trial's id;
+    `node_ranks`: the study's ranks that may share this node's memory (trainer.build_inputs).
     The trial owns what it starts in this process, which outlives it (Tune reuses it for the next trial): it starts
     from the process state a fresh process has, and its epoch clock ends with it, also when it fails or is stopped."""
     from ray import tune
@@ -94,7 +95,7 @@ def train_in_trial(config: Config, infos: dict[str, DatasetInfo], name: str) -> 
     checkpoint = loadable_checkpoint(tune.get_checkpoint())
     # A resumed trial is fed as its checkpoint counted its data position (trainer.resumed_cache_decision).
     saved = manifest_cache_decision(checkpoint.filesystem, checkpoint.path) if checkpoint is not None else None
-    spec, datasets = build_inputs(config, infos, name, saved, metrics_queue=None)
+    spec, datasets = build_inputs(config, infos, name, saved, metrics_queue=None, node_ranks=node_ranks)
     try:
         cfg = rank_config(spec, world=1)
         val = datasets["val"].iterator() if cfg.data.val is not None else None
