@@ -226,7 +226,8 @@ def test_the_terminal_shows_the_product_lines_and_ray_goes_to_the_log(study: tup
     names = tuple(f"{n} " for t in result.trials for n in (t.trial_id, t.name))
     product = re.compile(r"^(starting study |Ray and MLflow logs: |\[\d+:\d\d\] digits-t-tune: |trial |study |"
                          r"best trial |best config: |train it: |MLflow parent run id: |open the MLflow UI: |"
-                         r"the study.s runs in the MLflow UI: |this study in the MLflow UI: |warning: )")
+                         r"the study.s runs in the MLflow UI: |this study in the MLflow UI: |warning: |"
+                         r"auto micro-batch: )")  # each trial's micro-batch and the budget it planned for
     lines = (stdout + stderr).splitlines()
     foreign = [line for line in lines if line.strip() and not product.match(line) and not line.startswith(names)]
     assert len(foreign) <= 3, "\n".join(foreign)
