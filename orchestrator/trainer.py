@@ -15,7 +15,7 @@ from orchestrator.runs import RunPlace
 from orchestrator.training.resume import checkpointed_cache_decision
 from pipelines.config import DataConfig
 from pipelines.datasets import CACHE_DECISIONS, REPLAY, build_datasets, cache_decision
-from pipelines.order import create_epoch_clock
+from pipelines.order import create_epoch_clock, release_epoch_clock
 from pipelines.sources import DatasetInfo
 from pipelines.storage import Storage
 
@@ -130,8 +130,13 @@ def build_inputs(config: Config, infos: dict[str, DatasetInfo], name: str, saved
     context.execution_options.preserve_order = True
     context.print_on_execution_start = False  # one log line per epoch per dataset otherwise
     context.enable_progress_bars = False
-    datasets = build_datasets(config.data, infos, store_bytes, seed=config.train.seed, epoch_clock=clock,
-                              decision=decision)
+    try:
+        datasets = build_datasets(config.data, infos, store_bytes, seed=config.train.seed, epoch_clock=clock,
+                                  decision=decision)
+    except BaseException:
+        if clock:  # no run to end it with (a Tune trial's process outlives the trial)
+            release_epoch_clock(clock)
+        raise
     return spec, datasets
 
 
