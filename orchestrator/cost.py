@@ -30,6 +30,7 @@ PARTS = ("startup", "compute", "sync", "data_wait", "eval", "checkpoint", "repor
 PRODUCTIVE = ("compute", "sync")
 RESTARTS = ("wasted", "recovery", "resize")  # what failures and resizes cost
 RESTART_MARK = "worker_pid"  # in the first report of every (re)start only (training/worker.py's facts)
+REPORTED_AT = "at/report"  # when a Tune trial made a report (epoch seconds; tuning/trial.py)
 _LABELS = {"startup": "start-up", "compute": "compute", "sync": "sync", "data_wait": "data wait", "eval": "eval",
            "checkpoint": "checkpoint", "report": "report", "wasted": "wasted progress", "recovery": "recovery",
            "resize": "resize", "other": "other", "shutdown": "shutdown"}

@@ -15,7 +15,7 @@ from orchestrator.runs import RunPlace
 from orchestrator.training.resume import checkpointed_cache_decision
 from pipelines.config import DataConfig
 from pipelines.datasets import CACHE_DECISIONS, REPLAY, build_datasets, cache_decision
-from pipelines.order import create_epoch_clock
+from pipelines.order import create_epoch_clock, release_epoch_clock
 from pipelines.sources import DatasetInfo
 from pipelines.storage import Storage
 
@@ -97,19 +97,21 @@ def resumed_cache_decision(data: DataConfig, infos: dict[str, DatasetInfo], stor
 
 
 def build_run(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, callbacks: list[Any],
-              metrics_queue: Any) -> Any:
+              metrics_queue: Any, node_ranks: int | None = None) -> Any:
     """Datasets and TorchTrainer for one run, in this process's Ray Data context (the driver for `train`, the
     trial actor for each Tune trial). Rank 0 puts its metrics on `metrics_queue` (a ray.util.queue.Queue)."""
     # A resumed run (one with checkpoints in its place) is fed as its checkpoints were; a new one decides now.
     saved = checkpointed_cache_decision(place.storage.filesystem(), place.path, place.registered_step())
-    spec, datasets = build_inputs(config, infos, place.name, saved, metrics_queue)
+    spec, datasets = build_inputs(config, infos, place.name, saved, metrics_queue, node_ranks)
     return build_trainer(config, spec, datasets, place, callbacks)
 
 
 def build_inputs(config: Config, infos: dict[str, DatasetInfo], name: str, saved: str | None,
-                 metrics_queue: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+                 metrics_queue: Any, node_ranks: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """What the ranks of run `name` are handed (train_worker's spec) and its datasets, fed under the cache decision
-    of the checkpoint it resumes from (`saved`), else the one data.cache and the object store make now."""
+    of the checkpoint it resumes from (`saved`), else the one data.cache and the object store make now.
+    `node_ranks`: in a study, the ranks of all its trials that may share a node's memory (memory_plan.ranks_per_node),
+    which a CPU rank's `micro_batch_size=auto` divides the node's memory by; else the run's own ranks on the node."""
     import ray
     from ray.data import DataContext
 
@@ -122,13 +124,19 @@ def build_inputs(config: Config, infos: dict[str, DatasetInfo], name: str, saved
     if clock:
         create_epoch_clock(clock)
     spec = {"config": to_dict(config), "in_features": in_features(config, infos["train"]), "epoch_clock": clock,
-            "cache_decision": decision, "metrics_queue": metrics_queue, "sample": infos["train"].sample}
+            "cache_decision": decision, "metrics_queue": metrics_queue, "sample": infos["train"].sample,
+            "node_ranks": node_ranks}
     context = DataContext.get_current()
     context.execution_options.preserve_order = True
     context.print_on_execution_start = False  # one log line per epoch per dataset otherwise
     context.enable_progress_bars = False
-    datasets = build_datasets(config.data, infos, store_bytes, seed=config.train.seed, epoch_clock=clock,
-                              decision=decision)
+    try:
+        datasets = build_datasets(config.data, infos, store_bytes, seed=config.train.seed, epoch_clock=clock,
+                                  decision=decision)
+    except BaseException:
+        if clock:  # no run to end it with (a Tune trial's process outlives the trial)
+            release_epoch_clock(clock)
+        raise
     return spec, datasets
 
 

@@ -53,6 +53,28 @@ def create_epoch_clock(name: str) -> Any:
     return handle
 
 
+def release_epoch_clock(name: str, wait_s: float = 10.0) -> None:
+    """Stop the named clock once its run is over, and wait (at most `wait_s`) until it is gone. Its owner's end stops
+    it too, but a Tune trial's actor outlives the trial (reuse_actors): without this every trial's clock, one Ray
+    worker process each, would stay alive until the study ends."""
+    import time
+
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    handle = _handles.pop(name, None)
+    if handle is None:
+        return
+    ray.kill(handle, no_restart=True)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:  # ray.kill returns before the actor (and its name) is gone
+        try:
+            ray.get(handle.get.remote(), timeout=max(0.1, deadline - time.monotonic()))
+        except (RayActorError, GetTimeoutError):
+            return
+        time.sleep(0.05)
+
+
 def _clock(name: str) -> Any:
     import ray
 

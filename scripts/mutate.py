@@ -242,6 +242,18 @@ MUTANTS = (
            "if pass_steps < LARGE_PASS_STEPS:", "if False:", ("tests/unit/test_doctor_rules.py",)),
     Mutant("a doubled micro-batch suggested without the global batch it needs", "orchestrator/doctor.py",
            "if accum and accum % 2 == 0:", "if micro:", ("tests/unit/test_doctor_rules.py",)),
+    # A real two-trial study on local Ray (about 40 s): the trials share one reused actor.
+    Mutant("a Tune trial's epoch clock outlives it in its reused actor", "orchestrator/tuning/trial.py",
+           '            release_epoch_clock(spec["epoch_clock"])\n', "            pass\n",
+           ("tests/integration/test_tune.py::test_a_second_trial_in_the_same_actor_starts_as_a_fresh_process_would",)),
+    Mutant("a study's CPU memory budget ignores its other trials at once", "orchestrator/tuning/search.py",
+           "    at_once = trials_at_once * workers\n", "    at_once = workers\n",
+           ("tests/unit/test_memory_plan.py::"
+            "test_auto_micro_batch_in_a_study_divides_the_nodes_memory_by_every_rank_it_places_there",)),
+    Mutant("a restarted trial billed on Tune's rewound clock", "orchestrator/tuning/trials.py",
+           "            return float(row[REPORTED_AT]) - started\n",
+           '            return float(row.get("time_total_s", 0.0))\n',
+           ("tests/unit/test_trial_table.py::test_a_restarted_trials_ledger_bills_the_time_its_restart_lost",)),
 )
 
 

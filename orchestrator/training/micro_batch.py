@@ -35,8 +35,9 @@ def probe_batch(sample: Batch, size: int, device: torch.device) -> Batch:
     return to_device(take(sample, index), device)
 
 
-def choose_micro_batch(cfg: Config, parts: Parts, sample: Batch) -> int:
-    """The largest micro-batch (a divisor of the per-worker batch) that fits, agreed by all ranks (their minimum)."""
+def choose_micro_batch(cfg: Config, parts: Parts, sample: Batch, node_ranks: int | None = None) -> int:
+    """The largest micro-batch (a divisor of the per-worker batch) that fits, agreed by all ranks (their minimum).
+    `node_ranks`: see cpu_budget."""
     world, device = ranks.world()[1], parts.device
     per_worker = cfg.train.global_batch_size // world
     model = unwrap(parts.model)
@@ -46,6 +47,7 @@ def choose_micro_batch(cfg: Config, parts: Parts, sample: Batch) -> int:
             output = parts.call(model, batch)
         return step_loss_sum(parts.task, output, batch, parts.model_loss)
 
+    basis = ""
     # Dropout in the probes must not move the training RNG streams.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         if device.type == "cuda":
@@ -62,8 +64,7 @@ def choose_micro_batch(cfg: Config, parts: Parts, sample: Batch) -> int:
                 model.load_state_dict(saved)
                 parts.optimizer.state.clear()
         else:
-            budget = (cfg.train.memory_budget_gb * GIB if cfg.train.memory_budget_gb
-                      else psutil.virtual_memory().total / 2 / _ranks_on_this_node())
+            budget, basis = cpu_budget(cfg.train.memory_budget_gb, node_ranks)
             batch = probe_batch(sample, min(per_worker, 8), device)
             per_sample = activation_bytes_per_sample(model, rows(batch), lambda: loss_of(batch))
             slots = 2 if cfg.optim.name == "adamw" else 1
@@ -74,7 +75,7 @@ def choose_micro_batch(cfg: Config, parts: Parts, sample: Batch) -> int:
     size = int(agreed.item())
     if ranks.world()[0] == 0:
         print(f"auto micro-batch: {size} per worker x {per_worker // size} accumulation x {world} workers "
-              f"= global batch {cfg.train.global_batch_size}", flush=True)
+              f"= global batch {cfg.train.global_batch_size}{basis and f' ({basis})'}", flush=True)
     return size
 
 
@@ -102,6 +103,18 @@ def for_world_size(cfg: Config, world: int, micro: int | None = None) -> Config:
     return cfg.model_copy(update={"train": t.model_copy(update={"micro_batch_size": micro, "grad_accum_steps": accum})})
 
 
+def cpu_budget(budget_gb: float | None, node_ranks: int | None = None) -> tuple[float, str]:
+    """Bytes one CPU rank may plan for, and the line saying where that figure comes from: train.memory_budget_gb, or
+    half this node's memory shared by the ranks on it: `node_ranks` (in a study, the ranks of all its trials that
+    may run on this node at once), else this run's own ranks on the node."""
+    if budget_gb:
+        return budget_gb * GIB, f"budget {budget_gb:g} GiB: train.memory_budget_gb"
+    total, ranks = psutil.virtual_memory().total, node_ranks or _ranks_on_this_node()
+    whose = "ranks of the study's trials at once" if node_ranks else "ranks of this run"
+    return total / 2 / ranks, (f"budget {total / 2 / ranks / GIB:.2f} GiB: half of this node's "
+                               f"{total / GIB:.2f} GiB over {ranks} {whose}")
+
+
 def _ranks_on_this_node() -> int:
     """Ranks sharing this node's memory: Ray Train sets LOCAL_WORLD_SIZE in each worker; a Tune trial that trains
     in its own process is one rank."""
@@ -116,14 +129,15 @@ def refuse_auto_under_fsdp(parts: Parts) -> None:
                           "train.micro_batch_size to a number of rows per worker")
 
 
-def with_auto_micro_batch(cfg: Config, parts: Parts, state: dict[str, Any] | None, sample: Batch) -> Config:
+def with_auto_micro_batch(cfg: Config, parts: Parts, state: dict[str, Any] | None, sample: Batch,
+                          node_ranks: int | None = None) -> Config:
     """`train.micro_batch_size=auto` resolved on this group: the checkpoint's micro-batch when resuming at the same
     world size, else the largest that fits (measured here, agreed by all ranks); the accumulation derived from it."""
     refuse_auto_under_fsdp(parts)
     rank, world = ranks.world()  # the process group's: Ray Train's, or one rank in a Tune trial's own process
     micro = checkpoint_micro_batch(state, cfg.train.global_batch_size // world, world)
     if micro is None:
-        micro = choose_micro_batch(cfg, parts, sample)
+        micro = choose_micro_batch(cfg, parts, sample, node_ranks)
     elif rank == 0:
         print(f"auto micro-batch: {micro} per worker, as in the checkpoint", flush=True)
     release_cached_memory(parts.device)

@@ -76,7 +76,8 @@ def train_rank(spec: dict[str, Any], cfg: Config, seat: Seat, load_state: Callab
     state = load_state()
     if cfg.train.micro_batch_size == "auto":
         # Before the checkpoint is restored: probing touches weights and optimizer state, then puts them back.
-        cfg = with_auto_micro_batch(cfg, parts, state, collate_sample(spec["sample"], cfg.data, named))
+        cfg = with_auto_micro_batch(cfg, parts, state, collate_sample(spec["sample"], cfg.data, named),
+                                    spec.get("node_ranks"))
     if cfg.train.compile:
         compile_model(parts)
     decision = spec.get("cache_decision")

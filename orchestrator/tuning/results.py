@@ -14,7 +14,7 @@ import yaml
 
 from orchestrator.checks import resolve_for_data
 from orchestrator.config import Config, to_dict, to_yaml
-from orchestrator.cost import PARTS, PRODUCTIVE, build_ledger, resolve_pricing, study_metrics
+from orchestrator.cost import PARTS, PRODUCTIVE, resolve_pricing, study_metrics
 from orchestrator.plots import plot_lr_sweep, plot_trial_curves
 from orchestrator.runs import RunPlace
 from orchestrator.tracking import (
@@ -27,7 +27,7 @@ from orchestrator.tracking import (
     ui_command,
 )
 from orchestrator.tuning.search import TrialNamer, domains, peak_concurrency, short_keys, trial_config
-from orchestrator.tuning.trials import format_table, trial_status
+from orchestrator.tuning.trials import format_table, trial_ledger, trial_status
 from pipelines.sources import DatasetInfo
 
 
@@ -77,8 +77,16 @@ class TuneResult:
     goodput: dict[str, float] = field(default_factory=dict)  # study/goodput and its parts (study_goodput)
 
 
+# The study's reporting cadence: ASHA needs the metric at every report (README), so a study evaluates far more often
+# than a run should; the winner is retrained at an ordinary run's cadence unless the study searched it.
+STUDY_CADENCE = ("log_every", "eval_every")
+
+
 def best_yaml(tree: dict[str, Any], params: dict[str, Any], header: str = "") -> str:
-    """The full config with the best values, minus the tune section: `orchestrator train` takes it unchanged."""
+    """The full config with the best values, minus the tune section and the study's reporting cadence (see
+    STUDY_CADENCE): `orchestrator train` takes it unchanged."""
+    tree = {**tree, "train": {k: v for k, v in tree.get("train", {}).items()
+                              if k not in STUDY_CADENCE or f"train.{k}" in params}}
     config = to_dict(trial_config(tree, params))
     config.pop("tune")
     return header + yaml.safe_dump(config, sort_keys=False)
@@ -118,18 +126,17 @@ def summaries(grid: Any, tree: dict[str, Any], infos: dict[str, DatasetInfo], me
         frame = result.metrics_dataframe
         history: list[dict[str, Any]] = []
         ledger = None
-        if frame is not None and "step" in frame:
-            # The trial's clock is Tune's time_total_s: from its actor's start, Train start-up included.
-            # Priced from the trial's own config: a searched num_workers changes the nodes it held.
-            rows = [{k: v for k, v in row.items() if v == v} for row in frame.to_dict("records")]
-            wall = max((r.get("time_total_s", 0.0) for r in rows), default=0.0)
-            ledger = build_ledger(rows, wall, resolve_pricing(resolved), elapsed_key="time_total_s")
-        if frame is not None and "step" in frame:
-            keep = [c for c in ("step", "train_loss", "val_loss", "val_accuracy", metric) if c in frame]
-            history = [{k: v for k, v in row.items() if v == v} for row in frame[list(dict.fromkeys(keep))]
-                       .to_dict("records")]  # v == v drops NaN (reports without eval)
         fallback_id = str(last.get("trial_id") or Path(result.path).name)
         trial_id, started, ended = tune_trials.get(str(result.path), (fallback_id, None, None))
+        if frame is not None and "step" in frame:
+            # Priced from the trial's own config: a searched num_workers changes the nodes it held.
+            rows = [{k: v for k, v in row.items() if v == v} for row in frame.to_dict("records")]
+            ledger = trial_ledger(rows, started, ended, resolve_pricing(resolved))
+        if frame is not None and "step" in frame:
+            keep = [c for c in ("step", "train_loss", "val_loss", "val_accuracy", metric, "samples_per_s")
+                    if c in frame]
+            history = [{k: v for k, v in row.items() if v == v} for row in frame[list(dict.fromkeys(keep))]
+                       .to_dict("records")]  # v == v drops NaN (reports without eval)
         name = (namer or TrialNamer(tuple(short_keys(params).items())))(params)
         trials.append(TrialSummary(
             trial_id=trial_id, params=params,
@@ -168,7 +175,8 @@ def record(config: Config, tree: dict[str, Any], trials: list[TrialSummary], bes
     study, study_path = place.name, place.uri
     values = ", ".join(f"{k}={v}" for k, v in best.params.items())
     header = (f"# Best of study {study}: trial {best.trial_id} ({best.label}), {metric}={best.metric:.4f} with "
-              f"{values}.\n# Train it: orchestrator train --config <this file>\n")
+              f"{values}.\n# Reports and evaluates at an ordinary run's cadence (train.log_every, train.eval_every), "
+              "not the study's.\n# Train it: orchestrator train --config <this file>\n")
     out = local_dir(place)
     out.mkdir(parents=True, exist_ok=True)
     best_path = out / "best.yaml"
@@ -189,6 +197,9 @@ def record(config: Config, tree: dict[str, Any], trials: list[TrialSummary], bes
         [t for t in trials if t.started_at is None or t.started_at >= began], time.time() - began)
     counts = {s: sum(t.status == s for t in trials) for s in ("completed", "stopped", "error")}
     # Figures of the whole study: rows of the parent run's summary table (tracking.py), not one-point charts.
+    # The best trial's headline figures as the parent run's metrics: the runs table compares studies with each
+    # other and with runs by them. Summary rows below.
+    tracker.log_metrics(headline_figures(best, metric), step=best.steps)
     tracker.log_metrics({f"study/best_{metric}": best.metric or 0.0,
                          **{f"study/trials_{s}": n for s, n in counts.items()}, **cost, **goodput}, step=best.steps)
     tracker.set_tags({"orchestrator.best_trial": best.trial_id, "orchestrator.best_params": json.dumps(best.params),
@@ -199,6 +210,15 @@ def record(config: Config, tree: dict[str, Any], trials: list[TrialSummary], bes
         tracking_uri=getattr(tracker, "uri", None), resumed=resumed, rank_by=config.tune.rank_by, cost=cost,
         goodput=goodput,
     )
+
+
+def headline_figures(trial: TrialSummary, metric: str) -> dict[str, float]:
+    """The trial's headline figures (tracking.headline_keys: training loss, `metric`, samples/s) at its last report
+    that has each."""
+    figures: dict[str, float] = {}
+    for row in trial.history:
+        figures |= {k: v for k, v in row.items() if k in ("train_loss", metric, "samples_per_s")}
+    return figures
 
 
 def study_goodput(trials: list[TrialSummary], wall_s: float) -> dict[str, float]:
@@ -235,15 +255,12 @@ def study_note(trials: list[TrialSummary], best: TrialSummary, metric: str, cost
 
 def summary(result: TuneResult) -> str:
     """The lines printed after a study: the table, the best trial, and how to train it."""
-    # Trials by name (their searched values), then the id that finds their directory and MLflow run.
-    rows = [{"trial_id": t.label, "status": t.status, "params": {"id": t.trial_id}, "step": t.steps,
-             "metric": t.metric, "usd": t.usd} for t in result.trials]
+    lines = [final_table(result), ""]
     counts = {s: sum(t.status == s for t in result.trials) for s in ("completed", "stopped", "error")}
     spans = [(t.started_at, t.ended_at) for t in result.trials if t.started_at is not None and t.ended_at is not None]
     at_once = f" (at most {peak_concurrency(spans)} at once)" if spans else ""
     b = result.best
-    lines = [format_table(rows, ["id"], result.metric), "",
-             f"study {Path(result.study_path).name}{' (resumed)' if result.resumed else ''}: {len(result.trials)} "
+    lines += [f"study {Path(result.study_path).name}{' (resumed)' if result.resumed else ''}: {len(result.trials)} "
              f"trials{at_once}, {counts['completed']} completed, {counts['stopped']} stopped early, "
              f"{counts['error']} failed",
              *[f"trial {t.label} ({t.trial_id}) failed: {t.error}" for t in result.trials if t.error],
@@ -266,6 +283,33 @@ def summary(result: TuneResult) -> str:
         if url:
             lines.append(f"this study in the MLflow UI: {url}")
     return "\n".join(lines)
+
+
+def ranked(trials: list[TrialSummary], mode: str, rank_by: str = "metric") -> list[TrialSummary]:
+    """Best first, as pick_best ranks (by the metric, or per dollar): trials that ran to the end, then the early-
+    stopped ones, then those without a figure."""
+    def key(t: TrialSummary) -> tuple[int, float]:
+        if t.metric is None or (rank_by == "metric_per_dollar" and not t.usd):
+            return (2, 0.0)
+        value = t.metric / t.usd if rank_by == "metric_per_dollar" else t.metric  # type: ignore[operator]
+        return (0 if t.status == "completed" else 1, -value if mode == "max" or rank_by != "metric" else value)
+
+    return sorted(trials, key=key)
+
+
+def final_table(result: TuneResult) -> str:
+    """The table printed after a study: the trials best first, with their searched values, the best one marked;
+    named by their values, then the id that finds their directory and MLflow run."""
+    keys = list(result.best.params)
+    short = short_keys(keys)
+    rows = [{"trial_id": t.label, "status": t.status, "params": {short[k]: t.params.get(k) for k in keys},
+             "step": t.steps, "metric": t.metric, "usd": t.usd}
+            for t in ranked(result.trials, result.mode, result.rank_by)]
+    table = format_table(rows, list(short.values()), result.metric).splitlines()
+    ids = ["id"] + [t.trial_id for t in ranked(result.trials, result.mode, result.rank_by)]
+    width = max(map(len, table))
+    return "\n".join(f"{line.ljust(width)}  {tid}" + ("  <- best" if tid == result.best.trial_id else "")
+                     for line, tid in zip(table, ids, strict=True))
 
 
 def _share(frac: float) -> str:

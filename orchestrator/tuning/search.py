@@ -159,6 +159,16 @@ def max_concurrent(config: Config, resources: dict[str, float]) -> Concurrency:
     return Concurrency(max(1, trials), bound)
 
 
+def ranks_per_node(trials_at_once: int, workers: int, cpus_per_worker: float, node_cpus: float) -> int:
+    """Training ranks of a study that may share one node's memory at once: the trials it runs at once times each
+    trial's workers, at most as many as the node's CPUs hold (each rank holds `cpus_per_worker` of them). A one-worker
+    trial that trains in its own process has no LOCAL_WORLD_SIZE, and a wider trial's counts only its own run: what
+    `train.micro_batch_size=auto` divides a CPU node's memory by in a study."""
+    at_once = trials_at_once * workers
+    fit = int(node_cpus // cpus_per_worker) if cpus_per_worker > 0 else at_once
+    return max(1, min(at_once, fit))
+
+
 # Trial names: the last part of a searched key, or a shorter word for the long ones people search often.
 _SHORT = {"warmup_steps": "warmup", "weight_decay": "wd", "num_workers": "workers", "cpus_per_worker": "cpus",
           "global_batch_size": "batch", "micro_batch_size": "micro_batch", "max_grad_norm": "clip"}

@@ -36,6 +36,7 @@ from orchestrator.tuning.search import (
     check_study,
     domains,
     max_concurrent,
+    ranks_per_node,
     resolved_mode,
     to_tune,
     trial_config,
@@ -61,13 +62,14 @@ def _trials(study: RunPlace) -> Storage:
 
 
 def _run_trial(params: dict[str, Any], *, tree: dict[str, Any], infos: dict[str, DatasetInfo],
-               trials: Storage, private_cluster: bool) -> None:
+               trials: Storage, private_cluster: bool, node_ranks: int | None = None) -> None:
     """The Tune trainable, run in the trial's actor. A one-worker trial trains right here (trial.py). A wider one
     fits its own TorchTrainer in a thread while this one hands rank 0's metrics to Tune as they arrive (they come
     straight from rank 0, not through Ray Train's report).
 
     Its Train run is named by the trial id under `trials`, so a trial restarted by a resumed study continues
-    from its own latest checkpoint."""
+    from its own latest checkpoint. `node_ranks`: how many ranks of the study's trials may share a node's memory
+    (memory_plan.ranks_per_node), for `train.micro_batch_size=auto` on CPU."""
     import threading
 
     import ray.train
@@ -77,14 +79,14 @@ def _run_trial(params: dict[str, Any], *, tree: dict[str, Any], infos: dict[str,
     config = resolve_for_data(trial_config(tree, {**params, "storage.path": trials.uri}), infos)
     trial_id = ray_tune.get_context().get_trial_id()
     if in_trial_process(config):  # one worker: trained right here, without a worker group of its own
-        train_in_trial(config, infos, trial_id)
+        train_in_trial(config, infos, trial_id, node_ranks)
         return
     queue = Queue(actor_options={"num_cpus": 0})
     failed: list[BaseException] = []
 
     def fit() -> None:
         try:
-            build_run(config, infos, RunPlace(trials, trial_id), [], queue).fit()
+            build_run(config, infos, RunPlace(trials, trial_id), [], queue, node_ranks).fit()
         except BaseException as exc:  # handed to the trial's thread, which raises it
             failed.append(exc)
 
@@ -232,14 +234,23 @@ def _credentials_stay_home() -> Iterator[None]:
         propagated.update(credentials)
 
 
+def _node_ranks(base: Config, concurrency: int) -> int:
+    """memory_plan.ranks_per_node for this study on this cluster: its widest trial on its largest node."""
+    import ray
+
+    widest = widest_trial(base).scaling
+    node_cpus = max((n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")), default=0.0)
+    return ranks_per_node(concurrency, widest.max_workers, widest.cpus_per_worker, node_cpus)
+
+
 def _fit(config: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo], max_steps: int, place: RunPlace,
-         resume: bool, callback: Any, concurrency: int, private_cluster: bool) -> Any:
+         resume: bool, callback: Any, concurrency: int, private_cluster: bool, node_ranks: int) -> Any:
     from ray import tune as ray_tune
 
     sizes = {split: replace(info, files=[], storage=None, objects=[], file_rows=[]) for split, info in infos.items()}
     trainable = ray_tune.with_resources(
         ray_tune.with_parameters(_run_trial, tree=tree, infos=infos, trials=_trials(place),
-                                 private_cluster=private_cluster),
+                                 private_cluster=private_cluster, node_ranks=node_ranks),
         _TrialResources(tree, sizes),
     )
     storage = storage_args(place.storage)
@@ -359,7 +370,8 @@ def _start_study(config: Config, base: Config, tree: dict[str, Any], infos: dict
     if state is not None:
         _check_same_study(state, config, study, place.uri)
     tracker = start_tracker(config.tracking, study, run_id=state.get("parent_run_id") if state else None,
-                            tags={"orchestrator.study": study, "orchestrator.role": "study"})
+                            tags={"orchestrator.study": study, "orchestrator.role": "study"},
+                            headline=config.tune.metric)  # the best trial's headline figures (results.record)
     if state is None:
         with closed_on_error(tracker):  # Ctrl+C or an error while the parent run is set up: never left RUNNING
             tracker.log_params(config_params(config, study=True))
@@ -389,7 +401,8 @@ def _run_study(config: Config, base: Config, tree: dict[str, Any], infos: dict[s
                              config.tracking if config.tracking.enabled else None, tracker.run_id, verbose,
                              infos=infos)
     with closed_on_error(tracker):
-        grid = _fit(config, tree, infos, max_steps, place, resumed, callback, concurrency, private_cluster)
+        grid = _fit(config, tree, infos, max_steps, place, resumed, callback, concurrency, private_cluster,
+                    _node_ranks(base, concurrency))
         trials = summaries(grid, tree, infos, metric, TrialNamer.for_config(config))
     if any(t.status == "running" for t in trials):  # Tune caught Ctrl+C and saved the study
         tracker.finish("KILLED")

@@ -10,16 +10,19 @@ their own Ray Train run (study.py).
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
 import torch
 
 from orchestrator.config import Config
+from orchestrator.cost import REPORTED_AT
 from orchestrator.trainer import build_inputs
 from orchestrator.training.checkpoint import manifest_cache_decision
 from orchestrator.training.resume import loadable_checkpoint
 from orchestrator.training.worker import Seat, rank_config, state_of, train_rank
+from pipelines.order import release_epoch_clock
 from pipelines.sources import DatasetInfo
 
 
@@ -54,14 +57,20 @@ class TrialReporter:
         if metrics is self.checkpointed:  # already reported with its checkpoint
             self.checkpointed = None
             return
-        tune.report(dict(metrics))
+        tune.report(stamped(metrics))
 
     def checkpoint(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
         from ray import tune
 
         assert checkpoint_dir is not None  # one rank: it writes every checkpoint
-        tune.report(dict(metrics), checkpoint=tune.Checkpoint.from_directory(checkpoint_dir))
+        tune.report(stamped(metrics), checkpoint=tune.Checkpoint.from_directory(checkpoint_dir))
         self.checkpointed = metrics
+
+
+def stamped(metrics: dict[str, Any]) -> dict[str, Any]:
+    """A report with when it was made (epoch seconds): the trial's cost ledger places it on a clock that a restart
+    does not rewind (trials.trial_ledger), as Tune's time_total_s is."""
+    return dict(metrics) | {REPORTED_AT: time.time()}
 
 
 def trial_device(config: Config) -> torch.device:
@@ -74,16 +83,47 @@ def trial_device(config: Config) -> torch.device:
     return device
 
 
-def train_in_trial(config: Config, infos: dict[str, DatasetInfo], name: str) -> None:
-    """Train one trial here, resuming from the checkpoint Tune restarts it from, if any. `name`: the trial's id."""
+def train_in_trial(config: Config, infos: dict[str, DatasetInfo], name: str, node_ranks: int | None = None) -> None:
+    """Train one trial here, resuming from the checkpoint Tune restarts it from, if any. `name`: the trial's id;
+    `node_ranks`: the study's ranks that may share this node's memory (trainer.build_inputs).
+    The trial owns what it starts in this process, which outlives it (Tune reuses it for the next trial): it starts
+    from the process state a fresh process has, and its epoch clock ends with it, also when it fails or is stopped."""
     from ray import tune
 
     entered = time.time()
+    start_as_fresh_process()
     checkpoint = loadable_checkpoint(tune.get_checkpoint())
     # A resumed trial is fed as its checkpoint counted its data position (trainer.resumed_cache_decision).
     saved = manifest_cache_decision(checkpoint.filesystem, checkpoint.path) if checkpoint is not None else None
-    spec, datasets = build_inputs(config, infos, name, saved, metrics_queue=None)
-    cfg = rank_config(spec, world=1)
-    val = datasets["val"].iterator() if cfg.data.val is not None else None
-    train_rank(spec, cfg, Seat(1, 0, trial_device(cfg), entered), lambda: state_of(checkpoint),
-               datasets["train"].iterator(), val, TrialReporter(), preempted=None)
+    spec, datasets = build_inputs(config, infos, name, saved, metrics_queue=None, node_ranks=node_ranks)
+    try:
+        cfg = rank_config(spec, world=1)
+        val = datasets["val"].iterator() if cfg.data.val is not None else None
+        train_rank(spec, cfg, Seat(1, 0, trial_device(cfg), entered), lambda: state_of(checkpoint),
+                   datasets["train"].iterator(), val, TrialReporter(), preempted=None)
+    finally:  # Tune stops a trial in a reused actor by raising SystemExit in its thread at a report
+        if spec["epoch_clock"]:
+            release_epoch_clock(spec["epoch_clock"])
+
+
+_FRESH: dict[str, Any] = {}  # the process-global torch settings this process started with
+
+
+def start_as_fresh_process() -> None:
+    """Give this trial the process-global state its process had before any trial ran in it: a previous trial (its
+    model builder, its settings) may have changed torch's default dtype, thread count, float32 matmul precision or
+    deterministic mode, and used up dynamo's recompile limit on code objects trials share (a model class's forward:
+    past the limit torch.compile silently runs eager). The first trial records that state. The denormal setting
+    needs nothing here: each trial runs in a new thread, whose intra-op threads are its own (rank_config sets it)."""
+    state = {"dtype": torch.get_default_dtype(), "threads": torch.get_num_threads(),
+             "matmul": torch.get_float32_matmul_precision(),
+             "deterministic": torch.are_deterministic_algorithms_enabled()}
+    if not _FRESH:
+        _FRESH.update(state)
+        return
+    torch.set_default_dtype(_FRESH["dtype"])
+    torch.set_num_threads(_FRESH["threads"])
+    torch.set_float32_matmul_precision(_FRESH["matmul"])
+    torch.use_deterministic_algorithms(_FRESH["deterministic"])
+    if "torch._dynamo" in sys.modules:  # imported by an earlier trial's compile (or its model)
+        torch._dynamo.reset()

@@ -16,14 +16,14 @@ from ray.tune import Callback
 
 from orchestrator.checks import resolve_for_data
 from orchestrator.config import TrackingConfig
-from orchestrator.cost import Pricing, build_ledger, resolve_pricing
+from orchestrator.cost import REPORTED_AT, RESTART_MARK, Ledger, Pricing, build_ledger, resolve_pricing
 from orchestrator.errors import ConfigError
 from orchestrator.tracking import MlflowTracker, config_params
 from orchestrator.tuning.search import TRAIN_METRICS, trial_config
 from pipelines.sources import DatasetInfo
 
 _METRICS = set(TRAIN_METRICS)  # and every val_* metric of the trial's task
-_LEDGER_KEYS = {"step", "interval_s", "time_total_s"}
+_LEDGER_KEYS = {"step", "interval_s", "time_total_s", "world_size", RESTART_MARK, REPORTED_AT}
 
 
 def trial_status(last: dict[str, Any], max_steps: int, errored: bool = False) -> str:
@@ -39,6 +39,25 @@ def trial_pricing(tree: dict[str, Any], params: dict[str, Any], infos: dict[str,
     """One trial's nodes and price, from its own resolved config: a searched scaling.num_workers (or cost key)
     changes what the trial holds, so the study's base config cannot price it."""
     return resolve_pricing(resolve_for_data(trial_config(tree, params), infos))
+
+
+def trial_ledger(rows: list[dict[str, Any]], started: float | None, ended: float | None,
+                 pricing: Pricing) -> Ledger:
+    """A trial's cost ledger over the time it ran: from when Tune started it to its last result (`started`, `ended`:
+    Tune's record, epoch seconds), restarts included. Tune's time_total_s cannot be that clock: on a restart Tune
+    rewinds it to the checkpoint's, so the time lost since that checkpoint and the restart itself would be billed
+    to nobody. Each report is placed at when it was made (REPORTED_AT, stamped by the trial's reporter); reports
+    without the stamp (a wider trial's, whose restarts happen inside its own Train run) keep time_total_s."""
+    def elapsed(row: dict[str, Any]) -> float:
+        if REPORTED_AT in row and started is not None:
+            return float(row[REPORTED_AT]) - started
+        return float(row.get("time_total_s", 0.0))
+
+    timeline = [row | {"elapsed_s": elapsed(row)} for row in rows]
+    wall = max((r["elapsed_s"] for r in timeline), default=0.0)
+    if started is not None and ended is not None:
+        wall = max(wall, ended - started)
+    return build_ledger(timeline, wall, pricing)
 
 
 def format_table(rows: list[dict[str, Any]], keys: list[str], metric: str) -> str:
@@ -130,8 +149,8 @@ class StudyCallback(Callback):
         timeline = self._timeline.pop(trial.trial_id, [])
         pricing = self._pricing(trial) if timeline else None
         if pricing is not None:
-            ledger = build_ledger(timeline, max(r.get("time_total_s", 0.0) for r in timeline), pricing,
-                                  elapsed_key="time_total_s")
+            meta = trial.run_metadata
+            ledger = trial_ledger(timeline, meta.start_time, meta.last_result_time or None, pricing)
             run.log_metrics(ledger.metrics(), step=int(timeline[-1]["step"]))
         if errored and trial.error_file:
             tags["orchestrator.error_file"] = str(trial.error_file)

@@ -34,7 +34,7 @@ def study_overrides(tmp_path: Path, digits_dir: str, *overrides: str) -> list[st
         "train.eval_every=10", "checkpoint.every=40",
         "tune.space.optim.lr.loguniform=[1e-4, 1e-1]", "tune.space.optim.warmup_steps.choice=[0, 10]",
         "tune.num_samples=4", "tune.grace_period=10", "tune.reduction_factor=2", "tune.seed=3",
-        "tune.max_concurrent_trials=2", "cost.price_per_hour=2.0", *overrides]
+        "tune.max_concurrent_trials=2", "cost.price_per_hour=2.0", "train.micro_batch_size=auto", *overrides]
 
 
 def study_config(tmp_path: Path, digits_dir: str, *overrides: str) -> Config:
@@ -146,6 +146,47 @@ def test_a_one_worker_trial_killed_mid_checkpoint_resumes_through_tune_to_the_cl
     lines = [json.loads(line) for line in results.read_text().splitlines()]
     assert [r["step"] for r in lines][-2:] == [20, 30] and lines[-2]["pid"] == lines[-1]["pid"]
     assert all(r["pid"] != lines[-1]["pid"] for r in lines[:-2])
+    # Its cost counts the time the kill lost (Tune rewinds time_total_s to the checkpoint it restarts from; that
+    # cost 4.7 s of 17.8 s here): each trial's ledger covers the span Tune's driver saw it run, from its start to its
+    # last result. When Tune had collected the report before the kill, the gap to the restarted process's first
+    # report is recovery.
+    for t in (clean, killed):
+        assert t.started_at is not None and t.ended_at is not None and t.cost is not None
+        assert t.cost.wall_s == pytest.approx(t.ended_at - t.started_at, abs=0.5), (t.label, t.cost.seconds)
+        assert sum(t.cost.seconds.values()) == pytest.approx(t.cost.wall_s)
+    assert clean.cost.seconds["recovery"] == 0
+    assert (killed.cost.seconds["recovery"] > 0) == (killed_rows[0]["step"] == 10), killed.cost.seconds
+
+
+def test_a_second_trial_in_the_same_actor_starts_as_a_fresh_process_would(ray_cluster: None, tmp_path: Path,
+                                                                          digits_dir: str) -> None:
+    """Two one-worker trials, one at a time, so the second runs in the first one's reused actor (reuse_actors), with
+    the other train.flush_denormal. The model records at its build what the trial inherited (trial_state_model.py)
+    and then changes it: the second trial must find what the first found in its fresh process (its own setting
+    aside), and no epoch clock but its own (streamed data: each run's reader has one)."""
+    log = tmp_path / "state.jsonl"
+    config = study_config(tmp_path, digits_dir, "experiment=digits-reuse", "tracking.enabled=false",
+                          "model.entrypoint=trial_state_model:build", "model.hidden=null", f"model.log={log}",
+                          "data.cache=none", "train.max_steps=20", "checkpoint.every=20", "optim.warmup_steps=0",
+                          "tune.space={train.flush_denormal: {grid: [true, false]}}", "tune.num_samples=1",
+                          "tune.max_concurrent_trials=1", "tune.scheduler=fifo", "tune.grace_period=null",
+                          "tune.reduction_factor=null")
+    result = tune(config, verbose=False)
+    assert {t.status for t in result.trials} == {"completed"}
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(records) == 2, records
+    first, second = records
+    assert first["pid"] == second["pid"], "the actor was not reused: the test proves nothing"
+    flush = {t.trial_id: t.params["train.flush_denormal"] for t in result.trials}
+    assert flush[first["trial"]] is True and flush[second["trial"]] is False
+    # The first trial's own clock only: the first trial's was released when it ended.
+    assert first["clocks"] == [c for c in first["clocks"] if first["trial"] in c] and len(first["clocks"]) == 1
+    assert len(second["clocks"]) == 1 and second["trial"] in second["clocks"][0], second["clocks"]
+    # What a fresh process has (the first trial's record, in the actor's fresh process), but its own flush setting.
+    fresh = {k: first[k] for k in ("dtype", "threads", "compiles")}
+    assert {k: second[k] for k in fresh} == fresh == {"dtype": "torch.float32", "threads": first["threads"],
+                                                      "compiles": True}
+    assert (first["flushed"], second["flushed"]) == (1.0, 0.0)
 
 
 def test_trials_are_named_by_their_values_in_tune_the_summary_and_the_plots(
@@ -157,10 +198,21 @@ def test_trials_are_named_by_their_values_in_tune_the_summary_and_the_plots(
         assert t.name == namer(t.params) and re.fullmatch(r"lr=\d\.\de-0\d,warmup=(0|10)", t.name), t.name
         assert (study_dir / f"{t.trial_id}_{t.name}").is_dir()  # Tune's trial directory
     lines = study_cli[1].splitlines()
-    head = [i for i, line in enumerate(lines) if line.split()[:3] == ["trial", "status", "id"]]
-    assert len(head) == 1 and lines[head[0]].split() == ["trial", "status", "id", "step", "val_accuracy", "$"]
-    rows = {line.split()[0]: line.split()[2] for line in lines[head[0] + 1:head[0] + 1 + len(result.trials)]}
-    assert rows == {t.name: t.trial_id for t in result.trials}
+    # The final table: the trials best first (completed ones by their metric, then the early-stopped ones), their
+    # searched values, and the best one marked.
+    head = [i for i, line in enumerate(lines) if line.split()[:3] == ["trial", "status", "lr"]]
+    assert len(head) == 1 and lines[head[0]].split() == ["trial", "status", "lr", "warmup", "step", "val_accuracy",
+                                                         "$", "id"]
+    table = [line.removesuffix("  <- best").split() for line in lines[head[0] + 1:head[0] + 1 + len(result.trials)]]
+    assert {row[0]: row[-1] for row in table} == {t.name: t.trial_id for t in result.trials}
+    by_id = {t.trial_id: t for t in result.trials}
+    ranked = sorted(result.trials, key=lambda t: (t.status != "completed", -(t.metric or 0.0)))
+    assert [row[-1] for row in table] == [t.trial_id for t in ranked]
+    assert [(float(row[2]), int(row[3])) for row in table] == [
+        (pytest.approx(by_id[row[-1]].params["optim.lr"], rel=1e-2), by_id[row[-1]].params["optim.warmup_steps"])
+        for row in table]
+    marked = [line for line in lines if line.endswith("  <- best")]
+    assert len(marked) == 1 and marked[0].split()[-3] == result.best.trial_id == table[0][-1]
     assert (study_dir / "learning_curves.png").is_file() and (study_dir / "metric_vs_lr.png").is_file()
 
 
@@ -174,13 +226,29 @@ def test_the_terminal_shows_the_product_lines_and_ray_goes_to_the_log(study: tup
     names = tuple(f"{n} " for t in result.trials for n in (t.trial_id, t.name))
     product = re.compile(r"^(starting study |Ray and MLflow logs: |\[\d+:\d\d\] digits-t-tune: |trial |study |"
                          r"best trial |best config: |train it: |MLflow parent run id: |open the MLflow UI: |"
-                         r"the study.s runs in the MLflow UI: |this study in the MLflow UI: |warning: )")
+                         r"the study.s runs in the MLflow UI: |this study in the MLflow UI: |warning: |"
+                         r"auto micro-batch: )")  # each trial's micro-batch and the budget it planned for
     lines = (stdout + stderr).splitlines()
     foreign = [line for line in lines if line.strip() and not product.match(line) and not line.startswith(names)]
     assert len(foreign) <= 3, "\n".join(foreign)
     assert stdout.count(str(log)) == 1 and log.stat().st_size > 0
     assert "Configuration for experiment" not in stdout + stderr and "tensorboard" not in stdout + stderr
     assert len(log.read_text().splitlines()) > 5  # what Ray and the workers printed went there instead
+
+
+def test_auto_micro_batch_plans_for_every_trial_the_study_runs_at_once(study_cli: tuple[Path, str, str]) -> None:
+    """Two one-worker trials at once on one node: each sizes its micro-batch for a quarter of the node's memory (half
+    of it, shared by the two), not half (the trial's process has no LOCAL_WORLD_SIZE), and says so."""
+    import psutil
+
+    log = (study_cli[0] / "runs" / "digits-t-tune" / LOG_FILE).read_text()
+    lines = [line for line in log.splitlines() if "auto micro-batch: " in line]
+    assert lines, log[-3000:]  # one per trial; Ray's log collapses repeated lines
+    node = psutil.virtual_memory().total
+    share = node / 2 / (2 * 1)  # 2 trials at once x 1 worker
+    for line in lines:
+        assert (f"(budget {share / 2**30:.2f} GiB: half of this node's {node / 2**30:.2f} GiB over 2 ranks of the "
+                "study's trials at once)") in line, line
 
 
 def test_mlflow_parent_and_child_runs_all_end(study: tuple[TuneResult, Path]) -> None:
@@ -194,7 +262,14 @@ def test_mlflow_parent_and_child_runs_all_end(study: tuple[TuneResult, Path]) ->
     assert parent.data.params["tune.space.optim.lr.loguniform"] == "[0.0001, 0.1]"
     table = read_summary(client, parent.info.run_id)
     assert table["study/best_val_accuracy"] == pytest.approx(result.best.metric, rel=1e-3)  # 4 digits
-    assert not parent.data.metrics  # run-level figures only: the summary table and the description
+    # The best trial's headline figures as the parent's metrics (the runs table compares studies), as its own run
+    # has them at its last report; everything else of the study in its summary table and description.
+    best_run = client.search_runs(
+        [parent.info.experiment_id], f"tags.`orchestrator.trial_id` = '{result.best.trial_id}'")[0]
+    headline = {k: v for k, v in best_run.data.metrics.items() if k.startswith("headline/")}
+    assert set(headline) == {"headline/train_loss", "headline/val_accuracy", "headline/samples_per_s"}
+    assert parent.data.metrics == pytest.approx(headline, rel=1e-6)  # a float through Tune's CSV
+    assert parent.data.metrics["headline/val_accuracy"] == result.best.metric
     assert result.best.label in parent.data.tags["mlflow.note.content"]
     assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {
         "best.yaml", "study.yaml", "metric_vs_lr.png", "learning_curves.png", "summary.json"}
@@ -258,16 +333,19 @@ def test_best_yaml_validates_and_trains(study: tuple[TuneResult, Path]) -> None:
     config = load_config(result.best_config_path)
     assert config.optim.lr == pytest.approx(result.best.params["optim.lr"])
     assert config.optim.warmup_steps == result.best.params["optim.warmup_steps"]
+    # At an ordinary run's cadence, not the study's (log_every=eval_every=10, for ASHA's milestones).
+    assert (config.train.log_every, config.train.eval_every) == (25, 100)
     trained = train(config, verbose=False)
     assert trained.metrics["step"] == 40
     # Same config, same seed, one worker with the same thread count, the same data order on the same CPU: the
-    # retrained run is the trial again, step for step. Its metric is the trial's exactly (both come from the same
-    # float; a correct-count ratio); the learning curve too, up to the last digit of Tune's CSV round trip.
+    # retrained run is the trial again. Its metric is the trial's exactly (both come from the same float; a
+    # correct-count ratio), its validation loss too, up to the last digit of Tune's CSV round trip; it reported at
+    # steps 25 and 40 and evaluated once, at the end.
     assert trained.metrics["val_accuracy"] == result.best.metric
-    keys = ("step", "train_loss", "val_loss", "val_accuracy")
-    assert len(trained.history) == len(result.best.history) == 4
-    for ours, trial in zip(trained.history, result.best.history, strict=True):
-        assert {k: ours[k] for k in keys} == pytest.approx({k: trial[k] for k in keys}, rel=1e-12, abs=0)
+    assert [r["step"] for r in trained.history] == [25, 40] and len(result.best.history) == 4
+    keys = ("step", "val_loss", "val_accuracy")
+    assert {k: trained.history[-1][k] for k in keys} == pytest.approx(
+        {k: result.best.history[-1][k] for k in keys}, rel=1e-12, abs=0)
 
 
 def test_rerunning_continues_the_study_and_a_changed_one_is_refused(study: tuple[TuneResult, Path],

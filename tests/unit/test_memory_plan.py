@@ -149,3 +149,26 @@ def test_the_parallel_line_of_one_worker_says_worker_not_workers() -> None:
                                                           "and 2.0 MiB of optimizer state")
     assert parallel_line([facts | {"world_size": 2}]) == ("parallel: ddp over 2 workers, each holding 1.0 MiB of "
                                                           "parameters and 2.0 MiB of optimizer state")
+
+
+@pytest.mark.parametrize(("trials", "workers", "cpus", "node_cpus", "sharing"), [
+    (15, 1, 1.0, 16.0, 15),  # 15 one-worker trials at once on a 16-CPU node: each plans 1/15 of its half
+    (3, 2, 1.0, 16.0, 6),  # two-worker trials: their workers count too, not only one run's
+    (4, 4, 2.0, 16.0, 8),  # at most what the node's CPUs hold: 8 two-CPU ranks
+    (1, 1, 1.0, 4.0, 1),
+])
+def test_auto_micro_batch_in_a_study_divides_the_nodes_memory_by_every_rank_it_places_there(
+        trials: int, workers: int, cpus: float, node_cpus: float, sharing: int) -> None:
+    import psutil
+
+    from orchestrator.training.micro_batch import cpu_budget
+    from orchestrator.tuning.search import ranks_per_node
+
+    ranks = ranks_per_node(trials, workers, cpus, node_cpus)
+    assert ranks == sharing
+    budget, basis = cpu_budget(None, ranks)
+    node = psutil.virtual_memory().total
+    assert budget == pytest.approx(node / 2 / sharing)
+    assert basis == (f"budget {node / 2 / sharing / 2**30:.2f} GiB: half of this node's {node / 2**30:.2f} GiB over "
+                     f"{sharing} ranks of the study's trials at once")
+    assert cpu_budget(3.0, ranks) == (3 * 2**30, "budget 3 GiB: train.memory_budget_gb")  # the user's figure wins

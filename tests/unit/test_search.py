@@ -158,6 +158,25 @@ def test_best_yaml_loads_unchanged_with_the_best_values(tmp_path: Path) -> None:
     assert loaded.tune.space == {}  # nothing tune-only left: `orchestrator train` takes it as is
 
 
+def test_best_yaml_trains_at_an_ordinary_runs_cadence_not_the_studys(tmp_path: Path) -> None:
+    """A study reports and evaluates often (ASHA compares trials at every report); retraining the winner at that
+    cadence would spend most of its time evaluating. What the study searched stays as the best trial had it."""
+    from orchestrator.config.schema import TrainConfig
+    from orchestrator.tuning.results import best_yaml
+
+    base = study(LR, "train.log_every=10", "train.eval_every=10", "train.max_steps=40", "checkpoint.every=20")
+    path = tmp_path / "best.yaml"
+    path.write_text(best_yaml(user_tree(base), {"optim.lr": 0.0123}))
+    loaded = load_config(path)
+    ordinary = TrainConfig.model_fields
+    assert (loaded.train.log_every, loaded.train.eval_every) == (ordinary["log_every"].default,
+                                                                 ordinary["eval_every"].default) == (25, 100)
+    assert loaded.train.max_steps == 40 and loaded.checkpoint.every == 20 and loaded.optim.lr == 0.0123
+    searched = study(LR, "tune.space.train.eval_every.choice=[5, 10]", "train.log_every=5")
+    path.write_text(best_yaml(user_tree(searched), {"optim.lr": 0.0123, "train.eval_every": 5}))
+    assert load_config(path).train.eval_every == 5
+
+
 def test_concurrency_and_capacity_follow_the_widest_trial() -> None:
     cfg = study(LR, "scaling.num_workers=2", "train.global_batch_size=128")
     assert max_concurrent(cfg, {"CPU": 9.0}).trials == 4  # one CPU kept for Ray Data's read tasks

@@ -75,3 +75,52 @@ def test_a_pipe_gets_a_line_per_trial_that_ends_and_no_table(capsys: pytest.Capt
                      "trial lr=1.0e-03 completed at step 30, val_accuracy 0.8000",
                      "trial lr=3.0e-03 completed at step 30, val_accuracy 0.8000",
                      "trial lr=1.0e-02 completed at step 30, val_accuracy 0.8000"]
+
+
+def test_a_restarted_trials_ledger_bills_the_time_its_restart_lost() -> None:
+    """Tune rewinds time_total_s to the checkpoint's when it restarts a trial: the ledger's clock is when each report
+    was made, from the trial's start, and its wall clock the span Tune saw the trial run."""
+    from orchestrator.cost import REPORTED_AT, RESTART_MARK, Pricing
+    from orchestrator.tuning.trials import trial_ledger
+
+    started = 1000.0
+    rows = [  # the first process reports step 10 at +5 s, checkpoints, dies at +8 s; the second restarts from it
+        {"step": 10, "interval_s": 1.0, "time_total_s": 5.0, REPORTED_AT: 1005.0, RESTART_MARK: 1},
+        {"step": 20, "interval_s": 1.0, "time_total_s": 6.0, REPORTED_AT: 1014.0, RESTART_MARK: 2},
+        {"step": 30, "interval_s": 1.0, "time_total_s": 7.0, REPORTED_AT: 1015.0},
+    ]
+    rows = [r | {"time/compute_frac": 1.0} for r in rows]
+    ledger = trial_ledger(rows, started, 1015.5, Pricing(1, 3600.0, "one node at $1/s"))
+    assert ledger.wall_s == 15.5 and ledger.usd == pytest.approx(15.5)
+    seconds = {k: v for k, v in ledger.seconds.items() if v}
+    # 4 s before the first interval; the three intervals; 1014 - 1005 - 1 s between the last report before the kill
+    # and the restarted process's first interval; half a second after the last report.
+    assert seconds == pytest.approx({"startup": 4.0, "compute": 3.0, "recovery": 8.0, "shutdown": 0.5})
+    # Without the stamps (a wider trial's reports), Tune's clock, which its trial never rewinds.
+    plain = [{k: v for k, v in r.items() if k != REPORTED_AT} for r in rows[1:]]
+    assert trial_ledger(plain, None, None, Pricing(1, None, "")).wall_s == 7.0
+
+
+def test_the_final_table_ranks_the_trials_shows_their_values_and_marks_the_best() -> None:
+    from orchestrator.tuning.results import TrialSummary, TuneResult, final_table, pick_best
+
+    def trial(i: int, lr: float, status: str, metric: float | None) -> TrialSummary:
+        return TrialSummary(f"t_{i:05d}", {"optim.lr": lr, "optim.warmup_steps": 10 * i}, status,
+                            40 if status == "completed" else 20, metric, name=f"lr={lr:.1e},warmup={10 * i}")
+
+    trials = [trial(0, 1e-3, "stopped", 0.95), trial(1, 3e-2, "completed", 0.80), trial(2, 1e-2, "completed", 0.90),
+              trial(3, 1e-4, "error", None)]
+    for mode, order in (("max", [2, 1, 0, 3]), ("min", [1, 2, 0, 3])):
+        best = pick_best(trials, mode)
+        assert best is not None
+        result = TuneResult(config=None, best=best, trials=trials, metric="val_accuracy",  # type: ignore[arg-type]
+                            mode=mode, best_config_path="", study_path="", parent_run_id=None, tracking_uri=None,
+                            resumed=False)
+        header, *lines = final_table(result).splitlines()
+        assert header.split() == ["trial", "status", "lr", "warmup", "step", "val_accuracy", "id"]
+        # Completed trials by their metric, then the early-stopped (from fewer steps), then those without one.
+        assert [line.split()[-1] if "<-" not in line else line.split()[-3] for line in lines] == [
+            f"t_{i:05d}" for i in order]
+        assert lines[0].endswith(f"{best.trial_id}  <- best") and sum("<- best" in x for x in lines) == 1
+        values = [(float(line.split()[2]), int(line.split()[3])) for line in lines]  # the searched values
+        assert values == [(pytest.approx(trials[i].params["optim.lr"], rel=1e-2), 10 * i) for i in order]
