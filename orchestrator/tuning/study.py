@@ -292,7 +292,7 @@ def check_rank_by(config: Config) -> None:
     """metric_per_dollar needs prices and a metric where more is better; raises ConfigError otherwise."""
     if config.tune.rank_by != "metric_per_dollar":
         return
-    if not config.cost.priced:
+    if resolve_pricing(config).usd_per_node_hour is None:  # e.g. CPU trials on a GPU node type
         raise ConfigError("tune.rank_by=metric_per_dollar needs prices: set cost.node_type (see "
                           "cluster/prices.yaml) or cost.price_per_hour")
     if resolved_mode(config) != "max":

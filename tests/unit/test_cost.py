@@ -162,7 +162,8 @@ def test_study_callback_logs_each_trial_ledger_at_its_own_size() -> None:
     logged: dict[str, dict[str, float]] = {}
     for trial_id, workers in (("small", 2), ("large", 8)):
         trial = SimpleNamespace(trial_id=trial_id, config={"scaling.num_workers": workers}, status="RUNNING",
-                                last_result={"step": 100, "done": True}, error_file=None)
+                                last_result={"step": 100, "done": True}, error_file=None,
+                                run_metadata=SimpleNamespace(start_time=1000.0, last_result_time=4600.0))
         callback._runs[trial_id] = SimpleNamespace(  # stands in for the trial's MLflow child run
             log_metrics=lambda metrics, step, trial_id=trial_id: logged.setdefault(trial_id, metrics),
             set_tags=lambda tags: None, finish=lambda status: None)
@@ -279,3 +280,13 @@ def test_the_readmes_laptop_check_of_the_gpu_recipe_is_not_priced_as_gpu_nodes()
     given = resolve_pricing(load_config(Path(__file__).resolve().parents[2] / config,
                                         [*overrides, "cost.price_per_hour=0.1"]))
     assert given.usd_per_node_hour == 0.1
+
+
+def test_metric_per_dollar_is_refused_for_a_study_its_pricing_leaves_unpriced() -> None:
+    # CPU trials on a GPU node type are unpriced (above): ranking them by dollars would divide by nothing.
+    from orchestrator.tuning.study import check_rank_by
+
+    ranked = ["tune.metric=val_accuracy", "tune.rank_by=metric_per_dollar", "cost.node_type=gpu_spot"]
+    check_rank_by(load_config(None, [*ranked, "scaling.use_gpu=true"]))  # priced: accepted
+    with pytest.raises(ConfigError, match="tune.rank_by=metric_per_dollar needs prices"):
+        check_rank_by(load_config(None, ranked))
