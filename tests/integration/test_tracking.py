@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from services import BIN, free_port, start_mlflow_server, stop_group, wait_for
@@ -221,21 +222,23 @@ def test_final_model_is_an_mlflow_model_that_loads_predicts_and_registers(
         torch.testing.assert_close(loaded(x), expected, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(loaded(x[:3]), expected[:3], atol=1e-5, rtol=1e-5)  # any batch size
 
+    # The pyfunc flavour: the `pixels` column by name, the class and its probabilities (classification).
+    frame = pd.DataFrame({"pixels": list(x.numpy())})
     pyfunc = mlflow.pyfunc.load_model(uri)
-    predicted = pyfunc.predict(x.numpy())
-    assert isinstance(predicted, np.ndarray) and predicted.shape == (len(x), 10)
-    np.testing.assert_allclose(predicted, expected.numpy(), atol=1e-5, rtol=1e-5)
+    predicted = pyfunc.predict(frame)
+    np.testing.assert_array_equal(predicted["class"].to_numpy(), expected.argmax(-1).numpy())
+    np.testing.assert_allclose(np.stack(predicted["probabilities"].to_numpy()), expected.softmax(-1).numpy(),
+                               atol=1e-5, rtol=1e-5)
     signature = pyfunc.metadata.signature
     assert signature is not None
-    (inputs,), (outputs,) = signature.inputs.inputs, signature.outputs.inputs
-    assert (inputs.type, inputs.shape) == (np.dtype("float32"), (-1, 64))
-    assert (outputs.type, outputs.shape) == (np.dtype("float32"), (-1, 10))
-    assert pyfunc.metadata.saved_input_example_info["type"] == "ndarray"  # the sample rows
+    assert [c.name for c in signature.inputs.inputs] == ["pixels"]
+    assert [c.name for c in signature.outputs.inputs] == ["class", "probabilities"]
+    assert pyfunc.metadata.saved_input_example_info["type"] == "dataframe"  # the sample rows
 
     version = mlflow.register_model(uri, "digits-mlp")
     assert str(version.version) == "1" and version.run_id == result.run_id
     registered = mlflow.pyfunc.load_model("models:/digits-mlp/1")
-    np.testing.assert_allclose(registered.predict(x.numpy()), expected.numpy(), atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(registered.predict(frame)["class"], predicted["class"])
 
     # The other final artifacts are still there; the bare state dict is gone (the MLflow Model replaces it).
     client = MlflowClient(tracking_uri=result.tracking_uri)
