@@ -37,17 +37,20 @@ def create_checkpoint_model(client: Any, experiment_id: str, run_id: str, step: 
     return str(model.model_id)
 
 
-def delete_dropped(client: Any, experiment_id: str, run_id: str, kept: set[str]) -> None:
+def delete_dropped(client: Any, experiment_id: str, run_id: str, kept: set[str]) -> set[str]:
     """Delete the run's checkpoint models whose checkpoint is not in `kept` (URIs): Ray's retention
-    (`checkpoint.keep`) deleted their files, and a model that cannot be loaded must not be found as the best."""
+    (`checkpoint.keep`) deleted their files, and a model that cannot be loaded must not be found as the best.
+    Returns the URIs of the kept checkpoints that have a model."""
     query = f"source_run_id = '{run_id}' AND model_type = '{MODEL_TYPE}'"
     token = None
-    dropped = []
+    models = []
     while True:
         page = client.search_logged_models([experiment_id], filter_string=query, page_token=token)
-        dropped += [m.model_id for m in page if m.tags.get(CHECKPOINT_TAG) not in kept]
+        models += list(page)
         token = page.token
         if not token:
             break
-    for model_id in dropped:
-        client.delete_logged_model(model_id)
+    for model in models:
+        if model.tags.get(CHECKPOINT_TAG) not in kept:
+            client.delete_logged_model(model.model_id)
+    return {model.tags[CHECKPOINT_TAG] for model in models if model.tags.get(CHECKPOINT_TAG) in kept}

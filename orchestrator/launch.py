@@ -401,8 +401,11 @@ def _fit(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, tracker
         raise RunFailedError(f"training failed before its first report: {exc}; not retried, as every restart would "
                              f"fail the same way (run directory: {place.uri})") from None
     _remove_unregistered_checkpoints(result)
-    kept = [c.path for c, _ in result.best_checkpoints or []] + ([result.checkpoint.path] if result.checkpoint else [])
-    tracker.keep_checkpoints([_checkpoint_uri(config, path) for path in kept])  # retention deleted the others
+    # The checkpoints retention kept, each a LoggedModel of the run (checkpoint_models.py); the others' models go.
+    kept = {_checkpoint_uri(config, c.path): m.get("step") for c, m in result.best_checkpoints or []}
+    if result.checkpoint:
+        kept.setdefault(_checkpoint_uri(config, result.checkpoint.path), (result.metrics or {}).get("step"))
+    tracker.keep_checkpoints(kept)
     checkpoint_path = _checkpoint_uri(config, result.checkpoint.path) if result.checkpoint else None
     if history:
         tracker.log_metrics(run_summary(history), step=history[-1]["step"])

@@ -58,7 +58,7 @@ class Tracker(Protocol):
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
     def log_datasets(self, infos: Mapping[str, DatasetInfo]) -> None: ...
     def log_checkpoint(self, step: int, uri: str) -> None: ...
-    def keep_checkpoints(self, uris: list[str]) -> None: ...
+    def keep_checkpoints(self, kept: Mapping[str, int | None]) -> None: ...
     def finish(self, status: str) -> None: ...
 
 
@@ -236,7 +236,7 @@ class NullTracker:
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
     def log_datasets(self, infos: Mapping[str, DatasetInfo]) -> None: ...
     def log_checkpoint(self, step: int, uri: str) -> None: ...
-    def keep_checkpoints(self, uris: list[str]) -> None: ...
+    def keep_checkpoints(self, kept: Mapping[str, int | None]) -> None: ...
     def finish(self, status: str) -> None: ...
 
 
@@ -429,27 +429,44 @@ class MlflowTracker:
         if linked:
             self._safe("log_metrics", self._client.log_batch, self.run_id, metrics=linked)
 
-    def keep_checkpoints(self, uris: list[str]) -> None:
-        """The checkpoints still in storage at the run's end: the models of the others (deleted by retention)
-        are deleted too."""
+    def keep_checkpoints(self, kept: Mapping[str, int | None]) -> None:
+        """The checkpoints in storage at the run's end ({URI: step}): the models of the others (deleted by
+        retention) are deleted, and one the driver never heard of (committed while an earlier attempt's driver
+        was going away) is made now, with the run's points of its step linked."""
         from orchestrator.checkpoint_models import delete_dropped
 
-        self._safe("log_checkpoint", delete_dropped, self._client, self.experiment_id, self.run_id, set(uris))
+        modelled: list[set[str]] = []
+        self._safe("log_checkpoint", lambda: modelled.append(
+            delete_dropped(self._client, self.experiment_id, self.run_id, set(kept))))
+        for uri, step in kept.items():
+            if modelled and uri not in modelled[0] and step is not None:
+                self.log_checkpoint(step, uri)
+                if step in self._models:
+                    self._safe("log_metrics", self._link_logged, step)
+
+    def _link_logged(self, step: int) -> None:
+        """Link the run's points at `step` in the store (an earlier attempt's) to the step's checkpoint model."""
+        from mlflow.entities import Metric
+
+        keys = [key for key in self._client.get_run(self.run_id).data.metrics if _linkable(canonical_key(key))]
+        points = [Metric(key, m.value, m.timestamp, step, **self._link(canonical_key(key), step)) for key in keys
+                  for m in self._client.get_metric_history(self.run_id, key) if m.step == step]
+        if points:
+            self._client.log_batch(self.run_id, metrics=points)
 
     def _link(self, key: str, step: int) -> dict[str, str]:
         """Metric(...)'s arguments linking a point of series `key` at `step` to the step's checkpoint model and to
         the dataset it was measured on: the validation figures and the training loss; {} for anything else."""
-        split = "val" if key.startswith("val/") else "train" if key == mlflow_key("train_loss") else None
         with self._lock:
             model = self._models.get(step)
-        if split is None or model is None:
+        if not _linkable(key) or model is None:
             return {}
-        name, digest = self._datasets.get(split, (None, None))
+        name, digest = self._datasets.get("val" if key.startswith("val/") else "train", (None, None))
         return {"model_id": model} | ({"dataset_name": name, "dataset_digest": digest} if name else {})
 
     def _remember(self, key: str, chart: str, value: float, timestamp: int, step: int) -> None:
         """A linkable point sent to the run, for the checkpoint of its step if that comes later (recent steps)."""
-        if key.startswith("val/") or key == mlflow_key("train_loss"):
+        if _linkable(key):
             with self._lock:
                 self._sent.setdefault(step, []).append((key, chart, value, timestamp))
                 while len(self._sent) > 256:
@@ -535,6 +552,12 @@ class MlflowTracker:
 
 
 _CONTEXTS = {"train": "training", "val": "validation"}
+
+
+def _linkable(key: str) -> bool:
+    """Whether the series under MLflow key `key` is linked to the checkpoint models of its steps: the validation
+    figures and the training loss."""
+    return key.startswith("val/") or key == mlflow_key("train_loss")
 
 
 def dataset_entity(info: DatasetInfo) -> Any:

@@ -13,10 +13,11 @@ import pytest
 from orchestrator.config import TrackingConfig
 from orchestrator.tracking import MlflowTracker, chart_key, mlflow_key
 
-# Three reports, each with a checkpoint: validation loss, accuracy and training loss; step 20 is the best.
+# Four reports, each with a checkpoint: validation loss, accuracy and training loss; step 20 is the best.
 REPORTS = {10: {"train_loss": 1.2, "val_loss": 0.9, "val_accuracy": 0.5},
            20: {"train_loss": 0.8, "val_loss": 0.4, "val_accuracy": 0.85},
-           30: {"train_loss": 0.6, "val_loss": 0.6, "val_accuracy": 0.8}}
+           30: {"train_loss": 0.6, "val_loss": 0.6, "val_accuracy": 0.8},
+           40: {"train_loss": 0.5, "val_loss": 0.7, "val_accuracy": 0.75}}
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,8 @@ def test_each_checkpoint_is_a_logged_model_with_its_steps_metrics_and_the_best_i
     tracker.log_metrics(REPORTS[20], step=20)
     tracker.log_metrics(REPORTS[30], step=30)
     tracker.log_checkpoint(30, paths[30])
-    tracker.finish("FINISHED")
+    tracker.log_metrics(REPORTS[40], step=40)  # its checkpoint's commit never reaches this driver: it dies
+    tracker.finish("KILLED")
     assert "warning" not in capsys.readouterr().err
 
     client = MlflowClient(tracker.uri)
@@ -58,21 +60,10 @@ def test_each_checkpoint_is_a_logged_model_with_its_steps_metrics_and_the_best_i
     models = client.search_logged_models([run.info.experiment_id],
                                          filter_string=f"source_run_id = '{tracker.run_id}'")
     by_step = {int(m.params["step"]): m for m in models}
-    assert sorted(by_step) == [10, 20, 30]  # one model per committed checkpoint
-    val = dataset_entity(infos["val"])
-    for step, model in by_step.items():
-        assert model.name == Path(paths[step]).name and model.status.to_int() == 2  # READY
-        assert model.tags["mlflow.model.isExternal"] == "true" and model.tags["orchestrator.checkpoint"] == paths[step]
-        assert client.list_logged_model_artifacts(model.model_id) == []  # external: nothing was uploaded
-        linked = {m.key: m for m in model.metrics}
-        # Each linked value is the run's own point at that step, under the key the run charts it by.
-        for name, value in REPORTS[step].items():
-            key = chart_key(mlflow_key(name), "val_accuracy")
-            (point,) = [m for m in client.get_metric_history(tracker.run_id, key) if m.step == step]
-            assert linked[key].value == point.value == value and linked[key].step == step
-        assert (linked["val/loss"].dataset_name, linked["val/loss"].dataset_digest) == (val.name, val.digest)
+    assert sorted(by_step) == [10, 20, 30]  # one model per checkpoint whose commit the driver heard of
+    assert_linked(client, tracker.run_id, by_step, paths, dataset_entity(infos["val"]))
     # Linking logged no second point: one per report.
-    assert [m.step for m in client.get_metric_history(tracker.run_id, "val/loss")] == [10, 20, 30]
+    assert [m.step for m in client.get_metric_history(tracker.run_id, "val/loss")] == [10, 20, 30, 40]
     # The run's outputs name each model with its step.
     outputs = {o.model_id: o.step for o in run.outputs.model_outputs}
     assert {outputs[m.model_id] for m in models} == {10, 20, 30}
@@ -84,12 +75,35 @@ def test_each_checkpoint_is_a_logged_model_with_its_steps_metrics_and_the_best_i
         {"field_name": "metrics.headline/val_accuracy", "ascending": False}])
     assert int(best[0].params["step"]) == 20
 
-    # At the run's end, the checkpoints retention deleted (checkpoint.keep=2) lose their models.
+    # The resumed run ends with checkpoints 20, 30 and 40 in storage (retention deleted 10): 10's model goes, and
+    # 40 (committed while the first driver died) gets one, with the first attempt's points of its step linked.
     again = MlflowTracker(TrackingConfig(uri=store, experiment="checkpoints"), "ckpt-run", run_id=tracker.run_id)
-    again.keep_checkpoints([paths[20], paths[30]])
+    again.log_datasets(infos)
+    paths[40] = str(tmp_path / "checkpoint_00000040_abcdef")
+    again.keep_checkpoints({paths[20]: 20, paths[30]: 30, paths[40]: 40})
     again.finish("FINISHED")
     left = client.search_logged_models([run.info.experiment_id], filter_string=f"source_run_id = '{tracker.run_id}'")
-    assert sorted(int(m.params["step"]) for m in left) == [20, 30]
+    by_step = {int(m.params["step"]): m for m in left}
+    assert sorted(by_step) == [20, 30, 40]
+    assert_linked(client, tracker.run_id, by_step, paths, dataset_entity(infos["val"]))
+    assert [m.step for m in client.get_metric_history(tracker.run_id, "val/loss")] == [10, 20, 30, 40]
+
+
+def assert_linked(client: Any, run_id: str, by_step: dict[int, Any], paths: dict[int, str], val: Any) -> None:
+    """Each model is the external one of its checkpoint, READY, with the run's own points of its step linked."""
+    from mlflow.entities import LoggedModelStatus
+
+    for step, model in by_step.items():
+        assert model.name == Path(paths[step]).name and model.status == LoggedModelStatus.READY
+        assert model.tags["mlflow.model.isExternal"] == "true" and model.tags["orchestrator.checkpoint"] == paths[step]
+        assert client.list_logged_model_artifacts(model.model_id) == []  # external: nothing was uploaded
+        linked = {m.key: m for m in model.metrics}
+        # Each linked value is the run's own point at that step, under the key the run charts it by.
+        for name, value in REPORTS[step].items():
+            key = chart_key(mlflow_key(name), "val_accuracy")
+            (point,) = [m for m in client.get_metric_history(run_id, key) if m.step == step]
+            assert linked[key].value == point.value == value and linked[key].step == step
+        assert (linked["val/loss"].dataset_name, linked["val/loss"].dataset_digest) == (val.name, val.digest)
 
 
 def test_a_store_that_stops_answering_costs_a_checkpoint_model_one_warning_not_the_run(
@@ -105,6 +119,6 @@ def test_a_store_that_stops_answering_costs_a_checkpoint_model_one_warning_not_t
     tracker._client = MlflowClient(f"http://127.0.0.1:{port}")  # the store goes away mid-run
     tracker.log_checkpoint(10, "/runs/checkpoint_00000010_abcdef")  # never raises
     tracker.log_metrics(REPORTS[10], step=10)
-    tracker.keep_checkpoints([])
+    tracker.keep_checkpoints({})
     lines = [line for line in capsys.readouterr().err.splitlines() if "MLflow" in line]
     assert len(lines) == 1 and lines[0].startswith("warning: MLflow tracking at ") and "log_checkpoint" in lines[0]
