@@ -312,9 +312,12 @@ def test_named_inputs_are_logged_with_a_dict_signature(tmp_path: Path, digits_di
     with torch.no_grad():
         torch.testing.assert_close(loaded(pixels=pixels), model(pixels=pixels))
     metadata = mlflow.models.get_model_info(uri)
-    (inputs,) = metadata.signature.inputs.inputs
-    assert (inputs.name, inputs.type, inputs.shape) == ("pixels", np.dtype("float32"), (-1, 64))
-    assert metadata.saved_input_example_info is None  # the pyfunc's predict cannot call forward(pixels=...)
+    assert [c.name for c in metadata.signature.inputs.inputs] == ["pixels"]
+    assert metadata.saved_input_example_info["type"] == "dataframe"
+    # The pyfunc flavour calls forward(pixels=...) with the column of that name.
+    predicted = mlflow.pyfunc.load_model(uri).predict(pd.DataFrame({"pixels": list(pixels.numpy())}))
+    with torch.no_grad():
+        np.testing.assert_array_equal(predicted["class"].to_numpy(), model(pixels=pixels).argmax(-1).numpy())
 
 
 def test_a_model_that_cannot_be_logged_warns_one_line_and_tracking_goes_on(
