@@ -71,8 +71,8 @@ def log_final_model(tracker: Tracker, config: Config, info: DatasetInfo,
         path = Path(tmp) / MODEL_NAME
         try:
             # In the user's working directory: a builder may read files relative to it.
-            model, example, output = _rebuild(config, info, weights())
             predicting = _pyfunc_settings(config, info)
+            model, example, output = _rebuild(config, info, weights())
             with _working_directory(tmp):
                 _save(model, example, output, path)
                 if predicting is not None:
