@@ -22,7 +22,7 @@ from orchestrator.cost import build_ledger, ledger_across_attempts, resolve_pric
 from orchestrator.errors import ConfigError
 from orchestrator.model_logging import checkpoint_weights, log_final_model
 from orchestrator.plots import plot_history
-from orchestrator.progress import ForwardFailures, ReportConsumer, progress_line
+from orchestrator.progress import ForwardCheckpoints, ForwardFailures, ReportConsumer, progress_line
 from orchestrator.runs import RUN_CONFIG, AttemptLog, RunPlace, latest_run, new_run, open_run_storage
 from orchestrator.startup import StartupClock
 from orchestrator.tracking import (
@@ -361,6 +361,9 @@ def _fit(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, tracker
     doomed: list[str] = []  # an error in the user's code or config before the first report
 
     def handle(report: dict[str, Any]) -> None:
+        if report.get("event") == "checkpoint":  # committed by Ray Train: a LoggedModel of the run
+            tracker.log_checkpoint(report["step"], _checkpoint_uri(config, report["path"]))
+            return
         if report.get("event") == "worker_failure":
             failures.append(clock.since_start())
             step = history[-1]["step"] if history else 0
@@ -390,7 +393,7 @@ def _fit(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, tracker
 
     # Rank 0 puts its metrics on this queue itself (no barrier); the controller adds worker failures.
     queue = Queue(actor_options={"num_cpus": 0})
-    trainer = build_run(config, infos, place, [ForwardFailures(queue)], queue)
+    trainer = build_run(config, infos, place, [ForwardFailures(queue), ForwardCheckpoints(queue)], queue)
     log.divert()  # Ray Data and Ray Train set up their loggers on first use
     clock.mark("datasets")
     try:
@@ -402,6 +405,11 @@ def _fit(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, tracker
         raise RunFailedError(f"training failed before its first report: {exc}; not retried, as every restart would "
                              f"fail the same way (run directory: {place.uri})") from None
     _remove_unregistered_checkpoints(result)
+    # The checkpoints retention kept, each a LoggedModel of the run (checkpoint_models.py); the others' models go.
+    kept = {_checkpoint_uri(config, c.path): m.get("step") for c, m in result.best_checkpoints or []}
+    if result.checkpoint:
+        kept.setdefault(_checkpoint_uri(config, result.checkpoint.path), (result.metrics or {}).get("step"))
+    tracker.keep_checkpoints(kept)
     checkpoint_path = _checkpoint_uri(config, result.checkpoint.path) if result.checkpoint else None
     if history:
         tracker.log_metrics(run_summary(history), step=history[-1]["step"])

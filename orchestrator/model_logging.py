@@ -1,5 +1,6 @@
 """The final weights as an MLflow Model in the run: `mlflow.pytorch.load_model("runs:/<run_id>/model")` gives the
-trained module back, and `mlflow.register_model("runs:/<run_id>/model", name)` registers it.
+trained module back, `mlflow.pyfunc.load_model(...).predict(frame)` takes the feature columns by name and answers
+in the task's terms (pyfunc_model.py), and `mlflow.register_model("runs:/<run_id>/model", name)` registers it.
 
 The model is rebuilt on the driver's CPU from the resolved config, given the final checkpoint's weights, and saved
 with an input example and a signature from real rows (the training data's sample) run through it. Logging is
@@ -7,8 +8,10 @@ best-effort like the rest of tracking: a failure is one warning line and the run
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -68,9 +71,12 @@ def log_final_model(tracker: Tracker, config: Config, info: DatasetInfo,
         path = Path(tmp) / MODEL_NAME
         try:
             # In the user's working directory: a builder may read files relative to it.
+            predicting = _pyfunc_settings(config, info)
             model, example, output = _rebuild(config, info, weights())
             with _working_directory(tmp):
                 _save(model, example, output, path)
+                if predicting is not None:
+                    _add_task_pyfunc(model, path, *predicting)
         except Exception as exc:  # noqa: BLE001 - a model that cannot be saved must not fail a finished run
             detail = (str(exc).splitlines() or [""])[0][:300]
             print(f"warning: the final model was not logged as an MLflow Model ({type(exc).__name__}: {detail}); "
@@ -136,6 +142,54 @@ def _rebuild(config: Config, info: DatasetInfo, weights: dict[str, Any]) -> tupl
             example = {argument: value.numpy() for argument, value in inputs.items()}
             output = model(**inputs)
     return model, example, logits_of(output).float().numpy()
+
+
+def _pyfunc_settings(config: Config, info: DatasetInfo) -> tuple[dict[str, Any], Any] | None:
+    """pyfunc_model.py's settings for this model and an input example (the sample rows' feature columns as a
+    DataFrame); None where a row's columns cannot be stacked as they come (a variable-length list, whose padding
+    and mask training's collate makes): then MLflow's own pytorch pyfunc (one array in, the raw output out)."""
+    import pyarrow as pa
+
+    inputs = config.model.input_map
+    columns = list(config.data.features) if inputs is None else list(inputs.values())
+    if (info.sample is None or info.schema is None or not set(columns) <= set(config.data.features)
+            or any(pa.types.is_list(info.schema.field(c).type) or pa.types.is_large_list(info.schema.field(c).type)
+                   for c in columns)):
+        return None
+    task = config.task.name if config.task.kind is not None else None  # a user's own task: its raw output
+    settings = {"task": task, "columns": columns, "inputs": inputs,
+                "tokens": inputs is None and config.data.label is None}
+    frame = info.sample.select(columns).slice(0, 5).to_pandas()
+    if len(frame) == 1:  # torch.export keeps a batch dimension of size 1 fixed: the example has two rows
+        frame = frame.loc[[0, 0]].reset_index(drop=True)
+    return settings, frame
+
+
+def _add_task_pyfunc(model: Any, path: Path, settings: dict[str, Any], frame: Any) -> None:
+    """Make the saved model's `python_function` flavour pyfunc_model.py's (shipped in the model's code/ folder):
+    its signature names the feature columns and the task's outputs, from the example run through it here."""
+    from mlflow.models import Model, infer_signature
+    from mlflow.models.utils import _save_example
+
+    from orchestrator.pyfunc_model import LOADER_MODULE, SETTINGS_FILE, TaskPredictor
+
+    mlmodel = Model.load(str(path))
+    flavor = mlmodel.flavors.get("python_function")
+    if flavor is None:
+        return
+    output = TaskPredictor(model, settings).predict(frame)
+    with warnings.catch_warnings():  # integer columns "cannot represent missing values": ids and classes never miss
+        warnings.simplefilter("ignore", UserWarning)
+        signature = infer_signature(frame, output)
+    (path / "code").mkdir(exist_ok=True)
+    shutil.copyfile(Path(__file__).with_name("pyfunc_model.py"), path / "code" / f"{LOADER_MODULE}.py")
+    (path / SETTINGS_FILE).write_text(json.dumps(settings))
+    flavor["loader_module"], flavor["code"] = LOADER_MODULE, "code"
+    for name in ("input_example.json", "serving_input_example.json"):  # the tensor example pt2 was traced with
+        (path / name).unlink(missing_ok=True)
+    mlmodel.saved_input_example_info, mlmodel.signature = None, signature
+    _save_example(mlmodel, frame, str(path))
+    mlmodel.save(str(path / "MLmodel"))
 
 
 def _is_transformers(model: Any) -> bool:

@@ -1,8 +1,8 @@
 """Metrics reach the driver, which prints progress and logs them to MLflow.
 
 Rank 0 puts each interval's metrics on a Ray queue itself (training/reporting.py), and the driver drains it in a
-thread while `fit()` blocks. Ray Train's controller adds what only it sees, a worker's failure, through a user
-callback (Train V2 runs those in the controller actor, so the callback only forwards).
+thread while `fit()` blocks. Ray Train's controller adds what only it sees, a worker's failure and a committed
+checkpoint, through user callbacks (Train V2 runs those in the controller actor, so the callbacks only forward).
 """
 
 from __future__ import annotations
@@ -40,6 +40,19 @@ class ForwardFailures(UserCallback):
         error = text if text.startswith(name) else f"{name}: {text}"  # a traceback's last line names it already
         self.queue.put({"event": "worker_failure", "rank": rank, "error": error[:300],
                         "repeats": isinstance(raised, DETERMINISTIC)})
+
+
+class ForwardCheckpoints(UserCallback):
+    """Runs in the controller: puts each checkpoint it committed (registered after every rank's report) on the
+    queue, with its step and path in run storage, for the driver to track (checkpoint_models.py)."""
+
+    def __init__(self, queue: Queue) -> None:
+        self.queue = queue
+
+    def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
+        step = metrics[0].get("step") if metrics and metrics[0] else None
+        if checkpoint is not None and isinstance(step, int):
+            self.queue.put({"event": "checkpoint", "step": step, "path": checkpoint.path})
 
 
 def _duration(seconds: float) -> str:

@@ -58,6 +58,8 @@ class Tracker(Protocol):
     def set_tags(self, tags: dict[str, str]) -> None: ...
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
     def log_datasets(self, infos: Mapping[str, DatasetInfo]) -> None: ...
+    def log_checkpoint(self, step: int, uri: str) -> None: ...
+    def keep_checkpoints(self, kept: Mapping[str, int | None]) -> None: ...
     def finish(self, status: str) -> None: ...
 
 
@@ -259,6 +261,8 @@ class NullTracker:
     def set_tags(self, tags: dict[str, str]) -> None: ...
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
     def log_datasets(self, infos: Mapping[str, DatasetInfo]) -> None: ...
+    def log_checkpoint(self, step: int, uri: str) -> None: ...
+    def keep_checkpoints(self, kept: Mapping[str, int | None]) -> None: ...
     def finish(self, status: str) -> None: ...
 
 
@@ -295,6 +299,12 @@ class MlflowTracker:
         self._held: dict[str, tuple[float, list[tuple[int, int]]]] = {}
         self._noted = False  # a description set by the caller is kept
         self._reopened = run_id is not None  # its params and tags may be there already
+        # Checkpoint models (checkpoint_models.py) by step, the points of linked series sent per step, and the
+        # (name, digest) of the datasets they are measured on: a step's metrics are linked to its checkpoint's
+        # model whichever of the report and the checkpoint's commit reaches the driver first.
+        self._models: dict[int, str] = {}
+        self._sent: dict[int, list[tuple[str, str, float, int]]] = {}
+        self._datasets: dict[str, tuple[str, str]] = {}
         self.run_id: str | None = None  # from when the run exists
         try:
             experiment = self._client.get_experiment_by_name(cfg.experiment)
@@ -411,7 +421,9 @@ class MlflowTracker:
                     self._summary[key] = value
             elif not isinstance(value, str):
                 chart = self._headline.get(key, key)
-                batch += [Metric(chart, v, t, s) for v, t, s in self._points(key, float(value), now, step)]
+                for v, t, s in self._points(key, float(value), now, step):
+                    batch.append(Metric(chart, v, t, s, **self._link(key, s)))
+                    self._remember(key, chart, v, t, s)
         if batch:
             self._safe("log_metrics", self._client.log_batch, self.run_id, metrics=batch)
 
@@ -428,6 +440,69 @@ class MlflowTracker:
             self._charted.add(key)
         return [(held[0], t, s) for t, s in held[1]] + [(value, now, step)]
 
+    def log_checkpoint(self, step: int, uri: str) -> None:
+        """A checkpoint Ray Train committed (at `uri`, of `step`) as an external LoggedModel of the run, with the
+        metrics of its step linked to it: those already logged now (the same points again: the store keeps one),
+        the others as they are logged."""
+        from mlflow.entities import Metric
+
+        from orchestrator.checkpoint_models import create_checkpoint_model
+
+        created: list[str] = []
+        self._safe("log_checkpoint", lambda: created.append(
+            create_checkpoint_model(self._client, self.experiment_id, self.run_id, step, uri)))
+        if not created:
+            return
+        with self._lock:
+            self._models[step] = created[0]
+            sent = list(self._sent.get(step, []))
+        linked = [Metric(chart, v, t, step, **self._link(key, step)) for key, chart, v, t in sent]
+        if linked:
+            self._safe("log_metrics", self._client.log_batch, self.run_id, metrics=linked)
+
+    def keep_checkpoints(self, kept: Mapping[str, int | None]) -> None:
+        """The checkpoints in storage at the run's end ({URI: step}): the models of the others (deleted by
+        retention) are deleted, and one the driver never heard of (committed while an earlier attempt's driver
+        was going away) is made now, with the run's points of its step linked."""
+        from orchestrator.checkpoint_models import delete_dropped
+
+        modelled: list[set[str]] = []
+        self._safe("log_checkpoint", lambda: modelled.append(
+            delete_dropped(self._client, self.experiment_id, self.run_id, set(kept))))
+        for uri, step in kept.items():
+            if modelled and uri not in modelled[0] and step is not None:
+                self.log_checkpoint(step, uri)
+                if step in self._models:
+                    self._safe("log_metrics", self._link_logged, step)
+
+    def _link_logged(self, step: int) -> None:
+        """Link the run's points at `step` in the store (an earlier attempt's) to the step's checkpoint model."""
+        from mlflow.entities import Metric
+
+        keys = [key for key in self._client.get_run(self.run_id).data.metrics if _linkable(canonical_key(key))]
+        points = [Metric(key, m.value, m.timestamp, step, **self._link(canonical_key(key), step)) for key in keys
+                  for m in self._client.get_metric_history(self.run_id, key) if m.step == step]
+        if points:
+            self._client.log_batch(self.run_id, metrics=points)
+
+    def _link(self, key: str, step: int) -> dict[str, str]:
+        """Metric(...)'s arguments linking a point of series `key` at `step` to the step's checkpoint model and to
+        the dataset it was measured on: the validation figures and the training loss; {} for anything else."""
+        with self._lock:
+            model = self._models.get(step)
+        if not _linkable(key) or model is None:
+            return {}
+        name, digest = self._datasets.get("val" if key.startswith("val/") else "train", (None, None))
+        return {"model_id": model} | ({"dataset_name": name, "dataset_digest": digest} if name else {})
+
+    def _remember(self, key: str, chart: str, value: float, timestamp: int, step: int) -> None:
+        """A linkable point sent to the run, for the checkpoint of its step if that comes later (recent steps)."""
+        if _linkable(key):
+            with self._lock:
+                self._sent.setdefault(step, []).append((key, chart, value, timestamp))
+                while len(self._sent) > 256:
+                    del self._sent[min(self._sent)]
+
     def summary(self) -> dict[str, Any]:
         """The summary table's figures so far, by MLflow key."""
         with self._lock:
@@ -439,14 +514,15 @@ class MlflowTracker:
         shown in the UI like `log_table`'s. Series reported twice or more that never changed join it here."""
         from mlflow.entities import Metric
 
-        once = []  # a series reported once is not known to be constant: a point (an early-stopped trial's metric)
+        single = []  # a series reported once is not known to be constant: a point (an early-stopped trial's metric)
         with self._lock:
             for key, (value, points) in self._held.items():
                 if len(points) > 1:
                     self._summary[key] = value
                 else:
-                    once += [Metric(self._headline.get(key, key), value, t, s) for t, s in points]
+                    single += [(key, value, t, s) for t, s in points]
             self._held.clear()
+        once = [Metric(self._headline.get(key, key), value, t, s, **self._link(key, s)) for key, value, t, s in single]
         if once:
             self._safe("log_metrics", self._client.log_batch, self.run_id, metrics=once)
         figures = self.summary()
@@ -483,8 +559,10 @@ class MlflowTracker:
         """The training and validation data as the run's inputs (the UI's Dataset column): `dataset_input` of each."""
         from mlflow.entities import DatasetInput, InputTag
 
-        inputs = [DatasetInput(dataset_entity(info), [InputTag("mlflow.data.context", _CONTEXTS.get(split, split))])
-                  for split, info in infos.items()]
+        entities = {split: dataset_entity(info) for split, info in infos.items()}
+        self._datasets |= {split: (entity.name, entity.digest) for split, entity in entities.items()}
+        inputs = [DatasetInput(entity, [InputTag("mlflow.data.context", _CONTEXTS.get(split, split))])
+                  for split, entity in entities.items()]
         if inputs:
             self._safe("log_inputs", self._client.log_inputs, self.run_id, datasets=inputs)
 
@@ -505,6 +583,12 @@ class MlflowTracker:
 
 
 _CONTEXTS = {"train": "training", "val": "validation"}
+
+
+def _linkable(key: str) -> bool:
+    """Whether the series under MLflow key `key` is linked to the checkpoint models of its steps: the validation
+    figures and the training loss."""
+    return key.startswith("val/") or key == mlflow_key("train_loss")
 
 
 def dataset_entity(info: DatasetInfo) -> Any:

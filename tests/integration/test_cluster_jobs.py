@@ -162,7 +162,7 @@ def test_job_submit_trains_on_two_nodes_and_tracks_to_mlflow_server(
     import mlflow.artifacts
 
     models = MlflowClient(mlflow_server).search_logged_models([run["info"]["experiment_id"]])
-    (logged,) = [m for m in models if m.source_run_id == run["info"]["run_id"]] or [None]
+    (logged,) = [m for m in models if m.source_run_id == run["info"]["run_id"] and m.name == "model"] or [None]
     assert logged is not None, (models, [ln for ln in logs.splitlines() if "warning" in ln.lower()])
     model = Path(mlflow.artifacts.download_artifacts(artifact_uri=logged.artifact_location,
                                                      dst_path=str(tmp_path / "m"), tracking_uri=mlflow_server))

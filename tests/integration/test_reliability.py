@@ -210,7 +210,7 @@ def test_ctrl_c_and_a_killed_driver_each_resume_the_same_run_and_mlflow_run(ray_
     config = tmp_path / "exp.yaml"
     config.write_text("experiment: resume-me\n")
     sets = [a for o in overrides(tmp_path, digits_dir, "train.max_steps=60", "model.entrypoint=held_model:build",
-                                 "model.hold_call=22", f"model.marker={hold}",
+                                 "model.hold_call=22", f"model.marker={hold}", "checkpoint.keep=10",
                                  "tracking.enabled=true", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db")
             for a in ("--set", o)]
     command = [str(BIN / "orchestrator"), "train", "--config", str(config),
@@ -309,8 +309,19 @@ def test_ctrl_c_and_a_killed_driver_each_resume_the_same_run_and_mlflow_run(ray_
     assert kept[-1] == "checkpoint_00000060" and len(complete_checkpoints(tmp_path / "runs")) == len(kept), kept
     (run,) = mlflow_runs()
     assert run.info.run_id == run_id and run.info.status == "FINISHED"
-    logged = [m.step for m in client.get_metric_history(run_id, chart_key(mlflow_key("train_loss"), None))]
+    history = client.get_metric_history(run_id, chart_key(mlflow_key("train_loss"), None))
+    logged = [m.step for m in history]
     assert min(logged) == 5 and max(logged) == 60
+    # Every checkpoint of the 3 attempts (checkpoint.keep=10 kept them all) is a LoggedModel of this one MLflow run,
+    # those committed while a driver was going away included, with the training loss of its step linked.
+    models = client.search_logged_models([run.info.experiment_id],
+                                         filter_string=f"source_run_id = '{run_id}' AND model_type = 'checkpoint'")
+    assert sorted(m.tags["orchestrator.checkpoint"] for m in models) == sorted(
+        str(p) for p in run_dir.glob("checkpoint_0*"))
+    for model in models:
+        (linked,) = model.metrics
+        step = int(model.params["step"])
+        assert linked.step == step and linked.value in {m.value for m in history if m.step == step}
     # The run's ledger spans the attempts: its wall clock runs from the first command's start to the last one's
     # end, and the time from each stop to the next command (at least) is recovery.
     assert "run over its 3 attempts (from the first command)" in resumed.stdout

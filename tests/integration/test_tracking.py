@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from services import BIN, free_port, start_mlflow_server, stop_group, wait_for
@@ -194,7 +195,7 @@ def test_final_model_is_an_mlflow_model_that_loads_predicts_and_registers(
         f"data.train={digits_dir}/train", f"data.val={digits_dir}/val", f"storage.path={tmp_path}/runs",
         f"tracking.uri=sqlite:///{tmp_path}/mlruns.db", "tracking.experiment=models", "scaling.num_workers=1",
         "train.global_batch_size=64", "train.precision=fp32", "train.max_steps=30", "train.log_every=10",
-        "checkpoint.every=30"])
+        "train.eval_every=10", "checkpoint.every=10"])  # checkpoints at 10, 20, 30; retention keeps 2
     uri_before, env_before = mlflow.get_tracking_uri(), os.environ.get("MLFLOW_TRACKING_URI")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(orchestrator.launch, "_log_final_artifacts", timed)
@@ -221,21 +222,23 @@ def test_final_model_is_an_mlflow_model_that_loads_predicts_and_registers(
         torch.testing.assert_close(loaded(x), expected, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(loaded(x[:3]), expected[:3], atol=1e-5, rtol=1e-5)  # any batch size
 
+    # The pyfunc flavour: the `pixels` column by name, the class and its probabilities (classification).
+    frame = pd.DataFrame({"pixels": list(x.numpy())})
     pyfunc = mlflow.pyfunc.load_model(uri)
-    predicted = pyfunc.predict(x.numpy())
-    assert isinstance(predicted, np.ndarray) and predicted.shape == (len(x), 10)
-    np.testing.assert_allclose(predicted, expected.numpy(), atol=1e-5, rtol=1e-5)
+    predicted = pyfunc.predict(frame)
+    np.testing.assert_array_equal(predicted["class"].to_numpy(), expected.argmax(-1).numpy())
+    np.testing.assert_allclose(np.stack(predicted["probabilities"].to_numpy()), expected.softmax(-1).numpy(),
+                               atol=1e-5, rtol=1e-5)
     signature = pyfunc.metadata.signature
     assert signature is not None
-    (inputs,), (outputs,) = signature.inputs.inputs, signature.outputs.inputs
-    assert (inputs.type, inputs.shape) == (np.dtype("float32"), (-1, 64))
-    assert (outputs.type, outputs.shape) == (np.dtype("float32"), (-1, 10))
-    assert pyfunc.metadata.saved_input_example_info["type"] == "ndarray"  # the sample rows
+    assert [c.name for c in signature.inputs.inputs] == ["pixels"]
+    assert [c.name for c in signature.outputs.inputs] == ["class", "probabilities"]
+    assert pyfunc.metadata.saved_input_example_info["type"] == "dataframe"  # the sample rows
 
     version = mlflow.register_model(uri, "digits-mlp")
     assert str(version.version) == "1" and version.run_id == result.run_id
     registered = mlflow.pyfunc.load_model("models:/digits-mlp/1")
-    np.testing.assert_allclose(registered.predict(x.numpy()), expected.numpy(), atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(registered.predict(frame)["class"], predicted["class"])
 
     # The other final artifacts are still there; the bare state dict is gone (the MLflow Model replaces it).
     client = MlflowClient(tracking_uri=result.tracking_uri)
@@ -243,11 +246,40 @@ def test_final_model_is_an_mlflow_model_that_loads_predicts_and_registers(
     assert {"config.yaml", "learning_curves.png", "summary.json"} <= artifacts and "model" not in artifacts
     mlrun = client.get_run(result.run_id)
     assert mlrun.info.status == "FINISHED"
+    assert_checkpoints_are_logged_models(client, mlrun, result.checkpoint_path)
     # The summary's last lines: how to open the UI, then this run's page in it (a SQLite store: the local UI's).
     *_, command, page = summary(result).splitlines()
     assert command.startswith("open the MLflow UI: ") and " ui --tracking-uri " in command
     assert page == (f"this run in the MLflow UI: http://127.0.0.1:5055/#/experiments/{mlrun.info.experiment_id}/runs/"
                     f"{result.run_id}/model-metrics?workflowType=machine_learning")
+
+
+def assert_checkpoints_are_logged_models(client: Any, mlrun: Any, final_checkpoint: str) -> None:
+    """The run committed checkpoints at steps 10, 20 and 30 and Ray's retention (checkpoint.keep=2) deleted the
+    first: the run's checkpoint models are the two in storage, each external (its files where Ray wrote them, none
+    uploaded), with its step and the run's own validation figures of that step linked; the best is found by
+    ordering on a validation metric."""
+    run_id, experiment_id = mlrun.info.run_id, mlrun.info.experiment_id
+    models = client.search_logged_models([experiment_id],
+                                         filter_string=f"source_run_id = '{run_id}' AND model_type = 'checkpoint'")
+    by_step = {int(m.params["step"]): m for m in models}
+    assert sorted(by_step) == [20, 30]
+    checkpoints = sorted(c for c in Path(final_checkpoint).parent.glob("checkpoint_0*") if c.is_dir())
+    assert [by_step[step].tags["orchestrator.checkpoint"] for step in (20, 30)] == [str(c) for c in checkpoints]
+    assert by_step[30].tags["orchestrator.checkpoint"] == final_checkpoint
+    history = {key: {m.step: m.value for m in client.get_metric_history(run_id, key)}
+               for key in ("headline/val_accuracy", "val/loss")}
+    for step, model in by_step.items():
+        assert Path(model.tags["orchestrator.checkpoint"], "state.pt").is_file()
+        assert model.tags["mlflow.model.isExternal"] == "true"
+        assert client.list_logged_model_artifacts(model.model_id) == []
+        linked = {m.key: m.value for m in model.metrics}
+        assert {key: linked[key] for key in history} == {key: values[step] for key, values in history.items()}
+    (best,) = client.search_logged_models([experiment_id], filter_string=f"source_run_id = '{run_id}'",
+                                          order_by=[{"field_name": "metrics.val/loss", "ascending": True}],
+                                          max_results=1)
+    assert best.model_id == by_step[min(by_step, key=lambda step: history["val/loss"][step])].model_id
+    assert {o.step for o in mlrun.outputs.model_outputs} >= {20, 30}
 
 
 def test_named_inputs_are_logged_with_a_dict_signature(tmp_path: Path, digits_dir: str,
@@ -280,9 +312,12 @@ def test_named_inputs_are_logged_with_a_dict_signature(tmp_path: Path, digits_di
     with torch.no_grad():
         torch.testing.assert_close(loaded(pixels=pixels), model(pixels=pixels))
     metadata = mlflow.models.get_model_info(uri)
-    (inputs,) = metadata.signature.inputs.inputs
-    assert (inputs.name, inputs.type, inputs.shape) == ("pixels", np.dtype("float32"), (-1, 64))
-    assert metadata.saved_input_example_info is None  # the pyfunc's predict cannot call forward(pixels=...)
+    assert [c.name for c in metadata.signature.inputs.inputs] == ["pixels"]
+    assert metadata.saved_input_example_info["type"] == "dataframe"
+    # The pyfunc flavour calls forward(pixels=...) with the column of that name.
+    predicted = mlflow.pyfunc.load_model(uri).predict(pd.DataFrame({"pixels": list(pixels.numpy())}))
+    with torch.no_grad():
+        np.testing.assert_array_equal(predicted["class"].to_numpy(), model(pixels=pixels).argmax(-1).numpy())
 
 
 def test_a_model_that_cannot_be_logged_warns_one_line_and_tracking_goes_on(

@@ -111,6 +111,10 @@ def test_a_fine_tuned_pretrained_model_is_logged_with_the_saved_architecture(
     assert (loaded.config.n_layer, loaded.config.n_embd, loaded.config.n_positions) == (1, 16, 24)
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=input_ids).logits, expected)
+    # The pyfunc flavour calls it by keyword on the token column and answers the next token (causal_lm).
+    frame = infos["train"].sample.select(["tokens"]).to_pandas()
+    predicted = mlflow.pyfunc.load_model(f"runs:/{run_id}/model").predict(frame)
+    assert predicted["next_token"].tolist() == expected[:, -1].argmax(-1).tolist()
 
 
 def test_a_builder_reading_a_relative_file_is_logged(tmp_path: Path, digits_dir: str, store: str,
@@ -142,3 +146,114 @@ def test_a_builder_reading_a_relative_file_is_logged(tmp_path: Path, digits_dir:
     x = collate_sample(infos["train"].sample, config.data, named=False)["x"]
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), trained(x))
+
+
+# The pyfunc flavour: feature columns by name, answers in the task's terms (orchestrator/pyfunc_model.py).
+
+
+def tiny_mlp(in_features: int, num_classes: int) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(in_features, 6), torch.nn.ReLU(), torch.nn.Linear(6, num_classes))
+
+
+@pytest.fixture(scope="module")
+def mixed_columns(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Three feature columns of three kinds (a fixed-size list of 8 floats, a float, an integer), a class label
+    and a regression target: 200 rows."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path_factory.mktemp("mixed")
+    (root / "train").mkdir()
+    rng = np.random.default_rng(0)
+    rows = 200
+    pixels = rng.normal(size=(rows, 8)).astype(np.float32)
+    table = pa.table({
+        "pixels": pa.FixedSizeListArray.from_arrays(pa.array(pixels.ravel()), 8),
+        "age": pa.array(rng.normal(size=rows).astype(np.float32)),
+        "count": pa.array(rng.integers(0, 5, size=rows), type=pa.int64()),
+        "label": pa.array(rng.integers(0, 3, size=rows), type=pa.int64()),
+        "y": pa.array(rng.normal(size=rows).astype(np.float32))})
+    pq.write_table(table, root / "train" / "part-0.parquet")
+    return str(root / "train")
+
+
+def _frame_and_x(path: str) -> tuple[Any, torch.Tensor]:
+    """The rows as a DataFrame a user passes, and the model's input computed here: the three columns in
+    data.features order, concatenated as float32."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    frame = pq.read_table(path).to_pandas()[["pixels", "age", "count"]]
+    x = np.concatenate([np.stack(frame["pixels"].to_numpy()), frame[["age"]].to_numpy(np.float32),
+                        frame[["count"]].to_numpy(np.float32)], axis=1).astype(np.float32)
+    return frame, torch.from_numpy(x)
+
+
+def _log_tiny(task: str, path: str, store: str, extra: list[str]) -> tuple[str, torch.nn.Module]:
+    from orchestrator.checks import resolve_for_data
+    from pipelines.datasets import inspect_datasets
+
+    config = load_config(None, [
+        f"data.train={path}", "data.val=null", "data.features=[pixels, age, count]", f"task.name={task}",
+        "model.entrypoint=test_model_logging:tiny_mlp", f"tracking.uri={store}", f"tracking.experiment={task}",
+        *extra])
+    infos = inspect_datasets(config.data)
+    config = resolve_for_data(config, infos)
+    torch.manual_seed(3)
+    trained = tiny_mlp(10, config.model.num_classes or 1).eval()  # type: ignore[arg-type]
+    return _log(config, infos["train"], trained.state_dict()), trained
+
+
+def test_pyfunc_classification_takes_columns_by_name_and_returns_class_and_probabilities(
+        mixed_columns: str, store: str, mlflow_uri: Callable[[str], None], capsys: pytest.CaptureFixture[str]
+        ) -> None:
+    import mlflow
+    import numpy as np
+
+    capsys.readouterr()
+    run_id, trained = _log_tiny("classification", mixed_columns, store, ["data.label=label", "model.num_classes=3"])
+    assert "not logged as an MLflow Model" not in capsys.readouterr().err
+    frame, x = _frame_and_x(mixed_columns)
+    with torch.no_grad():
+        logits = trained(x)
+    mlflow_uri(store)
+    uri = f"runs:/{run_id}/model"
+    pyfunc = mlflow.pyfunc.load_model(uri)
+
+    predicted = pyfunc.predict(frame)
+    shuffled = pyfunc.predict(frame[["count", "pixels", "age"]])  # columns by name, not by position
+    assert list(predicted.columns) == ["class", "probabilities"]
+    np.testing.assert_array_equal(predicted["class"].to_numpy(), logits.argmax(-1).numpy())
+    probabilities = np.stack(predicted["probabilities"].to_numpy())
+    np.testing.assert_allclose(probabilities, torch.softmax(logits, -1).numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(shuffled["class"].to_numpy(), predicted["class"].to_numpy())
+    np.testing.assert_allclose(np.stack(shuffled["probabilities"].to_numpy()), probabilities)
+    assert len(set(predicted["class"])) > 1  # the comparison above can tell classes apart
+    with pytest.raises(Exception, match="age"):  # a missing column is named
+        pyfunc.predict(frame[["pixels", "count"]])
+
+    signature = pyfunc.metadata.signature
+    assert signature is not None
+    assert [c.name for c in signature.inputs.inputs] == ["pixels", "age", "count"]
+    assert [c.name for c in signature.outputs.inputs] == ["class", "probabilities"]
+    # mlflow.pytorch still gives the torch module back: raw logits on the concatenated input.
+    loaded = mlflow.pytorch.load_model(uri)
+    assert isinstance(loaded, torch.nn.Module)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), logits)
+
+
+def test_pyfunc_regression_returns_values(mixed_columns: str, store: str, mlflow_uri: Callable[[str], None]
+                                          ) -> None:
+    import mlflow
+    import numpy as np
+
+    run_id, trained = _log_tiny("regression", mixed_columns, store, ["data.label=y"])
+    frame, x = _frame_and_x(mixed_columns)
+    with torch.no_grad():
+        expected = trained(x)[:, 0].numpy()
+    mlflow_uri(store)
+    predicted = mlflow.pyfunc.load_model(f"runs:/{run_id}/model").predict(frame[["age", "count", "pixels"]])
+    assert list(predicted.columns) == ["prediction"]
+    np.testing.assert_allclose(predicted["prediction"].to_numpy(), expected, rtol=1e-5, atol=1e-6)
