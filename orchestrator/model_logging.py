@@ -160,6 +160,8 @@ def _pyfunc_settings(config: Config, info: DatasetInfo) -> tuple[dict[str, Any],
     settings = {"task": task, "columns": columns, "inputs": inputs,
                 "tokens": inputs is None and config.data.label is None}
     frame = info.sample.select(columns).slice(0, 5).to_pandas()
+    if settings["tokens"]:  # stored windows hold one token more than the model is fed (x = tokens[:-1])
+        frame[columns[0]] = frame[columns[0]].map(lambda window: window[:-1])
     if len(frame) == 1:  # torch.export keeps a batch dimension of size 1 fixed: the example has two rows
         frame = frame.loc[[0, 0]].reset_index(drop=True)
     return settings, frame

@@ -257,3 +257,37 @@ def test_pyfunc_regression_returns_values(mixed_columns: str, store: str, mlflow
     predicted = mlflow.pyfunc.load_model(f"runs:/{run_id}/model").predict(frame[["age", "count", "pixels"]])
     assert list(predicted.columns) == ["prediction"]
     np.testing.assert_allclose(predicted["prediction"].to_numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_built_in_gpt_is_logged_and_its_pyfunc_predicts_the_next_token_of_its_input_windows(
+        tmp_path: Path, store: str, mlflow_uri: Callable[[str], None], capsys: pytest.CaptureFixture[str]) -> None:
+    # A token column without a label trains on x = tokens[:-1] (one position fewer than the stored window): the
+    # model's positions end there, so the input example and what pyfunc is given are windows of that length.
+    import mlflow
+
+    from orchestrator.checks import in_features, resolve_for_data
+    from orchestrator.models import build_model
+    from pipelines.batches import collate_sample
+    from pipelines.datasets import inspect_datasets
+    from pipelines.prepare import prepare_text
+
+    prepare_text([str(ROOT / "README.md")], str(tmp_path / "text"), seq_len=16, shards=1)
+    config = load_config(ROOT / "examples" / "text-gpt.yaml", [
+        f"data.train={tmp_path}/text/train", "data.val=null", "model.d_model=16", "model.n_layer=1",
+        "model.n_head=2", f"tracking.uri={store}", "tracking.experiment=gpt-logging"])
+    infos = inspect_datasets(config.data)
+    config = resolve_for_data(config, infos)
+    torch.manual_seed(0)
+    model = build_model("gpt", None, in_features(config, infos["train"]), config.model.num_classes,
+                        config.model.kwargs).eval()
+    x = collate_sample(infos["train"].sample, config.data, named=False)["x"]
+    with torch.no_grad():
+        expected = model(x)[:, -1].argmax(-1).tolist()
+
+    capsys.readouterr()
+    run_id = _log(config, infos["train"], model.state_dict())
+    assert "not logged as an MLflow Model" not in capsys.readouterr().err
+    mlflow_uri(store)
+    frame = infos["train"].sample.select(["tokens"]).to_pandas()
+    frame["tokens"] = frame["tokens"].map(lambda window: window[:-1])  # the windows the model was fed
+    assert mlflow.pyfunc.load_model(f"runs:/{run_id}/model").predict(frame)["next_token"].tolist() == expected
