@@ -116,7 +116,8 @@ def column_values(column: Any, name: str) -> np.ndarray:
 
 
 def _logits(output: Any) -> Any:
-    """The prediction in a model's output: a tensor, `logits` of a dict/ModelOutput, or a tuple's first element."""
+    """The prediction in a model's output: a tensor, `logits` of a dict/ModelOutput, or a tuple's first element
+    (tasks.logits_of's rule, written again: this file loads where the orchestrator is not installed)."""
     import torch
 
     if isinstance(output, torch.Tensor):
