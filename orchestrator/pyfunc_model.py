@@ -75,7 +75,7 @@ class TaskPredictor:
                 array = array.astype(np.float32)
             elif array.dtype.kind in "iub":  # token ids and flags: torch's embeddings index with int64
                 array = array.astype(np.int64)
-            return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+            return torch.tensor(array, device=self.device)  # a copy: frames may hold read-only arrays
 
         inputs = self.settings.get("inputs")
         if inputs:
