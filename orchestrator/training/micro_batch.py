@@ -74,7 +74,8 @@ def choose_micro_batch(cfg: Config, parts: Parts, sample: Batch, node_ranks: int
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
     size = int(agreed.item())
     if ranks.world()[0] == 0:
-        print(f"auto micro-batch: {size} per worker x {per_worker // size} accumulation x {world} workers "
+        workers = f"{world} worker{'s' * (world > 1)}"
+        print(f"auto micro-batch: {size} per worker x {per_worker // size} accumulation x {workers} "
               f"= global batch {cfg.train.global_batch_size}{basis and f' ({basis})'}", flush=True)
     return size
 
@@ -110,9 +111,9 @@ def cpu_budget(budget_gb: float | None, node_ranks: int | None = None) -> tuple[
     if budget_gb:
         return budget_gb * GIB, f"budget {budget_gb:g} GiB: train.memory_budget_gb"
     total, ranks = psutil.virtual_memory().total, node_ranks or _ranks_on_this_node()
-    whose = "ranks of the study's trials at once" if node_ranks else "ranks of this run"
+    whose = "of the study's trials at once" if node_ranks else "of this run"
     return total / 2 / ranks, (f"budget {total / 2 / ranks / GIB:.2f} GiB: half of this node's "
-                               f"{total / GIB:.2f} GiB over {ranks} {whose}")
+                               f"{total / GIB:.2f} GiB over {ranks} rank{'s' * (ranks > 1)} {whose}")
 
 
 def _ranks_on_this_node() -> int:

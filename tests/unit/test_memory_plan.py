@@ -170,5 +170,25 @@ def test_auto_micro_batch_in_a_study_divides_the_nodes_memory_by_every_rank_it_p
     node = psutil.virtual_memory().total
     assert budget == pytest.approx(node / 2 / sharing)
     assert basis == (f"budget {node / 2 / sharing / 2**30:.2f} GiB: half of this node's {node / 2**30:.2f} GiB over "
-                     f"{sharing} ranks of the study's trials at once")
+                     f"{sharing} rank{'s' * (sharing > 1)} of the study's trials at once")
     assert cpu_budget(3.0, ranks) == (3 * 2**30, "budget 3 GiB: train.memory_budget_gb")  # the user's figure wins
+
+
+def test_the_auto_micro_batch_line_of_one_worker_says_worker_not_workers(capsys: pytest.CaptureFixture[str]) -> None:
+    from orchestrator.config import load_config
+    from orchestrator.models import build_model
+    from orchestrator.training.micro_batch import choose_micro_batch
+    from orchestrator.training.optim import build_optimizer
+    from orchestrator.training.parts import Parts
+    from orchestrator.training.precision import Precision
+
+    cpu = torch.device("cpu")
+    cfg = load_config(None, ["scaling.num_workers=1", "model.hidden=[8]", "train.precision=fp32",
+                             "train.global_batch_size=16", "train.micro_batch_size=auto"])
+    model = build_model("mlp", None, 4, 3, {"hidden": [8]})
+    optimizer, scheduler = build_optimizer(model, cfg.optim, 10)
+    sample = {"x": torch.randn(4, 4, device=cpu), "labels": torch.tensor([0, 1, 2, 0], device=cpu)}
+    size = choose_micro_batch(cfg, Parts(model, optimizer, scheduler, Precision("fp32", cpu), cpu), sample)
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"auto micro-batch: {size} per worker x {16 // size} accumulation x 1 worker = global "
+                           "batch 16 (budget ") and line.endswith(" over 1 rank of this run)"), line
