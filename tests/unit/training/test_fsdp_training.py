@@ -235,15 +235,20 @@ def test_out_of_memory_under_fsdp_is_one_fatal_error_naming_the_micro_batch(rank
             assert "now 2 rows per forward" in oom["error"] and oom["split"] == 1  # not retried
 
 
-def test_evaluation_on_uneven_shards_matches_all_rows(ranks: list[dict[str, Any]]) -> None:
+def whole_batch_metrics(weights: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The GPT's validation metrics with `weights` on all 9 rows in one process: what the ranks' shards must sum to."""
     cfg = config("gpt", "sgd", None, workers=1)
     model = build_model("gpt", None, CONTEXT, VOCAB, cfg.model.kwargs)
-    model.load_state_dict(ranks[0]["evaluate"]["weights"])
+    model.load_state_dict(weights)
     task = task_parts(cfg)[0]
     whole = batch("gpt", 9)
     with torch.no_grad():
         sums = task.metric_sums(model(whole["x"]), whole)
-    expected = task.metrics({k: float(v) for k, v in sums.items()})
+    return task.metrics({k: float(v) for k, v in sums.items()})
+
+
+def test_evaluation_on_uneven_shards_matches_all_rows(ranks: list[dict[str, Any]]) -> None:
+    expected = whole_batch_metrics(ranks[0]["evaluate"]["weights"])
     for r in ranks:
         assert r["evaluate"]["metrics"] == pytest.approx(expected, rel=1e-5)
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo_world import run_ranks
-from test_fsdp_training import CONTEXT, FEATURES, batch
+from test_fsdp_training import CONTEXT, FEATURES, batch, whole_batch_metrics
 from test_fsdp_training import config as fsdp_config
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -286,14 +286,7 @@ def test_fsdp_validation_exchanges_shapes_not_tensors_and_keeps_its_ranks_in_ste
     sent = [r["validation"]["sent"] for r in ranks]
     assert [r["validation"]["tensors_sent"] for r in ranks] == [0, 0], sent
     assert all(sent)  # the exchange took place (rank 1 learnt the shapes from rank 0)
-    cfg = fsdp_config("gpt", "sgd", None, workers=1)
-    model = build_model("gpt", None, CONTEXT, cfg.model.num_classes, cfg.model.kwargs)
-    model.load_state_dict(ranks[0]["validation"]["weights"])
-    task = task_parts(cfg)[0]
-    whole = batch("gpt", 9)
-    with torch.no_grad():
-        sums = task.metric_sums(model(whole["x"]), whole)
-    expected = task.metrics({k: float(v) for k, v in sums.items()})
+    expected = whole_batch_metrics(ranks[0]["validation"]["weights"])
     for r in ranks:
         assert r["validation"]["metrics"] == pytest.approx(expected, rel=1e-5)
 
