@@ -22,7 +22,7 @@ from orchestrator.cost import PARTS, RESTARTS
 from orchestrator.errors import UserError
 from orchestrator.memory_plan import GIB
 from orchestrator.startup import STAGES
-from orchestrator.tracking import mlflow_key, read_metrics, resolve_uri
+from orchestrator.tracking import mask_password, mlflow_key, read_metrics, resolve_uri
 
 HIGH, MEDIUM, LOW = 3, 2, 1
 _SEVERITY = {HIGH: "high", MEDIUM: "medium", LOW: "low"}
@@ -609,12 +609,13 @@ def load_run(run_id: str, tracking_uri: str | None = None) -> RunRecord:
     client = MlflowClient(tracking_uri=uri)
     try:
         run = client.get_run(run_id)
-    except MlflowException as exc:
-        raise UserError(f"MLflow run '{run_id}' not found at {uri} ({str(exc).splitlines()[0][:200]}): check the "
-                        "run id, or pass --tracking-uri") from None
+    except MlflowException as exc:  # the URI is shown masked, MLflow's own detail (which repeats it) too
+        detail = mask_password(str(exc).splitlines()[0][:200])
+        raise UserError(f"MLflow run '{run_id}' not found at {mask_password(uri)} ({detail}): check the run id, or "
+                        "pass --tracking-uri") from None
     except Exception as exc:
-        raise UserError(f"MLflow tracking at '{uri}' is unavailable ({type(exc).__name__}): pass --tracking-uri "
-                        "or start the server") from None
+        raise UserError(f"MLflow tracking at '{mask_password(uri)}' is unavailable ({type(exc).__name__}): pass "
+                        "--tracking-uri or start the server") from None
     with _quiet_downloads():
         metrics = read_metrics(client, run_id)
     return RunRecord(metrics, dict(run.data.params), dict(run.data.tags))

@@ -71,3 +71,18 @@ def test_the_command_line_tag_printed_commands_and_errors_hold_no_password() -> 
     # Without a password the store is named on the command line, as before.
     assert shlex.split(ui_command("sqlite:////tmp/m.db", "digits"))[1:] == [
         "ui", "--tracking-uri", "sqlite:////tmp/m.db", "--experiment", "digits"]
+
+
+def test_doctor_on_an_unreachable_store_names_it_without_its_password(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from orchestrator.doctor import load_run
+    from orchestrator.errors import UserError
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # nothing listens: fail at once
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(UserError) as refused:
+        load_run("0" * 32, f"http://analyst:{PASSWORD}@127.0.0.1:{port}")
+    assert PASSWORD not in str(refused.value) and f"http://analyst:***@127.0.0.1:{port}" in str(refused.value)
