@@ -22,7 +22,9 @@ from orchestrator.cost import PARTS, RESTARTS
 from orchestrator.errors import UserError
 from orchestrator.memory_plan import GIB
 from orchestrator.startup import STAGES
-from orchestrator.tracking import mask_password, mlflow_key, read_metrics, resolve_uri
+from orchestrator.tracking.read import read_metrics
+from orchestrator.tracking.uri import mask_password, resolve_uri
+from orchestrator.tracking.view import mlflow_key
 
 HIGH, MEDIUM, LOW = 3, 2, 1
 _SEVERITY = {HIGH: "high", MEDIUM: "medium", LOW: "low"}

@@ -25,19 +25,11 @@ from orchestrator.plots import plot_history
 from orchestrator.progress import ForwardCheckpoints, ForwardFailures, ReportConsumer, progress_line
 from orchestrator.runs import RUN_CONFIG, AttemptLog, RunPlace, latest_run, new_run, open_run_storage
 from orchestrator.startup import StartupClock
-from orchestrator.tracking import (
-    Tracker,
-    check_server_listens,
-    closed_on_error,
-    config_params,
-    context_tags,
-    mask_password,
-    resolve_uri,
-    run_url,
-    short_run_name,
-    start_tracker,
-    ui_command,
-)
+from orchestrator.tracking.context import config_params, context_tags, short_run_name
+from orchestrator.tracking.links import run_url, ui_command
+from orchestrator.tracking.store import check_server_listens
+from orchestrator.tracking.tracker import Tracker, closed_on_error, start_tracker
+from orchestrator.tracking.uri import mask_password, resolve_uri
 from orchestrator.trainer import RunFailedError, build_run, root_cause
 from orchestrator.training.resume import unregistered_checkpoints
 from pipelines.config import is_remote

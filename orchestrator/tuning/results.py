@@ -17,15 +17,10 @@ from orchestrator.config import Config, to_dict, to_yaml
 from orchestrator.cost import PARTS, PRODUCTIVE, resolve_pricing, study_metrics
 from orchestrator.plots import plot_lr_sweep, plot_trial_curves
 from orchestrator.runs import RunPlace
-from orchestrator.tracking import (
-    NOTE_TAG,
-    Tracker,
-    experiment_of,
-    experiment_url,
-    mask_password,
-    run_url,
-    ui_command,
-)
+from orchestrator.tracking.links import experiment_of, experiment_url, run_url, ui_command
+from orchestrator.tracking.tracker import Tracker
+from orchestrator.tracking.uri import mask_password
+from orchestrator.tracking.view import NOTE_TAG
 from orchestrator.tuning.search import TrialNamer, domains, peak_concurrency, short_keys, trial_config
 from orchestrator.tuning.trials import format_table, trial_ledger, trial_status
 from pipelines.sources import DatasetInfo

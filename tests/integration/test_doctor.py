@@ -90,7 +90,7 @@ def test_doctor_on_a_study_counts_trials_and_names_the_study_rules(
     the best trial's params, trial counts and the study's cost shares."""
     from orchestrator.config import TrackingConfig
     from orchestrator.cost import Ledger, Pricing, study_metrics
-    from orchestrator.tracking import MlflowTracker
+    from orchestrator.tracking.client import MlflowTracker
 
     uri = f"sqlite:///{tmp_path}/mlruns.db"
     space = {"optim.lr": {"loguniform": [1e-4, 1e-1]}, "optim.warmup_steps": {"choice": [0, 50, 200]}}

@@ -64,7 +64,7 @@ def mlflow_server(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]
 
 def logged_steps(uri: str, experiment: str) -> int:
     """How many training-loss points the server holds for the experiment's run (0 before the run exists)."""
-    from orchestrator.tracking import chart_key, mlflow_key
+    from orchestrator.tracking.view import chart_key, mlflow_key
 
     found = http_json(f"{uri}/api/2.0/mlflow/experiments/get-by-name?experiment_name={experiment}")
     runs = http_json(f"{uri}/api/2.0/mlflow/runs/search", {"experiment_ids": [found["experiment"]["experiment_id"]]})
@@ -290,7 +290,7 @@ def test_named_inputs_are_logged_with_a_dict_signature(tmp_path: Path, digits_di
 
     from orchestrator.checks import resolve_for_data
     from orchestrator.model_logging import log_final_model
-    from orchestrator.tracking import MlflowTracker
+    from orchestrator.tracking.client import MlflowTracker
     from pipelines.datasets import inspect_datasets
 
     config = load_config(None, [
@@ -326,7 +326,8 @@ def test_a_model_that_cannot_be_logged_warns_one_line_and_tracking_goes_on(
 
     from orchestrator.checks import resolve_for_data
     from orchestrator.model_logging import log_final_model
-    from orchestrator.tracking import MlflowTracker, NullTracker
+    from orchestrator.tracking.client import MlflowTracker
+    from orchestrator.tracking.tracker import NullTracker
     from pipelines.datasets import inspect_datasets
 
     config = load_config(None, [f"data.train={digits_dir}/train", f"data.val={digits_dir}/val",

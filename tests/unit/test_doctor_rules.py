@@ -33,7 +33,7 @@ from orchestrator.doctor import (
     training_share,
     uneven_workers,
 )
-from orchestrator.tracking import mlflow_key
+from orchestrator.tracking.view import mlflow_key
 
 # A healthy 2-worker CPU run as the loop reports it (names as the loop reports them; record() maps them to MLflow
 # keys): most of every interval in compute, a little of everything else, both workers at the same pace.
@@ -611,7 +611,7 @@ def test_doctor_prints_no_download_progress_bars_and_leaves_mlflows_setting_alon
     # doctor downloads the run's summary table: MLflow draws a tqdm bar on stderr for it unless told not to.
     from orchestrator.cli import main
     from orchestrator.config import TrackingConfig
-    from orchestrator.tracking import MlflowTracker
+    from orchestrator.tracking.client import MlflowTracker
 
     uri = f"sqlite:///{tmp_path}/mlruns.db"
     tracker = MlflowTracker(TrackingConfig(uri=uri, experiment="doctor"), "r")

@@ -10,15 +10,10 @@ import shlex
 import pytest
 
 from orchestrator.config import load_config, to_yaml
-from orchestrator.tracking import (
-    config_params,
-    mask_password,
-    resolve_uri,
-    run_url,
-    source_name,
-    ui_command,
-    unavailable,
-)
+from orchestrator.tracking.context import config_params, source_name
+from orchestrator.tracking.links import run_url, ui_command
+from orchestrator.tracking.store import unavailable
+from orchestrator.tracking.uri import mask_password, resolve_uri
 from orchestrator.tuning.search import trial_config, user_tree
 
 PASSWORD = "s3cr3t-Pa55"
