@@ -127,7 +127,7 @@ def test_tracking_server_dying_mid_run_warns_once_and_training_finishes(
     last = summary(result).splitlines()[-1]
     assert last.endswith(f"/runs/{result.run_id}/model-metrics?workflowType=machine_learning")
     # ~25 reports and the final artifacts met a dead server: with the client's default retries each call would wait
-    # minutes; tracking.py's budget keeps the whole tail near the training time itself. The training part of the
+    # minutes; tracking/client.py's budget keeps the whole tail near the training time itself. The training part of the
     # tail (to the final checkpoint, written by the worker whatever the driver's tracking does) is what a loaded
     # machine stretches, so only the rest is charged to tracking.
     training = max(0.0, Path(result.checkpoint_path, "state.pt").stat().st_mtime - killed["wall"])
