@@ -244,12 +244,12 @@ MUTANTS = (
            "note = headline_note(figures, self._metric)", "note = headline_note(figures)",
            ("tests/unit/test_run_description.py",)),
     # doctor's advice, where it must fit its context and be accepted by the CLI and the config (issue 33, 10-11).
-    Mutant("doctor's evaluation advice ignores ASHA", "orchestrator/doctor.py",
+    Mutant("doctor's evaluation advice ignores ASHA", "orchestrator/doctor/rules/run_health.py",
            "    if under_asha(run):\n        return Finding(", "    if False:\n        return Finding(",
            ("tests/unit/test_doctor_rules.py",)),
-    Mutant("a short run's one end-of-run pass blamed on the split", "orchestrator/doctor.py",
+    Mutant("a short run's one end-of-run pass blamed on the split", "orchestrator/doctor/rules/run_health.py",
            "if pass_steps < LARGE_PASS_STEPS:", "if False:", ("tests/unit/test_doctor_rules.py",)),
-    Mutant("a doubled micro-batch suggested without the global batch it needs", "orchestrator/doctor.py",
+    Mutant("a doubled micro-batch suggested without the global batch it needs", "orchestrator/doctor/rules/speed.py",
            "if accum and accum % 2 == 0:", "if micro:", ("tests/unit/test_doctor_rules.py",)),
     # A real two-trial study on local Ray (about 40 s): the trials share one reused actor.
     Mutant("a Tune trial's epoch clock outlives it in its reused actor", "orchestrator/tuning/trial.py",

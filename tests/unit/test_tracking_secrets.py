@@ -71,7 +71,7 @@ def test_the_command_line_tag_printed_commands_and_errors_hold_no_password() -> 
 def test_doctor_on_an_unreachable_store_names_it_without_its_password(monkeypatch: pytest.MonkeyPatch) -> None:
     import socket
 
-    from orchestrator.doctor import load_run
+    from orchestrator.doctor.load import load_run
     from orchestrator.errors import UserError
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # nothing listens: fail at once
