@@ -23,6 +23,7 @@ from orchestrator.training.fsdp import is_sharded
 from orchestrator.training.memory import cuda_memory_stats, device_facts, release_cached_memory
 from orchestrator.training.parts import Parts, rank_bytes
 from orchestrator.training.step import StepResult, first_compiled_step, flops_per_sample, train_step
+from orchestrator.training.sync import LocalSGD
 from orchestrator.training.system import node_stats
 from orchestrator.training.timing import PhaseTimer, peak_flops
 from pipelines.tensors import Batch, rows, take, to_device
@@ -225,8 +226,7 @@ def run(
     peak = peak_flops(parts.device, t.peak_tflops)
     metrics: dict[str, Any] = {}
     once = dict(facts or {}) | device_facts(parts.device) | {"at/loop": time.time()}
-    flops: float | None = None
-    held: dict[str, Any] | None = None  # this rank's parameter and optimizer bytes, with the parallel mode
+    flops: float | None = None  # counted on this process's first step
     if parts.local_sgd is not None and not parts.local_sgd.anchor:
         parts.local_sgd.start(unwrap(parts.model))
     # Waiting for the first batch is start-up (the pipeline's first read), not part of the first interval.
@@ -239,40 +239,58 @@ def run(
         else:
             with interval.timer.phase("data_wait"):
                 batch = [next(stream) for _ in range(t.grad_accum_steps)]
-        if flops is None:
-            flops = flops_per_sample(parts, batch[0])
-        if parts.eager_model is not None:  # the first step of this process, also after a resume: it compiles
-            result, once["compile_s"] = first_compiled_step(parts, batch)
-            interval = Interval(PhaseTimer(parts.device), comm_start=parts.comm_bytes)  # compiling isn't training
+        if flops is None:  # this process's first step, also after a resume
+            flops, result, interval = _first_step(parts, batch, interval, once)
         else:
             result = train_step(parts, batch, interval.timer)
         progress.step += 1
         progress.samples_seen += t.global_batch_size
-        if held is None:  # after this process's first step, when the optimizer state exists
-            held = rank_bytes(parts)
-            once |= held
         progress.nonfinite_skipped += result.skipped
         if progress.nonfinite_skipped > t.max_nonfinite_steps:
-            raise NonFiniteLossError(
-                f"{progress.nonfinite_skipped} steps had a non-finite loss or gradient (the last at step "
-                f"{progress.step}), more than train.max_nonfinite_steps={t.max_nonfinite_steps}: lower optim.lr, "
-                "raise optim.warmup_steps, set optim.max_grad_norm, use train.precision=bf16/fp32, or check "
-                "the data for NaN/inf values"
-            )
+            raise _too_many_non_finite(progress, t.max_nonfinite_steps)
         interval.add(result, micro=-(-rows(batch[0]) // parts.split))
 
         due = cadence.at(progress.step)
-        if parts.local_sgd is not None and (parts.local_sgd.due(progress.step) or (due and (due.eval or
-                                                                                          due.checkpoint))):
-            # Also before eval and checkpoints, so both see (and save) the one averaged model.
-            with interval.timer.phase("sync"):
-                parts.comm_bytes += parts.local_sgd.average(unwrap(parts.model))
+        if parts.local_sgd is not None:
+            _average_local_sgd(parts.local_sgd, parts, progress.step, due, interval.timer)
         if due is None:
             continue
         metrics, interval = _report(due, interval, progress, parts, reporter, val_batches,
                                     once | {"flops_per_sample": flops}, peak, t.micro_batch_size)
         once = {}
     return metrics
+
+
+def _first_step(parts: Parts, batch: list[Batch], interval: Interval, once: dict[str, Any]
+                ) -> tuple[float, StepResult, Interval]:
+    """The first step of this process, also after a resume: its FLOPs per sample are counted, a compiled model
+    compiles (timed apart), and this rank's parameter and optimizer bytes (with the parallel mode) are measured
+    once the optimizer state exists. Adds its figures to `once`; returns the FLOPs, the step and the interval."""
+    flops = flops_per_sample(parts, batch[0])
+    if parts.eager_model is not None:  # a compiled model: this step compiles it
+        result, once["compile_s"] = first_compiled_step(parts, batch)
+        interval = Interval(PhaseTimer(parts.device), comm_start=parts.comm_bytes)  # compiling isn't training
+    else:
+        result = train_step(parts, batch, interval.timer)
+    once |= rank_bytes(parts)
+    return flops, result, interval
+
+
+def _too_many_non_finite(progress: Progress, limit: int) -> NonFiniteLossError:
+    return NonFiniteLossError(
+        f"{progress.nonfinite_skipped} steps had a non-finite loss or gradient (the last at step "
+        f"{progress.step}), more than train.max_nonfinite_steps={limit}: lower optim.lr, "
+        "raise optim.warmup_steps, set optim.max_grad_norm, use train.precision=bf16/fp32, or check "
+        "the data for NaN/inf values"
+    )
+
+
+def _average_local_sgd(sgd: LocalSGD, parts: Parts, step: int, due: Due | None, timer: PhaseTimer) -> None:
+    """Average the ranks' models when local SGD's period is up, and also before eval and checkpoints, so both see
+    (and save) the one averaged model."""
+    if sgd.due(step) or (due and (due.eval or due.checkpoint)):
+        with timer.phase("sync"):
+            parts.comm_bytes += sgd.average(unwrap(parts.model))
 
 
 def _report(due: Due, interval: Interval, progress: Progress, parts: Parts, reporter: Reporter,

@@ -119,27 +119,10 @@ def _forward_backward(parts: Parts, pieces: list[Batch], scale: torch.Tensor,
     seconds: list[float] = []
     forward_s = 0.0
 
-    def piece(batch: Batch, synced: bool) -> None:
-        nonlocal total, forward_s
-        started = time.perf_counter()
-        # The forward must be inside no_sync too, because DDP arms its reducer during forward.
-        with fsdp.gradient_sync(model, synced, parts.defer_sync) if sharded else \
-                nullcontext() if synced or not hasattr(model, "no_sync") else model.no_sync():
-            with parts.precision.autocast():
-                output = parts.call(model, batch)
-            loss = step_loss_sum(parts.task, output, batch, parts.model_loss)
-            forward_s = _elapsed(started, parts.device)
-            parts.precision.backward(loss * scale)
-        # FSDP without defer_sync reduce-scatters every piece's gradients (a world share of them, for all ranks).
-        if (synced or (sharded and not parts.defer_sync)) and ranks.world()[1] > 1:
-            parts.comm_bytes += grad_bytes(model)
-        total += loss.detach()
-        seconds.append(_elapsed(started, parts.device))
-
     ran_out = False  # on this rank
     try:
         for batch in pieces[:-1] if ddp else pieces:
-            piece(batch, synced=False)
+            forward_s = _piece(parts, batch, scale, False, sharded, total, seconds)
     except Exception as exc:
         if not is_oom(exc):
             raise
@@ -159,12 +142,41 @@ def _forward_backward(parts: Parts, pieces: list[Batch], scale: torch.Tensor,
         return None
     if ddp:  # an OOM in here is not retried: it may strike inside the all-reduce, which one rank cannot undo
         try:
-            piece(pieces[-1], synced=True)
+            forward_s = _piece(parts, pieces[-1], scale, True, sharded, total, seconds)
         except Exception as exc:
             if sharded and is_oom(exc):
                 raise _unretriable(pieces) from exc
             raise
-    # The all-reduce overlaps the last backward; what it adds beyond compute is the exposed sync time.
+    _bill_compute_and_sync(timer, seconds, forward_s, ddp)
+    return total
+
+
+def _piece(parts: Parts, batch: Batch, scale: torch.Tensor, synced: bool, sharded: bool, total: torch.Tensor,
+           seconds: list[float]) -> float:
+    """Forward and backward of one piece (`synced`: the one whose backward reduces the gradients across ranks).
+    Adds its loss into `total` (in place, on the device) and its seconds to `seconds`; returns its forward's
+    seconds."""
+    model = parts.model
+    started = time.perf_counter()
+    # The forward must be inside no_sync too, because DDP arms its reducer during forward.
+    with fsdp.gradient_sync(model, synced, parts.defer_sync) if sharded else \
+            nullcontext() if synced or not hasattr(model, "no_sync") else model.no_sync():
+        with parts.precision.autocast():
+            output = parts.call(model, batch)
+        loss = step_loss_sum(parts.task, output, batch, parts.model_loss)
+        forward_s = _elapsed(started, parts.device)
+        parts.precision.backward(loss * scale)
+    # FSDP without defer_sync reduce-scatters every piece's gradients (a world share of them, for all ranks).
+    if (synced or (sharded and not parts.defer_sync)) and ranks.world()[1] > 1:
+        parts.comm_bytes += grad_bytes(model)
+    total += loss.detach()
+    seconds.append(_elapsed(started, parts.device))
+    return forward_s
+
+
+def _bill_compute_and_sync(timer: PhaseTimer, seconds: list[float], forward_s: float, ddp: bool) -> None:
+    """Split the pieces' seconds into compute and sync. The all-reduce overlaps the last backward; what it adds
+    beyond compute is the exposed sync time."""
     if not (ddp and ranks.world()[1] > 1):
         sync_s = 0.0
     elif len(seconds) > 1:
@@ -173,7 +185,6 @@ def _forward_backward(parts: Parts, pieces: list[Batch], scale: torch.Tensor,
         sync_s = max(0.0, seconds[-1] - 3 * forward_s)
     timer.add("compute", sum(seconds) - sync_s)
     timer.add("sync", sync_s)
-    return total
 
 
 def _unretriable(pieces: list[Batch]) -> DeviceMemoryError:

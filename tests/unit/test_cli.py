@@ -81,6 +81,22 @@ def test_show_config_prints_resolved_yaml() -> None:
     assert tree["train"]["micro_batch_size"] == 128  # derived for one worker
 
 
+def test_show_config_explain_is_the_same_yaml_with_each_keys_meaning() -> None:
+    import yaml
+
+    plain, explained = cli("show-config"), cli("show-config", "--explain")
+    assert plain.returncode == 0 and explained.returncode == 0, explained.stderr
+    assert yaml.safe_load(explained.stdout) == yaml.safe_load(plain.stdout)
+    assert "  # Linear warmup from 0 to lr.\n  warmup_steps: 20\n" in explained.stdout
+
+
+def test_train_and_tune_help_name_where_every_config_key_is_explained() -> None:
+    for command in ("train", "tune"):
+        out = cli(command, "--help")
+        assert out.returncode == 0, out.stderr
+        assert "Every configuration key with its meaning: orchestrator show-config --explain" in out.stdout
+
+
 def test_prepare_writes_shards(tmp_path: Path) -> None:
     out = cli("prepare", "synthetic", "--out", str(tmp_path), "--rows", "100", "--shards", "2")
     assert out.returncode == 0, out.stderr
