@@ -193,7 +193,8 @@ def run_command(args: argparse.Namespace) -> int:
                                 started_at=process_started_at())))
         return 0
 
-    from orchestrator.launch import summary, train
+    from orchestrator.launch import train
+    from orchestrator.result import summary
     from orchestrator.startup import process_started_at
 
     # The clock starts with this process, as a stopwatch around the command would.

@@ -389,8 +389,13 @@ def _remove_unregistered_checkpoints(result: Any) -> None:
 def _bill(plan: RunPlan, result: TrainResult, wall_s: float, failures: int) -> None:
     """The run's cost ledger over `wall_s`, billed at the largest size an elastic group reached; for a resumed run,
     also over every attempt (MLflow's run spans them all, so its cost figures do too)."""
-    world = max((int(r["world_size"]) for r in result.history if "world_size" in r), default=None)
-    result.cost = build_ledger(result.history, wall_s, resolve_pricing(plan.config, world), failures)
+    result.cost = _cost(plan.config, result.history, wall_s, failures)
     attempts = plan.place.read_attempts() if plan.resume is not None else []
     if len(attempts) > 1:
         result.attempts, result.run_cost = len(attempts), ledger_across_attempts(attempts, result.cost.pricing)
+
+
+def _cost(config: Config, history: list[dict[str, Any]], wall_s: float, failures: int) -> Any:
+    # An elastic group is billed at the largest size it reached.
+    world = max((int(r["world_size"]) for r in history if "world_size" in r), default=None)
+    return build_ledger(history, wall_s, resolve_pricing(config, world), failures)

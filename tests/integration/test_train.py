@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from orchestrator import load_config, train
-from orchestrator.launch import TrainResult, run_summary
+from orchestrator.result import TrainResult, run_summary
 from orchestrator.tracking import git_commit, mlflow_key, read_summary
 from orchestrator.training.checkpoint import load_state
 
