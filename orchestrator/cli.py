@@ -132,8 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_command(args: argparse.Namespace) -> int:
     if args.command == "doctor":
-        from orchestrator.doctor import doctor
-        from orchestrator.doctor import summary as doctor_summary
+        from orchestrator.doctor.report import doctor
+        from orchestrator.doctor.report import summary as doctor_summary
 
         print(doctor_summary(args.run_id, doctor(args.run_id, args.tracking_uri)))
         return 0

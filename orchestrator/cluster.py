@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 from orchestrator.config import Config, TrackingConfig
 from orchestrator.errors import ConfigError
-from orchestrator.tracking import sqlite_file
+from orchestrator.tracking.uri import sqlite_file
 from pipelines.storage import user_cache_dir
 
 

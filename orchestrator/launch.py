@@ -26,7 +26,9 @@ from orchestrator.progress import ForwardCheckpoints, ForwardFailures, ReportCon
 from orchestrator.result import TrainResult, run_summary
 from orchestrator.runs import RUN_CONFIG, AttemptLog, RunPlace
 from orchestrator.startup import StartupClock
-from orchestrator.tracking import Tracker, closed_on_error, config_params, mask_password, start_tracker
+from orchestrator.tracking.context import config_params
+from orchestrator.tracking.tracker import Tracker, closed_on_error, start_tracker
+from orchestrator.tracking.uri import mask_password
 from orchestrator.trainer import RunFailedError, build_run, root_cause
 from orchestrator.training.resume import unregistered_checkpoints
 from pipelines.config import is_remote

@@ -24,7 +24,8 @@ from orchestrator.checks import in_features
 from orchestrator.config import Config
 from orchestrator.models import build_model, pretrained_config, with_saved_architecture
 from orchestrator.tasks import logits_of
-from orchestrator.tracking import MlflowTracker, Tracker
+from orchestrator.tracking.client import MlflowTracker
+from orchestrator.tracking.tracker import Tracker
 from pipelines.batches import collate_sample
 from pipelines.sources import DatasetInfo
 

@@ -18,7 +18,9 @@ from orchestrator.checks import check_run
 from orchestrator.config import Config
 from orchestrator.cost import Pricing, resolve_pricing
 from orchestrator.runs import RunPlace, place_run
-from orchestrator.tracking import check_server_listens, context_tags, mask_password, resolve_uri, short_run_name
+from orchestrator.tracking.context import context_tags, short_run_name
+from orchestrator.tracking.store import check_server_listens
+from orchestrator.tracking.uri import mask_password, resolve_uri
 from pipelines.datasets import inspect_datasets
 from pipelines.sources import DatasetInfo
 

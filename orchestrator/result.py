@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.config import Config
-from orchestrator.tracking import run_url, ui_command
+from orchestrator.tracking.links import run_url, ui_command
 
 
 @dataclass
@@ -31,7 +31,7 @@ class TrainResult:
 def run_summary(history: list[dict[str, Any]]) -> dict[str, float]:
     """Whole-run figures from the reports: throughput and MFU over the wall clock of the training (every interval,
     reports and checkpoints included; a step redone after a restart counts once), time shares, compile time, and
-    the last validation figures. MLflow holds them under `final/...` (tracking.mlflow_key)."""
+    the last validation figures. MLflow holds them under `final/...` (tracking.view.mlflow_key)."""
     kept = list({int(r["step"]): r for r in history if "interval_s" in r}.values())
     seconds = sum(r["interval_s"] for r in kept)
     summary: dict[str, float] = {}

@@ -17,7 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from orchestrator.errors import UserError
-from orchestrator.tracking import TRAINING_VIEW, UI_PORT, experiment_url, mask_password, resolve_uri, ui_base
+from orchestrator.tracking.links import TRAINING_VIEW, UI_PORT, experiment_url, ui_base
+from orchestrator.tracking.uri import mask_password, resolve_uri
 
 JOB_EXECUTION = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"
 START_TIMEOUT_S = 120.0  # a cold MLflow server imports a lot; on a busy laptop this took over a minute

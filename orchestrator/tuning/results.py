@@ -17,15 +17,10 @@ from orchestrator.config import Config, to_dict, to_yaml
 from orchestrator.cost import PARTS, PRODUCTIVE, resolve_pricing, study_metrics
 from orchestrator.plots import plot_lr_sweep, plot_trial_curves
 from orchestrator.runs import RunPlace
-from orchestrator.tracking import (
-    NOTE_TAG,
-    Tracker,
-    experiment_of,
-    experiment_url,
-    mask_password,
-    run_url,
-    ui_command,
-)
+from orchestrator.tracking.links import experiment_of, experiment_url, run_url, ui_command
+from orchestrator.tracking.tracker import Tracker
+from orchestrator.tracking.uri import mask_password
+from orchestrator.tracking.view import NOTE_TAG
 from orchestrator.tuning.search import TrialNamer, domains, peak_concurrency, short_keys, trial_config
 from orchestrator.tuning.trials import format_table, trial_ledger, trial_status
 from pipelines.sources import DatasetInfo
@@ -196,7 +191,7 @@ def record(config: Config, tree: dict[str, Any], trials: list[TrialSummary], bes
     goodput = {} if began is None else study_goodput(
         [t for t in trials if t.started_at is None or t.started_at >= began], time.time() - began)
     counts = {s: sum(t.status == s for t in trials) for s in ("completed", "stopped", "error")}
-    # Figures of the whole study: rows of the parent run's summary table (tracking.py), not one-point charts.
+    # Figures of the whole study: rows of the parent run's summary table (tracking/view.py), not one-point charts.
     # The best trial's headline figures as the parent run's metrics: the runs table compares studies with each
     # other and with runs by them. Summary rows below.
     tracker.log_metrics(headline_figures(best, metric), step=best.steps)
@@ -213,7 +208,7 @@ def record(config: Config, tree: dict[str, Any], trials: list[TrialSummary], bes
 
 
 def headline_figures(trial: TrialSummary, metric: str) -> dict[str, float]:
-    """The trial's headline figures (tracking.headline_keys: training loss, `metric`, samples/s) at its last report
+    """The trial's headline figures (tracking.view.headline_keys: training loss, `metric`, samples/s) at its last report
     that has each."""
     figures: dict[str, float] = {}
     for row in trial.history:

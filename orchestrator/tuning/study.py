@@ -26,7 +26,8 @@ from orchestrator.console import LOG_FILE, RunLog
 from orchestrator.cost import resolve_pricing
 from orchestrator.errors import ConfigError, UserError
 from orchestrator.runs import RunPlace, open_run_storage
-from orchestrator.tracking import Tracker, closed_on_error, config_params, start_tracker
+from orchestrator.tracking.context import config_params
+from orchestrator.tracking.tracker import Tracker, closed_on_error, start_tracker
 from orchestrator.trainer import RunFailedError, build_run, root_cause, storage_args
 from orchestrator.tuning.results import TuneResult, local_dir, pick_best, record, summaries
 from orchestrator.tuning.search import (

@@ -18,7 +18,8 @@ from orchestrator.checks import resolve_for_data
 from orchestrator.config import TrackingConfig
 from orchestrator.cost import REPORTED_AT, RESTART_MARK, Ledger, Pricing, build_ledger, resolve_pricing
 from orchestrator.errors import ConfigError
-from orchestrator.tracking import MlflowTracker, config_params
+from orchestrator.tracking.client import MlflowTracker
+from orchestrator.tracking.context import config_params
 from orchestrator.tuning.search import TRAIN_METRICS, trial_config
 from pipelines.sources import DatasetInfo
 

@@ -30,7 +30,10 @@ def printed_findings(out: str) -> list[str]:
 
 def test_doctor_names_the_data_pipeline_evaluation_and_start_up_and_the_run_has_a_cost(
         ray_cluster: None, tmp_path: Path, digits_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from orchestrator.doctor import bookkeeping, evaluation, gradient_sync, load_run, training_share, uneven_workers
+    from orchestrator.doctor.load import load_run
+    from orchestrator.doctor.record import training_share
+    from orchestrator.doctor.rules.run_health import bookkeeping, evaluation
+    from orchestrator.doctor.rules.speed import gradient_sync, uneven_workers
     from orchestrator.startup import STAGES
 
     uri = f"sqlite:///{tmp_path}/mlruns.db"
@@ -90,7 +93,7 @@ def test_doctor_on_a_study_counts_trials_and_names_the_study_rules(
     the best trial's params, trial counts and the study's cost shares."""
     from orchestrator.config import TrackingConfig
     from orchestrator.cost import Ledger, Pricing, study_metrics
-    from orchestrator.tracking import MlflowTracker
+    from orchestrator.tracking.client import MlflowTracker
 
     uri = f"sqlite:///{tmp_path}/mlruns.db"
     space = {"optim.lr": {"loguniform": [1e-4, 1e-1]}, "optim.warmup_steps": {"choice": [0, 50, 200]}}

@@ -201,7 +201,8 @@ def test_ctrl_c_and_a_killed_driver_each_resume_the_same_run_and_mlflow_run(ray_
     import ray
     from mlflow.tracking import MlflowClient
 
-    from orchestrator.tracking import chart_key, mlflow_key, read_summary
+    from orchestrator.tracking.read import read_summary
+    from orchestrator.tracking.view import chart_key, mlflow_key
 
     # Every attempt's workers hold in their 22nd forward (held_model: step 21 of the first attempt, 21 steps after
     # the checkpoint a resume starts from), so each stop reaches a run still training, after a checkpoint, however

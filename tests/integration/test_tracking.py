@@ -64,7 +64,7 @@ def mlflow_server(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]
 
 def logged_steps(uri: str, experiment: str) -> int:
     """How many training-loss points the server holds for the experiment's run (0 before the run exists)."""
-    from orchestrator.tracking import chart_key, mlflow_key
+    from orchestrator.tracking.view import chart_key, mlflow_key
 
     found = http_json(f"{uri}/api/2.0/mlflow/experiments/get-by-name?experiment_name={experiment}")
     runs = http_json(f"{uri}/api/2.0/mlflow/runs/search", {"experiment_ids": [found["experiment"]["experiment_id"]]})
@@ -127,7 +127,7 @@ def test_tracking_server_dying_mid_run_warns_once_and_training_finishes(
     last = summary(result).splitlines()[-1]
     assert last.endswith(f"/runs/{result.run_id}/model-metrics?workflowType=machine_learning")
     # ~25 reports and the final artifacts met a dead server: with the client's default retries each call would wait
-    # minutes; tracking.py's budget keeps the whole tail near the training time itself. The training part of the
+    # minutes; tracking/client.py's budget keeps the whole tail near the training time itself. The training part of the
     # tail (to the final checkpoint, written by the worker whatever the driver's tracking does) is what a loaded
     # machine stretches, so only the rest is charged to tracking.
     training = max(0.0, Path(result.checkpoint_path, "state.pt").stat().st_mtime - killed["wall"])
@@ -290,7 +290,7 @@ def test_named_inputs_are_logged_with_a_dict_signature(tmp_path: Path, digits_di
 
     from orchestrator.checks import resolve_for_data
     from orchestrator.model_logging import log_final_model
-    from orchestrator.tracking import MlflowTracker
+    from orchestrator.tracking.client import MlflowTracker
     from pipelines.datasets import inspect_datasets
 
     config = load_config(None, [
@@ -326,7 +326,8 @@ def test_a_model_that_cannot_be_logged_warns_one_line_and_tracking_goes_on(
 
     from orchestrator.checks import resolve_for_data
     from orchestrator.model_logging import log_final_model
-    from orchestrator.tracking import MlflowTracker, NullTracker
+    from orchestrator.tracking.client import MlflowTracker
+    from orchestrator.tracking.tracker import NullTracker
     from pipelines.datasets import inspect_datasets
 
     config = load_config(None, [f"data.train={digits_dir}/train", f"data.val={digits_dir}/val",

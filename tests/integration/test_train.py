@@ -14,7 +14,9 @@ import torch
 
 from orchestrator import load_config, train
 from orchestrator.result import TrainResult, run_summary
-from orchestrator.tracking import git_commit, mlflow_key, read_summary
+from orchestrator.tracking.context import git_commit
+from orchestrator.tracking.read import read_summary
+from orchestrator.tracking.view import mlflow_key
 from orchestrator.training.checkpoint import load_state
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,7 @@ from orchestrator import load_config, train, tune
 from orchestrator.config import Config
 from orchestrator.console import LOG_FILE
 from orchestrator.errors import ConfigError
-from orchestrator.tracking import read_summary
+from orchestrator.tracking.read import read_summary
 from orchestrator.tuning.results import TuneResult
 from orchestrator.tuning.search import TrialNamer, peak_concurrency
 

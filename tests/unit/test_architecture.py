@@ -52,10 +52,13 @@ RULES: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
                              "orchestrator.tuning", "orchestrator.checks", "orchestrator.cluster",
                              "orchestrator.console", "orchestrator.cost", "orchestrator.plots", "orchestrator.runs",
                              "orchestrator.tracking", "orchestrator.trainer", "pipelines"), ()),
-    # Every other module of orchestrator/ is driver side: anything but the entry points and the study.
+    # Every other module of orchestrator/ is driver side, a driver package's (doctor/, tracking/) too: anything but
+    # the entry points and the study.
     ("orchestrator", tuple(f"orchestrator.{p.stem}" for p in (ROOT / "orchestrator").glob("*.py")
                            if p.stem not in ("cli", "__init__", "__main__"))
-     + ("orchestrator.config", "orchestrator.training", "pipelines"), ()),
+     + tuple(f"orchestrator.{p.parent.name}" for p in (ROOT / "orchestrator").glob("*/__init__.py")
+             if p.parent.name != "tuning")
+     + ("pipelines",), ()),
 ]
 
 
@@ -87,6 +90,12 @@ def test_a_module_added_to_a_folder_is_held_to_its_rule() -> None:
     assert not _under("orchestrator.tracking", rule_of(ROOT / "orchestrator/training/new.py")[1])
     assert not _under("orchestrator.launch", rule_of(ROOT / "orchestrator/models.py")[1])
     assert not _under("orchestrator.tuning.study", rule_of(ROOT / "orchestrator/new_driver.py")[1])
+    assert not _under("orchestrator.tuning.study", rule_of(ROOT / "orchestrator/tracking/new.py")[1])
+    assert _under("orchestrator.tracking.client", rule_of(ROOT / "orchestrator/new_driver.py")[1])
+    # A driver package's modules are driver modules: held to the driver's rule, importable by the driver side.
+    assert rule_of(ROOT / "orchestrator/doctor/rules/new_rule.py")[0] == "orchestrator"
+    assert _under("orchestrator.doctor.rules.speed", rule_of(ROOT / "orchestrator/new_driver.py")[1])
+    assert not _under("orchestrator.tuning.study", rule_of(ROOT / "orchestrator/doctor/new.py")[1])
     assert not _under("orchestrator.models", rule_of(ROOT / "orchestrator/config/new.py")[1])
 
 

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from orchestrator.config import TrackingConfig
-from orchestrator.tracking import MlflowTracker, chart_key, mlflow_key
+from orchestrator.tracking.client import MlflowTracker
+from orchestrator.tracking.view import chart_key, mlflow_key
 
 # Four reports, each with a checkpoint: validation loss, accuracy and training loss; step 20 is the best.
 REPORTS = {10: {"train_loss": 1.2, "val_loss": 0.9, "val_accuracy": 0.5},
@@ -37,7 +38,7 @@ def test_each_checkpoint_is_a_logged_model_with_its_steps_metrics_and_the_best_i
         store: str, infos: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from mlflow.tracking import MlflowClient
 
-    from orchestrator.tracking import dataset_entity
+    from orchestrator.tracking.lineage import dataset_entity
 
     tracker = MlflowTracker(TrackingConfig(uri=store, experiment="checkpoints"), "ckpt-run", headline="val_accuracy")
     tracker.log_datasets(infos)

@@ -185,7 +185,7 @@ def test_model_options_are_checked_by_the_driver(overrides: list[str], message: 
 
 def test_tracking_uri_falls_back_to_environment_then_local_sqlite(monkeypatch: pytest.MonkeyPatch,
                                                                   tmp_path: Path) -> None:
-    from orchestrator.tracking import resolve_uri
+    from orchestrator.tracking.uri import resolve_uri
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

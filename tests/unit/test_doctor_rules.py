@@ -8,32 +8,29 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.doctor import (
-    HIGH,
-    MEDIUM,
-    WORKER_RATE,
-    Finding,
-    RunRecord,
+from orchestrator.doctor.engine import diagnose
+from orchestrator.doctor.record import HIGH, MEDIUM, Finding, RunRecord, training_share
+from orchestrator.doctor.report import format_findings
+from orchestrator.doctor.rules.run_health import (
     bookkeeping,
     checkpoint_interval,
+    evaluation,
+    nonfinite_steps,
+    report_blocking,
+    startup,
+)
+from orchestrator.doctor.rules.speed import (
+    WORKER_RATE,
     compile_small_kernels,
     data_pipeline,
-    diagnose,
-    evaluation,
-    format_findings,
     gradient_sync,
     memory_headroom,
     model_state,
-    nonfinite_steps,
     precision,
-    report_blocking,
-    search_space_edge,
-    startup,
-    study_size,
-    training_share,
     uneven_workers,
 )
-from orchestrator.tracking import mlflow_key
+from orchestrator.doctor.rules.study import search_space_edge, study_size
+from orchestrator.tracking.view import mlflow_key
 
 # A healthy 2-worker CPU run as the loop reports it (names as the loop reports them; record() maps them to MLflow
 # keys): most of every interval in compute, a little of everything else, both workers at the same pace.
@@ -435,10 +432,10 @@ def test_every_set_change_is_a_config_key() -> None:
 
 def test_metrics_are_read_under_their_mlflow_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     # When the tracking layer renames keys (train_loss -> train/loss), doctor follows mlflow_key, not literals.
-    import orchestrator.doctor as doctor
+    import orchestrator.doctor.record as doctor_record
 
     expected = [(f.rule, f.title, f.changes) for f in diagnose(record(ISSUE_RUN))]
-    monkeypatch.setattr(doctor, "mlflow_key", lambda name: f"renamed/{name}")
+    monkeypatch.setattr(doctor_record, "mlflow_key", lambda name: f"renamed/{name}")
     renamed = RunRecord({f"renamed/{k}": v for k, v in {**HEALTHY, **ISSUE_RUN}.items()}, PARAMS, {})
     assert [(f.rule, f.title, f.changes) for f in diagnose(renamed)] == expected
     assert diagnose(RunRecord({k: v for k, v in {**HEALTHY, **ISSUE_RUN}.items()}, PARAMS, {})) == []
@@ -521,7 +518,7 @@ def test_every_command_and_set_doctor_prints_is_accepted_by_the_cli_and_the_conf
 
     from orchestrator.cli import build_parser
     from orchestrator.config import load_config
-    from orchestrator.doctor import RULES
+    from orchestrator.doctor.engine import RULES
 
     runs = every_rules_run()
     findings = [diagnose(run) for run in runs]
@@ -611,7 +608,7 @@ def test_doctor_prints_no_download_progress_bars_and_leaves_mlflows_setting_alon
     # doctor downloads the run's summary table: MLflow draws a tqdm bar on stderr for it unless told not to.
     from orchestrator.cli import main
     from orchestrator.config import TrackingConfig
-    from orchestrator.tracking import MlflowTracker
+    from orchestrator.tracking.client import MlflowTracker
 
     uri = f"sqlite:///{tmp_path}/mlruns.db"
     tracker = MlflowTracker(TrackingConfig(uri=uri, experiment="doctor"), "r")

@@ -14,19 +14,11 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config import load_config
-from orchestrator.tracking import (
-    HEADLINE,
-    MlflowTracker,
-    chart_key,
-    config_params,
-    experiment_url,
-    mlflow_key,
-    read_metrics,
-    read_summary,
-    run_url,
-    short_run_name,
-    ui_command,
-)
+from orchestrator.tracking.client import MlflowTracker
+from orchestrator.tracking.context import config_params, short_run_name
+from orchestrator.tracking.links import experiment_url, run_url, ui_command
+from orchestrator.tracking.read import read_metrics, read_summary
+from orchestrator.tracking.view import HEADLINE, chart_key, mlflow_key
 from pipelines.datasets import inspect_datasets
 
 NOTE = "mlflow.note.content"

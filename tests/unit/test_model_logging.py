@@ -54,7 +54,7 @@ def mlp_from_file(in_features: int, num_classes: int) -> torch.nn.Module:
 
 def _log(config: Config, info: Any, weights: dict[str, Any]) -> str:
     from orchestrator.model_logging import log_final_model
-    from orchestrator.tracking import MlflowTracker
+    from orchestrator.tracking.client import MlflowTracker
 
     tracker = MlflowTracker(config.tracking, "model-logging")
     log_final_model(tracker, config, info, lambda: weights)

@@ -10,7 +10,8 @@ import pytest
 
 from orchestrator.config import load_config
 from orchestrator.config.schema import TASK_KINDS
-from orchestrator.tracking import MlflowTracker, headline_note
+from orchestrator.tracking.client import MlflowTracker
+from orchestrator.tracking.view import headline_note
 
 
 def task_config(kind: str) -> list[str]:

@@ -17,7 +17,7 @@ from orchestrator.cost import Pricing, build_ledger
 from orchestrator.models import build_model
 from orchestrator.result import run_summary
 from orchestrator.startup import STAGES, StartupClock
-from orchestrator.tracking import chart_key, logged_as, mlflow_key
+from orchestrator.tracking.view import chart_key, logged_as, mlflow_key
 from orchestrator.training.loop import run
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts

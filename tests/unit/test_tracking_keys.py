@@ -12,18 +12,11 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config import TrackingConfig, load_config
-from orchestrator.tracking import (
-    MlflowTracker,
-    config_params,
-    git_commit,
-    logged_as,
-    mlflow_key,
-    read_metrics,
-    read_summary,
-    run_url,
-    source_name,
-    source_type,
-)
+from orchestrator.tracking.client import MlflowTracker
+from orchestrator.tracking.context import config_params, git_commit, source_name, source_type
+from orchestrator.tracking.links import run_url
+from orchestrator.tracking.read import read_metrics, read_summary
+from orchestrator.tracking.view import logged_as, mlflow_key
 
 # What rank 0's reports hold (training/loop.py, worker.py: the first report of a start carries its facts), as the
 # driver hands them to the tracker (launch.py: `at/*` already taken for the start-up breakdown, `elapsed_s` added).
@@ -186,7 +179,7 @@ def test_the_runs_source_is_what_the_command_saw_before_ray_started(tmp_path: Pa
     starts and the run gets that one, not what the working directory holds when it opens."""
     from mlflow.tracking import MlflowClient
 
-    from orchestrator.tracking import context_tags
+    from orchestrator.tracking.context import context_tags
 
     checkout = tmp_path / "checkout"
     checkout.mkdir()

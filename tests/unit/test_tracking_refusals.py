@@ -11,7 +11,8 @@ import pytest
 
 from orchestrator import launch
 from orchestrator.config import TrackingConfig, load_config
-from orchestrator.tracking import MlflowTracker, chart_key, mlflow_key
+from orchestrator.tracking.client import MlflowTracker
+from orchestrator.tracking.view import chart_key, mlflow_key
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def test_only_an_unreachable_store_is_an_outage(store: str, tmp_path: Path, monk
     from mlflow.entities import Metric, Param
     from mlflow.tracking import MlflowClient
 
-    from orchestrator.tracking import is_outage
+    from orchestrator.tracking.store import is_outage
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     with socket.socket() as s:  # bound, then closed: nothing listens there

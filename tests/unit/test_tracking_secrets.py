@@ -10,15 +10,10 @@ import shlex
 import pytest
 
 from orchestrator.config import load_config, to_yaml
-from orchestrator.tracking import (
-    config_params,
-    mask_password,
-    resolve_uri,
-    run_url,
-    source_name,
-    ui_command,
-    unavailable,
-)
+from orchestrator.tracking.context import config_params, source_name
+from orchestrator.tracking.links import run_url, ui_command
+from orchestrator.tracking.store import unavailable
+from orchestrator.tracking.uri import mask_password, resolve_uri
 from orchestrator.tuning.search import trial_config, user_tree
 
 PASSWORD = "s3cr3t-Pa55"
@@ -76,7 +71,7 @@ def test_the_command_line_tag_printed_commands_and_errors_hold_no_password() -> 
 def test_doctor_on_an_unreachable_store_names_it_without_its_password(monkeypatch: pytest.MonkeyPatch) -> None:
     import socket
 
-    from orchestrator.doctor import load_run
+    from orchestrator.doctor.load import load_run
     from orchestrator.errors import UserError
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # nothing listens: fail at once

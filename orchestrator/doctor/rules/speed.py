@@ -1,0 +1,167 @@
+"""Doctor's rules on the training's pace: where a step's time and the device's memory go. Training waiting on
+data (`data_pipeline`), free device memory (`memory_headroom`), a ddp model state too large for a worker
+(`model_state`), fp32 on a bf16 GPU (`precision`), small kernels (`compile_small_kernels`), the gradient all-reduce
+(`gradient_sync`) and one worker at another pace than the rest (`uneven_workers`)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from orchestrator.doctor.record import HIGH, LOW, MEDIUM, Finding, RunRecord, _int_param, _world, training_share
+from orchestrator.memory_plan import GIB
+
+
+def data_pipeline(run: RunRecord) -> Finding | None:
+    """Training waits on data: more prefetch, more read parallelism, the cache."""
+    share = run.mean("time/data_wait_frac", "summary/time/data_wait_frac", "data_wait_frac")
+    if share is None or share < 0.15:
+        return None
+    prefetch = int(run.param("data.prefetch_batches", "2") or 2)
+    changes = [f"data.prefetch_batches={max(4, 2 * prefetch)}"]
+    parallelism = run.param("data.read_parallelism")
+    changes.append(f"data.read_parallelism={2 * int(parallelism)}" if parallelism else
+                   "data.read_parallelism=<CPUs per node for reading, e.g. 8>")
+    cache = run.param("data.cache", "auto")
+    remote = str(run.param("data.train", "")).startswith(("s3://", "gs://"))
+    if cache in ("none", "auto"):
+        changes.append("data.cache=~/.cache/orchestrator/shards (a node-local directory of your own: remote shards)"
+                       if remote else "data.cache=memory")
+    if run.param("data.transforms") not in (None, "[]"):
+        changes.append("data.transforms: cheaper or fewer per-batch transforms (they run in the read path)")
+    return Finding("data pipeline", HIGH if share >= 0.3 else MEDIUM, share,
+                   f"training waited on data {share:.0%} of the time", tuple(changes))
+
+
+def memory_headroom(run: RunRecord) -> Finding | None:
+    """Device memory mostly free: a larger micro-batch runs the same samples in fewer, larger kernels."""
+    peak, total = run.values("memory/peak_allocated_gb"), run.last("device/memory_total_gb")
+    if not peak or not total:
+        return None
+    used = max(peak) / total
+    if used >= 0.5:
+        return None
+    micro, batch = int(run.last("micro_batch_size") or 0), _int_param(run, "train.global_batch_size")
+    changes = ["train.micro_batch_size=auto"]
+    # global = micro x accumulation x workers: a doubled micro-batch halves an even accumulation, else it needs
+    # a doubled global batch (the config refuses a micro-batch that does not divide it).
+    accum = batch // (micro * _world(run)) if micro and batch else 0
+    if accum and accum % 2 == 0:
+        changes.append(f"train.micro_batch_size={2 * micro} (half the accumulation steps)")
+    elif micro and batch:
+        changes.append(f"train.micro_batch_size={2 * micro} --set train.global_batch_size={2 * batch} (no "
+                       "accumulation left to trade: with a matching optim.lr)")
+    else:
+        changes.append("train.global_batch_size=<2x, with a matching optim.lr> (no accumulation left to trade)")
+    return Finding("memory headroom", MEDIUM if used < 0.3 else LOW, 1 - used,
+                   f"device memory peaked at {max(peak):.1f} of {total:.0f} GiB ({used:.0%})", tuple(changes))
+
+
+def model_state(run: RunRecord) -> Finding | None:
+    """Under ddp every worker holds the whole model state (parameters, their gradients and the optimizer state,
+    from the worker's facts): when it takes over half a worker's memory (train.memory_budget_gb, else the device's)
+    or a worker ran out of memory, and fsdp's shards over the run's workers would take at most half, shard it."""
+    if (run.param("train.parallel") or "ddp") != "ddp":
+        return None
+    params, optimizer = run.last("param_bytes_per_rank"), run.last("optimizer_bytes_per_rank")
+    budget = run.param("train.memory_budget_gb")
+    memory_gb = float(budget) if budget else run.last("device/memory_total_gb")
+    world = _world(run)
+    if params is None or optimizer is None or not memory_gb or world < 2:
+        return None
+    state = 2 * params + optimizer  # the gradients are as large as the parameters (fp32 master copies)
+    share, sharded = state / (memory_gb * GIB), state / world
+    failures = " ".join(v for k, v in run.tags.items() if k.startswith("orchestrator.failure.")).lower()
+    oom = bool(run.last("oom_retries")) or "out of memory" in failures
+    if sharded > memory_gb * GIB / 2 or (share <= 0.5 and not oom):
+        return None
+    title = (f"under ddp each worker holds {state / GIB:.1f} GiB of model state (parameters, gradients, optimizer "
+             f"state), {share:.0%} of its {memory_gb:g} GiB" + (" and ran out of memory" if oom else "")
+             + f"; fsdp over {world} workers would hold {sharded / GIB:.1f} GiB")
+    return Finding("model state", HIGH if oom or share >= 1 else MEDIUM, share, title, ("train.parallel=fsdp",))
+
+
+def precision(run: RunRecord) -> Finding | None:
+    """fp32 on a GPU with bf16 support: about twice the math throughput and half the activation memory."""
+    used = run.tags.get("orchestrator.precision") or run.param("train.precision")
+    if used != "fp32" or not run.last("device/cuda") or not run.last("device/bf16_supported"):
+        return None
+    return Finding("precision", HIGH, 1.0, "trained in fp32 on a GPU that supports bf16",
+                   ("train.precision=bf16",))
+
+
+def compile_small_kernels(run: RunRecord) -> Finding | None:
+    """Low MFU with little work per micro-batch: launch overhead dominates, which torch.compile fuses away."""
+    mfu, flops, micro = run.mean("mfu"), run.last("flops_per_sample"), run.last("micro_batch_size")
+    if mfu is None or mfu >= 0.2 or run.param("train.compile") in ("True", "true"):
+        return None
+    if flops and micro and flops * micro >= 5e10:
+        return None  # big kernels: compiling will not lift this MFU much; the other findings will
+    work = f", {flops * micro / 1e9:.2g} GFLOP per micro-batch" if flops and micro else ""
+    return Finding("compile", MEDIUM, 0.2 - mfu, f"MFU {mfu:.1%}{work}: small kernels", ("train.compile=true",))
+
+
+SMALL_MODEL_BYTES = 100e6  # gradients per step below which an all-reduce is latency-bound, not bandwidth-bound
+
+
+def gradient_sync(run: RunRecord) -> Finding | None:
+    """Workers spent a large share of the training in the gradient all-reduce (the exposed part, beyond compute).
+    A small model gains little from more workers: the all-reduce's fixed latency is paid every step while each
+    worker's compute shrinks, so fewer workers or local SGD (averaging every few steps) train faster."""
+    share, world = training_share(run, "sync"), _world(run)
+    if share is None or share < 0.1 or world < 2:
+        return None
+    per_sample, batch = run.values("comm_bytes_per_sample"), _int_param(run, "train.global_batch_size")
+    grad_bytes = statistics.median(per_sample) * batch if per_sample and batch else None
+    size = f", {grad_bytes / 1e6:.2g} MB of gradients per step" if grad_bytes else ""
+    title = f"gradient sync took {share:.0%} of the training time ({world} workers{size})"
+    halve = (f"train.global_batch_size={2 * batch if batch else '<2x>'} (with a matching optim.lr: half the "
+             "all-reduces per sample)")
+    if run.param("train.parallel") == "fsdp":  # local SGD cannot run on shards (the config refuses it)
+        accumulates = (_int_param(run, "train.grad_accum_steps", 1) or 1) > 1
+        deferred = run.param("train.fsdp.defer_sync") == "True"
+        changes = [*(["train.fsdp.defer_sync=true (one reduce-scatter per optimizer step, not one per "
+                      "micro-batch; each worker then holds unsharded gradients)"] if accumulates and not deferred
+                     else []), halve]
+    elif run.param("train.sync") == "local_sgd":
+        every = _int_param(run, "train.sync_every", 8) or 8
+        changes = [f"train.sync_every={2 * every} (average parameters half as often)"]
+    elif grad_bytes is not None and grad_bytes < SMALL_MODEL_BYTES:
+        changes = [f"scaling.num_workers={max(1, world // 2)} (a model this small is latency-bound: compare "
+                   "samples/s)", "train.sync=local_sgd (average parameters every 8 steps, not gradients every step)"]
+    else:
+        changes = ["train.sync=local_sgd (average parameters every 8 steps, not gradients every step)", halve]
+    return Finding("gradient sync", HIGH if share >= 0.25 else MEDIUM, share, title, tuple(changes))
+
+
+# Each rank's own pace: its samples over its own compute and data-wait seconds (waits on other ranks left out).
+# The loop does not report it yet (see the README's doctor section); the rule reads it when it is there.
+WORKER_RATE = "worker/{rank}/samples_per_s"
+
+
+def uneven_workers(run: RunRecord) -> Finding | None:
+    """One worker much faster or slower than the others: under DDP every rank waits for the slowest each step,
+    so the run goes at its pace. A lone fast worker means the others are slow (sharing a node's cores, say)."""
+    rates = {rank: statistics.median(values) for rank in range(_world(run))
+             if (values := run.values(WORKER_RATE.format(rank=rank)))}
+    if len(rates) < 2:
+        return None
+
+    def ratio(rank: int) -> float:
+        return rates[rank] / max(statistics.median(r for k, r in rates.items() if k != rank), 1e-9)
+
+    odd = max(rates, key=lambda rank: abs(math.log(max(ratio(rank), 1e-9))))
+    factor = ratio(odd)
+    if 1 / 1.5 < factor < 1.5:
+        return None
+    others = sorted(r for k, r in rates.items() if k != odd)
+    spread = f"{others[0]:,.0f}" if len(others) == 1 else f"{others[0]:,.0f}-{others[-1]:,.0f}"
+    title = (f"worker {odd} ran at {rates[odd]:,.0f} samples/s, {factor:.1f}x the others ({spread}); every step "
+             f"waits for the slowest")
+    cpus = run.param("scaling.cpus_per_worker", "1")
+    slow = "the other workers' nodes" if factor > 1 else f"worker {odd}'s node"
+    changes = (f"check {slow}: other load, fewer free cores, a slower device (`ray status`, the dashboard)",
+               f"scaling.cpus_per_worker=<a node's cores / its workers> (now {cpus}: Ray places workers by it and "
+               "each worker runs that many torch threads)")
+    severity = HIGH if max(factor, 1 / factor) >= 2 else MEDIUM
+    return Finding("uneven workers", severity, abs(math.log(factor)), title, changes)

@@ -1,0 +1,69 @@
+"""The MLflow UI as the product prints it: where the UI answers (the tracking server, else the local `orchestrator
+ui`), the command that opens it, and the URLs of an experiment and of a run, always in MLflow's training view. The
+experiments of the runs this process tracked are remembered here (the tracker records them)."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+from orchestrator.tracking.uri import mask_password, without_userinfo
+
+UI_PORT = 5055  # `orchestrator ui`'s default (or the next free one): not 5000, which macOS's AirPlay takes
+_EXPERIMENT_OF: dict[str, str] = {}  # run id -> experiment id, for the runs this process tracked
+# MLflow 3 opens an experiment on its GenAI views unless asked for the training ones (the experiment's
+# `mlflow.experimentKind` tag does not change that in 3.17): every URL the product prints asks.
+TRAINING_VIEW = "workflowType=machine_learning"
+
+
+def ui_base(uri: str, port: int = UI_PORT) -> str:
+    """Where the UI for the store `uri` answers: the tracking server itself (without credentials), else the local
+    `orchestrator ui`."""
+    return without_userinfo(uri).rstrip("/") if uri.startswith(("http://", "https://")) else f"http://127.0.0.1:{port}"
+
+
+def ui_command(uri: str, experiment: str | None = None) -> str:
+    """The command that opens the MLflow UI on these results, as a new shell runs it: this environment's own
+    `orchestrator ui` (its path when the environment is not on PATH), or the server's address. No password in it:
+    a store whose URI holds one is named by $MLFLOW_TRACKING_URI, which the user exports (README)."""
+    if uri.startswith(("http://", "https://")):
+        return f"open {ui_base(uri)}"
+    shown = mask_password(uri)
+    command = f"{orchestrator_program()} ui" + (f" --tracking-uri {shlex.quote(uri)}" if shown == uri else "")
+    command += f" --experiment {shlex.quote(experiment)}" if experiment else ""
+    return command if shown == uri else f"{command}  # with MLFLOW_TRACKING_URI={shown} exported, password filled in"
+
+
+def orchestrator_program() -> str:
+    """`orchestrator` as a new shell finds this installation: its path in this Python's bin directory (relative to
+    the working directory when below it), or the bare name where no such script exists."""
+    program = Path(sys.executable).parent / "orchestrator"
+    if not program.is_file():
+        return "orchestrator"
+    try:
+        return str(program.relative_to(Path.cwd()))
+    except ValueError:
+        return str(program)
+
+
+def experiment_url(uri: str, experiment_id: str, port: int = UI_PORT) -> str:
+    """The experiment's runs list in the UI, in its training view."""
+    return f"{ui_base(uri, port)}/#/experiments/{experiment_id}?{TRAINING_VIEW}"
+
+
+def run_url(uri: str, run_id: str, experiment_id: str | None = None, tab: str = "model-metrics",
+            port: int = UI_PORT) -> str | None:
+    """The run's page in the MLflow UI, on its `tab` (model-metrics: the charts, headline first; overview: the
+    description, params and datasets): on the tracking server for an http(s) URI, else on the one `orchestrator ui`
+    starts. None when the run's experiment is unknown (not tracked by this process nor given)."""
+    experiment_id = experiment_id or _EXPERIMENT_OF.get(run_id)
+    if not experiment_id:
+        return None
+    page = "" if tab == "overview" else f"/{tab}"
+    return f"{ui_base(uri, port)}/#/experiments/{experiment_id}/runs/{run_id}{page}?{TRAINING_VIEW}"
+
+
+def experiment_of(run_id: str) -> str | None:
+    """The experiment id of a run this process tracked."""
+    return _EXPERIMENT_OF.get(run_id)
