@@ -108,7 +108,9 @@ class DataConfig(BaseModel):
         description="Per-batch transforms run in Ray Data map_batches, in order, e.g. "
         "[{normalize: {mean: 0.5, std: 0.25}}, {cast: float32}, {call: my_module:fn}].",
     )
-    s3: S3Config = Field(default_factory=S3Config)  # type: ignore[arg-type]
+    s3: S3Config = Field(default_factory=S3Config,  # type: ignore[arg-type]
+                         description="Object-store options for s3:// data and storage; credentials come only from "
+                         "the standard AWS chain, never from the config.")
 
     @model_validator(mode="after")
     def _one_token_column(self) -> DataConfig:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# The tests read the docs too (the summary keys from README, text for tokenizers): without them a mutant "dies" of that.
+# The tests read the docs too (the summary keys from docs/metrics.md, text for tokenizers): without them a mutant
+# "dies" of that.
 COPIED = ("orchestrator", "pipelines", "tests", "cluster", "examples", "docs", "pyproject.toml", "README.md")
 
 

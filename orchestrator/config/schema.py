@@ -152,7 +152,8 @@ class TrainConfig(_Section):
     parallel: Literal["ddp", "fsdp"] = Field(
         "ddp", description="ddp: every worker holds the whole model, its gradients and optimizer state; fsdp: "
         "they are sharded across the workers (FSDP2), for models bigger than one device.")
-    fsdp: FSDPConfig = Field(default_factory=FSDPConfig)  # type: ignore[arg-type]
+    fsdp: FSDPConfig = Field(default_factory=FSDPConfig,  # type: ignore[arg-type]
+                             description="With parallel=fsdp: how the model is cut into sharded units.")
     sync: Literal["ddp", "local_sgd"] = Field(
         "ddp", description="ddp: all-reduce gradients every step; local_sgd: each worker takes sync_every "
         "optimizer steps alone, then the workers average their parameters (~sync_every x less communication)."
@@ -211,12 +212,14 @@ class TrainConfig(_Section):
 
 
 class OptimConfig(_Section):
-    name: Literal["adamw", "sgd"] = "adamw"
-    lr: float = Field(3.0e-3, gt=0)
-    weight_decay: float = Field(0.01, ge=0)
+    name: Literal["adamw", "sgd"] = Field("adamw", description="adamw, or sgd (Nesterov momentum).")
+    lr: float = Field(3.0e-3, gt=0, description="Peak learning rate, reached at the end of the warmup.")
+    weight_decay: float = Field(0.01, ge=0, description="Weight decay, given to the optimizer as is.")
     momentum: float | None = Field(None, ge=0, lt=1, description="SGD only (default 0.9).")
     warmup_steps: int = Field(20, ge=0, description="Linear warmup from 0 to lr.")
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    schedule: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="Decay after the warmup, indexed by optimizer step at a fixed global batch (i.e. by "
+        "samples), so a resize or another micro-batch does not bend it.")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final lr as a fraction of lr (cosine/linear).")
     max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm; null = no clip.")
 
@@ -233,7 +236,7 @@ class ScalingConfig(_Section):
     num_workers: int | list[int] = Field(2, json_schema_extra={"accepts": "a count or [min, max]"},
                                          description="Ray Train workers (one DDP rank each), or [min, max] for "
                                          "an elastic group that grows and shrinks with the cluster.")
-    use_gpu: bool = False
+    use_gpu: bool = Field(False, description="One GPU per worker (nccl); false: CPU workers (gloo).")
     accelerator_type: str | None = Field(None, description="GPU type every worker must run on, e.g. A100, H100, "
                                          "A10G (Ray's accelerator_type:<T> node resource; the cluster YAMLs in "
                                          "cluster/ declare it per node type). null: any GPU.")
@@ -330,10 +333,11 @@ class FailureConfig(_Section):
 
 
 class TrackingConfig(_Section):
-    enabled: bool = True
+    enabled: bool = Field(True, description="Log the run to MLflow; false: no MLflow run at all.")
     uri: str | None = Field(None, description="MLflow tracking URI (SQLite file or http server); null = "
                             "$MLFLOW_TRACKING_URI, else sqlite:///mlruns.db in the working directory.")
-    experiment: str = Field("default", min_length=1)
+    experiment: str = Field("default", min_length=1, description="The MLflow experiment the runs are listed "
+                            "under; runs of several configs can share one.")
 
 
 class CostConfig(_Section):
@@ -412,19 +416,39 @@ class TuneConfig(_Section):
 class Config(_Section):
     """Everything one experiment needs; see examples/*.yaml."""
 
-    experiment: str = Field("digits-mlp", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    task: TaskConfig = Field(default_factory=TaskConfig)  # type: ignore[arg-type]
-    data: DataConfig = Field(default_factory=DataConfig)  # type: ignore[arg-type]
-    train: TrainConfig = Field(default_factory=TrainConfig)  # type: ignore[arg-type]
-    optim: OptimConfig = Field(default_factory=OptimConfig)  # type: ignore[arg-type]
-    scaling: ScalingConfig = Field(default_factory=ScalingConfig)  # type: ignore[arg-type]
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)  # type: ignore[arg-type]
-    storage: StorageConfig = Field(default_factory=StorageConfig)  # type: ignore[arg-type]
-    failure: FailureConfig = Field(default_factory=FailureConfig)  # type: ignore[arg-type]
-    tracking: TrackingConfig = Field(default_factory=TrackingConfig)  # type: ignore[arg-type]
-    tune: TuneConfig = Field(default_factory=TuneConfig)  # type: ignore[arg-type]
-    cost: CostConfig = Field(default_factory=CostConfig)  # type: ignore[arg-type]
+    experiment: str = Field("digits-mlp", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$",
+                            description="Names the run's directory in storage.path (<experiment>-<YYYYmmdd-HHMMSS>) "
+                            "and a study's (<experiment>-tune); --resume continues its latest run.")
+    # The sections' descriptions head their part of docs/config.md and of `show-config --explain` (reference.py).
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The model: a built-in one by name, or your "
+                               "own builder; any other key is an option of the builder (e.g. hidden for mlp).")
+    task: TaskConfig = Field(default_factory=TaskConfig,  # type: ignore[arg-type]
+                             description="What is learned: the loss, the validation metrics, what Tune and doctor "
+                             "rank by. `task: regression` is short for `task: {name: regression}`.")
+    data: DataConfig = Field(default_factory=DataConfig,  # type: ignore[arg-type]
+                             description="The Parquet data and how it streams into the workers (docs/data.md).")
+    train: TrainConfig = Field(default_factory=TrainConfig,  # type: ignore[arg-type]
+                               description="Length of training, batch arithmetic (global = micro-batch x "
+                               "accumulation x workers: give any two), precision, cadence, parallel mode.")
+    optim: OptimConfig = Field(default_factory=OptimConfig,  # type: ignore[arg-type]
+                               description="Optimizer and learning-rate schedule: linear warmup, then decay.")
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig,  # type: ignore[arg-type]
+                                   description="The Ray Train worker group: how many workers, on what.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig,  # type: ignore[arg-type]
+                                         description="When checkpoints are written and how many are kept "
+                                         "(docs/guarantees.md).")
+    storage: StorageConfig = Field(default_factory=StorageConfig,  # type: ignore[arg-type]
+                                   description="Where runs, checkpoints and studies are stored.")
+    failure: FailureConfig = Field(default_factory=FailureConfig,  # type: ignore[arg-type]
+                                   description="Restarts after a worker, a node or a preempted node is lost.")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig,  # type: ignore[arg-type]
+                                     description="MLflow: where runs are logged (docs/metrics.md).")
+    tune: TuneConfig = Field(default_factory=TuneConfig,  # type: ignore[arg-type]
+                             description="`orchestrator tune`: the search space over dotted config keys and how "
+                             "trials are scheduled and ranked (docs/tune.md).")
+    cost: CostConfig = Field(default_factory=CostConfig,  # type: ignore[arg-type]
+                             description="The cost ledger's price: a node type of cluster/prices.yaml or a price "
+                             "per node-hour; unpriced, only node-hours are logged (docs/figures.md).")
 
     @field_validator("task", mode="before")
     @classmethod

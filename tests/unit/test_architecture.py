@@ -1,4 +1,4 @@
-"""The import rules of the README's Layout section, enforced by scanning the source: each folder's allow-list of
+"""The import rules of docs/layout.md, enforced by scanning the source: each folder's allow-list of
 the product's own modules it may import (a new module is checked by the rule of its folder), the SDKs a side must
 not load, no import cycle, and a light package import."""
 

@@ -1,5 +1,5 @@
 """Where each figure a run reports goes in MLflow (a charted metric or a row of the `summary.json` table), checked
-against the README's own lists: every key the product reports, taken from a real in-process run, the driver's
+against docs/metrics.md's own lists: every key the product reports, taken from a real in-process run, the driver's
 whole-run figures, and the key literals in the code that set figures only on some runs (compile, CUDA, a drain)."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import torch
 
-from orchestrator.config import load_config
+from orchestrator.config import TASK_KINDS, load_config
 from orchestrator.cost import Pricing, build_ledger
 from orchestrator.models import build_model
 from orchestrator.result import run_summary
 from orchestrator.startup import STAGES, StartupClock
-from orchestrator.tracking.view import chart_key, logged_as, mlflow_key
+from orchestrator.tracking.view import chart_key, headline_keys, logged_as, mlflow_key
 from orchestrator.training.loop import run
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts
@@ -27,27 +27,28 @@ ROOT = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
 
 
-# --- what the README says --------------------------------------------------------------------------------------
+# --- what docs/metrics.md says ---------------------------------------------------------------------------------
 
 def _bullet(section: str, start: str) -> str:
-    """The text of the README bullet that begins with `start` in the `## <section>` section (up to the next one)."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    """The text of the docs/metrics.md bullet that begins with `start` in the `## <section>` section (up to the next
+    one)."""
+    text = (ROOT / "docs" / "metrics.md").read_text(encoding="utf-8")
     body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
     found = re.search(rf"^- {re.escape(start)}.*?(?=^- |^\S|\Z)", body, re.MULTILINE | re.DOTALL)
-    assert found, f"README's '{section}' section has no bullet starting {start!r}"
+    assert found, f"docs/metrics.md's '{section}' section has no bullet starting {start!r}"
     return " ".join(found[0].split())
 
 
 def _pattern(key: str) -> str:
-    """A README key as a regex: `<rank>` one path part, `...` and `*` anything."""
+    """A docs/metrics.md key as a regex: `<rank>` one path part, `...` and `*` anything."""
     out = re.escape(key).replace(r"\.\.\.", ".+").replace(r"\*", ".*")
     return re.sub(r"<[^>]+>", "[^/]+", out)
 
 
 def readme_keys(start: str) -> list[str]:
-    """The keys a README bullet names, as regexes: each backticked key with a `/`, and a section followed by its
-    names in parentheses (`train/` (loss, lr) -> train/loss, train/lr; prose in them means the whole section)."""
-    bullet = _bullet("Tracking: MLflow", start)
+    """The keys a docs/metrics.md bullet names, as regexes: each backticked key with a `/`, and a section followed by
+    its names in parentheses (`train/` (loss, lr) -> train/loss, train/lr; prose in them means the whole section)."""
+    bullet = _bullet("What a run logs", start)
     patterns = []
     for key, inside in re.findall(r"`([^`]*/[^`]*)`(?: \(([^()`]*)\))?", bullet):
         names = [n.strip() for n in inside.split(",")] if inside else []
@@ -55,7 +56,7 @@ def readme_keys(start: str) -> list[str]:
             patterns += [_pattern(key + n) for n in names]
         else:
             patterns.append(_pattern(key + "*" if key.endswith("/") else key))
-    assert patterns, f"README's {start} bullet names no keys"
+    assert patterns, f"docs/metrics.md's {start} bullet names no keys"
     return patterns
 
 
@@ -67,13 +68,22 @@ def _matches(patterns: list[str], key: str) -> bool:
     return any(re.fullmatch(p, key) for p in patterns)
 
 
-def test_the_readme_lists_parse_into_the_keys_they_name() -> None:
+def test_the_metrics_page_lists_parse_into_the_keys_they_name() -> None:
     # The parser itself: a section with names, a section with prose, placeholders, wildcards.
     assert _matches(CHARTED, "train/grad_norm") and not _matches(CHARTED, "train/step")
     assert _matches(CHARTED, "time/interval_s") and _matches(CHARTED, "val/perplexity")
     assert _matches(CHARTED, "worker/3/samples_per_s") and _matches(CHARTED, "system/node-1/cpu_percent")
     assert not _matches(CHARTED, "final/perf/compile_s") and _matches(SUMMARISED, "final/perf/compile_s")
     assert not _matches(SUMMARISED, "figure")  # the table's columns are not keys
+
+
+def test_every_tasks_headline_and_validation_keys_are_on_the_metrics_page() -> None:
+    # The headline section (the loss, the task's metric, samples/s) and every validation figure of every built-in
+    # task, named as the code names them, are on the page's list of charted keys.
+    for name, kind in TASK_KINDS.items():
+        keys = set(headline_keys(kind.metric).values()) | {mlflow_key(metric) for metric in kind.metrics}
+        missing = sorted(key for key in keys if not _matches(CHARTED, key))
+        assert not missing, f"{name}: docs/metrics.md's **metrics** bullet does not name {missing}"
 
 
 # --- what the product reports ------------------------------------------------------------------------------------
@@ -157,16 +167,16 @@ def test_the_run_reports_what_the_list_covers(reported: set[str]) -> None:
             "startup/total_s", "train/worker_pid", "device/cuda"} <= reported
 
 
-def test_what_is_charted_and_what_is_summarised_is_what_the_readme_says(reported: set[str]) -> None:
+def test_what_is_charted_and_what_is_summarised_is_what_the_metrics_page_says(reported: set[str]) -> None:
     wrong = []
     for key in sorted(reported):
         # A charted key as the UI shows it: the loss, the validation metric and samples/s in the headline section.
         charted, summarised = _matches(CHARTED, chart_key(key, "val_accuracy")), _matches(SUMMARISED, key)
         where = logged_as(key)
         if not (charted or summarised):
-            # Not in the README: only the driver's bookkeeping may go unlogged (`at/*`, `elapsed_s`, ...).
+            # Not in docs/metrics.md: only the driver's bookkeeping may go unlogged (`at/*`, `elapsed_s`, ...).
             if where is not None:
-                wrong.append(f"{key}: logged as {where}, but README's Tracking section does not list it")
+                wrong.append(f"{key}: logged as {where}, but docs/metrics.md's 'What a run logs' does not list it")
         elif where != ("metric" if charted else "summary"):
-            wrong.append(f"{key}: logged as {where}, README says {'charted' if charted else 'summary table'}")
+            wrong.append(f"{key}: logged as {where}, docs/metrics.md says {'charted' if charted else 'summary table'}")
     assert not wrong, "\n".join(wrong)
