@@ -11,7 +11,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from orchestrator.config import Config, config_from_dict, to_dict
+from orchestrator.config import Config, with_values
 from orchestrator.errors import ConfigError
 from orchestrator.memory_plan import GIB, estimate_bytes_per_rank, fsdp_advice
 from orchestrator.models import check_model_build, check_model_options, position_limit
@@ -53,7 +53,7 @@ def _resolve(config: Config, infos: Mapping[str, DatasetInfo]) -> tuple[Config, 
         raise ConfigError(f"data.val has {infos['val'].feature_dim} feature values per row but data.train has "
                           f"{train.feature_dim}: both splits must have the same columns")
     check_label(config, train)
-    tree = to_dict(config)
+    changes: dict[str, Any] = {}  # what the data decides, set at once below
     if config.model.num_classes is None:
         label = config.task.kind.label if config.task.kind else None
         outputs = 1 if label == "numbers" else train.num_classes
@@ -66,7 +66,7 @@ def _resolve(config: Config, infos: Mapping[str, DatasetInfo]) -> tuple[Config, 
             source = (f"'{config.data.label}' statistics" if config.data.label
                       else "the token column's vocab_size metadata")
             raise ConfigError(f"cannot infer the number of classes from {source}: set model.num_classes")
-        tree["model"]["num_classes"] = outputs or None
+        changes["model.num_classes"] = outputs or None
     t = config.train
     rows_per_worker = train.num_rows // config.scaling.max_workers
     smallest = t.micro_batch_size if isinstance(t.micro_batch_size, int) else 1
@@ -82,9 +82,8 @@ def _resolve(config: Config, infos: Mapping[str, DatasetInfo]) -> tuple[Config, 
                               f"must be below the run's {steps} optimizer steps (train.epochs={t.epochs:g} over "
                               f"{train.num_rows} rows at global batch {t.global_batch_size}): lower "
                               "optim.warmup_steps or train longer")
-        tree["train"]["max_steps"] = steps
-        tree["train"]["epochs"] = None
-    resolved = config_from_dict(tree)
+        changes |= {"train.max_steps": steps, "train.epochs": None}
+    resolved = with_values(config, changes)
     return resolved, check_model_call(resolved, train)
 
 
