@@ -26,7 +26,7 @@ from typing import Any
 from _common import scratch_run  # noqa: E402
 
 from orchestrator import load_config, train  # noqa: E402
-from orchestrator.launch import TrainResult  # noqa: E402
+from orchestrator.result import TrainResult  # noqa: E402
 from pipelines.prepare import prepare_synthetic  # noqa: E402
 
 

@@ -5,11 +5,13 @@ sequences against the model's positions. Each failure is one ConfigError naming 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 
-from orchestrator.config import Config, config_from_dict, to_dict
+from orchestrator.config import Config, with_values
 from orchestrator.errors import ConfigError
 from orchestrator.memory_plan import GIB, estimate_bytes_per_rank, fsdp_advice
 from orchestrator.models import check_model_build, check_model_options, position_limit
@@ -18,16 +20,40 @@ from pipelines.batches import collate_sample, padding_of
 from pipelines.sources import DatasetInfo
 
 
-def resolve_for_data(config: Config, infos: dict[str, DatasetInfo]) -> Config:
+@dataclass(frozen=True)
+class RunChecks:
+    """What the checks of one run found (plan.py keeps it): the config resolved for the data, the model input's
+    width, one worker's memory budget and, when ddp would not fit it while fsdp would, the line saying so."""
+
+    config: Config
+    in_features: int | None
+    memory_budget: tuple[float, str] | None
+    advice: str | None
+
+
+def check_run(config: Config, infos: Mapping[str, DatasetInfo]) -> RunChecks:
+    """`resolve_for_data`, and the model's facts from the same build (on the meta device, built once)."""
+    resolved, model = _resolve(config, infos)
+    info = infos["train"]
+    return RunChecks(resolved, in_features(resolved, info), worker_memory_budget(resolved),
+                     model_state_advice(resolved, info, model))
+
+
+def resolve_for_data(config: Config, infos: Mapping[str, DatasetInfo]) -> Config:
     """Fill in what the data decides: the number of classes and, when epochs are given, the step count. Also checks
     the model's options against its builder (the first driver step that may import the model zoo)."""
+    return _resolve(config, infos)[0]
+
+
+def _resolve(config: Config, infos: Mapping[str, DatasetInfo]) -> tuple[Config, Any]:
+    """resolve_for_data's config, and the model the check built (None when it builds none: see check_model_call)."""
     check_model_options(config.model)
     train = infos["train"]
     if "val" in infos and infos["val"].feature_dim != train.feature_dim:
         raise ConfigError(f"data.val has {infos['val'].feature_dim} feature values per row but data.train has "
                           f"{train.feature_dim}: both splits must have the same columns")
     check_label(config, train)
-    tree = to_dict(config)
+    changes: dict[str, Any] = {}  # what the data decides, set at once below
     if config.model.num_classes is None:
         label = config.task.kind.label if config.task.kind else None
         outputs = 1 if label == "numbers" else train.num_classes
@@ -40,7 +66,7 @@ def resolve_for_data(config: Config, infos: dict[str, DatasetInfo]) -> Config:
             source = (f"'{config.data.label}' statistics" if config.data.label
                       else "the token column's vocab_size metadata")
             raise ConfigError(f"cannot infer the number of classes from {source}: set model.num_classes")
-        tree["model"]["num_classes"] = outputs or None
+        changes["model.num_classes"] = outputs or None
     t = config.train
     rows_per_worker = train.num_rows // config.scaling.max_workers
     smallest = t.micro_batch_size if isinstance(t.micro_batch_size, int) else 1
@@ -56,11 +82,9 @@ def resolve_for_data(config: Config, infos: dict[str, DatasetInfo]) -> Config:
                               f"must be below the run's {steps} optimizer steps (train.epochs={t.epochs:g} over "
                               f"{train.num_rows} rows at global batch {t.global_batch_size}): lower "
                               "optim.warmup_steps or train longer")
-        tree["train"]["max_steps"] = steps
-        tree["train"]["epochs"] = None
-    resolved = config_from_dict(tree)
-    check_model_call(resolved, train)
-    return resolved
+        changes |= {"train.max_steps": steps, "train.epochs": None}
+    resolved = with_values(config, changes)
+    return resolved, check_model_call(resolved, train)
 
 
 def check_label(config: Config, info: DatasetInfo) -> None:
@@ -81,37 +105,42 @@ def check_label(config: Config, info: DatasetInfo) -> None:
         raise ConfigError(f"data.label '{label}' in {info.path} has type {kind}, but task {task.name} needs {need}")
 
 
-def check_model_call(config: Config, info: DatasetInfo) -> None:
+def check_model_call(config: Config, info: DatasetInfo) -> Any:
     """The model builds with its options (on the meta device: no memory, no weights loaded; with model.pretrained,
     in its saved config's architecture), for every model; the sample rows' sequences fit its learned positions;
     with named inputs also: the sample rows convert to tensors, hold every input the model is given, and the
-    model's forward takes them by name."""
-    call, batch = None, None
-    if config.model.inputs is not None and info.sample is not None:
-
-        try:
-            batch = collate_sample(info.sample, config.data, named=True)
-        except ValueError as exc:
-            raise ConfigError(f"data in {info.path}: {exc}") from None
+    model's forward takes them by name. Returns the model built (None when check_model_build builds none)."""
+    call, named = None, config.model.inputs is not None
+    batch = _sample_batch(config, info) if named or config.data.label is None else None
+    if named and batch is not None:
         _, call, _ = task_parts(config)
         missing = [key for key in (call.inputs or {}).values() if key not in batch]
         if missing:
             raise ConfigError(f"config key 'model.inputs': {missing} are not in the batch, which has {sorted(batch)} "
                               "(a mask comes only with a variable-length token column)")
-    elif info.sample is not None and config.data.label is None:  # token windows: forward(x) takes their tokens
-        try:
-            batch = collate_sample(info.sample, config.data, named=False)
-        except ValueError:
-            batch = None  # the workers collate the same rows and will say why
     # What the workers build with (spec["in_features"]), so that the driver's check sees the workers' model.
     model = check_model_build(config.model, in_features(config, info), config.model.num_classes, config.data.s3)
     if model is None:
-        return
+        return None
     if call is not None:
-
         check_forward(model, call, config.model.entrypoint or config.model.name)
     if batch is not None:
         check_positions(config, info, model, batch)
+    return model
+
+
+def _sample_batch(config: Config, info: DatasetInfo) -> dict[str, Any] | None:
+    """The sample rows collated as the workers collate them: by name for named inputs (a ConfigError naming the data
+    when they cannot be), else token windows for forward(x) (None when they cannot be: the workers will say why)."""
+    if info.sample is None:
+        return None
+    named = config.model.inputs is not None
+    try:
+        return collate_sample(info.sample, config.data, named=named)
+    except ValueError as exc:
+        if named:
+            raise ConfigError(f"data in {info.path}: {exc}") from None
+        return None
 
 
 def check_positions(config: Config, info: DatasetInfo, model: Any, batch: dict[str, Any]) -> None:
@@ -166,14 +195,15 @@ def in_features(config: Config, info: DatasetInfo) -> int | None:
     return info.feature_dim or None
 
 
-def model_state_advice(config: Config, info: DatasetInfo) -> str | None:
+def model_state_advice(config: Config, info: DatasetInfo, model: Any = None) -> str | None:
     """Before Ray starts: the line saying that `train.parallel=ddp` would not fit the model's state (parameters,
     gradients, optimizer state) in a worker while fsdp would (memory_plan.fsdp_advice), for the model the workers
     will build, counted on the meta device. None when ddp fits, fsdp would not help, or the budget is unknown."""
     if config.train.parallel != "ddp":
         return None
     budget = worker_memory_budget(config)
-    model = check_model_build(config.model, in_features(config, info), config.model.num_classes, config.data.s3)
+    if model is None:  # the one check_model_call built, when given
+        model = check_model_build(config.model, in_features(config, info), config.model.num_classes, config.data.s3)
     if budget is None or model is None:
         return None
     n = sum(p.numel() for p in model.parameters() if p.requires_grad)

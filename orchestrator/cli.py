@@ -260,7 +260,8 @@ def _tune(args: argparse.Namespace, config: Config) -> int:
 
 
 def _train(args: argparse.Namespace, config: Config) -> int:
-    from orchestrator.launch import summary, train
+    from orchestrator.launch import train
+    from orchestrator.result import summary
     from orchestrator.startup import process_started_at
 
     # The clock starts with this process, as a stopwatch around the command would.

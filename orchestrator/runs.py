@@ -19,7 +19,7 @@ import pyarrow.fs as pafs
 from orchestrator.config import Config, flatten, to_dict
 from orchestrator.cost import attempt_record
 from orchestrator.errors import ConfigError
-from pipelines.config import is_remote
+from orchestrator.training.resume import checkpointed_cache_decision
 from pipelines.storage import Storage, open_storage
 
 RUN_RECORD = "orchestrator-run.json"
@@ -37,8 +37,7 @@ RESUMABLE_CHANGES = ("train.log_every", "train.eval_every", "train.max_nonfinite
 
 def open_run_storage(config: Config) -> Storage:
     """storage.path resolved like data paths: S3 through the same endpoint, region and credential chain."""
-    path = config.storage.path
-    return open_storage(path, config.data.s3 if is_remote(path) else None)
+    return open_storage(config.storage.path, config.data.s3)  # a local path takes no S3 settings
 
 
 @dataclass
@@ -106,6 +105,10 @@ class RunPlace:
                               f"{' ...' if len(changed) > 4 else ''}): set those back to continue it, or run without "
                               "--resume to start a new run")
 
+    def cache_decision(self) -> str | None:
+        """The cache decision of the checkpoint a resume of this run loads (training.resume); None without one."""
+        return checkpointed_cache_decision(self.storage.filesystem(), self.path, self.registered_step())
+
     def write_text(self, name: str, text: str) -> None:
         fs = self.storage.filesystem()
         target = f"{self.path}/{name}"
@@ -161,3 +164,17 @@ def new_run(storage: Storage, experiment: str) -> RunPlace:
         n += 1
         name = f"{base}-{n}"
     return RunPlace(storage, name)
+
+
+def place_run(config: Config, resume: bool, verbose: bool) -> tuple[RunPlace, dict[str, Any] | None]:
+    """The run's place in storage and, when resuming, its record (MLflow run id; {} when it has none)."""
+    storage = open_run_storage(config)
+    place = latest_run(storage, config.experiment) if resume else None
+    if place is None:
+        if resume:
+            print(f"no earlier run of '{config.experiment}' in {storage.uri}: starting a new one", file=sys.stderr)
+        return new_run(storage, config.experiment), None
+    place.check_resumable(config)
+    if verbose:
+        print(f"resuming run {place.uri} from its latest checkpoint", file=sys.stderr)
+    return place, place.read_record() or {}

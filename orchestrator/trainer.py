@@ -6,13 +6,13 @@ from __future__ import annotations
 import os
 import sys
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from orchestrator.checks import in_features
 from orchestrator.config import Config, to_dict
 from orchestrator.errors import ConfigError, UserError
 from orchestrator.runs import RunPlace
-from orchestrator.training.resume import checkpointed_cache_decision
 from pipelines.config import DataConfig
 from pipelines.datasets import CACHE_DECISIONS, REPLAY, build_datasets, cache_decision
 from pipelines.order import create_epoch_clock, release_epoch_clock
@@ -96,12 +96,12 @@ def resumed_cache_decision(data: DataConfig, infos: dict[str, DatasetInfo], stor
     return saved
 
 
-def build_run(config: Config, infos: dict[str, DatasetInfo], place: RunPlace, callbacks: list[Any],
-              metrics_queue: Any, node_ranks: int | None = None) -> Any:
+def build_run(config: Config, infos: Mapping[str, DatasetInfo], place: RunPlace, callbacks: list[Any],
+              metrics_queue: Any, node_ranks: int | None = None, *, saved: str | None) -> Any:
     """Datasets and TorchTrainer for one run, in this process's Ray Data context (the driver for `train`, the
-    trial actor for each Tune trial). Rank 0 puts its metrics on `metrics_queue` (a ray.util.queue.Queue)."""
-    # A resumed run (one with checkpoints in its place) is fed as its checkpoints were; a new one decides now.
-    saved = checkpointed_cache_decision(place.storage.filesystem(), place.path, place.registered_step())
+    trial actor for each Tune trial). Rank 0 puts its metrics on `metrics_queue` (a ray.util.queue.Queue).
+    `saved`: the cache decision of the checkpoint a resumed run loads (RunPlace.cache_decision): it is fed as its
+    checkpoints were; None: a new run, decided now."""
     spec, datasets = build_inputs(config, infos, place.name, saved, metrics_queue, node_ranks)
     return build_trainer(config, spec, datasets, place, callbacks)
 

@@ -14,6 +14,7 @@ from orchestrator.config.load import (
     read_yaml_mapping,
     to_dict,
     to_yaml,
+    with_values,
 )
 from orchestrator.config.schema import (
     MAX_SEED,
@@ -40,4 +41,5 @@ __all__ = [
     "ModelConfig", "OptimConfig", "Precision", "ScalingConfig", "StorageConfig", "TaskConfig", "TaskKind",
     "TrackingConfig", "TrainConfig", "TuneConfig", "config_from_dict", "either", "flatten", "format_validation_error",
     "keys_elsewhere", "load_config", "parse_override", "read_yaml_mapping", "to_dict", "to_yaml",
+    "with_values",
 ]

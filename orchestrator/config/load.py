@@ -274,6 +274,14 @@ def to_yaml(config: Config) -> str:
     return yaml.safe_dump(to_dict(config), sort_keys=False)
 
 
+def with_values(config: Config, values: dict[str, Any]) -> Config:
+    """The config with dotted keys set (`{"train.max_steps": 40}`), validated again as a whole."""
+    tree = to_dict(config)
+    for dotted, value in values.items():
+        _set_dotted(tree, dotted, value)
+    return config_from_dict(tree)
+
+
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """{'optim': {'lr': 1}} -> {'optim.lr': 1} (MLflow params)."""
     flat: dict[str, Any] = {}

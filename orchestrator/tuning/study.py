@@ -87,7 +87,8 @@ def _run_trial(params: dict[str, Any], *, tree: dict[str, Any], infos: dict[str,
 
     def fit() -> None:
         try:
-            build_run(config, infos, RunPlace(trials, trial_id), [], queue, node_ranks).fit()
+            place = RunPlace(trials, trial_id)  # a restarted trial is fed as its checkpoints were
+            build_run(config, infos, place, [], queue, node_ranks, saved=place.cache_decision()).fit()
         except BaseException as exc:  # handed to the trial's thread, which raises it
             failed.append(exc)
 

@@ -14,7 +14,7 @@ import pytest
 
 from orchestrator import load_config, train
 from orchestrator.cli import main
-from orchestrator.launch import summary
+from orchestrator.result import summary
 
 pytestmark = pytest.mark.slow
 

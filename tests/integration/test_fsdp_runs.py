@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from orchestrator import load_config, train
-from orchestrator.launch import TrainResult
 from orchestrator.models import build_model
+from orchestrator.result import TrainResult
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

@@ -24,7 +24,8 @@ from terminal import from_a_terminal
 
 from orchestrator import load_config
 from orchestrator.cost import PARTS
-from orchestrator.launch import TrainResult, train
+from orchestrator.launch import train
+from orchestrator.result import TrainResult
 from orchestrator.training.checkpoint import check_complete, load_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

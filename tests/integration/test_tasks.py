@@ -18,7 +18,8 @@ from recording_bert import read_calls
 
 from orchestrator import load_config
 from orchestrator.errors import ConfigError
-from orchestrator.launch import TrainResult, train
+from orchestrator.launch import train
+from orchestrator.result import TrainResult
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

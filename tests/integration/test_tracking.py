@@ -26,7 +26,7 @@ from services import BIN, free_port, start_mlflow_server, stop_group, wait_for
 from test_cluster_jobs import http_json
 
 from orchestrator import load_config, train
-from orchestrator.launch import summary
+from orchestrator.result import summary
 
 pytestmark = pytest.mark.slow
 

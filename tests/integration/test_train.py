@@ -9,11 +9,13 @@ import os
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import torch
+import yaml
 
 from orchestrator import load_config, train
-from orchestrator.launch import TrainResult, run_summary
+from orchestrator.result import TrainResult, run_summary
 from orchestrator.tracking.context import git_commit
 from orchestrator.tracking.read import read_summary
 from orchestrator.tracking.view import mlflow_key
@@ -77,7 +79,12 @@ def test_two_workers_learn_digits_and_mlflow_has_the_run(digits_ddp: TrainResult
     losses = client.get_metric_history(result.run_id, "headline/train_loss")
     assert [m.step for m in losses] == [25, 50, 75, 100, 125, 150]
     artifacts = {a.path for a in client.list_artifacts(result.run_id)}
-    assert {"config.yaml", "learning_curves.png", "summary.json"} <= artifacts
+    assert {"config.yaml", "plan.yaml", "learning_curves.png", "summary.json"} <= artifacts
+    # The run's plan, as show-config --plan prints it: the step count the data decided, the rows the run read.
+    plan = yaml.safe_load(Path(client.download_artifacts(result.run_id, "plan.yaml")).read_text())
+    assert plan["training"]["steps"] == result.config.train.max_steps == 150
+    assert plan["data"]["train"]["rows"] == pq.ParquetDataset(f"{digits_dir}/train").read().num_rows
+    assert plan["run"]["place"] == result.run_dir and plan["model"]["outputs"] == 10
     # The run-level figures: one summary table (start-up, cost, whole-run shares, the facts the first report brought).
     table = read_summary(client, result.run_id)
     assert table["train/step"] == 150 and table["train/precision"] in ("bf16", "fp32")

@@ -16,6 +16,7 @@ import pytest
 
 from orchestrator import cli, launch
 from orchestrator.config import load_config
+from orchestrator.plan import RunPlan
 from orchestrator.runs import RAY_CHECKPOINTS, RUN_RECORD, RunPlace, open_run_storage
 from orchestrator.trainer import storage_args
 from pipelines.config import S3Config
@@ -71,11 +72,11 @@ def test_ctrl_c_during_training_exits_130_and_says_how_to_continue(
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(launch, "connect_ray", lambda address, config: False)  # no cluster: a joined one, say
 
-    def fit_until_ctrl_c(config: Any, infos: Any, place: RunPlace, *args: Any) -> Any:
+    def fit_until_ctrl_c(plan: RunPlan, *args: Any) -> Any:
         # Twelve steps reported, step 10's checkpoint registered by Ray Train, then Ctrl+C.
         history = next(a for a in args if isinstance(a, list))  # the reports so far
         history.append({"step": 12})
-        place.write_text(RAY_CHECKPOINTS, '{"checkpoints": ["checkpoint_00000010_d41d8cd9"]}')
+        plan.place.write_text(RAY_CHECKPOINTS, '{"checkpoints": ["checkpoint_00000010_d41d8cd9"]}')
         raise KeyboardInterrupt
 
     monkeypatch.setattr(launch, "_fit", fit_until_ctrl_c)
@@ -114,7 +115,7 @@ def test_the_mlflow_run_is_opened_while_ray_starts_and_the_start_up_parts_still_
 
     clocks: list[Any] = []
 
-    def fit(config: Any, infos: Any, place: RunPlace, tracker: Any, verbose: bool, clock: Any, *args: Any) -> Any:
+    def fit(plan: RunPlan, tracker: Any, verbose: bool, clock: Any, *args: Any) -> Any:
         clocks.append(clock)
         raise KeyboardInterrupt
 

@@ -125,7 +125,7 @@ def test_orchestrator_train_says_so_before_ray_starts(tmp_path: Path, digits_dir
 
 def test_the_printed_summary_shows_the_parallel_mode_and_what_each_worker_holds() -> None:
     from orchestrator.config import load_config
-    from orchestrator.launch import TrainResult, summary
+    from orchestrator.result import TrainResult, summary
 
     # The worker's facts come with the first report of each (re)start; a resize's later facts are the ones shown.
     history = [{"step": 25, "train_loss": 1.0, "parallel": "fsdp", "world_size": 2,
@@ -142,7 +142,7 @@ def test_the_printed_summary_shows_the_parallel_mode_and_what_each_worker_holds(
 
 
 def test_the_parallel_line_of_one_worker_says_worker_not_workers() -> None:
-    from orchestrator.launch import parallel_line
+    from orchestrator.result import parallel_line
 
     facts = {"step": 10, "parallel": "ddp", "param_bytes_per_rank": 2**20, "optimizer_bytes_per_rank": 2**21}
     assert parallel_line([facts | {"world_size": 1}]) == ("parallel: ddp on 1 worker, holding 1.0 MiB of parameters "

@@ -40,7 +40,7 @@ def test_train_takes_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     from orchestrator import cli, launch
     from orchestrator.config import to_yaml
     from orchestrator.errors import ConfigError
-    from orchestrator.launch import _place_run
+    from orchestrator.runs import place_run
 
     calls: list[bool] = []
 
@@ -61,16 +61,16 @@ def test_train_takes_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
 
     sets = [f"storage.path={tmp_path}", "experiment=exp", "train.max_steps=40"]
     config = load_config(None, sets)
-    place, record = _place_run(config, resume=True, verbose=False)  # no earlier run: a new one, no record
+    place, record = place_run(config, resume=True, verbose=False)  # no earlier run: a new one, no record
     assert record is None and latest_run(open_run_storage(config), "exp") is None
     place.write_text("config.yaml", to_yaml(config))  # what train() writes before it fits
     place.write_record({"run_name": place.name, "mlflow_run_id": "abc"})
-    resumed, record = _place_run(load_config(None, [*sets, "train.log_every=5"]), resume=True, verbose=False)
+    resumed, record = place_run(load_config(None, [*sets, "train.log_every=5"]), resume=True, verbose=False)
     assert resumed.name == place.name and record == {"run_name": place.name, "mlflow_run_id": "abc"}
-    fresh, record = _place_run(config, resume=False, verbose=False)
+    fresh, record = place_run(config, resume=False, verbose=False)
     assert fresh.name != place.name and record is None
     with pytest.raises(ConfigError, match=r"optim\.lr: 0\.003 -> 0\.1"):
-        _place_run(load_config(None, [*sets, "optim.lr=0.1"]), resume=True, verbose=False)
+        place_run(load_config(None, [*sets, "optim.lr=0.1"]), resume=True, verbose=False)
 
 
 def test_resume_refuses_a_config_that_trains_something_else(tmp_path: Path) -> None:

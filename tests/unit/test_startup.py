@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.launch import run_summary
+from orchestrator.result import run_summary
 from orchestrator.startup import STAGES, StartupClock
 
 

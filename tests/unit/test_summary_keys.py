@@ -14,8 +14,8 @@ import torch
 
 from orchestrator.config import TASK_KINDS, load_config
 from orchestrator.cost import Pricing, build_ledger
-from orchestrator.launch import run_summary
 from orchestrator.models import build_model
+from orchestrator.result import run_summary
 from orchestrator.startup import STAGES, StartupClock
 from orchestrator.tracking.view import chart_key, headline_keys, logged_as, mlflow_key
 from orchestrator.training.loop import run

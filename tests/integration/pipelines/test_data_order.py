@@ -15,7 +15,8 @@ import torch
 from recording_model import read_runs
 
 from orchestrator.config import load_config
-from orchestrator.launch import TrainResult, train
+from orchestrator.launch import train
+from orchestrator.result import TrainResult
 from orchestrator.trainer import RunFailedError
 from orchestrator.training.checkpoint import load_state
 from pipelines.datasets import inspect_datasets, replay_epochs, use_memory_cache

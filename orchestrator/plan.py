@@ -1,0 +1,122 @@
+"""The plan of a run, made once before any cluster resource is taken: the config resolved for the data, the data's
+facts, the model's and the task's, the memory and price of the run, where it lives and what it resumes. The run
+stage (launch.py: Ray, tracking, fit, summary) consumes only this plan; `orchestrator show-config --plan` prints
+it, and every tracked run logs it to MLflow as `plan.yaml`. Each check fails here with one ConfigError or
+DataError naming the key and the fix, before Ray starts."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import yaml
+
+from orchestrator.checks import check_run
+from orchestrator.config import Config
+from orchestrator.cost import Pricing, resolve_pricing
+from orchestrator.runs import RunPlace, place_run
+from orchestrator.tracking.context import context_tags, short_run_name
+from orchestrator.tracking.store import check_server_listens
+from orchestrator.tracking.uri import mask_password, resolve_uri
+from pipelines.datasets import inspect_datasets
+from pipelines.sources import DatasetInfo
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """What a `--resume` continues: the run's record (its MLflow run), the newest checkpoint Ray Train registered,
+    and the cache decision that checkpoint's data position counts rows in."""
+
+    record: Mapping[str, Any]
+    step: int | None
+    cache_decision: str | None
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """One run, decided: nothing after the plan reads the config's raw form or the data's files again."""
+
+    config: Config  # resolved for the data: the number of classes and, for epochs, the step count filled in
+    datasets: Mapping[str, DatasetInfo]  # each split's rows, bytes, files, columns and classes
+    in_features: int | None  # the width of the classic model input the workers build with (checks.in_features)
+    memory_budget: tuple[float, str] | None  # bytes one worker may use, and where that figure comes from
+    advice: str | None  # ddp would not fit a worker while fsdp would (checks.model_state_advice)
+    pricing: Pricing
+    place: RunPlace  # where the run lives in storage: a new one, or the one resumed
+    resume: ResumePoint | None
+    run_name: str  # the MLflow run's name
+    tracking_uri: str | None  # the MLflow store, resolved (None: tracking off)
+    reopen_run_id: str | None  # the resumed run's MLflow run, continued when tracked at the same store
+    context: Mapping[str, str]  # the run's context tags (git commit, user, source), taken where the command started
+
+    def describe(self) -> dict[str, Any]:
+        """The plan as plain data: what `show-config --plan` prints and `plan.yaml` in MLflow holds."""
+        c = self.config
+        resume = None if self.resume is None else {
+            "from_step": self.resume.step, "cache_decision": self.resume.cache_decision,
+            "mlflow_run_id": self.reopen_run_id}
+        return {
+            "run": {"experiment": c.experiment, "place": self.place.uri, "mlflow_run_name": self.run_name,
+                    "resume": resume},
+            "data": {split: {"path": info.path, "files": len(info.files), "rows": info.num_rows,
+                             "bytes": info.num_bytes, "feature_values_per_row": info.feature_dim,
+                             "classes": info.num_classes} for split, info in self.datasets.items()},
+            "task": c.task.name,
+            "model": {"name": c.model.entrypoint or c.model.name, "in_features": self.in_features,
+                      "outputs": c.model.num_classes},
+            "training": {"steps": c.train.max_steps, "global_batch_size": c.train.global_batch_size,
+                         "micro_batch_size": c.train.micro_batch_size, "precision": c.train.precision,
+                         "parallel": c.train.parallel, "sync": c.train.sync,
+                         "workers": c.scaling.num_workers if isinstance(c.scaling.num_workers, int)
+                         else list(c.scaling.num_workers), "use_gpu": c.scaling.use_gpu},
+            "memory": {"worker_budget_gib": None if self.memory_budget is None
+                       else round(self.memory_budget[0] / 2**30, 2),
+                       "budget_from": None if self.memory_budget is None else self.memory_budget[1],
+                       "advice": self.advice},
+            "data_cache": {"setting": c.data.cache, "kept_from_checkpoint": self.resume.cache_decision
+                           if self.resume else None},
+            "cost": {"nodes": self.pricing.nodes, "usd_per_node_hour": self.pricing.usd_per_node_hour,
+                     "pricing": self.pricing.description},
+            "tracking": {"uri": self.tracking_uri and mask_password(self.tracking_uri),
+                         "experiment": c.tracking.experiment} if c.tracking.enabled else None,
+        }
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.describe(), sort_keys=False, default_flow_style=False)
+
+
+def plan_run(config: Config, resume: bool = False, verbose: bool = True) -> RunPlan:
+    """Check the config against the data, the model, the price table and the tracking store, and find the run's
+    place (the latest run to continue with `resume`); raises UserError subclasses on bad input. Prints the
+    memory advice and where a resume continues from when `verbose`."""
+    infos = inspect_datasets(config.data, named=config.model.inputs is not None)
+    checked = check_run(config, infos)  # the model built once, on the meta device
+    config = checked.config
+    pricing = resolve_pricing(config)  # an unknown node type fails now, not after training
+    check_server_listens(config.tracking)  # the run is opened while Ray starts: a dead server must stop us first
+    if checked.advice and verbose:  # ddp would not fit a worker, fsdp would
+        print(checked.advice, file=sys.stderr, flush=True)
+    place, record = place_run(config, resume, verbose)
+    uri = resolve_uri(config.tracking.uri) if config.tracking.enabled else None
+    point = (None if record is None
+             else ResumePoint(MappingProxyType(record), place.registered_step(), place.cache_decision()))
+    # The context is read where the command started (its commit): a Ray job's driver then leaves that directory.
+    return RunPlan(config=config, datasets=MappingProxyType(infos), in_features=checked.in_features,
+                   memory_budget=checked.memory_budget, advice=checked.advice, pricing=pricing, place=place,
+                   resume=point, run_name=short_run_name(config, place.name), tracking_uri=uri,
+                   reopen_run_id=_reopen_id(uri, record), context=MappingProxyType(context_tags() if uri else {}))
+
+
+def _reopen_id(uri: str | None, record: Mapping[str, Any] | None) -> str | None:
+    """The MLflow run to continue: the resumed run's, if it was tracked at the same store (`uri`)."""
+    if not record or not record.get("mlflow_run_id") or uri is None:
+        return None
+    uri = mask_password(uri)  # as the record keeps it
+    if mask_password(record.get("tracking_uri") or "") != uri:
+        print(f"the resumed run was tracked at {mask_password(record.get('tracking_uri') or '')}, not {uri}: "
+              "starting a new MLflow run", file=sys.stderr)
+        return None
+    return str(record["mlflow_run_id"])

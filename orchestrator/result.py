@@ -1,0 +1,108 @@
+"""What a training run returns (`TrainResult`) and the lines printed after it: the whole-run figures MLflow keeps
+under `final/...`, where the time and money went, where the checkpoint and the MLflow run are."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.config import Config
+from orchestrator.tracking.links import run_url, ui_command
+
+
+@dataclass
+class TrainResult:
+    """What `train()` returns: the last reported metrics, where the final checkpoint is, and the MLflow run."""
+
+    config: Config
+    metrics: dict[str, Any]
+    checkpoint_path: str | None
+    run_dir: str
+    run_id: str | None
+    tracking_uri: str | None
+    history: list[dict[str, Any]] = field(default_factory=list)
+    cost: Any = None  # orchestrator.cost.Ledger: node-hours, $ and the productive/overhead split
+    startup: dict[str, float] = field(default_factory=dict)  # seconds per start-up part, to the first step
+    startup_alongside: dict[str, float] = field(default_factory=dict)  # stages run at once with one of those parts
+    run_cost: Any = None  # a resumed run's Ledger over all its attempts (cost.ledger_across_attempts); else None
+    attempts: int = 1  # driver attempts of this run: the first command and each `--resume`
+
+
+def run_summary(history: list[dict[str, Any]]) -> dict[str, float]:
+    """Whole-run figures from the reports: throughput and MFU over the wall clock of the training (every interval,
+    reports and checkpoints included; a step redone after a restart counts once), time shares, compile time, and
+    the last validation figures. MLflow holds them under `final/...` (tracking.view.mlflow_key)."""
+    kept = list({int(r["step"]): r for r in history if "interval_s" in r}.values())
+    seconds = sum(r["interval_s"] for r in kept)
+    summary: dict[str, float] = {}
+    if seconds > 0:
+        # Per-interval rates and shares, weighted by each interval's wall seconds.
+        keys = {k for r in kept for k in r if k.startswith("time/")} | {"samples_per_s"}
+        keys |= {k for k in ("tokens_per_s", "mfu") if all(k in r for r in kept)}
+        for key in sorted(keys):
+            summary[f"summary/{key}"] = sum(r.get(key, 0.0) * r["interval_s"] for r in kept) / seconds
+    if any("compile_s" in r for r in history):
+        summary["summary/compile_s"] = sum(r.get("compile_s", 0.0) for r in history)
+    evaluated = [r for r in history if "val_loss" in r]
+    if evaluated:
+        summary |= {f"summary/{k}": float(v) for k, v in evaluated[-1].items()
+                    if k.startswith("val_") and isinstance(v, int | float)}
+    return summary
+
+
+def parallel_line(history: list[dict[str, Any]]) -> str | None:
+    """'parallel: fsdp over 2 workers, each holding 1.2 GiB of parameters and 2.4 GiB of optimizer state', from the
+    worker's facts in the latest (re)start's first report; None when the workers sent none."""
+    facts = next((r for r in reversed(history) if "param_bytes_per_rank" in r), None)
+    if facts is None:
+        return None
+    world = facts.get("world_size")
+    workers = ", each" if world is None else " on 1 worker," if world == 1 else f" over {world} workers, each"
+    return (f"parallel: {facts.get('parallel', 'ddp')}{workers} holding {_bytes(facts['param_bytes_per_rank'])} "
+            f"of parameters and {_bytes(facts.get('optimizer_bytes_per_rank', 0))} of optimizer state")
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def summary(result: TrainResult) -> str:
+    """The lines printed after a run: final accuracy, where the time went, where things are, how to look at them."""
+    m = result.metrics
+    lines = [f"finished {result.config.experiment}: step {m.get('step')}, "
+             f"train loss {m.get('train_loss', float('nan')):.4f}"]
+    if "val_accuracy" in m and result.config.task.kind is not None and result.config.task.kind.label == "classes":
+        lines.append(f"final validation accuracy: {m['val_accuracy']:.4f} (val loss {m['val_loss']:.4f})")
+    elif "val_loss" in m:  # every validation figure of the task, its headline first
+        keys = sorted((k for k in m if k.startswith("val_")), key=lambda k: (k != result.config.tune.metric, k))
+        lines.append("final validation: " + " | ".join(f"{k.removeprefix('val_')} {m[k]:.4f}" for k in keys))
+    if result.cost is not None:
+        lines.append(result.cost.time_line())
+    if result.history:
+        figures = run_summary(result.history)
+        throughput = f"throughput: {figures.get('summary/samples_per_s', 0):,.0f} samples/s"
+        if "summary/tokens_per_s" in figures:
+            throughput += f", {figures['summary/tokens_per_s']:,.0f} tokens/s"
+        if "summary/mfu" in figures:
+            throughput += f", MFU {figures['summary/mfu']:.1%}"
+        lines.append(throughput + " over the training's wall clock (first step to last)")
+    if result.cost is not None:
+        lines.append(result.cost.line())
+    if result.run_cost is not None:
+        lines.append(f"run over its {result.attempts} attempts (from the first command): "
+                     f"{result.run_cost.time_line().removeprefix('time: ')} | ETTR {result.run_cost.ettr:.0%}")
+    held = parallel_line(result.history)
+    if held:
+        lines.append(held)
+    lines.append(f"checkpoint: {result.checkpoint_path}")
+    if result.run_id:
+        lines.append(f"MLflow run id: {result.run_id}")
+        command = ui_command(result.tracking_uri or "", result.config.tracking.experiment)
+        lines.append(f"open the MLflow UI: {command}")
+        url = run_url(result.tracking_uri or "", result.run_id)
+        if url:
+            lines.append(f"this run in the MLflow UI: {url}")
+    return "\n".join(lines)
