@@ -110,6 +110,37 @@ def inspect_parquet(path: str, features: list[str], label: str | None, s3: S3Con
     # Footers from an object store are one round trip each: fetch them concurrently (order is kept).
     with ThreadPoolExecutor(max_workers=16 if storage.remote else 1) as pool:
         footers = list(pool.map(lambda f: read_footer(storage, f), files))
+    first_schema, num_rows, label_max = _check_footers(storage, files, footers, columns, label)
+    file_rows = [meta.num_rows for meta in footers]
+    sample = read_sample(storage, files, file_rows, columns) if num_rows else None
+    if label is None and not named:
+        return _token_info(path, files, objects, footers, first_schema, features[0], storage, sample)
+    widths = [_feature_width(first_schema.field(name), storage.uri_of(files[0]), named) for name in features]
+    if label is None:  # named token column: the vocabulary from `prepare text`'s metadata, if any
+        num_classes = int((first_schema.metadata or {}).get(b"vocab_size", b"0"))
+    elif pa.types.is_fixed_size_list(first_schema.field(label).type):  # one output per label (multilabel)
+        num_classes = first_schema.field(label).type.list_size
+    else:
+        num_classes = (label_max + 1) if label_max is not None and label_max >= 0 else 0
+    return DatasetInfo(
+        path=path,
+        files=files,
+        num_rows=num_rows,
+        num_bytes=sum(o.size for o in objects),
+        feature_dim=0 if 0 in widths else sum(widths),
+        num_classes=num_classes,
+        schema=first_schema,
+        sample=sample,
+        storage=storage,
+        objects=objects,
+        file_rows=file_rows,
+    )
+
+
+def _check_footers(storage: Storage, files: list[str], footers: list[pq.FileMetaData], columns: list[str],
+                   label: str | None) -> tuple[pa.Schema, int, int | None]:
+    """Every shard has the configured columns, with the first shard's types: (its schema, the rows in all, the
+    largest integer label the footers' statistics show, None when some shard has none, -1 before any)."""
     first_schema: pa.Schema | None = None
     num_rows = 0
     label_max: int | None = -1
@@ -137,30 +168,7 @@ def inspect_parquet(path: str, features: list[str], label: str | None, s3: S3Con
             file_max = _label_max(meta, schema.get_field_index(label))
             label_max = None if file_max is None else max(label_max, file_max)
     assert first_schema is not None  # list_parquet_files never returns an empty list
-    file_rows = [meta.num_rows for meta in footers]
-    sample = read_sample(storage, files, file_rows, columns) if num_rows else None
-    if label is None and not named:
-        return _token_info(path, files, objects, footers, first_schema, features[0], storage, sample)
-    widths = [_feature_width(first_schema.field(name), storage.uri_of(files[0]), named) for name in features]
-    if label is None:  # named token column: the vocabulary from `prepare text`'s metadata, if any
-        num_classes = int((first_schema.metadata or {}).get(b"vocab_size", b"0"))
-    elif pa.types.is_fixed_size_list(first_schema.field(label).type):  # one output per label (multilabel)
-        num_classes = first_schema.field(label).type.list_size
-    else:
-        num_classes = (label_max + 1) if label_max is not None and label_max >= 0 else 0
-    return DatasetInfo(
-        path=path,
-        files=files,
-        num_rows=num_rows,
-        num_bytes=sum(o.size for o in objects),
-        feature_dim=0 if 0 in widths else sum(widths),
-        num_classes=num_classes,
-        schema=first_schema,
-        sample=sample,
-        storage=storage,
-        objects=objects,
-        file_rows=file_rows,
-    )
+    return first_schema, num_rows, label_max
 
 
 def _token_info(path: str, files: list[str], objects: list[ObjectInfo], footers: list[pq.FileMetaData],

@@ -124,8 +124,8 @@ MUTANTS = (
     Mutant("Tune's trials at once ignore the GPUs", "orchestrator/tuning/search.py", "    if widest.use_gpu:\n",
            "    if False:\n", ("tests/unit/test_search.py::test_trials_at_once_are_bounded_by_the_gpus_too",)),
     Mutant("Ctrl+C during the tracking set-up leaves the run RUNNING", "orchestrator/launch.py",
-           "    with closed_on_error(tracker):\n        if record:",
-           "    if True:\n        if record:",
+           "    with closed_on_error(tracker):\n        if plan.resume is not None",
+           "    if True:\n        if plan.resume is not None",
            ("tests/unit/test_tracking_refusals.py::"
             "test_ctrl_c_while_the_run_is_being_set_up_ends_it_killed_and_says_how_to_continue",)),
     Mutant("a variable-length label is not trimmed with its tokens", "pipelines/tensors.py",

@@ -1,7 +1,8 @@
 """The one typed config tree: defaults < YAML file < `--set dotted.key=value`, validated before Ray starts.
 
-`schema.py` holds the sections and `Config`; `load.py` reads YAML and overrides and words validation errors;
-`space.py` parses Tune's search space; `batching.py` holds the batch arithmetic."""
+`schema.py` holds `Config` and the sections of what is trained and searched, `run_sections.py` the others,
+`base.py` what they are built on; `load.py` reads YAML and overrides and words validation errors; `space.py` parses
+Tune's search space; `batching.py` holds the batch arithmetic; `reference.py` the meaning of every key."""
 
 from orchestrator.config.load import (
     config_from_dict,
@@ -16,22 +17,24 @@ from orchestrator.config.load import (
     to_yaml,
     with_values,
 )
+from orchestrator.config.run_sections import (
+    CheckpointConfig,
+    CostConfig,
+    FailureConfig,
+    ScalingConfig,
+    StorageConfig,
+    TrackingConfig,
+)
 from orchestrator.config.schema import (
     MAX_SEED,
     TASK_KINDS,
     USER_TASK,
-    CheckpointConfig,
     Config,
-    CostConfig,
-    FailureConfig,
     ModelConfig,
     OptimConfig,
     Precision,
-    ScalingConfig,
-    StorageConfig,
     TaskConfig,
     TaskKind,
-    TrackingConfig,
     TrainConfig,
     TuneConfig,
 )

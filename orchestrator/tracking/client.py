@@ -90,30 +90,35 @@ class MlflowTracker(Lineage):
         self._datasets: dict[str, tuple[str, str]] = {}
         self.run_id: str | None = None  # from when the run exists
         try:
-            experiment = self._client.get_experiment_by_name(cfg.experiment)
-            if experiment is None:
-                self.experiment_id = self._client.create_experiment(cfg.experiment, tags=EXPERIMENT_TAGS)
-            else:
-                self.experiment_id = experiment.experiment_id
-                for key, value in EXPERIMENT_TAGS.items():  # one made before the tag existed; never another kind
-                    if key not in experiment.tags:
-                        self._client.set_experiment_tag(self.experiment_id, key, value)
-            if run_id is not None:
-                self.run_id = run_id  # first: a Ctrl+C right after the update still ends it KILLED
-                self._client.update_run(run_id, status="RUNNING")
-                # What an earlier session charted stays charted, constant or not from here on.
-                self._charted |= {canonical_key(k) for k in self._client.get_run(run_id).data.metrics}
-            else:
-                run_id = self._client.create_run(self.experiment_id, run_name=run_name,
-                                                 tags=(context or context_tags()) | (tags or {})).info.run_id
-            self.run_id = run_id
-            _EXPERIMENT_OF[run_id] = self.experiment_id
+            self._open(cfg.experiment, run_name, tags, run_id, context)
         except KeyboardInterrupt:  # Ctrl+C once the run is RUNNING: it ends KILLED, as after the set-up
             if self.run_id is not None:
                 self.finish("KILLED")
             raise
         except Exception as exc:  # unreachable server, bad URI, locked database...
             raise unavailable(self.uri, exc) from None
+
+    def _open(self, experiment_name: str, run_name: str, tags: dict[str, str] | None, run_id: str | None,
+              context: dict[str, str] | None) -> None:
+        """The experiment found (tagged, or made) and the run created, or reopened RUNNING with what it charted."""
+        experiment = self._client.get_experiment_by_name(experiment_name)
+        if experiment is None:
+            self.experiment_id = self._client.create_experiment(experiment_name, tags=EXPERIMENT_TAGS)
+        else:
+            self.experiment_id = experiment.experiment_id
+            for key, value in EXPERIMENT_TAGS.items():  # one made before the tag existed; never another kind
+                if key not in experiment.tags:
+                    self._client.set_experiment_tag(self.experiment_id, key, value)
+        if run_id is not None:
+            self.run_id = run_id  # first: a Ctrl+C right after the update still ends it KILLED
+            self._client.update_run(run_id, status="RUNNING")
+            # What an earlier session charted stays charted, constant or not from here on.
+            self._charted |= {canonical_key(k) for k in self._client.get_run(run_id).data.metrics}
+        else:
+            run_id = self._client.create_run(self.experiment_id, run_name=run_name,
+                                             tags=(context or context_tags()) | (tags or {})).info.run_id
+        self.run_id = run_id
+        _EXPERIMENT_OF[run_id] = self.experiment_id
 
     def _safe(self, what: str, call: Any, *args: Any, force: bool = False, **kwargs: Any) -> None:
         """Make one tracking call; a failure prints one warning line (once) and never raises. While the store is

@@ -213,17 +213,6 @@ def test_ingest_options_keep_order_and_use_no_deprecated_option() -> None:
 # Size limits: a function (def line to its last line, decorators excluded) and a file a reader takes in at once.
 MAX_FUNCTION_LINES = 60
 MAX_FILE_LINES = 450
-# Still over the limits while their modules are being split into packages (issue 34); emptied as each one lands.
-# Each entry must still exist and still be over, so the list cannot outlive its reason.
-NOT_YET = {
-    "orchestrator/config/schema.py",
-    "orchestrator/doctor.py",
-    "orchestrator/launch.py",
-    "orchestrator/launch.py::_fit",
-    "orchestrator/tracking.py",
-    "orchestrator/tracking.py::MlflowTracker.__init__",
-    "pipelines/sources.py::inspect_parquet",
-}
 
 
 def oversized() -> dict[str, int]:
@@ -252,11 +241,8 @@ def oversized() -> dict[str, int]:
 
 def test_no_function_or_file_is_over_its_size_limit() -> None:
     over = oversized()
-    new = {name: lines for name, lines in over.items() if name not in NOT_YET}
-    named = ", ".join(f"{name} ({lines} lines)" for name, lines in sorted(new.items()))
-    assert not new, f"split these (limits: {MAX_FUNCTION_LINES} lines a function, {MAX_FILE_LINES} a file): {named}"
-    stale = sorted(NOT_YET - set(over))
-    assert not stale, f"no longer over the limit (or gone): remove from NOT_YET: {', '.join(stale)}"
+    named = ", ".join(f"{name} ({lines} lines)" for name, lines in sorted(over.items()))
+    assert not over, f"split these (limits: {MAX_FUNCTION_LINES} lines a function, {MAX_FILE_LINES} a file): {named}"
 
 
 def test_size_check_counts_from_the_def_to_the_end_and_names_each_offender(tmp_path: Path,

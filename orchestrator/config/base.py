@@ -1,0 +1,22 @@
+"""What every config section is built on: a section refuses unknown keys and inf/nan, and a cross-field error
+names the key to change."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+
+class _Section(BaseModel):
+    # inf/nan pass gt/ge bounds (inf > 0) and then poison a schedule, a timeout or a price: refuse them.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+def _key_error(loc: tuple[str, ...], message: str, value: Any) -> ValidationError:
+    """A validation error placed at the config key `loc`: a cross-field check in a model validator otherwise has
+    no location, and the user's one line would not name the key to change."""
+    details = InitErrorDetails(type=PydanticCustomError("value_error", "{message}", {"message": message}),
+                               loc=loc, input=value)
+    return ValidationError.from_exception_data("Config", [details])
