@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import pytest
 
 from orchestrator.result import run_summary
@@ -80,3 +84,14 @@ def test_the_stage_that_ended_last_is_the_one_waited_for() -> None:
     assert clock.seconds() == pytest.approx({"command": 1.0, "data inspection": 1.0, "tracking": 2.5})
     assert clock.alongside() == {"ray start": pytest.approx(0.8)}
     assert "tracking 2.5 s (ray start 0.8 s alongside)" in clock.line()
+
+
+def test_the_command_starts_when_a_stopwatch_around_it_starts() -> None:
+    """The start every printed wall clock counts from (start-up, cost, ETTR) is the process's own start: after a
+    stopwatch started just before the command and before the command's first line runs. The kernel's boot time is
+    kept in whole seconds, so a start taken from it can be up to a second early: every figure that long."""
+    began = time.time()
+    out = subprocess.run([sys.executable, "-c", "import time; from orchestrator.startup import process_started_at; "
+                          "print(process_started_at(), time.time())"], capture_output=True, text=True, check=True)
+    started, running = map(float, out.stdout.split())
+    assert began - 0.02 <= started <= running, (started - began, running - began)  # a clock tick of slack
