@@ -99,6 +99,10 @@ def _add_show_config_parser(sub: argparse._SubParsersAction[argparse.ArgumentPar
     show = sub.add_parser("show-config", help="print the resolved config as YAML")
     _config_args(show)
     show.add_argument("--explain", action="store_true", help="write each key's meaning above it as a # comment")
+    show.add_argument("--plan", action="store_true", help="check the config against the data, the model, the price "
+                      "table and storage, as `train` does before Ray starts, and print the run's plan (what MLflow "
+                      "keeps as plan.yaml)")
+    show.add_argument("--resume", action="store_true", help="with --plan: plan the resume of the latest run")
 
 
 # Help texts the `prepare` datasets share.
@@ -232,7 +236,13 @@ def _prepare(args: argparse.Namespace) -> int:
 
 def _show_config(args: argparse.Namespace, config: Config) -> int:
     from orchestrator.models import check_model_options
+    from orchestrator.plan import plan_run
 
+    if args.plan:  # the config resolved for the data, and what the run would be
+        plan = plan_run(config, resume=args.resume, verbose=False)
+        print(reference.explain(plan.config) if args.explain else to_yaml(plan.config), end="")
+        print("---\n# The run's plan: what `train` decided before Ray starts.\n" + plan.to_yaml(), end="")
+        return 0
     check_model_options(config.model)  # what train and tune check before they take any resource
     print(reference.explain(config) if args.explain else to_yaml(config), end="")
     return 0

@@ -118,7 +118,7 @@ def markdown() -> str:
     out = [
         "# Config reference",
         "",
-        "<!-- Generated from the schema's field descriptions (orchestrator/config/schema.py, pipelines/config.py) "
+        "<!-- Generated from the schema's field descriptions (orchestrator/config/, pipelines/config.py) "
         f"by `{REGENERATE}`: edit those, then regenerate. tests/unit/test_config_reference.py checks it is "
         "current. -->",
         "",
@@ -126,7 +126,9 @@ def markdown() -> str:
         "< repeated `--set dotted.key=value` (values parse as YAML). Every key is validated before Ray starts; a "
         "typo or a bad value exits with status 2 and one line naming the key. "
         "`orchestrator show-config --config FILE.yaml` prints the resolved config (derived values filled in), and "
-        "with `--explain` each key's meaning from this page as a comment above it.",
+        "with `--explain` each key's meaning from this page as a comment above it; with `--plan` the config "
+        "resolved for the data and the run's plan (data, model, memory, price, place, resume), checked as `train` "
+        "checks it before Ray starts.",
         "",
         "Sections: " + ", ".join(f"[{k.name}](#{k.name.replace('.', '')})" for k in sections) + ".",
         "",

@@ -90,6 +90,27 @@ def test_show_config_explain_is_the_same_yaml_with_each_keys_meaning() -> None:
     assert "  # Linear warmup from 0 to lr.\n  warmup_steps: 20\n" in explained.stdout
 
 
+def test_show_config_plan_prints_what_train_decides_before_ray_starts(tmp_path: Path, digits_dir: str) -> None:
+    """The config resolved for the data, then the plan: rows counted here by pyarrow, and a warmup the data's step
+    count cannot hold refused as `train` refuses it."""
+    import pyarrow.parquet as pq
+    import yaml
+
+    sets = ["--set", f"data.train={digits_dir}/train", "--set", f"data.val={digits_dir}/val", "--set",
+            f"storage.path={tmp_path}/runs", "--set", "tracking.enabled=false", "--set", "train.epochs=2",
+            "--set", "train.max_steps=null", "--set", "scaling.num_workers=2"]
+    out = cli("show-config", "--plan", *sets)
+    assert out.returncode == 0, out.stderr
+    config, plan = yaml.safe_load_all(out.stdout)
+    rows = pq.ParquetDataset(f"{digits_dir}/train").read().num_rows
+    steps = -(-2 * (rows // 2) // (config["train"]["global_batch_size"] // 2))  # 2 epochs of each worker's rows
+    assert config["train"]["max_steps"] == plan["training"]["steps"] == steps and config["model"]["num_classes"] == 10
+    assert plan["data"]["train"]["rows"] == rows and plan["run"]["place"].startswith(f"{tmp_path}/runs/")
+    assert plan["tracking"] is None and not (tmp_path / "runs").exists()  # planned, nothing written
+    refused = cli("show-config", "--plan", *sets, "--set", f"optim.warmup_steps={steps}")
+    assert refused.returncode == 2 and "optim.warmup_steps" in refused.stderr
+
+
 def test_train_and_tune_help_name_where_every_config_key_is_explained() -> None:
     for command in ("train", "tune"):
         out = cli(command, "--help")
