@@ -1,4 +1,4 @@
-"""MLflow's two promises (README, MLflow section), against real `mlflow server` processes and real local Ray:
+"""MLflow's two promises (docs/metrics.md), against real `mlflow server` processes and real local Ray:
 a tracking store unreachable at start stops `orchestrator train` before it takes any cluster resource; a server
 that dies mid-run costs one warning, not the run (and not minutes of the client's retries). And the final model
 is an MLflow Model in the run: loaded, predicted with and registered through runs:/<run_id>/model."""

@@ -554,7 +554,7 @@ def test_every_command_and_set_doctor_prints_is_accepted_by_the_cli_and_the_conf
 # --------------------------------------------------------------------------- advice in its context
 
 def test_under_asha_evaluation_advice_keeps_a_validation_at_every_report() -> None:
-    # The README's rule: ASHA compares trials at every report, so a study on a validation metric evaluates at each.
+    # docs/tune.md's rule: ASHA compares trials at every report, so a study on a validation metric evaluates at each.
     run = study(LR_WARMUP, {"optim.lr": 3e-3, "optim.warmup_steps": 50}, {"completed": 8},
                 {"train.max_steps": "300", "train.log_every": "25", "train.eval_every": "25"})
     run.metrics.update(keyed({"cost/startup_frac": [0.2], "cost/compute_frac": [0.3], "cost/eval_frac": [0.3],

@@ -1,4 +1,4 @@
-"""The run's description (`mlflow.note.content`, the Overview tab) leads with the task's metric, as the README's
+"""The run's description (`mlflow.note.content`, the Overview tab) leads with the task's metric, as docs/metrics.md's
 example shows (`val_accuracy 0.986, val_loss 0.0757 at step 300; ...`): for every built-in task, and through the
 tracker the run writes it with (a real MLflow store)."""
 

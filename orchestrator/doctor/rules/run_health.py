@@ -108,7 +108,7 @@ def checkpoint_interval(run: RunRecord) -> Finding | None:
 
 def under_asha(run: RunRecord) -> bool:
     """A study whose ASHA scheduler ranks trials by a validation metric at every report: each report must then
-    validate (the README's rule), so the evaluation cadence follows the report cadence."""
+    validate (docs/tune.md's rule), so the evaluation cadence follows the report cadence."""
     scheduler = run.param("tune.scheduler", run.tags.get("orchestrator.scheduler"))
     metric = run.param("tune.metric") or "val_"  # null: the task's metric, a validation one
     return is_study(run) and scheduler == "asha" and metric.startswith("val_")

@@ -135,7 +135,7 @@ def gradient_sync(run: RunRecord) -> Finding | None:
 
 
 # Each rank's own pace: its samples over its own compute and data-wait seconds (waits on other ranks left out).
-# The loop does not report it yet (see the README's doctor section); the rule reads it when it is there.
+# The loop does not report it yet (see docs/doctor.md); the rule reads it when it is there.
 WORKER_RATE = "worker/{rank}/samples_per_s"
 
 
