@@ -72,8 +72,8 @@ class TuneResult:
     goodput: dict[str, float] = field(default_factory=dict)  # study/goodput and its parts (study_goodput)
 
 
-# The study's reporting cadence: ASHA needs the metric at every report (docs/tune.md), so a study evaluates far more often
-# than a run should; the winner is retrained at an ordinary run's cadence unless the study searched it.
+# The study's reporting cadence: ASHA needs the metric at every report (docs/tune.md), so a study evaluates far
+# more often than a run should; the winner is retrained at an ordinary run's cadence unless the study searched it.
 STUDY_CADENCE = ("log_every", "eval_every")
 
 
