@@ -146,6 +146,7 @@ def reported() -> set[str]:
     names |= set(build_ledger(reports.history, 10.0, Pricing(1, 1.0, "one node")).metrics())
     # What only some runs report: a group, a compiled model, a causal LM, a GPU, a drain; the worker's facts.
     names |= _literal_keys("orchestrator/training/loop.py", "run", {"metrics", "once"})
+    names |= _literal_keys("orchestrator/training/loop.py", "_first_step", {"once"})
     names |= _literal_keys("orchestrator/training/loop.py", "_report", {"metrics", "once"})
     names |= _literal_keys("orchestrator/training/loop.py", "_interval_metrics")
     names |= _literal_keys("orchestrator/training/loop.py", "_worker_paces")
