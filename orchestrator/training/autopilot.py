@@ -23,6 +23,7 @@ from orchestrator.tasks import step_loss_sum
 from orchestrator.training import fsdp, ranks
 from orchestrator.training.checkpoint import Progress, unwrap
 from orchestrator.training.memory import GIB, is_oom, release_cached_memory
+from orchestrator.training.micro_batch import for_world_size
 from orchestrator.training.parts import Parts, compile_model
 from orchestrator.training.precision import Precision, flush_denormals
 from orchestrator.training.step import StepResult, cut, first_compiled_step, train_step
@@ -152,6 +153,15 @@ def begin(cfg: Config, parts: Parts, progress: Progress) -> tuple[Autopilot | No
     return Autopilot(cfg, progress, knobs, start, per_worker), None
 
 
+def kept_config(cfg: Config, state: dict[str, Any] | None, world: int) -> Config:
+    """The config a resumed or restarted group builds its data pipeline with: at the world size the autopilot chose
+    at, with its micro-batch, so the step cuts nothing (`begin` applies the rest of the choice)."""
+    saved = (state or {}).get("progress", {}).get("autopilot")
+    if not cfg.autopilot.enabled or not saved or saved.get("world") != world:
+        return cfg
+    return for_world_size(cfg, world, int(saved["chosen"]["micro_batch_size"]))
+
+
 def _joins(micro: int, pipeline_micro: int, per_worker: int) -> bool:
     """Whether the step can run `micro` from the pipeline's micro-batches: a multiple of them dividing the
     per-worker batch, or a divisor of them."""
@@ -176,6 +186,8 @@ class Autopilot:
         self.best: Trial | None = None
         self.trials: list[Trial] = []
         self.spent, self.steps, self.fits = 0.0, 0, 0  # fits: rows of the largest piece that ran
+        # The budget pays for the candidates' steps: the start's are the steps the run takes without a search.
+        self.charged = 0.0
         self.steps_left = cfg.train.max_steps - progress.step  # type: ignore[operator]
         self.budget_s, self.margin, self.adopted = math.inf, MARGIN[0], False
         self.flush_ok = flush_denormals(start.flush_denormal)  # False where the CPU cannot flush
@@ -195,6 +207,7 @@ class Autopilot:
         seconds, ran_out, peak = ranks.all_reduce_max(
             [time.perf_counter() - started, float(parts.oom_retries > retries), peak], parts.device)
         self.spent, self.steps = self.spent + seconds, self.steps + 1
+        self.charged += seconds if self.best is not None else 0.0
         trial.peak_gb = max(trial.peak_gb, peak)
         if ran_out and trial.failed is None and self.best is not None:  # the step's own retry cut its pieces
             trial.failed = "failed: out of memory (the step was retried with smaller pieces)"
@@ -242,7 +255,7 @@ class Autopilot:
     def _verdict(self, trial: Trial) -> int:
         """Rank 0's decision after a search step, from figures every rank shares: go on, or end the candidate
         (adopting it as the best or not), and whether the search stops (budget spent, run near its end)."""
-        stop = STOP if self.spent >= self.budget_s or self.steps >= self.steps_left - 1 else GO_ON
+        stop = STOP if self.charged >= self.budget_s or self.steps >= self.steps_left - 1 else GO_ON
         n = len(trial.times)
         if trial.failed or (n == 0 and not stop):
             return END | stop if trial.failed else GO_ON
@@ -286,7 +299,7 @@ class Autopilot:
     def _next(self) -> Settings | None:
         """Rank 0: the next candidate, or None when the budget or the run's steps left cannot measure one more."""
         one = (WARMUP + MIN_TIMED) * self.best.step_s  # type: ignore[union-attr]
-        if self.spent + one > self.budget_s or self.steps + WARMUP + MIN_TIMED >= self.steps_left - 1:
+        if self.charged + one > self.budget_s or self.steps + WARMUP + MIN_TIMED >= self.steps_left - 1:
             return None
         tried = {t.settings for t in self.trials}
         return next((s for s in self.walker if s not in tried), None)  # type: ignore[union-attr]
@@ -308,7 +321,7 @@ class Autopilot:
                 break
         for key, values in self._other_options():
             for value in values:
-                affordable = key != "compile" or self.spent + COMPILE_GUESS_S <= self.budget_s
+                affordable = key != "compile" or self.charged + COMPILE_GUESS_S <= self.budget_s
                 if value != getattr(self.best.settings, key) and affordable:
                     yield replace(self.best.settings, **{key: value})  # type: ignore[union-attr]
 
@@ -357,7 +370,7 @@ class Autopilot:
                 "chosen": trial is self.best})
         return summary(self.start, self.best.settings, rows=table,  # type: ignore[union-attr]
                        search_s=self.spent, search_steps=self.steps, predicted_speedup=self._speedup(),
-                       budget_s=self.budget_s)
+                       budget_s=self.budget_s, budget_spent_s=self.charged)
 
 
 def saved(start: Settings, chosen: Settings, speedup: float | None) -> dict[str, Any]:
