@@ -49,17 +49,21 @@ def _config(*overrides: str) -> Config:
 
 
 class Net(torch.nn.Module):
-    """The MLP of the tests; `oom_above`: rows per forward past which it raises CUDA's out-of-memory error."""
+    """The MLP of the tests. `oom_above`: rows per forward past which it raises CUDA's out-of-memory error;
+    `overhead_s`: a fixed cost per forward (as a kernel launch's), which makes larger micro-batches faster by a
+    margin no load on a shared machine hides."""
 
-    def __init__(self, oom_above: int | None = None) -> None:
+    def __init__(self, oom_above: int | None = None, overhead_s: float = 0.0) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-        self.oom_above = oom_above
+        self.oom_above, self.overhead_s = oom_above, overhead_s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.oom_above is not None and len(x) > self.oom_above:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        if self.overhead_s:
+            time.sleep(self.overhead_s)
         return self.net(x)
 
 
@@ -108,8 +112,8 @@ def _weights(parts: Parts) -> list[torch.Tensor]:
 
 
 def test_an_autopilot_run_ends_with_the_weights_of_its_choice_configured_from_the_start() -> None:
-    cfg = _config()
-    piloted, recorder = _train(cfg, Net())
+    cfg = _config("train.max_steps=200")
+    piloted, recorder = _train(cfg, Net(overhead_s=0.002))
     table = _table(recorder)
     chosen = table["chosen"]
     # Micro-batch 4 of 64 is a deliberately poor start: the tiny MLP runs larger ones several times faster.
