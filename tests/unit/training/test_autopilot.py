@@ -209,24 +209,30 @@ def test_a_restarted_worker_builds_its_data_at_the_chosen_micro_batch() -> None:
 
 
 def _two_rank_runs(rank: int, shared: Path) -> dict[str, Any]:
-    """On each rank: (1) an autopilot run where micro-batches from 8 up are slow on rank 1 only, after the step's
-    collectives (so rank 0's own clock does not see it), then the run configured with its choice from the start;
-    (2) an autopilot run whose model runs out of memory past 4 rows per forward on rank 1 only."""
+    """On each rank: (1) an autopilot run where rank 1's clock finds micro-batches from 8 up 50 ms a step slower
+    (a slowness rank 0's own clock never sees: under DDP it would wait for rank 1 somewhere, and only the slowest
+    rank's figure says where), then the run configured with its choice from the start; (2) an autopilot run whose
+    model runs out of memory past 4 rows per forward on rank 1 only."""
     cfg = _config("scaling.num_workers=2", "autopilot.budget=0.3")
-    real = autopilot.train_step
+    real, lag = autopilot.train_step, [0.0]
+
+    class Clock:
+        @staticmethod
+        def perf_counter() -> float:
+            return time.perf_counter() + lag[0]
 
     def slow_on_rank_1(parts: Parts, batch: list[Any], timer: Any = None) -> Any:
         result = real(parts, batch, timer)
         if rank == 1 and 4 * parts.join // parts.split >= 8:
-            time.sleep(0.05)
+            lag[0] += 0.05
         return result
 
-    autopilot.train_step = slow_on_rank_1  # type: ignore[assignment]
+    autopilot.train_step, autopilot.time = slow_on_rank_1, Clock  # type: ignore[assignment]
     try:
         progress = Progress()
         piloted, recorder = _train(cfg, DistributedDataParallel(Net()), rank, progress)
     finally:
-        autopilot.train_step = real  # type: ignore[assignment]
+        autopilot.train_step, autopilot.time = real, time  # type: ignore[assignment]
     dist.barrier()
     chosen = progress.autopilot["chosen"]  # type: ignore[index]
     direct, _ = _train(_chosen_config(cfg, chosen), DistributedDataParallel(Net()), rank)
@@ -248,7 +254,7 @@ def test_every_rank_makes_the_one_choice_by_the_slowest_ranks_time(ranks: list[d
     assert ranks[0]["saved"] == ranks[1]["saved"] and ranks[0]["micro"] == ranks[1]["micro"]
     assert ranks[1]["table"] is None  # the table goes with rank 0's report only
     chosen = ranks[0]["saved"]["chosen"]
-    # Rank 0's own clock found micro-batches from 8 fast; rank 1's found them slow, and the slowest rank counts.
+    # Rank 0's own clock finds micro-batches from 8 fast; rank 1's finds them slow, and the slowest rank counts.
     assert chosen["micro_batch_size"] < 8
     slow = [r for r in ranks[0]["table"]["rows"] if r["settings"]["micro_batch_size"] >= 8]
     assert slow and all(not r["chosen"] and (r["ratio"] or 0) < 1 for r in slow)
