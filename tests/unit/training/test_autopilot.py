@@ -194,6 +194,21 @@ def test_a_resume_applies_the_saved_choice_without_searching(tmp_path: Path, mon
         assert torch.equal(a, b)  # where the uninterrupted run ended, bitwise
 
 
+def test_a_resized_group_keeps_the_saved_choice_but_measures_the_micro_batch_again() -> None:
+    cfg = _config("train.max_steps=200")
+    settings = {"micro_batch_size": 16, "grad_accum_steps": 4, "compile": False, "torch_threads": 1,
+                "flush_denormal": False, "precision": "fp32"}
+    progress = Progress(autopilot={"start": settings, "chosen": settings, "world": 2, "predicted_speedup": 2.0})
+    _, recorder = _train(cfg, Net(overhead_s=0.002), progress=progress)
+    table = _table(recorder)
+    assert table["from_checkpoint"] is False and len(table["rows"]) > 1
+    # Only the micro-batch is searched, from the config's; the rest of the saved choice holds.
+    assert table["start"] == settings | {"micro_batch_size": 4, "grad_accum_steps": 16}
+    varied = {key for row in table["rows"] for key, value in row["settings"].items() if table["start"][key] != value}
+    assert varied == {"micro_batch_size", "grad_accum_steps"}
+    assert progress.autopilot["world"] == 1 and table["chosen"]["micro_batch_size"] > 4  # type: ignore[index]
+
+
 def test_a_restarted_worker_builds_its_data_at_the_chosen_micro_batch() -> None:
     cfg = _config("scaling.num_workers=2", "train.global_batch_size=64")
     state = {"progress": {"autopilot": {"chosen": {"micro_batch_size": 16}, "world": 2}}}
