@@ -356,8 +356,10 @@ class Autopilot:
         if hasattr(os, "sched_getaffinity"):
             cpus = min(cpus, len(os.sched_getaffinity(0)))
         options.append(("torch_threads", sorted({1, max(1, cpus // 2), cpus, s.torch_threads}, reverse=True)))
-        if cpu and self.flush_ok:
-            options.append(("flush_denormal", [not s.flush_denormal]))
+        if cpu and self.flush_ok and not s.flush_denormal:
+            # Only towards on: subnormals appear late in training, so the first steps cannot see what flushing
+            # saves then (4x a step in bench/overhead.py), and turning it off on their figures could cost that.
+            options.append(("flush_denormal", [True]))
         return options
 
     def _speedup(self) -> float | None:
