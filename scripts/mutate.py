@@ -272,7 +272,7 @@ MUTANTS = (
            "stop = STOP if self.charged >= self.budget_s or", "stop = STOP if False or",
            (f"{UNIT}/test_autopilot.py::test_the_budget_is_kept_against_a_slow_candidate",)),
     Mutant("the autopilot searches again on resume", AUTOPILOT,
-           "    if progress.autopilot is not None:\n", "    if False:\n",
+           'resized = saved is not None and saved.get("world") != world', "resized = saved is not None",
            (f"{UNIT}/test_autopilot.py::test_a_resume_applies_the_saved_choice_without_searching",)),
     Mutant("the autopilot's larger micro-batch not applied", AUTOPILOT,
            "parts.join, parts.split = s.micro_batch_size // self.micro, 1", "parts.join, parts.split = 1, 1",
