@@ -13,6 +13,7 @@ import ray.train.torch
 import torch
 
 from orchestrator.config import Config, config_from_dict
+from orchestrator.training.autopilot import kept_config
 from orchestrator.training.checkpoint import Progress, restore
 from orchestrator.training.loop import Reporter, run
 from orchestrator.training.micro_batch import for_world_size, with_auto_micro_batch
@@ -56,9 +57,12 @@ class Seat:
 
 
 def rank_config(spec: dict[str, Any], world: int) -> Config:
-    """The run's config for a rank of a `world`-rank group, with this thread's denormal setting applied (before its
-    first parallel op, see flush_denormals): the first thing a rank does, under Ray Train or in a Tune trial."""
+    """The run's config for a rank of a `world`-rank group, with this thread's denormal setting and torch's thread
+    count applied (before its first parallel op, see flush_denormals): the first thing a rank does, under Ray Train
+    or in a Tune trial."""
     cfg = for_world_size(config_from_dict(spec["config"]), world)
+    if cfg.train.torch_threads is not None:  # None: Ray's OMP_NUM_THREADS, the worker's CPUs
+        torch.set_num_threads(cfg.train.torch_threads)
     flush_denormals(cfg.train.flush_denormal)
     return cfg
 
@@ -74,6 +78,7 @@ def train_rank(spec: dict[str, Any], cfg: Config, seat: Seat, load_state: Callab
     parts = build_parts(cfg, spec["in_features"], device, pretrained)
     named = cfg.model.inputs is not None
     state = load_state()
+    cfg = kept_config(cfg, state, seat.world)  # the autopilot's micro-batch, when it chose one at this size
     if cfg.train.micro_batch_size == "auto":
         # Before the checkpoint is restored: probing touches weights and optimizer state, then puts them back.
         cfg = with_auto_micro_batch(cfg, parts, state, collate_sample(spec["sample"], cfg.data, named),
