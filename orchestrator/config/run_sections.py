@@ -1,6 +1,6 @@
-"""The config sections of how a run is placed, kept, watched, billed and searched: scaling, checkpoint, storage,
-failure, tracking and cost. What is trained (task, model, train, optim), the search (tune) and `Config` are in
-schema.py."""
+"""The config sections of how a run is placed, kept, watched, billed and sped up: scaling, checkpoint, storage,
+failure, tracking, cost and autopilot. What is trained (task, model, train, optim), the search (tune) and `Config`
+are in schema.py."""
 
 from __future__ import annotations
 
@@ -144,3 +144,16 @@ class CostConfig(_Section):
     @property
     def priced(self) -> bool:
         return self.node_type is not None or self.price_per_hour is not None
+
+
+class AutopilotConfig(_Section):
+    """The autopilot (training/autopilot.py): the run's first steps measure the settings that leave the math of
+    training unchanged (micro-batch at the fixed global batch, compile, torch threads, flush_denormal, precision when
+    auto), then the rest of the run trains with the fastest. Every measured step is a real step of the run."""
+
+    enabled: bool = Field(False, description="Measure the speed checklist (micro-batch, compile, threads, "
+                          "flush_denormal, precision when auto) on the run's first steps, then train with the "
+                          "fastest; the choice is saved in the checkpoint and kept on resume.")
+    budget: float = Field(0.05, gt=0, le=0.5, description="Most of the run's expected wall clock (max_steps x the "
+                          "starting config's step time) the search may spend; a run too short to pay for it trains "
+                          "with its config.")

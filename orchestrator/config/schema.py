@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from orchestrator.config.base import _key_error, _Section
 from orchestrator.config.batching import common_micro_batch, split_batch
 from orchestrator.config.run_sections import (
+    AutopilotConfig,
     CheckpointConfig,
     CostConfig,
     FailureConfig,
@@ -135,6 +136,8 @@ class TrainConfig(_Section):
     compile: bool = Field(False, description="Wrap the model in torch.compile (falls back to eager on failure).")
     flush_denormal: bool = Field(True, description="On CPU, treat subnormal floats as zero: late in training tiny "
                                  "gradients and optimizer moments make float math on them several times slower.")
+    torch_threads: int | None = Field(None, ge=1, description="torch's intra-op threads per worker; null: Ray's "
+                                      "default, the worker's CPUs (scaling.cpus_per_worker).")
     memory_budget_gb: float | None = Field(
         None, gt=0, description="CPU only, with micro_batch_size=auto: memory one worker may use for the model, "
         "its gradients, optimizer state and activations (default: half the node's RAM over its workers)."
@@ -311,6 +314,9 @@ class Config(_Section):
     cost: CostConfig = Field(default_factory=CostConfig,  # type: ignore[arg-type]
                              description="The cost ledger's price: a node type of cluster/prices.yaml or a price "
                              "per node-hour; unpriced, only node-hours are logged (docs/figures.md).")
+    autopilot: AutopilotConfig = Field(default_factory=AutopilotConfig,  # type: ignore[arg-type]
+                                       description="Measure the speed settings on the run's first steps and "
+                                       "train with the fastest (`orchestrator train --autopilot`).")
 
     @field_validator("task", mode="before")
     @classmethod

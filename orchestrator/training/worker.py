@@ -56,9 +56,12 @@ class Seat:
 
 
 def rank_config(spec: dict[str, Any], world: int) -> Config:
-    """The run's config for a rank of a `world`-rank group, with this thread's denormal setting applied (before its
-    first parallel op, see flush_denormals): the first thing a rank does, under Ray Train or in a Tune trial."""
+    """The run's config for a rank of a `world`-rank group, with this thread's denormal setting and torch's thread
+    count applied (before its first parallel op, see flush_denormals): the first thing a rank does, under Ray Train
+    or in a Tune trial."""
     cfg = for_world_size(config_from_dict(spec["config"]), world)
+    if cfg.train.torch_threads is not None:  # None: Ray's OMP_NUM_THREADS, the worker's CPUs
+        torch.set_num_threads(cfg.train.torch_threads)
     flush_denormals(cfg.train.flush_denormal)
     return cfg
 
