@@ -65,8 +65,8 @@ def table_lines(autopilot: Mapping[str, Any], mark: str = "✓") -> list[str]:
     lines = []
     if measured:
         lines.append("autopilot: candidates measured on the run's own steps")
-        lines += ["  " + "  ".join(c[0].ljust(widths[0]) if i == 0 else c[i].rjust(widths[i])
-                                   for i in range(len(c))) for c in cells]
+        lines += [("  " + "  ".join(c[0].ljust(widths[0]) if i == 0 else c[i].rjust(widths[i])
+                                    for i in range(len(c)))).rstrip() for c in cells]
     for r in rows:
         if r.get("status", "ok") != "ok":
             lines.append(f"autopilot: dropped {r.get('candidate')}: {str(r['status']).removeprefix('failed: ')}")
