@@ -26,7 +26,7 @@ _HEADER = ("candidate", "samples/s", "vs start", "peak memory", "compile s", "ch
 _NOT_STEPS = ("time/eval_frac", "time/checkpoint_frac", "time/report_frac")
 
 
-def take(report: dict[str, Any]) -> dict[str, Any] | None:
+def take_autopilot(report: dict[str, Any]) -> dict[str, Any] | None:
     """The autopilot's report removed from rank 0's `report` (so it is never charted nor kept in the history's
     figures), with the step it came at; None when the report carries none."""
     found = report.pop(REPORT_KEY, None)
@@ -106,7 +106,7 @@ def table(autopilot: Mapping[str, Any]) -> tuple[list[str], list[list[Any]]]:
     return list(COLUMNS), rows
 
 
-def record(tracker: Tracker, autopilot: Mapping[str, Any], step: int, verbose: bool) -> None:
+def record_autopilot(tracker: Tracker, autopilot: Mapping[str, Any], step: int, verbose: bool) -> None:
     """The autopilot's report shown (`verbose`) and tracked: the table artifact (when candidates were measured),
     the chosen settings as params, the search's figures in the summary table."""
     if verbose:

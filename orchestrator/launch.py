@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from orchestrator import autopilot_report
+from orchestrator.autopilot_report import achieved_figures, record_autopilot, take_autopilot
 from orchestrator.cluster import connect_ray, outside_job_package, shutdown_local_ray, train_environment
 from orchestrator.config import Config, to_yaml
 from orchestrator.console import LOG_FILE, RunLog
@@ -307,7 +307,7 @@ class _Reports:
         if report.get("event") == "worker_failure":
             self._failed(report)
             return
-        if (autopilot := autopilot_report.take(report)) is not None:
+        if (autopilot := take_autopilot(report)) is not None:
             self._autopilot(autopilot, report["step"])
         if clock.take_worker_marks(report):
             tracker.log_metrics(clock.metrics(), step=report["step"])
@@ -334,7 +334,7 @@ class _Reports:
                 print("autopilot: the restarted workers kept its choice", flush=True)
             return
         self.autopilot = autopilot
-        autopilot_report.record(self.tracker, autopilot, step, self.verbose)
+        record_autopilot(self.tracker, autopilot, step, self.verbose)
 
     def _failed(self, report: dict[str, Any]) -> None:
         self.failures.append(self.clock.since_start())
@@ -380,7 +380,7 @@ def _fit(plan: RunPlan, tracker: Tracker, verbose: bool, clock: StartupClock, lo
     tracker.keep_checkpoints(kept)
     checkpoint_path = _checkpoint_uri(config, result.checkpoint.path) if result.checkpoint else None
     if history:
-        figures = run_summary(history) | autopilot_report.achieved_figures(handle.autopilot, history)
+        figures = run_summary(history) | achieved_figures(handle.autopilot, history)
         tracker.log_metrics(figures, step=history[-1]["step"])
     return TrainResult(
         config=config, metrics=dict(result.metrics or {}), checkpoint_path=checkpoint_path, run_dir=place.uri,

@@ -72,7 +72,7 @@ ACHIEVED = (1200.0 * 2 + 1250.0 * 2) / (2 * 0.85 + 2 * 0.8)
 
 def _taken(report: dict[str, Any] = REPORT, step: int = 40) -> dict[str, Any]:
     carrying = {"step": step, "train_loss": 1.0, "autopilot": copy.deepcopy(report)}
-    found = autopilot_report.take(carrying)
+    found = autopilot_report.take_autopilot(carrying)
     assert found is not None and "autopilot" not in carrying
     return found
 
@@ -81,7 +81,7 @@ def test_the_report_is_taken_out_of_the_metrics_with_the_step_it_came_at() -> No
     found = _taken()
     assert found[autopilot_report.AT_STEP] == 40 and found["predicted_speedup"] == 1.31
     plain = {"step": 5, "train_loss": 1.0}
-    assert autopilot_report.take(plain) is None and plain == {"step": 5, "train_loss": 1.0}
+    assert autopilot_report.take_autopilot(plain) is None and plain == {"step": 5, "train_loss": 1.0}
 
 
 def test_the_terminal_table_has_a_line_per_candidate_and_one_per_failure() -> None:
@@ -212,7 +212,7 @@ def test_mlflow_holds_the_table_the_params_and_the_summary_rows_never_a_chart(tm
     tracker = MlflowTracker(TrackingConfig(uri=uri, experiment="autopilot"), "run")
     tracker.log_params(config_params(config))
     found = _taken()
-    autopilot_report.record(tracker, found, 40, verbose=False)
+    autopilot_report.record_autopilot(tracker, found, 40, verbose=False)
     for report in _history():
         tracker.log_metrics(report, step=report["step"])
     tracker.log_metrics(autopilot_report.achieved_figures(found, _history()), step=80)
