@@ -21,9 +21,9 @@ FIGURES = "autopilot/"  # the summary table's section (tracking/view.py)
 AT_STEP = "reported_at_step"  # added by the driver: the step of the report that carried it
 COLUMNS = ["candidate", "samples_per_s", "ratio", "peak_memory_gb", "compile_s", "status", "chosen"]
 _HEADER = ("candidate", "samples/s", "vs start", "peak memory", "compile s", "chosen")
-# The phases of an interval that are not training steps: left out of the achieved pace, as the search's timed steps
-# leave them out (data waits stay in: a step waits on its data in the search too).
-_NOT_STEPS = ("time/eval_frac", "time/checkpoint_frac", "time/report_frac")
+# The phases of an interval the search's timed steps measure (a step's forward, backward and gradient sync; its
+# batch is at hand): the achieved pace counts these seconds only, so the two figures compare like with like.
+_STEP_PHASES = ("time/compute_frac", "time/sync_frac")
 
 
 def take_autopilot(report: dict[str, Any]) -> dict[str, Any] | None:
@@ -44,9 +44,12 @@ def _settings(settings: Mapping[str, Any] | None) -> str:
 
 
 def _chosen_name(autopilot: Mapping[str, Any]) -> str:
-    """The chosen candidate's one-line name, else its settings written out."""
+    """'chose <the chosen candidate's one-line name, else its settings written out>', or that it kept the
+    configuration as written (no candidate beat it by the noise margin)."""
+    if autopilot.get("start") and autopilot.get("chosen") == autopilot.get("start"):
+        return "kept the configuration as written (no candidate beat it)"
     row = next((r for r in autopilot.get("rows") or [] if r.get("chosen")), None)
-    return str(row["candidate"]) if row else _settings(autopilot.get("chosen"))
+    return "chose " + (str(row["candidate"]) if row else _settings(autopilot.get("chosen")))
 
 
 def table_lines(autopilot: Mapping[str, Any], mark: str = "✓") -> list[str]:
@@ -73,7 +76,7 @@ def table_lines(autopilot: Mapping[str, Any], mark: str = "✓") -> list[str]:
     if autopilot.get("skipped"):
         lines.append(f"autopilot: skipped ({autopilot['skipped']}): training with the configuration as written")
     else:
-        lines.append(f"autopilot: chose {_chosen_name(autopilot)}: {_predicted(autopilot)}; search "
+        lines.append(f"autopilot: {_chosen_name(autopilot)}: {_predicted(autopilot)}; search "
                      f"{_number(autopilot.get('search_s'), '.1f')} s over {autopilot.get('search_steps', '-')} "
                      "steps of the run")
     return lines
@@ -154,14 +157,14 @@ def search_figures(autopilot: Mapping[str, Any]) -> dict[str, float]:
 
 def achieved_samples_per_s(autopilot: Mapping[str, Any], history: list[dict[str, Any]]) -> float | None:
     """The training's pace after the search: the samples of every report after the one that carried the
-    autopilot's, over those intervals' seconds of training steps (evaluation, checkpoints and reporting left out, as
-    the search's timed steps leave them out); a step redone after a restart counts once. None without such a
-    report."""
+    autopilot's, over those intervals' seconds in training steps (compute and gradient sync, what the search times;
+    data waits, evaluation, checkpoints and reports left out: doctor's other rules speak of those); a step redone
+    after a restart counts once. None without such a report."""
     after = autopilot.get(AT_STEP)
     kept = {int(r["step"]): r for r in history if "interval_s" in r and "samples_per_s" in r
             and after is not None and int(r["step"]) > int(after)}
     samples = sum(r["samples_per_s"] * r["interval_s"] for r in kept.values())
-    seconds = sum(r["interval_s"] * max(0.0, 1.0 - sum(r.get(k, 0.0) for k in _NOT_STEPS)) for r in kept.values())
+    seconds = sum(r["interval_s"] * sum(r.get(k, 0.0) for k in _STEP_PHASES) for r in kept.values())
     return samples / seconds if seconds > 0 else None
 
 
@@ -190,7 +193,7 @@ def gain_line(autopilot: Mapping[str, Any] | None, history: list[dict[str, Any]]
         start = start_samples_per_s(autopilot)
         chosen = search_figures(autopilot).get(FIGURES + "chosen_samples_per_s")
         measured = (f" ({start:,.0f} -> {chosen:,.0f} samples/s in its search)" if start and chosen else "")
-        line = (f"autopilot: chose {_chosen_name(autopilot)}; {_predicted(autopilot)}{measured}; search "
+        line = (f"autopilot: {_chosen_name(autopilot)}; {_predicted(autopilot)}{measured}; search "
                 f"{_number(autopilot.get('search_s'), '.1f')} s")
     figures = achieved_figures(autopilot, history)
     if FIGURES + "achieved_speedup" in figures:

@@ -307,12 +307,13 @@ class _Reports:
         if report.get("event") == "worker_failure":
             self._failed(report)
             return
-        if (autopilot := take_autopilot(report)) is not None:
-            self._autopilot(autopilot, report["step"])
+        autopilot = take_autopilot(report)  # a dict, never a metric
         if clock.take_worker_marks(report):
             tracker.log_metrics(clock.metrics(), step=report["step"])
             if self.verbose:
                 print(clock.line(), flush=True)
+        if autopilot is not None:  # its table after the start-up line: the search ran after the first step
+            self._autopilot(autopilot, report["step"])
         for tag, line in _events(history[-1] if history else None, report, len(history)):
             tracker.set_tags(tag)
             print(line, file=sys.stderr)

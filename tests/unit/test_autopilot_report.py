@@ -52,22 +52,24 @@ REPORT = {
 }
 
 
-def _report(step: int, rate: float, interval: float = 2.0, **shares: float) -> dict[str, Any]:
-    """A report of rank 0 with what the progress line and the achieved pace read."""
+def _report(step: int, rate: float, interval: float = 2.0, compute: float = 0.8, sync: float = 0.1,
+            wait: float = 0.05) -> dict[str, Any]:
+    """A report of rank 0 with what the progress line and the achieved pace read (the rest of the interval in
+    evaluation)."""
     return {"step": step, "train_loss": 1.0, "lr": 1e-3, "samples_per_s": rate, "interval_s": interval,
-            "data_wait_frac": 0.0, "time/data_wait_frac": 0.0, "time/eval_frac": shares.get("eval", 0.0),
-            "time/checkpoint_frac": shares.get("checkpoint", 0.0), "time/report_frac": shares.get("report", 0.0)}
+            "data_wait_frac": wait, "time/data_wait_frac": wait, "time/compute_frac": compute,
+            "time/sync_frac": sync, "time/eval_frac": 1.0 - compute - sync - wait}
 
 
 def _history() -> list[dict[str, Any]]:
     """Reports at steps 20 and 40 (the search; 40 carried the autopilot's report), then 60 (twice: a step redone
     after a restart, the later one kept) and 80."""
     return [_report(20, 900.0), _report(40, 1100.0), _report(60, 50.0, 10.0),
-            _report(60, 1200.0, checkpoint=0.1, report=0.05), _report(80, 1250.0, eval=0.2)]
+            _report(60, 1200.0, compute=0.7, sync=0.15), _report(80, 1250.0, compute=0.6, sync=0.1)]
 
 
-# After the search: 2400 samples over 2 x (1 - 0.15) s at step 60, 2500 over 2 x (1 - 0.2) s at step 80.
-ACHIEVED = (1200.0 * 2 + 1250.0 * 2) / (2 * 0.85 + 2 * 0.8)
+# After the search: 2400 samples over 2 x (0.7 + 0.15) s in steps at step 60, 2500 over 2 x (0.6 + 0.1) s at 80.
+ACHIEVED = (1200.0 * 2 + 1250.0 * 2) / (2 * 0.85 + 2 * 0.7)
 
 
 def _taken(report: dict[str, Any] = REPORT, step: int = 40) -> dict[str, Any]:
@@ -139,6 +141,10 @@ def test_the_search_figures_and_the_achieved_speedup() -> None:
     assert achieved["autopilot/achieved_speedup"] == pytest.approx(ACHIEVED / 1000.0)
     assert autopilot_report.achieved_figures(found, _history()[:2]) == {}  # no report after the search
     assert autopilot_report.achieved_figures(None, _history()) == {}
+    # The configuration as written kept: said so, not as a choice.
+    kept = found | {"chosen": START, "predicted_speedup": 1.0}
+    assert autopilot_report.table_lines(kept)[-1].startswith(
+        "autopilot: kept the configuration as written (no candidate beat it): predicted 1.00x")
 
 
 def test_the_summary_says_what_the_autopilot_gained_predicted_and_achieved() -> None:
