@@ -70,9 +70,12 @@ def table_lines(autopilot: Mapping[str, Any], mark: str = "✓") -> list[str]:
         lines.append("autopilot: candidates measured on the run's own steps")
         lines += [("  " + "  ".join(c[0].ljust(widths[0]) if i == 0 else c[i].rjust(widths[i])
                                     for i in range(len(c)))).rstrip() for c in cells]
-    for r in rows:
-        if r.get("status", "ok") != "ok":
-            lines.append(f"autopilot: dropped {r.get('candidate')}: {str(r['status']).removeprefix('failed: ')}")
+    for r in rows:  # failed on a rank (dropped on all), or not measured (the budget ran out in its warm-up)
+        status = str(r.get("status", "ok"))
+        if status.startswith("failed"):
+            lines.append(f"autopilot: dropped {r.get('candidate')}: {status.removeprefix('failed: ')}")
+        elif status != "ok":
+            lines.append(f"autopilot: not measured {r.get('candidate')}: {status}")
     if autopilot.get("skipped"):
         lines.append(f"autopilot: skipped ({autopilot['skipped']}): training with the configuration as written")
     else:
@@ -141,8 +144,9 @@ def start_samples_per_s(autopilot: Mapping[str, Any]) -> float | None:
 
 
 def search_figures(autopilot: Mapping[str, Any]) -> dict[str, float]:
-    """The summary table's rows known once the search has ended: predicted speed-up, search seconds and steps,
-    the starting and chosen configurations' measured samples/s, candidates measured and dropped."""
+    """The summary table's rows known once the search has ended: predicted speed-up, search seconds and steps, the
+    budget in seconds and what of it the candidates spent, the starting and chosen configurations' measured
+    samples/s, candidates measured and not."""
     rows = list(autopilot.get("rows") or [])
     chosen = next((r for r in rows if r.get("chosen")), {})
     figures = {"predicted_speedup": autopilot.get("predicted_speedup"), "search_s": autopilot.get("search_s"),
@@ -150,6 +154,7 @@ def search_figures(autopilot: Mapping[str, Any]) -> dict[str, float]:
                "chosen_samples_per_s": chosen.get("samples_per_s"),
                "candidates": sum(r.get("status", "ok") == "ok" for r in rows),
                "dropped": sum(r.get("status", "ok") != "ok" for r in rows),
+               "budget_s": autopilot.get("budget_s"), "budget_spent_s": autopilot.get("budget_spent_s"),
                "skipped": float(bool(autopilot.get("skipped"))),
                "from_checkpoint": float(bool(autopilot.get("from_checkpoint")))}
     return {FIGURES + k: float(v) for k, v in figures.items() if isinstance(v, int | float)}

@@ -48,7 +48,7 @@ REPORT = {
              _row("micro 256 x 1 | compile off | threads 2 | flush on | fp32", TOO_BIG, None, None, None, None,
                   status="failed: out of memory on rank 1")],
     "start": START, "chosen": CHOSEN, "from_checkpoint": False, "search_s": 8.2, "search_steps": 40,
-    "predicted_speedup": 1.31, "skipped": None,
+    "predicted_speedup": 1.31, "skipped": None, "budget_s": 20.0, "budget_spent_s": 6.5,
 }
 
 
@@ -102,6 +102,12 @@ def test_the_terminal_table_has_a_line_per_candidate_and_one_per_failure() -> No
     assert lines[6] == ("autopilot: chose micro 128 x 1 | compile off | threads 2 | flush on | fp32: predicted 1.31x "
                         "the configuration as written; search 8.2 s over 40 steps of the run")
     assert len(lines) == 7
+    unmeasured = REPORT | {"rows": [*REPORT["rows"], _row("micro 32 x 4 | compile off | threads 1 | flush on | fp32",
+                                                           START | {"torch_threads": 1}, None, None, None, None,
+                                                           status="stopped: the budget ran out in its warm-up")]}
+    assert autopilot_report.table_lines(_taken(unmeasured))[6] == (
+        "autopilot: not measured micro 32 x 4 | compile off | threads 1 | flush on | fp32: stopped: the budget ran "
+        "out in its warm-up")
     assert autopilot_report.table_lines(_taken(), mark="*")[3].endswith("*")  # a terminal without the check mark
 
 
@@ -132,6 +138,7 @@ def test_the_search_figures_and_the_achieved_speedup() -> None:
     assert figures == {"autopilot/predicted_speedup": 1.31, "autopilot/search_s": 8.2, "autopilot/search_steps": 40.0,
                        "autopilot/start_samples_per_s": 1000.0, "autopilot/chosen_samples_per_s": 1310.0,
                        "autopilot/candidates": 3.0, "autopilot/dropped": 1.0, "autopilot/skipped": 0.0,
+                       "autopilot/budget_s": 20.0, "autopilot/budget_spent_s": 6.5,
                        "autopilot/from_checkpoint": 0.0}
     # Without the starting config's row, its pace is the chosen one's over the predicted speed-up.
     without = found | {"rows": found["rows"][1:]}
