@@ -43,8 +43,9 @@ _FACTS = {"train/step", "train/epoch", "train/samples_seen", "train/skipped_step
 _SUMMARY_SECTIONS = ("final/", "cost/", "startup/", "device/", "study/", "autopilot/")
 # The summary table's groups, in the order a reader wants them; a figure of another section comes after.
 _SUMMARY_ORDER = ("final", "autopilot", "study", "cost", "startup", "train", "val", "perf", "device")
-# What only the driver uses: when a report arrived, the worker's start-up marks, which rank reported, events.
-_DROPPED = {"elapsed_s", "world_rank", "drain_checkpoint"}
+# What only the driver uses: when a report arrived, the worker's start-up marks, which rank reported, events, the
+# autopilot's report (a table, never a metric: autopilot_report.py takes it out of the report).
+_DROPPED = {"elapsed_s", "world_rank", "drain_checkpoint", "autopilot"}
 SUMMARY_TABLE = "summary.json"
 # The section that holds the training loss, the task's validation metric and samples/s: MLflow 3's run page sorts
 # its chart sections by name (plain string order), so this one comes before memory/, perf/, train/, val/...
