@@ -642,19 +642,24 @@ def test_doctor_prints_no_download_progress_bars_and_leaves_mlflows_setting_alon
 def test_an_autopilot_run_reports_its_predicted_against_its_achieved_speedup() -> None:
     finding = autopilot_gain(record(AUTOPILOT_RUN, AUTOPILOT_PARAMS))
     assert finding is not None and finding.severity == 1  # LOW: achieved 1.25x of a predicted 1.3x
-    assert finding.title == ("autopilot: predicted 1.30x over the configuration as written, achieved 1.25x; its "
-                             "search took 8.2 s")
-    # The choice as one line of --set flags (the accumulation is derived from the micro-batch at the global batch).
-    assert finding.changes == ("train.micro_batch_size=32 --set train.compile=false --set train.torch_threads=null "
-                               "--set train.flush_denormal=true --set train.precision=fp32 (the autopilot's choice: "
-                               "trains with it without a search)",)
+    assert finding.title == "predicted 1.30x over the configuration as written, achieved 1.25x; its search took 8.2 s"
+    # What the choice changes of the config, as one line of --set flags: the accumulation is derived from the
+    # micro-batch at the global batch; compile (False) and torch_threads (null) are the config's already.
+    assert finding.changes == ("train.micro_batch_size=32 --set train.flush_denormal=true --set train.precision=fp32 "
+                               "(the autopilot's choice: trains with it without a search)",)
     # Achieved under 0.9 of the prediction (1.1 < 1.17): a finding of its own, the shortfall its strength.
     short = autopilot_gain(record({**AUTOPILOT_RUN, "autopilot/achieved_speedup": [1.1]}, AUTOPILOT_PARAMS))
     assert short is not None and short.severity == MEDIUM and abs(short.score - 0.2) < 1e-9
-    assert "slower than the search's" in short.title
+    assert "ran slower than the search measured them" in short.title
     assert autopilot_gain(record()) is None  # not an autopilot run
     printed = format_findings("r", record(AUTOPILOT_RUN, AUTOPILOT_PARAMS), [finding])
-    assert "     --set train.micro_batch_size=32 --set train.compile=false" in printed
+    assert "     --set train.micro_batch_size=32 --set train.flush_denormal=true" in printed
+    # The configuration as written kept: nothing to set.
+    same = {**AUTOPILOT_PARAMS, "autopilot.micro_batch_size": "64", "autopilot.flush_denormal": "True",
+            "autopilot.precision": "auto"}
+    kept = autopilot_gain(record(AUTOPILOT_RUN, {**same, "train.micro_batch_size": "64",
+                                                 "train.flush_denormal": "True"}))
+    assert kept is not None and kept.changes == ()
 
 
 def test_a_finding_the_autopilot_measured_on_the_run_is_settled() -> None:

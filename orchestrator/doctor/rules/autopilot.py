@@ -20,12 +20,17 @@ def measured(run: RunRecord, key: str) -> bool:
     return run.param(f"autopilot.{key}") is not None
 
 
+_WORDS = {"None": "null", "True": "true", "False": "false"}  # MLflow's param strings as `--set` values (YAML)
+
+
 def chosen_settings(run: RunRecord) -> dict[str, str]:
-    """The settings the autopilot chose, by `train.<key>`, as `--set` values (YAML: null, true, false)."""
-    words = {"None": "null", "True": "true", "False": "false"}
-    return {f"train.{key.removeprefix('autopilot.')}": words.get(value, value) for key, value in run.params.items()
-            if key.startswith("autopilot.") and key.removeprefix("autopilot.") not in AutopilotConfig.model_fields
-            and key != "autopilot.grad_accum_steps"}  # derived from the micro-batch at the global batch
+    """The settings the autopilot chose that differ from the run's config, by `train.<key>`, as `--set` values
+    (a key left null is not a param)."""
+    chosen = {f"train.{key.removeprefix('autopilot.')}": _WORDS.get(value, value) for key, value in run.params.items()
+              if key.startswith("autopilot.") and key.removeprefix("autopilot.") not in AutopilotConfig.model_fields
+              and key != "autopilot.grad_accum_steps"}  # derived from the micro-batch at the global batch
+    return {key: value for key, value in chosen.items() if value != _WORDS.get(run.params.get(key, "None"),
+                                                                                 run.params.get(key))}
 
 
 def autopilot_gain(run: RunRecord) -> Finding | None:
@@ -37,12 +42,13 @@ def autopilot_gain(run: RunRecord) -> Finding | None:
     parts = [f"predicted {predicted:.2f}x" if predicted is not None else "no prediction (kept from the checkpoint)",
              f"achieved {achieved:.2f}x" if achieved is not None else "no achieved figure (no report after the "
              "search)"]
-    title = (f"autopilot: {parts[0]} over the configuration as written, {parts[1]}"
+    title = (f"{parts[0]} over the configuration as written, {parts[1]}"
              + (f"; its search took {search:.1f} s" if search is not None else ""))
     settings = chosen_settings(run)
     changes = (" --set ".join(f"{k}={v}" for k, v in settings.items()) + " (the autopilot's choice: trains with it "
                "without a search)",) if settings else ()
     if predicted is not None and achieved is not None and achieved < SHORTFALL * predicted:
-        return Finding("autopilot", MEDIUM, predicted - achieved, title + ": the training's steps were slower than "
-                       "the search's (data waits, evaluation or other load the search did not see)", changes)
+        return Finding("autopilot", MEDIUM, predicted - achieved, title + ": the training's steps ran slower than "
+                       "the search measured them (other load on the nodes, or a search too short for a stable "
+                       "figure: a larger autopilot.budget)", changes)
     return Finding("autopilot", LOW, achieved or predicted or 0.0, title, changes)
