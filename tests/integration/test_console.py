@@ -72,3 +72,10 @@ def _check_the_autopilot(lines: list[str], tmp_path: Path) -> None:
     assert figures["autopilot/predicted_speedup"] >= 1.0 and figures["autopilot/search_s"] > 0
     assert figures["autopilot/achieved_samples_per_s"] > 0
     assert not [k for k in client.get_run(run_id).data.metrics if "autopilot" in k]  # never charted
+    # doctor reads back what was logged: the predicted against the achieved speed-up.
+    from orchestrator.doctor.report import doctor, summary
+
+    printed = summary(run_id, doctor(run_id, f"sqlite:///{tmp_path}/mlruns.db"))
+    (finding,) = [line for line in printed.splitlines() if "] autopilot: " in line]
+    assert (f"predicted {figures['autopilot/predicted_speedup']:.2f}x" in finding
+            and f"achieved {figures['autopilot/achieved_speedup']:.2f}x" in finding), finding
