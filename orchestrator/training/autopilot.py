@@ -129,28 +129,32 @@ class Knobs:
 
 def begin(cfg: Config, parts: Parts, progress: Progress) -> tuple[Autopilot | None, dict[str, Any] | None]:
     """At the loop's start, on every rank: the search to run, or None with what the first report carries (rank 0;
-    None elsewhere): the choice kept from the checkpoint, applied here, or why the run is too short to search."""
+    None elsewhere): the choice kept from the checkpoint, applied here, or why the run is too short to search. A
+    group resized since the checkpoint keeps its choice but the micro-batch, which it measures again."""
     t = cfg.train
     rank, world = ranks.world()
     per_worker = t.micro_batch_size * t.grad_accum_steps  # type: ignore[operator]
     knobs = Knobs(parts, t.micro_batch_size, t.flush_denormal)  # type: ignore[arg-type]
     start = knobs.read(parts, per_worker)
-    if progress.autopilot is not None:
-        saved = progress.autopilot
+    saved = progress.autopilot
+    resized = saved is not None and saved.get("world") != world
+    if saved is not None:
         chosen = Settings(**saved["chosen"])
-        if saved.get("world") != world or not _joins(chosen.micro_batch_size, knobs.micro, per_worker):
-            # The micro-batch depends on the world size; the rest holds at any size.
+        if resized or not _joins(chosen.micro_batch_size, knobs.micro, per_worker):
+            # The micro-batch depends on the world size (re-measured below after a resize); the rest holds.
             chosen = replace(chosen, micro_batch_size=start.micro_batch_size, grad_accum_steps=start.grad_accum_steps)
         knobs.apply(parts, chosen)
-        kept = summary(Settings(**saved["start"]), chosen, predicted_speedup=saved.get("predicted_speedup"))
-        return None, (kept | {"from_checkpoint": True} if rank == 0 else None)
+        if not resized:
+            kept = summary(Settings(**saved["start"]), chosen, predicted_speedup=saved.get("predicted_speedup"))
+            return None, (kept | {"from_checkpoint": True} if rank == 0 else None)
+        start = chosen
     steps = t.max_steps - progress.step  # type: ignore[operator]
     if cfg.autopilot.budget * steps < 2 * (WARMUP + MIN_TIMED):
         why = (f"run too short to pay for the search: autopilot.budget {cfg.autopilot.budget:g} x {steps} steps is "
                f"{cfg.autopilot.budget * steps:.1f} steps' time, less than two candidates' measurement "
                f"({2 * (WARMUP + MIN_TIMED)} steps); training with the config as written")
         return None, (summary(start, start, skipped=why) if rank == 0 else None)
-    return Autopilot(cfg, progress, knobs, start, per_worker), None
+    return Autopilot(cfg, progress, knobs, start, per_worker, micro_only=resized), None
 
 
 def kept_config(cfg: Config, state: dict[str, Any] | None, world: int) -> Config:
@@ -180,8 +184,10 @@ class Autopilot:
     """The search, driven by loop.run one step at a time (`step`) until `done`; `report` is then rank 0's summary.
     Every rank runs the same candidates in the same steps: rank 0's decisions are broadcast."""
 
-    def __init__(self, cfg: Config, progress: Progress, knobs: Knobs, start: Settings, per_worker: int) -> None:
+    def __init__(self, cfg: Config, progress: Progress, knobs: Knobs, start: Settings, per_worker: int,
+                 micro_only: bool = False) -> None:
         self.cfg, self.progress, self.knobs, self.per_worker = cfg, progress, knobs, per_worker
+        self.micro_only = micro_only  # a resized group: the rest of the checkpoint's choice holds at any size
         self.start, self.trial = start, Trial(start)
         self.best: Trial | None = None
         self.trials: list[Trial] = []
@@ -319,6 +325,8 @@ class Autopilot:
                 improved = True
             if improved:
                 break
+        if self.micro_only:
+            return
         for key, values in self._other_options():
             for value in values:
                 affordable = key != "compile" or self.charged + COMPILE_GUESS_S <= self.budget_s
@@ -348,8 +356,10 @@ class Autopilot:
         if hasattr(os, "sched_getaffinity"):
             cpus = min(cpus, len(os.sched_getaffinity(0)))
         options.append(("torch_threads", sorted({1, max(1, cpus // 2), cpus, s.torch_threads}, reverse=True)))
-        if cpu and self.flush_ok:
-            options.append(("flush_denormal", [not s.flush_denormal]))
+        if cpu and self.flush_ok and not s.flush_denormal:
+            # Only towards on: subnormals appear late in training, so the first steps cannot see what flushing
+            # saves then (4x a step in bench/overhead.py), and turning it off on their figures could cost that.
+            options.append(("flush_denormal", [True]))
         return options
 
     def _speedup(self) -> float | None:

@@ -49,17 +49,21 @@ def _config(*overrides: str) -> Config:
 
 
 class Net(torch.nn.Module):
-    """The MLP of the tests; `oom_above`: rows per forward past which it raises CUDA's out-of-memory error."""
+    """The MLP of the tests. `oom_above`: rows per forward past which it raises CUDA's out-of-memory error;
+    `overhead_s`: a fixed cost per forward (as a kernel launch's), which makes larger micro-batches faster by a
+    margin no load on a shared machine hides."""
 
-    def __init__(self, oom_above: int | None = None) -> None:
+    def __init__(self, oom_above: int | None = None, overhead_s: float = 0.0) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-        self.oom_above = oom_above
+        self.oom_above, self.overhead_s = oom_above, overhead_s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.oom_above is not None and len(x) > self.oom_above:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        if self.overhead_s:
+            time.sleep(self.overhead_s)
         return self.net(x)
 
 
@@ -84,7 +88,7 @@ def _chosen_config(cfg: Config, chosen: dict[str, Any]) -> Config:
 
 def _overrides(cfg: Config) -> list[str]:
     return [f"train.max_steps={cfg.train.max_steps}", f"scaling.num_workers={cfg.scaling.num_workers}",
-            f"autopilot.budget={cfg.autopilot.budget}"]
+            f"autopilot.budget={cfg.autopilot.budget}", f"train.flush_denormal={str(cfg.train.flush_denormal).lower()}"]
 
 
 def _train(cfg: Config, model: torch.nn.Module, rank: int = 0, progress: Progress | None = None,
@@ -108,8 +112,8 @@ def _weights(parts: Parts) -> list[torch.Tensor]:
 
 
 def test_an_autopilot_run_ends_with_the_weights_of_its_choice_configured_from_the_start() -> None:
-    cfg = _config()
-    piloted, recorder = _train(cfg, Net())
+    cfg = _config("train.max_steps=200", "train.flush_denormal=false")  # flushing is a candidate only from off
+    piloted, recorder = _train(cfg, Net(overhead_s=0.002))
     table = _table(recorder)
     chosen = table["chosen"]
     # Micro-batch 4 of 64 is a deliberately poor start: the tiny MLP runs larger ones several times faster.
@@ -190,6 +194,21 @@ def test_a_resume_applies_the_saved_choice_without_searching(tmp_path: Path, mon
         assert torch.equal(a, b)  # where the uninterrupted run ended, bitwise
 
 
+def test_a_resized_group_keeps_the_saved_choice_but_measures_the_micro_batch_again() -> None:
+    cfg = _config("train.max_steps=200")
+    settings = {"micro_batch_size": 16, "grad_accum_steps": 4, "compile": False, "torch_threads": 1,
+                "flush_denormal": False, "precision": "fp32"}
+    progress = Progress(autopilot={"start": settings, "chosen": settings, "world": 2, "predicted_speedup": 2.0})
+    _, recorder = _train(cfg, Net(overhead_s=0.002), progress=progress)
+    table = _table(recorder)
+    assert table["from_checkpoint"] is False and len(table["rows"]) > 1
+    # Only the micro-batch is searched, from the config's; the rest of the saved choice holds.
+    assert table["start"] == settings | {"micro_batch_size": 4, "grad_accum_steps": 16}
+    varied = {key for row in table["rows"] for key, value in row["settings"].items() if table["start"][key] != value}
+    assert varied == {"micro_batch_size", "grad_accum_steps"}
+    assert progress.autopilot["world"] == 1 and table["chosen"]["micro_batch_size"] > 4  # type: ignore[index]
+
+
 def test_a_restarted_worker_builds_its_data_at_the_chosen_micro_batch() -> None:
     cfg = _config("scaling.num_workers=2", "train.global_batch_size=64")
     state = {"progress": {"autopilot": {"chosen": {"micro_batch_size": 16}, "world": 2}}}
@@ -205,24 +224,30 @@ def test_a_restarted_worker_builds_its_data_at_the_chosen_micro_batch() -> None:
 
 
 def _two_rank_runs(rank: int, shared: Path) -> dict[str, Any]:
-    """On each rank: (1) an autopilot run where micro-batches from 8 up are slow on rank 1 only, after the step's
-    collectives (so rank 0's own clock does not see it), then the run configured with its choice from the start;
-    (2) an autopilot run whose model runs out of memory past 4 rows per forward on rank 1 only."""
+    """On each rank: (1) an autopilot run where rank 1's clock finds micro-batches from 8 up 50 ms a step slower
+    (a slowness rank 0's own clock never sees: under DDP it would wait for rank 1 somewhere, and only the slowest
+    rank's figure says where), then the run configured with its choice from the start; (2) an autopilot run whose
+    model runs out of memory past 4 rows per forward on rank 1 only."""
     cfg = _config("scaling.num_workers=2", "autopilot.budget=0.3")
-    real = autopilot.train_step
+    real, lag = autopilot.train_step, [0.0]
+
+    class Clock:
+        @staticmethod
+        def perf_counter() -> float:
+            return time.perf_counter() + lag[0]
 
     def slow_on_rank_1(parts: Parts, batch: list[Any], timer: Any = None) -> Any:
         result = real(parts, batch, timer)
         if rank == 1 and 4 * parts.join // parts.split >= 8:
-            time.sleep(0.05)
+            lag[0] += 0.05
         return result
 
-    autopilot.train_step = slow_on_rank_1  # type: ignore[assignment]
+    autopilot.train_step, autopilot.time = slow_on_rank_1, Clock  # type: ignore[assignment]
     try:
         progress = Progress()
         piloted, recorder = _train(cfg, DistributedDataParallel(Net()), rank, progress)
     finally:
-        autopilot.train_step = real  # type: ignore[assignment]
+        autopilot.train_step, autopilot.time = real, time  # type: ignore[assignment]
     dist.barrier()
     chosen = progress.autopilot["chosen"]  # type: ignore[index]
     direct, _ = _train(_chosen_config(cfg, chosen), DistributedDataParallel(Net()), rank)
@@ -244,7 +269,7 @@ def test_every_rank_makes_the_one_choice_by_the_slowest_ranks_time(ranks: list[d
     assert ranks[0]["saved"] == ranks[1]["saved"] and ranks[0]["micro"] == ranks[1]["micro"]
     assert ranks[1]["table"] is None  # the table goes with rank 0's report only
     chosen = ranks[0]["saved"]["chosen"]
-    # Rank 0's own clock found micro-batches from 8 fast; rank 1's found them slow, and the slowest rank counts.
+    # Rank 0's own clock finds micro-batches from 8 fast; rank 1's finds them slow, and the slowest rank counts.
     assert chosen["micro_batch_size"] < 8
     slow = [r for r in ranks[0]["table"]["rows"] if r["settings"]["micro_batch_size"] >= 8]
     assert slow and all(not r["chosen"] and (r["ratio"] or 0) < 1 for r in slow)
