@@ -64,6 +64,9 @@ def _add_train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
                        "storage.path from its latest checkpoint, in the same MLflow run (a new run if there is none)")
     train.add_argument("--verbose", "-v", action="store_true", help="also show Ray's and MLflow's own log lines "
                        "(always written to the run's log file)")
+    train.add_argument("--autopilot", action="store_true", help="measure the speed settings that leave the math "
+                       "unchanged (micro-batch split, compile, torch threads, flush_denormal, precision when auto) on "
+                       "the run's first steps, then train with the fastest (autopilot.enabled=true; docs/autopilot.md)")
 
 
 def _add_tune_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -189,7 +192,9 @@ def run_command(args: argparse.Namespace) -> int:
         return _doctor(args)
     if args.command == "prepare":
         return _prepare(args)
-    config = load_config(args.config, args.overrides)
+    # `--autopilot` is `--set autopilot.enabled=true`, last: it wins over the file and the other overrides.
+    overrides = [*args.overrides, *(["autopilot.enabled=true"] if getattr(args, "autopilot", False) else [])]
+    config = load_config(args.config, overrides)
     if args.command == "show-config":
         return _show_config(args, config)
     if args.command == "ui":

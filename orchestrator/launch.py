@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from orchestrator.autopilot_report import achieved_figures, record_autopilot, take_autopilot
 from orchestrator.cluster import connect_ray, outside_job_package, shutdown_local_ray, train_environment
 from orchestrator.config import Config, to_yaml
 from orchestrator.console import LOG_FILE, RunLog
@@ -296,6 +297,7 @@ class _Reports:
         self.history, self.private_cluster, self.attempt = history, private_cluster, attempt
         self.failures: list[float] = []
         self.doomed: list[str] = []  # an error in the user's code or config before the first report
+        self.autopilot: dict[str, Any] | None = None  # the autopilot's report (autopilot_report.py), once it came
 
     def __call__(self, report: dict[str, Any]) -> None:
         config, tracker, history, clock = self.plan.config, self.tracker, self.history, self.clock
@@ -305,10 +307,13 @@ class _Reports:
         if report.get("event") == "worker_failure":
             self._failed(report)
             return
+        autopilot = take_autopilot(report)  # a dict, never a metric
         if clock.take_worker_marks(report):
             tracker.log_metrics(clock.metrics(), step=report["step"])
             if self.verbose:
                 print(clock.line(), flush=True)
+        if autopilot is not None:  # its table after the start-up line: the search ran after the first step
+            self._autopilot(autopilot, report["step"])
         for tag, line in _events(history[-1] if history else None, report, len(history)):
             tracker.set_tags(tag)
             print(line, file=sys.stderr)
@@ -321,6 +326,16 @@ class _Reports:
         if self.verbose:
             print(progress_line(report, config.train.max_steps or 0, config.train.global_batch_size,
                                 config.tune.metric or ""), flush=True)
+
+    def _autopilot(self, autopilot: dict[str, Any], step: int) -> None:
+        """The search's table shown and tracked. A restarted worker group sends its choice again, kept from the
+        checkpoint: one line then, and the search this driver saw stays the one the summary speaks of."""
+        if self.autopilot is not None and autopilot.get("from_checkpoint"):
+            if self.verbose:
+                print("autopilot: the restarted workers kept its choice", flush=True)
+            return
+        self.autopilot = autopilot
+        record_autopilot(self.tracker, autopilot, step, self.verbose)
 
     def _failed(self, report: dict[str, Any]) -> None:
         self.failures.append(self.clock.since_start())
@@ -366,11 +381,12 @@ def _fit(plan: RunPlan, tracker: Tracker, verbose: bool, clock: StartupClock, lo
     tracker.keep_checkpoints(kept)
     checkpoint_path = _checkpoint_uri(config, result.checkpoint.path) if result.checkpoint else None
     if history:
-        tracker.log_metrics(run_summary(history), step=history[-1]["step"])
+        figures = run_summary(history) | achieved_figures(handle.autopilot, history)
+        tracker.log_metrics(figures, step=history[-1]["step"])
     return TrainResult(
         config=config, metrics=dict(result.metrics or {}), checkpoint_path=checkpoint_path, run_dir=place.uri,
         run_id=tracker.run_id, tracking_uri=getattr(tracker, "uri", None), history=history, startup=clock.seconds(),
-        startup_alongside=clock.alongside(),
+        startup_alongside=clock.alongside(), autopilot=handle.autopilot,
     ), len(handle.failures), result.checkpoint
 
 

@@ -76,6 +76,7 @@ class RunPlan:
                        else round(self.memory_budget[0] / 2**30, 2),
                        "budget_from": None if self.memory_budget is None else self.memory_budget[1],
                        "advice": self.advice},
+            "autopilot": _autopilot(c),
             "data_cache": {"setting": c.data.cache, "kept_from_checkpoint": self.resume.cache_decision
                            if self.resume else None},
             "cost": {"nodes": self.pricing.nodes, "usd_per_node_hour": self.pricing.usd_per_node_hour,
@@ -86,6 +87,17 @@ class RunPlan:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.describe(), sort_keys=False, default_flow_style=False)
+
+
+def _autopilot(c: Config) -> dict[str, Any]:
+    """The autopilot's setting: its budget, and the keys it measures (docs/autopilot.md): only those that leave the
+    math unchanged; precision only when the user left it auto, flush_denormal only on CPU."""
+    if not c.autopilot.enabled:
+        return {"enabled": False}
+    searches = ["train.micro_batch_size (at the global batch)", "train.compile", "train.torch_threads"]
+    searches += [] if c.scaling.use_gpu else ["train.flush_denormal"]
+    searches += ["train.precision"] if c.train.precision == "auto" else []
+    return {"enabled": True, "budget_share_of_wall_clock": c.autopilot.budget, "searches": searches}
 
 
 def plan_run(config: Config, resume: bool = False, verbose: bool = True) -> RunPlan:

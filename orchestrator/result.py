@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from orchestrator.autopilot_report import gain_line
 from orchestrator.config import Config
 from orchestrator.tracking.links import run_url, ui_command
 
@@ -26,6 +27,7 @@ class TrainResult:
     startup_alongside: dict[str, float] = field(default_factory=dict)  # stages run at once with one of those parts
     run_cost: Any = None  # a resumed run's Ledger over all its attempts (cost.ledger_across_attempts); else None
     attempts: int = 1  # driver attempts of this run: the first command and each `--resume`
+    autopilot: dict[str, Any] | None = None  # the autopilot's report (autopilot_report.py); None without it
 
 
 def run_summary(history: list[dict[str, Any]]) -> dict[str, float]:
@@ -89,6 +91,9 @@ def summary(result: TrainResult) -> str:
         if "summary/mfu" in figures:
             throughput += f", MFU {figures['summary/mfu']:.1%}"
         lines.append(throughput + " over the training's wall clock (first step to last)")
+    gained = gain_line(result.autopilot, result.history)
+    if gained:
+        lines.append(gained)
     if result.cost is not None:
         lines.append(result.cost.line())
     if result.run_cost is not None:

@@ -282,6 +282,13 @@ MUTANTS = (
            "            return float(row[REPORTED_AT]) - started\n",
            '            return float(row.get("time_total_s", 0.0))\n',
            ("tests/unit/test_trial_table.py::test_a_restarted_trials_ledger_bills_the_time_its_restart_lost",)),
+    # The autopilot on the driver: its report kept among the metrics, the achieved pace over the whole interval.
+    Mutant("the autopilot's report left in the metrics and the history", "orchestrator/autopilot_report.py",
+           "    found = report.pop(REPORT_KEY, None)\n", "    found = report.get(REPORT_KEY)\n",
+           ("tests/unit/test_autopilot_report.py",)),
+    Mutant("the achieved pace counted over data waits and evaluation too", "orchestrator/autopilot_report.py",
+           'r["interval_s"] * sum(r.get(k, 0.0) for k in _STEP_PHASES)', 'r["interval_s"]',
+           ("tests/unit/test_autopilot_report.py",)),
 )
 
 

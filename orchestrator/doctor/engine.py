@@ -5,6 +5,7 @@ the file of `doctor/rules/` that reads what it reads and appending it to `RULES`
 from __future__ import annotations
 
 from orchestrator.doctor.record import Finding, Rule, RunRecord
+from orchestrator.doctor.rules.autopilot import autopilot_gain
 from orchestrator.doctor.rules.run_health import (
     bookkeeping,
     checkpoint_interval,
@@ -26,7 +27,7 @@ from orchestrator.doctor.rules.study import search_space_edge, study_size
 
 RULES: list[Rule] = [startup, report_blocking, checkpoint_interval, data_pipeline, evaluation, bookkeeping,
                      gradient_sync, uneven_workers, memory_headroom, model_state, precision, compile_small_kernels,
-                     nonfinite_steps, study_size, search_space_edge]
+                     nonfinite_steps, study_size, search_space_edge, autopilot_gain]
 
 
 def diagnose(run: RunRecord, rules: list[Rule] | None = None) -> list[Finding]:

@@ -253,21 +253,26 @@ class MlflowTracker(Lineage):
         figures = self.summary()
         if not figures:
             return
-        table = {"columns": ["section", "figure", "value"], "data": summary_rows(figures)}
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / SUMMARY_TABLE
-            path.write_text(json.dumps(table, indent=1, allow_nan=False, default=str) + "\n")
-            self._safe("log_table", self._client.log_artifact, self.run_id, str(path))
-        self._safe("log_table", self._mark_table)
+        self.log_table(SUMMARY_TABLE, ["section", "figure", "value"], summary_rows(figures))
         note = headline_note(figures, self._metric)
         if note and not self._noted:
             self._safe("set_tags", self._client.set_tag, self.run_id, NOTE_TAG, note)
 
-    def _mark_table(self) -> None:
+    def log_table(self, name: str, columns: list[str], rows: list[list[Any]]) -> None:
+        """A table artifact `name` (a .json file in MLflow's table format: `columns` and `data` rows, as
+        `MlflowClient.log_table` writes it), replacing one of that name, and listed by the UI as a table."""
+        table = {"columns": columns, "data": rows}
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / name
+            path.write_text(json.dumps(table, indent=1, allow_nan=False, default=str) + "\n")
+            self._safe("log_table", self._client.log_artifact, self.run_id, str(path))
+        self._safe("log_table", self._mark_table, name)
+
+    def _mark_table(self, name: str) -> None:
         """The tag by which the UI lists the artifact as a table (what `MlflowClient.log_table` sets)."""
         tags = self._client.get_run(self.run_id).data.tags
         tables = json.loads(tags.get("mlflow.loggedArtifacts", "[]"))
-        entry = {"path": SUMMARY_TABLE, "type": "table"}
+        entry = {"path": name, "type": "table"}
         if entry not in tables:
             self._client.set_tag(self.run_id, "mlflow.loggedArtifacts", json.dumps([*tables, entry]))
 

@@ -5,9 +5,9 @@ first, the training loss, the task's validation metric and samples/s, are charte
 the UI shows first (it sorts sections by name). Series that change from report to report are metrics; a series
 reported more than once whose values never changed (`comm_bytes_per_sample` on one worker, top-5 accuracy on 5
 classes), facts that do not change (the worker's pid, precision, FLOPs per sample, device facts, the start-up
-breakdown) and whole-run figures (`final/*`, the cost ledger `cost/*`) go into one `summary.json` table artifact,
-rounded and grouped, and the headline figures into the run's description (`mlflow.note.content`).
-"""
+breakdown) and whole-run figures (`final/*`, the cost ledger `cost/*`, the autopilot's `autopilot/*`) go into one
+`summary.json` table artifact, rounded and grouped, and the headline figures into the run's description
+(`mlflow.note.content`)."""
 
 from __future__ import annotations
 
@@ -38,12 +38,14 @@ _FACTS = {"train/step", "train/epoch", "train/samples_seen", "train/skipped_step
           "train/oom_retries", "train/micro_batch_size", "train/grad_accum_steps", "train/global_batch",
           "train/precision", "train/world_size", "train/worker_pid", "perf/comm_bytes", "perf/flops_per_sample",
           "perf/compile_s", "train/parallel", "train/param_bytes_per_rank", "train/optimizer_bytes_per_rank"}
-# Sections of whole-run figures, and of a study's (`study/`): rows of the summary table, never charted.
-_SUMMARY_SECTIONS = ("final/", "cost/", "startup/", "device/", "study/")
+# Sections of whole-run figures, of a study's (`study/`) and of the autopilot's search (`autopilot/`, its predicted
+# and achieved speed-up: autopilot_report.py): rows of the summary table, never charted.
+_SUMMARY_SECTIONS = ("final/", "cost/", "startup/", "device/", "study/", "autopilot/")
 # The summary table's groups, in the order a reader wants them; a figure of another section comes after.
-_SUMMARY_ORDER = ("final", "study", "cost", "startup", "train", "val", "perf", "device")
-# What only the driver uses: when a report arrived, the worker's start-up marks, which rank reported, events.
-_DROPPED = {"elapsed_s", "world_rank", "drain_checkpoint"}
+_SUMMARY_ORDER = ("final", "autopilot", "study", "cost", "startup", "train", "val", "perf", "device")
+# What only the driver uses: when a report arrived, the worker's start-up marks, which rank reported, events, the
+# autopilot's report (a table, never a metric: autopilot_report.py takes it out of the report).
+_DROPPED = {"elapsed_s", "world_rank", "drain_checkpoint", "autopilot"}
 SUMMARY_TABLE = "summary.json"
 # The section that holds the training loss, the task's validation metric and samples/s: MLflow 3's run page sorts
 # its chart sections by name (plain string order), so this one comes before memory/, perf/, train/, val/...

@@ -1,5 +1,6 @@
-"""What a user's terminal shows for a healthy `orchestrator train` on a local cluster it starts: the product's own
-lines only; Ray's and MLflow's go to the run's log file."""
+"""What a user's terminal shows for a healthy `orchestrator train --autopilot` on a local cluster it starts: the
+product's own lines only (the autopilot's table among them); Ray's and MLflow's go to the run's log file. The
+autopilot's record in MLflow is read back too."""
 
 from __future__ import annotations
 
@@ -16,20 +17,24 @@ ROOT = Path(__file__).resolve().parents[2]
 # The product's own lines, start to end of a run (README shows them).
 PRODUCT = re.compile(r"^(Ray and MLflow logs: |start-up [\d.]+ s to the first step: |step \d+/\d+ \| |"
                      r"auto micro-batch: |finished |final validation|time: |throughput: |parallel: |cost: |"
-                     r"checkpoint: |MLflow run|open the MLflow UI: |this run in the MLflow UI: |warning: )")
+                     r"checkpoint: |MLflow run|open the MLflow UI: |this run in the MLflow UI: |warning: |"
+                     r"autopilot: |  candidate +samples/s|  micro \d+ x \d+ \| )")
 
 
 def test_a_healthy_run_prints_only_the_products_lines(tmp_path: Path, digits_dir: str) -> None:
     command = [str(BIN / "orchestrator"), "train", "--config", str(ROOT / "examples" / "digits.yaml"),
                "--set", f"data.train={digits_dir}/train", "--set", f"data.val={digits_dir}/val",
                "--set", f"storage.path={tmp_path}/runs", "--set", f"tracking.uri=sqlite:///{tmp_path}/mlruns.db",
-               "--set", "train.max_steps=100", "--set", "train.eval_every=50", "--set", "checkpoint.every=50"]
+               "--set", "train.max_steps=100", "--set", "train.eval_every=50", "--set", "checkpoint.every=50",
+               # A budget a 100-step run can pay a search with (the default 5% is too short for one: skipped).
+               "--autopilot", "--set", "autopilot.budget=0.5"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert [line for line in lines if not PRODUCT.match(line)] == []
     assert done.stderr.strip() == "", done.stderr  # no library warning, deprecation or worker noise
-    assert sum(line.startswith("step ") for line in lines) == 4 and len(lines) <= 16, lines
+    assert sum(line.startswith("step ") for line in lines) == 4 and len(lines) <= 30, lines
+    _check_the_autopilot(lines, tmp_path)
     (log,) = (tmp_path / "runs").glob("digits-mlp-*/orchestrator.log")
     assert lines[0] == f"Ray and MLflow logs: {log} (--verbose shows them here)"
     text = log.read_text()
@@ -38,3 +43,39 @@ def test_a_healthy_run_prints_only_the_products_lines(tmp_path: Path, digits_dir
     assert "ray.data" in text and "execution finished" in text and "ray.worker." in text
     assert "mlflow" in text
     assert "exclude_resources" not in text  # the deprecated option is not passed (trainer.ingest_options)
+
+
+def _check_the_autopilot(lines: list[str], tmp_path: Path) -> None:
+    """Its table printed once (the starting config's row first, one chosen), the summary's line of what it gained,
+    and MLflow's record: the chosen settings as params, the table artifact, the figures in the summary table."""
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    from orchestrator.tracking.read import read_summary
+
+    heading = lines.index("autopilot: candidates measured on the run's own steps")
+    rows = [line for line in lines[heading + 2:] if line.startswith("  micro ")]
+    assert lines[heading + 1].startswith("  candidate") and rows and "1.00x" in rows[0].split(), rows  # the start
+    assert sum(line.endswith("✓") for line in rows) == 1, rows
+    assert sum(line.startswith("autopilot: ") and "predicted" in line and "achieved" in line for line in lines) == 1
+    assert any(line.startswith("finished digits-mlp: step 100") for line in lines)  # it trained
+    run_id = next(line for line in lines if line.startswith("MLflow run id: ")).split(": ")[1]
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlruns.db")
+    params = client.get_run(run_id).data.params
+    assert params["autopilot.enabled"] == "True" and int(params["autopilot.micro_batch_size"]) > 0
+    assert {"autopilot.compile", "autopilot.torch_threads", "autopilot.flush_denormal"} <= set(params)
+    table = json.loads(Path(client.download_artifacts(run_id, "autopilot.json", str(tmp_path))).read_text())
+    dropped = [line for line in lines if line.startswith("autopilot: dropped ")]
+    assert len(table["data"]) == len(rows) + len(dropped) and sum(row[-1] for row in table["data"]) == 1
+    figures = read_summary(client, run_id)
+    assert figures["autopilot/predicted_speedup"] >= 1.0 and figures["autopilot/search_s"] > 0
+    assert figures["autopilot/achieved_samples_per_s"] > 0
+    assert not [k for k in client.get_run(run_id).data.metrics if "autopilot" in k]  # never charted
+    # doctor reads back what was logged: the predicted against the achieved speed-up.
+    from orchestrator.doctor.report import doctor, summary
+
+    printed = summary(run_id, doctor(run_id, f"sqlite:///{tmp_path}/mlruns.db"))
+    (finding,) = [line for line in printed.splitlines() if "] autopilot: " in line]
+    assert (f"predicted {figures['autopilot/predicted_speedup']:.2f}x" in finding
+            and f"achieved {figures['autopilot/achieved_speedup']:.2f}x" in finding), finding

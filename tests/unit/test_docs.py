@@ -31,9 +31,12 @@ DOCS = [ROOT / "README.md", ROOT / "cluster" / "README.md", *sorted((ROOT / "doc
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 
 SECTIONS = ("model", "task", "data", "train", "optim", "scaling", "checkpoint", "storage", "failure", "tracking",
-            "tune", "cost")
+            "tune", "cost", "autopilot")
 # Keys the docs name on purpose although they do not exist (an example of the error message for a typo).
 DELIBERATELY_WRONG = {"optim.lrr"}
+# MLflow names of an autopilot run that share the config section's prefix: its table artifact and the params of the
+# settings it chose (`autopilot.<train key>`, autopilot_report.py).
+AUTOPILOT_MLFLOW_NAMES = {"autopilot.json", "autopilot.micro_batch_size"}
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.S | re.M)
 INLINE_CODE = re.compile(r"(`+)(.+?)\1", re.S)
@@ -151,7 +154,7 @@ def model_options() -> frozenset[str]:
 
 def key_problem(key: str) -> str | None:
     """None if `key` (dotted) is a key of the config tree, else why not."""
-    if key in DELIBERATELY_WRONG:
+    if key in DELIBERATELY_WRONG or key in AUTOPILOT_MLFLOW_NAMES:
         return None
     parts = key.split(".")
     model: type[BaseModel] = Config

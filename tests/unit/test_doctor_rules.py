@@ -11,6 +11,7 @@ import pytest
 from orchestrator.doctor.engine import diagnose
 from orchestrator.doctor.record import HIGH, MEDIUM, Finding, RunRecord, training_share
 from orchestrator.doctor.report import format_findings
+from orchestrator.doctor.rules.autopilot import autopilot_gain
 from orchestrator.doctor.rules.run_health import (
     bookkeeping,
     checkpoint_interval,
@@ -47,6 +48,14 @@ PARAMS = {"data.prefetch_batches": "2", "data.read_parallelism": "None", "data.c
           "train.grad_accum_steps": "1", "train.precision": "auto", "train.global_batch_size": "128",
           "train.max_steps": "100", "train.log_every": "25", "train.eval_every": "100", "train.sync": "ddp",
           "scaling.num_workers": "2", "scaling.cpus_per_worker": "1.0"}
+
+# An autopilot run as MLflow holds it (autopilot_report.py): the search's figures in the summary table, the chosen
+# settings as `autopilot.<key>` params beside the config's own `autopilot.enabled` / `autopilot.budget`.
+AUTOPILOT_RUN = {"autopilot/predicted_speedup": [1.3], "autopilot/achieved_speedup": [1.25],
+                 "autopilot/search_s": [8.25]}
+AUTOPILOT_PARAMS = {"autopilot.enabled": "True", "autopilot.budget": "0.05", "autopilot.micro_batch_size": "32",
+                    "autopilot.grad_accum_steps": "1", "autopilot.compile": "False", "autopilot.torch_threads": "None",
+                    "autopilot.flush_denormal": "True", "autopilot.precision": "fp32"}
 
 
 def keyed(metrics: dict[str, list[float]]) -> dict[str, list[float]]:
@@ -118,7 +127,9 @@ def test_a_ddp_run_whose_model_state_fills_the_device_is_told_to_shard_it() -> N
 def test_fp32_on_a_bf16_gpu_suggests_bf16() -> None:
     gpu = {"device/cuda": [1.0], "device/bf16_supported": [1.0]}
     finding = precision(record(gpu, tags={"orchestrator.precision": "fp32"}))
-    assert finding is not None and finding.changes == ("train.precision=bf16",)
+    assert finding is not None and finding.changes == (
+        "train.precision=bf16", "`--autopilot` measures this (bf16 against fp32 on this device) when train.precision "
+        "is left auto")
     assert precision(record(gpu, tags={"orchestrator.precision": "bf16"})) is None
     assert precision(record({**gpu, "device/bf16_supported": [0.0]}, tags={"orchestrator.precision": "fp32"})) is None
     assert precision(record(tags={"orchestrator.precision": "fp32"})) is None  # CPU
@@ -127,7 +138,8 @@ def test_fp32_on_a_bf16_gpu_suggests_bf16() -> None:
 def test_low_mfu_with_small_kernels_suggests_compile() -> None:
     small = {"mfu": [0.04, 0.05], "flops_per_sample": [2e6]}
     finding = compile_small_kernels(record(small))
-    assert finding is not None and finding.changes == ("train.compile=true",)
+    assert finding is not None and finding.changes == (
+        "train.compile=true", "`--autopilot` measures this: compiled against eager, its compile time counted")
     assert "4.5%" in finding.title
     assert compile_small_kernels(record(small, {"train.compile": "True"})) is None
     assert compile_small_kernels(record({"mfu": [0.05], "flops_per_sample": [1e10]})) is None  # big kernels
@@ -483,6 +495,7 @@ def every_rules_run() -> list[RunRecord]:
             record(gpu, {"scaling.num_workers": "4", "train.global_batch_size": "256", "scaling.use_gpu": "True"},
                    {"orchestrator.precision": "fp32"}),
             record(ledger, {"train.max_steps": "1000", "checkpoint.every": "500"}, failed),
+            record(AUTOPILOT_RUN, AUTOPILOT_PARAMS),
             record({"time/data_wait_frac": [0.5]}, {"data.train": "s3://b/train", "data.val": "s3://b/val"}),
             record({"summary/time/eval_frac": [0.4]}, {"train.max_steps": "300", "train.eval_every": "25"}),
             record({"summary/time/eval_frac": [0.4]}, {"train.max_steps": "300", "train.eval_every": "100"}),
@@ -525,8 +538,8 @@ def test_every_command_and_set_doctor_prints_is_accepted_by_the_cli_and_the_conf
     assert {f.rule for found in findings for f in found} == {
         "start-up", "checkpoint reports", "checkpoint interval", "data pipeline", "evaluation", "other overhead",
         "gradient sync", "uneven workers", "memory headroom", "model state", "precision", "compile",
-        "non-finite steps", "study size", "search space"}
-    assert len(RULES) == 15  # a new rule joins the set above, and a run here that makes it fire
+        "non-finite steps", "study size", "search space", "autopilot"}
+    assert len(RULES) == 16  # a new rule joins the set above, and a run here that makes it fire
     checked = 0
     for run, found in zip(runs, findings, strict=True):
         base = run_overrides(run)
@@ -622,3 +635,44 @@ def test_doctor_prints_no_download_progress_bars_and_leaves_mlflows_setting_alon
     assert out.startswith("doctor: run r "), out
     assert "Downloading artifacts" not in err and "it/s" not in err, err
     assert "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR" not in os.environ  # the user's setting, untouched
+
+
+# --------------------------------------------------------------------------- the autopilot
+
+def test_an_autopilot_run_reports_its_predicted_against_its_achieved_speedup() -> None:
+    finding = autopilot_gain(record(AUTOPILOT_RUN, AUTOPILOT_PARAMS))
+    assert finding is not None and finding.severity == 1  # LOW: achieved 1.25x of a predicted 1.3x
+    assert finding.title == "predicted 1.30x over the configuration as written, achieved 1.25x; its search took 8.2 s"
+    # What the choice changes of the config, as one line of --set flags: the accumulation is derived from the
+    # micro-batch at the global batch; compile (False) and torch_threads (null) are the config's already.
+    assert finding.changes == ("train.micro_batch_size=32 --set train.flush_denormal=true --set train.precision=fp32 "
+                               "(the autopilot's choice: trains with it without a search)",)
+    # Achieved under 0.9 of the prediction (1.1 < 1.17): a finding of its own, the shortfall its strength.
+    short = autopilot_gain(record({**AUTOPILOT_RUN, "autopilot/achieved_speedup": [1.1]}, AUTOPILOT_PARAMS))
+    assert short is not None and short.severity == MEDIUM and abs(short.score - 0.2) < 1e-9
+    assert "ran slower than the search measured them" in short.title
+    assert autopilot_gain(record()) is None  # not an autopilot run
+    printed = format_findings("r", record(AUTOPILOT_RUN, AUTOPILOT_PARAMS), [finding])
+    assert "     --set train.micro_batch_size=32 --set train.flush_denormal=true" in printed
+    # The configuration as written kept: nothing to set.
+    same = {**AUTOPILOT_PARAMS, "autopilot.micro_batch_size": "64", "autopilot.flush_denormal": "True",
+            "autopilot.precision": "auto"}
+    kept = autopilot_gain(record(AUTOPILOT_RUN, {**same, "train.micro_batch_size": "64",
+                                                 "train.flush_denormal": "True"}))
+    assert kept is not None and kept.changes == ()
+
+
+def test_a_finding_the_autopilot_measured_on_the_run_is_settled() -> None:
+    small = {"mfu": [0.04, 0.05], "flops_per_sample": [2e6]}
+    assert compile_small_kernels(record(small)) is not None
+    assert compile_small_kernels(record(small, {"autopilot.compile": "False"})) is None
+    gpu = {"device/cuda": [1.0], "device/bf16_supported": [1.0]}
+    assert precision(record(gpu, {"autopilot.precision": "fp32"}, {"orchestrator.precision": "fp32"})) is None
+    memory = {"device/cuda": [1.0], "device/memory_total_gb": [80.0], "memory/peak_allocated_gb": [6.0]}
+    accumulating = memory_headroom(record(memory, {"train.global_batch_size": "512"}))  # 4 accumulation steps
+    assert accumulating is not None and accumulating.changes[-1].startswith("`--autopilot` measures this")
+    assert memory_headroom(record(memory, {"train.global_batch_size": "512",
+                                           "autopilot.micro_batch_size": "64"})) is None
+    # No accumulation left: only a larger global batch (a change of the math the autopilot never makes) remains.
+    whole = memory_headroom(record(memory, {"autopilot.micro_batch_size": "64"}))
+    assert whole is not None and "global_batch_size=256" in whole.changes[-1]

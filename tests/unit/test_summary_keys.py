@@ -157,6 +157,11 @@ def reported() -> set[str]:
     # The worker's train.parallel facts, with its first report: the mode and what one worker holds.
     names |= {"parallel", "param_bytes_per_rank", "optimizer_bytes_per_rank"}
     names.add("cost/attempts")  # the driver's, with the cost ledger (launch.py)
+    # An autopilot run's figures (autopilot_report.py): its search's, and what the training achieved after it.
+    names |= {f"autopilot/{k}" for k in ("predicted_speedup", "search_s", "search_steps", "start_samples_per_s",
+                                         "chosen_samples_per_s", "candidates", "dropped", "skipped", "budget_s",
+                                         "budget_spent_s", "from_checkpoint", "achieved_samples_per_s",
+                                         "achieved_speedup")}
     return {mlflow_key(name) for name in names}
 
 

@@ -9,6 +9,7 @@ import math
 import statistics
 
 from orchestrator.doctor.record import HIGH, LOW, MEDIUM, Finding, RunRecord, _int_param, _world, training_share
+from orchestrator.doctor.rules.autopilot import MEASURES, measured
 from orchestrator.memory_plan import GIB
 
 
@@ -46,6 +47,8 @@ def memory_headroom(run: RunRecord) -> Finding | None:
     # global = micro x accumulation x workers: a doubled micro-batch halves an even accumulation, else it needs
     # a doubled global batch (the config refuses a micro-batch that does not divide it).
     accum = batch // (micro * _world(run)) if micro and batch else 0
+    if accum > 1 and measured(run, "micro_batch_size"):
+        return None  # the autopilot measured larger micro-batches at this global batch and kept the fastest
     if accum and accum % 2 == 0:
         changes.append(f"train.micro_batch_size={2 * micro} (half the accumulation steps)")
     elif micro and batch:
@@ -53,6 +56,8 @@ def memory_headroom(run: RunRecord) -> Finding | None:
                        "accumulation left to trade: with a matching optim.lr)")
     else:
         changes.append("train.global_batch_size=<2x, with a matching optim.lr> (no accumulation left to trade)")
+    if accum > 1:  # an accumulation to trade: the split is the autopilot's to measure
+        changes.append(f"{MEASURES}: the micro-batch split at this global batch, on the run's own steps")
     return Finding("memory headroom", MEDIUM if used < 0.3 else LOW, 1 - used,
                    f"device memory peaked at {max(peak):.1f} of {total:.0f} GiB ({used:.0%})", tuple(changes))
 
@@ -86,19 +91,23 @@ def precision(run: RunRecord) -> Finding | None:
     used = run.tags.get("orchestrator.precision") or run.param("train.precision")
     if used != "fp32" or not run.last("device/cuda") or not run.last("device/bf16_supported"):
         return None
+    if measured(run, "precision"):
+        return None  # the autopilot measured bf16 against fp32 on this run: fp32 was the faster
     return Finding("precision", HIGH, 1.0, "trained in fp32 on a GPU that supports bf16",
-                   ("train.precision=bf16",))
+                   ("train.precision=bf16", f"{MEASURES} (bf16 against fp32 on this device) when train.precision "
+                    "is left auto"))
 
 
 def compile_small_kernels(run: RunRecord) -> Finding | None:
     """Low MFU with little work per micro-batch: launch overhead dominates, which torch.compile fuses away."""
     mfu, flops, micro = run.mean("mfu"), run.last("flops_per_sample"), run.last("micro_batch_size")
-    if mfu is None or mfu >= 0.2 or run.param("train.compile") in ("True", "true"):
-        return None
+    if mfu is None or mfu >= 0.2 or run.param("train.compile") in ("True", "true") or measured(run, "compile"):
+        return None  # compiled already, or the autopilot measured compile on this run and kept the faster
     if flops and micro and flops * micro >= 5e10:
         return None  # big kernels: compiling will not lift this MFU much; the other findings will
     work = f", {flops * micro / 1e9:.2g} GFLOP per micro-batch" if flops and micro else ""
-    return Finding("compile", MEDIUM, 0.2 - mfu, f"MFU {mfu:.1%}{work}: small kernels", ("train.compile=true",))
+    return Finding("compile", MEDIUM, 0.2 - mfu, f"MFU {mfu:.1%}{work}: small kernels",
+                   ("train.compile=true", f"{MEASURES}: compiled against eager, its compile time counted"))
 
 
 SMALL_MODEL_BYTES = 100e6  # gradients per step below which an all-reduce is latency-bound, not bandwidth-bound
