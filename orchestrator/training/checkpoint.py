@@ -49,6 +49,8 @@ class Progress:
     rows_in_epoch: int = 0
     nonfinite_skipped: int = 0  # steps skipped for a NaN/inf loss or gradient (budget: train.max_nonfinite_steps)
     cache_decision: str | None = None
+    # The autopilot's choice once its search ended (training/autopilot.py `saved`): a resume applies it unsearched.
+    autopilot: dict[str, Any] | None = None
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from orchestrator.config import Config
 from orchestrator.errors import UserError
-from orchestrator.training import fsdp, ranks
+from orchestrator.training import autopilot, fsdp, ranks
 from orchestrator.training.checkpoint import Progress, checkpoint_state, save_state, unwrap
 from orchestrator.training.fsdp import is_sharded
 from orchestrator.training.memory import cuda_memory_stats, device_facts, release_cached_memory
@@ -227,6 +227,9 @@ def run(
     metrics: dict[str, Any] = {}
     once = dict(facts or {}) | device_facts(parts.device) | {"at/loop": time.time()}
     flops: float | None = None  # counted on this process's first step
+    # The autopilot's search: None when off, done, kept from the checkpoint or skipped (said in the first report).
+    pilot, kept = autopilot.begin(cfg, parts, progress) if cfg.autopilot.enabled else (None, None)
+    once |= {"autopilot": kept} if kept is not None else {}
     if parts.local_sgd is not None and not parts.local_sgd.anchor:
         parts.local_sgd.start(unwrap(parts.model))
     # Waiting for the first batch is start-up (the pipeline's first read), not part of the first interval.
@@ -241,6 +244,8 @@ def run(
                 batch = [next(stream) for _ in range(t.grad_accum_steps)]
         if flops is None:  # this process's first step, also after a resume
             flops, result, interval = _first_step(parts, batch, interval, once)
+        elif pilot is not None:
+            result, pilot = _search_step(pilot, parts, batch, interval.timer, once)
         else:
             result = train_step(parts, batch, interval.timer)
         progress.step += 1
@@ -248,7 +253,7 @@ def run(
         progress.nonfinite_skipped += result.skipped
         if progress.nonfinite_skipped > t.max_nonfinite_steps:
             raise _too_many_non_finite(progress, t.max_nonfinite_steps)
-        interval.add(result, micro=-(-rows(batch[0]) // parts.split))
+        interval.add(result, micro=-(-rows(batch[0]) * parts.join // parts.split))
 
         due = cadence.at(progress.step)
         if parts.local_sgd is not None:
@@ -274,6 +279,18 @@ def _first_step(parts: Parts, batch: list[Batch], interval: Interval, once: dict
         result = train_step(parts, batch, interval.timer)
     once |= rank_bytes(parts)
     return flops, result, interval
+
+
+def _search_step(pilot: autopilot.Autopilot, parts: Parts, batch: list[Batch], timer: PhaseTimer,
+                 once: dict[str, Any]) -> tuple[StepResult, autopilot.Autopilot | None]:
+    """A real step of the run under the autopilot's candidate; once the search is done, its table goes with the next
+    report (rank 0) and the search is dropped."""
+    result = pilot.step(parts, batch, timer)
+    if not pilot.done:
+        return result, pilot
+    if pilot.report is not None:
+        once["autopilot"] = pilot.report
+    return result, None
 
 
 def _too_many_non_finite(progress: Progress, limit: int) -> NonFiniteLossError:

@@ -30,6 +30,7 @@ class Parts:
     device: torch.device
     max_grad_norm: float | None = None
     split: int = 1  # each micro-batch is cut in this many pieces (doubled after an out-of-memory error)
+    join: int = 1  # the autopilot's larger micro-batch: this many consecutive micro-batches run as one piece
     oom_retries: int = 0
     eager_model: torch.nn.Module | None = None  # set when `model` is compiled: the fallback if compiling fails
     local_sgd: LocalSGD | None = None  # set for train.sync=local_sgd: no gradient all-reduce, periodic averaging

@@ -26,6 +26,14 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return tensor.tolist()
 
 
+def all_reduce_max(values: list[float], device: torch.device) -> list[float]:
+    """Element-wise maxima across ranks, in float64: e.g. the slowest rank's step time, the same on every rank."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    if world()[1] > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
 def any_rank(flag: bool | torch.Tensor, device: torch.device) -> bool:
     """True on every rank if `flag` is true on any rank (a MAX all-reduce on `device`)."""
     if world()[1] == 1:
@@ -62,3 +70,21 @@ def gather_keys(keys: list[str]) -> set[str]:
     everyone: list[list[str] | None] = [None] * world()[1]
     dist.all_gather_object(everyone, keys)
     return {key for ranks_keys in everyone for key in ranks_keys or []}
+
+
+def rank0_int(value: int, device: torch.device) -> int:
+    """Rank 0's integer on every rank (a decision code: see rank0_says)."""
+    if world()[1] == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.broadcast(tensor, src=0)
+    return int(tensor.item())
+
+
+def rank0_object(obj: Any) -> Any:
+    """Rank 0's `obj` (a plain picklable value) on every rank."""
+    if world()[1] == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -21,7 +21,7 @@ from orchestrator.training.memory import is_oom, release_cached_memory
 from orchestrator.training.parts import Parts
 from orchestrator.training.sync import grad_bytes
 from orchestrator.training.timing import PhaseTimer, count_flops
-from pipelines.tensors import Batch, chunk, rows
+from pipelines.tensors import Batch, cat_rows, chunk, rows
 
 
 class DeviceMemoryError(UserError):
@@ -48,7 +48,7 @@ def train_step(parts: Parts, micro_batches: list[Batch], timer: PhaseTimer | Non
         parts.comm_bytes += targets.element_size()
     scale = world / targets.clamp(min=1)
     while True:
-        pieces = [piece for batch in micro_batches for piece in chunk(batch, parts.split)]
+        pieces = cut(parts, micro_batches)
         step_loss = _forward_backward(parts, pieces, scale, timer)
         if step_loss is not None:
             break
@@ -76,6 +76,15 @@ def train_step(parts: Parts, micro_batches: list[Batch], timer: PhaseTimer | Non
         parts.optimizer.zero_grad(set_to_none=True)
         parts.scheduler.step()
     return StepResult(step_loss, grad_norm.detach(), samples, local_targets, overflowed=not applied)
+
+
+def cut(parts: Parts, micro_batches: list[Batch]) -> list[Batch]:
+    """The pieces a step runs forward: the data's micro-batches joined `parts.join` at a time (the autopilot's larger
+    micro-batch; the step's normaliser is the whole step's, so only the summation order changes), each cut in
+    `parts.split` (a smaller one, or after an out-of-memory error)."""
+    if parts.join > 1:
+        micro_batches = [cat_rows(micro_batches[i:i + parts.join]) for i in range(0, len(micro_batches), parts.join)]
+    return [piece for batch in micro_batches for piece in chunk(batch, parts.split)]
 
 
 def _non_finite_anywhere(step_loss: torch.Tensor, grad_norm: torch.Tensor, parts: Parts) -> bool:

@@ -1,0 +1,391 @@
+"""The autopilot (`autopilot.enabled`): the run's first steps measure the settings that leave the math of training
+unchanged, one dimension at a time (the micro-batch at the fixed global batch, bf16 vs fp32 when train.precision is
+auto, torch.compile, torch threads, flush_denormal), and the rest of the run trains with the fastest. Every measured
+step is a real step of the run. A step's time is the slowest rank's (an all-reduce max), rank 0 decides and
+broadcasts, a candidate that fails on any rank (out of memory, compile error) is dropped on all, and the choice is
+kept in Progress: a checkpoint carries it and a resume applies it without searching."""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+
+from orchestrator.config import Config
+from orchestrator.tasks import step_loss_sum
+from orchestrator.training import fsdp, ranks
+from orchestrator.training.checkpoint import Progress, unwrap
+from orchestrator.training.memory import GIB, is_oom, release_cached_memory
+from orchestrator.training.parts import Parts, compile_model
+from orchestrator.training.precision import Precision, flush_denormals
+from orchestrator.training.step import StepResult, cut, first_compiled_step, train_step
+from orchestrator.training.timing import PhaseTimer
+from pipelines.tensors import Batch, rows
+
+WARMUP = 1  # steps a candidate runs before it is timed (caches, allocator, a recompile for new shapes)
+MIN_TIMED, MAX_TIMED = 3, 8  # timed steps per candidate
+HOPELESS = 1.5  # a candidate this many times slower than the best is dropped after its first timed step
+MARGIN = (0.02, 0.10)  # bounds of the noise margin a candidate must beat the best by (twice the start's spread)
+# What torch.compile is assumed to cost before it is measured: tried only when the budget left covers it.
+COMPILE_GUESS_S = 30.0
+# What rank 0 decides after each search step (bits of one broadcast integer).
+GO_ON, END, ADOPT, STOP = 0, 1, 2, 4
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One candidate, as the train.* config keys that give it from the start."""
+
+    micro_batch_size: int
+    grad_accum_steps: int
+    compile: bool
+    torch_threads: int
+    flush_denormal: bool
+    precision: str
+
+    def line(self) -> str:
+        return (f"micro {self.micro_batch_size} x {self.grad_accum_steps} | compile {_on(self.compile)} | threads "
+                f"{self.torch_threads} | flush {_on(self.flush_denormal)} | {self.precision}")
+
+
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
+@dataclass
+class Trial:
+    """A candidate being measured: warm-up steps left and the timed steps' seconds (each the slowest rank's)."""
+
+    settings: Settings
+    warmup: int = WARMUP
+    times: list[float] = field(default_factory=list)
+    compile_s: float | None = None
+    peak_gb: float = 0.0
+    failed: str | None = None
+    started: bool = False
+    piece_rows: int = 0  # rows of its largest forward
+
+    @property
+    def step_s(self) -> float:
+        return statistics.median(self.times) if self.times else math.inf
+
+
+def _spread(times: list[float]) -> float:
+    """Relative median absolute deviation: how noisy a candidate's step times are."""
+    middle = statistics.median(times)
+    return statistics.median(abs(t - middle) for t in times) / middle if middle > 0 else 0.0
+
+
+class Knobs:
+    """Puts a candidate's settings on the running Parts. `micro`: the micro-batch the data pipeline cuts; a larger
+    candidate joins its micro-batches, a smaller one cuts them (step.cut)."""
+
+    def __init__(self, parts: Parts, micro: int, flush: bool) -> None:
+        self.micro, self.flush, self.device = micro, flush, parts.device
+        self.eager = parts.eager_model or parts.model  # a run configured compiled: its eager fallback
+        self.compiled = parts.model if parts.eager_model is not None else None
+
+    def read(self, parts: Parts, per_worker: int) -> Settings:
+        """The settings `parts` runs with now."""
+        micro = self.micro * parts.join // parts.split
+        return Settings(micro, per_worker // micro, self.compiled is not None and parts.model is self.compiled,
+                        torch.get_num_threads(), self.flush, parts.precision.mode)
+
+    def apply(self, parts: Parts, s: Settings) -> None:
+        if s.micro_batch_size >= self.micro:
+            parts.join, parts.split = s.micro_batch_size // self.micro, 1
+        else:
+            parts.join, parts.split = 1, self.micro // s.micro_batch_size
+        self._compile(parts, s.compile)
+        if s.precision != parts.precision.mode:
+            skipped = parts.precision.skipped_steps
+            parts.precision = Precision(s.precision, parts.device)  # type: ignore[arg-type]
+            parts.precision.skipped_steps = skipped
+        if torch.get_num_threads() != s.torch_threads:
+            torch.set_num_threads(s.torch_threads)
+        if s.flush_denormal != self.flush:
+            # This thread's setting; intra-op threads started later copy it (precision.flush_denormals).
+            flush_denormals(s.flush_denormal)
+            self.flush = s.flush_denormal
+
+    def _compile(self, parts: Parts, on: bool) -> None:
+        if not on:
+            parts.model, parts.eager_model = self.eager, None
+        elif self.compiled is None:
+            parts.model = self.eager
+            compile_model(parts)  # the next step compiles it: first_compiled_step, which falls back together
+            self.compiled = parts.model
+        elif parts.model is not self.compiled:
+            parts.model = self.compiled  # it compiled on an earlier step of the search
+
+
+def begin(cfg: Config, parts: Parts, progress: Progress) -> tuple[Autopilot | None, dict[str, Any] | None]:
+    """At the loop's start, on every rank: the search to run, or None with what the first report carries (rank 0;
+    None elsewhere): the choice kept from the checkpoint, applied here, or why the run is too short to search."""
+    t = cfg.train
+    rank, world = ranks.world()
+    per_worker = t.micro_batch_size * t.grad_accum_steps  # type: ignore[operator]
+    knobs = Knobs(parts, t.micro_batch_size, t.flush_denormal)  # type: ignore[arg-type]
+    start = knobs.read(parts, per_worker)
+    if progress.autopilot is not None:
+        saved = progress.autopilot
+        chosen = Settings(**saved["chosen"])
+        if saved.get("world") != world or not _joins(chosen.micro_batch_size, knobs.micro, per_worker):
+            # The micro-batch depends on the world size; the rest holds at any size.
+            chosen = replace(chosen, micro_batch_size=start.micro_batch_size, grad_accum_steps=start.grad_accum_steps)
+        knobs.apply(parts, chosen)
+        kept = summary(Settings(**saved["start"]), chosen, predicted_speedup=saved.get("predicted_speedup"))
+        return None, (kept | {"from_checkpoint": True} if rank == 0 else None)
+    steps = t.max_steps - progress.step  # type: ignore[operator]
+    if cfg.autopilot.budget * steps < 2 * (WARMUP + MIN_TIMED):
+        why = (f"run too short to pay for the search: autopilot.budget {cfg.autopilot.budget:g} x {steps} steps is "
+               f"{cfg.autopilot.budget * steps:.1f} steps' time, less than two candidates' measurement "
+               f"({2 * (WARMUP + MIN_TIMED)} steps); training with the config as written")
+        return None, (summary(start, start, skipped=why) if rank == 0 else None)
+    return Autopilot(cfg, progress, knobs, start, per_worker), None
+
+
+def _joins(micro: int, pipeline_micro: int, per_worker: int) -> bool:
+    """Whether the step can run `micro` from the pipeline's micro-batches: a multiple of them dividing the
+    per-worker batch, or a divisor of them."""
+    if micro >= pipeline_micro:
+        return micro % pipeline_micro == 0 and per_worker % micro == 0
+    return pipeline_micro % micro == 0
+
+
+def summary(start: Settings, chosen: Settings, **figures: Any) -> dict[str, Any]:
+    """The report's "autopilot" dict (the contract the driver prints and logs)."""
+    return {"rows": [], "start": asdict(start), "chosen": asdict(chosen), "from_checkpoint": False, "search_s": 0.0,
+            "search_steps": 0, "predicted_speedup": None, "skipped": None} | figures
+
+
+class Autopilot:
+    """The search, driven by loop.run one step at a time (`step`) until `done`; `report` is then rank 0's summary.
+    Every rank runs the same candidates in the same steps: rank 0's decisions are broadcast."""
+
+    def __init__(self, cfg: Config, progress: Progress, knobs: Knobs, start: Settings, per_worker: int) -> None:
+        self.cfg, self.progress, self.knobs, self.per_worker = cfg, progress, knobs, per_worker
+        self.start, self.trial = start, Trial(start)
+        self.best: Trial | None = None
+        self.trials: list[Trial] = []
+        self.spent, self.steps, self.fits = 0.0, 0, 0  # fits: rows of the largest piece that ran
+        self.steps_left = cfg.train.max_steps - progress.step  # type: ignore[operator]
+        self.budget_s, self.margin, self.adopted = math.inf, MARGIN[0], False
+        self.flush_ok = flush_denormals(start.flush_denormal)  # False where the CPU cannot flush
+        self.walker = self._walk() if ranks.world()[0] == 0 else None
+        self.done, self.report = False, None
+
+    def step(self, parts: Parts, batch: list[Batch], timer: PhaseTimer) -> StepResult:
+        """One real step of the run under the candidate being measured, timed; then rank 0's decision."""
+        trial = self.trial
+        if not trial.started:
+            self._open(parts, trial, batch)
+        retries, started = parts.oom_retries, time.perf_counter()
+        result, compiled = self._run(parts, batch, timer, trial)
+        if parts.device.type == "cuda":
+            torch.cuda.synchronize(parts.device)
+        peak = torch.cuda.max_memory_allocated(parts.device) / GIB if parts.device.type == "cuda" else 0.0
+        seconds, ran_out, peak = ranks.all_reduce_max(
+            [time.perf_counter() - started, float(parts.oom_retries > retries), peak], parts.device)
+        self.spent, self.steps = self.spent + seconds, self.steps + 1
+        trial.peak_gb = max(trial.peak_gb, peak)
+        if ran_out and trial.failed is None and self.best is not None:  # the step's own retry cut its pieces
+            trial.failed = "failed: out of memory (the step was retried with smaller pieces)"
+        if not ran_out and trial.failed is None:
+            self.fits = max(self.fits, trial.piece_rows)
+        if compiled:
+            trial.compile_s = seconds  # the step that compiled the model, timed apart
+        if trial.warmup > 0:
+            trial.warmup -= 1
+        elif trial.failed is None:
+            trial.times.append(seconds)
+        code = ranks.rank0_int(self._verdict(trial) if ranks.world()[0] == 0 else GO_ON, parts.device)
+        if code & END:
+            self._close(parts, code)
+        return result
+
+    def _open(self, parts: Parts, trial: Trial, batch: list[Batch]) -> None:
+        """Put the candidate on `parts`. A micro-batch larger than any that ran is first tried on one piece, off the
+        step (a rank out of memory inside a step's gradient all-reduce could not be undone): if any rank runs out,
+        the candidate is dropped on all, and the step runs with the best settings."""
+        trial.started = True
+        self.knobs.apply(parts, trial.settings)
+        if parts.eager_model is not None:
+            trial.warmup += 1  # the compiling step
+        if parts.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(parts.device)
+        first = cut(parts, batch)[0]
+        trial.piece_rows = rows(first)
+        if self.best is not None and trial.piece_rows > self.fits and _runs_out(parts, first):
+            trial.failed = f"failed: out of memory at {trial.piece_rows} rows per forward"
+            self.knobs.apply(parts, self.best.settings)
+
+    def _run(self, parts: Parts, batch: list[Batch], timer: PhaseTimer, trial: Trial) -> tuple[StepResult, bool]:
+        """The step; True with it when the step compiled the model."""
+        if parts.eager_model is None:
+            return train_step(parts, batch, timer), False
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result, _ = first_compiled_step(parts, batch)
+        if parts.model is not self.knobs.compiled:  # every rank fell back to eager, together
+            why = next((str(w.message) for w in caught if "torch.compile" in str(w.message)), "torch.compile failed")
+            trial.failed, self.knobs.compiled = f"failed: {why.splitlines()[0][:200]}", None
+        return result, True
+
+    def _verdict(self, trial: Trial) -> int:
+        """Rank 0's decision after a search step, from figures every rank shares: go on, or end the candidate
+        (adopting it as the best or not), and whether the search stops (budget spent, run near its end)."""
+        stop = STOP if self.spent >= self.budget_s or self.steps >= self.steps_left - 1 else GO_ON
+        n = len(trial.times)
+        if trial.failed or (n == 0 and not stop):
+            return END | stop if trial.failed else GO_ON
+        if self.best is None:  # the start: until its figure is stable
+            stable = n >= MAX_TIMED or (n >= MIN_TIMED and _spread(trial.times) <= MARGIN[0])
+            return END | stop if stable or stop else GO_ON
+        ratio = self._cost(trial) / self._cost(self.best)
+        adopt = ADOPT if ratio < 1 - self.margin and n >= MIN_TIMED else GO_ON
+        decided = ratio >= 1 - self.margin / 2 or ratio <= 1 - 2 * self.margin or _spread(trial.times) <= self.margin
+        if stop or ratio >= HOPELESS or n >= MAX_TIMED or (n >= MIN_TIMED and decided):
+            return END | stop | adopt
+        return GO_ON
+
+    def _cost(self, trial: Trial) -> float:
+        """Seconds per step over the rest of the run: the step time, plus compiling spread over the steps left."""
+        return trial.step_s + (trial.compile_s or 0.0) / max(self.steps_left - self.steps, 1)
+
+    def _close(self, parts: Parts, code: int) -> None:
+        """End the candidate on every rank, as rank 0 decided; the next one is rank 0's too."""
+        trial = self.trial
+        self.trials.append(trial)
+        if self.best is None:  # the start: what it really ran (an out-of-memory retry may have cut it)
+            trial.settings = self.start = self.knobs.read(parts, self.per_worker)
+            self.best = trial
+            self.margin = min(max(2 * _spread(trial.times), MARGIN[0]), MARGIN[1]) if trial.times else MARGIN[1]
+            budget_s = self.cfg.autopilot.budget * self.steps_left * trial.step_s
+            self.budget_s = budget_s if math.isfinite(budget_s) else 0.0
+        elif code & ADOPT:
+            self.best = trial
+        self.adopted = bool(code & ADOPT)
+        following = self._next() if self.walker is not None and not code & STOP else None
+        following = ranks.rank0_object(following)
+        if following is not None:
+            self.trial = Trial(following)
+            return
+        self.knobs.apply(parts, self.best.settings)
+        self.progress.autopilot = saved(self.start, self.best.settings, self._speedup())
+        self.done = True
+        self.report = self._summary() if ranks.world()[0] == 0 else None
+
+    def _next(self) -> Settings | None:
+        """Rank 0: the next candidate, or None when the budget or the run's steps left cannot measure one more."""
+        one = (WARMUP + MIN_TIMED) * self.best.step_s  # type: ignore[union-attr]
+        if self.spent + one > self.budget_s or self.steps + WARMUP + MIN_TIMED >= self.steps_left - 1:
+            return None
+        tried = {t.settings for t in self.trials}
+        return next((s for s in self.walker if s not in tried), None)  # type: ignore[union-attr]
+
+    def _walk(self) -> Iterator[Settings]:
+        """The candidates in order, each from the best so far (rank 0): micro-batches larger than the start's while
+        each beats the best, else smaller ones alike; then precision (auto only), compile, threads and
+        flush_denormal, each value against the best."""
+        larger, smaller = self._micro_options()
+        for direction in (larger, smaller):
+            improved = False
+            for micro in direction:
+                yield replace(self.best.settings, micro_batch_size=micro,  # type: ignore[union-attr]
+                              grad_accum_steps=self.per_worker // micro)
+                if not self.adopted:
+                    break
+                improved = True
+            if improved:
+                break
+        for key, values in self._other_options():
+            for value in values:
+                affordable = key != "compile" or self.spent + COMPILE_GUESS_S <= self.budget_s
+                if value != getattr(self.best.settings, key) and affordable:
+                    yield replace(self.best.settings, **{key: value})  # type: ignore[union-attr]
+
+    def _micro_options(self) -> tuple[list[int], list[int]]:
+        """Micro-batches the step can run from the pipeline's (joined or cut), larger ones ascending and up to two
+        smaller ones descending. None under FSDP, where running out of memory cannot be survived."""
+        if fsdp.is_sharded(self.knobs.eager):
+            return [], []
+        m, accum = self.knobs.micro, self.per_worker // self.knobs.micro
+        options = {m * k for k in range(2, accum + 1) if accum % k == 0 and (k & (k - 1) == 0 or k == accum)}
+        options |= {m // k for k in (2, 4) if m % k == 0}
+        start = self.start.micro_batch_size
+        return sorted(o for o in options if o > start), sorted((o for o in options if o < start), reverse=True)
+
+    def _other_options(self) -> list[tuple[str, list[Any]]]:
+        s, cpu = self.start, self.knobs.device.type == "cpu"
+        sharded = fsdp.is_sharded(self.knobs.eager)
+        options: list[tuple[str, list[Any]]] = []
+        if self.cfg.train.precision == "auto" and s.precision == "bf16" and not sharded:
+            options.append(("precision", ["fp32"]))  # auto chose bf16: the device runs it natively
+        if not sharded:
+            options.append(("compile", [not s.compile]))
+        cpus = max(1, int(self.cfg.scaling.cpus_per_worker))
+        if hasattr(os, "sched_getaffinity"):
+            cpus = min(cpus, len(os.sched_getaffinity(0)))
+        options.append(("torch_threads", sorted({1, max(1, cpus // 2), cpus, s.torch_threads}, reverse=True)))
+        if cpu and self.flush_ok:
+            options.append(("flush_denormal", [not s.flush_denormal]))
+        return options
+
+    def _speedup(self) -> float | None:
+        start, best = self.trials[0].step_s, self.best.step_s  # type: ignore[union-attr]
+        return start / best if math.isfinite(start) and math.isfinite(best) else None
+
+    def _summary(self) -> dict[str, Any]:
+        start_s, batch = self.trials[0].step_s, self.cfg.train.global_batch_size
+        table = []
+        for trial in self.trials:
+            measured = bool(trial.times) and trial.failed is None
+            table.append({
+                "candidate": trial.settings.line(), "settings": asdict(trial.settings),
+                "samples_per_s": batch / trial.step_s if measured else None,
+                "ratio": start_s / trial.step_s if measured and math.isfinite(start_s) else None,
+                "peak_memory_gb": trial.peak_gb or None, "compile_s": trial.compile_s,
+                "status": trial.failed or ("ok" if trial.times else "stopped: the budget ran out in its warm-up"),
+                "chosen": trial is self.best})
+        return summary(self.start, self.best.settings, rows=table,  # type: ignore[union-attr]
+                       search_s=self.spent, search_steps=self.steps, predicted_speedup=self._speedup(),
+                       budget_s=self.budget_s)
+
+
+def saved(start: Settings, chosen: Settings, speedup: float | None) -> dict[str, Any]:
+    """What a checkpoint keeps of the choice (Progress.autopilot)."""
+    return {"start": asdict(start), "chosen": asdict(chosen), "world": ranks.world()[1],
+            "predicted_speedup": speedup}
+
+
+def _runs_out(parts: Parts, piece: Batch) -> bool:
+    """Whether forward and backward of `piece` run out of memory on any rank. On the bare module (no DDP hook nor
+    collective fires), with the RNG forked; the gradients are dropped and the buffers put back."""
+    model = unwrap(parts.model)
+    buffers = {name: value.clone() for name, value in model.named_buffers()}
+    ran_out = False
+    try:
+        with torch.random.fork_rng(devices=[parts.device] if parts.device.type == "cuda" else []):
+            with parts.precision.autocast():
+                output = parts.call(model, piece)
+            step_loss_sum(parts.task, output, piece, parts.model_loss).backward()
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        ran_out = True
+    finally:
+        parts.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for name, value in model.named_buffers():
+                value.copy_(buffers[name])
+        if ran_out:
+            release_cached_memory(parts.device)
+    return ranks.any_rank(ran_out, parts.device)
