@@ -206,13 +206,20 @@ class Point:
                 f"threads {self.threads} | flush {'on' if self.flush else 'off'} | {self.precision}")
 
 
-def grid(exp: Experiment, smallest: int) -> list[Point]:
-    """Micro-batches: the powers of two from `smallest` (the smaller starting one) up to the per-worker batch;
-    threads 1, half and all of the worker's CPUs; bf16 and fp32 (both starting configs leave precision at auto)."""
-    micros = [m for m in (2 ** k for k in range(16)) if smallest <= m <= exp.per_worker and exp.per_worker % m == 0]
-    threads = sorted({1, max(1, exp.cpus // 2), exp.cpus})
-    return [Point(*values) for values in itertools.product(micros, [False, True], threads, [True, False],
-                                                           ["bf16", "fp32"])]
+def grid(exp: Experiment, starts: list[Point]) -> list[Point]:
+    """Every combination of the values the autopilot's search can reach from either start (training/autopilot.py):
+    micro-batches joined from the start's up to the per-worker batch (power-of-two multiples, and the whole) and cut
+    to a half and a quarter of it; threads 1, half and all of the worker's CPUs; compile and flush_denormal on and
+    off; bf16 and fp32 (both starts leave precision at auto, which is bf16 on this CPU)."""
+    micros: set[int] = set()
+    for start in starts:
+        m, accum = start.micro, exp.per_worker // start.micro
+        micros |= {m} | {m * k for k in range(2, accum + 1) if accum % k == 0 and (k & (k - 1) == 0 or k == accum)}
+        micros |= {m // k for k in (2, 4) if m % k == 0}
+    threads = sorted({1, max(1, exp.cpus // 2), exp.cpus, *(s.threads for s in starts)})
+    precisions = sorted({"fp32", *(s.precision for s in starts)})
+    return [Point(*values) for values in itertools.product(sorted(micros), [False, True], threads, [True, False],
+                                                           precisions)]
 
 
 def start_point(exp: Experiment, settings: list[str]) -> Point:
@@ -222,6 +229,12 @@ def start_point(exp: Experiment, settings: list[str]) -> Point:
     micro = t.micro_batch_size if isinstance(t.micro_batch_size, int) else exp.per_worker // (t.grad_accum_steps or 1)
     return Point(micro, t.compile, t.torch_threads or exp.cpus, t.flush_denormal,
                  resolve_precision(t.precision, CPU))
+
+
+def settings_point(settings: dict[str, Any]) -> Point:
+    """The grid point of the autopilot's settings dict (its report's "chosen")."""
+    return Point(settings["micro_batch_size"], settings["compile"], settings["torch_threads"],
+                 settings["flush_denormal"], settings["precision"])
 
 
 @dataclass
@@ -287,8 +300,8 @@ def autopilot_run(exp: Experiment, start: list[str], args: argparse.Namespace) -
     marks = train_here(exp, [*start, "autopilot.enabled=true"], measured_enough(args.window_steps, args.window_s,
                                                                                after))
     found = marks.autopilot()
-    if found is None:
-        raise RuntimeError("the autopilot run reported no 'autopilot' table")
+    if found is None:  # a loop without the autopilot: the run ended without its report
+        return AutopilotRun(math.nan, 0, {"skipped": "no report carried an 'autopilot' table"}, math.nan)
     index, table = found
     rate, steps = marks.steady(batch, after=index)
     search_steps = int(table.get("search_steps") or 0)
@@ -332,8 +345,11 @@ def bench_model(exp: Experiment, args: argparse.Namespace) -> list[bool]:
     batch = exp.cfg.train.global_batch_size
     starts = {"poor": exp.poor, "defaults": []}
     points = {name: start_point(exp, keys) for name, keys in starts.items()}
-    print(f"\n{exp.name}: grid over {len(grid(exp, min(p.micro for p in points.values())))} points", flush=True)
-    results = run_grid(exp, grid(exp, min(p.micro for p in points.values())), args)
+    candidates = grid(exp, list(points.values()))
+    if args.quick:  # a smoke run: the starts and one more point, nothing compiled
+        candidates = [*dict.fromkeys([*points.values(), Point(exp.per_worker // 2, False, 1, True, "fp32")])]
+    print(f"\n{exp.name}: grid over {len(candidates)} points", flush=True)
+    results = run_grid(exp, candidates, args)
     best = max(results, key=lambda p: results[p].score(batch))
     runs = {}
     for name, keys in starts.items():
@@ -345,7 +361,7 @@ def bench_model(exp: Experiment, args: argparse.Namespace) -> list[bool]:
 
 def print_table(exp: Experiment, points: dict[str, Point], results: dict[Point, Measure], best: Point,
                 runs: dict[str, AutopilotRun]) -> list[bool]:
-    batch, per_worker = exp.cfg.train.global_batch_size, exp.per_worker
+    per_worker = exp.per_worker
     top = results[best]
     print(f"\n{exp.name} (samples/s, steady state; grid best by samples/s over a {RUN_STEPS}-step run with "
           "compile time counted)")
@@ -356,8 +372,8 @@ def print_table(exp: Experiment, points: dict[str, Point], results: dict[Point, 
     verdicts = []
     for name, point in points.items():
         start, run = results[point].rate, runs[name]
-        chosen = run.table.get("chosen") or {}
-        chose = " | ".join(f"{k} {v}" for k, v in chosen.items())
+        chosen = run.table.get("chosen")
+        chose = settings_point(chosen).label(per_worker) if chosen else "-"
         print(f"{name:<9}{start:>9,.0f}{top.rate:>10,.0f}{run.rate:>10,.0f}{run.rate / start:>9.2f}"
               f"{run.rate / top.rate:>8.3f}{run.search_s:>9.1f}{run.share:>7.1%}  {chose}")
         print(f"{'':<9}start: {point.label(per_worker)}; search {run.table.get('search_steps')} steps; "
@@ -371,8 +387,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(EXPERIMENTS), choices=list(EXPERIMENTS))
     parser.add_argument("--rows", type=int, default=200_000, help="MLP rows (781 steps a pass at batch 256)")
-    parser.add_argument("--window-steps", type=int, default=200, help="steps in a steady-state window at most")
-    parser.add_argument("--window-s", type=float, default=2.0, help="seconds a window needs at least otherwise")
+    parser.add_argument("--window-steps", type=int, default=60, help="steps in a steady-state window at most")
+    parser.add_argument("--window-s", type=float, default=1.0, help="seconds a window needs at least otherwise")
     parser.add_argument("--recheck", type=int, default=3, help="best grid points measured a second time")
     parser.add_argument("--quick", action="store_true", help="a smoke run: the MLP only, tiny windows")
     args = parser.parse_args()
