@@ -174,7 +174,7 @@ def train_here(exp: Experiment, settings: list[str], done: Callable[[Marks], boo
 def measured_enough(window_steps: int, window_s: float, after: Callable[[Marks], int | None] = lambda m: 0
                     ) -> Callable[[Marks], bool]:
     """Stop once the steady window (from the second report after `after`) spans `window_steps` steps, or at least
-    three intervals and `window_s` seconds."""
+    two intervals and `window_s` seconds."""
     def done(marks: Marks) -> bool:
         start = after(marks)
         if start is None or len(marks.reports) < start + 3:
@@ -182,7 +182,7 @@ def measured_enough(window_steps: int, window_s: float, after: Callable[[Marks],
         (t0, first), (t1, last) = marks.reports[start + 1], marks.reports[-1]
         steps = last["step"] - first["step"]
         intervals = len(marks.reports) - start - 2
-        return steps >= window_steps or (intervals >= 3 and t1 - t0 >= window_s)
+        return steps >= window_steps or (intervals >= 2 and t1 - t0 >= window_s)
     return done
 
 
@@ -209,13 +209,16 @@ class Point:
 def grid(exp: Experiment, starts: list[Point]) -> list[Point]:
     """Every combination of the values the autopilot's search can reach from either start (training/autopilot.py):
     micro-batches joined from the start's up to the per-worker batch (power-of-two multiples, and the whole) and cut
-    to a half and a quarter of it; threads 1, half and all of the worker's CPUs; compile and flush_denormal on and
-    off; bf16 and fp32 (both starts leave precision at auto, which is bf16 on this CPU)."""
+    to a half and a quarter of it, none below the smaller start's; threads 1, half and all of the worker's CPUs;
+    compile and flush_denormal on and off; bf16 and fp32 (both starts leave precision at auto: bf16 on this CPU)."""
     micros: set[int] = set()
     for start in starts:
         m, accum = start.micro, exp.per_worker // start.micro
         micros |= {m} | {m * k for k in range(2, accum + 1) if accum % k == 0 and (k & (k - 1) == 0 or k == accum)}
         micros |= {m // k for k in (2, 4) if m % k == 0}
+    # Below the smallest start: the search cuts micro-batches only when no larger one beat the start, and a
+    # micro-batch of 2 or 4 rows runs an order of magnitude slower here while taking most of the grid's time.
+    micros = {m for m in micros if m >= min(s.micro for s in starts)}
     threads = sorted({1, max(1, exp.cpus // 2), exp.cpus, *(s.threads for s in starts)})
     precisions = sorted({"fp32", *(s.precision for s in starts)})
     return [Point(*values) for values in itertools.product(sorted(micros), [False, True], threads, [True, False],
@@ -272,7 +275,8 @@ def run_grid(exp: Experiment, points: list[Point], args: argparse.Namespace) -> 
         again = measure(exp, point, args)
         results[point].rates += again.rates
         print(f"  again    {point.label(exp.per_worker):<58} {again.rate:10,.0f} samples/s", flush=True)
-    print(f"  grid: {len(points)} points in {time.perf_counter() - started:.0f} s", flush=True)
+    print(f"  grid: {len(points)} points in {time.perf_counter() - started:.0f} s; load average "
+          f"{psutil.getloadavg()[0]:.1f}", flush=True)
     return results
 
 
@@ -318,7 +322,7 @@ def mlp_experiment(tmp: Path, args: argparse.Namespace) -> Experiment:
     return Experiment("MLP 64-512-512-10, global batch 256, 1 worker x 2 CPUs", [
         *scratch_run(data, tmp / "runs"), "model.hidden=[512, 512]", "scaling.num_workers=1",
         "scaling.cpus_per_worker=2", "train.global_batch_size=256", f"train.max_steps={RUN_STEPS}",
-        "train.log_every=10", "optim.warmup_steps=10"],
+        "train.log_every=5", "optim.warmup_steps=10"],
         poor=["train.micro_batch_size=8", "train.torch_threads=1", "train.flush_denormal=false"])
 
 
@@ -332,7 +336,7 @@ def gpt_experiment(tmp: Path, args: argparse.Namespace) -> Experiment:
         *scratch_run(data, tmp / "runs"), "data.features=[tokens]", "data.label=null", "model.name=gpt",
         "model.d_model=128", "model.n_layer=2", "model.n_head=4", "scaling.num_workers=1",
         "scaling.cpus_per_worker=2", "train.global_batch_size=32", f"train.max_steps={RUN_STEPS}",
-        "train.log_every=10", "optim.warmup_steps=10"],
+        "train.log_every=5", "optim.warmup_steps=10"],
         poor=["train.micro_batch_size=2", "train.torch_threads=1", "train.flush_denormal=false"])
 
 
@@ -387,8 +391,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(EXPERIMENTS), choices=list(EXPERIMENTS))
     parser.add_argument("--rows", type=int, default=200_000, help="MLP rows (781 steps a pass at batch 256)")
-    parser.add_argument("--window-steps", type=int, default=60, help="steps in a steady-state window at most")
-    parser.add_argument("--window-s", type=float, default=1.0, help="seconds a window needs at least otherwise")
+    parser.add_argument("--window-steps", type=int, default=40, help="steps in a steady-state window at most")
+    parser.add_argument("--window-s", type=float, default=0.5, help="seconds a window needs at least otherwise")
     parser.add_argument("--recheck", type=int, default=3, help="best grid points measured a second time")
     parser.add_argument("--quick", action="store_true", help="a smoke run: the MLP only, tiny windows")
     args = parser.parse_args()
