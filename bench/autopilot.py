@@ -305,8 +305,8 @@ class AutopilotRun:
 def autopilot_run(exp: Experiment, start: list[str], args: argparse.Namespace) -> AutopilotRun:
     batch = exp.cfg.train.global_batch_size
     after = lambda marks: (found[0] if (found := marks.autopilot()) else None)  # noqa: E731
-    marks = train_here(exp, [*start, "autopilot.enabled=true"], measured_enough(args.window_steps, args.window_s,
-                                                                               after))
+    settings = [*start, "autopilot.enabled=true", *args.autopilot_keys]
+    marks = train_here(exp, settings, measured_enough(args.window_steps, args.window_s, after))
     found = marks.autopilot()
     if found is None:  # a loop without the autopilot: the run ended without its report
         return AutopilotRun(math.nan, 0, {"skipped": "no report carried an 'autopilot' table"}, math.nan)
@@ -408,9 +408,12 @@ def main() -> None:
     parser.add_argument("--again", type=int, default=2, help="more readings of those and of the starts")
     parser.add_argument("--quick", action="store_true", help="a smoke run: the MLP only, tiny windows")
     args = parser.parse_args()
+    args.autopilot_keys = []
     if args.quick:
         args.models, args.rows, args.window_steps, args.window_s = ["mlp"], 20_000, 20, 0.0
         args.recheck, args.again = 1, 1
+        # A search of a step or two's time: never a compile's guessed 30 s on a slow shared machine.
+        args.autopilot_keys = ["autopilot.budget=0.01"]
     print(f"autopilot vs an exhaustive grid; every run in this process, configured for {RUN_STEPS} steps; torch "
           f"{torch.__version__}, {psutil.cpu_count()} CPUs", flush=True)
     verdicts = []
