@@ -35,6 +35,7 @@ STEP = "orchestrator/training/step.py"
 CHECKPOINT = "orchestrator/training/checkpoint.py"
 FSDP = "orchestrator/training/fsdp.py"
 UNIT = "tests/unit/training"
+AUTOPILOT = "orchestrator/training/autopilot.py"
 GUARANTEES = f"{UNIT}/test_rank_guarantees.py"
 MUTANTS = (
     Mutant("loss normalised per micro-batch", STEP,
@@ -260,6 +261,23 @@ MUTANTS = (
            "    at_once = trials_at_once * workers\n", "    at_once = workers\n",
            ("tests/unit/test_memory_plan.py::"
             "test_auto_micro_batch_in_a_study_divides_the_nodes_memory_by_every_rank_it_places_there",)),
+    # The autopilot: its measured steps are real, its choice is one for all ranks, its budget and resume hold.
+    Mutant("the autopilot times each rank's own step", AUTOPILOT,
+           "seconds, ran_out, peak = ranks.all_reduce_max(", "seconds, ran_out, peak = (lambda v, d: v)(",
+           (f"{UNIT}/test_autopilot.py::test_every_rank_makes_the_one_choice_by_the_slowest_ranks_time",)),
+    Mutant("the autopilot's out-of-memory probe decided per rank", AUTOPILOT,
+           "    return ranks.any_rank(ran_out, parts.device)\n", "    return ran_out\n",
+           (f"{UNIT}/test_autopilot.py::test_a_candidate_out_of_memory_on_one_rank_is_dropped_on_all",)),
+    Mutant("the autopilot's budget ignored", AUTOPILOT,
+           "stop = STOP if self.charged >= self.budget_s or", "stop = STOP if False or",
+           (f"{UNIT}/test_autopilot.py::test_the_budget_is_kept_against_a_slow_candidate",)),
+    Mutant("the autopilot searches again on resume", AUTOPILOT,
+           'resized = saved is not None and saved.get("world") != world', "resized = saved is not None",
+           (f"{UNIT}/test_autopilot.py::test_a_resume_applies_the_saved_choice_without_searching",)),
+    Mutant("the autopilot's larger micro-batch not applied", AUTOPILOT,
+           "parts.join, parts.split = s.micro_batch_size // self.micro, 1", "parts.join, parts.split = 1, 1",
+           (f"{UNIT}/test_autopilot.py::"
+            "test_an_autopilot_run_ends_with_the_weights_of_its_choice_configured_from_the_start",)),
     Mutant("a restarted trial billed on Tune's rewound clock", "orchestrator/tuning/trials.py",
            "            return float(row[REPORTED_AT]) - started\n",
            '            return float(row.get("time_total_s", 0.0))\n',

@@ -23,6 +23,7 @@ from orchestrator.tasks import step_loss_sum
 from orchestrator.training import fsdp, ranks
 from orchestrator.training.checkpoint import Progress, unwrap
 from orchestrator.training.memory import GIB, is_oom, release_cached_memory
+from orchestrator.training.micro_batch import for_world_size
 from orchestrator.training.parts import Parts, compile_model
 from orchestrator.training.precision import Precision, flush_denormals
 from orchestrator.training.step import StepResult, cut, first_compiled_step, train_step
@@ -128,28 +129,41 @@ class Knobs:
 
 def begin(cfg: Config, parts: Parts, progress: Progress) -> tuple[Autopilot | None, dict[str, Any] | None]:
     """At the loop's start, on every rank: the search to run, or None with what the first report carries (rank 0;
-    None elsewhere): the choice kept from the checkpoint, applied here, or why the run is too short to search."""
+    None elsewhere): the choice kept from the checkpoint, applied here, or why the run is too short to search. A
+    group resized since the checkpoint keeps its choice but the micro-batch, which it measures again."""
     t = cfg.train
     rank, world = ranks.world()
     per_worker = t.micro_batch_size * t.grad_accum_steps  # type: ignore[operator]
     knobs = Knobs(parts, t.micro_batch_size, t.flush_denormal)  # type: ignore[arg-type]
     start = knobs.read(parts, per_worker)
-    if progress.autopilot is not None:
-        saved = progress.autopilot
+    saved = progress.autopilot
+    resized = saved is not None and saved.get("world") != world
+    if saved is not None:
         chosen = Settings(**saved["chosen"])
-        if saved.get("world") != world or not _joins(chosen.micro_batch_size, knobs.micro, per_worker):
-            # The micro-batch depends on the world size; the rest holds at any size.
+        if resized or not _joins(chosen.micro_batch_size, knobs.micro, per_worker):
+            # The micro-batch depends on the world size (re-measured below after a resize); the rest holds.
             chosen = replace(chosen, micro_batch_size=start.micro_batch_size, grad_accum_steps=start.grad_accum_steps)
         knobs.apply(parts, chosen)
-        kept = summary(Settings(**saved["start"]), chosen, predicted_speedup=saved.get("predicted_speedup"))
-        return None, (kept | {"from_checkpoint": True} if rank == 0 else None)
+        if not resized:
+            kept = summary(Settings(**saved["start"]), chosen, predicted_speedup=saved.get("predicted_speedup"))
+            return None, (kept | {"from_checkpoint": True} if rank == 0 else None)
+        start = chosen
     steps = t.max_steps - progress.step  # type: ignore[operator]
     if cfg.autopilot.budget * steps < 2 * (WARMUP + MIN_TIMED):
         why = (f"run too short to pay for the search: autopilot.budget {cfg.autopilot.budget:g} x {steps} steps is "
                f"{cfg.autopilot.budget * steps:.1f} steps' time, less than two candidates' measurement "
                f"({2 * (WARMUP + MIN_TIMED)} steps); training with the config as written")
         return None, (summary(start, start, skipped=why) if rank == 0 else None)
-    return Autopilot(cfg, progress, knobs, start, per_worker), None
+    return Autopilot(cfg, progress, knobs, start, per_worker, micro_only=resized), None
+
+
+def kept_config(cfg: Config, state: dict[str, Any] | None, world: int) -> Config:
+    """The config a resumed or restarted group builds its data pipeline with: at the world size the autopilot chose
+    at, with its micro-batch, so the step cuts nothing (`begin` applies the rest of the choice)."""
+    saved = (state or {}).get("progress", {}).get("autopilot")
+    if not cfg.autopilot.enabled or not saved or saved.get("world") != world:
+        return cfg
+    return for_world_size(cfg, world, int(saved["chosen"]["micro_batch_size"]))
 
 
 def _joins(micro: int, pipeline_micro: int, per_worker: int) -> bool:
@@ -170,12 +184,16 @@ class Autopilot:
     """The search, driven by loop.run one step at a time (`step`) until `done`; `report` is then rank 0's summary.
     Every rank runs the same candidates in the same steps: rank 0's decisions are broadcast."""
 
-    def __init__(self, cfg: Config, progress: Progress, knobs: Knobs, start: Settings, per_worker: int) -> None:
+    def __init__(self, cfg: Config, progress: Progress, knobs: Knobs, start: Settings, per_worker: int,
+                 micro_only: bool = False) -> None:
         self.cfg, self.progress, self.knobs, self.per_worker = cfg, progress, knobs, per_worker
+        self.micro_only = micro_only  # a resized group: the rest of the checkpoint's choice holds at any size
         self.start, self.trial = start, Trial(start)
         self.best: Trial | None = None
         self.trials: list[Trial] = []
         self.spent, self.steps, self.fits = 0.0, 0, 0  # fits: rows of the largest piece that ran
+        # The budget pays for the candidates' steps: the start's are the steps the run takes without a search.
+        self.charged = 0.0
         self.steps_left = cfg.train.max_steps - progress.step  # type: ignore[operator]
         self.budget_s, self.margin, self.adopted = math.inf, MARGIN[0], False
         self.flush_ok = flush_denormals(start.flush_denormal)  # False where the CPU cannot flush
@@ -195,6 +213,7 @@ class Autopilot:
         seconds, ran_out, peak = ranks.all_reduce_max(
             [time.perf_counter() - started, float(parts.oom_retries > retries), peak], parts.device)
         self.spent, self.steps = self.spent + seconds, self.steps + 1
+        self.charged += seconds if self.best is not None else 0.0
         trial.peak_gb = max(trial.peak_gb, peak)
         if ran_out and trial.failed is None and self.best is not None:  # the step's own retry cut its pieces
             trial.failed = "failed: out of memory (the step was retried with smaller pieces)"
@@ -242,7 +261,7 @@ class Autopilot:
     def _verdict(self, trial: Trial) -> int:
         """Rank 0's decision after a search step, from figures every rank shares: go on, or end the candidate
         (adopting it as the best or not), and whether the search stops (budget spent, run near its end)."""
-        stop = STOP if self.spent >= self.budget_s or self.steps >= self.steps_left - 1 else GO_ON
+        stop = STOP if self.charged >= self.budget_s or self.steps >= self.steps_left - 1 else GO_ON
         n = len(trial.times)
         if trial.failed or (n == 0 and not stop):
             return END | stop if trial.failed else GO_ON
@@ -286,7 +305,7 @@ class Autopilot:
     def _next(self) -> Settings | None:
         """Rank 0: the next candidate, or None when the budget or the run's steps left cannot measure one more."""
         one = (WARMUP + MIN_TIMED) * self.best.step_s  # type: ignore[union-attr]
-        if self.spent + one > self.budget_s or self.steps + WARMUP + MIN_TIMED >= self.steps_left - 1:
+        if self.charged + one > self.budget_s or self.steps + WARMUP + MIN_TIMED >= self.steps_left - 1:
             return None
         tried = {t.settings for t in self.trials}
         return next((s for s in self.walker if s not in tried), None)  # type: ignore[union-attr]
@@ -306,9 +325,11 @@ class Autopilot:
                 improved = True
             if improved:
                 break
+        if self.micro_only:
+            return
         for key, values in self._other_options():
             for value in values:
-                affordable = key != "compile" or self.spent + COMPILE_GUESS_S <= self.budget_s
+                affordable = key != "compile" or self.charged + COMPILE_GUESS_S <= self.budget_s
                 if value != getattr(self.best.settings, key) and affordable:
                     yield replace(self.best.settings, **{key: value})  # type: ignore[union-attr]
 
@@ -335,8 +356,10 @@ class Autopilot:
         if hasattr(os, "sched_getaffinity"):
             cpus = min(cpus, len(os.sched_getaffinity(0)))
         options.append(("torch_threads", sorted({1, max(1, cpus // 2), cpus, s.torch_threads}, reverse=True)))
-        if cpu and self.flush_ok:
-            options.append(("flush_denormal", [not s.flush_denormal]))
+        if cpu and self.flush_ok and not s.flush_denormal:
+            # Only towards on: subnormals appear late in training, so the first steps cannot see what flushing
+            # saves then (4x a step in bench/overhead.py), and turning it off on their figures could cost that.
+            options.append(("flush_denormal", [True]))
         return options
 
     def _speedup(self) -> float | None:
@@ -357,7 +380,7 @@ class Autopilot:
                 "chosen": trial is self.best})
         return summary(self.start, self.best.settings, rows=table,  # type: ignore[union-attr]
                        search_s=self.spent, search_steps=self.steps, predicted_speedup=self._speedup(),
-                       budget_s=self.budget_s)
+                       budget_s=self.budget_s, budget_spent_s=self.charged)
 
 
 def saved(start: Settings, chosen: Settings, speedup: float | None) -> dict[str, Any]:

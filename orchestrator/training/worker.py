@@ -13,6 +13,7 @@ import ray.train.torch
 import torch
 
 from orchestrator.config import Config, config_from_dict
+from orchestrator.training.autopilot import kept_config
 from orchestrator.training.checkpoint import Progress, restore
 from orchestrator.training.loop import Reporter, run
 from orchestrator.training.micro_batch import for_world_size, with_auto_micro_batch
@@ -77,6 +78,7 @@ def train_rank(spec: dict[str, Any], cfg: Config, seat: Seat, load_state: Callab
     parts = build_parts(cfg, spec["in_features"], device, pretrained)
     named = cfg.model.inputs is not None
     state = load_state()
+    cfg = kept_config(cfg, state, seat.world)  # the autopilot's micro-batch, when it chose one at this size
     if cfg.train.micro_batch_size == "auto":
         # Before the checkpoint is restored: probing touches weights and optimizer state, then puts them back.
         cfg = with_auto_micro_batch(cfg, parts, state, collate_sample(spec["sample"], cfg.data, named),

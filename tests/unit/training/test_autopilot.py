@@ -1,0 +1,294 @@
+"""The autopilot (training/autopilot.py) in-process and on two gloo ranks: its measured steps are real steps (the final
+weights equal a run configured with the chosen settings from the start, up to the float tolerance of another
+micro-batch split), every rank makes the one choice and counts the slowest rank's time, a candidate out of memory on
+one rank is dropped on all, the budget is kept against a slow candidate, and a resume applies the saved choice
+without searching."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from gloo import run_two_ranks
+from test_loop import Recorder
+from torch.nn.parallel import DistributedDataParallel
+
+from orchestrator.config import Config, load_config
+from orchestrator.training import autopilot
+from orchestrator.training.checkpoint import Progress, load_state, restore
+from orchestrator.training.loop import run
+from orchestrator.training.optim import build_optimizer
+from orchestrator.training.parts import Parts
+from orchestrator.training.precision import Precision
+
+CPU = torch.device("cpu")
+ROWS = 2048  # 32 steps of 64 rows per epoch
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """One torch thread (a one-CPU worker's) and flushing on, as every test of this process expects afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    torch.set_flush_denormal(True)
+
+
+def _config(*overrides: str) -> Config:
+    return load_config(None, ["scaling.num_workers=1", "train.global_batch_size=64", "train.micro_batch_size=4",
+                              "model.hidden=[32]", "train.precision=fp32", "train.max_steps=300", "train.log_every=50",
+                              "checkpoint.every=100", "train.eval_every=null", "data.val=null",
+                              "optim.warmup_steps=10", "autopilot.enabled=true", "autopilot.budget=0.2", *overrides])
+
+
+class Net(torch.nn.Module):
+    """The MLP of the tests. `oom_above`: rows per forward past which it raises CUDA's out-of-memory error;
+    `overhead_s`: a fixed cost per forward (as a kernel launch's), which makes larger micro-batches faster by a
+    margin no load on a shared machine hides."""
+
+    def __init__(self, oom_above: int | None = None, overhead_s: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        self.oom_above, self.overhead_s = oom_above, overhead_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.oom_above is not None and len(x) > self.oom_above:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        if self.overhead_s:
+            time.sleep(self.overhead_s)
+        return self.net(x)
+
+
+def _parts(cfg: Config, model: torch.nn.Module) -> Parts:
+    optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.train.max_steps or 1)
+    return Parts(model, optimizer, scheduler, Precision("fp32", CPU), CPU, cfg.optim.max_grad_norm)
+
+
+def _source(rank: int, micro: int) -> Any:
+    g = torch.Generator().manual_seed(100 + rank)  # each rank its own rows, as a sharded dataset gives
+    x = torch.randn(ROWS, 16, generator=g)
+    y = x[:, :4].argmax(dim=1)
+    return lambda epoch: [{"x": x[i:i + micro], "labels": y[i:i + micro]} for i in range(0, ROWS, micro)]
+
+
+def _chosen_config(cfg: Config, chosen: dict[str, Any]) -> Config:
+    """The run configured with the chosen settings from the start (autopilot off)."""
+    return _config(*_overrides(cfg), "autopilot.enabled=false", f"train.micro_batch_size={chosen['micro_batch_size']}",
+                   f"train.flush_denormal={str(chosen['flush_denormal']).lower()}",
+                   f"train.torch_threads={chosen['torch_threads']}")
+
+
+def _overrides(cfg: Config) -> list[str]:
+    return [f"train.max_steps={cfg.train.max_steps}", f"scaling.num_workers={cfg.scaling.num_workers}",
+            f"autopilot.budget={cfg.autopilot.budget}", f"train.flush_denormal={str(cfg.train.flush_denormal).lower()}"]
+
+
+def _train(cfg: Config, model: torch.nn.Module, rank: int = 0, progress: Progress | None = None,
+           recorder: Recorder | None = None) -> tuple[Parts, Recorder]:
+    parts, recorder = _parts(cfg, model), recorder or Recorder()
+    if cfg.train.torch_threads:  # what the worker's set-up does (worker.rank_config)
+        torch.set_num_threads(cfg.train.torch_threads)
+    torch.set_flush_denormal(cfg.train.flush_denormal)
+    run(cfg, parts, _source(rank, cfg.train.micro_batch_size), None, recorder, progress)  # type: ignore[arg-type]
+    return parts, recorder
+
+
+def _table(recorder: Recorder) -> dict[str, Any]:
+    tables = [m["autopilot"] for m, _ in recorder.reports if "autopilot" in m]
+    assert len(tables) == 1, "exactly one report carries the autopilot's table"
+    return tables[0]
+
+
+def _weights(parts: Parts) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in parts.model.parameters()]
+
+
+def test_an_autopilot_run_ends_with_the_weights_of_its_choice_configured_from_the_start() -> None:
+    cfg = _config("train.max_steps=200", "train.flush_denormal=false")  # flushing is a candidate only from off
+    piloted, recorder = _train(cfg, Net(overhead_s=0.002))
+    table = _table(recorder)
+    chosen = table["chosen"]
+    # Micro-batch 4 of 64 is a deliberately poor start: the tiny MLP runs larger ones several times faster.
+    assert chosen["micro_batch_size"] > 4 and table["predicted_speedup"] > 1
+    assert [r["chosen"] for r in table["rows"]].count(True) == 1
+    assert table["search_steps"] > 0 and table["budget_spent_s"] <= table["budget_s"] + 0.5
+    later = [m["micro_batch_size"] for m, _ in recorder.reports if m["step"] > table["search_steps"] + 1]
+    assert later and set(later) == {chosen["micro_batch_size"]}  # the rest of the run trains with the choice
+    direct, _ = _train(_chosen_config(cfg, chosen), Net())
+    start, _ = _train(_config(*_overrides(cfg), "autopilot.enabled=false"), Net())
+    # The float tolerance of another micro-batch split: how far the start's split ends from the chosen one's.
+    tolerance = max(float((a - b).abs().max()) for a, b in zip(_weights(start), _weights(direct), strict=True))
+    for a, b in zip(_weights(piloted), _weights(direct), strict=True):
+        torch.testing.assert_close(a, b, atol=max(2 * tolerance, 1e-6), rtol=0, msg=lambda m: f"{m}\n{table}")
+
+
+def test_a_run_too_short_to_pay_for_the_search_says_so_and_trains_as_configured() -> None:
+    cfg = _config("train.max_steps=30", "autopilot.budget=0.05", "checkpoint.every=10", "train.log_every=10")
+    _, recorder = _train(cfg, Net())
+    table = _table(recorder)
+    assert table["skipped"].startswith("run too short to pay for the search")
+    assert table["rows"] == [] and table["search_steps"] == 0 and table["chosen"] == table["start"]
+    assert "autopilot" in recorder.reports[0][0]  # said with the first report
+    assert {m["micro_batch_size"] for m, _ in recorder.reports} == {4}
+
+
+def test_the_budget_is_kept_against_a_slow_candidate(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every micro-batch from 8 up costs 1 s more a step: the search must stop at the first step past its budget.
+    slow_s, real = 1.0, autopilot.train_step
+
+    def slow_from_8(parts: Parts, batch: list[Any], timer: Any = None) -> Any:
+        result = real(parts, batch, timer)
+        if 4 * parts.join // parts.split >= 8:
+            time.sleep(slow_s)
+        return result
+
+    monkeypatch.setattr(autopilot, "train_step", slow_from_8)
+    _, recorder = _train(_config("autopilot.budget=0.05", "train.max_steps=200"), Net())
+    table = _table(recorder)
+    assert table["budget_s"] < slow_s  # so that one slow step overruns it
+    # The candidates' steps (the start's are the run's own) overran it by at most the one step that reached it.
+    assert table["budget_spent_s"] <= table["budget_s"] + slow_s + 0.1
+    last = table["rows"][-1]
+    assert last["settings"]["micro_batch_size"] == 8 and not last["chosen"]
+    assert last["status"].startswith("stopped: the budget ran out")
+    assert table["chosen"]["micro_batch_size"] == 4
+
+
+def test_a_resume_applies_the_saved_choice_without_searching(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    cfg = _config()
+
+    class Keep(Recorder):
+        def checkpoint(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
+            super().checkpoint(metrics, checkpoint_dir)
+            if checkpoint_dir and metrics["step"] == 200:
+                shutil.copytree(checkpoint_dir, tmp_path / "step200")
+
+    straight, recorder = _train(cfg, Net(), recorder=Keep())  # uninterrupted, keeping its step-200 checkpoint
+    state = load_state(tmp_path / "step200")
+    saved = state["progress"]["autopilot"]["chosen"]
+    assert saved == _table(recorder)["chosen"]
+
+    def no_search(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a resume with a saved choice must not search")
+
+    monkeypatch.setattr(autopilot.Autopilot, "step", no_search)
+    torch.set_num_threads(2)  # a restarted process starts from its own settings
+    resumed_parts = _parts(cfg, Net())
+    progress = restore(resumed_parts, state)
+    resumed = Recorder()
+    run(cfg, resumed_parts, _source(0, 4), None, resumed, progress)
+    table = _table(resumed)
+    assert table["from_checkpoint"] is True and table["rows"] == [] and table["chosen"] == saved
+    assert torch.get_num_threads() == saved["torch_threads"]
+    assert {m["micro_batch_size"] for m, _ in resumed.reports} == {saved["micro_batch_size"]}
+    for a, b in zip(_weights(straight), _weights(resumed_parts), strict=True):
+        assert torch.equal(a, b)  # where the uninterrupted run ended, bitwise
+
+
+def test_a_resized_group_keeps_the_saved_choice_but_measures_the_micro_batch_again() -> None:
+    cfg = _config("train.max_steps=200")
+    settings = {"micro_batch_size": 16, "grad_accum_steps": 4, "compile": False, "torch_threads": 1,
+                "flush_denormal": False, "precision": "fp32"}
+    progress = Progress(autopilot={"start": settings, "chosen": settings, "world": 2, "predicted_speedup": 2.0})
+    _, recorder = _train(cfg, Net(overhead_s=0.002), progress=progress)
+    table = _table(recorder)
+    assert table["from_checkpoint"] is False and len(table["rows"]) > 1
+    # Only the micro-batch is searched, from the config's; the rest of the saved choice holds.
+    assert table["start"] == settings | {"micro_batch_size": 4, "grad_accum_steps": 16}
+    varied = {key for row in table["rows"] for key, value in row["settings"].items() if table["start"][key] != value}
+    assert varied == {"micro_batch_size", "grad_accum_steps"}
+    assert progress.autopilot["world"] == 1 and table["chosen"]["micro_batch_size"] > 4  # type: ignore[index]
+
+
+def test_a_restarted_worker_builds_its_data_at_the_chosen_micro_batch() -> None:
+    cfg = _config("scaling.num_workers=2", "train.global_batch_size=64")
+    state = {"progress": {"autopilot": {"chosen": {"micro_batch_size": 16}, "world": 2}}}
+    kept = autopilot.kept_config(cfg, state, 2)
+    assert (kept.train.micro_batch_size, kept.train.grad_accum_steps) == (16, 2)
+    # At another world size the micro-batch is the config's again (the rest of the choice holds: loop.run applies it).
+    assert autopilot.kept_config(cfg, state, 1).train.micro_batch_size == 4
+    off = cfg.model_copy(update={"autopilot": cfg.autopilot.model_copy(update={"enabled": False})})
+    assert autopilot.kept_config(off, state, 2).train.micro_batch_size == 4
+
+
+# ---- two ranks -------------------------------------------------------------------------------------------------
+
+
+def _two_rank_runs(rank: int, shared: Path) -> dict[str, Any]:
+    """On each rank: (1) an autopilot run where rank 1's clock finds micro-batches from 8 up 50 ms a step slower
+    (a slowness rank 0's own clock never sees: under DDP it would wait for rank 1 somewhere, and only the slowest
+    rank's figure says where), then the run configured with its choice from the start; (2) an autopilot run whose
+    model runs out of memory past 4 rows per forward on rank 1 only."""
+    cfg = _config("scaling.num_workers=2", "autopilot.budget=0.3")
+    real, lag = autopilot.train_step, [0.0]
+
+    class Clock:
+        @staticmethod
+        def perf_counter() -> float:
+            return time.perf_counter() + lag[0]
+
+    def slow_on_rank_1(parts: Parts, batch: list[Any], timer: Any = None) -> Any:
+        result = real(parts, batch, timer)
+        if rank == 1 and 4 * parts.join // parts.split >= 8:
+            lag[0] += 0.05
+        return result
+
+    autopilot.train_step, autopilot.time = slow_on_rank_1, Clock  # type: ignore[assignment]
+    try:
+        progress = Progress()
+        piloted, recorder = _train(cfg, DistributedDataParallel(Net()), rank, progress)
+    finally:
+        autopilot.train_step, autopilot.time = real, time  # type: ignore[assignment]
+    dist.barrier()
+    chosen = progress.autopilot["chosen"]  # type: ignore[index]
+    direct, _ = _train(_chosen_config(cfg, chosen), DistributedDataParallel(Net()), rank)
+    oom_progress = Progress()
+    oomed, oom_recorder = _train(cfg, DistributedDataParallel(Net(oom_above=4 if rank == 1 else None)), rank,
+                                 oom_progress)
+    return {"piloted": _weights(piloted), "direct": _weights(direct), "saved": progress.autopilot,
+            "table": _table(recorder) if rank == 0 else None, "oom_saved": oom_progress.autopilot,
+            "oom_table": _table(oom_recorder) if rank == 0 else None, "oomed": _weights(oomed),
+            "micro": [m["micro_batch_size"] for m, _ in recorder.reports]}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_two_ranks(_two_rank_runs, tmp_path_factory.mktemp("autopilot"))
+
+
+def test_every_rank_makes_the_one_choice_by_the_slowest_ranks_time(ranks: list[dict[str, Any]]) -> None:
+    assert ranks[0]["saved"] == ranks[1]["saved"] and ranks[0]["micro"] == ranks[1]["micro"]
+    assert ranks[1]["table"] is None  # the table goes with rank 0's report only
+    chosen = ranks[0]["saved"]["chosen"]
+    # Rank 0's own clock finds micro-batches from 8 fast; rank 1's finds them slow, and the slowest rank counts.
+    assert chosen["micro_batch_size"] < 8
+    slow = [r for r in ranks[0]["table"]["rows"] if r["settings"]["micro_batch_size"] >= 8]
+    assert slow and all(not r["chosen"] and (r["ratio"] or 0) < 1 for r in slow)
+
+
+def test_two_ranks_end_with_the_weights_of_the_choice_configured_from_the_start(ranks: list[dict[str, Any]]) -> None:
+    for result in ranks:
+        for a, b in zip(result["piloted"], result["direct"], strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    for a, b in zip(ranks[0]["piloted"], ranks[1]["piloted"], strict=True):
+        assert torch.equal(a, b)  # DDP: one model
+
+
+def test_a_candidate_out_of_memory_on_one_rank_is_dropped_on_all(ranks: list[dict[str, Any]]) -> None:
+    assert ranks[0]["oom_saved"] == ranks[1]["oom_saved"]
+    assert ranks[0]["oom_saved"]["chosen"]["micro_batch_size"] <= 4
+    failed = [r for r in ranks[0]["oom_table"]["rows"] if r["status"].startswith("failed: out of memory")]
+    # Rank 0 never ran out of memory itself: it drops the candidate because rank 1 did.
+    assert [r["settings"]["micro_batch_size"] for r in failed] == [8]
+    assert not failed[0]["chosen"] and failed[0]["samples_per_s"] is None
+    for a, b in zip(ranks[0]["oomed"], ranks[1]["oomed"], strict=True):
+        assert torch.equal(a, b)
