@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.checks import resolve_for_data
-from orchestrator.cluster import connect_ray, outside_job_package, shutdown_local_ray, train_environment
+from orchestrator.cluster import connect_ray, outside_job_package, shutdown_local_ray
 from orchestrator.config import Config, flatten, to_dict
 from orchestrator.console import LOG_FILE, RunLog
 from orchestrator.cost import resolve_pricing
@@ -28,7 +28,8 @@ from orchestrator.errors import ConfigError, UserError
 from orchestrator.runs import RunPlace, open_run_storage
 from orchestrator.tracking.context import config_params
 from orchestrator.tracking.tracker import Tracker, closed_on_error, start_tracker
-from orchestrator.trainer import RunFailedError, build_run, root_cause, storage_args
+from orchestrator.trainer import storage_args
+from orchestrator.tuning.autopilot import record_study_choice, study_board
 from orchestrator.tuning.results import TuneResult, local_dir, pick_best, record, summaries
 from orchestrator.tuning.search import (
     TrialNamer,
@@ -44,7 +45,7 @@ from orchestrator.tuning.search import (
     user_tree,
     widest_trial,
 )
-from orchestrator.tuning.trial import in_trial_process, train_in_trial, trial_resources
+from orchestrator.tuning.trial import in_trial_process, run_trial, trial_resources
 from orchestrator.tuning.trials import StudyCallback
 from pipelines.datasets import inspect_datasets
 from pipelines.sources import DatasetInfo
@@ -60,52 +61,6 @@ def study_name(config: Config) -> str:
 def _trials(study: RunPlace) -> Storage:
     """Where the trials' Train runs live: beside the Tune experiment, on the same storage."""
     return study.storage.below(f"{study.name}-trials")
-
-
-def _run_trial(params: dict[str, Any], *, tree: dict[str, Any], infos: dict[str, DatasetInfo],
-               trials: Storage, private_cluster: bool, node_ranks: int | None = None) -> None:
-    """The Tune trainable, run in the trial's actor. A one-worker trial trains right here (trial.py). A wider one
-    fits its own TorchTrainer in a thread while this one hands rank 0's metrics to Tune as they arrive (they come
-    straight from rank 0, not through Ray Train's report).
-
-    Its Train run is named by the trial id under `trials`, so a trial restarted by a resumed study continues
-    from its own latest checkpoint. `node_ranks`: how many ranks of the study's trials may share a node's memory
-    (memory_plan.ranks_per_node), for `train.micro_batch_size=auto` on CPU."""
-    import threading
-
-    import ray.train
-    from ray import tune as ray_tune
-    from ray.util.queue import Empty, Queue
-
-    config = resolve_for_data(trial_config(tree, {**params, "storage.path": trials.uri}), infos)
-    trial_id = ray_tune.get_context().get_trial_id()
-    if in_trial_process(config):  # one worker: trained right here, without a worker group of its own
-        train_in_trial(config, infos, trial_id, node_ranks)
-        return
-    queue = Queue(actor_options={"num_cpus": 0})
-    failed: list[BaseException] = []
-
-    def fit() -> None:
-        try:
-            place = RunPlace(trials, trial_id)  # a restarted trial is fed as its checkpoints were
-            build_run(config, infos, place, [], queue, node_ranks, saved=place.cache_decision()).fit()
-        except BaseException as exc:  # handed to the trial's thread, which raises it
-            failed.append(exc)
-
-    # This actor fits the trial's TorchTrainer: Ray passes the settings on from here.
-    with train_environment(config, private_cluster):
-        thread = threading.Thread(target=fit, name="orchestrator-trial-fit", daemon=True)
-        thread.start()
-        # Until fit() is done and its last metrics are in (the workers send theirs before they return).
-        while thread.is_alive() or not queue.empty():
-            try:
-                ray_tune.report(queue.get(timeout=0.5))
-            except Empty:
-                continue
-    if failed:
-        if isinstance(failed[0], ray.train.TrainingFailedError):
-            raise RunFailedError(f"trial {trial_id} failed: {root_cause(failed[0])}") from None
-        raise failed[0]
 
 
 # ---- the study on storage: where it is, whether it can be resumed, what it was started with ----
@@ -246,13 +201,15 @@ def _node_ranks(base: Config, concurrency: int) -> int:
 
 
 def _fit(config: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo], max_steps: int, place: RunPlace,
-         resume: bool, callback: Any, concurrency: int, private_cluster: bool, node_ranks: int) -> Any:
+         resume: bool, callback: Any, concurrency: int, private_cluster: bool, node_ranks: int,
+         shared_search: bool) -> Any:
     from ray import tune as ray_tune
 
     sizes = {split: replace(info, files=[], storage=None, objects=[], file_rows=[]) for split, info in infos.items()}
     trainable = ray_tune.with_resources(
-        ray_tune.with_parameters(_run_trial, tree=tree, infos=infos, trials=_trials(place),
-                                 private_cluster=private_cluster, node_ranks=node_ranks),
+        ray_tune.with_parameters(run_trial, tree=tree, infos=infos, trials=_trials(place),
+                                 private_cluster=private_cluster, node_ranks=node_ranks,
+                                 shared_search=place.name if shared_search else None),
         _TrialResources(tree, sizes),
     )
     storage = storage_args(place.storage)
@@ -388,23 +345,30 @@ def _start_study(config: Config, base: Config, tree: dict[str, Any], infos: dict
               f"trials at once (bound by {at_once.bound}), scheduler {config.tune.scheduler}, searcher "
               f"{config.tune.searcher}", flush=True)
         print(f"Ray and MLflow logs: {log_path}", flush=True)
-    return _run_study(config, base, tree, infos, place, state is not None, tracker, concurrency, verbose,
-                      private_cluster=started_ray, log_path=log_path, began=began)
+    board = study_board(config, place.name, (state or {}).get("autopilot"), verbose)
+    try:
+        return _run_study(config, base, tree, infos, place, state is not None, tracker, concurrency, verbose,
+                          private_cluster=started_ray, log_path=log_path, began=began, board=board)
+    finally:
+        if board is not None:  # its name is the study's: a study run again in this process opens its own
+            ray.kill(board)
 
 
 def _run_study(config: Config, base: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo], place: RunPlace,
                resumed: bool, tracker: Tracker, concurrency: int, verbose: bool, private_cluster: bool,
-               log_path: Path, began: float) -> TuneResult:
+               log_path: Path, began: float, board: Any | None) -> TuneResult:
 
     metric, mode = config.tune.metric, resolved_mode(config)
     max_steps = base.train.max_steps or 0
     study, study_path = place.name, place.uri
     callback = StudyCallback(study, tree, list(config.tune.space), metric, max_steps,
                              config.tracking if config.tracking.enabled else None, tracker.run_id, verbose,
-                             infos=infos)
+                             infos=infos, shared_search=board is not None)
     with closed_on_error(tracker):
         grid = _fit(config, tree, infos, max_steps, place, resumed, callback, concurrency, private_cluster,
-                    _node_ranks(base, concurrency))
+                    _node_ranks(base, concurrency), shared_search=board is not None)
+        if board is not None:
+            record_study_choice(board, place, STATE_FILE, tracker, verbose)
         trials = summaries(grid, tree, infos, metric, TrialNamer.for_config(config))
     if any(t.status == "running" for t in trials):  # Tune caught Ctrl+C and saved the study
         tracker.finish("KILLED")

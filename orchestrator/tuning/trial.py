@@ -1,29 +1,37 @@
-"""A one-worker trial trained in its Tune trial's own process: no Ray Train run, so no worker group to start per
-trial (about 10 s on a small machine, for trials that often train for seconds).
+"""A study's trial, run in its Tune trial's actor (`run_trial`, the study's trainable). A one-worker trial trains in
+that process: no Ray Train run, so no worker group to start per trial (about 10 s on a small machine, for trials that
+often train for seconds).
 
 The rank is set up and trained by the same code a Ray Train worker runs (`training.worker.train_rank`): same config,
 seed, device, data order and loop, so the trial reports the figures a 1-worker `orchestrator train` run reports.
 Its reports go to Tune directly, checkpoints included (Tune persists them into the trial's directory, keeps
 `checkpoint.keep` of them and hands the newest back when the trial restarts); trials wider than one worker keep
-their own Ray Train run (study.py).
+their own Ray Train run (`run_trial`).
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from orchestrator.checks import resolve_for_data
+from orchestrator.cluster import train_environment
 from orchestrator.config import Config
 from orchestrator.cost import REPORTED_AT
-from orchestrator.trainer import build_inputs
+from orchestrator.runs import RunPlace
+from orchestrator.trainer import RunFailedError, build_inputs, build_run, root_cause
 from orchestrator.training.checkpoint import manifest_cache_decision
 from orchestrator.training.resume import loadable_checkpoint
 from orchestrator.training.worker import Seat, rank_config, state_of, train_rank
+from orchestrator.tuning.autopilot import find_board, post_choice, trial_config_with_choice
+from orchestrator.tuning.search import trial_config
 from pipelines.order import release_epoch_clock
 from pipelines.sources import DatasetInfo
+from pipelines.storage import Storage
 
 
 def in_trial_process(config: Config) -> bool:
@@ -48,12 +56,15 @@ class TrialReporter:
     """The loop's `Reporter` in a Tune trial: every report goes to `ray.tune.report`, a checkpoint step's once, with
     its checkpoint (Tune copies the directory into the trial's storage before report returns)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_report: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.checkpointed: dict[str, Any] | None = None
+        self.on_report = on_report  # sees each report first (the study's shared autopilot search)
 
     def publish(self, metrics: dict[str, Any]) -> None:
         from ray import tune
 
+        if self.on_report is not None:
+            self.on_report(metrics)
         if metrics is self.checkpointed:  # already reported with its checkpoint
             self.checkpointed = None
             return
@@ -63,6 +74,8 @@ class TrialReporter:
         from ray import tune
 
         assert checkpoint_dir is not None  # one rank: it writes every checkpoint
+        if self.on_report is not None:
+            self.on_report(metrics)
         tune.report(stamped(metrics), checkpoint=tune.Checkpoint.from_directory(checkpoint_dir))
         self.checkpointed = metrics
 
@@ -83,9 +96,11 @@ def trial_device(config: Config) -> torch.device:
     return device
 
 
-def train_in_trial(config: Config, infos: dict[str, DatasetInfo], name: str, node_ranks: int | None = None) -> None:
+def train_in_trial(config: Config, infos: dict[str, DatasetInfo], name: str, node_ranks: int | None = None,
+                   on_report: Callable[[dict[str, Any]], None] | None = None) -> None:
     """Train one trial here, resuming from the checkpoint Tune restarts it from, if any. `name`: the trial's id;
-    `node_ranks`: the study's ranks that may share this node's memory (trainer.build_inputs).
+    `node_ranks`: the study's ranks that may share this node's memory (trainer.build_inputs); `on_report`: sees
+    each report before Tune does.
     The trial owns what it starts in this process, which outlives it (Tune reuses it for the next trial): it starts
     from the process state a fresh process has, and its epoch clock ends with it, also when it fails or is stopped."""
     from ray import tune
@@ -100,7 +115,7 @@ def train_in_trial(config: Config, infos: dict[str, DatasetInfo], name: str, nod
         cfg = rank_config(spec, world=1)
         val = datasets["val"].iterator() if cfg.data.val is not None else None
         train_rank(spec, cfg, Seat(1, 0, trial_device(cfg), entered), lambda: state_of(checkpoint),
-                   datasets["train"].iterator(), val, TrialReporter(), preempted=None)
+                   datasets["train"].iterator(), val, TrialReporter(on_report), preempted=None)
     finally:  # Tune stops a trial in a reused actor by raising SystemExit in its thread at a report
         if spec["epoch_clock"]:
             release_epoch_clock(spec["epoch_clock"])
@@ -127,3 +142,73 @@ def start_as_fresh_process() -> None:
     torch.use_deterministic_algorithms(_FRESH["deterministic"])
     if "torch._dynamo" in sys.modules:  # imported by an earlier trial's compile (or its model)
         torch._dynamo.reset()
+
+
+def run_trial(params: dict[str, Any], *, tree: dict[str, Any], infos: dict[str, DatasetInfo],
+               trials: Storage, private_cluster: bool, node_ranks: int | None = None,
+               shared_search: str | None = None) -> None:
+    """The Tune trainable, run in the trial's actor. A one-worker trial trains right here (trial.py). A wider one
+    fits its own TorchTrainer in a thread while this one hands rank 0's metrics to Tune as they arrive (they come
+    straight from rank 0, not through Ray Train's report).
+
+    Its Train run is named by the trial id under `trials`, so a trial restarted by a resumed study continues
+    from its own latest checkpoint. `node_ranks`: how many ranks of the study's trials may share a node's memory
+    (memory_plan.ranks_per_node), for `train.micro_batch_size=auto` on CPU. `shared_search`: the study whose one
+    autopilot search this trial runs or applies (tuning/autopilot.py)."""
+    from ray import tune as ray_tune
+
+    config = resolve_for_data(trial_config(tree, {**params, "storage.path": trials.uri}), infos)
+    trial_id = ray_tune.get_context().get_trial_id()
+    board = find_board(shared_search) if shared_search else None
+    if board is None:
+        _train_trial(config, infos, trial_id, private_cluster, trials, node_ranks, None)
+        return
+    config, searching = trial_config_with_choice(board, trial_id, config)
+    try:
+        _train_trial(config, infos, trial_id, private_cluster, trials, node_ranks,
+                     (lambda metrics: post_choice(board, trial_id, metrics)) if searching else None)
+    finally:
+        if searching:  # ended before its choice was posted (failed, stopped): another trial searches
+            board.release.remote(trial_id)
+
+
+def _train_trial(config: Config, infos: dict[str, DatasetInfo], trial_id: str, private_cluster: bool,
+                 trials: Storage, node_ranks: int | None, on_report: Callable[[dict[str, Any]], None] | None
+                 ) -> None:
+    """Train the trial: here, or through its own TorchTrainer. `on_report` sees each report before Tune does."""
+    import threading
+
+    import ray.train
+    from ray import tune as ray_tune
+    from ray.util.queue import Empty, Queue
+
+    if in_trial_process(config):  # one worker: trained right here, without a worker group of its own
+        train_in_trial(config, infos, trial_id, node_ranks, on_report)
+        return
+    queue = Queue(actor_options={"num_cpus": 0})
+    failed: list[BaseException] = []
+
+    def fit() -> None:
+        try:
+            place = RunPlace(trials, trial_id)  # a restarted trial is fed as its checkpoints were
+            build_run(config, infos, place, [], queue, node_ranks, saved=place.cache_decision()).fit()
+        except BaseException as exc:  # handed to the trial's thread, which raises it
+            failed.append(exc)
+
+    # This actor fits the trial's TorchTrainer: Ray passes the settings on from here.
+    with train_environment(config, private_cluster):
+        thread = threading.Thread(target=fit, name="orchestrator-trial-fit", daemon=True)
+        thread.start()
+        # Until fit() is done and its last metrics are in (the workers send theirs before they return).
+        while thread.is_alive() or not queue.empty():
+            try:
+                metrics = queue.get(timeout=0.5)
+            except Empty:
+                continue
+            if on_report is not None:
+                on_report(metrics)
+            ray_tune.report(metrics)
+    if failed:
+        if isinstance(failed[0], ray.train.TrainingFailedError):
+            raise RunFailedError(f"trial {trial_id} failed: {root_cause(failed[0])}") from None
+        raise failed[0]

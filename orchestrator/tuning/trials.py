@@ -20,6 +20,7 @@ from orchestrator.cost import REPORTED_AT, RESTART_MARK, Ledger, Pricing, build_
 from orchestrator.errors import ConfigError
 from orchestrator.tracking.client import MlflowTracker
 from orchestrator.tracking.context import config_params
+from orchestrator.tuning.autopilot import find_board
 from orchestrator.tuning.search import TRAIN_METRICS, trial_config
 from pipelines.sources import DatasetInfo
 
@@ -91,8 +92,9 @@ class StudyCallback(Callback):
     def __init__(self, study: str, tree: dict[str, Any], keys: list[str], metric: str, max_steps: int,
                  tracking: TrackingConfig | None, parent_run_id: str | None, verbose: bool = True,
                  table_every_s: float = 2.0, infos: dict[str, DatasetInfo] | None = None,
-                 live: bool | None = None) -> None:
+                 live: bool | None = None, shared_search: bool = False) -> None:
         self.study, self.tree, self.keys, self.metric, self.max_steps = study, tree, keys, metric, max_steps
+        self.shared_search = shared_search  # the study's one autopilot search (tuning/autopilot.py)
         # What pricing a trial needs of the data (None: no cost ledger). Only the sizes: the callback is pickled
         # into the study's saved state, which has no use for shard lists or storage handles.
         self.infos = None if infos is None else {
@@ -183,12 +185,21 @@ class StudyCallback(Callback):
                 {k: v for k, v in result.items() if k in _LEDGER_KEYS or k.startswith("time/")})
         self._table(trials)
 
+    def _release(self, trial: Any) -> None:
+        """A trial that ended while it ran the study's autopilot search (ASHA stops a trial by killing its actor):
+        a waiting trial searches instead."""
+        board = find_board(self.study) if self.shared_search else None
+        if board is not None:
+            board.release.remote(trial.trial_id)
+
     def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        self._release(trial)
         self._close(trial, errored=False)
         self._ended(trial, errored=False)
         self._table(trials, force=True)
 
     def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        self._release(trial)
         self._close(trial, errored=True)
         self._ended(trial, errored=True)
         self._table(trials, force=True)

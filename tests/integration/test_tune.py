@@ -189,6 +189,45 @@ def test_a_second_trial_in_the_same_actor_starts_as_a_fresh_process_would(ray_cl
     assert (first["flushed"], second["flushed"]) == (1.0, 0.0)
 
 
+def test_a_study_with_the_autopilot_searches_once_and_every_trial_trains_with_its_choice(
+        ray_cluster: None, tmp_path: Path, digits_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Three trials, two at a time, from a poor micro-batch (8 of 64): the first trial to start runs the autopilot's
+    search on its own steps while the other waits; every other trial trains with the choice from its first step and
+    searches nothing. The study's MLflow run holds the choice as params; a continued study keeps it."""
+    from mlflow.tracking import MlflowClient
+
+    from orchestrator.tuning.study import STATE_FILE
+
+    overrides = ["experiment=digits-ap", "autopilot.enabled=true", "autopilot.budget=0.5", "train.max_steps=30",
+                 "train.log_every=5", "train.eval_every=10", "checkpoint.every=30", "train.global_batch_size=64",
+                 "train.micro_batch_size=8", "tune.space={optim.lr: {grid: [0.01, 0.02, 0.05]}}", "tune.num_samples=1",
+                 "tune.scheduler=fifo", "tune.grace_period=null", "tune.reduction_factor=null"]
+    result = tune(study_config(tmp_path, digits_dir, *overrides), verbose=True)
+    out = capsys.readouterr().out
+    assert {t.status for t in result.trials} == {"completed"} and len(result.trials) == 3
+    assert "autopilot: one search for the study, in the first trial to start" in out
+    state = json.loads((tmp_path / "runs" / "digits-ap-tune" / STATE_FILE).read_text())
+    report = state["autopilot"]
+    searcher, chosen = report["trial_id"], report["chosen"]
+    assert f"autopilot: searched in trial {searcher}" in out and "autopilot: candidates measured" in out
+    assert len(report["rows"]) >= 2 and report["start"]["micro_batch_size"] == 8
+    for t in result.trials:
+        trial_dir = tmp_path / "runs" / "digits-ap-tune" / f"{t.trial_id}_{t.name}"
+        rows = [json.loads(line) for line in (trial_dir / "result.json").read_text().splitlines()]
+        searched = [row["autopilot"] for row in rows if "autopilot" in row]
+        if t.trial_id == searcher:
+            assert len(searched) == 1 and searched[0]["chosen"] == chosen
+            assert rows[-1]["micro_batch_size"] == chosen["micro_batch_size"]
+        else:  # the choice from the first step, nothing searched
+            assert searched == [] and {row["micro_batch_size"] for row in rows} == {chosen["micro_batch_size"]}
+            assert rows[0]["grad_accum_steps"] == chosen["grad_accum_steps"]
+    params = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlruns.db").get_run(result.parent_run_id).data.params
+    assert {k: params[f"autopilot.{k}"] for k in chosen} == {k: str(v) for k, v in chosen.items()}
+    # Continued: nothing trains again, and the kept choice is not recorded twice.
+    again = tune(study_config(tmp_path, digits_dir, *overrides), verbose=True)
+    assert again.resumed and "autopilot: searched in trial" not in capsys.readouterr().out
+
+
 def test_trials_are_named_by_their_values_in_tune_the_summary_and_the_plots(
         study: tuple[TuneResult, Path], study_cli: tuple[Path, str, str]) -> None:
     result, tmp_path = study

@@ -53,7 +53,8 @@ RULES: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
                              "orchestrator.tasks", "orchestrator.models", "orchestrator.training",
                              "orchestrator.tuning", "orchestrator.checks", "orchestrator.cluster",
                              "orchestrator.console", "orchestrator.cost", "orchestrator.plots", "orchestrator.runs",
-                             "orchestrator.tracking", "orchestrator.trainer", "pipelines"), ()),
+                             "orchestrator.tracking", "orchestrator.trainer", "orchestrator.autopilot_report",
+                             "pipelines"), ()),
     # Every other module of orchestrator/ is driver side, a driver package's (doctor/, tracking/) too: anything but
     # the entry points and the study.
     ("orchestrator", tuple(f"orchestrator.{p.stem}" for p in (ROOT / "orchestrator").glob("*.py")

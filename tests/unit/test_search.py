@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from orchestrator.config import TASK_KINDS, load_config
+from orchestrator.config import TASK_KINDS, Config, load_config
 from orchestrator.config.space import Domain
 from orchestrator.errors import ConfigError
 from orchestrator.tasks import Classification
@@ -420,3 +420,35 @@ def test_study_cost_line_shows_a_small_productive_share_with_what_took_the_time(
     assert "other" not in line  # under 0.5%
     unknown = study_cost_line({"cost/trials": 2.0, "cost/node_hours": 0.01})
     assert unknown.endswith("productive share unknown: no trial ran long enough to report its timings")
+
+
+def test_a_study_shares_one_autopilot_search_unless_it_searches_what_the_search_depends_on() -> None:
+    from orchestrator.tuning.autopilot import Board, chosen_config, per_trial_reason
+
+    def study(*overrides: str) -> Config:
+        return load_config(None, ["tune.space={optim.lr: {loguniform: [1.0e-4, 1.0e-1]}}", *overrides])
+
+    assert per_trial_reason(study()) is None  # no autopilot: nothing to share
+    assert per_trial_reason(study("autopilot.enabled=true")) is None  # lr: one search serves every trial
+    for key in ("train.micro_batch_size", "model.hidden", "scaling.num_workers", "train.precision"):
+        space = f"tune.space={{optim.lr: {{loguniform: [1.0e-4, 1.0e-1]}}, {key}: {{choice: [1, 2]}}}}"
+        reason = per_trial_reason(study("autopilot.enabled=true", space))
+        assert reason is not None and key in reason and "each trial searches its own" in reason
+
+    # The board: the first trial to ask searches, the others wait; a searcher that ended without a choice hands the
+    # search to the next one; once posted, every trial (the searcher too, when restarted) applies the choice.
+    board = Board(None)
+    assert board.ask("a") == ("search", None) and board.ask("b") == ("wait", None) and board.ask("a")[0] == "search"
+    board.post("b", {"chosen": {"micro_batch_size": 1}})  # only the searcher posts
+    board.release("b")
+    assert board.ask("b") == ("wait", None)
+    board.release("a")
+    assert board.ask("b") == ("search", None)
+    chosen = {"micro_batch_size": 32, "grad_accum_steps": 2, "compile": False, "torch_threads": 1,
+              "flush_denormal": True, "precision": "fp32"}
+    board.post("b", {"chosen": chosen})
+    assert board.ask("a") == ("apply", chosen) == board.ask("b") and board.result()["trial_id"] == "b"
+    applied = chosen_config(study("autopilot.enabled=true", "train.global_batch_size=64", "scaling.num_workers=1"),
+                            chosen)
+    assert not applied.autopilot.enabled
+    assert {k: getattr(applied.train, k) for k in chosen} == chosen
