@@ -403,7 +403,8 @@ def print_table(exp: Experiment, points: dict[str, Point], results: dict[Point, 
         chose = settings_point(chosen).label(per_worker) if chosen else "-"
         print(f"{name:<9}{start:>9,.0f}{top.rate:>10,.0f}{run.rate:>10,.0f}{run.rate / start:>9.2f}"
               f"{run.rate / top.rate:>8.3f}{run.search_s:>9.1f}{run.share:>7.1%}  {chose}")
-        print(f"{'':<9}start: {point.label(per_worker)}; search {run.table.get('search_steps')} steps; "
+        same = "the grid's best" if chosen and settings_point(chosen) == best else "not the grid's best"
+        print(f"{'':<9}chose {same}; start: {point.label(per_worker)}; search {run.table.get('search_steps')} steps; "
               f"{run.steps} steps measured after it; {RUN_STEPS}-step run extrapolated: {run.wall_3000:.0f} s"
               + (f"; skipped: {run.table['skipped']}" if run.table.get("skipped") else ""))
         verdicts.append(run.rate >= 0.95 * top.rate and run.share <= 0.05)
