@@ -131,7 +131,7 @@ def params(autopilot: Mapping[str, Any]) -> dict[str, Any]:
 
 def start_samples_per_s(autopilot: Mapping[str, Any]) -> float | None:
     """The starting configuration's measured samples/s: its row's, else the chosen row's over the predicted
-    speed-up."""
+    speed-up, else (a choice kept from the checkpoint) what the search measured of it."""
     rows = [r for r in autopilot.get("rows") or [] if r.get("status", "ok") == "ok"
             and isinstance(r.get("samples_per_s"), int | float)]
     start = next((r for r in rows if autopilot.get("start") and r.get("settings") == autopilot.get("start")), None)
@@ -140,7 +140,8 @@ def start_samples_per_s(autopilot: Mapping[str, Any]) -> float | None:
     chosen, speedup = next((r for r in rows if r.get("chosen")), None), autopilot.get("predicted_speedup")
     if chosen is not None and isinstance(speedup, int | float) and speedup > 0:
         return float(chosen["samples_per_s"]) / speedup
-    return None
+    kept = autopilot.get("start_samples_per_s")
+    return float(kept) if isinstance(kept, int | float) and math.isfinite(kept) and kept > 0 else None
 
 
 def search_figures(autopilot: Mapping[str, Any]) -> dict[str, float]:

@@ -161,18 +161,29 @@ def fetch_size(micro_batch_size: int) -> int:
     return micro_batch_size * max(1, FETCH_ROWS // micro_batch_size)
 
 
-def split_batches(chunks: Iterable[Batch], size: int, drop_last: bool, padding: Padding | None = None
-                  ) -> Iterator[Batch]:
-    """Slice fetched chunks into batches of `size` rows, each trimmed to its own longest sequence. Only the epoch's
-    last chunk can be short (chunks are fetched without drop_last), so with drop_last exactly the rows of an
-    incomplete final batch are dropped."""
+def split_batches(chunks: Iterable[Batch], size: int | Callable[[], int], drop_last: bool,
+                  padding: Padding | None = None) -> Iterator[Batch]:
+    """Slice fetched chunks into batches of `size` rows, each trimmed to its own longest sequence. `size` may be a
+    function, read before each batch: a size changed mid-pass (the autopilot's micro-batch) takes effect from the
+    next batch, the rows a chunk has left carried into the next chunk's. Only the epoch's last chunk can be short
+    (chunks are fetched without drop_last), so with drop_last exactly the rows of an incomplete final batch are
+    dropped."""
     trim = padding.trim if padding is not None else (lambda batch: batch)
+    size_now = size if callable(size) else (lambda: size)
+    rest: Batch | None = None
     for chunk in chunks:
-        count = rows(chunk)
-        for start in range(0, count, size):
-            if drop_last and start + size > count:
+        if rest is not None:
+            chunk, rest = cat_rows([rest, chunk]), None
+        count, start = rows(chunk), 0
+        while start < count:
+            n = size_now()
+            if start + n > count:
+                rest = take(chunk, slice(start, count))
                 break
-            yield trim(take(chunk, slice(start, start + size)))
+            yield trim(take(chunk, slice(start, start + n)))
+            start += n
+    if rest is not None and not drop_last:
+        yield trim(rest)
 
 
 class EpochReplay:
@@ -198,6 +209,7 @@ class EpochReplay:
         self.padding = padding
         self.batches: list[Batch] | None = None
         self.everything: Batch | None = None  # the kept pass in one batch, for reshuffled epochs
+        self.recut = False  # resized since the pass was recorded
 
     def __call__(self, stream: Callable[[], Iterable[Batch]], epoch: int = 0) -> Iterator[Batch]:
         """The recorded pass in `epoch`'s order if there is one; else a new `stream()`, recorded when kept. A pass
@@ -223,10 +235,17 @@ class EpochReplay:
     def _whole(self, batches: Iterable[Batch]) -> Iterator[Batch]:
         return (batch for batch in batches if self._is_whole(batch))
 
+    def resize(self, micro: int) -> None:
+        """Hand out micro-batches of `micro` rows from here on (the autopilot's choice); a kept pass recorded at
+        another size is cut again, none of its rows lost."""
+        self.micro, self.recut = micro, True
+
     def _in_order_of(self, epoch: int) -> Iterator[Batch]:
         batches = self.batches or []
         if self.reshuffle is None or epoch == 0 or not batches:
-            yield from self._whole(batches)
+            recut = self.recut and self.micro is not None
+            yield from self._whole(split_batches(batches, lambda: self.micro, False, self.padding) if recut
+                                   else batches)
             return
         if self.everything is None:
             self.everything = cat_rows(batches)  # once; each epoch then gathers only the micro-batch in hand
@@ -262,6 +281,13 @@ class RankBatches:
     def train(self, epoch: int) -> Iterator[Batch]:
         return self.replay_train(lambda: self._stream_train(epoch), epoch)
 
+    def resize(self, micro: int) -> None:
+        """Cut the training micro-batches at `micro` rows from the next one on, in this pass and every later one
+        (the autopilot's choice: a step then takes whole micro-batches instead of joining or cutting them). The
+        chunks keep their fetch size; the rows the position counts are the same."""
+        self.micro = micro
+        self.replay_train.resize(micro)
+
     def val(self) -> Iterator[Batch]:
         return self.replay_val(lambda: self._batches(self.val_shard, drop_last=False))
 
@@ -281,4 +307,4 @@ class RankBatches:
             batch_size=fetch_size(self.micro), prefetch_batches=self.data.prefetch_batches, collate_fn=self.collate,
             local_shuffle_buffer_size=self.data.shuffle_buffer if shuffle_seed is not None else None,
             local_shuffle_seed=shuffle_seed)
-        return split_batches(chunks, self.micro, drop_last, self.padding)
+        return split_batches(chunks, lambda: self.micro, drop_last, self.padding)

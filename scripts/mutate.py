@@ -278,6 +278,15 @@ MUTANTS = (
            "parts.join, parts.split = s.micro_batch_size // self.micro, 1", "parts.join, parts.split = 1, 1",
            (f"{UNIT}/test_autopilot.py::"
             "test_an_autopilot_run_ends_with_the_weights_of_its_choice_configured_from_the_start",)),
+    # A study's one autopilot search: one trial searches, the others wait and apply its choice.
+    Mutant("every trial of a study searches at once", "orchestrator/tuning/autopilot.py",
+           "        if self.searcher in (None, trial_id):\n", "        if True:\n",
+           ("tests/unit/test_search.py::"
+            "test_a_study_shares_one_autopilot_search_unless_it_searches_what_the_search_depends_on",)),
+    Mutant("a study's trials each search their own", "orchestrator/tuning/autopilot.py",
+           "    return None if reason else ray.remote(", "    return None if True else ray.remote(",
+           ("tests/integration/test_tune.py::"
+            "test_a_study_with_the_autopilot_searches_once_and_every_trial_trains_with_its_choice",)),
     Mutant("a restarted trial billed on Tune's rewound clock", "orchestrator/tuning/trials.py",
            "            return float(row[REPORTED_AT]) - started\n",
            '            return float(row.get("time_total_s", 0.0))\n',

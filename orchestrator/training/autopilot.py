@@ -12,7 +12,7 @@ import os
 import statistics
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -145,7 +145,8 @@ def begin(cfg: Config, parts: Parts, progress: Progress) -> tuple[Autopilot | No
             chosen = replace(chosen, micro_batch_size=start.micro_batch_size, grad_accum_steps=start.grad_accum_steps)
         knobs.apply(parts, chosen)
         if not resized:
-            kept = summary(Settings(**saved["start"]), chosen, predicted_speedup=saved.get("predicted_speedup"))
+            kept = summary(Settings(**saved["start"]), chosen, predicted_speedup=saved.get("predicted_speedup"),
+                           start_samples_per_s=saved.get("start_samples_per_s"))
             return None, (kept | {"from_checkpoint": True} if rank == 0 else None)
         start = chosen
     steps = t.max_steps - progress.step  # type: ignore[operator]
@@ -298,9 +299,21 @@ class Autopilot:
             self.trial = Trial(following)
             return
         self.knobs.apply(parts, self.best.settings)
-        self.progress.autopilot = saved(self.start, self.best.settings, self._speedup())
+        start_rate = self.cfg.train.global_batch_size / self.trials[0].step_s
+        self.progress.autopilot = saved(self.start, self.best.settings, self._speedup(), start_rate)
         self.done = True
         self.report = self._summary() if ranks.world()[0] == 0 else None
+
+    def recut(self, parts: Parts, resize: Callable[[int], None] | None) -> int | None:
+        """After the search, on every rank: the data cut at the chosen micro-batch (`resize`), so the rest of the
+        run takes whole micro-batches as a run configured with it from the start does, instead of joining or cutting
+        the configured ones at every step. Returns the micro-batches a step now takes; None when nothing changes."""
+        micro = self.best.settings.micro_batch_size  # type: ignore[union-attr]
+        if resize is None or micro == self.knobs.micro:
+            return None
+        resize(micro)
+        self.knobs.micro, parts.join, parts.split = micro, 1, 1
+        return self.per_worker // micro
 
     def _next(self) -> Settings | None:
         """Rank 0: the next candidate, or None when the budget or the run's steps left cannot measure one more."""
@@ -383,10 +396,11 @@ class Autopilot:
                        budget_s=self.budget_s, budget_spent_s=self.charged)
 
 
-def saved(start: Settings, chosen: Settings, speedup: float | None) -> dict[str, Any]:
-    """What a checkpoint keeps of the choice (Progress.autopilot)."""
+def saved(start: Settings, chosen: Settings, speedup: float | None, start_rate: float) -> dict[str, Any]:
+    """What a checkpoint keeps of the choice (Progress.autopilot); the starting configuration's measured samples/s
+    (0 when it was not measured) lets a resumed run's summary say what the choice achieves against it."""
     return {"start": asdict(start), "chosen": asdict(chosen), "world": ranks.world()[1],
-            "predicted_speedup": speedup}
+            "predicted_speedup": speedup, "start_samples_per_s": start_rate}
 
 
 def _runs_out(parts: Parts, piece: Batch) -> bool:

@@ -213,11 +213,13 @@ def run(
     progress: Progress | None = None,
     preempted: Callable[[], bool] | None = None,
     facts: dict[str, Any] | None = None,
+    resize: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Train to `cfg.train.max_steps`, publishing metrics every `log_every` steps; returns the last metrics.
     `preempted` (a barrier, called at report steps) tells whether a node of the run is being drained: the next
     report then carries a checkpoint. `facts` go out once, with the first report of this (re)start, together with
-    when (`at/*`, epoch seconds) the loop started and had its first batch: the driver's start-up breakdown."""
+    when (`at/*`, epoch seconds) the loop started and had its first batch: the driver's start-up breakdown.
+    `resize` cuts the training data at another micro-batch (RankBatches.resize; see _search_step)."""
     t = cfg.train
     assert t.max_steps is not None and isinstance(t.grad_accum_steps, int)  # resolved before the loop
     progress = progress or Progress()
@@ -227,13 +229,12 @@ def run(
     metrics: dict[str, Any] = {}
     once = dict(facts or {}) | device_facts(parts.device) | {"at/loop": time.time()}
     flops: float | None = None  # counted on this process's first step
-    # The autopilot's search: None when off, done, kept from the checkpoint or skipped (said in the first report).
-    pilot, kept = autopilot.begin(cfg, parts, progress) if cfg.autopilot.enabled else (None, None)
-    once |= {"autopilot": kept} if kept is not None else {}
+    pilot = _start_autopilot(cfg, parts, progress, once)
     if parts.local_sgd is not None and not parts.local_sgd.anchor:
         parts.local_sgd.start(unwrap(parts.model))
     # Waiting for the first batch is start-up (the pipeline's first read), not part of the first interval.
-    first = [next(stream) for _ in range(t.grad_accum_steps)] if progress.step < t.max_steps else None
+    pieces = t.grad_accum_steps  # the data's micro-batches a step takes
+    first = [next(stream) for _ in range(pieces)] if progress.step < t.max_steps else None
     once["at/first_batch"] = time.time()
     interval = Interval(PhaseTimer(parts.device))
     while progress.step < t.max_steps:
@@ -241,11 +242,11 @@ def run(
             batch, first = first, None
         else:
             with interval.timer.phase("data_wait"):
-                batch = [next(stream) for _ in range(t.grad_accum_steps)]
+                batch = [next(stream) for _ in range(pieces)]
         if flops is None:  # this process's first step, also after a resume
             flops, result, interval = _first_step(parts, batch, interval, once)
         elif pilot is not None:
-            result, pilot = _search_step(pilot, parts, batch, interval.timer, once)
+            result, pilot, pieces = _search_step(pilot, parts, batch, interval.timer, once, resize, pieces)
         else:
             result = train_step(parts, batch, interval.timer)
         progress.step += 1
@@ -254,7 +255,6 @@ def run(
         if progress.nonfinite_skipped > t.max_nonfinite_steps:
             raise _too_many_non_finite(progress, t.max_nonfinite_steps)
         interval.add(result, micro=-(-rows(batch[0]) * parts.join // parts.split))
-
         due = cadence.at(progress.step)
         if parts.local_sgd is not None:
             _average_local_sgd(parts.local_sgd, parts, progress.step, due, interval.timer)
@@ -281,16 +281,31 @@ def _first_step(parts: Parts, batch: list[Batch], interval: Interval, once: dict
     return flops, result, interval
 
 
+def _start_autopilot(cfg: Config, parts: Parts, progress: Progress, once: dict[str, Any]
+                     ) -> autopilot.Autopilot | None:
+    """The autopilot's search: None when off, or when the choice is kept from the checkpoint or the search skipped
+    (said in the first report, through `once`)."""
+    if not cfg.autopilot.enabled:
+        return None
+    pilot, kept = autopilot.begin(cfg, parts, progress)
+    if kept is not None:
+        once["autopilot"] = kept
+    return pilot
+
+
 def _search_step(pilot: autopilot.Autopilot, parts: Parts, batch: list[Batch], timer: PhaseTimer,
-                 once: dict[str, Any]) -> tuple[StepResult, autopilot.Autopilot | None]:
-    """A real step of the run under the autopilot's candidate; once the search is done, its table goes with the next
-    report (rank 0) and the search is dropped."""
+                 once: dict[str, Any], resize: Callable[[int], None] | None, pieces: int
+                 ) -> tuple[StepResult, autopilot.Autopilot | None, int]:
+    """A real step of the run under the autopilot's candidate, and the data's micro-batches the next step takes.
+    Once the search is done, its table goes with the next report (rank 0), the search is dropped, and `resize`
+    cuts the data at the chosen micro-batch: the steps then take whole micro-batches rather than joining or cutting
+    the configured ones."""
     result = pilot.step(parts, batch, timer)
     if not pilot.done:
-        return result, pilot
+        return result, pilot, pieces
     if pilot.report is not None:
         once["autopilot"] = pilot.report
-    return result, None
+    return result, None, pilot.recut(parts, resize) or pieces
 
 
 def _too_many_non_finite(progress: Progress, limit: int) -> NonFiniteLossError:

@@ -99,7 +99,7 @@ def train_rank(spec: dict[str, Any], cfg: Config, seat: Seat, load_state: Callab
              "global_batch": t.micro_batch_size * t.grad_accum_steps * seat.world,  # type: ignore[operator]
              "worker_pid": os.getpid(), "world_rank": seat.rank, "at/worker": seat.entered}
     return run(cfg, parts, data.train, data.val if cfg.data.val is not None else None, reporter, progress,
-               preempted, facts)
+               preempted, facts, resize=data.resize)
 
 
 def fetch_pretrained(uri: str, s3: Any) -> str:

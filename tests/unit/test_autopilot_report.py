@@ -171,6 +171,12 @@ def test_the_summary_says_what_the_autopilot_gained_predicted_and_achieved() -> 
     assert autopilot_report.gain_line(skipped, _history()) == (
         "autopilot: skipped (run too short to pay for the search: 30 steps): trained with the configuration as "
         "written")
+    # A resumed run: the choice kept from the checkpoint, with the starting config's pace its search measured.
+    resumed = found | {"rows": [], "from_checkpoint": True, "start_samples_per_s": 1000.0}
+    assert autopilot_report.gain_line(resumed, _history()) == (
+        "autopilot: settings kept from the checkpoint (micro_batch_size=128, grad_accum_steps=1, compile=False, "
+        f"torch_threads=2, flush_denormal=True, precision=fp32); achieved {ACHIEVED / 1000:.2f}x ({ACHIEVED:,.0f} "
+        "samples/s in training steps after the search)")
 
 
 class _RecordingTracker:

@@ -90,6 +90,40 @@ def test_replayed_epochs_reach_the_rows_of_the_incomplete_last_micro_batch() -> 
     assert {i for e in epochs[1:] for i in sum(ys(e), [])} == set(range(10))  # 8 and 9 are trained too
 
 
+def test_a_size_changed_mid_pass_cuts_the_next_batches_at_it_and_loses_no_row() -> None:
+    # The autopilot's micro-batch, chosen after 3 batches of 2: from there on batches of 4, across chunk ends (the
+    # chunks were fetched at a whole number of the old size, 6 rows), every row once and in order.
+    size = [2]
+    batches = split_batches(chunks(26, 6), lambda: size[0], drop_last=True)
+    head = [next(batches) for _ in range(3)]
+    size[0] = 4
+    assert ys(head) + ys(batches) == [[0, 1], [2, 3], [4, 5], [6, 7, 8, 9], [10, 11, 12, 13], [14, 15, 16, 17],
+                                      [18, 19, 20, 21], [22, 23, 24, 25]]
+    smaller = [4]
+    batches = split_batches(chunks(10, 4), lambda: smaller[0], drop_last=False)
+    first = next(batches)
+    smaller[0] = 3
+    assert ys([first, *batches]) == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+
+
+def test_a_replayed_pass_resized_is_cut_again_at_the_new_size_with_every_row() -> None:
+    # A pass kept at micro-batches of 2 (12 rows), then the autopilot's 4: later epochs hand out whole batches of 4,
+    # every row of the pass, as a pass recorded at 4 from the start would; reshuffled ones too.
+    for reshuffle in (None, lambda epoch: 1000 + epoch):
+        size = [2]
+        replay = EpochReplay(keep=True, reshuffle=reshuffle, micro=2)
+        stream = lambda: split_batches(chunks(12, 6), lambda: size[0], drop_last=False)  # noqa: E731
+        first = list(replay(stream, 0))
+        assert [len(y) for y in ys(first)] == [2] * 6
+        size[0] = 4
+        replay.resize(4)
+        from_start = EpochReplay(keep=True, reshuffle=reshuffle, micro=4)
+        for epoch in (1, 2):
+            later = ys(replay(stream, epoch))
+            assert [len(y) for y in later] == [4, 4, 4] and sorted(sum(later, [])) == list(range(12))
+            assert later == ys(from_start(lambda: split_batches(chunks(12, 6), 4, drop_last=False), epoch))
+
+
 COLLATE_IN_A_THREAD = """
 import os, threading, time
 import numpy as np, pyarrow as pa, torch

@@ -26,6 +26,7 @@ from orchestrator.training.loop import run
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts
 from orchestrator.training.precision import Precision
+from pipelines.batches import split_batches
 
 CPU = torch.device("cpu")
 ROWS = 2048  # 32 steps of 64 rows per epoch
@@ -79,6 +80,23 @@ def _source(rank: int, micro: int) -> Any:
     return lambda epoch: [{"x": x[i:i + micro], "labels": y[i:i + micro]} for i in range(0, ROWS, micro)]
 
 
+class Resizable:
+    """A rank's training data as RankBatches cuts it: one pass of chunks cut into micro-batches of the size
+    `resize` last set (the autopilot's choice, from the next micro-batch on); records the size of each it serves."""
+
+    def __init__(self, rank: int, micro: int) -> None:
+        self.micro, self.served = micro, []
+        self.epochs = _source(rank, 256)  # chunks of 256 rows, the fetch size of this small micro-batch
+
+    def __call__(self, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
+        for batch in split_batches(self.epochs(epoch), lambda: self.micro, drop_last=True):
+            self.served.append(len(batch["x"]))
+            yield batch
+
+    def resize(self, micro: int) -> None:
+        self.micro = micro
+
+
 def _chosen_config(cfg: Config, chosen: dict[str, Any]) -> Config:
     """The run configured with the chosen settings from the start (autopilot off)."""
     return _config(*_overrides(cfg), "autopilot.enabled=false", f"train.micro_batch_size={chosen['micro_batch_size']}",
@@ -92,12 +110,13 @@ def _overrides(cfg: Config) -> list[str]:
 
 
 def _train(cfg: Config, model: torch.nn.Module, rank: int = 0, progress: Progress | None = None,
-           recorder: Recorder | None = None) -> tuple[Parts, Recorder]:
+           recorder: Recorder | None = None, data: Resizable | None = None) -> tuple[Parts, Recorder]:
     parts, recorder = _parts(cfg, model), recorder or Recorder()
     if cfg.train.torch_threads:  # what the worker's set-up does (worker.rank_config)
         torch.set_num_threads(cfg.train.torch_threads)
     torch.set_flush_denormal(cfg.train.flush_denormal)
-    run(cfg, parts, _source(rank, cfg.train.micro_batch_size), None, recorder, progress)  # type: ignore[arg-type]
+    source = data or _source(rank, cfg.train.micro_batch_size)  # type: ignore[arg-type]
+    run(cfg, parts, source, None, recorder, progress, resize=data.resize if data else None)
     return parts, recorder
 
 
@@ -113,9 +132,14 @@ def _weights(parts: Parts) -> list[torch.Tensor]:
 
 def test_an_autopilot_run_ends_with_the_weights_of_its_choice_configured_from_the_start() -> None:
     cfg = _config("train.max_steps=200", "train.flush_denormal=false")  # flushing is a candidate only from off
-    piloted, recorder = _train(cfg, Net(overhead_s=0.002))
+    data = Resizable(0, 4)  # the data cut at the choice once it is made, as a worker's RankBatches is
+    piloted, recorder = _train(cfg, Net(overhead_s=0.002), data=data)
     table = _table(recorder)
     chosen = table["chosen"]
+    # Every step after the search takes whole micro-batches of the chosen size: nothing joined or cut in the step.
+    searched = table["search_steps"] + 1  # the first step, then the search's
+    after = data.served[searched * 16:]
+    assert after and set(after) == {chosen["micro_batch_size"]}, (chosen, data.served[searched * 16 - 2:][:4])
     # Micro-batch 4 of 64 is a deliberately poor start: the tiny MLP runs larger ones several times faster.
     assert chosen["micro_batch_size"] > 4 and table["predicted_speedup"] > 1
     assert [r["chosen"] for r in table["rows"]].count(True) == 1
@@ -207,6 +231,8 @@ def test_a_resized_group_keeps_the_saved_choice_but_measures_the_micro_batch_aga
     varied = {key for row in table["rows"] for key, value in row["settings"].items() if table["start"][key] != value}
     assert varied == {"micro_batch_size", "grad_accum_steps"}
     assert progress.autopilot["world"] == 1 and table["chosen"]["micro_batch_size"] > 4  # type: ignore[index]
+    # What a later resume's summary measures the choice against: the start as this search measured it.
+    assert progress.autopilot["start_samples_per_s"] == pytest.approx(table["rows"][0]["samples_per_s"])  # type: ignore[index]
 
 
 def test_a_restarted_worker_builds_its_data_at_the_chosen_micro_batch() -> None:
