@@ -287,6 +287,13 @@ MUTANTS = (
            "    return None if reason else ray.remote(", "    return None if True else ray.remote(",
            ("tests/integration/test_tune.py::"
             "test_a_study_with_the_autopilot_searches_once_and_every_trial_trains_with_its_choice",)),
+    Mutant("the data not cut at the autopilot's micro-batch once it chose", AUTOPILOT,
+           "        if resize is None or micro == self.knobs.micro:\n", "        if True:\n",
+           (f"{UNIT}/test_autopilot.py::"
+            "test_an_autopilot_run_ends_with_the_weights_of_its_choice_configured_from_the_start",)),
+    Mutant("a re-cut replay drops the rows recorded at the old size", "pipelines/batches.py",
+           "            recut = self.recut and self.micro is not None\n", "            recut = False\n",
+           ("tests/unit/pipelines/test_batches.py",)),
     Mutant("a restarted trial billed on Tune's rewound clock", "orchestrator/tuning/trials.py",
            "            return float(row[REPORTED_AT]) - started\n",
            '            return float(row.get("time_total_s", 0.0))\n',
