@@ -19,8 +19,9 @@ TABLE = "autopilot.json"  # MLflow's table format: `columns` and `data` rows
 PARAM_PREFIX = "autopilot."  # the chosen settings' params; the config's own keys (autopilot.enabled...) differ
 FIGURES = "autopilot/"  # the summary table's section (tracking/view.py)
 AT_STEP = "reported_at_step"  # added by the driver: the step of the report that carried it
-COLUMNS = ["candidate", "samples_per_s", "ratio", "peak_memory_gb", "compile_s", "status", "chosen"]
+COLUMNS = ["candidate", "samples_per_s", "ratio", "peak_memory_gb", "compile_s", "loss", "status", "chosen"]
 _HEADER = ("candidate", "samples/s", "vs start", "peak memory", "compile s", "chosen")
+_LOSS = "train loss"  # a column of its own once a candidate that changes the math was measured (autopilot.allow)
 # The phases of an interval the search's timed steps measure (a step's forward, backward and gradient sync; its
 # batch is at hand): the achieved pace counts these seconds only, so the two figures compare like with like.
 _STEP_PHASES = ("time/compute_frac", "time/sync_frac")
@@ -60,11 +61,15 @@ def table_lines(autopilot: Mapping[str, Any], mark: str = "✓") -> list[str]:
         return [f"autopilot: kept from the checkpoint, nothing searched: {_settings(autopilot.get('chosen'))}"]
     rows = list(autopilot.get("rows") or [])
     measured = [r for r in rows if r.get("status", "ok") == "ok"]
-    cells = [_HEADER] + [(str(r.get("candidate")), _number(r.get("samples_per_s"), ",.1f"),
-                          _number(r.get("ratio"), ".2f") + ("x" if isinstance(r.get("ratio"), int | float) else ""),
-                          _number(r.get("peak_memory_gb"), ".2f") + (" GB" if r.get("peak_memory_gb") else ""),
-                          _number(r.get("compile_s"), ".1f"), mark if r.get("chosen") else "") for r in measured]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(_HEADER))]
+    # The loss beside the speed where a measured candidate changes the math (its loss may then differ).
+    math = any((r.get("settings") or {}).get("sync", "ddp") != "ddp" for r in measured)
+    cells = [(*_HEADER, *([_LOSS] if math else []))] + [
+        (str(r.get("candidate")), _number(r.get("samples_per_s"), ",.1f"),
+         _number(r.get("ratio"), ".2f") + ("x" if isinstance(r.get("ratio"), int | float) else ""),
+         _number(r.get("peak_memory_gb"), ".2f") + (" GB" if r.get("peak_memory_gb") else ""),
+         _number(r.get("compile_s"), ".1f"), mark if r.get("chosen") else "",
+         *([_number(r.get("loss"), ".4f")] if math else [])) for r in measured]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(cells[0]))]
     lines = []
     if measured:
         lines.append("autopilot: candidates measured on the run's own steps")

@@ -97,6 +97,8 @@ def _autopilot(c: Config) -> dict[str, Any]:
     searches = ["train.micro_batch_size (at the global batch)", "train.compile", "train.torch_threads"]
     searches += [] if c.scaling.use_gpu else ["train.flush_denormal"]
     searches += ["train.precision"] if c.train.precision == "auto" else []
+    # Opted in (autopilot.allow): changes the math, measured with the loss beside the speed.
+    searches += ["train.sync (allowed)"] if "sync" in c.autopilot.allow and c.scaling.max_workers > 1 else []
     return {"enabled": True, "budget_share_of_wall_clock": c.autopilot.budget, "searches": searches}
 
 

@@ -274,7 +274,7 @@ MUTANTS = (
     Mutant("the autopilot searches again on resume", AUTOPILOT,
            'resized = saved is not None and saved.get("world") != world', "resized = saved is not None",
            (f"{UNIT}/test_autopilot.py::test_a_resume_applies_the_saved_choice_without_searching",)),
-    Mutant("the autopilot's larger micro-batch not applied", AUTOPILOT,
+    Mutant("the autopilot's larger micro-batch not applied", "orchestrator/training/knobs.py",
            "parts.join, parts.split = s.micro_batch_size // self.micro, 1", "parts.join, parts.split = 1, 1",
            (f"{UNIT}/test_autopilot.py::"
             "test_an_autopilot_run_ends_with_the_weights_of_its_choice_configured_from_the_start",)),

@@ -157,3 +157,7 @@ class AutopilotConfig(_Section):
     budget: float = Field(0.05, gt=0, le=0.5, description="Most of the run's expected wall clock (max_steps x the "
                           "starting config's step time) the search may spend; a run too short to pay for it trains "
                           "with its config.")
+    allow: list[Literal["sync"]] = Field(
+        default_factory=list, description="Settings that change the math of training, measured too only when "
+        "listed here: sync (train.sync local_sgd against ddp, on 2 workers or more; local_sgd's own settings, or "
+        "its defaults). Their rows show the loss over the measured steps beside the speed.")

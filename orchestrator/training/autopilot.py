@@ -22,10 +22,11 @@ from orchestrator.config import Config
 from orchestrator.tasks import step_loss_sum
 from orchestrator.training import fsdp, ranks
 from orchestrator.training.checkpoint import Progress, unwrap
+from orchestrator.training.knobs import Knobs, Settings
 from orchestrator.training.memory import GIB, is_oom, release_cached_memory
 from orchestrator.training.micro_batch import for_world_size
-from orchestrator.training.parts import Parts, compile_model
-from orchestrator.training.precision import Precision, flush_denormals
+from orchestrator.training.parts import Parts
+from orchestrator.training.precision import flush_denormals
 from orchestrator.training.step import StepResult, cut, first_compiled_step, train_step
 from orchestrator.training.timing import PhaseTimer
 from pipelines.tensors import Batch, rows
@@ -40,26 +41,6 @@ COMPILE_GUESS_S = 30.0
 GO_ON, END, ADOPT, STOP = 0, 1, 2, 4
 
 
-@dataclass(frozen=True)
-class Settings:
-    """One candidate, as the train.* config keys that give it from the start."""
-
-    micro_batch_size: int
-    grad_accum_steps: int
-    compile: bool
-    torch_threads: int
-    flush_denormal: bool
-    precision: str
-
-    def line(self) -> str:
-        return (f"micro {self.micro_batch_size} x {self.grad_accum_steps} | compile {_on(self.compile)} | threads "
-                f"{self.torch_threads} | flush {_on(self.flush_denormal)} | {self.precision}")
-
-
-def _on(flag: bool) -> str:
-    return "on" if flag else "off"
-
-
 @dataclass
 class Trial:
     """A candidate being measured: warm-up steps left and the timed steps' seconds (each the slowest rank's)."""
@@ -72,6 +53,7 @@ class Trial:
     failed: str | None = None
     started: bool = False
     piece_rows: int = 0  # rows of its largest forward
+    losses: list[float] = field(default_factory=list)  # rank 0's mean training loss of each timed step
 
     @property
     def step_s(self) -> float:
@@ -84,49 +66,6 @@ def _spread(times: list[float]) -> float:
     return statistics.median(abs(t - middle) for t in times) / middle if middle > 0 else 0.0
 
 
-class Knobs:
-    """Puts a candidate's settings on the running Parts. `micro`: the micro-batch the data pipeline cuts; a larger
-    candidate joins its micro-batches, a smaller one cuts them (step.cut)."""
-
-    def __init__(self, parts: Parts, micro: int, flush: bool) -> None:
-        self.micro, self.flush, self.device = micro, flush, parts.device
-        self.eager = parts.eager_model or parts.model  # a run configured compiled: its eager fallback
-        self.compiled = parts.model if parts.eager_model is not None else None
-
-    def read(self, parts: Parts, per_worker: int) -> Settings:
-        """The settings `parts` runs with now."""
-        micro = self.micro * parts.join // parts.split
-        return Settings(micro, per_worker // micro, self.compiled is not None and parts.model is self.compiled,
-                        torch.get_num_threads(), self.flush, parts.precision.mode)
-
-    def apply(self, parts: Parts, s: Settings) -> None:
-        if s.micro_batch_size >= self.micro:
-            parts.join, parts.split = s.micro_batch_size // self.micro, 1
-        else:
-            parts.join, parts.split = 1, self.micro // s.micro_batch_size
-        self._compile(parts, s.compile)
-        if s.precision != parts.precision.mode:
-            skipped = parts.precision.skipped_steps
-            parts.precision = Precision(s.precision, parts.device)  # type: ignore[arg-type]
-            parts.precision.skipped_steps = skipped
-        if torch.get_num_threads() != s.torch_threads:
-            torch.set_num_threads(s.torch_threads)
-        if s.flush_denormal != self.flush:
-            # This thread's setting; intra-op threads started later copy it (precision.flush_denormals).
-            flush_denormals(s.flush_denormal)
-            self.flush = s.flush_denormal
-
-    def _compile(self, parts: Parts, on: bool) -> None:
-        if not on:
-            parts.model, parts.eager_model = self.eager, None
-        elif self.compiled is None:
-            parts.model = self.eager
-            compile_model(parts)  # the next step compiles it: first_compiled_step, which falls back together
-            self.compiled = parts.model
-        elif parts.model is not self.compiled:
-            parts.model = self.compiled  # it compiled on an earlier step of the search
-
-
 def begin(cfg: Config, parts: Parts, progress: Progress) -> tuple[Autopilot | None, dict[str, Any] | None]:
     """At the loop's start, on every rank: the search to run, or None with what the first report carries (rank 0;
     None elsewhere): the choice kept from the checkpoint, applied here, or why the run is too short to search. A
@@ -134,7 +73,7 @@ def begin(cfg: Config, parts: Parts, progress: Progress) -> tuple[Autopilot | No
     t = cfg.train
     rank, world = ranks.world()
     per_worker = t.micro_batch_size * t.grad_accum_steps  # type: ignore[operator]
-    knobs = Knobs(parts, t.micro_batch_size, t.flush_denormal)  # type: ignore[arg-type]
+    knobs = Knobs(parts, t.micro_batch_size, t.flush_denormal, t.local_sgd)  # type: ignore[arg-type]
     start = knobs.read(parts, per_worker)
     saved = progress.autopilot
     resized = saved is not None and saved.get("world") != world
@@ -159,10 +98,16 @@ def begin(cfg: Config, parts: Parts, progress: Progress) -> tuple[Autopilot | No
 
 
 def kept_config(cfg: Config, state: dict[str, Any] | None, world: int) -> Config:
-    """The config a resumed or restarted group builds its data pipeline with: at the world size the autopilot chose
-    at, with its micro-batch, so the step cuts nothing (`begin` applies the rest of the choice)."""
+    """The config a resumed or restarted group builds its model and data pipeline with: the sync mode the autopilot
+    chose (its local-SGD state is then restored with the model), and at the world size it chose at, its
+    micro-batch, so the step cuts nothing (`begin` applies the rest of the choice)."""
     saved = (state or {}).get("progress", {}).get("autopilot")
-    if not cfg.autopilot.enabled or not saved or saved.get("world") != world:
+    if not cfg.autopilot.enabled or not saved:
+        return cfg
+    # The sync mode holds at any size; built with it, the model restores its local-SGD state too.
+    sync = saved["chosen"].get("sync", cfg.train.sync)
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"sync": sync})})
+    if saved.get("world") != world:
         return cfg
     return for_world_size(cfg, world, int(saved["chosen"]["micro_batch_size"]))
 
@@ -226,6 +171,7 @@ class Autopilot:
             trial.warmup -= 1
         elif trial.failed is None:
             trial.times.append(seconds)
+            trial.losses.append(float(result.loss_sum) / max(float(result.targets), 1.0))
         code = ranks.rank0_int(self._verdict(trial) if ranks.world()[0] == 0 else GO_ON, parts.device)
         if code & END:
             self._close(parts, code)
@@ -324,9 +270,23 @@ class Autopilot:
         return next((s for s in self.walker if s not in tried), None)  # type: ignore[union-attr]
 
     def _walk(self) -> Iterator[Settings]:
-        """The candidates in order, each from the best so far (rank 0): micro-batches larger than the start's while
+        """The candidates in order, each from the best so far (rank 0): micro-batches larger than the best's while
         each beats the best, else smaller ones alike; then precision (auto only), compile, threads and
-        flush_denormal, each value against the best."""
+        flush_denormal, each value against the best; then, if one of those changed the best, the micro-batch once
+        more (what pays depends on them: a larger micro-batch may gain only with more threads)."""
+        yield from self._walk_micro()
+        if self.micro_only:
+            return
+        searched = self.best.settings  # type: ignore[union-attr]
+        for key, values in self._other_options():
+            for value in values:
+                affordable = key != "compile" or self.charged + COMPILE_GUESS_S <= self.budget_s
+                if value != getattr(self.best.settings, key) and affordable:
+                    yield replace(self.best.settings, **{key: value})  # type: ignore[union-attr]
+        if self.best.settings != searched:  # type: ignore[union-attr]
+            yield from self._walk_micro()
+
+    def _walk_micro(self) -> Iterator[Settings]:
         larger, smaller = self._micro_options()
         for direction in (larger, smaller):
             improved = False
@@ -338,29 +298,24 @@ class Autopilot:
                 improved = True
             if improved:
                 break
-        if self.micro_only:
-            return
-        for key, values in self._other_options():
-            for value in values:
-                affordable = key != "compile" or self.charged + COMPILE_GUESS_S <= self.budget_s
-                if value != getattr(self.best.settings, key) and affordable:
-                    yield replace(self.best.settings, **{key: value})  # type: ignore[union-attr]
 
     def _micro_options(self) -> tuple[list[int], list[int]]:
-        """Micro-batches the step can run from the pipeline's (joined or cut), larger ones ascending and up to two
-        smaller ones descending. None under FSDP, where running out of memory cannot be survived."""
+        """Micro-batches the step can run from the pipeline's (joined or cut), larger than the best's ascending and
+        up to two smaller ones descending. None under FSDP, where running out of memory cannot be survived."""
         if fsdp.is_sharded(self.knobs.eager):
             return [], []
         m, accum = self.knobs.micro, self.per_worker // self.knobs.micro
         options = {m * k for k in range(2, accum + 1) if accum % k == 0 and (k & (k - 1) == 0 or k == accum)}
         options |= {m // k for k in (2, 4) if m % k == 0}
-        start = self.start.micro_batch_size
-        return sorted(o for o in options if o > start), sorted((o for o in options if o < start), reverse=True)
+        best = self.best.settings.micro_batch_size  # type: ignore[union-attr]
+        return sorted(o for o in options if o > best), sorted((o for o in options if o < best), reverse=True)
 
     def _other_options(self) -> list[tuple[str, list[Any]]]:
         s, cpu = self.start, self.knobs.device.type == "cpu"
         sharded = fsdp.is_sharded(self.knobs.eager)
         options: list[tuple[str, list[Any]]] = []
+        if "sync" in self.cfg.autopilot.allow and ranks.world()[1] > 1 and not sharded:
+            options.append(("sync", ["local_sgd" if s.sync == "ddp" else "ddp"]))  # asked for: measured first
         if self.cfg.train.precision == "auto" and s.precision == "bf16" and not sharded:
             options.append(("precision", ["fp32"]))  # auto chose bf16: the device runs it natively
         if not sharded:
@@ -390,7 +345,7 @@ class Autopilot:
                 "ratio": start_s / trial.step_s if measured and math.isfinite(start_s) else None,
                 "peak_memory_gb": trial.peak_gb or None, "compile_s": trial.compile_s,
                 "status": trial.failed or ("ok" if trial.times else "stopped: the budget ran out in its warm-up"),
-                "chosen": trial is self.best})
+                "chosen": trial is self.best, "loss": statistics.fmean(trial.losses) if trial.losses else None})
         return summary(self.start, self.best.settings, rows=table,  # type: ignore[union-attr]
                        search_s=self.spent, search_steps=self.steps, predicted_speedup=self._speedup(),
                        budget_s=self.budget_s, budget_spent_s=self.charged)

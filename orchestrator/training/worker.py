@@ -75,10 +75,10 @@ def train_rank(spec: dict[str, Any], cfg: Config, seat: Seat, load_state: Callab
     trains in its own process (tuning/trial.py): same seed, same set-up, same loop, same figures."""
     device = seat.device
     pretrained = fetch_pretrained(cfg.model.pretrained, cfg.data.s3) if cfg.model.pretrained else None
+    state = load_state()
+    cfg = kept_config(cfg, state, seat.world)  # the autopilot's choice of sync and (at this size) micro-batch
     parts = build_parts(cfg, spec["in_features"], device, pretrained)
     named = cfg.model.inputs is not None
-    state = load_state()
-    cfg = kept_config(cfg, state, seat.world)  # the autopilot's micro-batch, when it chose one at this size
     if cfg.train.micro_batch_size == "auto":
         # Before the checkpoint is restored: probing touches weights and optimizer state, then puts them back.
         cfg = with_auto_micro_batch(cfg, parts, state, collate_sample(spec["sample"], cfg.data, named),

@@ -280,3 +280,16 @@ def test_train_autopilot_sets_the_key_and_the_plan_shows_its_budget(tmp_path: Pa
     shown = list(yaml.safe_load_all(capsys.readouterr().out))[1]["autopilot"]  # the plan: the second document
     assert shown["enabled"] is True and shown["budget_share_of_wall_clock"] == 0.1
     assert "train.precision" in shown["searches"] and "train.flush_denormal" in shown["searches"]
+
+
+def test_a_measured_candidate_that_changes_the_math_brings_the_loss_column() -> None:
+    local = START | {"sync": "local_sgd"}
+    rows = [_row("micro 32 x 4 | compile off | threads 2 | flush on | fp32", START | {"sync": "ddp"}, 1000.0, 1.0,
+                 None, None) | {"loss": 0.6931},
+            _row("micro 32 x 4 | compile off | threads 2 | flush on | fp32 | local_sgd", local, 1500.0, 1.5, None,
+                 None, chosen=True) | {"loss": 0.7012}]
+    lines = autopilot_report.table_lines(_taken(REPORT | {"rows": rows, "chosen": local}))
+    assert lines[1].split()[-2:] == ["train", "loss"]
+    assert lines[2].endswith("0.6931") and lines[3].split()[-2:] == ["✓", "0.7012"], lines
+    # Without such a candidate: no loss column (every measured step trains the same math).
+    assert "loss" not in autopilot_report.table_lines(_taken())[1]

@@ -112,7 +112,7 @@ def test_a_replayed_pass_resized_is_cut_again_at_the_new_size_with_every_row() -
     for reshuffle in (None, lambda epoch: 1000 + epoch):
         size = [2]
         replay = EpochReplay(keep=True, reshuffle=reshuffle, micro=2)
-        stream = lambda: split_batches(chunks(12, 6), lambda: size[0], drop_last=False)  # noqa: E731
+        stream = lambda size=size: split_batches(chunks(12, 6), lambda: size[0], drop_last=False)  # noqa: E731
         first = list(replay(stream, 0))
         assert [len(y) for y in ys(first)] == [2] * 6
         size[0] = 4

@@ -221,7 +221,7 @@ def test_a_resume_applies_the_saved_choice_without_searching(tmp_path: Path, mon
 def test_a_resized_group_keeps_the_saved_choice_but_measures_the_micro_batch_again() -> None:
     cfg = _config("train.max_steps=200")
     settings = {"micro_batch_size": 16, "grad_accum_steps": 4, "compile": False, "torch_threads": 1,
-                "flush_denormal": False, "precision": "fp32"}
+                "flush_denormal": False, "precision": "fp32", "sync": "ddp"}
     progress = Progress(autopilot={"start": settings, "chosen": settings, "world": 2, "predicted_speedup": 2.0})
     _, recorder = _train(cfg, Net(overhead_s=0.002), progress=progress)
     table = _table(recorder)
@@ -280,10 +280,14 @@ def _two_rank_runs(rank: int, shared: Path) -> dict[str, Any]:
     oom_progress = Progress()
     oomed, oom_recorder = _train(cfg, DistributedDataParallel(Net(oom_above=4 if rank == 1 else None)), rank,
                                  oom_progress)
+    # (3) With train.sync opted in: local SGD measured as a candidate beside DDP.
+    synced, sync_recorder = _train(_config("scaling.num_workers=2", "autopilot.budget=0.5", "autopilot.allow=[sync]",
+                                           "train.micro_batch_size=32"), DistributedDataParallel(Net()), rank)
     return {"piloted": _weights(piloted), "direct": _weights(direct), "saved": progress.autopilot,
             "table": _table(recorder) if rank == 0 else None, "oom_saved": oom_progress.autopilot,
             "oom_table": _table(oom_recorder) if rank == 0 else None, "oomed": _weights(oomed),
-            "micro": [m["micro_batch_size"] for m, _ in recorder.reports]}
+            "micro": [m["micro_batch_size"] for m, _ in recorder.reports], "synced": _weights(synced),
+            "sync_table": _table(sync_recorder) if rank == 0 else None}
 
 
 @pytest.fixture(scope="module")
@@ -318,3 +322,18 @@ def test_a_candidate_out_of_memory_on_one_rank_is_dropped_on_all(ranks: list[dic
     assert not failed[0]["chosen"] and failed[0]["samples_per_s"] is None
     for a, b in zip(ranks[0]["oomed"], ranks[1]["oomed"], strict=True):
         assert torch.equal(a, b)
+
+
+def test_train_sync_is_measured_only_when_allowed_and_the_replicas_end_as_one(ranks: list[dict[str, Any]]) -> None:
+    """Local SGD changes the math: measured only with autopilot.allow=[sync], its row with the loss over its steps;
+    whichever mode is chosen, the ranks' replicas are averaged back into one model (DDP's, or local SGD's last
+    average at the run's end)."""
+    table = ranks[0]["sync_table"]
+    local = [r for r in table["rows"] if r["settings"]["sync"] == "local_sgd"]
+    assert local and all(r["candidate"].endswith(" | local_sgd") for r in local) and local[0]["status"] == "ok", table
+    assert all(r["loss"] is not None and r["loss"] > 0 for r in table["rows"] if r["status"] == "ok")
+    assert table["chosen"]["sync"] in ("ddp", "local_sgd")
+    for a, b in zip(ranks[0]["synced"], ranks[1]["synced"], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    # Not allowed (the other runs of these ranks): never a candidate.
+    assert all(r["settings"]["sync"] == "ddp" for t in ("table", "oom_table") for r in ranks[0][t]["rows"])

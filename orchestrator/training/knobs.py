@@ -1,0 +1,92 @@
+"""The settings the autopilot searches (training/autopilot.py), as the train.* config keys that give each from the
+start, and how a candidate's settings are put on the running model, optimizer and step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from orchestrator.training.checkpoint import unwrap
+from orchestrator.training.parts import Parts, compile_model
+from orchestrator.training.precision import Precision, flush_denormals
+from orchestrator.training.sync import build_local_sgd
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One candidate, as the train.* config keys that give it from the start."""
+
+    micro_batch_size: int
+    grad_accum_steps: int
+    compile: bool
+    torch_threads: int
+    flush_denormal: bool
+    precision: str
+    sync: str = "ddp"  # train.sync, a candidate only when autopilot.allow lists it (it changes the math)
+
+    def line(self) -> str:
+        return (f"micro {self.micro_batch_size} x {self.grad_accum_steps} | compile {_on(self.compile)} | threads "
+                f"{self.torch_threads} | flush {_on(self.flush_denormal)} | {self.precision}"
+                + (f" | {self.sync}" if self.sync != "ddp" else ""))
+
+
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
+class Knobs:
+    """Puts a candidate's settings on the running Parts. `micro`: the micro-batch the data pipeline cuts; a larger
+    candidate joins its micro-batches, a smaller one cuts them (step.cut)."""
+
+    def __init__(self, parts: Parts, micro: int, flush: bool, local_sgd: tuple[int, float, float | None]) -> None:
+        self.micro, self.flush, self.device, self.local_sgd = micro, flush, parts.device, local_sgd
+        self.eager = parts.eager_model or parts.model  # a run configured compiled: its eager fallback
+        self.compiled = parts.model if parts.eager_model is not None else None
+
+    def read(self, parts: Parts, per_worker: int) -> Settings:
+        """The settings `parts` runs with now."""
+        micro = self.micro * parts.join // parts.split
+        return Settings(micro, per_worker // micro, self.compiled is not None and parts.model is self.compiled,
+                        torch.get_num_threads(), self.flush, parts.precision.mode,
+                        "local_sgd" if parts.local_sgd is not None else "ddp")
+
+    def apply(self, parts: Parts, s: Settings) -> None:
+        if s.micro_batch_size >= self.micro:
+            parts.join, parts.split = s.micro_batch_size // self.micro, 1
+        else:
+            parts.join, parts.split = 1, self.micro // s.micro_batch_size
+        self._compile(parts, s.compile)
+        if s.precision != parts.precision.mode:
+            skipped = parts.precision.skipped_steps
+            parts.precision = Precision(s.precision, parts.device)  # type: ignore[arg-type]
+            parts.precision.skipped_steps = skipped
+        if torch.get_num_threads() != s.torch_threads:
+            torch.set_num_threads(s.torch_threads)
+        if s.flush_denormal != self.flush:
+            # This thread's setting; intra-op threads started later copy it (precision.flush_denormals).
+            flush_denormals(s.flush_denormal)
+            self.flush = s.flush_denormal
+        self._sync(parts, s.sync)
+
+    def _sync(self, parts: Parts, sync: str) -> None:
+        """Local SGD on or off (a collective when it goes off: every rank applies a candidate at the same step)."""
+        if (parts.local_sgd is not None) == (sync == "local_sgd"):
+            return
+        model = unwrap(parts.model)
+        if sync == "local_sgd":
+            parts.local_sgd = build_local_sgd("local_sgd", *self.local_sgd)
+            parts.local_sgd.start(model)  # the replicas are one model now
+        else:  # the replicas drifted apart: averaged once, then DDP keeps them one
+            parts.local_sgd.average(model)  # type: ignore[union-attr]
+            parts.local_sgd = None
+
+    def _compile(self, parts: Parts, on: bool) -> None:
+        if not on:
+            parts.model, parts.eager_model = self.eager, None
+        elif self.compiled is None:
+            parts.model = self.eager
+            compile_model(parts)  # the next step compiles it: first_compiled_step, which falls back together
+            self.compiled = parts.model
+        elif parts.model is not self.compiled:
+            parts.model = self.compiled  # it compiled on an earlier step of the search
