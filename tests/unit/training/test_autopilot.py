@@ -244,6 +244,11 @@ def test_a_restarted_worker_builds_its_data_at_the_chosen_micro_batch() -> None:
     assert autopilot.kept_config(cfg, state, 1).train.micro_batch_size == 4
     off = cfg.model_copy(update={"autopilot": cfg.autopilot.model_copy(update={"enabled": False})})
     assert autopilot.kept_config(off, state, 2).train.micro_batch_size == 4
+    # An allowed sync choice holds at any world size: the group's model is built with it (build_parts), so the
+    # checkpoint's local-SGD state is restored into it; a choice saved before sync was searched keeps the config's.
+    assert autopilot.kept_config(cfg, state, 2).train.sync == "ddp"
+    local = {"progress": {"autopilot": {"chosen": {"micro_batch_size": 16, "sync": "local_sgd"}, "world": 2}}}
+    assert [autopilot.kept_config(cfg, local, world).train.sync for world in (2, 3)] == ["local_sgd"] * 2
 
 
 # ---- two ranks -------------------------------------------------------------------------------------------------
