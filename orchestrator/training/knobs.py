@@ -10,7 +10,7 @@ import torch
 from orchestrator.training.checkpoint import unwrap
 from orchestrator.training.parts import Parts, compile_model
 from orchestrator.training.precision import Precision, flush_denormals
-from orchestrator.training.sync import build_local_sgd
+from orchestrator.training.sync import average_optimizer_state, build_local_sgd
 
 
 @dataclass(frozen=True)
@@ -77,8 +77,9 @@ class Knobs:
         if sync == "local_sgd":
             parts.local_sgd = build_local_sgd("local_sgd", *self.local_sgd)
             parts.local_sgd.start(model)  # the replicas are one model now
-        else:  # the replicas drifted apart: averaged once, then DDP keeps them one
-            parts.local_sgd.average(model)  # type: ignore[union-attr]
+        else:  # the replicas and their optimizer states drifted apart: averaged once, then DDP keeps them one
+            parts.comm_bytes += parts.local_sgd.average(model)  # type: ignore[union-attr]
+            parts.comm_bytes += average_optimizer_state(parts.optimizer)
             parts.local_sgd = None
 
     def _compile(self, parts: Parts, on: bool) -> None:

@@ -39,21 +39,8 @@ class LocalSGD:
     @torch.no_grad()
     def average(self, model: torch.nn.Module) -> int:
         """Average across ranks (a collective: every rank calls it at the same step); returns bytes all-reduced."""
-        world = ranks.world()[1]
         params = [p for p in model.parameters() if p.requires_grad]
-        buffers = [b for b in model.buffers() if b.is_floating_point()]
-        tensors = params + buffers
-        sent = 0
-        if world > 1 and tensors:
-            # One flat all-reduce: a single latency instead of one per tensor.
-            flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
-            dist.all_reduce(flat)
-            flat /= world
-            sent = flat.numel() * flat.element_size()
-            offset = 0
-            for t in tensors:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+        sent = average_tensors(params + [b for b in model.buffers() if b.is_floating_point()])
         if not self.anchor:  # first sync: the start point every rank shared (DDP broadcast rank 0's weights)
             self.anchor = [p.detach().clone() for p in params]
         self._outer_step(params)
@@ -86,6 +73,31 @@ class LocalSGD:
         device = self.anchor[0].device if self.anchor else torch.device("cpu")
         self.momentum = [m.to(device) for m in state.get("momentum", [])]
         self.syncs = int(state.get("syncs", 0))
+
+
+@torch.no_grad()
+def average_tensors(tensors: list[torch.Tensor]) -> int:
+    """Each tensor replaced by its mean across ranks, in one flat all-reduce (a single latency instead of one per
+    tensor); returns the bytes all-reduced (0 alone)."""
+    world = ranks.world()[1]
+    if world == 1 or not tensors:
+        return 0
+    flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+    dist.all_reduce(flat)
+    flat /= world
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return flat.numel() * flat.element_size()
+
+
+def average_optimizer_state(optimizer: torch.optim.Optimizer) -> int:
+    """The ranks' optimizer states averaged into one (a collective). Local SGD lets each rank's moments follow its
+    own gradients; DDP after it steps every rank with one gradient, which keeps the replicas one model only if
+    every rank's state is the same. Returns the bytes all-reduced."""
+    return average_tensors([v for state in optimizer.state.values() for v in state.values()
+                            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0])
 
 
 def build_local_sgd(sync: str, every: int, outer_lr: float, outer_momentum: float | None) -> LocalSGD | None:

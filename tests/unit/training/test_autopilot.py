@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from dataclasses import replace
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,10 +23,12 @@ from torch.nn.parallel import DistributedDataParallel
 from orchestrator.config import Config, load_config
 from orchestrator.training import autopilot
 from orchestrator.training.checkpoint import Progress, load_state, restore
+from orchestrator.training.knobs import Knobs
 from orchestrator.training.loop import run
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts
 from orchestrator.training.precision import Precision
+from orchestrator.training.step import train_step
 from pipelines.batches import split_batches
 
 CPU = torch.device("cpu")
@@ -288,7 +291,17 @@ def _two_rank_runs(rank: int, shared: Path) -> dict[str, Any]:
     # (3) With train.sync opted in: local SGD measured as a candidate beside DDP.
     synced, sync_recorder = _train(_config("scaling.num_workers=2", "autopilot.budget=0.5", "autopilot.allow=[sync]",
                                            "train.micro_batch_size=32"), DistributedDataParallel(Net()), rank)
+    # (4) Local SGD then back to DDP, as a search that measured local SGD and chose DDP ends: each rank's optimizer
+    # state drifted apart under local SGD (its own gradients), and DDP's one model needs one optimizer state too.
+    back = _parts(cfg, DistributedDataParallel(Net()))
+    knobs = Knobs(back, 32, True, cfg.train.local_sgd)  # type: ignore[arg-type]
+    start = knobs.read(back, 32)
+    batches = _source(rank, 32)(0)
+    for i, sync in enumerate(["local_sgd"] * 3 + ["ddp"] * 3):
+        knobs.apply(back, replace(start, sync=sync))
+        train_step(back, [batches[i]])
     return {"piloted": _weights(piloted), "direct": _weights(direct), "saved": progress.autopilot,
+            "back_to_ddp": _weights(back),
             "table": _table(recorder) if rank == 0 else None, "oom_saved": oom_progress.autopilot,
             "oom_table": _table(oom_recorder) if rank == 0 else None, "oomed": _weights(oomed),
             "micro": [m["micro_batch_size"] for m, _ in recorder.reports], "synced": _weights(synced),
@@ -342,3 +355,10 @@ def test_train_sync_is_measured_only_when_allowed_and_the_replicas_end_as_one(ra
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
     # Not allowed (the other runs of these ranks): never a candidate.
     assert all(r["settings"]["sync"] == "ddp" for t in ("table", "oom_table") for r in ranks[0][t]["rows"])
+
+
+def test_back_to_ddp_after_local_sgd_the_ranks_share_one_model_and_one_optimizer_state(
+        ranks: list[dict[str, Any]]) -> None:
+    """A search that measured local SGD and chose DDP: DDP's steps after it leave both ranks with one model."""
+    for a, b in zip(ranks[0]["back_to_ddp"], ranks[1]["back_to_ddp"], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
