@@ -278,6 +278,10 @@ MUTANTS = (
            "parts.join, parts.split = s.micro_batch_size // self.micro, 1", "parts.join, parts.split = 1, 1",
            (f"{UNIT}/test_autopilot.py::"
             "test_an_autopilot_run_ends_with_the_weights_of_its_choice_configured_from_the_start",)),
+    Mutant("back to DDP after local SGD with each rank's own optimizer state", "orchestrator/training/knobs.py",
+           "            parts.comm_bytes += average_optimizer_state(parts.optimizer)\n", "",
+           (f"{UNIT}/test_autopilot.py::"
+            "test_back_to_ddp_after_local_sgd_the_ranks_share_one_model_and_one_optimizer_state",)),
     # A study's one autopilot search: one trial searches, the others wait and apply its choice.
     Mutant("every trial of a study searches at once", "orchestrator/tuning/autopilot.py",
            "        if self.searcher in (None, trial_id):\n", "        if True:\n",
