@@ -151,6 +151,9 @@ class Autopilot:
         trial = self.trial
         if not trial.started:
             self._open(parts, trial, batch)
+        # Timed from when every rank is at the step: under DDP a rank still waiting for its data would hold the
+        # others in the gradient all-reduce, and its data wait would be billed to the candidate.
+        ranks.meet(parts.device)
         retries, started = parts.oom_retries, time.perf_counter()
         result, compiled = self._run(parts, batch, timer, trial)
         if parts.device.type == "cuda":

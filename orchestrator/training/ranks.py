@@ -34,6 +34,13 @@ def all_reduce_max(values: list[float], device: torch.device) -> list[float]:
     return tensor.tolist()
 
 
+def meet(device: torch.device) -> None:
+    """Every rank waits here for the others (a one-element all-reduce on `device`, which a group serving `cuda`
+    tensors only accepts where a CPU barrier would not)."""
+    if world()[1] > 1:
+        dist.all_reduce(torch.zeros(1, device=device))
+
+
 def any_rank(flag: bool | torch.Tensor, device: torch.device) -> bool:
     """True on every rank if `flag` is true on any rank (a MAX all-reduce on `device`)."""
     if world()[1] == 1:

@@ -100,6 +100,20 @@ class Resizable:
         self.micro = micro
 
 
+def _waiting(rank: int, micro: int, wait_s: float = 0.1, steps: int = 20) -> Any:
+    """A rank's data that makes it wait `wait_s` before each of its first `steps` steps (8 micro-batches each), as a
+    slow read does: under DDP the other rank's step then waits for it inside the gradient all-reduce."""
+    source = _source(rank, micro)
+
+    def epochs(epoch: int) -> Iterator[dict[str, torch.Tensor]]:
+        for i, batch in enumerate(source(epoch)):
+            if epoch == 0 and i % 8 == 0 and i < 8 * steps:
+                time.sleep(wait_s)
+            yield batch
+
+    return epochs
+
+
 def _chosen_config(cfg: Config, chosen: dict[str, Any]) -> Config:
     """The run configured with the chosen settings from the start (autopilot off)."""
     return _config(*_overrides(cfg), "autopilot.enabled=false", f"train.micro_batch_size={chosen['micro_batch_size']}",
@@ -113,13 +127,13 @@ def _overrides(cfg: Config) -> list[str]:
 
 
 def _train(cfg: Config, model: torch.nn.Module, rank: int = 0, progress: Progress | None = None,
-           recorder: Recorder | None = None, data: Resizable | None = None) -> tuple[Parts, Recorder]:
+           recorder: Recorder | None = None, data: Any = None) -> tuple[Parts, Recorder]:
     parts, recorder = _parts(cfg, model), recorder or Recorder()
     if cfg.train.torch_threads:  # what the worker's set-up does (worker.rank_config)
         torch.set_num_threads(cfg.train.torch_threads)
     torch.set_flush_denormal(cfg.train.flush_denormal)
     source = data or _source(rank, cfg.train.micro_batch_size)  # type: ignore[arg-type]
-    run(cfg, parts, source, None, recorder, progress, resize=data.resize if data else None)
+    run(cfg, parts, source, None, recorder, progress, resize=getattr(data, "resize", None))
     return parts, recorder
 
 
@@ -287,7 +301,7 @@ def _two_rank_runs(rank: int, shared: Path) -> dict[str, Any]:
     direct, _ = _train(_chosen_config(cfg, chosen), DistributedDataParallel(Net()), rank)
     oom_progress = Progress()
     oomed, oom_recorder = _train(cfg, DistributedDataParallel(Net(oom_above=4 if rank == 1 else None)), rank,
-                                 oom_progress)
+                                 oom_progress, data=_waiting(rank, 4) if rank == 1 else None)
     # (3) With train.sync opted in: local SGD measured as a candidate beside DDP.
     synced, sync_recorder = _train(_config("scaling.num_workers=2", "autopilot.budget=0.5", "autopilot.allow=[sync]",
                                            "train.micro_batch_size=32"), DistributedDataParallel(Net()), rank)
@@ -337,6 +351,10 @@ def test_a_candidate_out_of_memory_on_one_rank_is_dropped_on_all(ranks: list[dic
     failed = [r for r in ranks[0]["oom_table"]["rows"] if r["status"].startswith("failed: out of memory")]
     # Rank 0 never ran out of memory itself: it drops the candidate because rank 1 did.
     assert [r["settings"]["micro_batch_size"] for r in failed] == [8]
+    # Rank 1's data waited 0.1 s before each of these steps: a step's time starts when every rank is at it, so a
+    # rank's wait for data is not counted as the step's (the start's 8 micro-batches of 4 rows take a few ms).
+    start = ranks[0]["oom_table"]["rows"][0]
+    assert start["samples_per_s"] > 64 / 0.1, start
     assert not failed[0]["chosen"] and failed[0]["samples_per_s"] is None
     for a, b in zip(ranks[0]["oomed"], ranks[1]["oomed"], strict=True):
         assert torch.equal(a, b)
