@@ -9,6 +9,7 @@ from typing import Any
 from orchestrator.autopilot_report import gain_line
 from orchestrator.config import Config
 from orchestrator.tracking.links import run_url, ui_command
+from orchestrator.training.checkpoint_interval import auto_interval
 
 
 @dataclass
@@ -64,6 +65,21 @@ def parallel_line(history: list[dict[str, Any]]) -> str | None:
             f"of parameters and {_bytes(facts.get('optimizer_bytes_per_rank', 0))} of optimizer state")
 
 
+def checkpoint_interval_line(config: Config, history: list[dict[str, Any]]) -> str | None:
+    """'checkpoint interval: auto, 38 s (about 120 steps) at the end: sqrt(...)': checkpoint.every=auto's interval
+    from the last report's figures, and why; None for a fixed interval or before any checkpoint cost was measured."""
+    last = next((r for r in reversed(history) if "checkpoint/interval_s" in r), None)
+    if config.checkpoint.every != "auto" or last is None:
+        return None
+    interval = auto_interval(last["checkpoint/cost_s"], last["checkpoint/mtbf_s"], config.checkpoint.every_minutes)
+    rate = last.get("samples_per_s")
+    steps = f" (about {interval.seconds * rate / config.train.global_batch_size:,.0f} steps)" if rate else ""
+    interruptions = int(last.get("checkpoint/interruptions", 0))
+    source = ("failure.mtbf_minutes" if config.failure.mtbf_minutes is not None else
+              f"{interruptions} interruption{'s' * (interruptions != 1)} so far, the next counted as due now")
+    return f"checkpoint interval: auto, {interval.seconds:,.1f} s{steps} at the end: {interval.why()} ({source})"
+
+
 def _bytes(n: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
@@ -102,6 +118,9 @@ def summary(result: TrainResult) -> str:
     held = parallel_line(result.history)
     if held:
         lines.append(held)
+    interval = checkpoint_interval_line(result.config, result.history)
+    if interval:
+        lines.append(interval)
     lines.append(f"checkpoint: {result.checkpoint_path}")
     if result.run_id:
         lines.append(f"MLflow run id: {result.run_id}")

@@ -4,7 +4,7 @@ are in schema.py."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -80,10 +80,16 @@ class ScalingConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    every: int = Field(100, ge=1, description="Steps between checkpoints; the last step is always saved.")
+    every: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        100, json_schema_extra={"accepts": "a step count >= 1 or auto"},
+        description="Steps between checkpoints; the last step is always saved. auto: the interval that loses least to "
+                    "interruptions, about sqrt(2 x a checkpoint's measured blocking seconds x failure.mtbf_minutes "
+                    "(else the run's own seconds per interruption)), re-evaluated at every report step, never so often "
+                    "that checkpoints block more than 3% of the time (docs/training.md).")
     every_minutes: float | None = Field(None, gt=0, description="Also save at the first report step once this many "
                                         "minutes passed since the last checkpoint (by rank 0's clock): a cadence "
-                                        "that holds whatever a step costs. null: steps only.")
+                                        "that holds whatever a step costs; with every=auto, the longest interval. "
+                                        "null: steps only.")
     keep: int = Field(2, ge=1, description="Checkpoints kept in storage (older ones are deleted only after a newer "
                       "one is complete and registered).")
     upload: Literal["async", "sync"] = Field("async", description="async: training continues while rank 0 copies "
@@ -103,6 +109,9 @@ class FailureConfig(_Section):
     max_failures: int = Field(3, ge=-1, description="Worker-group restarts from the last checkpoint; -1 = unlimited.")
     max_preemption_failures: int = Field(-1, ge=-1, description="Restarts after a drained (preempted) node went "
                                          "away, counted apart from max_failures; -1 = unlimited.")
+    mtbf_minutes: float | None = Field(None, gt=0, description="Mean minutes between interruptions of a run (node "
+                                       "failures, spot reclaims), when known: checkpoint.every=auto sets its "
+                                       "interval from it. null: the run's own interruptions so far.")
     preemption_grace_s: float = Field(0.0, ge=0, description="Seconds the surviving workers may run past a drain "
                                       "deadline (e.g. to finish a checkpoint upload).")
     worker_start_timeout_s: float | None = Field(None, gt=0, description="How long a (re)started worker group "

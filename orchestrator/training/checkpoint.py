@@ -51,6 +51,11 @@ class Progress:
     cache_decision: str | None = None
     # The autopilot's choice once its search ended (training/autopilot.py `saved`): a resume applies it unsearched.
     autopilot: dict[str, Any] | None = None
+    # For checkpoint.every=auto (checkpoint_interval.py), carried across restarts and `--resume`: rank 0's seconds of
+    # training up to this checkpoint, the restarts from a checkpoint so far, and the last checkpoint's blocking seconds.
+    run_s: float = 0.0
+    interruptions: int = 0
+    checkpoint_cost_s: float | None = None
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from orchestrator.config import Config
 from orchestrator.errors import UserError
 from orchestrator.training import autopilot, fsdp, ranks
+from orchestrator.training.cadence import Cadence, Due
 from orchestrator.training.checkpoint import Progress, checkpoint_state, save_state, unwrap
 from orchestrator.training.fsdp import is_sharded
 from orchestrator.training.memory import cuda_memory_stats, device_facts, release_cached_memory
@@ -166,44 +167,6 @@ def _check_finite_weights(parts: Parts, step: int) -> None:
                                  "optim.lr or set optim.max_grad_norm, and resume from the last checkpoint")
 
 
-@dataclass
-class Due:
-    """What follows a report step: evaluation, and a checkpoint (`drain`: an extra one for a node going away)."""
-
-    eval: bool
-    checkpoint: bool
-    drain: bool = False
-
-
-class Cadence:
-    """When to evaluate, checkpoint and report. Decided by the step number, rank 0's clock and the drain notice
-    (both broadcast), so every rank makes the same collective calls at the same steps."""
-
-    def __init__(self, cfg: Config, has_val: bool, preempted: Callable[[], bool] | None, device: torch.device
-                 ) -> None:
-        self.t, self.ckpt = cfg.train, cfg.checkpoint
-        self.has_val, self.preempted, self.device = has_val, preempted, device
-        self.drain_saved = False
-        self.last_saved = time.monotonic()  # for checkpoint.every_minutes
-
-    def at(self, step: int) -> Due | None:
-        """What is due after `step`; None when it is not a report step."""
-        last = step == self.t.max_steps
-        due = Due(eval=self.has_val and (last or (self.t.eval_every is not None and step % self.t.eval_every == 0)),
-                  checkpoint=last or step % self.ckpt.every == 0)
-        if not (due.eval or due.checkpoint or step % self.t.log_every == 0):
-            return None
-        if self.preempted is not None and not self.drain_saved and self.preempted():
-            # Once per drain notice: the node is going away, so save the progress since the last checkpoint now.
-            due.checkpoint = due.drain = self.drain_saved = True
-        if not due.checkpoint and self.ckpt.every_minutes is not None:
-            due.checkpoint = ranks.rank0_says(time.monotonic() - self.last_saved >= self.ckpt.every_minutes * 60,
-                                              self.device)
-        if due.checkpoint:
-            self.last_saved = time.monotonic()
-        return due
-
-
 def run(
     cfg: Config,
     parts: Parts,
@@ -224,7 +187,7 @@ def run(
     assert t.max_steps is not None and isinstance(t.grad_accum_steps, int)  # resolved before the loop
     progress = progress or Progress()
     stream = micro_batches(train_batches, progress, parts.device)
-    cadence = Cadence(cfg, val_batches is not None, preempted, parts.device)
+    cadence = Cadence(cfg, val_batches is not None, preempted, parts.device, progress)
     peak = peak_flops(parts.device, t.peak_tflops)
     metrics: dict[str, Any] = {}
     once = dict(facts or {}) | device_facts(parts.device) | {"at/loop": time.time()}
@@ -261,7 +224,7 @@ def run(
         if due is None:
             continue
         metrics, interval = _report(due, interval, progress, parts, reporter, val_batches,
-                                    once | {"flops_per_sample": flops}, peak, t.micro_batch_size)
+                                    once | cadence.figures() | {"flops_per_sample": flops}, peak, t.micro_batch_size)
         once = {}
     return metrics
 
@@ -367,7 +330,10 @@ def _report(due: Due, interval: Interval, progress: Progress, parts: Parts, repo
     with following.timer.phase("report"):
         try:
             if due.checkpoint:
+                registered = time.perf_counter()
                 reporter.checkpoint(metrics, checkpoint_dir)
+                # What the checkpoint blocked training for (checkpoint.every=auto's cost): writing, then registering.
+                progress.checkpoint_cost_s = interval.timer.seconds["checkpoint"] + time.perf_counter() - registered
         finally:
             if isinstance(checkpoint_dir, str):
                 shutil.rmtree(checkpoint_dir, ignore_errors=True)

@@ -19,6 +19,7 @@ from orchestrator.doctor.record import (
     training_share,
 )
 from orchestrator.startup import STAGES
+from orchestrator.training.checkpoint_interval import auto_interval
 
 
 def nonfinite_steps(run: RunRecord) -> Finding | None:
@@ -71,8 +72,8 @@ def report_blocking(run: RunRecord) -> Finding | None:
         share = run.mean("time/report_frac")
     if share is None or share < 0.1:
         return None
-    every = int(run.param("checkpoint.every", "100") or 100)
-    changes = [f"checkpoint.every={2 * every}"]
+    every = run.param("checkpoint.every", "100") or "100"
+    changes = [] if every == "auto" else [f"checkpoint.every={2 * int(every)}"]
     if run.param("checkpoint.upload") == "sync":
         changes.append("checkpoint.upload=async")
     changes.append("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S: unset it, or lower it (the product runs at 0.2 s)")
@@ -83,10 +84,11 @@ def report_blocking(run: RunRecord) -> Finding | None:
 def checkpoint_interval(run: RunRecord) -> Finding | None:
     """A run that failed: checkpoints so rare that each failure redoes much work, or so frequent that saving them
     costs more than failures lose. The interval that loses least is about sqrt(2 x checkpoint cost x mean time
-    between failures) (Young's approximation), measured here from the run's own ledger and failures."""
+    between failures) (Young's approximation), clamped as checkpoint.every=auto clamps it
+    (training/checkpoint_interval.py), measured here from the run's own ledger and failures."""
     failures = sum(1 for tag in run.tags if tag.startswith("orchestrator.failure."))
     wall, steps = run.last("cost/wall_s"), _int_param(run, "train.max_steps")
-    every = _int_param(run, "checkpoint.every")
+    every = _int_param(run, "checkpoint.every")  # None under auto: it sets the interval from these figures itself
     if not failures or not wall or not steps or not every:
         return None
     saves = max(1, steps // every)
@@ -95,15 +97,15 @@ def checkpoint_interval(run: RunRecord) -> Finding | None:
     step_s = sum(run.last(f"cost/{p}_frac") or 0.0 for p in _TRAINING_PARTS) * wall / steps
     if cost_s <= 0 or step_s <= 0:
         return None
-    mtbf = wall / failures
-    best_s = math.sqrt(2 * cost_s * mtbf)
-    best = max(1, round(best_s / step_s))
+    minutes = run.param("checkpoint.every_minutes")
+    interval = auto_interval(cost_s, wall / failures, float(minutes) if minutes not in (None, "None") else None)
+    best = max(1, round(interval.seconds / step_s))
     if every / 2 <= best <= every * 2:
         return None
-    title = (f"{failures} failure{'s' * (failures > 1)} in {wall:.0f} s (one every {mtbf:.0f} s) at {cost_s:.1f} s "
-             f"per checkpoint: the interval that loses least is about sqrt(2 x {cost_s:.1f} s x {mtbf:.0f} s) = "
-             f"{best_s:.0f} s, {best} steps (checkpoint.every is {every})")
-    return Finding("checkpoint interval", MEDIUM, abs(math.log(best / every)), title, (f"checkpoint.every={best}",))
+    title = (f"{failures} failure{'s' * (failures > 1)} in {wall:.0f} s: the interval that loses least is "
+             f"{interval.why()} = {interval.seconds:.0f} s, {best} steps (checkpoint.every is {every})")
+    return Finding("checkpoint interval", MEDIUM, abs(math.log(best / every)), title,
+                   ("checkpoint.every=auto (sets it from these figures as the run goes)", f"checkpoint.every={best}"))
 
 
 def under_asha(run: RunRecord) -> bool:

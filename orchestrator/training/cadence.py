@@ -1,0 +1,86 @@
+"""When the loop evaluates, checkpoints and reports (worker side): the step number, rank 0's clock and Ray's drain
+notice decide, broadcast so that every rank makes the same collective calls at the same steps."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from orchestrator.config import Config
+from orchestrator.training import ranks
+from orchestrator.training.checkpoint import Progress
+from orchestrator.training.checkpoint_interval import AutoInterval, auto_interval, mtbf_s
+
+
+@dataclass
+class Due:
+    """What follows a report step: evaluation, and a checkpoint (`drain`: an extra one for a node going away)."""
+
+    eval: bool
+    checkpoint: bool
+    drain: bool = False
+
+
+class Cadence:
+    """When to evaluate, checkpoint and report. Decided by the step number, rank 0's clock and the drain notice
+    (both broadcast), so every rank makes the same collective calls at the same steps. checkpoint.every=auto: a
+    report step saves once rank 0's clock has passed the interval of checkpoint_interval.py; until a checkpoint's
+    cost is measured, the first report step saves one. `progress` carries what that interval is computed from."""
+
+    def __init__(self, cfg: Config, has_val: bool, preempted: Callable[[], bool] | None, device: torch.device,
+                 progress: Progress, clock: Callable[[], float] = time.monotonic) -> None:
+        self.t, self.ckpt, self.mtbf_minutes = cfg.train, cfg.checkpoint, cfg.failure.mtbf_minutes
+        self.has_val, self.preempted, self.device = has_val, preempted, device
+        self.progress, self.clock = progress, clock
+        self.drain_saved = False
+        self.began = self.last_saved = clock()  # for checkpoint.every_minutes and auto
+        self.run_s = progress.run_s  # training seconds before this (re)start
+        self.auto = cfg.checkpoint.every == "auto"  # only then is the clock kept in the progress (not bitwise)
+        if self.auto and progress.step > 0:  # restarted from a checkpoint: an interruption (failure, resize, --resume)
+            progress.interruptions += 1
+
+    def at(self, step: int) -> Due | None:
+        """What is due after `step`; None when it is not a report step."""
+        last = step == self.t.max_steps
+        every = self.ckpt.every
+        due = Due(eval=self.has_val and (last or (self.t.eval_every is not None and step % self.t.eval_every == 0)),
+                  checkpoint=last or (every != "auto" and step % every == 0))
+        if not (due.eval or due.checkpoint or step % self.t.log_every == 0):
+            return None
+        if self.preempted is not None and not self.drain_saved and self.preempted():
+            # Once per drain notice: the node is going away, so save the progress since the last checkpoint now.
+            due.checkpoint = due.drain = self.drain_saved = True
+        if not due.checkpoint and (every == "auto" or self.ckpt.every_minutes is not None):
+            due.checkpoint = ranks.rank0_says(self._time_to_save(), self.device)
+        if due.checkpoint:
+            self.last_saved = self.clock()
+            if self.auto:
+                self.progress.run_s = self.run_s + self.last_saved - self.began
+        return due
+
+    def _time_to_save(self) -> bool:
+        since = self.clock() - self.last_saved
+        if self.ckpt.every != "auto":
+            return since >= self.ckpt.every_minutes * 60  # type: ignore[operator]
+        interval = self.interval()
+        return interval is None or since >= interval.seconds
+
+    def interval(self) -> AutoInterval | None:
+        """checkpoint.every=auto's interval now (rank 0's figures); None before a checkpoint's cost is measured."""
+        cost_s = self.progress.checkpoint_cost_s
+        if self.ckpt.every != "auto" or cost_s is None:
+            return None
+        run_s = self.run_s + self.clock() - self.began
+        return auto_interval(cost_s, mtbf_s(run_s, self.progress.interruptions, self.mtbf_minutes),
+                             self.ckpt.every_minutes)
+
+    def figures(self) -> dict[str, float]:
+        """checkpoint.every=auto's inputs and interval, for the report (MLflow's charts, the driver's summary)."""
+        interval = self.interval()
+        if interval is None:
+            return {}
+        return {"checkpoint/interval_s": interval.seconds, "checkpoint/cost_s": interval.cost_s,
+                "checkpoint/mtbf_s": interval.mtbf_s, "checkpoint/interruptions": self.progress.interruptions}
