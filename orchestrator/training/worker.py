@@ -87,6 +87,7 @@ def train_rank(spec: dict[str, Any], cfg: Config, seat: Seat, load_state: Callab
         compile_model(parts)
     decision = spec.get("cache_decision")
     progress = restore(parts, state, decision) if state is not None else Progress(cache_decision=decision)
+    restored = {"at/checkpoint_loaded": time.time()} if state is not None else {}  # a restart's recovery stage
     del state  # the model and optimizer hold their copies now
 
     t = cfg.train
@@ -97,7 +98,7 @@ def train_rank(spec: dict[str, Any], cfg: Config, seat: Seat, load_state: Callab
     # Facts only a worker knows, sent with the first report of every (re)start.
     facts = {"precision": parts.precision.mode, "grad_accum_steps": t.grad_accum_steps,
              "global_batch": t.micro_batch_size * t.grad_accum_steps * seat.world,  # type: ignore[operator]
-             "worker_pid": os.getpid(), "world_rank": seat.rank, "at/worker": seat.entered}
+             "worker_pid": os.getpid(), "world_rank": seat.rank, "at/worker": seat.entered} | restored
     return run(cfg, parts, data.train, data.val if cfg.data.val is not None else None, reporter, progress,
                preempted, facts, resize=data.resize)
 
