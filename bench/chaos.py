@@ -281,7 +281,8 @@ def print_ledgers(clean: TrainResult, faulty: TrainResult) -> None:
               f"{result.metrics['step']} steps | {sum(RESTART_MARK in r for r in result.history) - 1} restarts")
     faulty_ledger = ledgers["faulty"]
     print(f"ETTR faulty / clean: {faulty_ledger.ettr / ledgers['clean'].ettr:.3f} (target >= 0.85)")
-    print("faulty run's buckets (s): " + " | ".join(f"{p} {faulty_ledger.seconds[p]:.1f}" for p in PARTS))
+    for name, ledger in ledgers.items():
+        print(f"{name} run's buckets (s): " + " | ".join(f"{p} {ledger.seconds[p]:.1f}" for p in PARTS))
     total = sum(faulty_ledger.seconds.values())
     off = abs(total - faulty_ledger.wall_s) / faulty_ledger.wall_s
     print(f"  their sum {total:.1f} s vs the wall clock {faulty_ledger.wall_s:.1f} s: {off:.2%} apart "
