@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import scratch_run  # noqa: E402
+from _common import scratch_run, train_workers  # noqa: E402
 
 from orchestrator import load_config, train  # noqa: E402
 from orchestrator.result import TrainResult  # noqa: E402
@@ -48,8 +48,6 @@ def throughput(result: TrainResult) -> float:
 def recovery(data: Path, runs: Path, steps: int, every: int) -> tuple[float, int]:
     """Kill a worker after the second checkpoint: seconds from the kill to the first step after resume, and the
     step resumed from."""
-    from ray.util.state import list_actors
-
     cfg = config(data, runs, steps, every, "async", log_every=5)
     outcome: dict[str, Any] = {}
     started = time.monotonic()
@@ -57,7 +55,7 @@ def recovery(data: Path, runs: Path, steps: int, every: int) -> tuple[float, int
     thread.start()
     while len(list(runs.glob("*/checkpoint_*"))) < 2:
         time.sleep(0.05)
-    workers = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.class_name == "RayTrainWorker"]
+    workers = train_workers()
     killed_at = time.monotonic() - started
     os.kill(workers[-1].pid, signal.SIGKILL)
     thread.join()

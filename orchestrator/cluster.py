@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from orchestrator.config import Config, TrackingConfig
 from orchestrator.errors import ConfigError
@@ -125,6 +126,18 @@ def train_environment(config: Config, private_cluster: bool) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def report_queue() -> Any:
+    """The run's report queue, on this process's node (the driver's, or a Tune trial actor's), where Ray Train keeps
+    the run's controller too. On another node it would go with that node, and the run with it: a spot reclaim of a
+    worker node ended runs so (bench/chaos.py, ControllerError)."""
+    import ray
+    from ray.util.queue import Queue
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
 
 
 def pin_state_api() -> int:

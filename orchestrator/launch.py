@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.autopilot_report import achieved_figures, record_autopilot, take_autopilot
-from orchestrator.cluster import connect_ray, outside_job_package, shutdown_local_ray, train_environment
+from orchestrator.cluster import connect_ray, outside_job_package, report_queue, shutdown_local_ray, train_environment
 from orchestrator.config import Config, to_yaml
 from orchestrator.console import LOG_FILE, RunLog
 from orchestrator.cost import build_ledger, ledger_across_attempts, resolve_pricing
@@ -355,12 +355,11 @@ def _fit(plan: RunPlan, tracker: Tracker, verbose: bool, clock: StartupClock, lo
     `private_cluster` an error every restart would repeat ends the run at once (shutting the cluster down ends Ray
     Train's restarts too)."""
     import ray.train
-    from ray.util.queue import Queue
 
     config, place = plan.config, plan.place
     handle = _Reports(plan, tracker, verbose, clock, history, private_cluster, attempt)
     # Rank 0 puts its metrics on this queue itself (no barrier); the controller adds worker failures.
-    queue = Queue(actor_options={"num_cpus": 0})
+    queue = report_queue()
     trainer = build_run(config, plan.datasets, place, [ForwardFailures(queue), ForwardCheckpoints(queue)], queue,
                         saved=plan.resume.cache_decision if plan.resume else None)
     log.divert()  # Ray Data and Ray Train set up their loggers on first use

@@ -68,9 +68,10 @@ class StartupClock:
         return time.time() - self.started_at
 
     def take_worker_marks(self, report: dict[str, Any]) -> bool:
-        """Remove the worker's `at/*` timestamps from a report; True when they complete the breakdown (the first
-        report of the run; a restart's later ones are not start-up)."""
-        at = {key: report.pop(key) for key in [k for k in report if k.startswith("at/")]}
+        """Take the worker's `at/*` timestamps of a report; True when they complete the breakdown (the first
+        report of the run; a restart's later ones are not start-up). They stay in the report (MLflow leaves `at/*`
+        out): a restart's marks are the timeline of its recovery (bench/chaos.py)."""
+        at = {key: report[key] for key in report if key.startswith("at/")}
         if "first batch" in self.marks or not all(key in at for key in _WORKER_MARKS.values()):
             return False
         for stage, key in _WORKER_MARKS.items():

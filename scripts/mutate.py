@@ -309,6 +309,10 @@ MUTANTS = (
     Mutant("the achieved pace counted over data waits and evaluation too", "orchestrator/autopilot_report.py",
            'r["interval_s"] * sum(r.get(k, 0.0) for k in _STEP_PHASES)', 'r["interval_s"]',
            ("tests/unit/test_autopilot_report.py",)),
+    Mutant("a restart's gap billed as other, not recovery", "orchestrator/cost.py",
+           'seconds["resize" if resized else "recovery"] += gap', 'seconds["resize" if resized else "other"] += gap',
+           ("tests/unit/test_cost.py::test_a_restart_bills_the_redone_steps_as_wasted_and_the_gap_as_recovery",
+            "tests/integration/test_reliability.py::test_two_kills_are_billed_as_the_test_timed_them")),
 )
 
 

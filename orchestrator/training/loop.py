@@ -181,7 +181,7 @@ def run(
     """Train to `cfg.train.max_steps`, publishing metrics every `log_every` steps; returns the last metrics.
     `preempted` (a barrier, called at report steps) tells whether a node of the run is being drained: the next
     report then carries a checkpoint. `facts` go out once, with the first report of this (re)start, together with
-    when (`at/*`, epoch seconds) the loop started and had its first batch: the driver's start-up breakdown.
+    when (`at/*`, epoch seconds) the loop started, had its first batch, ended its first step: start-up's breakdown.
     `resize` cuts the training data at another micro-batch (RankBatches.resize; see _search_step)."""
     t = cfg.train
     assert t.max_steps is not None and isinstance(t.grad_accum_steps, int)  # resolved before the loop
@@ -240,6 +240,7 @@ def _first_step(parts: Parts, batch: list[Batch], interval: Interval, once: dict
         interval = Interval(PhaseTimer(parts.device), comm_start=parts.comm_bytes)  # compiling isn't training
     else:
         result = train_step(parts, batch, interval.timer)
+    once["at/first_step"] = time.time()  # where a restart's recovery ends (bench/chaos.py)
     once |= rank_bytes(parts)
     return flops, result, interval
 

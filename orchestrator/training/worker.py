@@ -76,6 +76,7 @@ def train_rank(spec: dict[str, Any], cfg: Config, seat: Seat, load_state: Callab
     device = seat.device
     pretrained = fetch_pretrained(cfg.model.pretrained, cfg.data.s3) if cfg.model.pretrained else None
     state = load_state()
+    read_at = time.time()
     cfg = kept_config(cfg, state, seat.world)  # the autopilot's choice of sync and (at this size) micro-batch
     parts = build_parts(cfg, spec["in_features"], device, pretrained)
     named = cfg.model.inputs is not None
@@ -87,6 +88,8 @@ def train_rank(spec: dict[str, Any], cfg: Config, seat: Seat, load_state: Callab
         compile_model(parts)
     decision = spec.get("cache_decision")
     progress = restore(parts, state, decision) if state is not None else Progress(cache_decision=decision)
+    # A restart's recovery stages: the checkpoint read, then the model built and the checkpoint restored into it.
+    restored = {"at/checkpoint_read": read_at, "at/checkpoint_loaded": time.time()} if state is not None else {}
     del state  # the model and optimizer hold their copies now
 
     t = cfg.train
@@ -97,7 +100,7 @@ def train_rank(spec: dict[str, Any], cfg: Config, seat: Seat, load_state: Callab
     # Facts only a worker knows, sent with the first report of every (re)start.
     facts = {"precision": parts.precision.mode, "grad_accum_steps": t.grad_accum_steps,
              "global_batch": t.micro_batch_size * t.grad_accum_steps * seat.world,  # type: ignore[operator]
-             "worker_pid": os.getpid(), "world_rank": seat.rank, "at/worker": seat.entered}
+             "worker_pid": os.getpid(), "world_rank": seat.rank, "at/worker": seat.entered} | restored
     return run(cfg, parts, data.train, data.val if cfg.data.val is not None else None, reporter, progress,
                preempted, facts, resize=data.resize)
 

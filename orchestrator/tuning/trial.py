@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from orchestrator.checks import resolve_for_data
-from orchestrator.cluster import train_environment
+from orchestrator.cluster import report_queue, train_environment
 from orchestrator.config import Config
 from orchestrator.cost import REPORTED_AT
 from orchestrator.runs import RunPlace
@@ -180,12 +180,12 @@ def _train_trial(config: Config, infos: dict[str, DatasetInfo], trial_id: str, p
 
     import ray.train
     from ray import tune as ray_tune
-    from ray.util.queue import Empty, Queue
+    from ray.util.queue import Empty
 
     if in_trial_process(config):  # one worker: trained right here, without a worker group of its own
         train_in_trial(config, infos, trial_id, node_ranks, on_report)
         return
-    queue = Queue(actor_options={"num_cpus": 0})
+    queue = report_queue()
     failed: list[BaseException] = []
 
     def fit() -> None:

@@ -137,6 +137,28 @@ def test_elastic_group_grows_and_shrinks_across_nodes_with_a_constant_global_bat
     assert any(k.startswith("orchestrator.failure.") for k in tags)
 
 
+def test_the_runs_report_queue_lives_on_the_drivers_node(cluster: Any, tmp_path: Path, digits_dir: str) -> None:
+    """Rank 0 and Ray Train's controller put the run's reports on a queue actor. On another node it would go with
+    that node: a drained (spot-reclaimed) worker node took it away and the run ended in a ControllerError
+    (bench/chaos.py). It lives on the driver's node, as the controller does, for as long as the driver."""
+    import ray
+    from ray.util.state import list_actors
+
+    cluster.add_node(**NODE)  # three nodes: more places for the queue to be put elsewhere
+    cluster.wait_for_nodes()
+    thread, outcome = train_in_background(elastic_config(tmp_path, digits_dir, "queue", 100), cluster.address)
+    try:
+        queues = wait_for(lambda: [a for a in list_actors(filters=[("state", "=", "ALIVE")])
+                                   if a.class_name == "_QueueActor"], "the run's report queue")
+        assert [q.node_id for q in queues] == [ray.get_runtime_context().get_node_id()]
+    finally:
+        thread.join(timeout=480)
+        # Back to one worker node: one the driver is not attached to (all share one IP: Ray may pick any of them).
+        driver = ray.get_runtime_context().get_node_id()
+        cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id != driver))
+    assert "error" not in outcome, outcome.get("error")
+
+
 def test_a_drained_node_triggers_a_checkpoint_before_it_goes(cluster: Any, tmp_path: Path, digits_dir: str) -> None:
     """A spot reclaim notice, as the autoscaler sends it: `ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION`."""
     import subprocess

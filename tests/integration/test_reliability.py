@@ -5,6 +5,7 @@ bit, as uninterrupted ones (fp32 on CPU: same data order, same reduction order, 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -23,7 +24,7 @@ import torch
 from terminal import from_a_terminal
 
 from orchestrator import load_config
-from orchestrator.cost import PARTS
+from orchestrator.cost import PARTS, RESTART_MARK
 from orchestrator.launch import train
 from orchestrator.result import TrainResult
 from orchestrator.training.checkpoint import check_complete, load_state
@@ -131,6 +132,66 @@ def test_worker_killed_by_pid_mid_epoch_ends_with_the_uninterrupted_weights(
     failures = {k: v for k, v in mlrun.data.tags.items() if k.startswith("orchestrator.failure.")}
     assert list(failures) == ["orchestrator.failure.1"] and mlrun.info.status == "FINISHED", failures
     assert re.match(r"after step (2\d|30): ", failures["orchestrator.failure.1"]), failures
+
+
+def test_two_kills_are_billed_as_the_test_timed_them(ray_cluster: None, tmp_path: Path, digits_dir: str) -> None:
+    """Two workers SIGKILLed in one run: the ledger's buckets against the test's own clock. Each group holds in its
+    32nd forward (held_model), 11 steps past its last checkpoint (every 20), so each kill redoes 2 known reports."""
+    from ray.util.state import list_actors
+
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    cfg = load_config(None, overrides(tmp_path, digits_dir, "train.max_steps=60", "checkpoint.every=20",
+                                      "model.entrypoint=held_model:build", "model.hold_call=32",
+                                      f"model.marker={hold}"))
+    outcome: dict[str, Any] = {}
+    began = time.time()
+    thread = threading.Thread(target=lambda: outcome.update(result=train(cfg, verbose=False)))
+    thread.start()
+    held: list[float] = []  # when the test saw both workers of a group held
+    killed: list[float] = []  # when it killed one of them
+
+    def held_after(workers: int, checkpoint: int) -> bool:
+        return (len(list(hold.glob("held-*"))) == workers
+                and f"checkpoint_{checkpoint:08d}" in registered_snapshot(tmp_path / "runs"))
+
+    try:
+        for workers, checkpoint in ((2, 20), (4, 40)):
+            wait_for(functools.partial(held_after, workers, checkpoint), "a group held after its checkpoint",
+                     timeout=240)
+            held.append(time.time())
+            alive = wait_for(lambda: [a for a in list_actors(filters=[("state", "=", "ALIVE")])
+                                      if a.class_name == "RayTrainWorker" and a.pid], "the training workers")
+            killed.append(time.time())
+            os.kill(alive[-1].pid, signal.SIGKILL)
+    finally:
+        (hold / "release").touch()
+        thread.join(timeout=300)
+    ended = time.time()
+    result: TrainResult = outcome["result"]
+    history, ledger = result.history, result.cost
+    # Resumed from 20 and 40: the reports of 25, 30 and 45, 50 were made twice, the first ones' work redone.
+    assert [r["step"] for r in history] == [*range(5, 35, 5), *range(25, 55, 5), *range(45, 65, 5)]
+    redone = [history[i] for i in (4, 5, 10, 11)]
+    assert [r["step"] for r in redone] == [25, 30, 45, 50]
+    # (The ledger scales its buckets down by the skew between worker intervals and driver arrivals: < 1%.)
+    assert ledger.seconds["wasted"] == pytest.approx(sum(r["interval_s"] for r in redone), rel=0.01)
+    # The restarted groups' first reports, with their workers' own timeline (at/*: epoch seconds, this machine).
+    restarts = [history[6], history[12]]
+    assert all(RESTART_MARK in r for r in restarts) and sum(RESTART_MARK in r for r in history) == 3
+    for kill, r in zip(killed, restarts, strict=True):
+        assert kill < r["at/worker"] <= r["at/checkpoint_read"] <= r["at/checkpoint_loaded"] <= r["at/loop"] \
+            <= r["at/first_batch"] <= r["at/first_step"] < began + r["elapsed_s"]
+    # Recovery: from the last report before each hold (made before the test saw the group held) to the restarted
+    # group's first interval (which began after its first batch); at most to its first report's arrival.
+    least = sum(r["at/first_batch"] - h for h, r in zip(held, restarts, strict=True))
+    most = sum(began + r["elapsed_s"] - h for h, r in zip(held, restarts, strict=True))
+    assert least - 0.5 <= ledger.seconds["recovery"] <= most + 0.5, (least, ledger.seconds, most)
+    assert least > sum(k - h for h, k in zip(held, killed, strict=True))  # the restarts' own seconds are in it
+    assert ledger.seconds["resize"] == 0 and ledger.seconds["other"] < 0.1 * ledger.seconds["recovery"]
+    # The buckets tile the wall clock the test saw, from train() to its return.
+    assert sum(ledger.seconds.values()) == pytest.approx(ledger.wall_s, rel=1e-9)
+    assert ended - began - 1.0 <= ledger.wall_s <= ended - began
 
 
 def test_worker_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(

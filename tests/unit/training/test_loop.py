@@ -306,8 +306,8 @@ def test_metrics_are_published_at_every_report_step_and_only_checkpoints_wait() 
                       ("publish", 10), ("checkpoint", 12), ("publish", 12)]
     assert [m["step"] for m, ckpt in log.reports if ckpt is not None] == [6, 12]
     first = log.reports[0][0]
-    assert first["at/loop"] <= first["at/first_batch"] <= time.time()  # the start-up marks, once
-    assert all("at/loop" not in m for m, _ in log.reports[1:])
+    assert first["at/loop"] <= first["at/first_batch"] <= first["at/first_step"] <= time.time()  # the marks, once
+    assert all("at/loop" not in m and "at/first_step" not in m for m, _ in log.reports[1:])
 
 
 def test_fp16_grad_norm_averages_the_applied_steps_and_the_scalers_skips_are_counted() -> None:
