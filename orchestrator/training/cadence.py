@@ -45,15 +45,14 @@ class Cadence:
     def at(self, step: int) -> Due | None:
         """What is due after `step`; None when it is not a report step."""
         last = step == self.t.max_steps
-        every = self.ckpt.every
         due = Due(eval=self.has_val and (last or (self.t.eval_every is not None and step % self.t.eval_every == 0)),
-                  checkpoint=last or (every != "auto" and step % every == 0))
+                  checkpoint=last or (not self.auto and step % self.ckpt.every == 0))  # type: ignore[operator]
         if not (due.eval or due.checkpoint or step % self.t.log_every == 0):
             return None
         if self.preempted is not None and not self.drain_saved and self.preempted():
             # Once per drain notice: the node is going away, so save the progress since the last checkpoint now.
             due.checkpoint = due.drain = self.drain_saved = True
-        if not due.checkpoint and (every == "auto" or self.ckpt.every_minutes is not None):
+        if not due.checkpoint and (self.auto or self.ckpt.every_minutes is not None):
             due.checkpoint = ranks.rank0_says(self._time_to_save(), self.device)
         if due.checkpoint:
             self.last_saved = self.clock()
@@ -63,7 +62,7 @@ class Cadence:
 
     def _time_to_save(self) -> bool:
         since = self.clock() - self.last_saved
-        if self.ckpt.every != "auto":
+        if not self.auto:
             return since >= self.ckpt.every_minutes * 60  # type: ignore[operator]
         interval = self.interval()
         return interval is None or since >= interval.seconds
@@ -71,7 +70,7 @@ class Cadence:
     def interval(self) -> AutoInterval | None:
         """checkpoint.every=auto's interval now (rank 0's figures); None before a checkpoint's cost is measured."""
         cost_s = self.progress.checkpoint_cost_s
-        if self.ckpt.every != "auto" or cost_s is None:
+        if not self.auto or cost_s is None:
             return None
         run_s = self.run_s + self.clock() - self.began
         return auto_interval(cost_s, mtbf_s(run_s, self.progress.interruptions, self.mtbf_minutes),
