@@ -37,10 +37,10 @@ def create_checkpoint_model(client: Any, experiment_id: str, run_id: str, step: 
     return str(model.model_id)
 
 
-def delete_dropped(client: Any, experiment_id: str, run_id: str, kept: set[str]) -> set[str]:
+def delete_dropped(client: Any, experiment_id: str, run_id: str, kept: set[str]) -> dict[str, Any]:
     """Delete the run's checkpoint models whose checkpoint is not in `kept` (URIs): Ray's retention
     (`checkpoint.keep`) deleted their files, and a model that cannot be loaded must not be found as the best.
-    Returns the URIs of the kept checkpoints that have a model."""
+    Returns the models of the kept checkpoints that have one, by URI."""
     query = f"source_run_id = '{run_id}' AND model_type = '{MODEL_TYPE}'"
     token = None
     models = []
@@ -53,4 +53,4 @@ def delete_dropped(client: Any, experiment_id: str, run_id: str, kept: set[str])
     for model in models:
         if model.tags.get(CHECKPOINT_TAG) not in kept:
             client.delete_logged_model(model.model_id)
-    return {model.tags[CHECKPOINT_TAG] for model in models if model.tags.get(CHECKPOINT_TAG) in kept}
+    return {model.tags[CHECKPOINT_TAG]: model for model in models if model.tags.get(CHECKPOINT_TAG) in kept}

@@ -52,18 +52,27 @@ class Lineage:
 
     def keep_checkpoints(self, kept: Mapping[str, int | None]) -> None:
         """The checkpoints in storage at the run's end ({URI: step}): the models of the others (deleted by
-        retention) are deleted, and one the driver never heard of (committed while an earlier attempt's driver
-        was going away) is made now, with the run's points of its step linked."""
+        retention) are deleted; one the driver never heard of (committed while an earlier attempt's driver was going
+        away) is made now, and one an earlier driver made but was killed before linking gets its links: the run's
+        points of its step."""
         from orchestrator.checkpoint_models import delete_dropped
 
-        modelled: list[set[str]] = []
+        modelled: list[dict[str, Any]] = []
         self._safe("log_checkpoint", lambda: modelled.append(
             delete_dropped(self._client, self.experiment_id, self.run_id, set(kept))))
+        if not modelled:
+            return
         for uri, step in kept.items():
-            if modelled and uri not in modelled[0] and step is not None:
+            model = modelled[0].get(uri)
+            if step is None or (model is not None and model.metrics):
+                continue
+            if model is None:
                 self.log_checkpoint(step, uri)
-                if step in self._models:
-                    self._safe("log_metrics", self._link_logged, step)
+            else:
+                with self._lock:
+                    self._models[step] = model.model_id
+            if step in self._models:
+                self._safe("log_metrics", self._link_logged, step)
 
     def _link_logged(self, step: int) -> None:
         """Link the run's points at `step` in the store (an earlier attempt's) to the step's checkpoint model."""

@@ -123,3 +123,35 @@ def test_a_store_that_stops_answering_costs_a_checkpoint_model_one_warning_not_t
     tracker.keep_checkpoints({})
     lines = [line for line in capsys.readouterr().err.splitlines() if "MLflow" in line]
     assert len(lines) == 1 and lines[0].startswith("warning: MLflow tracking at ") and "log_checkpoint" in lines[0]
+
+
+def test_a_model_made_by_a_driver_killed_before_it_linked_its_step_is_linked_by_the_resumed_run(
+        store: str, infos: dict[str, Any], tmp_path: Path) -> None:
+    """A driver SIGKILLed between a checkpoint model's creation and the linking of its step's points leaves a model
+    without metrics beside the run's points of that step: the attempt that finishes the run links them."""
+    from mlflow.tracking import MlflowClient
+
+    from orchestrator.checkpoint_models import create_checkpoint_model
+    from orchestrator.tracking.lineage import dataset_entity
+
+    tracker = MlflowTracker(TrackingConfig(uri=store, experiment="checkpoints-killed"), "killed-run",
+                            headline="val_accuracy")
+    tracker.log_datasets(infos)
+    paths = {step: str(tmp_path / f"checkpoint_{step:08d}_abcdef") for step in (10, 20)}
+    tracker.log_metrics(REPORTS[10], step=10)
+    tracker.log_checkpoint(10, paths[10])
+    tracker.log_metrics(REPORTS[20], step=20)
+    client = MlflowClient(tracker.uri)
+    create_checkpoint_model(client, tracker.experiment_id, tracker.run_id, 20, paths[20])  # then the kill
+    tracker.finish("KILLED")
+
+    again = MlflowTracker(TrackingConfig(uri=store, experiment="checkpoints-killed"), "killed-run",
+                          run_id=tracker.run_id)
+    again.log_datasets(infos)
+    again.keep_checkpoints({paths[10]: 10, paths[20]: 20})
+    again.finish("FINISHED")
+    models = client.search_logged_models([tracker.experiment_id], filter_string=f"source_run_id = '{tracker.run_id}'")
+    by_step = {int(m.params["step"]): m for m in models}
+    assert sorted(by_step) == [10, 20]  # no second model of step 20
+    assert_linked(client, tracker.run_id, by_step, paths, dataset_entity(infos["val"]))
+    assert [m.step for m in client.get_metric_history(tracker.run_id, "val/loss")] == [10, 20]
