@@ -94,8 +94,9 @@ class CheckpointConfig(_Section):
                       "one is complete and registered).")
     upload: Literal["async", "sync"] = Field("async", description="async: training continues while rank 0 copies "
                                              "the checkpoint to storage; sync: the step waits for the copy.")
-    on_preemption: bool = Field(True, description="Save a checkpoint at the next report once Ray announces that a "
-                                "node of the run is being drained (spot reclaim, autoscaler scale-down).")
+    on_preemption: bool = Field(True, description="Once Ray announces that a node of the run is being drained (spot "
+                                "reclaim, autoscaler scale-down), save a checkpoint at every report until the "
+                                "drain's deadline: the node's loss then costs at most one report interval.")
     preemption_poll_s: float | None = Field(None, gt=0, description="How often Ray Train looks for a drain notice; "
                                             "null: Ray's default (5 s). Lower it for short drain deadlines.")
 

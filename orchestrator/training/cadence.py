@@ -17,7 +17,7 @@ from orchestrator.training.checkpoint_interval import AutoInterval, auto_interva
 
 @dataclass
 class Due:
-    """What follows a report step: evaluation, and a checkpoint (`drain`: an extra one for a node going away)."""
+    """What follows a report step: evaluation, and a checkpoint (`drain`: the first for a node going away)."""
 
     eval: bool
     checkpoint: bool
@@ -49,9 +49,10 @@ class Cadence:
                   checkpoint=last or (not self.auto and step % self.ckpt.every == 0))  # type: ignore[operator]
         if not (due.eval or due.checkpoint or step % self.t.log_every == 0):
             return None
-        if self.preempted is not None and not self.drain_saved and self.preempted():
-            # Once per drain notice: the node is going away, so save the progress since the last checkpoint now.
-            due.checkpoint = due.drain = self.drain_saved = True
+        if self.preempted is not None and ranks.rank0_says(self.preempted(), self.device):
+            # A node is going away: every report until its deadline saves, so its loss costs at most one report
+            # interval (Ray resumes from the newest). The first is marked as the drain's.
+            due.checkpoint, due.drain, self.drain_saved = True, not self.drain_saved, True
         if not due.checkpoint and (self.auto or self.ckpt.every_minutes is not None):
             due.checkpoint = ranks.rank0_says(self._time_to_save(), self.device)
         if due.checkpoint:

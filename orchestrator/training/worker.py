@@ -124,6 +124,12 @@ def state_of(checkpoint: ray.train.Checkpoint | None) -> dict[str, Any] | None:
 
 
 def preempted() -> bool:
-    """Whether Ray is draining a node of this run. A barrier (rank 0's view broadcast to all); the loop calls it
-    at report steps only."""
-    return ray.train.get_preemption_info() is not None
+    """Whether Ray is draining a node of this run and the drain's deadline is still ahead. Ray's part is a barrier
+    that agrees on one notice; the clock is this rank's (Cadence takes rank 0's). Called at report steps only."""
+    return notice_holds(ray.train.get_preemption_info(), time.time())
+
+
+def notice_holds(info: ray.train.PreemptionInfo | None, now: float) -> bool:
+    """Whether a drain notice (`info`, its deadline in epoch milliseconds, None when it gave none) holds at `now`
+    (epoch seconds)."""
+    return info is not None and (info.deadline_ms is None or now * 1000 < info.deadline_ms)

@@ -150,20 +150,23 @@ def test_resume_after_a_resize_continues_at_the_next_epoch_boundary() -> None:
     assert parts.optimizer.param_groups[0]["lr"] == pytest.approx(cfg.optim.lr * lr_factor(4, cfg.optim, 8))
 
 
-def test_a_drain_notice_adds_one_checkpoint_at_the_next_report() -> None:
-    cfg = config("train.max_steps=8", "train.log_every=2", "checkpoint.every=8")
+def test_a_drain_notice_checkpoints_every_report_until_its_deadline() -> None:
+    """The notice holds from the second report to the fourth (its deadline passed, the node still there): each of
+    those reports saves, so a node lost at any moment loses at most one report interval; the first is marked as
+    the drain's, and after the deadline the cadence is the configured one again."""
+    cfg = config("train.max_steps=12", "train.log_every=2", "checkpoint.every=12")
     calls: list[int] = []
 
     def preempted() -> bool:
         calls.append(1)
-        return len(calls) >= 2  # the notice arrives before the second report
+        return 2 <= len(calls) <= 4
 
     report = Recorder()
-    x, y = dataset(256)
+    x, y = dataset(384)
     run(cfg, make_parts(cfg), lambda epoch: batches(x, y, 32), None, report, preempted=preempted)
     saved = [(m["step"], m.get("drain_checkpoint")) for m, ckpt in report.reports if ckpt is not None]
-    assert saved == [(4, 1), (8, None)]
-    assert len(calls) == 2  # not asked again once saved
+    assert saved == [(4, 1), (6, None), (8, None), (12, None)]
+    assert len(calls) == 6  # asked at every report step
 
 
 @pytest.mark.parametrize(("workers", "micro", "accum"), [("[1,2]", 64, 1), ("[2,3]", 20, 2), ("[1,4]", 10, 3)])
@@ -204,3 +207,16 @@ def test_a_time_cadence_adds_checkpoints_at_report_steps_only() -> None:
     assert saved_steps() == [8]
     assert saved_steps("checkpoint.every_minutes=1e-9") == [2, 4, 6, 8]  # always due: every report saves
     assert saved_steps("checkpoint.every_minutes=60") == [8]
+
+
+def test_a_drain_notice_holds_until_its_deadline_in_milliseconds() -> None:
+    from ray.train import PreemptionInfo
+
+    from orchestrator.training.worker import notice_holds
+
+    now = 1_700_000_000.0
+    node = {"node-a": [1]}
+    assert not notice_holds(None, now)
+    assert notice_holds(PreemptionInfo(deadline_ms=int(now * 1000) + 500, preempted_node_to_ranks=node), now)
+    assert not notice_holds(PreemptionInfo(deadline_ms=int(now * 1000) - 1, preempted_node_to_ranks=node), now)
+    assert notice_holds(PreemptionInfo(deadline_ms=None, preempted_node_to_ranks=node), now)  # no deadline given
