@@ -41,10 +41,12 @@ def build_trainer(config: Config, spec: dict[str, Any], datasets: dict[str, Any]
     import ray.train
     from ray.train.torch import TorchTrainer
 
+    from orchestrator.training.warm import WarmTorchConfig, train_entry
+
     options = ingest_options()
     s = config.scaling
     return TorchTrainer(
-        _worker_entry,
+        train_entry,
         train_loop_config=spec,
         scaling_config=ray.train.ScalingConfig(
             num_workers=(s.min_workers, s.max_workers) if s.elastic else s.num_workers, use_gpu=s.use_gpu,
@@ -68,6 +70,7 @@ def build_trainer(config: Config, spec: dict[str, Any], datasets: dict[str, Any]
         ),
         datasets=datasets,
         dataset_config=ray.train.DataConfig(datasets_to_split="all", execution_options=options),
+        torch_config=WarmTorchConfig(),  # the workers import the training side while the group starts
     )
 
 
@@ -138,13 +141,6 @@ def build_inputs(config: Config, infos: dict[str, DatasetInfo], name: str, saved
             release_epoch_clock(clock)
         raise
     return spec, datasets
-
-
-def _worker_entry(spec: dict[str, Any]) -> dict[str, Any]:
-    # Imported in the worker only: the driver never needs the loop's modules.
-    from orchestrator.training.worker import train_worker
-
-    return train_worker(spec)
 
 
 def storage_args(storage: Storage) -> dict[str, Any]:

@@ -26,12 +26,12 @@ from pipelines.datasets import REPLAY
 from pipelines.storage import fetch_prefix
 
 
-def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
+def train_worker(spec: dict[str, Any], entered: float) -> dict[str, Any]:
     """Entry point passed to TorchTrainer. `spec` = {"config": resolved config dict, "in_features": int or None,
     "epoch_clock": name or None, "cache_decision": how the driver feeds the train data (pipelines.datasets:
     stream, memory or replay: the workers replay their first pass under replay; saved with every checkpoint's data
-    position), "metrics_queue": Ray queue or None, "sample": the first rows of the training data (an Arrow table)}."""
-    entered = time.time()
+    position), "metrics_queue": Ray queue or None, "sample": the first rows of the training data (an Arrow table)}.
+    `entered`: when Ray Train ran the training function (training/warm.py)."""
     quiet_report_log()
     context = ray.train.get_context()
     world, rank = context.get_world_size(), context.get_world_rank()
