@@ -11,10 +11,15 @@ It prints each run's wall clock and ETTR (the product's cost ledger), every badp
 sum to its wall clock), for each fault the seconds to the first training step again, split into stages by the
 restarted workers' `at/*` facts, the steps redone, whether the final weights equal the clean run's bit for bit,
 the global batch and loss curves around the drain, and fault -> first step over Ray's floor (target <= 1.5x).
-Product defaults (checkpoint.every as given), no environment variable set; the nodes it started are killed by PID
-at the end, also on error or Ctrl+C.
+With --grid, instead: the same faulty run (kills only) once per checkpoint interval given, fixed ones and `auto`,
+side by side in one invocation: wall clock and ETTR of each, and how far `auto` is from the best fixed one.
+
+Product defaults but for the settings the header prints (a worker per node, one torch thread each, unlimited
+restarts, the interval under test); no environment variable set (the README's set-up has RAY_AUTH_MODE=token, as
+`ray start` wants it); the nodes it started are killed by PID at the end, also on error or Ctrl+C.
 
     .venv/bin/python bench/chaos.py [--minutes 10 --kill-every 120 --drain-notice 30 --every 100]
+    .venv/bin/python bench/chaos.py --grid 50,200,800,auto --minutes 3 --kill-every 45
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from orchestrator import load_config, train
 from orchestrator.cluster import train_environment
 from orchestrator.config import Config
 from orchestrator.cost import PARTS, RESTART_MARK
-from orchestrator.result import TrainResult
+from orchestrator.result import TrainResult, checkpoint_interval_line
 from orchestrator.training.checkpoint import load_state
 from pipelines.prepare import prepare_synthetic
 
@@ -51,7 +56,7 @@ RAY = Path(sys.executable).with_name("ray")
 CPUS_PER_WORKER = 2  # one training worker per node: no node holds two
 GLOBAL_BATCH = 256
 # The restarted group's marks (rank 0's), in order: the stage each one ends.
-STAGES = (("at/worker", "detection + group restart"), ("at/checkpoint_read", "checkpoint read"),
+STAGES = (("at/worker", "detection + group restart"), ("at/checkpoint_read", "imports + checkpoint read"),
           ("at/checkpoint_loaded", "model set-up + restore"), ("at/loop", "data shards"),
           ("at/first_batch", "first batch"), ("at/first_step", "first step"))
 
@@ -129,13 +134,16 @@ def kill_tree(process: subprocess.Popen[bytes]) -> None:
     process.wait(timeout=30)
 
 
-def config(data: Path, runs: Path, steps: int, every: int) -> Config:
-    return load_config(None, [
-        *scratch_run(data, runs), "scaling.num_workers=2", f"scaling.cpus_per_worker={CPUS_PER_WORKER}",
-        "train.torch_threads=1",  # one thread per worker: 2 workers on this 2-core machine
-        f"train.global_batch_size={GLOBAL_BATCH}", "model.hidden=[1024, 1024]", f"train.max_steps={steps}",
-        f"checkpoint.every={every}", "failure.max_failures=-1",  # a long run on spot nodes restarts as needed
-    ])
+def settings(every: int | str) -> list[str]:
+    """What the runs set beyond the data and the run's length: the model, and where they leave the defaults."""
+    return ["scaling.num_workers=2", f"scaling.cpus_per_worker={CPUS_PER_WORKER}",  # a worker per node
+            "train.torch_threads=1",  # one thread per worker: 2 workers on this 2-core machine
+            f"train.global_batch_size={GLOBAL_BATCH}", "model.hidden=[1024, 1024]",
+            f"checkpoint.every={every}", "failure.max_failures=-1"]  # a long run on spot nodes restarts as needed
+
+
+def config(data: Path, runs: Path, steps: int, every: int | str) -> Config:
+    return load_config(None, [*scratch_run(data, runs), *settings(every), f"train.max_steps={steps}"])
 
 
 @dataclass
@@ -158,9 +166,9 @@ def reports_since(runs: Path, since: float) -> list[dict[str, Any]]:
 
 
 def inject_faults(cluster: Cluster, runs: Path, run: threading.Thread, started: float, every_s: float,
-                  notice_s: float) -> list[Fault]:
-    """A fault every `every_s` seconds from `started` (the 2nd one a drain), each once the run trains again
-    after the previous one (a restart reported), until the run ends."""
+                  notice_s: float | None) -> list[Fault]:
+    """A fault every `every_s` seconds from `started` (the 2nd one a drain with `notice_s` seconds of notice, when
+    given), each once the run trains again after the previous one (a restart reported), until the run ends."""
     faults: list[Fault] = []
     while run.is_alive():
         due = started + every_s * (len(faults) + 1)
@@ -173,7 +181,7 @@ def inject_faults(cluster: Cluster, runs: Path, run: threading.Thread, started: 
         workers = sorted(train_workers(), key=lambda w: w.pid)
         if not workers:  # the run is ending
             continue
-        if len(faults) == 1:
+        if len(faults) == 1 and notice_s is not None:
             node = next(w.node_id for w in workers if w.node_id != cluster.head)
             fault = Fault("drain", time.time())
             subprocess.run([str(RAY), "drain-node", "--address", cluster.gcs, "--node-id", node, "--reason",
@@ -352,16 +360,57 @@ def analyse(clean: TrainResult, faulty: TrainResult, faults: list[Fault], began:
         print_drain(clean, faulty, drain)
 
 
+def every_arg(value: str) -> int | str:
+    return value if value == "auto" else int(value)
+
+
+def faulty_run(cluster: Cluster, cfg: Config, runs: Path, kill_every: float, drain_notice: float | None
+               ) -> tuple[TrainResult, list[Fault], float]:
+    """The run under faults: its result, the faults and when it began."""
+    began = time.time()
+    thread, outcome = in_background(cfg, cluster.gcs)
+    faults = inject_faults(cluster, runs, thread, began, kill_every, drain_notice)
+    thread.join()
+    if "error" in outcome:
+        raise RuntimeError(f"the faulty run failed: {outcome['error'].__context__!r}") from outcome["error"]
+    print(f"faulty run done: {outcome['result'].cost.wall_s:.0f} s", flush=True)
+    return outcome["result"], faults, began
+
+
+def print_grid(results: dict[int | str, TrainResult]) -> None:
+    """Wall clock and ETTR of the same faulty run at each checkpoint interval, and auto against the best fixed."""
+    print(f"{'checkpoint.every':>16}  {'wall s':>7}  {'ETTR':>6}  {'restarts':>8}  {'checkpoint s':>12}  "
+          f"{'wasted s':>8}  {'recovery s':>10}  interval used")
+    for every, result in results.items():
+        ledger = result.run_cost or result.cost
+        restarts = sum(RESTART_MARK in r for r in result.history) - 1
+        used = checkpoint_interval_line(result.config, result.history) or ""
+        print(f"{every!s:>16}  {ledger.wall_s:7.1f}  {ledger.ettr:6.3f}  {restarts:8d}  "
+              f"{ledger.seconds['checkpoint']:12.1f}  {ledger.seconds['wasted']:8.1f}  "
+              f"{ledger.seconds['recovery']:10.1f}  {used}")
+    fixed = {e: r for e, r in results.items() if e != "auto"}
+    if "auto" in results and fixed:
+        best = max(fixed, key=lambda e: (fixed[e].run_cost or fixed[e].cost).ettr)
+        best_ettr = (fixed[best].run_cost or fixed[best].cost).ettr
+        auto_ettr = (results["auto"].run_cost or results["auto"].cost).ettr
+        print(f"auto: ETTR {auto_ettr:.3f} vs the best fixed interval's ({best} steps) {best_ettr:.3f}: "
+              f"{auto_ettr / best_ettr:.3f}x (target >= 0.90, within 10%)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=10.0, help="training per run")
     parser.add_argument("--kill-every", type=float, default=120.0, help="seconds between faults")
     parser.add_argument("--drain-notice", type=int, default=30.0, help="seconds from the drain to the node's loss")
-    parser.add_argument("--every", type=int, default=100, help="checkpoint.every (steps)")
+    parser.add_argument("--every", type=every_arg, default=100, help="checkpoint.every (steps or auto)")
+    parser.add_argument("--grid", type=lambda v: [every_arg(e) for e in v.split(",")], default=None,
+                        help="checkpoint.every values to compare under the same kills (no drain), e.g. 50,200,auto")
     parser.add_argument("--floor-kills", type=int, default=3)
     args = parser.parse_args()
     import ray
 
+    print("settings beyond the product's defaults: " + " ".join(settings(args.every if args.grid is None else
+                                                                          "<each of the grid>")), flush=True)
     tmp, failed = Path(tempfile.mkdtemp(prefix="chaos")), True
     cluster = Cluster(Path(tempfile.mkdtemp(prefix="rc", dir="/tmp")))  # short: Ray's socket paths are limited
     try:
@@ -369,23 +418,27 @@ def main() -> None:
         cluster.start(head_cpus=CPUS_PER_WORKER + 1)  # + 1 for Ray Data's tasks
         cluster.add_node(CPUS_PER_WORKER)
         # A first short run: warms the cluster up and gives the step rate that sets the runs' length.
-        warm = train(config(tmp / "data", tmp / "warm", 200, args.every), address=cluster.gcs, verbose=False)
+        warm = train(config(tmp / "data", tmp / "warm", 200, 100), address=cluster.gcs, verbose=False)
         training_s = warm.cost.wall_s - warm.cost.seconds["startup"] - warm.cost.seconds["shutdown"]
         log_every = warm.config.train.log_every
         steps = max(log_every, round(200 / training_s * args.minutes * 60 / log_every) * log_every)
         print(f"{steps} steps per run ({200 / training_s:.1f} steps/s in the warm-up run)", flush=True)
-        clean = train(config(tmp / "data", tmp / "clean", steps, args.every), address=cluster.gcs, verbose=False)
-        print(f"clean run done: {clean.cost.wall_s:.0f} s", flush=True)
-        faulty_cfg = config(tmp / "data", tmp / "faulty", steps, args.every)
-        began = time.time()
-        thread, outcome = in_background(faulty_cfg, cluster.gcs)
-        faults = inject_faults(cluster, tmp / "faulty", thread, began, args.kill_every, args.drain_notice)
-        thread.join()
-        if "error" in outcome:
-            raise RuntimeError(f"the faulty run failed: {outcome['error'].__context__!r}") from outcome["error"]
-        print(f"faulty run done: {outcome['result'].cost.wall_s:.0f} s", flush=True)
-        floor = ray_floor(faulty_cfg, tmp / "floor", args.floor_kills)
-        analyse(clean, outcome["result"], faults, began, floor)
+        if args.grid is not None:
+            results = {}
+            for every in args.grid:
+                print(f"checkpoint.every={every}:", flush=True)
+                results[every], _, _ = faulty_run(cluster, config(tmp / "data", tmp / f"grid-{every}", steps, every),
+                                                  tmp / f"grid-{every}", args.kill_every, None)
+            print_grid(results)
+        else:
+            clean = train(config(tmp / "data", tmp / "clean", steps, args.every), address=cluster.gcs,
+                          verbose=False)
+            print(f"clean run done: {clean.cost.wall_s:.0f} s", flush=True)
+            faulty_cfg = config(tmp / "data", tmp / "faulty", steps, args.every)
+            faulty, faults, began = faulty_run(cluster, faulty_cfg, tmp / "faulty", args.kill_every,
+                                               args.drain_notice)
+            floor = ray_floor(faulty_cfg, tmp / "floor", args.floor_kills)
+            analyse(clean, faulty, faults, began, floor)
         failed = False
     finally:
         if ray.is_initialized():
