@@ -429,6 +429,7 @@ def main() -> None:
                 print(f"checkpoint.every={every}:", flush=True)
                 results[every], _, _ = faulty_run(cluster, config(tmp / "data", tmp / f"grid-{every}", steps, every),
                                                   tmp / f"grid-{every}", args.kill_every, None)
+                print_grid({every: results[every]})  # each row as it comes: a long grid may be cut short
             print_grid(results)
         else:
             clean = train(config(tmp / "data", tmp / "clean", steps, args.every), address=cluster.gcs,
