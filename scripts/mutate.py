@@ -313,6 +313,10 @@ MUTANTS = (
            'seconds["resize" if resized else "recovery"] += gap', 'seconds["resize" if resized else "other"] += gap',
            ("tests/unit/test_cost.py::test_a_restart_bills_the_redone_steps_as_wasted_and_the_gap_as_recovery",
             "tests/integration/test_reliability.py::test_two_kills_are_billed_as_the_test_timed_them")),
+    Mutant("the wait for a slower rank at a step's first collective left in other", STEP,
+           '        with timer.phase("sync"):\n            dist.all_reduce(targets)',
+           '        with nullcontext():\n            dist.all_reduce(targets)',
+           ("tests/unit/training/test_rank_figures.py::test_waiting_for_a_rank_whose_reader_is_slow_is_sync_not_other",)),
 )
 
 

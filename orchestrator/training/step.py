@@ -44,7 +44,9 @@ def train_step(parts: Parts, micro_batches: list[Batch], timer: PhaseTimer | Non
     # Local SGD: each rank's step is its own (no gradient mean), so the normaliser is its own targets too.
     world = ranks.world()[1] if parts.local_sgd is None else 1
     if world > 1:
-        dist.all_reduce(targets)
+        # The step's first collective: a rank whose data came first waits here for the others (sync, not "other").
+        with timer.phase("sync"):
+            dist.all_reduce(targets)
         parts.comm_bytes += targets.element_size()
     scale = world / targets.clamp(min=1)
     while True:

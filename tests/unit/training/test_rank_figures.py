@@ -165,3 +165,38 @@ def test_validation_figures_are_the_whole_splits_over_both_ranks(ranks: list[dic
     for result in ranks:
         assert result["val"]["val_loss"] == pytest.approx(loss, rel=1e-6)
         assert result["val"]["val_accuracy"] == pytest.approx(accuracy, rel=1e-9)
+
+
+DATA_WAIT_S = 0.05  # rank 1's wait for each of its batches: a slow reader on one node
+
+
+def _slow_reader(rank: int, shared: Path) -> dict[str, Any]:
+    cfg = _config()
+    x, y = _data(rank)
+    parts = Parts(DistributedDataParallel(TinyLM()), *_frozen(TinyLM()), Precision("fp32", CPU), CPU, None,
+                  task=CausalLM())
+
+    def batches(epoch: int) -> Any:
+        for i in range(0, ROWS, MICRO):
+            if rank == 1:
+                time.sleep(DATA_WAIT_S)
+            yield {"x": x[i:i + MICRO], "labels": y[i:i + MICRO]}
+
+    recorder = Recorder()
+    run(cfg, parts, batches, None, recorder)
+    return {"reports": [metrics for metrics, _ in recorder.reports]}
+
+
+def _frozen(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+
+def test_waiting_for_a_rank_whose_reader_is_slow_is_sync_not_other(tmp_path: Path) -> None:
+    """Rank 1 waits for each of its batches; rank 0, whose data is ready, waits for rank 1 at the step's first
+    collective. That wait is billed to sync on rank 0 (whose shares the ledger takes), not left in "other"."""
+    fast, slow = (r["reports"][-1] for r in run_two_ranks(_slow_reader, tmp_path))
+    waited = LOG_EVERY * 2 * DATA_WAIT_S  # rank 1's reads in the second interval: 2 steps of 2 micro-batches
+    assert slow["time/data_wait_frac"] * slow["interval_s"] >= waited * 0.9
+    assert fast["time/sync_frac"] * fast["interval_s"] >= waited * 0.8
+    assert fast["time/other_frac"] * fast["interval_s"] < waited * 0.2
