@@ -14,7 +14,7 @@ from orchestrator.config import Config, to_dict
 from orchestrator.errors import ConfigError, UserError
 from orchestrator.runs import RunPlace
 from pipelines.config import DataConfig
-from pipelines.datasets import CACHE_DECISIONS, REPLAY, build_datasets, cache_decision
+from pipelines.datasets import CACHE_DECISIONS, MEMORY, REPLAY, build_datasets, cache_decision
 from pipelines.order import create_epoch_clock, release_epoch_clock
 from pipelines.sources import DatasetInfo
 from pipelines.storage import Storage
@@ -46,6 +46,7 @@ def build_trainer(config: Config, spec: dict[str, Any], datasets: dict[str, Any]
     return TorchTrainer(
         _worker_entry,
         train_loop_config=spec,
+        **({"torch_config": replica_torch_config()} if config.failure.mode == "replicas" else {}),
         scaling_config=ray.train.ScalingConfig(
             num_workers=(s.min_workers, s.max_workers) if s.elastic else s.num_workers, use_gpu=s.use_gpu,
             resources_per_worker={"CPU": s.cpus_per_worker}, accelerator_type=s.accelerator_type,
@@ -69,6 +70,25 @@ def build_trainer(config: Config, spec: dict[str, Any], datasets: dict[str, Any]
         datasets=datasets,
         dataset_config=ray.train.DataConfig(datasets_to_split="all", execution_options=options),
     )
+
+
+def replica_torch_config() -> Any:
+    """failure.mode=replicas: one torchft replica group per worker, its lighthouse started by Ray Train; a failed
+    worker's group is replaced alone while the others keep stepping (training/replicas.py)."""
+    from ray.train.v2.torch.torchft_config import TorchftConfig
+
+    # One live replica is enough to keep stepping: the survivors take the lost ones' share of the batch.
+    return TorchftConfig(lighthouse_kwargs={"min_replicas": 1})
+
+
+def replica_warning(config: Config) -> str:
+    """The one line a failure.mode=replicas run starts with: what its math and its data do around a failure."""
+    workers, batch = config.scaling.num_workers, config.train.global_batch_size
+    return (f"warning: failure.mode=replicas: {workers} replicas split the global batch of {batch} between the live "
+            f"ones (each {batch // (workers - 1)} rows while one of {workers} is restarting), so every step keeps its "
+            "samples and LR; but the rows a lost replica had not read are skipped, a restarted replica starts "
+            "reading at the next epoch (after its first step copies a live peer's state), resume is not bitwise, "
+            "and only the last step is checkpointed")
 
 
 def _worker_env(config: Config) -> dict[str, str]:
@@ -117,6 +137,12 @@ def build_inputs(config: Config, infos: dict[str, DatasetInfo], name: str, saved
 
     store_bytes = ray.cluster_resources().get("object_store_memory", 0)
     decision = resumed_cache_decision(config.data, infos, store_bytes, saved)
+    if config.failure.mode == "replicas" and decision == REPLAY:
+        # A replaced replica reads its shard from Ray Data, whose epochs start together on every rank: a survivor
+        # replaying its own copy would never start one again, and the newcomer would wait for it forever.
+        decision = MEMORY
+    if config.failure.mode == "replicas":
+        print(replica_warning(config), file=sys.stderr, flush=True)
     # The workers advance this clock each epoch; the train reader draws that epoch's shard order from it. Replayed
     # data is read once, in epoch 0's order, which is the order without a clock: no clock actor to start.
     clock = (f"orchestrator-epoch-{name}-{uuid.uuid4().hex[:8]}" if config.data.shuffle and decision != REPLAY

@@ -101,8 +101,27 @@ def train_rank(spec: dict[str, Any], cfg: Config, seat: Seat, load_state: Callab
     facts = {"precision": parts.precision.mode, "grad_accum_steps": t.grad_accum_steps,
              "global_batch": t.micro_batch_size * t.grad_accum_steps * seat.world,  # type: ignore[operator]
              "worker_pid": os.getpid(), "world_rank": seat.rank, "at/worker": seat.entered} | restored
+    if cfg.failure.mode == "replicas":
+        return run_replica(cfg, parts, data, reporter, progress, facts, seat.rank)
     return run(cfg, parts, data.train, data.val if cfg.data.val is not None else None, reporter, progress,
                preempted, facts, resize=data.resize)
+
+
+def run_replica(cfg: Config, parts: Any, data: RankBatches, reporter: Reporter, progress: Progress,
+                facts: dict[str, Any], rank: int) -> dict[str, Any]:
+    """failure.mode=replicas: this worker is one torchft replica (training/replicas.py). Only the last step is
+    checkpointed (a checkpoint is a barrier that a restarting replica could not reach), and drain notices are not
+    watched (Ray Train turns its preemption watcher off for replica groups)."""
+    from orchestrator.training.replicas import join_replicas  # torchft: the optional `replicas` extra
+
+    t = cfg.train
+    cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"every": t.max_steps})})
+    replicas = join_replicas(parts, progress, rank, t.global_batch_size, t.micro_batch_size)  # type: ignore[arg-type]
+    try:
+        return run(cfg, parts, data.train, data.val if cfg.data.val is not None else None, reporter, progress,
+                   None, facts, replicas=replicas)
+    finally:
+        replicas.shutdown()
 
 
 def fetch_pretrained(uri: str, s3: Any) -> str:

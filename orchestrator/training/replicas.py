@@ -1,0 +1,100 @@
+"""failure.mode=replicas on the worker side: the torchft wiring that lets one worker fail while the others keep
+stepping. Each Ray Train worker is one replica group (Ray's `TorchftConfig` gives each its own process group of one
+and starts torchft's lighthouse). A torchft `Manager` forms a quorum of the live replicas at the start of every step;
+the model's gradients are averaged over that quorum (torchft's DDP comm hook) and the optimizer steps only when the
+quorum agrees the step committed. A restarted worker copies model, optimizer, schedule and step count from a live peer
+at its first step instead of reading the checkpoint. The live replicas split the whole global batch between them, so
+a step's samples (and the LR schedule indexed by them) do not change when a replica is missing."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torchft import DistributedDataParallel, Manager, ProcessGroupGloo
+from torchft.checkpointing.pg_transport import PGTransport
+from torchft.optim import OptimizerWrapper
+
+from orchestrator.config.batching import replica_micro_batches
+from orchestrator.training.checkpoint import Progress, unwrap
+from orchestrator.training.parts import Parts
+from orchestrator.training.timing import PhaseTimer
+
+# How long a live replica waits in a collective for a peer that died before the quorum drops it; the restarted
+# replica's first quorum and state transfer must fit in it too (torchft's example uses the same on loaded machines).
+TIMEOUT = timedelta(seconds=30)
+
+
+class _QuorumDDP(DistributedDataParallel):
+    """torchft's DDP with a comm hook that survives the failure it is there for: torchft 0.2.0's own hook asserts
+    (`assert fut._fut`) when a peer dies inside the all-reduce (gloo: "Connection reset by peer"), killing the
+    survivor too. Here the error stays with the manager, whose `should_commit` then drops the step."""
+
+    @staticmethod
+    def _comm_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP refuses string annotations (ours, lazy)
+        state.allreduce(bucket.buffer()).wait()  # averaged over the quorum in place, or left as is after an error
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
+
+class _CommitOptimizer(OptimizerWrapper):
+    """torchft's optimizer wrapper, except that `zero_grad` does not start a quorum: the loop starts one at the top
+    of each step (`Replicas.begin_step`), where it also learns the share of the batch. The loop's step zeroes the
+    gradients after the update and again after an out-of-memory retry, neither of which is a new step."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optim.zero_grad(set_to_none)
+
+
+class Replicas:
+    """This worker's replica: its torchft manager and the batch arithmetic of a step."""
+
+    def __init__(self, manager: Manager, global_batch: int, micro_batch: int) -> None:
+        self.manager, self.global_batch, self.micro_batch = manager, global_batch, micro_batch
+        self.participants = 0  # of the current step's quorum
+
+    def begin_step(self, timer: PhaseTimer) -> int:
+        """Form this step's quorum (blocks until the live replicas agree on it, billed as sync; a restarted replica
+        starts fetching a live peer's state here) and return the micro-batches this replica runs: its share of the
+        global batch."""
+        with timer.phase("sync"):
+            self.manager.start_quorum()
+            self.participants = self.manager.num_participants()
+        return replica_micro_batches(self.global_batch, self.micro_batch, self.participants)
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def join_replicas(parts: Parts, progress: Progress, rank: int, global_batch: int, micro_batch: int) -> Replicas:
+    """Wrap `parts` (built for a process group of one) for replica `rank`: gradients averaged over the quorum,
+    optimizer steps committed by it, and the state a restarted peer copies from this one. Call before the first
+    step, after any checkpoint was restored into `parts` and `progress`."""
+    inner = parts.optimizer
+    model = unwrap(parts.model)
+
+    def state_dict() -> dict[str, Any]:
+        return {"model": model.state_dict(), "optimizer": inner.state_dict(), "scheduler": parts.scheduler.state_dict(),
+                "precision": parts.precision.state_dict(),
+                "progress": {"step": progress.step, "samples_seen": progress.samples_seen}}
+
+    def load_state_dict(state: dict[str, Any]) -> None:
+        # Applied inside the first step's commit, before its optimizer update: the peer's state at the same step.
+        model.load_state_dict(state["model"])
+        inner.load_state_dict(state["optimizer"])
+        parts.scheduler.load_state_dict(state["scheduler"])
+        parts.precision.load_state_dict(state["precision"])
+        progress.step, progress.samples_seen = state["progress"]["step"], state["progress"]["samples_seen"]
+
+    pg = ProcessGroupGloo(timeout=TIMEOUT)
+    manager = Manager(pg=pg, min_replica_size=1, load_state_dict=load_state_dict, state_dict=state_dict,
+                      world_size=1, rank=0, replica_id=f"replica_{rank}", timeout=TIMEOUT * 2,
+                      checkpoint_transport=PGTransport(pg, timeout=TIMEOUT, device=parts.device))
+    # A checkpoint's step count, so that a whole group resumed from one agrees on where it is.
+    manager.load_state_dict({"step": progress.step, "batches_committed": 0})
+    parts.model = _QuorumDDP(manager, parts.model)
+    parts.optimizer = _CommitOptimizer(manager, inner)  # type: ignore[assignment]
+    return Replicas(manager, global_batch, micro_batch)
+
