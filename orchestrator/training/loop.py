@@ -186,8 +186,7 @@ def run(
     `preempted` (a barrier, called at report steps) tells whether a node of the run is being drained: the next
     report then carries a checkpoint. `facts` go out once, with the first report of this (re)start, together with
     when (`at/*`, epoch seconds) the loop started, had its first batch, ended its first step: start-up's breakdown.
-    `resize` cuts the training data at another micro-batch (RankBatches.resize; see _search_step).
-    `replicas`: failure.mode=replicas (training/replicas.py), where each step's quorum sets this replica's share."""
+    `resize` cuts the data at another micro-batch (RankBatches.resize); `replicas`: see training/replicas.py."""
     t = cfg.train
     assert t.max_steps is not None and isinstance(t.grad_accum_steps, int)  # resolved before the loop
     progress = progress or Progress()
@@ -208,6 +207,7 @@ def run(
     while progress.step < t.max_steps:
         if replicas is not None:  # failure.mode=replicas: the live replicas split the global batch between them
             pieces = replicas.begin_step(interval.timer)
+            once |= replicas.figures()  # as of the report step: the quorum's size, the steps it dropped
         batch, first = _take(stream, pieces, first, interval.timer), None
         if flops is None:  # this process's first step, also after a resume
             flops, result, interval = _first_step(parts, batch, interval, once)

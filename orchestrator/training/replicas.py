@@ -44,15 +44,24 @@ class _CommitOptimizer(OptimizerWrapper):
     of each step (`Replicas.begin_step`), where it also learns the share of the batch. The loop's step zeroes the
     gradients after the update and again after an out-of-memory retry, neither of which is a new step."""
 
+    dropped = 0  # steps whose update the quorum did not commit (a peer failed inside them)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none)
+
+    def step(self, closure: object = None) -> None:
+        if self.manager.should_commit():
+            self.optim.step()
+        else:
+            self.dropped += 1
 
 
 class Replicas:
     """This worker's replica: its torchft manager and the batch arithmetic of a step."""
 
-    def __init__(self, manager: Manager, global_batch: int, micro_batch: int) -> None:
-        self.manager, self.global_batch, self.micro_batch = manager, global_batch, micro_batch
+    def __init__(self, manager: Manager, optimizer: _CommitOptimizer, global_batch: int, micro_batch: int) -> None:
+        self.manager, self.optimizer = manager, optimizer
+        self.global_batch, self.micro_batch = global_batch, micro_batch
         self.participants = 0  # of the current step's quorum
 
     def begin_step(self, timer: PhaseTimer) -> int:
@@ -63,6 +72,11 @@ class Replicas:
             self.manager.start_quorum()
             self.participants = self.manager.num_participants()
         return replica_micro_batches(self.global_batch, self.micro_batch, self.participants)
+
+    def figures(self) -> dict[str, int]:
+        """For the report: the live replicas of the last step's quorum, and the steps this process's quorum did not
+        commit (their update dropped, as for a non-finite step; the step still counts, the LR moves on)."""
+        return {"replicas/live": self.participants, "replicas/dropped_steps": self.optimizer.dropped}
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
@@ -95,6 +109,7 @@ def join_replicas(parts: Parts, progress: Progress, rank: int, global_batch: int
     # A checkpoint's step count, so that a whole group resumed from one agrees on where it is.
     manager.load_state_dict({"step": progress.step, "batches_committed": 0})
     parts.model = _QuorumDDP(manager, parts.model)
-    parts.optimizer = _CommitOptimizer(manager, inner)  # type: ignore[assignment]
-    return Replicas(manager, global_batch, micro_batch)
+    optimizer = _CommitOptimizer(manager, inner)
+    parts.optimizer = optimizer  # type: ignore[assignment]
+    return Replicas(manager, optimizer, global_batch, micro_batch)
 

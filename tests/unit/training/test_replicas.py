@@ -104,7 +104,8 @@ def _replica(rank: int, lighthouse: str, out: str, die_at: int | None) -> None:
             rows = round(metrics["samples_per_s"] * metrics["interval_s"])
             log.write(json.dumps({"rank": rank, "pid": os.getpid(), "t": time.time(), "step": metrics["step"],
                                   "rows": rows, "loss": metrics["train_loss"],
-                                  "participants": replicas.participants}) + "\n")
+                                  "participants": metrics["replicas/live"],
+                                  "dropped": metrics["replicas/dropped_steps"]}) + "\n")
             log.flush()
 
         def checkpoint(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
@@ -150,6 +151,8 @@ def test_a_replica_killed_mid_run_is_replaced_while_the_survivor_keeps_stepping(
     # (The step in flight at the death still had 2 in its quorum: its all-reduce failed and it did not commit.)
     alone = [e for e in mine if died["t"] < e["t"] < back and e["participants"] == 1]
     assert len(alone) >= 3, (died, back, [(e["step"], e["t"]) for e in mine])
+    # The death cost the survivor at most the step in flight (not committed), and no step after it.
+    assert mine[-1]["dropped"] <= 1
     # Alone it ran the whole global batch, with the other replica its half.
     assert {e["rows"] for e in alone} == {GLOBAL}
     assert {e["rows"] for e in mine if e["participants"] == 2} == {GLOBAL // 2}
