@@ -59,8 +59,9 @@ class _CommitOptimizer(OptimizerWrapper):
 class Replicas:
     """This worker's replica: its torchft manager and the batch arithmetic of a step."""
 
-    def __init__(self, manager: Manager, optimizer: _CommitOptimizer, global_batch: int, micro_batch: int) -> None:
-        self.manager, self.optimizer = manager, optimizer
+    def __init__(self, manager: Manager, optimizer: _CommitOptimizer, workers: int, global_batch: int,
+                 micro_batch: int) -> None:
+        self.manager, self.optimizer, self.workers = manager, optimizer, workers
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.participants = 0  # of the current step's quorum
 
@@ -74,18 +75,21 @@ class Replicas:
         return replica_micro_batches(self.global_batch, self.micro_batch, self.participants)
 
     def figures(self) -> dict[str, int]:
-        """For the report: the live replicas of the last step's quorum, and the steps this process's quorum did not
-        commit (their update dropped, as for a non-finite step; the step still counts, the LR moves on)."""
-        return {"replicas/live": self.participants, "replicas/dropped_steps": self.optimizer.dropped}
+        """For the report: the live replicas of the last step's quorum, the steps this process's quorum did not
+        commit (their update dropped, as for a non-finite step; the step still counts, the LR moves on), and the
+        run's workers (the loop's own world is this replica's process group of one)."""
+        return {"replicas/live": self.participants, "replicas/dropped_steps": self.optimizer.dropped,
+                "world_size": self.workers}
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
 
 
-def join_replicas(parts: Parts, progress: Progress, rank: int, global_batch: int, micro_batch: int) -> Replicas:
-    """Wrap `parts` (built for a process group of one) for replica `rank`: gradients averaged over the quorum,
-    optimizer steps committed by it, and the state a restarted peer copies from this one. Call before the first
-    step, after any checkpoint was restored into `parts` and `progress`."""
+def join_replicas(parts: Parts, progress: Progress, rank: int, workers: int, global_batch: int,
+                  micro_batch: int) -> Replicas:
+    """Wrap `parts` (built for a process group of one) for replica `rank` of `workers`: gradients averaged over the
+    quorum, optimizer steps committed by it, and the state a restarted peer copies from this one. Call before the
+    first step, after any checkpoint was restored into `parts` and `progress`."""
     inner = parts.optimizer
     model = unwrap(parts.model)
 
@@ -111,5 +115,5 @@ def join_replicas(parts: Parts, progress: Progress, rank: int, global_batch: int
     parts.model = _QuorumDDP(manager, parts.model)
     optimizer = _CommitOptimizer(manager, inner)
     parts.optimizer = optimizer  # type: ignore[assignment]
-    return Replicas(manager, optimizer, global_batch, micro_batch)
+    return Replicas(manager, optimizer, workers, global_batch, micro_batch)
 

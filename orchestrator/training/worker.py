@@ -116,7 +116,8 @@ def run_replica(cfg: Config, parts: Any, data: RankBatches, reporter: Reporter, 
 
     t = cfg.train
     cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"every": t.max_steps})})
-    replicas = join_replicas(parts, progress, rank, t.global_batch_size, t.micro_batch_size)  # type: ignore[arg-type]
+    replicas = join_replicas(parts, progress, rank, cfg.scaling.max_workers, t.global_batch_size,
+                             t.micro_batch_size)  # type: ignore[arg-type]
     try:
         return run(cfg, parts, data.train, data.val if cfg.data.val is not None else None, reporter, progress,
                    None, facts, replicas=replicas)

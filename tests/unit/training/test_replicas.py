@@ -85,7 +85,7 @@ def _replica(rank: int, lighthouse: str, out: str, die_at: int | None) -> None:
     cfg = for_world_size(replica_config(), 2)
     parts = build_parts(cfg, 16, torch.device("cpu"))
     progress = Progress()
-    replicas = join_replicas(parts, progress, rank, GLOBAL, MICRO)
+    replicas = join_replicas(parts, progress, rank, 2, GLOBAL, MICRO)
     log = open(f"{out}/reports.jsonl", "a")  # noqa: SIM115 - kept open for the process's life
 
     def stream(epoch: int) -> Iterator[dict[str, torch.Tensor]]:
