@@ -352,19 +352,21 @@ def analyse(clean: TrainResult, faulty: TrainResult, faults: list[Fault], began:
         print_drain(clean, faulty, drain)
 
 
-def replica_kills(runs: Path, run: threading.Thread, started: float, every_s: float) -> list[float]:
+def replica_kills(run: threading.Thread, started: float, every_s: float) -> list[float]:
     """failure.mode=replicas: a training worker SIGKILLed every `every_s` seconds from `started` (the two in turn,
     as in the restart run; no drain: a replica group's node loss is not handled by Ray Train 2.60's replacement),
-    each once the group is whole again after the previous one. Returns when each kill was."""
+    each once Ray has replaced the previous one. Returns when each kill was."""
     kills: list[float] = []
+    killed: set[int] = set()
     while run.is_alive():
         due = started + every_s * (len(kills) + 1)
-        while run.is_alive() and (time.time() < due or (kills and not whole_again(reports_since(runs, kills[-1])))):
+        while run.is_alive() and (time.time() < due or len({w.pid for w in train_workers()} - killed) < 2):
             time.sleep(0.5)
         workers = sorted(train_workers(), key=lambda w: w.pid)
         if not run.is_alive() or len(workers) < 2:
             continue
         kills.append(time.time())
+        killed.add(workers[len(kills) % 2].pid)
         os.kill(workers[len(kills) % 2].pid, signal.SIGKILL)
         print(f"  replicas fault {len(kills)}: kill at {kills[-1] - started:.0f} s", flush=True)
     return kills
@@ -385,25 +387,30 @@ def compare_replicas(cluster: Cluster, tmp: Path, clean_cfg: Config, clean: Trai
     tree["failure"]["mode"], tree["storage"]["path"] = "replicas", str(tmp / "replicas")
     began = time.time()
     thread, outcome = in_background(config_from_dict(tree), cluster.gcs)
-    kills = replica_kills(tmp / "replicas", thread, began, kill_every)
+    kills = replica_kills(thread, began, kill_every)
     thread.join()
     if "error" in outcome:
         raise RuntimeError(f"the replicas run failed: {outcome['error'].__context__!r}") from outcome["error"]
     result: TrainResult = outcome["result"]
-    history = sorted(reports_since(tmp / "replicas", 0), key=lambda r: r["at"])
+    # The full reports (the attempt record keeps only what the ledger needs), their arrival made absolute.
+    history = [r | {"at": began + r["elapsed_s"]} for r in result.history if "elapsed_s" in r]
     print(f"replicas run: wall clock {result.cost.wall_s:6.1f} s | ETTR {result.cost.ettr:.3f} | "
           f"{result.metrics['step']} steps | {len(kills)} kills | ETTR replicas / clean "
           f"{result.cost.ettr / (clean.run_cost or clean.cost).ettr:.3f}"
           + (f" (restart / clean {(restart.run_cost or restart.cost).ettr / (clean.run_cost or clean.cost).ettr:.3f})"
              if restart is not None else ""))
-    print(f"{'kill':5}{'at (s)':>7}{'steps alone':>12}{'-> whole (s)':>13}")
+    usual = statistics.median(r["interval_s"] for r in history)
+    print(f"{'kill':5}{'at (s)':>7}{'steps alone':>12}{'-> whole (s)':>13}{'longest report interval (s)':>29}"
+          f"   (usual {usual:.2f} s)")
     for n, killed in enumerate(kills, 1):
         after = [r for r in history if r["at"] > killed]
         before = max((r["step"] for r in history if r["at"] <= killed), default=0)
         back = whole_again(after)
-        alone = [r["step"] for r in after if r.get("replicas/live") == 1 and (back is None or r["at"] < back["at"])]
+        broken = [r for r in after if back is None or r["at"] <= back["at"]]
+        alone = [r["step"] for r in broken if r.get("replicas/live") == 1]
         print(f"{n:<5}{killed - began:7.0f}{(max(alone) - before if alone else 0):12d}"
-              f"{(back['at'] - killed if back else float('nan')):13.1f}")
+              f"{(back['at'] - killed if back else float('nan')):13.1f}"
+              f"{max((r['interval_s'] for r in broken), default=float('nan')):29.2f}")
     dropped = sum(max(0, b.get("replicas/dropped_steps", 0) - a.get("replicas/dropped_steps", 0))
                   for a, b in zip(history, history[1:], strict=False))  # a replaced rank 0 counts from 0 again
     print(f"steps lost to {len(kills)} kills: {dropped} not committed (their update dropped), {steps_back(history)} "
