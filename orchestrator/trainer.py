@@ -86,9 +86,10 @@ def replica_warning(config: Config) -> str:
     workers, batch = config.scaling.num_workers, config.train.global_batch_size
     return (f"warning: failure.mode=replicas: {workers} replicas split the global batch of {batch} between the live "
             f"ones (each {batch // (workers - 1)} rows while one of {workers} is restarting), so every step keeps its "
-            "samples and LR; but the rows a lost replica had not read are skipped, a restarted replica starts "
-            "reading at the next epoch (after its first step copies a live peer's state), resume is not bitwise, "
-            "and only the last step is checkpointed")
+            "samples and LR; but the rows a lost replica had not read are skipped, a restarted replica rejoins at "
+            "the next epoch's start (copying a live peer's state), a failure in the last epoch leaves the run "
+            "waiting at its final checkpoint, resume is not bitwise, and only the last step is checkpointed "
+            "(docs/training.md)")
 
 
 def _worker_env(config: Config) -> dict[str, str]:
