@@ -8,6 +8,7 @@ a step's samples (and the LR schedule indexed by them) do not change when a repl
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -24,6 +25,9 @@ from orchestrator.training.timing import PhaseTimer
 # How long a live replica waits in a collective for a peer that died before the quorum drops it; the restarted
 # replica's first quorum and state transfer must fit in it too (torchft's example uses the same on loaded machines).
 TIMEOUT = timedelta(seconds=30)
+# How long a fresh run's first step waits for every replica to join its quorum (they start together, give or take
+# their data pipelines' start).
+START_WAIT_S = 60.0
 
 
 class _QuorumDDP(DistributedDataParallel):
@@ -72,6 +76,15 @@ class Replicas:
         with timer.phase("sync"):
             self.manager.start_quorum()
             self.participants = self.manager.num_participants()
+            # A fresh run's first quorum forms as soon as one replica asks. Alone, it would run ahead in its data
+            # shard, then wait at Ray Data's epoch barrier while the others wait for it in their quorum (a stall of
+            # torchft's 60 s join timeout): so at step 0 it asks again until every replica is in, for a while.
+            began = time.monotonic()
+            while (self.manager.current_step() == 0 and self.participants < self.workers
+                   and time.monotonic() - began < START_WAIT_S):
+                time.sleep(0.2)
+                self.manager.start_quorum()
+                self.participants = self.manager.num_participants()
         return replica_micro_batches(self.global_batch, self.micro_batch, self.participants)
 
     def figures(self) -> dict[str, int]:
