@@ -14,7 +14,7 @@ from orchestrator.config import Config, to_dict
 from orchestrator.errors import ConfigError, UserError
 from orchestrator.runs import RunPlace
 from pipelines.config import DataConfig
-from pipelines.datasets import CACHE_DECISIONS, MEMORY, REPLAY, build_datasets, cache_decision
+from pipelines.datasets import CACHE_DECISIONS, REPLAY, build_datasets, cache_decision
 from pipelines.order import create_epoch_clock, release_epoch_clock
 from pipelines.sources import DatasetInfo
 from pipelines.storage import Storage
@@ -43,6 +43,10 @@ def build_trainer(config: Config, spec: dict[str, Any], datasets: dict[str, Any]
 
     options = ingest_options()
     s = config.scaling
+    if config.failure.mode == "replicas":
+        # Ray Train 2.60 hands a replaced replica group a dataset manager of its own (of size 1), whose sharded
+        # iterator waits forever for a rank 0 that never asks: each replica reads the datasets itself, unsplit.
+        spec, datasets = spec | {"replica_datasets": datasets}, {}
     return TorchTrainer(
         _worker_entry,
         train_loop_config=spec,
@@ -86,10 +90,10 @@ def replica_warning(config: Config) -> str:
     workers, batch = config.scaling.num_workers, config.train.global_batch_size
     return (f"warning: failure.mode=replicas: {workers} replicas split the global batch of {batch} between the live "
             f"ones (each {batch // (workers - 1)} rows while one of {workers} is restarting), so every step keeps its "
-            "samples and LR; but the rows a lost replica had not read are skipped, a restarted replica rejoins at "
-            "the next epoch's start (copying a live peer's state), a failure in the last epoch leaves the run "
-            "waiting at its final checkpoint, resume is not bitwise, and only the last step is checkpointed "
-            "(docs/training.md)")
+            "samples and LR; but each replica reads the whole dataset and keeps every "
+            f"{workers}th chunk, the shard order does not change per epoch, a restarted replica reads from the "
+            "start (after copying a live peer's state), resume is not bitwise, and only the last step is "
+            "checkpointed (docs/training.md)")
 
 
 def _worker_env(config: Config) -> dict[str, str]:
@@ -138,16 +142,13 @@ def build_inputs(config: Config, infos: dict[str, DatasetInfo], name: str, saved
 
     store_bytes = ray.cluster_resources().get("object_store_memory", 0)
     decision = resumed_cache_decision(config.data, infos, store_bytes, saved)
-    if config.failure.mode == "replicas" and decision == REPLAY:
-        # A replaced replica reads its shard from Ray Data, whose epochs start together on every rank: a survivor
-        # replaying its own copy would never start one again, and the newcomer would wait for it forever.
-        decision = MEMORY
     if config.failure.mode == "replicas":
         print(replica_warning(config), file=sys.stderr, flush=True)
     # The workers advance this clock each epoch; the train reader draws that epoch's shard order from it. Replayed
-    # data is read once, in epoch 0's order, which is the order without a clock: no clock actor to start.
-    clock = (f"orchestrator-epoch-{name}-{uuid.uuid4().hex[:8]}" if config.data.shuffle and decision != REPLAY
-             else None)
+    # data is read once, in epoch 0's order, which is the order without a clock: no clock actor to start. Replicas
+    # read on their own (a restarted one from epoch 0): one clock for all would be moved back and forth.
+    clock = (f"orchestrator-epoch-{name}-{uuid.uuid4().hex[:8]}"
+             if config.data.shuffle and decision != REPLAY and config.failure.mode != "replicas" else None)
     if clock:
         create_epoch_clock(clock)
     spec = {"config": to_dict(config), "in_features": in_features(config, infos["train"]), "epoch_clock": clock,

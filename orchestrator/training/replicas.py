@@ -8,7 +8,9 @@ a step's samples (and the LR schedule indexed by them) do not change when a repl
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -28,6 +30,19 @@ TIMEOUT = timedelta(seconds=30)
 # How long a fresh run's first step waits for every replica to join its quorum (they start together, give or take
 # their data pipelines' start).
 START_WAIT_S = 60.0
+
+
+class StridedShard:
+    """A replica's part of a Ray dataset that it iterates whole: every `workers`-th fetched chunk, from the `rank`-th.
+    Ray Train's own sharded iterators do not survive a replica group's replacement in Ray 2.60, and a split's epochs
+    start together on every rank, where a restarted replica could only join at an epoch's start; these need no
+    other rank. The cost: every replica reads (and decodes) every row."""
+
+    def __init__(self, dataset: Any, rank: int, workers: int) -> None:
+        self.iterator, self.rank, self.workers = dataset.iterator(), rank, workers
+
+    def iter_torch_batches(self, **kwargs: Any) -> Iterator[Any]:
+        return itertools.islice(self.iterator.iter_torch_batches(**kwargs), self.rank, None, self.workers)
 
 
 class _QuorumDDP(DistributedDataParallel):

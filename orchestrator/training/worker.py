@@ -38,9 +38,17 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
     cfg = rank_config(spec, world)
     seat = Seat(world, rank, ray.train.torch.get_device(), entered)
     reporter = RayReporter(spec.get("metrics_queue"), cfg.checkpoint.upload)
+    if cfg.failure.mode == "replicas":  # each replica reads the datasets itself (trainer.build_trainer says why)
+        from orchestrator.training.replicas import StridedShard  # torchft: the optional `replicas` extra
+
+        datasets = spec["replica_datasets"]
+        train_shard: Any = StridedShard(datasets["train"], rank, world)
+        val_shard = StridedShard(datasets["val"], 0, 1) if cfg.data.val is not None else None  # all, on each
+    else:
+        train_shard = ray.train.get_dataset_shard("train")
+        val_shard = ray.train.get_dataset_shard("val") if cfg.data.val is not None else None
     try:
-        return train_rank(spec, cfg, seat, checkpoint_to_resume, ray.train.get_dataset_shard("train"),
-                          ray.train.get_dataset_shard("val") if cfg.data.val is not None else None, reporter,
+        return train_rank(spec, cfg, seat, checkpoint_to_resume, train_shard, val_shard, reporter,
                           preempted if cfg.checkpoint.on_preemption else None)
     finally:
         reporter.close()
