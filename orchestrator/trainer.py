@@ -91,7 +91,7 @@ def replica_warning(config: Config) -> str:
     return (f"warning: failure.mode=replicas: {workers} replicas split the global batch of {batch} between the live "
             f"ones (each {batch // (workers - 1)} rows while one of {workers} is restarting), so every step keeps its "
             "samples and LR; but each replica reads the whole dataset and keeps every "
-            f"{workers}th chunk, the shard order does not change per epoch, a restarted replica reads from the "
+            f"{workers}th micro-batch, the shard order does not change per epoch, a restarted replica reads from the "
             "start (after copying a live peer's state), resume is not bitwise, and only the last step is "
             "checkpointed (docs/training.md)")
 

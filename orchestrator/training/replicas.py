@@ -33,16 +33,18 @@ START_WAIT_S = 60.0
 
 
 class StridedShard:
-    """A replica's part of a Ray dataset that it iterates whole: every `workers`-th fetched chunk, from the `rank`-th.
-    Ray Train's own sharded iterators do not survive a replica group's replacement in Ray 2.60, and a split's epochs
-    start together on every rank, where a restarted replica could only join at an epoch's start; these need no
-    other rank. The cost: every replica reads (and decodes) every row."""
+    """A replica's part of a Ray dataset that it iterates whole: every `workers`-th micro-batch (fetched `micro` rows
+    at a time: a fetch of many micro-batches could leave a small dataset with none for some rank), from the
+    `rank`-th. Ray Train's own sharded iterators do not survive a replica group's replacement in Ray 2.60, and a
+    split's epochs start together on every rank, where a restarted replica could only join at an epoch's start;
+    these need no other rank. The cost: every replica reads (and decodes) every row."""
 
-    def __init__(self, dataset: Any, rank: int, workers: int) -> None:
-        self.iterator, self.rank, self.workers = dataset.iterator(), rank, workers
+    def __init__(self, dataset: Any, rank: int, workers: int, micro: int) -> None:
+        self.iterator, self.rank, self.workers, self.micro = dataset.iterator(), rank, workers, micro
 
     def iter_torch_batches(self, **kwargs: Any) -> Iterator[Any]:
-        return itertools.islice(self.iterator.iter_torch_batches(**kwargs), self.rank, None, self.workers)
+        batches = self.iterator.iter_torch_batches(**(kwargs | {"batch_size": self.micro}))
+        return itertools.islice(batches, self.rank, None, self.workers)
 
 
 class _QuorumDDP(DistributedDataParallel):

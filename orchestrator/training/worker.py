@@ -42,8 +42,9 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
         from orchestrator.training.replicas import StridedShard  # torchft: the optional `replicas` extra
 
         datasets = spec["replica_datasets"]
-        train_shard: Any = StridedShard(datasets["train"], rank, world)
-        val_shard = StridedShard(datasets["val"], 0, 1) if cfg.data.val is not None else None  # all, on each
+        micro: int = cfg.train.micro_batch_size  # type: ignore[assignment]  # fixed under replicas (config)
+        train_shard: Any = StridedShard(datasets["train"], rank, world, micro)
+        val_shard = StridedShard(datasets["val"], 0, 1, micro) if cfg.data.val is not None else None  # all, on each
     else:
         train_shard = ray.train.get_dataset_shard("train")
         val_shard = ray.train.get_dataset_shard("val") if cfg.data.val is not None else None
