@@ -46,7 +46,7 @@ from _common import free_port, scratch_run, train_workers, wait_for
 
 from orchestrator import load_config, train
 from orchestrator.cluster import train_environment
-from orchestrator.config import Config
+from orchestrator.config import Config, config_from_dict, to_dict
 from orchestrator.cost import PARTS, RESTART_MARK
 from orchestrator.result import TrainResult, checkpoint_interval_line
 from orchestrator.training.checkpoint import load_state
@@ -397,6 +397,76 @@ def print_grid(results: dict[int | str, TrainResult]) -> None:
               f"{auto_ettr / best_ettr:.3f}x (target >= 0.90, within 10%)")
 
 
+def replica_kills(run: threading.Thread, started: float, every_s: float) -> list[float]:
+    """failure.mode=replicas: a training worker SIGKILLed every `every_s` seconds from `started` (the two in turn,
+    as in the restart run; no drain: a replica group's node loss is not handled by Ray Train 2.60's replacement),
+    each once Ray has replaced the previous one. Returns when each kill was."""
+    kills: list[float] = []
+    killed: set[int] = set()
+    while run.is_alive():
+        due = started + every_s * (len(kills) + 1)
+        while run.is_alive() and (time.time() < due or len({w.pid for w in train_workers()} - killed) < 2):
+            time.sleep(0.5)
+        workers = sorted(train_workers(), key=lambda w: w.pid)
+        if not run.is_alive() or len(workers) < 2:
+            continue
+        kills.append(time.time())
+        killed.add(workers[len(kills) % 2].pid)
+        os.kill(workers[len(kills) % 2].pid, signal.SIGKILL)
+        print(f"  replicas fault {len(kills)}: kill at {kills[-1] - started:.0f} s", flush=True)
+    return kills
+
+
+def whole_again(reports: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The first report with both replicas live after one with a single replica (the group was broken, then whole)."""
+    alone = next((i for i, r in enumerate(reports) if r.get("replicas/live") == 1), None)
+    return None if alone is None else next((r for r in reports[alone:] if r.get("replicas/live") == 2), None)
+
+
+def compare_replicas(cluster: Cluster, tmp: Path, clean_cfg: Config, clean: TrainResult, kill_every: float,
+                     restart: TrainResult | None) -> None:
+    """The clean run's config under failure.mode=replicas, its workers killed every `kill_every` seconds: ETTR,
+    and per kill the steps the survivor made while the killed replica was replaced, the seconds until the group was
+    whole again (at report granularity), the steps lost (not committed, or redone); beside the restart run's."""
+    tree = to_dict(clean_cfg)
+    tree["failure"]["mode"], tree["storage"]["path"] = "replicas", str(tmp / "replicas")
+    began = time.time()
+    thread, outcome = in_background(config_from_dict(tree), cluster.gcs)
+    kills = replica_kills(thread, began, kill_every)
+    thread.join()
+    if "error" in outcome:
+        raise RuntimeError(f"the replicas run failed: {outcome['error'].__context__!r}") from outcome["error"]
+    result: TrainResult = outcome["result"]
+    # The full reports (the attempt record keeps only what the ledger needs), their arrival made absolute.
+    history = [r | {"at": began + r["elapsed_s"]} for r in result.history if "elapsed_s" in r]
+    print(f"replicas run: wall clock {result.cost.wall_s:6.1f} s | ETTR {result.cost.ettr:.3f} | "
+          f"{result.metrics['step']} steps | {len(kills)} kills | ETTR replicas / clean "
+          f"{result.cost.ettr / (clean.run_cost or clean.cost).ettr:.3f}"
+          + (f" (restart / clean {(restart.run_cost or restart.cost).ettr / (clean.run_cost or clean.cost).ettr:.3f})"
+             if restart is not None else ""))
+    usual = statistics.median(r["interval_s"] for r in history)
+    print(f"{'kill':5}{'at (s)':>7}{'steps alone':>12}{'-> whole (s)':>13}{'longest report interval (s)':>29}"
+          f"   (usual {usual:.2f} s)")
+    for n, killed in enumerate(kills, 1):
+        after = [r for r in history if r["at"] > killed]
+        before = max((r["step"] for r in history if r["at"] <= killed), default=0)
+        back = whole_again(after)
+        broken = [r for r in after if back is None or r["at"] <= back["at"]]
+        alone = [r["step"] for r in broken if r.get("replicas/live") == 1]
+        print(f"{n:<5}{killed - began:7.0f}{(max(alone) - before if alone else 0):12d}"
+              f"{(back['at'] - killed if back else float('nan')):13.1f}"
+              f"{max((r['interval_s'] for r in broken), default=float('nan')):29.2f}")
+    dropped = sum(max(0, b.get("replicas/dropped_steps", 0) - a.get("replicas/dropped_steps", 0))
+                  for a, b in zip(history, history[1:], strict=False))  # a replaced rank 0 counts from 0 again
+    print(f"steps lost to {len(kills)} kills: {dropped} not committed (their update dropped), {steps_back(history)} "
+          "redone" + (f"; the restart run: {steps_back(restart.history)} redone" if restart is not None else ""))
+
+
+def steps_back(history: list[dict[str, Any]]) -> int:
+    """Steps reported again: each time the step counter goes back (a restart from a checkpoint), by how much."""
+    return sum(max(0, a["step"] - b["step"]) for a, b in zip(history, history[1:], strict=False))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=10.0, help="training per run")
@@ -406,6 +476,9 @@ def main() -> None:
     parser.add_argument("--grid", type=lambda v: [every_arg(e) for e in v.split(",")], default=None,
                         help="checkpoint.every values to compare under the same kills (no drain), e.g. 50,200,auto")
     parser.add_argument("--floor-kills", type=int, default=3)
+    parser.add_argument("--mode", choices=("restart", "replicas", "both"), default="restart",
+                        help="the faulty run's failure.mode: restart (from the last checkpoint), replicas (torchft "
+                             "replica groups, kills only), or both runs")
     args = parser.parse_args()
     import ray
 
@@ -435,11 +508,15 @@ def main() -> None:
             clean = train(config(tmp / "data", tmp / "clean", steps, args.every), address=cluster.gcs,
                           verbose=False)
             print(f"clean run done: {clean.cost.wall_s:.0f} s", flush=True)
-            faulty_cfg = config(tmp / "data", tmp / "faulty", steps, args.every)
-            faulty, faults, began = faulty_run(cluster, faulty_cfg, tmp / "faulty", args.kill_every,
-                                               args.drain_notice)
-            floor = ray_floor(faulty_cfg, tmp / "floor", args.floor_kills)
-            analyse(clean, faulty, faults, began, floor)
+            faulty = None
+            if args.mode != "replicas":
+                faulty_cfg = config(tmp / "data", tmp / "faulty", steps, args.every)
+                faulty, faults, began = faulty_run(cluster, faulty_cfg, tmp / "faulty", args.kill_every,
+                                                   args.drain_notice)
+                floor = ray_floor(faulty_cfg, tmp / "floor", args.floor_kills)
+                analyse(clean, faulty, faults, began, floor)
+            if args.mode != "restart":
+                compare_replicas(cluster, tmp, clean.config, clean, args.kill_every, faulty)
         failed = False
     finally:
         if ray.is_initialized():

@@ -45,6 +45,10 @@ def build_trainer(config: Config, spec: dict[str, Any], datasets: dict[str, Any]
 
     options = ingest_options()
     s = config.scaling
+    if config.failure.mode == "replicas":
+        # Ray Train 2.60 hands a replaced replica group a dataset manager of its own (of size 1), whose sharded
+        # iterator waits forever for a rank 0 that never asks: each replica reads the datasets itself, unsplit.
+        spec, datasets = spec | {"replica_datasets": datasets}, {}
     return TorchTrainer(
         train_entry,
         train_loop_config=spec,
@@ -70,8 +74,30 @@ def build_trainer(config: Config, spec: dict[str, Any], datasets: dict[str, Any]
         ),
         datasets=datasets,
         dataset_config=ray.train.DataConfig(datasets_to_split="all", execution_options=options),
-        torch_config=WarmTorchConfig(),  # the workers import the training side while the group starts
+        # The workers import the training side while the group starts (training/warm.py); under
+        # failure.mode=replicas, torchft's replica groups instead.
+        torch_config=replica_torch_config() if config.failure.mode == "replicas" else WarmTorchConfig(),
     )
+
+
+def replica_torch_config() -> Any:
+    """failure.mode=replicas: one torchft replica group per worker, its lighthouse started by Ray Train; a failed
+    worker's group is replaced alone while the others keep stepping (training/replicas.py)."""
+    from ray.train.v2.torch.torchft_config import TorchftConfig
+
+    # One live replica is enough to keep stepping: the survivors take the lost ones' share of the batch.
+    return TorchftConfig(lighthouse_kwargs={"min_replicas": 1})
+
+
+def replica_warning(config: Config) -> str:
+    """The one line a failure.mode=replicas run starts with: what its math and its data do around a failure."""
+    workers, batch = config.scaling.num_workers, config.train.global_batch_size
+    return (f"warning: failure.mode=replicas: {workers} replicas split the global batch of {batch} between the live "
+            f"ones (each {batch // (workers - 1)} rows while one of {workers} is restarting), so every step keeps its "
+            "samples and LR; but each replica reads the whole dataset and keeps every "
+            f"{workers}th micro-batch, the shard order does not change per epoch, a restarted replica reads from the "
+            "start (after copying a live peer's state), resume is not bitwise, and only the last step is "
+            "checkpointed (docs/training.md)")
 
 
 def _worker_env(config: Config) -> dict[str, str]:
@@ -120,10 +146,13 @@ def build_inputs(config: Config, infos: dict[str, DatasetInfo], name: str, saved
 
     store_bytes = ray.cluster_resources().get("object_store_memory", 0)
     decision = resumed_cache_decision(config.data, infos, store_bytes, saved)
+    if config.failure.mode == "replicas":
+        print(replica_warning(config), file=sys.stderr, flush=True)
     # The workers advance this clock each epoch; the train reader draws that epoch's shard order from it. Replayed
-    # data is read once, in epoch 0's order, which is the order without a clock: no clock actor to start.
-    clock = (f"orchestrator-epoch-{name}-{uuid.uuid4().hex[:8]}" if config.data.shuffle and decision != REPLAY
-             else None)
+    # data is read once, in epoch 0's order, which is the order without a clock: no clock actor to start. Replicas
+    # read on their own (a restarted one from epoch 0): one clock for all would be moved back and forth.
+    clock = (f"orchestrator-epoch-{name}-{uuid.uuid4().hex[:8]}"
+             if config.data.shuffle and decision != REPLAY and config.failure.mode != "replicas" else None)
     if clock:
         create_epoch_clock(clock)
     spec = {"config": to_dict(config), "in_features": in_features(config, infos["train"]), "epoch_clock": clock,

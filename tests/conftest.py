@@ -26,6 +26,7 @@ SLOW_MODULES = {
     "tests/integration/test_tune.py": 145,
     "tests/integration/test_cluster_jobs.py": 160,
     "tests/integration/test_tracking.py": 100,
+    "tests/integration/test_replicas.py": 95,
     "tests/integration/test_mlflow_ui.py": 115,
     "tests/integration/test_console.py": 60,
     "tests/integration/test_doctor.py": 55,
@@ -33,6 +34,7 @@ SLOW_MODULES = {
     "tests/integration/pipelines/test_s3_train.py": 49,
     # Unit modules with real processes (gloo ranks, a Ray start): ahead of the second-long ones.
     "tests/unit/training/test_efficiency.py": 39,
+    "tests/unit/training/test_replicas.py": 35,
     "tests/unit/training/test_fsdp_checkpoint.py": 31,
     "tests/unit/training/test_fsdp.py": 18,
     "tests/unit/test_cli.py": 9,

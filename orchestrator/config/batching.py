@@ -33,3 +33,16 @@ def split_batch(global_batch: int, world: int, micro: int | None = None, accum: 
 def common_micro_batch(global_batch: int, worlds: Iterable[int]) -> int:
     """The largest micro-batch that divides the per-worker batch at every world size (an elastic group's)."""
     return math.gcd(*(global_batch // world for world in worlds))
+
+
+def replica_micro_batches(global_batch: int, micro: int, participants: int) -> int:
+    """failure.mode=replicas: the micro-batches each of `participants` live replicas runs in one step so that the
+    step still covers `global_batch` samples (the survivors take a lost replica's share). Raises ValueError naming
+    the keys when the share is not a whole number of micro-batches."""
+    share, rest = divmod(global_batch, participants)
+    if rest or share % micro:
+        raise ValueError(f"train.global_batch_size={global_batch} over {participants} live replica(s) is not a "
+                         f"multiple of micro_batch_size={micro}: with failure.mode=replicas every count of live "
+                         "replicas from 1 to scaling.num_workers must divide the global batch into whole "
+                         "micro-batches; pick a global batch divisible by micro_batch_size x each count")
+    return share // micro

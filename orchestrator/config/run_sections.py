@@ -107,6 +107,11 @@ class StorageConfig(_Section):
 
 
 class FailureConfig(_Section):
+    mode: Literal["restart", "replicas"] = Field(
+        "restart", description="restart: a failure restarts the whole worker group from the last checkpoint (exact "
+        "resume). replicas: each worker is a torchft replica group (the `replicas` extra); the survivors keep "
+        "stepping, taking the lost worker's share of the global batch, while the failed one restarts and copies "
+        "the state from a live peer (docs/training.md).")
     max_failures: int = Field(3, ge=-1, description="Worker-group restarts from the last checkpoint; -1 = unlimited.")
     max_preemption_failures: int = Field(-1, ge=-1, description="Restarts after a drained (preempted) node went "
                                          "away, counted apart from max_failures; -1 = unlimited.")

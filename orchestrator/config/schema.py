@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from orchestrator.config.base import _key_error, _Section
-from orchestrator.config.batching import common_micro_batch, split_batch
+from orchestrator.config.batching import common_micro_batch, replica_micro_batches, split_batch
 from orchestrator.config.run_sections import (
     AutopilotConfig,
     CheckpointConfig,
@@ -335,7 +335,40 @@ class Config(_Section):
                             f"{steps}, or the LR never reaches optim.lr nor decays: lower optim.warmup_steps or "
                             "raise train.max_steps", warmup)
         self._derive_batch()
+        if self.failure.mode == "replicas":
+            self._check_replicas()
         return self
+
+    def _check_replicas(self) -> None:
+        """failure.mode=replicas (torchft replica groups, one worker each): what it cannot run with is refused here,
+        before any cluster resource is taken."""
+        t, s = self.train, self.scaling
+        refused = (
+            (s.elastic, f"needs a fixed scaling.num_workers (Ray replaces a failed replica at the same size), got "
+                        f"{s.num_workers}: set scaling.num_workers to a count or failure.mode=restart"),
+            (not s.elastic and s.max_workers < 2, "needs scaling.num_workers >= 2 (one replica per worker; a lone "
+                                                  "replica has no peer to keep stepping): raise it or set "
+                                                  "failure.mode=restart"),
+            (t.parallel == "fsdp", "keeps a whole model in every replica: set train.parallel=ddp or "
+                                   "failure.mode=restart"),
+            (t.sync == "local_sgd", "commits every step by quorum: set train.sync=ddp or failure.mode=restart"),
+            (t.micro_batch_size == "auto", "needs a fixed train.micro_batch_size (a survivor's share of the global "
+                                           "batch is counted in micro-batches): set it or failure.mode=restart"),
+            (self.autopilot.enabled, "does not combine with the autopilot yet: set autopilot.enabled=false or "
+                                     "failure.mode=restart"),
+            (self.checkpoint.every == "auto" or self.checkpoint.every_minutes is not None,
+             "saves only the last step (the state lives in the live replicas, and a checkpoint is a barrier every "
+             "replica must reach): remove checkpoint.every=auto / checkpoint.every_minutes or set "
+             "failure.mode=restart"),
+        )
+        for bad, why in refused:
+            if bad:
+                raise _key_error(("failure", "mode"), f"failure.mode=replicas {why}", "replicas")
+        for participants in range(1, s.max_workers + 1):
+            try:
+                replica_micro_batches(t.global_batch_size, t.micro_batch_size, participants)  # type: ignore[arg-type]
+            except ValueError as exc:
+                raise _key_error(("failure", "mode"), str(exc), "replicas") from None
 
     def _resolve_task(self) -> None:
         task, label = self.task, self.data.label

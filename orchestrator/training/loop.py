@@ -10,7 +10,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,9 @@ from orchestrator.training.sync import LocalSGD
 from orchestrator.training.system import node_stats
 from orchestrator.training.timing import PhaseTimer, peak_flops
 from pipelines.tensors import Batch, rows, take, to_device
+
+if TYPE_CHECKING:  # torchft is an optional extra (`replicas`): only failure.mode=replicas imports it
+    from orchestrator.training.replicas import Replicas
 
 
 class Reporter(Protocol):
@@ -177,12 +180,13 @@ def run(
     preempted: Callable[[], bool] | None = None,
     facts: dict[str, Any] | None = None,
     resize: Callable[[int], None] | None = None,
+    replicas: Replicas | None = None,
 ) -> dict[str, Any]:
     """Train to `cfg.train.max_steps`, publishing metrics every `log_every` steps; returns the last metrics.
     `preempted` (a barrier, called at report steps) tells whether a node of the run is being drained: the next
     report then carries a checkpoint. `facts` go out once, with the first report of this (re)start, together with
     when (`at/*`, epoch seconds) the loop started, had its first batch, ended its first step: start-up's breakdown.
-    `resize` cuts the training data at another micro-batch (RankBatches.resize; see _search_step)."""
+    `resize` cuts the data at another micro-batch (RankBatches.resize); `replicas`: see training/replicas.py."""
     t = cfg.train
     assert t.max_steps is not None and isinstance(t.grad_accum_steps, int)  # resolved before the loop
     progress = progress or Progress()
@@ -201,11 +205,10 @@ def run(
     once["at/first_batch"] = time.time()
     interval = Interval(PhaseTimer(parts.device))
     while progress.step < t.max_steps:
-        if first is not None:
-            batch, first = first, None
-        else:
-            with interval.timer.phase("data_wait"):
-                batch = [next(stream) for _ in range(pieces)]
+        if replicas is not None:  # failure.mode=replicas: the live replicas split the global batch between them
+            pieces = replicas.begin_step(interval.timer)
+            once |= replicas.figures()  # as of the report step: the quorum's size, the steps it dropped
+        batch, first = _take(stream, pieces, first, interval.timer), None
         if flops is None:  # this process's first step, also after a resume
             flops, result, interval = _first_step(parts, batch, interval, once)
         elif pilot is not None:
@@ -227,6 +230,16 @@ def run(
                                     once | cadence.figures() | {"flops_per_sample": flops}, peak, t.micro_batch_size)
         once = {}
     return metrics
+
+
+def _take(stream: Iterator[Batch], pieces: int, first: list[Batch] | None, timer: PhaseTimer) -> list[Batch]:
+    """A step's `pieces` micro-batches: the first step's, fetched before the loop (topped up under failure.mode=
+    replicas when fewer replicas are live than it was fetched for), else the next ones of the stream."""
+    batch = first or []
+    if len(batch) < pieces:
+        with timer.phase("data_wait"):
+            batch += [next(stream) for _ in range(pieces - len(batch))]
+    return batch
 
 
 def _first_step(parts: Parts, batch: list[Batch], interval: Interval, once: dict[str, Any]

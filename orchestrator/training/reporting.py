@@ -86,7 +86,9 @@ class RayReporter:
         if isinstance(checkpoint_dir, PendingCheckpoint):
             self._register_sharded(metrics, checkpoint_dir)
             return
-        if checkpoint_dir is None:  # ranks other than 0 join the barrier with metrics only
+        # Ranks other than 0 join the barrier with metrics only. Under failure.mode=replicas each worker is rank 0 of
+        # its own process group and builds a checkpoint: Ray's rank 0 alone hands one over.
+        if checkpoint_dir is None or ray.train.get_context().get_world_rank() != 0:
             ray.train.report(metrics)
             return
         mode = ray.train.CheckpointUploadMode.SYNC

@@ -38,9 +38,18 @@ def train_worker(spec: dict[str, Any], entered: float) -> dict[str, Any]:
     cfg = rank_config(spec, world)
     seat = Seat(world, rank, ray.train.torch.get_device(), entered)
     reporter = RayReporter(spec.get("metrics_queue"), cfg.checkpoint.upload)
+    if cfg.failure.mode == "replicas":  # each replica reads the datasets itself (trainer.build_trainer says why)
+        from orchestrator.training.replicas import StridedShard  # torchft: the optional `replicas` extra
+
+        datasets = spec["replica_datasets"]
+        micro: int = cfg.train.micro_batch_size  # type: ignore[assignment]  # fixed under replicas (config)
+        train_shard: Any = StridedShard(datasets["train"], rank, world, micro)
+        val_shard = StridedShard(datasets["val"], 0, 1, micro) if cfg.data.val is not None else None  # all, on each
+    else:
+        train_shard = ray.train.get_dataset_shard("train")
+        val_shard = ray.train.get_dataset_shard("val") if cfg.data.val is not None else None
     try:
-        return train_rank(spec, cfg, seat, checkpoint_to_resume, ray.train.get_dataset_shard("train"),
-                          ray.train.get_dataset_shard("val") if cfg.data.val is not None else None, reporter,
+        return train_rank(spec, cfg, seat, checkpoint_to_resume, train_shard, val_shard, reporter,
                           preempted if cfg.checkpoint.on_preemption else None)
     finally:
         reporter.close()
@@ -101,8 +110,28 @@ def train_rank(spec: dict[str, Any], cfg: Config, seat: Seat, load_state: Callab
     facts = {"precision": parts.precision.mode, "grad_accum_steps": t.grad_accum_steps,
              "global_batch": t.micro_batch_size * t.grad_accum_steps * seat.world,  # type: ignore[operator]
              "worker_pid": os.getpid(), "world_rank": seat.rank, "at/worker": seat.entered} | restored
+    if cfg.failure.mode == "replicas":
+        return run_replica(cfg, parts, data, reporter, progress, facts, seat.rank)
     return run(cfg, parts, data.train, data.val if cfg.data.val is not None else None, reporter, progress,
                preempted, facts, resize=data.resize)
+
+
+def run_replica(cfg: Config, parts: Any, data: RankBatches, reporter: Reporter, progress: Progress,
+                facts: dict[str, Any], rank: int) -> dict[str, Any]:
+    """failure.mode=replicas: this worker is one torchft replica (training/replicas.py). Only the last step is
+    checkpointed (a checkpoint is a barrier that a restarting replica could not reach), and drain notices are not
+    watched (Ray Train turns its preemption watcher off for replica groups)."""
+    from orchestrator.training.replicas import join_replicas  # torchft: the optional `replicas` extra
+
+    t = cfg.train
+    cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"every": t.max_steps})})
+    replicas = join_replicas(parts, progress, rank, cfg.scaling.max_workers, t.global_batch_size,
+                             t.micro_batch_size)  # type: ignore[arg-type]
+    try:
+        return run(cfg, parts, data.train, data.val if cfg.data.val is not None else None, reporter, progress,
+                   None, facts, replicas=replicas)
+    finally:
+        replicas.shutdown()
 
 
 def fetch_pretrained(uri: str, s3: Any) -> str:
