@@ -27,7 +27,8 @@ from pipelines.storage import fetch_prefix
 
 
 def train_worker(spec: dict[str, Any], entered: float) -> dict[str, Any]:
-    """Entry point passed to TorchTrainer. `spec` = {"config": resolved config dict, "in_features": int or None,
+    """A rank's training, from training/warm.py's `train_entry` (the function TorchTrainer runs).
+    `spec` = {"config": resolved config dict, "in_features": int or None,
     "epoch_clock": name or None, "cache_decision": how the driver feeds the train data (pipelines.datasets:
     stream, memory or replay: the workers replay their first pass under replay; saved with every checkpoint's data
     position), "metrics_queue": Ray queue or None, "sample": the first rows of the training data (an Arrow table)}.
