@@ -260,3 +260,15 @@ def test_size_check_counts_from_the_def_to_the_end_and_names_each_offender(tmp_p
     assert oversized() == {"orchestrator/big.py": MAX_FILE_LINES + 1,
                            "orchestrator/m.py::C.over": 2 * MAX_FUNCTION_LINES + 1,
                            "orchestrator/m.py::C.over.inner": MAX_FUNCTION_LINES + 1}
+
+
+def test_no_two_test_modules_share_a_name() -> None:
+    # The test folders are not packages, so pytest imports each module by its basename: two files of one name make
+    # `make test` (both folders in one session) fail at collection, while either folder alone passes.
+    seen: dict[str, Path] = {}
+    clashes = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        if path.name in seen:
+            clashes.append(f"{seen[path.name].relative_to(ROOT)} and {path.relative_to(ROOT)}")
+        seen.setdefault(path.name, path)
+    assert not clashes, f"rename one of each pair: {clashes}"
