@@ -98,11 +98,17 @@ def answers(address: str) -> bool:
         return False
 
 
+RECORDED = ("address", "dashboard", "head_pid", "head_created", "temp_dir", "num_cpus", "keep_warm_minutes",
+            "started_at", "fingerprint")
+
+
 def read_state(directory: Path) -> dict[str, Any] | None:
+    """The recorded cluster, or None (none, or a record this version cannot read: its keeper stops that one)."""
     try:
-        return json.loads((directory / STATE).read_text())
+        state = json.loads((directory / STATE).read_text())
     except (OSError, ValueError):
         return None
+    return state if isinstance(state, dict) and all(key in state for key in RECORDED) else None
 
 
 def write_state(directory: Path, state: dict[str, Any]) -> None:
@@ -329,9 +335,16 @@ def status() -> str:
     idle = idle_s(directory)
     when = ("in use by a command now" if _in_use(directory) else
             f"idle {idle / 60:.1f} min; stops after {state['keep_warm_minutes']:g} min idle")
+    rss = 0
+    for process in _processes(state):
+        try:
+            rss += process.memory_info().rss
+        except psutil.Error:
+            pass
     return "\n".join([
         f"warm Ray cluster at {state['address']}: {'running' if up else 'NOT ANSWERING'}, {state['num_cpus']} CPUs, "
-        f"started {(time.time() - state['started_at']) / 60:.1f} min ago; {when}",
+        f"{rss / 2**30:.1f} GiB of memory in its processes, started {(time.time() - state['started_at']) / 60:.1f} "
+        f"min ago; {when}",
         f"  head pid {state['head_pid']}, keeper pid {state.get('keeper_pid')}; dashboard {state['dashboard']}",
         f"  serves: Ray {fp['ray']}, {fp['python']}, working directory {fp['cwd']}, PYTHONPATH {fp['pythonpath']}",
         f"  logs: {state['temp_dir']}/session_latest/logs (head: {directory / HEAD_LOG})",
