@@ -25,6 +25,7 @@ from typing import IO, Any
 
 import psutil
 
+from orchestrator.console import RAY_DATA_CONFIG, own_ray_data_config, ray_data_config
 from pipelines.storage import private_dir, user_cache_dir
 
 STATE, IN_USE, STARTING, HEAD_LOG, KEEPER_LOG = "state.json", "in-use.lock", "start.lock", "head.log", "keeper.log"
@@ -33,13 +34,14 @@ KEEPER_POLL_S = 1.0
 UNRECORDED_S = 120.0  # a keeper whose head was never recorded (its command died first) stops it after this
 # Unix socket paths (Ray's temp dir + session_<date>_<pid>/sockets/plasma_store) must stay under 108 bytes.
 MAX_TEMP_DIR = 40
-# Variables of a shell or terminal session, and those the product sets itself, which say nothing of what a Ray
-# worker computes: commands that differ only in these share a warm cluster. Every other variable must match.
+# Variables of a shell or terminal session, those compared on their own (PYTHONPATH, RAY_AUTH_MODE) and those Ray
+# or the product set in a driver, which say nothing of what a Ray worker computes: commands that differ only in
+# these share a warm cluster. Every other variable must match.
 SESSION_VARIABLES = frozenset({
     "_", "PWD", "OLDPWD", "SHLVL", "COLUMNS", "LINES", "TERM", "COLORTERM", "PS1", "PS2", "PROMPT_COMMAND",
     "LS_COLORS", "DISPLAY", "WINDOWID", "TMUX", "TMUX_PANE", "STY", "WINDOW", "MAKEFLAGS", "MFLAGS", "MAKELEVEL",
     "MAKEOVERRIDES", "MAKE_TERMOUT", "MAKE_TERMERR", "HISTFILE", "HISTSIZE", "HISTCONTROL",
-    "PYTHONPATH", "RAY_AUTH_MODE", "RAY_API_SERVER_ADDRESS", "TUNE_DISABLE_STRICT_METRIC_CHECKING",
+    "PYTHONPATH", "RAY_AUTH_MODE", "RAY_API_SERVER_ADDRESS", "PYTHONBREAKPOINT",
 })
 SESSION_PREFIXES = ("SSH_", "TERM_", "XDG_SESSION_", "PYTEST_")
 
@@ -49,11 +51,25 @@ def warm_dir() -> Path:
     return Path(private_dir(os.path.join(user_cache_dir(), "warm")))
 
 
-def fingerprint(pythonpath: str, auth_mode: str) -> dict[str, Any]:
+def start_environment() -> dict[str, str]:
+    """The environment this process was started with (on Linux): what the user's shell gave the command, not what
+    the product or a library set in it since (a run's temporary files, Ray's driver settings), so the same for
+    every command run from the same shell, and for every run of one notebook."""
+    try:
+        raw = Path(f"/proc/{os.getpid()}/environ").read_bytes()
+    except OSError:
+        return dict(os.environ)
+    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {name.decode(errors="replace"): value.decode(errors="replace") for name, value in pairs}
+
+
+def fingerprint(pythonpath: str, auth_mode: str, environment: dict[str, str] | None = None) -> dict[str, Any]:
     """What a warm cluster must share with the command that joins it: its workers import the user's modules from
     the working directory and PYTHONPATH, with this Python and Ray, and inherit the environment it was started in
-    (each other variable kept as a digest: the state file holds no secret)."""
-    env = {name: hashlib.sha256(value.encode()).hexdigest()[:16] for name, value in sorted(os.environ.items())
+    (`environment`, by default `start_environment()`; each variable kept as a digest: the state file holds no
+    secret)."""
+    given = start_environment() if environment is None else environment
+    env = {name: hashlib.sha256(value.encode()).hexdigest()[:16] for name, value in sorted(given.items())
            if name not in SESSION_VARIABLES and not name.startswith(SESSION_PREFIXES)}
     return {"ray": version("ray"), "python": sys.executable, "cwd": os.getcwd(), "pythonpath": pythonpath,
             "auth_mode": auth_mode, "env": env}
@@ -220,6 +236,8 @@ def start(directory: Path, minutes: float, num_cpus: int, wanted: dict[str, Any]
     for every Ray process), and its keeper; recorded in the state file. Stopped again if anything fails."""
     temp_dir, gcs, dashboard = _ray_temp_dir(directory), free_port(), free_port()
     env = dict(os.environ, RAY_API_SERVER_ADDRESS=f"http://127.0.0.1:{dashboard}")
+    if own_ray_data_config():  # this run's file goes with the run: the cluster's workers get a lasting copy
+        env[RAY_DATA_CONFIG] = str(ray_data_config(directory))
     command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--port", str(gcs),
                "--num-cpus", str(num_cpus), "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
                "--dashboard-port", str(dashboard), "--ray-client-server-port", str(free_port()),

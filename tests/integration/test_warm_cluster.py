@@ -7,6 +7,7 @@ it started by PID, also on failure. XDG_CACHE_HOME is the test's own: the user's
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -74,6 +75,7 @@ def free_cpus(address: str) -> tuple[float, float]:
     driver's job ends)."""
     import ray
 
+    before = dict(os.environ)
     ray.init(address=address)
     try:
         deadline = time.time() + 20
@@ -82,6 +84,8 @@ def free_cpus(address: str) -> tuple[float, float]:
         return ray.available_resources().get("CPU", 0), ray.cluster_resources()["CPU"]
     finally:
         ray.shutdown()
+        os.environ.clear()  # as before: the next command starts from this test's environment, not a driver's
+        os.environ.update(before)
 
 
 def test_a_second_command_joins_the_first_ones_cluster_and_cluster_stop_ends_it(

@@ -83,12 +83,13 @@ def test_a_recorded_cluster_serves_only_the_environment_it_was_started_in(
     assert "another PYTHONPATH" in mismatch(state, fingerprint("/other", "disabled"), 4)
     assert "another RAY_AUTH_MODE" in mismatch(state, fingerprint("/src", "token"), 4)
     assert "has 4 CPUs and this run needs 6" in mismatch(state, fingerprint("/src", "disabled"), 6)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "another-key")
-    reason = mismatch(state, fingerprint("/src", "disabled"), 4)
-    assert "another environment (AWS_ACCESS_KEY_ID differ)" in reason and "another-key" not in reason
-    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
-    monkeypatch.setenv("COLUMNS", "80")  # a terminal's, not the workers'
+    started = warm_cluster.start_environment()  # the command's own, whatever it set in itself since
+    monkeypatch.setenv("SET_IN_THIS_PROCESS", "1")
     assert mismatch(state, fingerprint("/src", "disabled"), 4) is None
+    reason = mismatch(state, fingerprint("/src", "disabled", started | {"AWS_ACCESS_KEY_ID": "another-key"}), 4)
+    assert "another environment (AWS_ACCESS_KEY_ID differ)" in reason and "another-key" not in reason
+    terminal = started | {"COLUMNS": "80", "PYTHONBREAKPOINT": "ray.util.rpdb._driver_set_trace"}
+    assert mismatch(state, fingerprint("/src", "disabled", terminal), 4) is None
     monkeypatch.chdir(tmp_path)
     assert "another working directory" in mismatch(state, fingerprint("/src", "disabled"), 4)
 
