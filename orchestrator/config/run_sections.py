@@ -85,10 +85,10 @@ class ClusterConfig(_Section):
     keep_warm_minutes: float = Field(0.0, ge=0, description="Leave the local Ray cluster running this many minutes "
                                      "after the command (and after each later command that joins it), so that the "
                                      "next train or tune command in the same environment joins it instead of "
-                                     "starting one: its `ray start` stage drops from seconds to about one. The idle "
-                                     "cluster holds its processes' memory (about 1 GB here) and no CPU time; it is "
-                                     "stopped when idle that long, or now with `orchestrator cluster stop`. 0: each "
-                                     "command starts and stops its own cluster.")
+                                     "starting one: its `ray start` stage is then only the join. The idle cluster "
+                                     "keeps its processes' memory (`orchestrator cluster status` shows it) and uses "
+                                     "no CPU to speak of; it is stopped when idle that long, or now with "
+                                     "`orchestrator cluster stop`. 0: each command starts and stops its own cluster.")
 
 
 class CheckpointConfig(_Section):
