@@ -73,9 +73,9 @@ def gone(pids: list[int], within_s: float) -> bool:
 def free_cpus(address: str) -> tuple[float, float]:
     """(available, total) CPUs of the cluster once the last run's actors are gone (polled: Ray frees them as the
     driver's job ends)."""
+    before = dict(os.environ)  # before `import ray`, which sets some of its own
     import ray
 
-    before = dict(os.environ)
     ray.init(address=address)
     try:
         deadline = time.time() + 20
