@@ -1,5 +1,5 @@
-"""`orchestrator train | tune | ui | doctor | prepare | show-config`: each subcommand is a few lines around one API
-call."""
+"""`orchestrator train | tune | ui | doctor | prepare | show-config | cluster`: each subcommand is a few lines
+around one API call."""
 
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_ui_parser(sub)
     _add_show_config_parser(sub)
     _add_prepare_parser(sub)
+    _add_cluster_parser(sub)
     return parser
 
 
@@ -106,6 +107,14 @@ def _add_show_config_parser(sub: argparse._SubParsersAction[argparse.ArgumentPar
                       "table and storage, as `train` does before Ray starts, and print the run's plan (what MLflow "
                       "keeps as plan.yaml)")
     show.add_argument("--resume", action="store_true", help="with --plan: plan the resume of the latest run")
+
+
+def _add_cluster_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    cluster = sub.add_parser("cluster", help="the warm local Ray cluster a command leaves running with "
+                             "cluster.keep_warm_minutes > 0, for the next command to join")
+    actions = cluster.add_subparsers(dest="action", required=True)
+    actions.add_parser("status", help="show it: its address, what it serves, how long it has been idle")
+    actions.add_parser("stop", help="stop it now (every process of it, by PID)")
 
 
 # Help texts the `prepare` datasets share.
@@ -192,6 +201,11 @@ def run_command(args: argparse.Namespace) -> int:
         return _doctor(args)
     if args.command == "prepare":
         return _prepare(args)
+    if args.command == "cluster":
+        from orchestrator.warm_cluster import status, stop_now
+
+        print(stop_now() if args.action == "stop" else status())
+        return 0
     # `--autopilot` is `--set autopilot.enabled=true`, last: it wins over the file and the other overrides.
     overrides = [*args.overrides, *(["autopilot.enabled=true"] if getattr(args, "autopilot", False) else [])]
     config = load_config(args.config, overrides)

@@ -1,5 +1,6 @@
 """The Ray cluster a driver runs on: join the one given (or $RAY_ADDRESS), or start a private local one sized for
-the run, and stop only what was started here."""
+the run (or, with cluster.keep_warm_minutes, join the warm one a previous command left: warm_cluster.py), and stop
+only what was started here."""
 
 from __future__ import annotations
 
@@ -14,11 +15,17 @@ from typing import Any
 from orchestrator.config import Config, TrackingConfig
 from orchestrator.errors import ConfigError
 from orchestrator.tracking.uri import sqlite_file
+from orchestrator.warm_cluster import WarmUse, fingerprint, stop_cluster, take, warm_dir
 from pipelines.storage import user_cache_dir
+
+# The warm cluster this process is joined to (cluster.keep_warm_minutes), held until shutdown_local_ray.
+_warm: WarmUse | None = None
 
 
 def connect_ray(address: str | None, config: Config) -> bool:
-    """Join `address` / $RAY_ADDRESS if given, else start a private local cluster. True if we started it."""
+    """Join `address` / $RAY_ADDRESS if given, else start a private local cluster, or with
+    cluster.keep_warm_minutes join the warm one (started here when none matches). True for a local cluster of this
+    command's own (private or warm: it cannot grow, and `shutdown_local_ray` leaves it)."""
     import ray
 
     address = address or os.environ.get("RAY_ADDRESS")
@@ -39,9 +46,44 @@ def connect_ray(address: str | None, config: Config) -> bool:
     # Local workers inherit this environment: make the user's own modules (model entrypoints) importable.
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([os.getcwd(), *paths]))  # once, however many runs
+    num_cpus = max(os.cpu_count() or 1, needed)
+    if config.cluster.keep_warm_minutes > 0 and _join_warm(config.cluster.keep_warm_minutes, num_cpus, needed,
+                                                           logging_config):
+        return True
     # The dashboard serves the state API that Ray Train's controller polls; bound to localhost only.
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=True,
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=True,
              dashboard_host="127.0.0.1", dashboard_port=pin_state_api(), logging_config=logging_config)
+    return True
+
+
+def _join_warm(minutes: float, num_cpus: int, needed: int, logging_config: Any) -> bool:
+    """Join the warm cluster that matches this command (warm_cluster.take starts one if none does); False when it
+    cannot be had (another command uses a cluster of another environment): a private one is started instead."""
+    global _warm
+    import ray
+    from ray._private.authentication.authentication_token_setup import (
+        enable_token_auth_by_default,
+        ensure_token_if_auth_enabled,
+    )
+
+    wanted = fingerprint(os.environ["PYTHONPATH"], os.environ.get("RAY_AUTH_MODE", "token"))
+    if "RAY_AUTH_MODE" not in os.environ:
+        # As Ray's own local cluster (`ray.init()` without an address) does: token auth, a token made if missing.
+        # Set here, the head started below and this process's join agree on it.
+        enable_token_auth_by_default()
+        ensure_token_if_auth_enabled(create_token_if_missing=True)
+    use = take(minutes, num_cpus, needed, wanted)
+    if use is None:
+        return False
+    os.environ["RAY_API_SERVER_ADDRESS"] = use.state["dashboard"]  # see pin_state_api
+    try:
+        ray.init(address=use.state["address"], logging_config=logging_config)
+    except BaseException:
+        os.environ.pop("RAY_API_SERVER_ADDRESS", None)
+        stop_cluster(use.state, warm_dir())  # a cluster this process cannot join serves none
+        use.lock.close()
+        raise
+    _warm = use
     return True
 
 
@@ -157,8 +199,13 @@ def pin_state_api() -> int:
 
 def shutdown_local_ray() -> None:
     """Stop the local cluster `connect_ray` started and forget its state-API address, so nothing started later in
-    this process (or inherited by its children) looks for a cluster that is gone."""
+    this process (or inherited by its children) looks for a cluster that is gone. A warm cluster is left (this
+    driver's job ends, and its actors and CPUs with it), its idle time starting now, and the command says so."""
+    global _warm
     import ray
 
     ray.shutdown()
     os.environ.pop("RAY_API_SERVER_ADDRESS", None)
+    if _warm is not None:
+        use, _warm = _warm, None
+        use.release()

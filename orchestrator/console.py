@@ -95,7 +95,7 @@ class RayDataConsole(logging.Handler):
             self.handleError(record)
 
 
-def _ray_data_config(directory: Path) -> Path:
+def ray_data_config(directory: Path) -> Path:
     """Ray Data's own logging config with its console handler replaced by RayDataConsole."""
     import copy
 
@@ -108,6 +108,12 @@ def _ray_data_config(directory: Path) -> Path:
     path = directory / "ray-data-logging.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def own_ray_data_config() -> bool:
+    """Whether RAY_DATA_LOGGING_CONFIG in this process is the run log's own (a file removed when the run ends), not
+    one the user set."""
+    return bool(_ACTIVE) and _ACTIVE[-1]._saved.get("ray_data") is None
 
 
 class RunLog:
@@ -138,7 +144,7 @@ class RunLog:
         self._saved["ray_data"] = os.environ.get(RAY_DATA_CONFIG)
         if self._saved["ray_data"] is None:
             self._saved["ray_data_dir"] = tempfile.mkdtemp(prefix="orchestrator-")
-            os.environ[RAY_DATA_CONFIG] = str(_ray_data_config(Path(self._saved["ray_data_dir"])))
+            os.environ[RAY_DATA_CONFIG] = str(ray_data_config(Path(self._saved["ray_data_dir"])))
         _ACTIVE.append(self)
         self.divert()
         return self

@@ -20,6 +20,7 @@ from orchestrator.config.load import (
 from orchestrator.config.run_sections import (
     AutopilotConfig,
     CheckpointConfig,
+    ClusterConfig,
     CostConfig,
     FailureConfig,
     ScalingConfig,
@@ -41,8 +42,8 @@ from orchestrator.config.schema import (
 )
 
 __all__ = [
-    "MAX_SEED", "TASK_KINDS", "USER_TASK", "AutopilotConfig", "CheckpointConfig", "Config", "CostConfig",
-    "FailureConfig",
+    "MAX_SEED", "TASK_KINDS", "USER_TASK", "AutopilotConfig", "CheckpointConfig", "ClusterConfig", "Config",
+    "CostConfig", "FailureConfig",
     "ModelConfig", "OptimConfig", "Precision", "ScalingConfig", "StorageConfig", "TaskConfig", "TaskKind",
     "TrackingConfig", "TrainConfig", "TuneConfig", "config_from_dict", "either", "flatten", "format_validation_error",
     "keys_elsewhere", "load_config", "parse_override", "read_yaml_mapping", "to_dict", "to_yaml",

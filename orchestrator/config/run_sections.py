@@ -1,6 +1,6 @@
-"""The config sections of how a run is placed, kept, watched, billed and sped up: scaling, checkpoint, storage,
-failure, tracking, cost and autopilot. What is trained (task, model, train, optim), the search (tune) and `Config`
-are in schema.py."""
+"""The config sections of how a run is placed, kept, watched, billed and sped up: scaling, cluster, checkpoint,
+storage, failure, tracking, cost and autopilot. What is trained (task, model, train, optim), the search (tune) and
+`Config` are in schema.py."""
 
 from __future__ import annotations
 
@@ -77,6 +77,18 @@ class ScalingConfig(_Section):
             return (f"{self.accelerator_type} GPUs (scaling.accelerator_type) but the Ray cluster has "
                     f"{', '.join(types) or 'no typed GPUs'}: change or remove scaling.accelerator_type")
         return None
+
+
+class ClusterConfig(_Section):
+    """The local Ray cluster a command starts when it is given no cluster (no --address, no $RAY_ADDRESS)."""
+
+    keep_warm_minutes: float = Field(0.0, ge=0, description="Leave the local Ray cluster running this many minutes "
+                                     "after the command (and after each later command that joins it), so that the "
+                                     "next train or tune command in the same environment joins it instead of "
+                                     "starting one: its `ray start` stage is then only the join. The idle cluster "
+                                     "keeps its processes' memory (`orchestrator cluster status` shows it) and uses "
+                                     "no CPU to speak of; it is stopped when idle that long, or now with "
+                                     "`orchestrator cluster stop`. 0: each command starts and stops its own cluster.")
 
 
 class CheckpointConfig(_Section):

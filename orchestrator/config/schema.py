@@ -14,6 +14,7 @@ from orchestrator.config.batching import common_micro_batch, replica_micro_batch
 from orchestrator.config.run_sections import (
     AutopilotConfig,
     CheckpointConfig,
+    ClusterConfig,
     CostConfig,
     FailureConfig,
     ScalingConfig,
@@ -299,6 +300,9 @@ class Config(_Section):
                                description="Optimizer and learning-rate schedule: linear warmup, then decay.")
     scaling: ScalingConfig = Field(default_factory=ScalingConfig,  # type: ignore[arg-type]
                                    description="The Ray Train worker group: how many workers, on what.")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig,  # type: ignore[arg-type]
+                                   description="The local Ray cluster a command starts when given no --address: "
+                                   "kept warm for the next command or not.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig,  # type: ignore[arg-type]
                                          description="When checkpoints are written and how many are kept "
                                          "(docs/guarantees.md).")

@@ -1,0 +1,143 @@
+"""The warm path (cluster.keep_warm_minutes, warm_cluster.py) through the CLI, as a user runs it: a second
+`orchestrator train` joins the first one's cluster and starts none (one Ray session, the same head PID) and its
+start-up is lower; its CPUs are all free again between runs; `orchestrator cluster stop` leaves no process of it; a
+recorded cluster of another Ray version is not reused; an idle one is gone after its idle time. Each test stops what
+it started by PID, also on failure. XDG_CACHE_HOME is the test's own: the user's warm cluster is not touched."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parents[2]
+STARTUP = re.compile(r"^start-up ([\d.]+) s to the first step: .*?ray start ([\d.]+) s", re.M)  # a part, or alongside
+
+
+@pytest.fixture()
+def cache(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """This test's cache directory (short: Ray's temp dir then lies under it); any cluster left in it is stopped
+    by PID at the end."""
+    root = Path(tempfile.mkdtemp(prefix="warm"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(root))  # the commands inherit it
+    from orchestrator import warm_cluster
+
+    try:
+        yield warm_cluster.warm_dir()
+    finally:
+        state = warm_cluster.read_state(warm_cluster.warm_dir())
+        if state is not None:
+            warm_cluster.stop_cluster(state, warm_cluster.warm_dir())
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def train(tmp_path: Path, digits_dir: str, minutes: float) -> subprocess.CompletedProcess[str]:
+    command = [str(BIN / "orchestrator"), "train", "--config", str(ROOT / "examples" / "digits.yaml"),
+               "--set", f"data.train={digits_dir}/train", "--set", f"data.val={digits_dir}/val",
+               "--set", f"storage.path={tmp_path}/runs", "--set", f"tracking.uri=sqlite:///{tmp_path}/mlruns.db",
+               "--set", "train.max_steps=20", "--set", "optim.warmup_steps=2", "--set", "checkpoint.every=20",
+               "--set", f"cluster.keep_warm_minutes={minutes}"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done
+
+
+def processes(state: dict[str, Any]) -> list[int]:
+    """The cluster's processes now: its head's tree and its keeper."""
+    head = psutil.Process(state["head_pid"])
+    return [head.pid, *(p.pid for p in head.children(recursive=True)), state["keeper_pid"]]
+
+
+def gone(pids: list[int], within_s: float) -> bool:
+    deadline = time.time() + within_s
+    while time.time() < deadline:
+        if not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def free_cpus(address: str) -> tuple[float, float]:
+    """(available, total) CPUs of the cluster once the last run's actors are gone (polled: Ray frees them as the
+    driver's job ends)."""
+    before = dict(os.environ)  # before `import ray`, which sets some of its own
+    import ray
+
+    ray.init(address=address)
+    try:
+        deadline = time.time() + 20
+        while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"] and time.time() < deadline:
+            time.sleep(0.2)
+        return ray.available_resources().get("CPU", 0), ray.cluster_resources()["CPU"]
+    finally:
+        ray.shutdown()
+        os.environ.clear()  # as before: the next command starts from this test's environment, not a driver's
+        os.environ.update(before)
+
+
+def test_a_second_command_joins_the_first_ones_cluster_and_cluster_stop_ends_it(
+        cache: Path, tmp_path: Path, digits_dir: str) -> None:
+    from orchestrator.warm_cluster import read_state
+
+    first = train(tmp_path, digits_dir, minutes=5)
+    state = read_state(cache)
+    assert state is not None
+    assert (f"Ray cluster kept warm for 5 min at {state['address']} for the next run; `orchestrator cluster stop` "
+            "ends it now") in first.stdout.splitlines()
+    sessions = sorted(p.name for p in Path(state["temp_dir"]).glob("session_2*"))
+    assert len(sessions) == 1
+    available, total = free_cpus(state["address"])
+    assert available == total, "the first run's actors still hold CPUs"
+
+    second = train(tmp_path, digits_dir, minutes=5)
+    assert f"joined the warm Ray cluster at {state['address']}" in second.stdout
+    assert read_state(cache)["head_pid"] == state["head_pid"]  # type: ignore[index]
+    assert sorted(p.name for p in Path(state["temp_dir"]).glob("session_2*")) == sessions  # no other Ray started
+    (first_total, first_ray), (second_total, second_ray) = (
+        map(float, STARTUP.search(done.stdout).groups()) for done in (first, second))  # type: ignore[union-attr]
+    assert second_ray < first_ray and second_total < first_total, (first.stdout, second.stdout)
+
+    pids = processes(state)
+    stopped = subprocess.run([str(BIN / "orchestrator"), "cluster", "stop"], capture_output=True, text=True,
+                             timeout=60)
+    assert stopped.stdout.strip() == f"stopped the warm Ray cluster at {state['address']} (head pid " \
+                                     f"{state['head_pid']})", stopped.stdout + stopped.stderr
+    assert gone(pids, within_s=15) and read_state(cache) is None
+
+
+def test_a_cluster_of_another_ray_version_is_replaced_and_an_idle_one_stops_itself(
+        cache: Path, tmp_path: Path, digits_dir: str) -> None:
+    from orchestrator.warm_cluster import STATE, read_state
+
+    train(tmp_path, digits_dir, minutes=5)
+    stale = read_state(cache)
+    assert stale is not None
+    stale_pids = processes(stale)
+    stale["fingerprint"]["ray"] = "2.59.0"  # as if started before an upgrade
+    (cache / STATE).write_text(json.dumps(stale))
+
+    done = train(tmp_path, digits_dir, minutes=0.2)  # 12 s idle
+    assert (f"the warm Ray cluster at {stale['address']} was started with another Ray (2.59.0; here "
+            in done.stdout), done.stdout
+    assert gone(stale_pids, within_s=5)
+    fresh = read_state(cache)
+    assert fresh is not None and fresh["head_pid"] != stale["head_pid"]
+    assert "joined the warm Ray cluster" not in done.stdout
+
+    pids = processes(fresh)
+    last_used = (cache / STATE).stat().st_mtime  # the command's release (before its summary and exit)
+    assert gone(pids, within_s=40) and read_state(cache) is None
+    assert time.time() - last_used >= 12 - 1  # not before its idle time
