@@ -18,7 +18,7 @@ Product defaults but for the settings the header prints (a worker per node, one 
 restarts, the interval under test); no environment variable set (the README's set-up has RAY_AUTH_MODE=token, as
 `ray start` wants it); the nodes it started are killed by PID at the end, also on error or Ctrl+C.
 
-    .venv/bin/python bench/chaos.py [--minutes 10 --kill-every 120 --drain-notice 30 --every 100]
+    .venv/bin/python bench/chaos.py [--minutes 10 --kill-every 120 --drain-notice 30 --every auto]
     .venv/bin/python bench/chaos.py --grid 50,200,800,auto --minutes 3 --kill-every 45
 """
 
@@ -472,7 +472,7 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=10.0, help="training per run")
     parser.add_argument("--kill-every", type=float, default=120.0, help="seconds between faults")
     parser.add_argument("--drain-notice", type=int, default=30.0, help="seconds from the drain to the node's loss")
-    parser.add_argument("--every", type=every_arg, default=100, help="checkpoint.every (steps or auto)")
+    parser.add_argument("--every", type=every_arg, default="auto", help="checkpoint.every (steps or auto, the default)")
     parser.add_argument("--grid", type=lambda v: [every_arg(e) for e in v.split(",")], default=None,
                         help="checkpoint.every values to compare under the same kills (no drain), e.g. 50,200,auto")
     parser.add_argument("--floor-kills", type=int, default=3)

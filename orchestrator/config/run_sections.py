@@ -93,11 +93,12 @@ class ClusterConfig(_Section):
 
 class CheckpointConfig(_Section):
     every: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
-        100, json_schema_extra={"accepts": "a step count >= 1 or auto"},
+        "auto", json_schema_extra={"accepts": "a step count >= 1 or auto"},
         description="Steps between checkpoints; the last step is always saved. auto: the interval that loses least to "
                     "interruptions, about sqrt(2 x a checkpoint's measured blocking seconds x failure.mtbf_minutes "
                     "(else the run's own seconds per interruption)), re-evaluated at every report step, never so often "
-                    "that checkpoints block more than 3% of the time (docs/training.md).")
+                    "that checkpoints block more than 3% of the time; the first report step saves one to measure "
+                    "that cost (docs/training.md).")
     every_minutes: float | None = Field(None, gt=0, description="Also save at the first report step once this many "
                                         "minutes passed since the last checkpoint (by rank 0's clock): a cadence "
                                         "that holds whatever a step costs; with every=auto, the longest interval. "
