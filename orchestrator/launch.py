@@ -255,8 +255,9 @@ def interrupted(place: RunPlace, history: list[dict[str, Any]]) -> Iterator[None
 
         if ray.is_initialized():  # a joined cluster: leaving it ends the run's actors, so nothing more registers
             ray.shutdown()
-        step = history[-1]["step"] if history else 0
         saved = place.registered_step()
+        # A checkpoint can register before its step's report reaches this driver: the run got at least that far.
+        step = max(history[-1]["step"] if history else 0, saved or 0)
         command = ["orchestrator", *sys.argv[1:]] if sys.argv[1:2] == ["train"] else ["orchestrator", "train", "..."]
         again = shlex.join(command + ([] if "--resume" in command else ["--resume"]))
         print(f"interrupted at step {step}; " + (f"last checkpoint step {saved}; continue with: {again}"

@@ -360,10 +360,11 @@ class Config(_Section):
                                            "batch is counted in micro-batches): set it or failure.mode=restart"),
             (self.autopilot.enabled, "does not combine with the autopilot yet: set autopilot.enabled=false or "
                                      "failure.mode=restart"),
-            (self.checkpoint.every == "auto" or self.checkpoint.every_minutes is not None,
+            # checkpoint.every (steps or the default auto) gives way to the last step alone; a time cadence the
+            # user asked for is refused rather than silently dropped.
+            (self.checkpoint.every_minutes is not None,
              "saves only the last step (the state lives in the live replicas, and a checkpoint is a barrier every "
-             "replica must reach): remove checkpoint.every=auto / checkpoint.every_minutes or set "
-             "failure.mode=restart"),
+             "replica must reach): remove checkpoint.every_minutes or set failure.mode=restart"),
         )
         for bad, why in refused:
             if bad:

@@ -174,8 +174,9 @@ def test_two_kills_are_billed_as_the_test_timed_them(ray_cluster: None, tmp_path
     assert [r["step"] for r in history] == [*range(5, 35, 5), *range(25, 55, 5), *range(45, 65, 5)]
     redone = [history[i] for i in (4, 5, 10, 11)]
     assert [r["step"] for r in redone] == [25, 30, 45, 50]
-    # (The ledger scales its buckets down by the skew between worker intervals and driver arrivals: < 1%.)
-    assert ledger.seconds["wasted"] == pytest.approx(sum(r["interval_s"] for r in redone), rel=0.01)
+    # (The ledger scales its buckets down by the skew between worker intervals and driver arrivals: 1.4% in a loaded
+    # suite. Billing the redone reports once more or not at all would be 100% off.)
+    assert ledger.seconds["wasted"] == pytest.approx(sum(r["interval_s"] for r in redone), rel=0.02)
     # The restarted groups' first reports, with their workers' own timeline (at/*: epoch seconds, this machine).
     restarts = [history[6], history[12]]
     assert all(RESTART_MARK in r for r in restarts) and sum(RESTART_MARK in r for r in history) == 3

@@ -106,9 +106,11 @@ def test_a_second_command_joins_the_first_ones_cluster_and_cluster_stop_ends_it(
     assert f"joined the warm Ray cluster at {state['address']}" in second.stdout
     assert read_state(cache)["head_pid"] == state["head_pid"]  # type: ignore[index]
     assert sorted(p.name for p in Path(state["temp_dir"]).glob("session_2*")) == sessions  # no other Ray started
-    (first_total, first_ray), (second_total, second_ray) = (
+    # The join is the second's whole `ray start` stage: far below a start (0.4 s against 7.6 s under a loaded
+    # suite). The total start-up is the bench's to compare (bench/startup.py): other stages vary more than that.
+    (_, first_ray), (_, second_ray) = (
         map(float, STARTUP.search(done.stdout).groups()) for done in (first, second))  # type: ignore[union-attr]
-    assert second_ray < first_ray and second_total < first_total, (first.stdout, second.stdout)
+    assert second_ray < first_ray / 3, (first.stdout, second.stdout)
 
     pids = processes(state)
     stopped = subprocess.run([str(BIN / "orchestrator"), "cluster", "stop"], capture_output=True, text=True,

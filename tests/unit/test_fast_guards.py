@@ -63,8 +63,12 @@ def test_nothing_shipped_to_workers_carries_a_credential(monkeypatch: pytest.Mon
     assert arrived.filesystem().type_name == "s3" and arrived.root == "bucket/data"
 
 
+# (the last report the driver received, the checkpoint Ray Train registered, the step the line names). Second: step
+# 20's checkpoint registered while its report was still on the way to the driver: the run reached step 20.
+@pytest.mark.parametrize(("reported", "registered", "stopped"), [(12, 10, 12), (15, 20, 20)])
 def test_ctrl_c_during_training_exits_130_and_says_how_to_continue(
-        tmp_path: Path, digits_dir: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, digits_dir: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        reported: int, registered: int, stopped: int) -> None:
     argv = ["train", "--set", f"data.train={digits_dir}/train", "--set", f"data.val={digits_dir}/val",
             "--set", f"storage.path={tmp_path}/runs", "--set", "tracking.enabled=false",
             "--set", "scaling.num_workers=1"]
@@ -73,17 +77,17 @@ def test_ctrl_c_during_training_exits_130_and_says_how_to_continue(
     monkeypatch.setattr(launch, "connect_ray", lambda address, config: False)  # no cluster: a joined one, say
 
     def fit_until_ctrl_c(plan: RunPlan, *args: Any) -> Any:
-        # Twelve steps reported, step 10's checkpoint registered by Ray Train, then Ctrl+C.
+        # Steps reported, a checkpoint registered by Ray Train, then Ctrl+C.
         history = next(a for a in args if isinstance(a, list))  # the reports so far
-        history.append({"step": 12})
-        plan.place.write_text(RAY_CHECKPOINTS, '{"checkpoints": ["checkpoint_00000010_d41d8cd9"]}')
+        history.append({"step": reported})
+        plan.place.write_text(RAY_CHECKPOINTS, f'{{"checkpoints": ["checkpoint_{registered:08d}_d41d8cd9"]}}')
         raise KeyboardInterrupt
 
     monkeypatch.setattr(launch, "_fit", fit_until_ctrl_c)
     assert cli.main(argv) == 130
     err = capsys.readouterr().err.strip().splitlines()
     again = shlex.join(["orchestrator", *argv, "--resume"])
-    assert err[-1] == f"interrupted at step 12; last checkpoint step 10; continue with: {again}", err
+    assert err[-1] == f"interrupted at step {stopped}; last checkpoint step {registered}; continue with: {again}", err
 
 
 def _tracked_cli(tmp_path: Path, digits_dir: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:

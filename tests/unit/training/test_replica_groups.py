@@ -45,7 +45,7 @@ def test_the_live_replicas_split_the_global_batch() -> None:
     (["train.parallel=fsdp"], "train.parallel=ddp"),
     (["train.sync=local_sgd"], "train.sync=ddp"),
     (["train.micro_batch_size=auto"], "fixed train.micro_batch_size"),
-    (["checkpoint.every=auto"], "saves only the last step"),
+    (["checkpoint.every_minutes=5"], "saves only the last step"),
     (["autopilot.enabled=true"], "autopilot"),
     (["scaling.num_workers=4"], "over 3 live replica"),
 ])
@@ -117,6 +117,13 @@ def _replica(rank: int, lighthouse: str, out: str, die_at: int | None) -> None:
     os._exit(0)
 
 
+def _alone_steps(reports: Path) -> list[int]:
+    """Steps the survivor (rank 0) committed alone so far."""
+    lines = reports.read_text().splitlines() if reports.exists() else []
+    events = [json.loads(line) for line in lines if line.endswith("}")]  # a line being written is left for later
+    return [e["step"] for e in events if e.get("rank") == 0 and e.get("participants") == 1]
+
+
 def test_a_replica_killed_mid_run_is_replaced_while_the_survivor_keeps_stepping(tmp_path: Path) -> None:
     from torchft.coordination import LighthouseServer
 
@@ -129,7 +136,11 @@ def test_a_replica_killed_mid_run_is_replaced_while_the_survivor_keeps_stepping(
     try:
         doomed.join(120)
         assert doomed.exitcode == 1
-        time.sleep(2.0)  # the newcomer starts a while after the death, as Ray's replacement does
+        # The newcomer starts a while after the death, as Ray's replacement does: here once the survivor has
+        # stepped alone 3 times (or 60 s passed), however long its detection of the death takes on a loaded machine.
+        deadline = time.time() + 60
+        while time.time() < deadline and len(_alone_steps(tmp_path / "reports.jsonl")) < 3:
+            time.sleep(0.1)
         newcomer = spawn.Process(target=_replica, args=(1, lighthouse.address(), str(tmp_path), None))
         newcomer.start()
         survivor.join(180)
