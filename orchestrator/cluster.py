@@ -7,15 +7,16 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from orchestrator.config import Config, TrackingConfig
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, UserError
 from orchestrator.tracking.uri import sqlite_file
-from orchestrator.warm_cluster import WarmUse, fingerprint, stop_cluster, take, warm_dir
+from orchestrator.warm_cluster import WarmUse, answers, fingerprint, stop_cluster, take, warm_dir
 from pipelines.storage import user_cache_dir
 
 # The warm cluster this process is joined to (cluster.keep_warm_minutes), held until shutdown_local_ray.
@@ -34,7 +35,7 @@ def connect_ray(address: str | None, config: Config) -> bool:
     # Ray's own INFO lines (per-report, per-epoch) would bury the progress lines; warnings still show.
     logging_config = ray.LoggingConfig(log_level="WARNING")
     if address:
-        ray.init(address=address, logging_config=logging_config)
+        join_cluster(address, logging_config)
         return False
     # Ray Data's read tasks need CPUs beside the workers', or ingest waits forever on a small machine.
     workers_cpus = math.ceil(config.scaling.max_workers * config.scaling.cpus_per_worker)
@@ -54,6 +55,22 @@ def connect_ray(address: str | None, config: Config) -> bool:
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=True,
              dashboard_host="127.0.0.1", dashboard_port=pin_state_api(), logging_config=logging_config)
     return True
+
+
+def join_cluster(address: str, logging_config: Any) -> None:
+    """ray.init on the cluster at `address` (--address or RAY_ADDRESS). A host:port where nothing listens is named
+    at once (Ray itself retries for minutes), and a refused join says what usually refuses it."""
+    import ray
+
+    if re.fullmatch(r"[\w.-]+:\d+", address) and not answers(address):
+        raise UserError(f"no Ray cluster answers at {address} (--address or RAY_ADDRESS): start it (`ray start "
+                        "--head`) or give the address `ray status` shows on its head node")
+    try:
+        ray.init(address=address, logging_config=logging_config)
+    except ConnectionError as exc:
+        hint = ("; if it runs with token auth (`ray start` turns it on where ~/.ray/auth_token exists), export "
+                "RAY_AUTH_MODE=token here too (cluster/README.md)" if "RAY_AUTH_MODE" not in os.environ else "")
+        raise UserError(f"could not join the Ray cluster at {address}: {exc}{hint}") from None
 
 
 def _join_warm(minutes: float, num_cpus: int, needed: int, logging_config: Any) -> bool:

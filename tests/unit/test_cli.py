@@ -163,3 +163,18 @@ def test_every_option_of_every_subcommand_has_help() -> None:
         return found
 
     assert undocumented(build_parser(), "orchestrator") == []
+
+
+def test_an_address_where_no_ray_cluster_answers_is_named_at_once(tmp_path: Path, digits_dir: str) -> None:
+    """`--address host:port` with nothing listening: one line naming the address and the fix, at once, instead of
+    Ray's minutes of retries."""
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on once the socket is closed
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = cli("train", "--address", f"127.0.0.1:{port}", "--set", f"data.train={digits_dir}/train",
+              "--set", f"data.val={digits_dir}/val", "--set", "tracking.enabled=false", cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"error: no Ray cluster answers at 127.0.0.1:{port} (--address or RAY_ADDRESS)" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
