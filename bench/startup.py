@@ -302,8 +302,8 @@ def main() -> None:
         # commands below must get the bench's environment as the shell gave it.
         subprocess.run([str(BIN / "orchestrator"), "prepare", "digits", "--out", str(tmp / "digits")], cwd=ROOT,
                        check=True, capture_output=True)
-        print("1. Ray's floor, its own local cluster: python -c 'import ray; ray.init(); TorchTrainer(empty, "
-              "2 workers).fit()', Popen -> the function runs", flush=True)
+        print("1. Ray's floor, its own local cluster: python -c 'import ray; ray.init(address=\"local\"); "
+              "TorchTrainer(empty, 2 workers).fit()', Popen -> the function runs on both workers", flush=True)
         floor1 = measure_floor(tmp, "local", "local")
 
         print("2. orchestrator train --config examples/digits.yaml, its own local cluster", flush=True)
