@@ -9,8 +9,11 @@ printed next to what the product printed:
 2. `orchestrator train --config examples/digits.yaml` (2 workers), starting its own local cluster: its printed
    start-up against floor 1 (target <= floor + 3 s) and against the stopwatch (target: within 1 s).
 3. A running cluster, started as a user starts one (`ray start --head`, 4 logical CPUs: the README's
-   `num_workers x cpus_per_worker + 2`, so Ray Data's read tasks never starve on a 2-core machine): floor 3, the same
-   script joining it (median of 2), then the command with `--address` (target <= floor 3 + 2 s).
+   `num_workers x cpus_per_worker + 2`, so Ray Data's read tasks never starve on a 2-core machine). Ray 2.60 starts
+   it with token auth wherever ~/.ray/auth_token exists, and joins an explicit address with a token only under
+   RAY_AUTH_MODE=token, which the bench does not set: the command with `--address host:port` shows what a user
+   without it sees; then floor 3, the same script joining with `ray.init(address="auto")` (median of 2), and the
+   command with `--address auto` (target <= floor 3 + 2 s).
 4. The warm path: the command twice with `cluster.keep_warm_minutes=5`, the second joining the first's cluster
    (target <= 5 s); then `orchestrator cluster stop`.
 5. The targets: measured, met or missed, the floor beside each.
@@ -31,8 +34,8 @@ Run it alone on the machine (any other Ray work skews every figure):
 from __future__ import annotations
 
 import json
+import os
 import re
-import shutil
 import signal
 import sqlite3
 import statistics
@@ -49,6 +52,7 @@ from _common import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = ROOT / ".venv" / "bin"
+RAY_RECORD = Path("/tmp/ray/ray_current_cluster")  # Ray's record of the cluster the last `ray start` started
 COMMAND_TIMEOUT_S = 600  # a command still running then is sent Ctrl+C (it ends KILLED)
 
 # The plain Ray Train script of the floors: argv = the marks file to write, the address for ray.init.
@@ -96,6 +100,7 @@ class Command:
     mlflow_first: tuple[float, int] | None = None  # Popen -> MLflow's first metric row of the run, and its step
     notes: list[str] = field(default_factory=list)  # what it said about the warm cluster
     error: str = ""
+    wall: float = 0.0  # Popen -> its exit
 
     @property
     def gap(self) -> float | None:
@@ -159,6 +164,7 @@ def orchestrator_train(tmp: Path, label: str, extra: list[str]) -> Command:
             if "warm Ray cluster" in line:
                 result.notes.append(line.strip())
         rc = process.wait()
+        result.wall = time.time() - started
         watchdog.cancel()
     found = re.match(r"start-up ([\d.]+) s", result.line)
     result.printed = float(found.group(1)) if found else None
@@ -166,6 +172,10 @@ def orchestrator_train(tmp: Path, label: str, extra: list[str]) -> Command:
         result.error = f"rc {rc}; stderr:\n{(tmp / f'{label}.stderr').read_text()[-3000:]}"
     _read_run_records(result, storage, tmp / "mlflow.db", started)
     return result
+
+
+def last_line(text: str) -> str:
+    return next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "")
 
 
 def _read_run_records(result: Command, storage: Path, store: Path, started: float) -> None:
@@ -197,7 +207,7 @@ def show(command: Command) -> None:
         return
     records = []
     if command.process_start is not None:
-        records.append(f"the process started {command.process_start:+.2f} s after Popen")
+        records.append(f"the process started {round(command.process_start, 2) + 0.0:+.2f} s after Popen")
     if command.steps_before_report is not None:
         records.append(f"the {command.steps_before_report:.2f} s from the first batch to that report")
     if command.mlflow_first is not None:
@@ -236,25 +246,26 @@ def beside_floor(command: Command, floor: Floor) -> None:
 class Head:
     process: subprocess.Popen[bytes]
     address: str
-    temp_dir: str
+    record_before: str | None  # what /tmp/ray/ray_current_cluster said before this head started
 
 
 def start_head(tmp: Path) -> Head:
-    """`ray start --head --block` in its own session, with ports of its own and a short temp dir of its own (so
-    nothing in /tmp/ray changes); ready once it says so."""
-    temp_dir = tempfile.mkdtemp(prefix="sb-", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
+    """`ray start --head --block` in its own session, with ports of its own; ready once it says so. Like any
+    `ray start`, it records its address in /tmp/ray/ray_current_cluster, where `ray.init()` and `address="auto"`
+    find it; `stop_head` puts the file back as it was."""
     port = free_port()
+    record = RAY_RECORD.read_text() if RAY_RECORD.exists() else None
     # `ray start` as the `ray` script runs it; -u (for this process only, not its children) so that its "started"
     # line reaches the log at once.
     command = [sys.executable, "-u", "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
                "--num-cpus=4", f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}",
-               f"--dashboard-agent-listen-port={free_port()}", f"--temp-dir={temp_dir}"]
+               f"--dashboard-agent-listen-port={free_port()}"]
     log = tmp / "head.log"
     started = time.time()
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    start_new_session=True)
-    head = Head(process, f"127.0.0.1:{port}", temp_dir)
+    head = Head(process, f"127.0.0.1:{port}", record)
     while "Ray runtime started" not in log.read_text(errors="replace"):
         if process.poll() is not None or time.time() - started > 120:
             stop_head(head)
@@ -266,24 +277,29 @@ def start_head(tmp: Path) -> Head:
 
 
 def stop_head(head: Head) -> None:
-    """SIGKILL the head's process tree by PID, and any process naming its temp dir (reparented Ray processes)."""
-    processes: dict[int, psutil.Process] = {}
+    """SIGKILL the head's process tree and process group (its own session: only its Ray processes) by PID, and
+    put Ray's record of the current cluster back as it was."""
+    processes: list[psutil.Process] = []
     try:
         root = psutil.Process(head.process.pid)
-        processes |= {p.pid: p for p in [root, *root.children(recursive=True)]}
+        processes = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         pass
-    for process in psutil.process_iter(["cmdline"]):
-        if any(head.temp_dir in arg for arg in process.info["cmdline"] or []):
-            processes.setdefault(process.pid, process)
-    for process in processes.values():
+    for process in processes:
         try:
             process.kill()
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(list(processes.values()), timeout=15)
+    try:
+        os.killpg(head.process.pid, signal.SIGKILL)  # any of its processes that left the tree
+    except ProcessLookupError:
+        pass
+    psutil.wait_procs(processes, timeout=15)
     head.process.wait()
-    shutil.rmtree(head.temp_dir, ignore_errors=True)
+    if head.record_before is not None:
+        RAY_RECORD.write_text(head.record_before)
+    elif RAY_RECORD.exists() and head.address.split(":")[1] in RAY_RECORD.read_text():
+        RAY_RECORD.unlink()
 
 
 def verdict(row: str, measured: float | None, limit: float | None, floor: str = "") -> str:
@@ -314,10 +330,17 @@ def main() -> None:
         print("3. a running cluster (ray start --head)", flush=True)
         head = start_head(tmp)
         try:
-            print("   Ray's floor on it: the same script with ray.init(address=...)", flush=True)
-            floor3 = measure_floor(tmp, head.address, "running")
-            print(f"   orchestrator train ... --address {head.address}", flush=True)
-            joined = orchestrator_train(tmp, "address", ["--address", head.address])
+            # Ray 2.60 turns token auth on for `ray start` wherever ~/.ray/auth_token exists (every machine that
+            # ran a local `ray.init()`), and joins an explicit address with token auth only under
+            # RAY_AUTH_MODE=token: what a user without it sees, then the address Ray finds itself ("auto").
+            print(f"   orchestrator train ... --address {head.address} (no RAY_AUTH_MODE)", flush=True)
+            explicit = orchestrator_train(tmp, "explicit", ["--address", head.address])
+            print(f"   {'ended rc 0' if not explicit.error else 'failed'} after {explicit.wall:.1f} s: "
+                  f"{explicit.line or last_line(explicit.error)[:300]}", flush=True)
+            print("   Ray's floor on it: the same script with ray.init(address=\"auto\")", flush=True)
+            floor3 = measure_floor(tmp, "auto", "running")
+            print("   orchestrator train ... --address auto", flush=True)
+            joined = orchestrator_train(tmp, "address", ["--address", "auto"])
             show(joined)
             beside_floor(joined, floor3)
         finally:
@@ -346,7 +369,7 @@ def main() -> None:
                   f"(floor 3 {floor3.seconds:.1f} s)"))
     print(verdict("warm, second command: printed start-up", second.printed if rejoined else None, 5.0,
                   f"(floor 3 {floor3.seconds:.1f} s, floor 1 {floor1.seconds:.1f} s)"))
-    for command in (own, joined, first, second):
+    for command in (own, joined, first, second):  # explicit: reported above
         print(verdict(f"{command.label}: stopwatch - printed", command.gap, 1.0,
                       "(the stopwatch ends at the first report, step 25: "
                       f"{command.steps_before_report or 0:.2f} s after the first batch)"))
