@@ -36,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -364,17 +365,25 @@ def every_arg(value: str) -> int | str:
     return value if value == "auto" else int(value)
 
 
-def faulty_run(cluster: Cluster, cfg: Config, runs: Path, kill_every: float, drain_notice: float | None
-               ) -> tuple[TrainResult, list[Fault], float]:
-    """The run under faults: its result, the faults and when it began."""
+def under_faults(cluster: Cluster, cfg: Config, inject: Callable[[threading.Thread, float], list[Any]],
+                 what: str) -> tuple[TrainResult, list[Any], float]:
+    """`cfg` trained in the background while `inject(run, began)` brings its faults until the run ends: its result,
+    the faults and when it began."""
     began = time.time()
     thread, outcome = in_background(cfg, cluster.gcs)
-    faults = inject_faults(cluster, runs, thread, began, kill_every, drain_notice)
+    faults = inject(thread, began)
     thread.join()
     if "error" in outcome:
-        raise RuntimeError(f"the faulty run failed: {outcome['error'].__context__!r}") from outcome["error"]
-    print(f"faulty run done: {outcome['result'].cost.wall_s:.0f} s", flush=True)
+        raise RuntimeError(f"the {what} run failed: {outcome['error'].__context__!r}") from outcome["error"]
+    print(f"{what} run done: {outcome['result'].cost.wall_s:.0f} s", flush=True)
     return outcome["result"], faults, began
+
+
+def faulty_run(cluster: Cluster, cfg: Config, runs: Path, kill_every: float, drain_notice: float | None
+               ) -> tuple[TrainResult, list[Fault], float]:
+    """The run under kills (and a drain with `drain_notice`): its result, the faults and when it began."""
+    return under_faults(cluster, cfg, lambda run, began: inject_faults(cluster, runs, run, began, kill_every,
+                                                                       drain_notice), "faulty")
 
 
 def print_grid(results: dict[int | str, TrainResult]) -> None:
@@ -430,13 +439,8 @@ def compare_replicas(cluster: Cluster, tmp: Path, clean_cfg: Config, clean: Trai
     whole again (at report granularity), the steps lost (not committed, or redone); beside the restart run's."""
     tree = to_dict(clean_cfg)
     tree["failure"]["mode"], tree["storage"]["path"] = "replicas", str(tmp / "replicas")
-    began = time.time()
-    thread, outcome = in_background(config_from_dict(tree), cluster.gcs)
-    kills = replica_kills(thread, began, kill_every)
-    thread.join()
-    if "error" in outcome:
-        raise RuntimeError(f"the replicas run failed: {outcome['error'].__context__!r}") from outcome["error"]
-    result: TrainResult = outcome["result"]
+    result, kills, began = under_faults(cluster, config_from_dict(tree),
+                                        lambda run, began: replica_kills(run, began, kill_every), "replicas")
     # The full reports (the attempt record keeps only what the ledger needs), their arrival made absolute.
     history = [r | {"at": began + r["elapsed_s"]} for r in result.history if "elapsed_s" in r]
     print(f"replicas run: wall clock {result.cost.wall_s:6.1f} s | ETTR {result.cost.ettr:.3f} | "
