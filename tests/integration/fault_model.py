@@ -4,7 +4,10 @@
 - `raise_call`: a ValueError (a bug in the user's forward) on every rank's n-th training forward, each recorded as
   a file in the `marker` directory, so a test counts the attempts;
 - `die_in_checkpoint`: SIGKILL the worker halfway through writing its n-th checkpoint (while torch.save pickles
-  state.pt; counted by picklings, since state_dict() is also called elsewhere), once (a marker file remembers it).
+  state.pt; counted by picklings, since state_dict() is also called elsewhere), once (a marker file remembers it);
+- `late_build_s`: a process that builds the model after `late_after` other processes did (each records its pid in
+  the `marker` directory: the driver's check, then the workers) sleeps this long first: a replaced worker comes back
+  late, however fast Ray replaces it.
 The weights are an ordinary MLP; the extra state is an empty marker, so runs with and without faults compare."""
 
 from __future__ import annotations
@@ -66,5 +69,10 @@ class Faulty(torch.nn.Module):
 
 
 def build(in_features: int, num_classes: int, step_s: float = 0.0, nan_call: int = 0, nan_rank: int = 0,
-          die_in_checkpoint: int = 0, marker: str = "", raise_call: int = 0) -> torch.nn.Module:
+          die_in_checkpoint: int = 0, marker: str = "", raise_call: int = 0, late_build_s: float = 0.0,
+          late_after: int = 3) -> torch.nn.Module:
+    if late_build_s and marker:
+        Path(marker, f"built-{os.getpid()}").write_text("")
+        if len(list(Path(marker).glob("built-*"))) > late_after:
+            time.sleep(late_build_s)
     return Faulty(in_features, num_classes, step_s, nan_call, nan_rank, die_in_checkpoint, marker, raise_call)

@@ -24,14 +24,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 STEPS = 300
 
 
-def replica_run(tmp: Path, digits: str) -> Any:
+def replica_run(tmp: Path, digits: str, *extra: str) -> Any:
     # 16 rows per replica per step (32 alone); 50 ms per forward: a survivor alone still trains when Ray has replaced
     # the killed worker (about 10 s here).
     return load_config(None, [
         f"data.train={digits}/train", "data.val=null", f"storage.path={tmp}/runs", "tracking.enabled=false",
         "scaling.num_workers=2", "failure.mode=replicas", "failure.max_failures=2", "train.global_batch_size=32",
         "train.micro_batch_size=16", "train.precision=fp32", f"train.max_steps={STEPS}", "train.log_every=5",
-        "model.entrypoint=fault_model:build", "model.step_s=0.05"])
+        "model.entrypoint=fault_model:build", "model.step_s=0.05", *extra])
 
 
 def reports(runs: Path) -> list[dict[str, Any]]:
@@ -71,9 +71,13 @@ def test_a_killed_replica_is_replaced_while_the_other_keeps_stepping(clean_loss:
                                                                       digits_dir: str) -> None:
     from ray.util.state import list_actors
 
+    # The replacement builds its model 8 s late (the driver's check and the two workers built it first): the
+    # survivor steps alone meanwhile, however soon Ray replaces the killed worker on a loaded machine.
+    marker = tmp_path / "builds"
+    marker.mkdir()
+    cfg = replica_run(tmp_path, digits_dir, f"model.marker={marker}", "model.late_build_s=8")
     outcome: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: outcome.update(result=train(replica_run(tmp_path, digits_dir),
-                                                                         verbose=False)))
+    thread = threading.Thread(target=lambda: outcome.update(result=train(cfg, verbose=False)))
     thread.start()
     try:
         # Rank 0 reports (its first report names its pid): kill the other one, mid-run.
@@ -89,6 +93,7 @@ def test_a_killed_replica_is_replaced_while_the_other_keeps_stepping(clean_loss:
     result: TrainResult = outcome["result"]
     history = result.history
     assert result.metrics["step"] == STEPS
+    assert len(list(marker.glob("built-*"))) == 4  # the driver's check, two workers, one replacement (held late)
     steps = [r["step"] for r in history]
     assert steps == sorted(set(steps)), steps  # never goes back: nothing redone, nothing reported twice
     assert not [r for r in history[1:] if "worker_pid" in r]  # rank 0 never restarted
