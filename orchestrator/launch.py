@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from orchestrator.startup import StartupClock
 from orchestrator.tracking.context import config_params
 from orchestrator.tracking.tracker import Tracker, closed_on_error, start_tracker
 from orchestrator.tracking.uri import mask_password
-from orchestrator.trainer import RunFailedError, build_run, root_cause
+from orchestrator.trainer import RunFailedError, build_inputs, build_trainer, root_cause
 from orchestrator.training.resume import unregistered_checkpoints
 from pipelines.config import is_remote
 from pipelines.sources import DatasetInfo
@@ -153,11 +154,21 @@ def _log_path(config: Config, place: RunPlace) -> Path:
     return Path(place.path) / LOG_FILE
 
 
+@dataclass
+class _Inputs:
+    """What a run's TorchTrainer is built from: its report queue, the ranks' spec and its datasets."""
+
+    queue: Any
+    spec: dict[str, Any]
+    datasets: dict[str, Any]
+
+
 def _start(plan: RunPlan, address: str | None, verbose: bool, clock: StartupClock, log: RunLog,
-           history: list[dict[str, Any]]) -> tuple[Tracker, bool]:
-    """Ray joined or started here while the MLflow run is opened in a thread (Ray wants the main thread for its
-    signal handlers, and Ctrl+C reaches only this one): neither waits for the other. Returns the tracker and
-    whether this process started the cluster."""
+           history: list[dict[str, Any]]) -> tuple[Tracker, bool, _Inputs]:
+    """Ray joined or started here, then the run's datasets built, while the MLflow run is opened in a thread (Ray
+    wants the main thread for its signal handlers, and Ctrl+C reaches only this one): neither waits for the other,
+    and a joined cluster's datasets do not wait for MLflow. Returns the tracker, whether this process started the
+    cluster, and the run's inputs."""
     if plan.config.tracking.enabled:
         import mlflow  # noqa: F401 - its loggers exist from here on: diverted before the store logs its set-up
 
@@ -169,32 +180,46 @@ def _start(plan: RunPlan, address: str | None, verbose: bool, clock: StartupCloc
             started_ray = connect_ray(address, plan.config)
             ray_ended = time.time()
             log.attach_ray()
+            inputs = _build_inputs(plan, started_ray, log)
+            datasets_ended = time.time()
             tracker = opening.result()
         except BaseException as exc:
             _abandon_start(opening, exc, started_ray)
             raise
-        clock.mark_together(opening.began, {"tracking": opening.ended or time.time(), "ray start": ray_ended})
-    return tracker, started_ray
+        clock.mark_beside([("ray start", ray_ended), ("datasets", datasets_ended)],
+                          ("tracking", opening.began, opening.ended or time.time()), now=time.time())
+    return tracker, started_ray, inputs
+
+
+def _build_inputs(plan: RunPlan, started_ray: bool, log: RunLog) -> _Inputs:
+    """The run's report queue, spec and datasets (Ray Data's pipelines; small data cached in the object store)."""
+    import ray
+
+    config = plan.config
+    # A local cluster cannot grow: a worker group it can never hold would wait forever.
+    missing = config.scaling.shortfall(ray.cluster_resources()) if started_ray else None
+    if missing:
+        raise ConfigError(f"this run needs {missing}")
+    # Rank 0 puts its metrics on this queue itself (no barrier); the controller adds worker failures.
+    queue = report_queue()
+    spec, datasets = build_inputs(config, plan.datasets, plan.place.name,
+                                  plan.resume.cache_decision if plan.resume else None, queue)
+    log.divert()  # Ray Data sets up its loggers on first use
+    return _Inputs(queue, spec, datasets)
 
 
 def _train(plan: RunPlan, address: str | None, verbose: bool, clock: StartupClock, log: RunLog) -> TrainResult:
     config, place = plan.config, plan.place
     history: list[dict[str, Any]] = []
     attempt = AttemptLog(place, clock.started_at)
-    tracker, started_ray = _start(plan, address, verbose, clock, log, history)
+    tracker, started_ray, inputs = _start(plan, address, verbose, clock, log, history)
     # From the moment the run exists, Ctrl+C ends it KILLED (an error FAILED), never leaving it RUNNING.
     with closed_on_error(tracker), interrupted(place, history):
         stopping: threading.Thread | None = None
         try:
-            import ray
-
-            # A local cluster cannot grow: a worker group it can never hold would wait forever.
-            missing = config.scaling.shortfall(ray.cluster_resources()) if started_ray else None
-            if missing:
-                raise ConfigError(f"this run needs {missing}")
             with train_environment(config, private_cluster=started_ray):
-                result, failures, checkpoint = _fit(plan, tracker, verbose, clock, log, history, started_ray,
-                                                    attempt)
+                result, failures, checkpoint = _fit(plan, inputs, tracker, verbose, clock, log, history,
+                                                    started_ray, attempt)
             if started_ray:
                 # Ray's shutdown mostly waits for its processes to exit: let them, while the artifacts are logged.
                 stopping = threading.Thread(target=shutdown_local_ray, name="ray-shutdown")
@@ -349,7 +374,7 @@ class _Reports:
               file=sys.stderr)
 
 
-def _fit(plan: RunPlan, tracker: Tracker, verbose: bool, clock: StartupClock, log: RunLog,
+def _fit(plan: RunPlan, inputs: _Inputs, tracker: Tracker, verbose: bool, clock: StartupClock, log: RunLog,
          history: list[dict[str, Any]], private_cluster: bool, attempt: AttemptLog) -> tuple[TrainResult, int, Any]:
     """Fit the run while a driver thread shows and tracks its metrics (appended to `history` as they come).
     Returns the result, how many worker failures Ray Train restarted from, and the final Ray Checkpoint. On a
@@ -359,12 +384,10 @@ def _fit(plan: RunPlan, tracker: Tracker, verbose: bool, clock: StartupClock, lo
 
     config, place = plan.config, plan.place
     handle = _Reports(plan, tracker, verbose, clock, history, private_cluster, attempt)
-    # Rank 0 puts its metrics on this queue itself (no barrier); the controller adds worker failures.
-    queue = report_queue()
-    trainer = build_run(config, plan.datasets, place, [ForwardFailures(queue), ForwardCheckpoints(queue)], queue,
-                        saved=plan.resume.cache_decision if plan.resume else None)
-    log.divert()  # Ray Data and Ray Train set up their loggers on first use
-    clock.mark("datasets")
+    queue = inputs.queue
+    trainer = build_trainer(config, inputs.spec, inputs.datasets, place,
+                            [ForwardFailures(queue), ForwardCheckpoints(queue)])
+    log.divert()  # Ray Train sets up its loggers on first use
     try:
         with ReportConsumer(queue, handle):
             result = _fit_interruptibly(trainer, handle.doomed)

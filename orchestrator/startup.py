@@ -2,9 +2,10 @@
 
 The driver marks the end of its own stages; the worker's first report brings when rank 0 entered the worker
 function, when its loop started and when it had its first batch (`at/*`, epoch seconds: one clock per machine,
-and NTP-close across nodes). Each stage is the time since the previous mark. Stages the driver runs at once
-(MLflow's run opened while Ray starts) are one part of that series, named after the stage it waited for, with the
-others shown alongside it at their own durations: the parts still add up to the wall clock.
+and NTP-close across nodes). Each stage is the time since the previous mark. A stage the driver runs in a thread
+beside the others (MLflow's run opened while Ray starts and the datasets are built) is shown alongside the part it
+ended in, at its own duration; when the command waited for it, it is a part itself (from the previous part's end)
+and the stage it outlasted is shown alongside it: the parts still add up to the wall clock.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from typing import Any
 STAGES = (
     "command",  # Python start and imports, the config read
     "data inspection",  # Parquet schemas and row counts, before any cluster resource is taken
-    "tracking",  # the MLflow run opened and its params logged
     "ray start",  # the local Ray cluster started, or the running one joined
+    "tracking",  # the MLflow run opened and its params logged (in a thread, from the end of data inspection)
     "datasets",  # Ray Data pipelines built (a small dataset is cached in the object store here)
     "worker group",  # Ray Train's controller and the workers' processes started, the process group formed
     "worker set-up",  # model, optimizer and data shards built in the workers; a checkpoint loaded
@@ -50,19 +51,28 @@ class StartupClock:
     beside: dict[str, tuple[str, float]] = field(default_factory=dict)  # stage run at once -> (the part, seconds)
 
     def mark(self, stage: str) -> None:
-        assert stage in STAGES, stage
-        self.marks[stage] = time.time()
+        self.mark_at(stage, time.time())
 
-    def mark_together(self, began: float, ended: dict[str, float], now: float | None = None) -> None:
-        """Stages that started at once at `began` and ended at `ended` (epoch seconds), joined at `now`: the one
-        that ended last is the part the command waited for (up to the join); the others ran alongside it."""
-        joined = time.time() if now is None else now
-        waited = max(ended, key=lambda stage: ended[stage])
-        for stage, end in ended.items():
-            assert stage in STAGES, stage
-            if stage != waited:
-                self.beside[stage] = (waited, max(0.0, end - began))
-        self.marks[waited] = joined
+    def mark_beside(self, series: list[tuple[str, float]], beside: tuple[str, float, float], now: float) -> None:
+        """`series`: stages run one after another, each (stage, when it ended); `beside`: (stage, began, ended), run
+        in a thread meanwhile; both joined at `now`. The beside stage is shown alongside the part it ended in; if
+        it outlasted the series, the command waited for it: it is the last part, and the series' last stage runs
+        alongside it."""
+        name, began, ended = beside
+        (*before, (last, last_ended)) = series
+        for stage, end in before:
+            self.mark_at(stage, end)
+        if ended <= last_ended:
+            self.mark_at(last, now)
+            part = next(stage for stage, end in series if ended <= end)
+            self.beside[name] = (part, max(0.0, ended - began))
+        else:
+            self.mark_at(name, now)
+            self.beside[last] = (name, max(0.0, last_ended - (before[-1][1] if before else began)))
+
+    def mark_at(self, stage: str, when: float) -> None:
+        assert stage in STAGES, stage
+        self.marks[stage] = when
 
     def since_start(self) -> float:
         return time.time() - self.started_at

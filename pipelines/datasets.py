@@ -149,6 +149,28 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+# Small data to replay under this many bytes of files is read by the process that builds the datasets, not by Ray
+# Data's read tasks: a new driver's first Ray Data execution starts worker processes of its own (2-4 s on 2 cores)
+# to read what takes milliseconds here.
+READ_HERE_BYTES = 64 * 2**20
+
+
+def _read_here(source: Any, cfg: DataConfig) -> ray.data.Dataset:
+    """The blocks Ray Data's materialisation would make of `source` (one per shard, in the shards' order, the
+    transforms applied to each), read in this process and put into the object store."""
+    import pyarrow as pa
+    import ray.data
+    from ray.data import DataContext
+
+    from pipelines.transforms import apply_transforms
+
+    tables = []
+    for task in source.get_read_tasks(1, data_context=DataContext.get_current()):
+        table = pa.concat_tables(list(task()))
+        tables.append(apply_transforms(table, cfg.transforms, cfg.features) if cfg.transforms else table)
+    return ray.data.from_blocks(tables)  # metadata taken here: from_arrow computes it in remote tasks
+
+
 def build_datasets(
     cfg: DataConfig, infos: dict[str, DatasetInfo], object_store_bytes: float, *, seed: int = 0,
     epoch_clock: str | None = None, decision: str | None = None,
@@ -170,6 +192,7 @@ def build_datasets(
     columns = cfg.columns
     cache = DiskCache(cfg.disk_cache, cfg.cache_max_gb) if cfg.disk_cache else None
     reorder = epoch_clock is not None and reorders_memory_blocks(cfg, decision)
+    read_here = decision == REPLAY and sum(info.num_bytes for info in infos.values()) <= READ_HERE_BYTES
     datasets = {}
     for name, info in infos.items():
         assert info.storage is not None  # set by inspect_parquet
@@ -180,6 +203,9 @@ def build_datasets(
             shuffle=shuffled, epoch_clock=epoch_clock if shuffled else None,
             cache=cache if info.storage.remote else None,
         )
+        if read_here:
+            datasets[name] = _read_here(source, cfg)
+            continue
         # One output block per shard (split further only by DataContext.target_max_block_size): Ray Data would
         # otherwise cut every shard into pieces to reach its 200-block minimum, and each block costs a
         # fixed overhead on its way to the workers (measured: 1.6x the rows/s with 16 shards).
@@ -189,7 +215,7 @@ def build_datasets(
             ds = ds.map_batches(functools.partial(apply_transforms, transforms=cfg.transforms, features=cfg.features),
                                 batch_format="pyarrow", batch_size=None, zero_copy_batch=True)
         datasets[name] = ds
-    if decision != STREAM:
+    if decision != STREAM and not read_here:
         datasets = {name: ds.materialize() for name, ds in datasets.items()}
     if reorder:
         blocks = memory_blocks(datasets["train"])

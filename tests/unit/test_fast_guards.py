@@ -75,6 +75,7 @@ def test_ctrl_c_during_training_exits_130_and_says_how_to_continue(
     monkeypatch.setattr(sys, "argv", [str(tmp_path / ".venv/bin/orchestrator"), *argv])  # as the console script
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(launch, "connect_ray", lambda address, config: False)  # no cluster: a joined one, say
+    monkeypatch.setattr(launch, "_build_inputs", lambda plan, started_ray, log: None)  # no datasets without it
 
     def fit_until_ctrl_c(plan: RunPlan, *args: Any) -> Any:
         # Steps reported, a checkpoint registered by Ray Train, then Ctrl+C.
@@ -106,24 +107,31 @@ def _statuses(tmp_path: Path) -> list[str]:
     return [r.info.status for r in client.search_runs([client.get_experiment_by_name("default").experiment_id])]
 
 
-def test_the_mlflow_run_is_opened_while_ray_starts_and_the_start_up_parts_still_tile(
+def test_the_mlflow_run_is_opened_while_ray_starts_and_the_datasets_are_built_and_the_parts_still_tile(
         tmp_path: Path, digits_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     argv = _tracked_cli(tmp_path, digits_dir, monkeypatch)
 
     ray_began: list[float] = []
+    datasets: list[tuple[float, float]] = []
 
     def ray_start(address: str | None, config: Any) -> bool:
         ray_began.append(time.time())
         time.sleep(1.0)  # Ray's own start (seconds): the command need not wait for MLflow before it
         return False
 
+    def build_inputs(plan: RunPlan, started_ray: bool, log: Any) -> None:
+        began = time.time()
+        time.sleep(0.5)  # the datasets need Ray, not the MLflow run
+        datasets.append((began, time.time()))
+
     clocks: list[Any] = []
 
-    def fit(plan: RunPlan, tracker: Any, verbose: bool, clock: Any, *args: Any) -> Any:
+    def fit(plan: RunPlan, inputs: Any, tracker: Any, verbose: bool, clock: Any, *args: Any) -> Any:
         clocks.append(clock)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(launch, "connect_ray", ray_start)
+    monkeypatch.setattr(launch, "_build_inputs", build_inputs)
     monkeypatch.setattr(launch, "_fit", fit)
     assert cli.main(argv) == 130
     from mlflow.tracking import MlflowClient
@@ -131,13 +139,18 @@ def test_the_mlflow_run_is_opened_while_ray_starts_and_the_start_up_parts_still_
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("default").experiment_id])
     assert run.info.status == "KILLED" and run.info.start_time / 1000 >= ray_began[0]  # opened as Ray started
-    # One part of the series holds both stages: the one the command waited for, the other alongside it.
+    ((began, ended),) = datasets
+    assert began - ray_began[0] == pytest.approx(1.0, abs=0.2)  # right after Ray, whether MLflow was done or not
+    # Tracking is alongside the part it ended in, or the last part if the command waited for it; the series'
+    # parts tile the wall clock to the join.
     (clock,) = clocks
     ((beside, (part, own)),) = clock.beside.items()
-    assert {beside, part} == {"tracking", "ray start"}
     seconds = clock.seconds()
-    assert seconds[part] >= max(own, 1.0) - 0.01 and beside not in seconds
-    assert sum(seconds.values()) == pytest.approx(clock.marks[part] - clock.started_at)  # the wall clock
+    assert beside not in seconds and part in seconds and own > 0
+    assert [s for s in seconds if s in ("ray start", "tracking", "datasets")] in (
+        ["ray start", "datasets"], ["ray start", "tracking"])
+    assert sum(seconds.values()) == pytest.approx(max(clock.marks.values()) - clock.started_at)  # the wall clock
+    assert seconds["ray start"] >= 1.0 - 0.01
 
 
 def test_ctrl_c_while_ray_starts_ends_the_mlflow_run_opened_beside_it_killed(

@@ -254,3 +254,33 @@ def test_memory_cache_of_small_data_replays_exactly_once_per_epoch_with_remainde
     run(tmp_path, uneven_id_data, "uneven", *memory)
     ranks = [read_runs(str(tmp_path / "uneven"), r)[0] for r in (0, 1)]
     assert_each_rank_reordered(epoch_orders(ranks, UNEVEN_STEPS, UNEVEN))
+
+
+def test_small_data_read_by_the_driver_makes_the_blocks_ray_datas_read_tasks_make(
+        ray_cluster: None, id_data: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Data to replay under READ_HERE_BYTES is read by the driver, not by Ray Data's read tasks (whose worker
+    processes a new driver must start first): the same blocks, in the same order, transforms applied, so the
+    workers' split and every row's place in it are unchanged."""
+    import ray
+
+    import pipelines.datasets as datasets
+    from pipelines.datasets import REPLAY, build_datasets
+
+    cfg = load_config(None, [f"data.train={id_data}", "data.val=null", "data.features=[id, x]", "data.shuffle=true",
+                             "data.transforms=[{normalize: {mean: 0.5, std: 2.0, columns: [x]}}]"]).data
+    infos, store = inspect_datasets(cfg), ray.cluster_resources()["object_store_memory"]
+
+    def blocks() -> list[pa.Table]:
+        (ds,) = build_datasets(cfg, infos, store, seed=3, decision=REPLAY).values()
+        return [ray.get(ref) for ref in ds.to_arrow_refs()]
+
+    here = blocks()
+    monkeypatch.setattr(datasets, "READ_HERE_BYTES", 0)  # what Ray Data's read tasks make of the same shards
+    theirs = blocks()
+    assert len(here) == SHARDS and [t.num_rows for t in here] == [t.num_rows for t in theirs]
+    assert all(ours.equals(them) for ours, them in zip(here, theirs, strict=True))
+    ids = np.concatenate([t.column("id").to_numpy() for t in here])
+    assert sorted(ids) == list(range(ROWS)) and list(ids) != list(range(ROWS))  # every row, shards reordered
+    x = np.concatenate([t.column("x").combine_chunks().flatten().to_numpy() for t in here])
+    raw = pa.concat_tables([pq.read_table(f"{id_data}/part-{i:05d}.parquet") for i in range(SHARDS)])
+    assert not np.allclose(np.sort(x), np.sort(raw.column("x").combine_chunks().flatten().to_numpy()))  # normalised
