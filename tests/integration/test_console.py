@@ -4,9 +4,11 @@ go to the run's log file. The autopilot's record in MLflow is read back too."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -29,9 +31,10 @@ def test_a_healthy_run_prints_only_the_products_lines(tmp_path: Path, digits_dir
                "--set", "train.max_steps=100", "--set", "train.eval_every=50", "--set", "checkpoint.every=50"]
     if autopilot:  # with a budget a 100-step run can pay a search with (the default 5% is too short: skipped)
         command += ["--autopilot", "--set", "autopilot.budget=0.5"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    done, seen = run_timed(command, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
+    _check_the_start_up_against_a_stopwatch(lines, seen, tmp_path)
     assert [line for line in lines if not PRODUCT.match(line)] == []
     assert done.stderr.strip() == "", done.stderr  # no library warning, deprecation or worker noise
     assert sum(line.startswith("step ") for line in lines) == 4 and len(lines) <= (30 if autopilot else 16), lines
@@ -49,10 +52,37 @@ def test_a_healthy_run_prints_only_the_products_lines(tmp_path: Path, digits_dir
     assert "exclude_resources" not in text  # the deprecated option is not passed (trainer.ingest_options)
 
 
+def run_timed(command: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess[str], list[float]]:
+    """The command run to its end, and when each of its stdout lines arrived, in seconds after the stopwatch started
+    (just before the process did)."""
+    with (cwd / "stderr.txt").open("w+") as err:
+        began = time.time()
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True, cwd=cwd)
+        out, seen = [], []
+        assert process.stdout is not None
+        for line in process.stdout:
+            seen.append(time.time() - began)
+            out.append(line)
+        process.wait(timeout=300)
+        err.seek(0)
+        return subprocess.CompletedProcess(command, process.returncode, "".join(out), err.read()), seen
+
+
+def _check_the_start_up_against_a_stopwatch(lines: list[str], seen: list[float], tmp_path: Path) -> None:
+    """The printed start-up is the time from the process's start to the first step, as seen from outside: the
+    start-up line comes with the first report (step 25), whose record says how long its steps took since the first
+    batch; the line's arrival less that is when the first step began, by this test's stopwatch."""
+    (at,) = [i for i, line in enumerate(lines) if line.startswith("start-up ")]
+    printed = float(lines[at].split()[1])
+    (record,) = (tmp_path / "runs").glob("digits-mlp-*/attempts/*.json")
+    first = json.loads(record.read_text())["reports"][0]
+    outside = seen[at] - first["interval_s"]
+    assert first["step"] == 25 and abs(printed - outside) <= 1.0, (printed, seen[at], first["interval_s"])
+
+
 def _check_the_autopilot(lines: list[str], tmp_path: Path) -> None:
     """Its table printed once (the starting config's row first, one chosen), the summary's line of what it gained,
     and MLflow's record: the chosen settings as params, the table artifact, the figures in the summary table."""
-    import json
 
     from mlflow.tracking import MlflowClient
 
