@@ -105,11 +105,35 @@ class _Alongside:
             raise self._outcome["error"]
         return self._outcome["value"]
 
+    def failed(self) -> bool:
+        """Whether it ended with an error (which `result()` raises)."""
+        return not self._thread.is_alive() and "error" in self._outcome
+
+
+@contextmanager
+def _ended_on_error(opening: _Alongside) -> Iterator[None]:
+    """The MLflow run being opened beside the run ends KILLED on Ctrl+C, FAILED on an error, never left RUNNING
+    (once it is open: a failed opening ended what it opened itself)."""
+    try:
+        yield
+    except BaseException as exc:
+        try:
+            tracker = opening.result()
+        except BaseException:  # noqa: BLE001 - its own failure: raised instead when it is the one being raised
+            tracker = None
+        if tracker is not None:
+            tracker.finish("KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
+        raise
+
 
 def _open_tracking(plan: RunPlan, log: RunLog, verbose: bool) -> Tracker:
     """The MLflow run opened with its params, plan, datasets and tags, the run's directory, log file and record
     written. A run it opened and could not finish setting up ends FAILED (KILLED on KeyboardInterrupt)."""
     config, place = plan.config, plan.place
+    if config.tracking.enabled:
+        import mlflow  # noqa: F401 - its loggers exist from here on: diverted before the store logs its set-up
+
+        log.divert()
     tracker = start_tracker(config.tracking, plan.run_name, run_id=plan.reopen_run_id, headline=config.tune.metric,
                             context=dict(plan.context))
     with closed_on_error(tracker):
@@ -133,19 +157,6 @@ def _open_tracking(plan: RunPlan, log: RunLog, verbose: bool) -> Tracker:
     return tracker
 
 
-def _abandon_start(opening: _Alongside, exc: BaseException, started_ray: bool) -> None:
-    """Ray's start or the run's opening failed (or Ctrl+C came): end the run the other one opened as the command
-    ends (KILLED or FAILED) and stop the cluster started here."""
-    try:
-        tracker = opening.result()
-    except BaseException:  # noqa: BLE001 - its own failure: a run it opened was ended there, the error is raised
-        tracker = None
-    if tracker is not None:
-        tracker.finish("KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
-    if started_ray:
-        shutdown_local_ray()
-
-
 def _log_path(config: Config, place: RunPlace) -> Path:
     """The run's log file: in its directory, or for a run stored in S3 a local file named after it, in this user's
     private cache (a shared temp path would let another user plant a link the log is written through)."""
@@ -163,32 +174,23 @@ class _Inputs:
     datasets: dict[str, Any]
 
 
-def _start(plan: RunPlan, address: str | None, verbose: bool, clock: StartupClock, log: RunLog,
-           history: list[dict[str, Any]]) -> tuple[Tracker, bool, _Inputs]:
-    """Ray joined or started here, then the run's datasets built, while the MLflow run is opened in a thread (Ray
-    wants the main thread for its signal handlers, and Ctrl+C reaches only this one): neither waits for the other,
-    and a joined cluster's datasets do not wait for MLflow. Returns the tracker, whether this process started the
-    cluster, and the run's inputs."""
-    if plan.config.tracking.enabled:
-        import mlflow  # noqa: F401 - its loggers exist from here on: diverted before the store logs its set-up
-
-        log.divert()
-    with interrupted(plan.place, history):  # Ctrl+C while Ray starts or the run is opened: an opened run ends KILLED
-        opening = _Alongside(lambda: _open_tracking(plan, log, verbose))
+def _start(plan: RunPlan, address: str | None, clock: StartupClock, log: RunLog,
+           history: list[dict[str, Any]]) -> tuple[bool, _Inputs]:
+    """Ray joined or started here (Ray wants the main thread for its signal handlers, and Ctrl+C reaches only this
+    one), then the run's datasets built. Returns whether this process started the cluster, and the run's inputs."""
+    with interrupted(plan.place, history):  # Ctrl+C while Ray starts: nothing is opened yet
         started_ray = False
         try:
             started_ray = connect_ray(address, plan.config)
-            ray_ended = time.time()
+            clock.mark("ray start")
             log.attach_ray()
             inputs = _build_inputs(plan, started_ray, log)
-            datasets_ended = time.time()
-            tracker = opening.result()
-        except BaseException as exc:
-            _abandon_start(opening, exc, started_ray)
+            clock.mark("datasets")
+        except BaseException:
+            if started_ray:
+                shutdown_local_ray()
             raise
-        clock.mark_beside([("ray start", ray_ended), ("datasets", datasets_ended)],
-                          ("tracking", opening.began, opening.ended or time.time()), now=time.time())
-    return tracker, started_ray, inputs
+    return started_ray, inputs
 
 
 def _build_inputs(plan: RunPlan, started_ray: bool, log: RunLog) -> _Inputs:
@@ -212,14 +214,17 @@ def _train(plan: RunPlan, address: str | None, verbose: bool, clock: StartupCloc
     config, place = plan.config, plan.place
     history: list[dict[str, Any]] = []
     attempt = AttemptLog(place, clock.started_at)
-    tracker, started_ray, inputs = _start(plan, address, verbose, clock, log, history)
-    # From the moment the run exists, Ctrl+C ends it KILLED (an error FAILED), never leaving it RUNNING.
-    with closed_on_error(tracker), interrupted(place, history):
+    started_ray, inputs = _start(plan, address, clock, log, history)
+    # MLflow's run is opened while Ray Train starts the worker group (the driver only waits then); the reports wait
+    # for it, the workers do not. From then on Ctrl+C ends it KILLED (an error FAILED), never leaving it RUNNING.
+    opening = _Alongside(lambda: _open_tracking(plan, log, verbose))
+    with _ended_on_error(opening), interrupted(place, history):
         stopping: threading.Thread | None = None
         try:
             with train_environment(config, private_cluster=started_ray):
-                result, failures, checkpoint = _fit(plan, inputs, tracker, verbose, clock, log, history,
+                result, failures, checkpoint = _fit(plan, inputs, opening, verbose, clock, log, history,
                                                     started_ray, attempt)
+            tracker = opening.result()
             if started_ray:
                 # Ray's shutdown mostly waits for its processes to exit: let them, while the artifacts are logged.
                 stopping = threading.Thread(target=shutdown_local_ray, name="ray-shutdown")
@@ -243,10 +248,11 @@ class _Doomed(Exception):
     """A worker raised an error that a restart would raise again, before the run's first report."""
 
 
-def _fit_interruptibly(trainer: Any, doomed: list[str]) -> Any:
+def _fit_interruptibly(trainer: Any, doomed: list[str], opening: _Alongside) -> Any:
     """`trainer.fit()` in a thread, so that Ctrl+C reaches this (main) thread as KeyboardInterrupt, and so that a
     run whose first attempt failed in the user's code or config (`doomed`, filled by the report handler) stops now
-    instead of after every restart Ray Train would make. Called in the main thread, Ray Train installs its own
+    instead of after every restart Ray Train would make; so does a run whose MLflow run could not be opened
+    (`opening`'s error is raised). Called in the main thread, Ray Train installs its own
     SIGINT handler, which waits for its controller to abort and then exits the process with status 1, before the
     run is marked or the user told how to continue. The run's actors end with the driver (the local cluster is shut
     down; a joined cluster drops the job's actors when the driver leaves it)."""
@@ -264,6 +270,8 @@ def _fit_interruptibly(trainer: Any, doomed: list[str]) -> Any:
         thread.join(timeout=0.2)
         if doomed:
             raise _Doomed(doomed[0])
+        if opening.failed():
+            opening.result()
     if "error" in outcome:
         raise outcome["error"]
     return outcome["result"]
@@ -317,13 +325,22 @@ class _Reports:
     error a restart would repeat before the first report is kept in `doomed` on a `private_cluster` (the main
     thread then stops the run)."""
 
-    def __init__(self, plan: RunPlan, tracker: Tracker, verbose: bool, clock: StartupClock,
+    def __init__(self, plan: RunPlan, opening: _Alongside, verbose: bool, clock: StartupClock,
                  history: list[dict[str, Any]], private_cluster: bool, attempt: AttemptLog) -> None:
-        self.plan, self.tracker, self.verbose, self.clock = plan, tracker, verbose, clock
+        self.plan, self.opening, self.verbose, self.clock = plan, opening, verbose, clock
         self.history, self.private_cluster, self.attempt = history, private_cluster, attempt
         self.failures: list[float] = []
         self.doomed: list[str] = []  # an error in the user's code or config before the first report
         self.autopilot: dict[str, Any] | None = None  # the autopilot's report (autopilot_report.py), once it came
+
+    @property
+    def tracker(self) -> Tracker:
+        """The run's tracker, once MLflow's run is open (the first report waits for it; a failed opening is raised
+        by the main thread)."""
+        tracker = self.opening.result()
+        if "tracking" not in self.clock.spans:
+            self.clock.mark_beside("tracking", self.opening.began, self.opening.ended or time.time())
+        return tracker
 
     def __call__(self, report: dict[str, Any]) -> None:
         config, tracker, history, clock = self.plan.config, self.tracker, self.history, self.clock
@@ -374,23 +391,25 @@ class _Reports:
               file=sys.stderr)
 
 
-def _fit(plan: RunPlan, inputs: _Inputs, tracker: Tracker, verbose: bool, clock: StartupClock, log: RunLog,
+def _fit(plan: RunPlan, inputs: _Inputs, opening: _Alongside, verbose: bool, clock: StartupClock, log: RunLog,
          history: list[dict[str, Any]], private_cluster: bool, attempt: AttemptLog) -> tuple[TrainResult, int, Any]:
-    """Fit the run while a driver thread shows and tracks its metrics (appended to `history` as they come).
+    """Fit the run while a driver thread shows and tracks its metrics (appended to `history` as they come), and
+    MLflow's run is `opening` in another: a failure to open it ends the run.
     Returns the result, how many worker failures Ray Train restarted from, and the final Ray Checkpoint. On a
     `private_cluster` an error every restart would repeat ends the run at once (shutting the cluster down ends Ray
     Train's restarts too)."""
     import ray.train
 
     config, place = plan.config, plan.place
-    handle = _Reports(plan, tracker, verbose, clock, history, private_cluster, attempt)
+    handle = _Reports(plan, opening, verbose, clock, history, private_cluster, attempt)
     queue = inputs.queue
     trainer = build_trainer(config, inputs.spec, inputs.datasets, place,
                             [ForwardFailures(queue), ForwardCheckpoints(queue)])
     log.divert()  # Ray Train sets up its loggers on first use
     try:
         with ReportConsumer(queue, handle):
-            result = _fit_interruptibly(trainer, handle.doomed)
+            result = _fit_interruptibly(trainer, handle.doomed, opening)
+        tracker = handle.tracker  # the reports logged: MLflow's run is open
     except ray.train.TrainingFailedError as exc:
         raise RunFailedError(f"training failed: {root_cause(exc)} (run directory: {place.uri})") from None
     except _Doomed as exc:

@@ -3,9 +3,9 @@
 The driver marks the end of its own stages; the worker's first report brings when rank 0 entered the worker
 function, when its loop started and when it had its first batch (`at/*`, epoch seconds: one clock per machine,
 and NTP-close across nodes). Each stage is the time since the previous mark. A stage the driver runs in a thread
-beside the others (MLflow's run opened while Ray starts and the datasets are built) is shown alongside the part it
-ended in, at its own duration; when the command waited for it, it is a part itself (from the previous part's end)
-and the stage it outlasted is shown alongside it: the parts still add up to the wall clock.
+beside the series (MLflow's run opened while Ray Train starts the worker group) is not a part of it: the command
+does not wait for it before the first step (the reports wait for it instead), and it is shown alongside the part
+it ended in, at its own duration. The parts add up to the wall clock.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ STAGES = (
     "command",  # Python start and imports, the config read
     "data inspection",  # Parquet schemas and row counts, before any cluster resource is taken
     "ray start",  # the local Ray cluster started, or the running one joined
-    "tracking",  # the MLflow run opened and its params logged (in a thread, from the end of data inspection)
     "datasets",  # Ray Data pipelines built (a small dataset is cached in the object store here)
+    "tracking",  # the MLflow run opened and its params logged: beside the worker group's start, in a thread
     "worker group",  # Ray Train's controller and the workers' processes started, the process group formed
     "worker set-up",  # model, optimizer and data shards built in the workers; a checkpoint loaded
     "first batch",  # the first batch read, decoded and handed to the loop
@@ -48,27 +48,15 @@ def process_started_at() -> float:
 class StartupClock:
     started_at: float = field(default_factory=time.time)  # epoch seconds the command started
     marks: dict[str, float] = field(default_factory=dict)  # stage -> epoch seconds it ended
-    beside: dict[str, tuple[str, float]] = field(default_factory=dict)  # stage run at once -> (the part, seconds)
+    spans: dict[str, tuple[float, float]] = field(default_factory=dict)  # a stage run beside -> (began, ended)
 
     def mark(self, stage: str) -> None:
         self.mark_at(stage, time.time())
 
-    def mark_beside(self, series: list[tuple[str, float]], beside: tuple[str, float, float], now: float) -> None:
-        """`series`: stages run one after another, each (stage, when it ended); `beside`: (stage, began, ended), run
-        in a thread meanwhile; both joined at `now`. The beside stage is shown alongside the part it ended in; if
-        it outlasted the series, the command waited for it: it is the last part, and the series' last stage runs
-        alongside it."""
-        name, began, ended = beside
-        (*before, (last, last_ended)) = series
-        for stage, end in before:
-            self.mark_at(stage, end)
-        if ended <= last_ended:
-            self.mark_at(last, now)
-            part = next(stage for stage, end in series if ended <= end)
-            self.beside[name] = (part, max(0.0, ended - began))
-        else:
-            self.mark_at(name, now)
-            self.beside[last] = (name, max(0.0, last_ended - (before[-1][1] if before else began)))
+    def mark_beside(self, stage: str, began: float, ended: float) -> None:
+        """A stage run in a thread beside the series, from `began` to `ended` (epoch seconds)."""
+        assert stage in STAGES, stage
+        self.spans[stage] = (began, ended)
 
     def mark_at(self, stage: str, when: float) -> None:
         assert stage in STAGES, stage
@@ -90,24 +78,30 @@ class StartupClock:
 
     def seconds(self) -> dict[str, float]:
         """Seconds per part of the series, in order; a part's clock starts where the previous one ended. Together
-        they are the wall clock to the first step; stages run alongside a part are in `alongside()`."""
+        they are the wall clock to the first step; stages run beside them are in `alongside()`."""
         out, previous = {}, self.started_at
         for stage in STAGES:
-            if stage in self.marks and stage not in self.beside:
+            if stage in self.marks and stage not in self.spans:
                 out[stage] = max(0.0, self.marks[stage] - previous)
                 previous = max(previous, self.marks[stage])
         return out
 
     def alongside(self) -> dict[str, float]:
-        """Seconds of each stage that ran at once with a part of the series (its own duration)."""
-        return {stage: seconds for stage, (_, seconds) in self.beside.items()}
+        """Seconds of each stage run beside the series (its own duration)."""
+        return {stage: max(0.0, ended - began) for stage, (began, ended) in self.spans.items()}
+
+    def beside(self) -> dict[str, str]:
+        """The part of the series each stage run beside it ended in (the last part, if it ended after them all)."""
+        parts = [stage for stage in STAGES if stage in self.marks and stage not in self.spans]
+        return {stage: next((part for part in parts if self.marks[part] >= ended), parts[-1] if parts else stage)
+                for stage, (_, ended) in self.spans.items()}
 
     def line(self) -> str:
-        """'start-up 9.8 s to the first step: command 2.1 s | data inspection 0.3 s | ray start 4.0 s (tracking 1.5 s
-        alongside) | ... | first batch 0.2 s'"""
-        seconds = self.seconds()
-        parts = [f"{stage} {s:.1f} s" + "".join(f" ({other} {o:.1f} s alongside)"
-                                                for other, (part, o) in self.beside.items() if part == stage)
+        """'start-up 16.8 s to the first step: command 2.1 s | data inspection 0.3 s | ray start 4.0 s | datasets
+        0.1 s | worker group 9.0 s (tracking 1.5 s alongside) | ... | first batch 0.2 s'"""
+        seconds, own, beside = self.seconds(), self.alongside(), self.beside()
+        parts = [f"{stage} {s:.1f} s" + "".join(f" ({other} {own[other]:.1f} s alongside)"
+                                                for other, part in beside.items() if part == stage)
                  for stage, s in seconds.items()]
         return f"start-up {sum(seconds.values()):.1f} s to the first step: " + " | ".join(parts)
 

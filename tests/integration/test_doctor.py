@@ -65,13 +65,12 @@ def test_doctor_names_the_data_pipeline_evaluation_and_start_up_and_the_run_has_
     assert {"start-up", "data pipeline", "evaluation"} <= set(rules), out
     assert "--set data.prefetch_batches=4" in out and "--set data.cache=memory" in out
     assert "--set train.eval_every=20" in out and "(4 passes over the validation split)" in out
-    # The start-up breakdown is in the run: its stages add up to the time before the first step, but for the one
-    # driver stage that ran alongside another (MLflow's run opened while Ray joined and the datasets were built).
+    # The start-up breakdown is in the run: its stages add up to the time before the first step, but for MLflow's
+    # opening, which ran beside them (while the worker group started).
     recorded = {stage: run.last(f"startup/{stage.replace(' ', '_').replace('-', '_')}_s") for stage in STAGES}
     stages = {stage: seconds for stage, seconds in recorded.items() if seconds is not None}
-    assert len(stages) == 8
-    assert [sum(stages.values()) - stages[beside] == pytest.approx(run.last("startup/total_s"), rel=1e-3)
-            for beside in ("ray start", "tracking", "datasets")].count(True) >= 1, stages
+    assert len(stages) == 8 and stages["tracking"] > 0
+    assert sum(stages.values()) - stages["tracking"] == pytest.approx(run.last("startup/total_s"), rel=1e-3)
     start_up = next(f for f in findings if "] start-up:" in f)
     assert f"slowest: {max(stages, key=stages.__getitem__)}" in start_up
 

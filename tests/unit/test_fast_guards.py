@@ -17,7 +17,7 @@ import pytest
 from orchestrator import cli, launch
 from orchestrator.config import load_config
 from orchestrator.plan import RunPlan
-from orchestrator.runs import RAY_CHECKPOINTS, RUN_RECORD, RunPlace, open_run_storage
+from orchestrator.runs import RAY_CHECKPOINTS, RunPlace, open_run_storage
 from orchestrator.trainer import storage_args
 from pipelines.config import S3Config
 from pipelines.reader import ShardDatasource
@@ -107,27 +107,26 @@ def _statuses(tmp_path: Path) -> list[str]:
     return [r.info.status for r in client.search_runs([client.get_experiment_by_name("default").experiment_id])]
 
 
-def test_the_mlflow_run_is_opened_while_ray_starts_and_the_datasets_are_built_and_the_parts_still_tile(
+def test_the_mlflow_run_is_opened_while_the_worker_group_starts_and_ctrl_c_then_ends_it_killed(
         tmp_path: Path, digits_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     argv = _tracked_cli(tmp_path, digits_dir, monkeypatch)
-
-    ray_began: list[float] = []
-    datasets: list[tuple[float, float]] = []
+    times: dict[str, float] = {}
 
     def ray_start(address: str | None, config: Any) -> bool:
-        ray_began.append(time.time())
-        time.sleep(1.0)  # Ray's own start (seconds): the command need not wait for MLflow before it
+        time.sleep(1.0)  # Ray's own start (seconds): on 2 cores MLflow's set-up beside it slowed it by as much
         return False
 
     def build_inputs(plan: RunPlan, started_ray: bool, log: Any) -> None:
-        began = time.time()
-        time.sleep(0.5)  # the datasets need Ray, not the MLflow run
-        datasets.append((began, time.time()))
+        time.sleep(0.3)
+        times["datasets"] = time.time()
 
     clocks: list[Any] = []
 
-    def fit(plan: RunPlan, inputs: Any, tracker: Any, verbose: bool, clock: Any, *args: Any) -> Any:
+    def fit(plan: RunPlan, inputs: Any, opening: Any, verbose: bool, clock: Any, *args: Any) -> Any:
+        times["fit"] = time.time()  # Ray Train starts the worker group: the driver only waits meanwhile
         clocks.append(clock)
+        opening.result()
+        times["opened"] = opening.ended
         raise KeyboardInterrupt
 
     monkeypatch.setattr(launch, "connect_ray", ray_start)
@@ -138,33 +137,24 @@ def test_the_mlflow_run_is_opened_while_ray_starts_and_the_datasets_are_built_an
 
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("default").experiment_id])
-    assert run.info.status == "KILLED" and run.info.start_time / 1000 >= ray_began[0]  # opened as Ray started
-    ((began, ended),) = datasets
-    assert began - ray_began[0] == pytest.approx(1.0, abs=0.2)  # right after Ray, whether MLflow was done or not
-    # Tracking is alongside the part it ended in, or the last part if the command waited for it; the series'
-    # parts tile the wall clock to the join.
+    assert run.info.status == "KILLED"  # opened beside the fit, ended by its Ctrl+C
+    assert times["datasets"] <= run.info.start_time / 1000 and times["fit"] < times["opened"]  # neither waited
     (clock,) = clocks
-    ((beside, (part, own)),) = clock.beside.items()
-    seconds = clock.seconds()
-    assert beside not in seconds and part in seconds and own > 0
-    assert [s for s in seconds if s in ("ray start", "tracking", "datasets")] in (
-        ["ray start", "datasets"], ["ray start", "tracking"])
-    assert sum(seconds.values()) == pytest.approx(max(clock.marks.values()) - clock.started_at)  # the wall clock
-    assert seconds["ray start"] >= 1.0 - 0.01
+    assert list(clock.marks)[-2:] == ["ray start", "datasets"] and clock.seconds()["ray start"] >= 1.0 - 0.01
 
 
-def test_ctrl_c_while_ray_starts_ends_the_mlflow_run_opened_beside_it_killed(
+def test_ctrl_c_while_ray_starts_opens_no_mlflow_run_and_says_how_to_continue(
         tmp_path: Path, digits_dir: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     argv = _tracked_cli(tmp_path, digits_dir, monkeypatch)
 
     def ray_start_interrupted(address: str | None, config: Any) -> bool:
-        deadline = time.time() + 60  # Ctrl+C once MLflow's run exists (opened beside Ray's start)
-        while not list((tmp_path / "runs").glob(f"*/{RUN_RECORD}")) and time.time() < deadline:
-            time.sleep(0.05)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(launch, "connect_ray", ray_start_interrupted)
     assert cli.main(argv) == 130
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "interrupted at step 0; no checkpoint yet: a new run starts from step 0")
-    assert _statuses(tmp_path) == ["KILLED"]
+    from mlflow.tracking import MlflowClient
+
+    experiment = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_experiment_by_name("default")
+    assert experiment is None or _statuses(tmp_path) == []  # nothing was opened, so nothing is left RUNNING

@@ -14,24 +14,25 @@ from orchestrator.startup import STAGES, StartupClock
 
 def test_stages_tile_the_time_to_the_first_step() -> None:
     clock = StartupClock(started_at=100.0)
-    clock.marks = {"command": 101.5, "data inspection": 102.0, "ray start": 106.0, "tracking": 107.0,
-                   "datasets": 108.0}
+    clock.marks = {"command": 101.5, "data inspection": 102.0, "ray start": 106.0, "datasets": 107.0}
+    clock.mark_beside("tracking", 107.0, 109.0)  # MLflow's run opened while the worker group started
     report = {"step": 25, "at/worker": 114.0, "at/loop": 116.5, "at/first_batch": 117.0, "train_loss": 1.0}
     assert clock.take_worker_marks(report)
     assert report["at/worker"] == 114.0 and report["train_loss"] == 1.0  # kept: MLflow leaves `at/*` out
     seconds = clock.seconds()
-    assert list(seconds) == list(STAGES)
-    assert seconds == pytest.approx({"command": 1.5, "data inspection": 0.5, "ray start": 4.0, "tracking": 1.0,
-                                     "datasets": 1.0, "worker group": 6.0, "worker set-up": 2.5, "first batch": 0.5})
+    assert list(seconds) == [stage for stage in STAGES if stage != "tracking"]
+    assert seconds == pytest.approx({"command": 1.5, "data inspection": 0.5, "ray start": 4.0, "datasets": 1.0,
+                                     "worker group": 7.0, "worker set-up": 2.5, "first batch": 0.5})
     assert clock.line() == ("start-up 17.0 s to the first step: command 1.5 s | data inspection 0.5 s | ray start "
-                            "4.0 s | tracking 1.0 s | datasets 1.0 s | worker group 6.0 s | worker set-up 2.5 s | "
-                            "first batch 0.5 s")
-    assert clock.metrics()["startup/total_s"] == pytest.approx(17.0)
-    assert clock.metrics()["startup/worker_set_up_s"] == pytest.approx(2.5)
+                            "4.0 s | datasets 1.0 s | worker group 7.0 s (tracking 2.0 s alongside) | worker set-up "
+                            "2.5 s | first batch 0.5 s")
+    metrics = clock.metrics()
+    assert metrics["startup/total_s"] == pytest.approx(17.0)  # the series only: tracking ran beside it
+    assert metrics["startup/worker_set_up_s"] == pytest.approx(2.5) and metrics["startup/tracking_s"] == 2.0
     # A restarted group's first report brings marks again: start-up was the first one's, and stays so.
     again = {"step": 50, "at/worker": 200.0, "at/loop": 201.0, "at/first_batch": 202.0}
     assert not clock.take_worker_marks(again) and again["at/worker"] == 200.0  # the restart's own timeline
-    assert clock.seconds()["worker group"] == pytest.approx(6.0)
+    assert clock.seconds()["worker group"] == pytest.approx(7.0)
 
 
 def test_a_worker_clock_behind_the_drivers_counts_no_negative_stage() -> None:
@@ -56,38 +57,18 @@ def test_run_throughput_is_samples_over_the_training_wall_clock() -> None:
     assert run_summary(history)["summary/samples_per_s"] == pytest.approx((10_000 + 30_000 + 10_000) / 40)
 
 
-def test_stages_run_at_once_are_shown_alongside_and_the_parts_still_tile_the_wall_clock() -> None:
-    # MLflow's run opened (2.5 s) while Ray started (4.0 s), both from the end of data inspection at 102.0; the
-    # datasets were built after Ray, to 107.2, and the driver joined at 107.3. Tracking ended within Ray's start.
+def test_a_stage_beside_the_series_is_shown_with_the_part_it_ended_in_and_never_counted() -> None:
+    # MLflow's remote server took 12 s: the workers took their first step before it was open (their reports
+    # waited for it instead). It is shown beside the last part; the parts still tile the wall clock.
     clock = StartupClock(started_at=100.0)
-    clock.marks = {"command": 101.5, "data inspection": 102.0}
-    clock.mark_beside([("ray start", 106.0), ("datasets", 107.2)], ("tracking", 102.0, 104.5), now=107.3)
+    clock.marks = {"command": 101.5, "data inspection": 102.0, "ray start": 106.0, "datasets": 106.5}
+    clock.mark_beside("tracking", 106.5, 118.5)
     clock.take_worker_marks({"at/worker": 113.0, "at/loop": 114.0, "at/first_batch": 114.5})
     seconds = clock.seconds()
-    assert "tracking" not in seconds and seconds["ray start"] == pytest.approx(4.0)
-    assert sum(seconds.values()) == pytest.approx(114.5 - 100.0)  # the series parts tile the wall clock
-    assert clock.alongside() == {"tracking": pytest.approx(2.5)}
-    assert clock.line() == ("start-up 14.5 s to the first step: command 1.5 s | data inspection 0.5 s | ray start "
-                            "4.0 s (tracking 2.5 s alongside) | datasets 1.3 s | worker group 5.7 s | worker set-up "
-                            "1.0 s | first batch 0.5 s")
-    metrics = clock.metrics()
-    assert metrics["startup/total_s"] == pytest.approx(14.5)
-    assert metrics["startup/tracking_s"] == pytest.approx(2.5) and metrics["startup/ray_start_s"] == pytest.approx(4.0)
-
-
-@pytest.mark.parametrize(("datasets_ended", "line"), [
-    # Joining takes 0.8 s and MLflow 2.5 s; the datasets take 3.2 s from the join: tracking ended within them.
-    (106.0, "ray start 0.8 s | datasets 3.2 s (tracking 2.5 s alongside)"),
-    # The datasets take 1.1 s: the command waited for tracking after them, its part from the datasets' start.
-    (103.9, "ray start 0.8 s | tracking 1.7 s (datasets 1.1 s alongside)"),
-])
-def test_on_a_joined_cluster_the_datasets_do_not_wait_for_tracking(datasets_ended: float, line: str) -> None:
-    clock = StartupClock(started_at=100.0)
-    clock.marks = {"command": 101.0, "data inspection": 102.0}
-    clock.mark_beside([("ray start", 102.8), ("datasets", datasets_ended)], ("tracking", 102.0, 104.5),
-                      now=max(datasets_ended, 104.5))
-    assert clock.line().endswith(line), clock.line()
-    assert sum(clock.seconds().values()) == pytest.approx(max(datasets_ended, 104.5) - 100.0)
+    assert "tracking" not in seconds and sum(seconds.values()) == pytest.approx(114.5 - 100.0)
+    assert clock.alongside() == {"tracking": pytest.approx(12.0)} and clock.beside() == {"tracking": "first batch"}
+    assert clock.line().endswith("worker set-up 1.0 s | first batch 0.5 s (tracking 12.0 s alongside)")
+    assert clock.metrics()["startup/total_s"] == pytest.approx(14.5)
 
 
 def test_the_command_starts_when_a_stopwatch_around_it_starts() -> None:
