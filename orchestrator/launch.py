@@ -9,12 +9,13 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from orchestrator.alongside import Alongside, ended_on_error
 from orchestrator.autopilot_report import achieved_figures, record_autopilot, take_autopilot
 from orchestrator.cluster import connect_ray, outside_job_package, report_queue, shutdown_local_ray, train_environment
 from orchestrator.config import Config, to_yaml
@@ -77,53 +78,6 @@ def train(config: Config, address: str | None = None, verbose: bool = True, resu
         clock.mark("data inspection")
         with RunLog(show_logs) as log:
             return _train(plan, address, verbose, clock, log)
-
-
-class _Alongside:
-    """A driver stage run in a thread while the main thread does another; `result()` waits for it (Ctrl+C still
-    reaching the main thread) and raises what it raised."""
-
-    def __init__(self, work: Callable[[], Any]) -> None:
-        self.began = time.time()
-        self.ended: float | None = None
-        self._outcome: dict[str, Any] = {}
-        self._thread = threading.Thread(target=self._run, args=(work,), name="orchestrator-alongside", daemon=True)
-        self._thread.start()
-
-    def _run(self, work: Callable[[], Any]) -> None:
-        try:
-            self._outcome["value"] = work()
-        except BaseException as exc:  # noqa: BLE001 - handed to the main thread as is
-            self._outcome["error"] = exc
-        finally:
-            self.ended = time.time()
-
-    def result(self) -> Any:
-        while self._thread.is_alive():
-            self._thread.join(timeout=0.2)
-        if "error" in self._outcome:
-            raise self._outcome["error"]
-        return self._outcome["value"]
-
-    def failed(self) -> bool:
-        """Whether it ended with an error (which `result()` raises)."""
-        return not self._thread.is_alive() and "error" in self._outcome
-
-
-@contextmanager
-def _ended_on_error(opening: _Alongside) -> Iterator[None]:
-    """The MLflow run being opened beside the run ends KILLED on Ctrl+C, FAILED on an error, never left RUNNING
-    (once it is open: a failed opening ended what it opened itself)."""
-    try:
-        yield
-    except BaseException as exc:
-        try:
-            tracker = opening.result()
-        except BaseException:  # noqa: BLE001 - its own failure: raised instead when it is the one being raised
-            tracker = None
-        if tracker is not None:
-            tracker.finish("KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
-        raise
 
 
 def _open_tracking(plan: RunPlan, log: RunLog, verbose: bool) -> Tracker:
@@ -217,8 +171,8 @@ def _train(plan: RunPlan, address: str | None, verbose: bool, clock: StartupCloc
     started_ray, inputs = _start(plan, address, clock, log, history)
     # MLflow's run is opened while Ray Train starts the worker group (the driver only waits then); the reports wait
     # for it, the workers do not. From then on Ctrl+C ends it KILLED (an error FAILED), never leaving it RUNNING.
-    opening = _Alongside(lambda: _open_tracking(plan, log, verbose))
-    with _ended_on_error(opening), interrupted(place, history):
+    opening = Alongside(lambda: _open_tracking(plan, log, verbose))
+    with ended_on_error(opening), interrupted(place, history):
         stopping: threading.Thread | None = None
         try:
             with train_environment(config, private_cluster=started_ray):
@@ -248,7 +202,7 @@ class _Doomed(Exception):
     """A worker raised an error that a restart would raise again, before the run's first report."""
 
 
-def _fit_interruptibly(trainer: Any, doomed: list[str], opening: _Alongside) -> Any:
+def _fit_interruptibly(trainer: Any, doomed: list[str], opening: Alongside) -> Any:
     """`trainer.fit()` in a thread, so that Ctrl+C reaches this (main) thread as KeyboardInterrupt, and so that a
     run whose first attempt failed in the user's code or config (`doomed`, filled by the report handler) stops now
     instead of after every restart Ray Train would make; so does a run whose MLflow run could not be opened
@@ -325,7 +279,7 @@ class _Reports:
     error a restart would repeat before the first report is kept in `doomed` on a `private_cluster` (the main
     thread then stops the run)."""
 
-    def __init__(self, plan: RunPlan, opening: _Alongside, verbose: bool, clock: StartupClock,
+    def __init__(self, plan: RunPlan, opening: Alongside, verbose: bool, clock: StartupClock,
                  history: list[dict[str, Any]], private_cluster: bool, attempt: AttemptLog) -> None:
         self.plan, self.opening, self.verbose, self.clock = plan, opening, verbose, clock
         self.history, self.private_cluster, self.attempt = history, private_cluster, attempt
@@ -391,7 +345,7 @@ class _Reports:
               file=sys.stderr)
 
 
-def _fit(plan: RunPlan, inputs: _Inputs, opening: _Alongside, verbose: bool, clock: StartupClock, log: RunLog,
+def _fit(plan: RunPlan, inputs: _Inputs, opening: Alongside, verbose: bool, clock: StartupClock, log: RunLog,
          history: list[dict[str, Any]], private_cluster: bool, attempt: AttemptLog) -> tuple[TrainResult, int, Any]:
     """Fit the run while a driver thread shows and tracks its metrics (appended to `history` as they come), and
     MLflow's run is `opening` in another: a failure to open it ends the run.

@@ -15,6 +15,7 @@ from orchestrator.errors import ConfigError, UserError
 from orchestrator.runs import RunPlace
 from pipelines.config import DataConfig
 from pipelines.datasets import CACHE_DECISIONS, REPLAY, build_datasets, cache_decision
+from pipelines.held import HeldRows
 from pipelines.order import create_epoch_clock, release_epoch_clock
 from pipelines.sources import DatasetInfo
 from pipelines.storage import Storage
@@ -162,14 +163,18 @@ def build_inputs(config: Config, infos: dict[str, DatasetInfo], name: str, saved
     context.execution_options.preserve_order = True
     context.print_on_execution_start = False  # one log line per epoch per dataset otherwise
     context.enable_progress_bars = False
+    # Small data read by the driver is split by the ranks themselves (pipelines/held.py), unless a shuffle buffer
+    # streams it every epoch or each replica reads it whole.
+    hold = not config.data.shuffle_buffer and config.failure.mode != "replicas"
     try:
         datasets = build_datasets(config.data, infos, store_bytes, seed=config.train.seed, epoch_clock=clock,
-                                  decision=decision)
+                                  decision=decision, hold=hold)
     except BaseException:
         if clock:  # no run to end it with (a Tune trial's process outlives the trial)
             release_epoch_clock(clock)
         raise
-    return spec, datasets
+    spec["held"] = {name: ds for name, ds in datasets.items() if isinstance(ds, HeldRows)}
+    return spec, {name: ds for name, ds in datasets.items() if name not in spec["held"]}
 
 
 def storage_args(storage: Storage) -> dict[str, Any]:

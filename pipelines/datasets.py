@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipelines.cache import DiskCache
 from pipelines.config import DataConfig
+from pipelines.held import HeldRows
 from pipelines.order import current_epoch, shard_order
 from pipelines.sources import DatasetInfo, inspect_parquet
 
@@ -155,11 +156,12 @@ def __getattr__(name: str) -> Any:
 READ_HERE_BYTES = 64 * 2**20
 
 
-def _read_here(source: Any, cfg: DataConfig) -> ray.data.Dataset:
+def _read_here(source: Any, cfg: DataConfig, hold: bool) -> ray.data.Dataset | HeldRows:
     """The blocks Ray Data's materialisation would make of `source` (one per shard, in the shards' order, the
-    transforms applied to each), read in this process and put into the object store."""
+    transforms applied to each), read in this process and put into the object store: as a dataset, or with
+    `hold` as HeldRows that the ranks split among themselves (held.py)."""
     import pyarrow as pa
-    import ray.data
+    import ray
     from ray.data import DataContext
 
     from pipelines.transforms import apply_transforms
@@ -168,20 +170,23 @@ def _read_here(source: Any, cfg: DataConfig) -> ray.data.Dataset:
     for task in source.get_read_tasks(1, data_context=DataContext.get_current()):
         table = pa.concat_tables(list(task()))
         tables.append(apply_transforms(table, cfg.transforms, cfg.features) if cfg.transforms else table)
+    if hold:
+        return HeldRows([ray.put(table) for table in tables])
     return ray.data.from_blocks(tables)  # metadata taken here: from_arrow computes it in remote tasks
 
 
 def build_datasets(
     cfg: DataConfig, infos: dict[str, DatasetInfo], object_store_bytes: float, *, seed: int = 0,
-    epoch_clock: str | None = None, decision: str | None = None,
-) -> dict[str, ray.data.Dataset]:
+    epoch_clock: str | None = None, decision: str | None = None, hold: bool = False,
+) -> dict[str, ray.data.Dataset | HeldRows]:
     """Streaming readers over the already-checked shards (nothing is read until a worker iterates), with the
     configured transforms in `map_batches`. The train shards are read in (seed, epoch) order when `cfg.shuffle`
     and `epoch_clock` names the clock the workers advance. With the memory cache the blocks are decoded once into
     the object store (never into the driver); small data keeps the shard order of epoch 0 (the workers replay and
     reshuffle it), larger data is handed out block by block in (seed, epoch) order (`reorders_memory_blocks`).
     `decision` (a resumed run's, from its checkpoint, one of CACHE_DECISIONS: the driver refuses others as it
-    reads them) replaces what `cache_decision` would decide now."""
+    reads them) replaces what `cache_decision` would decide now. `hold`: small data read here is returned as
+    HeldRows for the ranks to split themselves (the caller knows no shuffle buffer or replica reads it)."""
     import ray.data
 
     from pipelines.reader import ShardDatasource
@@ -204,7 +209,7 @@ def build_datasets(
             cache=cache if info.storage.remote else None,
         )
         if read_here:
-            datasets[name] = _read_here(source, cfg)
+            datasets[name] = _read_here(source, cfg, hold)
             continue
         # One output block per shard (split further only by DataContext.target_max_block_size): Ray Data would
         # otherwise cut every shard into pieces to reach its 200-block minimum, and each block costs a

@@ -31,7 +31,8 @@ def train_worker(spec: dict[str, Any], entered: float) -> dict[str, Any]:
     `spec` = {"config": resolved config dict, "in_features": int or None,
     "epoch_clock": name or None, "cache_decision": how the driver feeds the train data (pipelines.datasets:
     stream, memory or replay: the workers replay their first pass under replay; saved with every checkpoint's data
-    position), "metrics_queue": Ray queue or None, "sample": the first rows of the training data (an Arrow table)}.
+    position), "metrics_queue": Ray queue or None, "sample": the first rows of the training data (an Arrow table),
+    "held": {name: HeldRows} of small data the ranks split themselves, instead of Ray Train's dataset shards}.
     `entered`: when Ray Train ran the training function (training/warm.py)."""
     quiet_report_log()
     context = ray.train.get_context()
@@ -47,8 +48,8 @@ def train_worker(spec: dict[str, Any], entered: float) -> dict[str, Any]:
         train_shard: Any = StridedShard(datasets["train"], rank, world, micro)
         val_shard = StridedShard(datasets["val"], 0, 1, micro) if cfg.data.val is not None else None  # all, on each
     else:
-        train_shard = ray.train.get_dataset_shard("train")
-        val_shard = ray.train.get_dataset_shard("val") if cfg.data.val is not None else None
+        train_shard = rank_shard(spec, "train", seat, ray.train.get_dataset_shard)
+        val_shard = rank_shard(spec, "val", seat, ray.train.get_dataset_shard) if cfg.data.val is not None else None
     try:
         return train_rank(spec, cfg, seat, checkpoint_to_resume, train_shard, val_shard, reporter,
                           preempted if cfg.checkpoint.on_preemption else None)
@@ -64,6 +65,13 @@ class Seat:
     rank: int
     device: torch.device
     entered: float
+
+
+def rank_shard(spec: dict[str, Any], name: str, seat: Seat, otherwise: Callable[[str], Any]) -> Any:
+    """The rank's shard of dataset `name`: its part of held small data (pipelines/held.py), else `otherwise(name)`
+    (Ray Train's split of the dataset, or in a Tune trial its whole iterator)."""
+    held = (spec.get("held") or {}).get(name)
+    return held.shard(seat.rank, seat.world, seat.device) if held is not None else otherwise(name)
 
 
 def rank_config(spec: dict[str, Any], world: int) -> Config:

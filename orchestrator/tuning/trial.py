@@ -26,7 +26,7 @@ from orchestrator.runs import RunPlace
 from orchestrator.trainer import RunFailedError, build_inputs, build_run, root_cause
 from orchestrator.training.checkpoint import manifest_cache_decision
 from orchestrator.training.resume import loadable_checkpoint
-from orchestrator.training.worker import Seat, rank_config, state_of, train_rank
+from orchestrator.training.worker import Seat, rank_config, rank_shard, state_of, train_rank
 from orchestrator.tuning.autopilot import find_board, post_choice, trial_config_with_choice
 from orchestrator.tuning.search import trial_config
 from pipelines.order import release_epoch_clock
@@ -113,9 +113,14 @@ def train_in_trial(config: Config, infos: dict[str, DatasetInfo], name: str, nod
     spec, datasets = build_inputs(config, infos, name, saved, metrics_queue=None, node_ranks=node_ranks)
     try:
         cfg = rank_config(spec, world=1)
-        val = datasets["val"].iterator() if cfg.data.val is not None else None
-        train_rank(spec, cfg, Seat(1, 0, trial_device(cfg), entered), lambda: state_of(checkpoint),
-                   datasets["train"].iterator(), val, TrialReporter(on_report), preempted=None)
+        seat = Seat(1, 0, trial_device(cfg), entered)
+
+        def whole(name: str) -> Any:
+            return datasets[name].iterator()
+
+        val = rank_shard(spec, "val", seat, whole) if cfg.data.val is not None else None
+        train_rank(spec, cfg, seat, lambda: state_of(checkpoint), rank_shard(spec, "train", seat, whole), val,
+                   TrialReporter(on_report), preempted=None)
     finally:  # Tune stops a trial in a reused actor by raising SystemExit in its thread at a report
         if spec["epoch_clock"]:
             release_epoch_clock(spec["epoch_clock"])

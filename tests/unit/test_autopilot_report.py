@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from orchestrator import autopilot_report
+from orchestrator.alongside import Alongside
 from orchestrator.cli import build_parser, main
 from orchestrator.config import TrackingConfig, load_config
 from orchestrator.launch import _Reports
@@ -203,7 +204,8 @@ def test_the_report_handler_prints_tracks_and_keeps_it_out_of_the_history(capsys
     config = load_config(None, ["autopilot.enabled=true", "train.max_steps=80"])
     tracker, history = _RecordingTracker(), []
     attempt = SimpleNamespace(save=lambda history, **kw: None)
-    handle = _Reports(SimpleNamespace(config=config), tracker, True, StartupClock(time.time()),  # type: ignore[arg-type]
+    opened = Alongside(lambda: tracker)  # MLflow's run, opened beside the worker group's start
+    handle = _Reports(SimpleNamespace(config=config), opened, True, StartupClock(time.time()),  # type: ignore[arg-type]
                       history, False, attempt)  # type: ignore[arg-type]
     handle(_report(20, 900.0))
     handle(_report(40, 1100.0) | {"autopilot": copy.deepcopy(REPORT)})

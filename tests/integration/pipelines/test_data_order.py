@@ -284,3 +284,28 @@ def test_small_data_read_by_the_driver_makes_the_blocks_ray_datas_read_tasks_mak
     x = np.concatenate([t.column("x").combine_chunks().flatten().to_numpy() for t in here])
     raw = pa.concat_tables([pq.read_table(f"{id_data}/part-{i:05d}.parquet") for i in range(SHARDS)])
     assert not np.allclose(np.sort(x), np.sort(raw.column("x").combine_chunks().flatten().to_numpy()))  # normalised
+
+
+def test_held_small_data_gives_each_rank_an_equal_disjoint_part_in_row_order(ray_cluster: None,
+                                                                             uneven_id_data: str) -> None:
+    """Held small data (no shuffle buffer, no replicas: trainer.build_inputs) skips Ray Data's split: each rank
+    takes its part of the driver's blocks itself. Every rank gets as many rows, none twice, in the blocks' order,
+    and only the last `rows mod world` are left out, as Ray's equal split leaves out as many."""
+    import ray
+
+    from pipelines.batches import FeatureCollate
+    from pipelines.datasets import REPLAY, build_datasets
+    from pipelines.held import HeldRows
+
+    cfg = load_config(None, [f"data.train={uneven_id_data}", "data.val=null", "data.features=[id, x]"]).data
+    infos, store = inspect_datasets(cfg), ray.cluster_resources()["object_store_memory"]
+    (held,) = build_datasets(cfg, infos, store, decision=REPLAY, hold=True).values()
+    assert isinstance(held, HeldRows)
+    order = np.concatenate([t.column("id").to_numpy() for t in ray.get(held.refs)])  # the blocks' row order
+    collate = FeatureCollate(["id", "x"], "label")
+    for world in (1, 2, 3):
+        parts = [np.concatenate([batch["x"][:, 0].numpy() for batch in held.shard(rank, world, torch.device(
+            "cpu")).iter_torch_batches(batch_size=MICRO, collate_fn=collate)]) for rank in range(world)]
+        each = UNEVEN // world
+        assert [len(part) for part in parts] == [each] * world, world
+        assert list(np.concatenate(parts)) == list(order[:each * world])  # in order, disjoint, the rest left out
