@@ -297,6 +297,8 @@ class _Reports:
         return tracker
 
     def __call__(self, report: dict[str, Any]) -> None:
+        if self.opening.failed():  # the main thread ends the run with its error
+            return
         config, tracker, history, clock = self.plan.config, self.tracker, self.history, self.clock
         if report.get("event") == "checkpoint":  # committed by Ray Train: a LoggedModel of the run
             tracker.log_checkpoint(report["step"], _checkpoint_uri(config, report["path"]))

@@ -51,16 +51,13 @@ class StartupClock:
     spans: dict[str, tuple[float, float]] = field(default_factory=dict)  # a stage run beside -> (began, ended)
 
     def mark(self, stage: str) -> None:
-        self.mark_at(stage, time.time())
+        assert stage in STAGES, stage
+        self.marks[stage] = time.time()
 
     def mark_beside(self, stage: str, began: float, ended: float) -> None:
         """A stage run in a thread beside the series, from `began` to `ended` (epoch seconds)."""
         assert stage in STAGES, stage
         self.spans[stage] = (began, ended)
-
-    def mark_at(self, stage: str, when: float) -> None:
-        assert stage in STAGES, stage
-        self.marks[stage] = when
 
     def since_start(self) -> float:
         return time.time() - self.started_at
@@ -81,7 +78,7 @@ class StartupClock:
         they are the wall clock to the first step; stages run beside them are in `alongside()`."""
         out, previous = {}, self.started_at
         for stage in STAGES:
-            if stage in self.marks and stage not in self.spans:
+            if stage in self.marks:  # a stage run beside is never marked
                 out[stage] = max(0.0, self.marks[stage] - previous)
                 previous = max(previous, self.marks[stage])
         return out
@@ -92,7 +89,7 @@ class StartupClock:
 
     def beside(self) -> dict[str, str]:
         """The part of the series each stage run beside it ended in (the last part, if it ended after them all)."""
-        parts = [stage for stage in STAGES if stage in self.marks and stage not in self.spans]
+        parts = [stage for stage in STAGES if stage in self.marks]
         return {stage: next((part for part in parts if self.marks[part] >= ended), parts[-1] if parts else stage)
                 for stage, (_, ended) in self.spans.items()}
 
