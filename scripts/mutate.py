@@ -37,6 +37,7 @@ FSDP = "orchestrator/training/fsdp.py"
 UNIT = "tests/unit/training"
 AUTOPILOT = "orchestrator/training/autopilot.py"
 GUARANTEES = f"{UNIT}/test_rank_guarantees.py"
+DATA_ORDER = "tests/integration/pipelines/test_data_order.py"
 MUTANTS = (
     Mutant("loss normalised per micro-batch", STEP,
            "precision.backward(loss * scale)", "precision.backward(loss * scale * len(pieces))",
@@ -317,6 +318,17 @@ MUTANTS = (
            '        with timer.phase("sync"):\n            dist.all_reduce(targets)',
            '        with nullcontext():\n            dist.all_reduce(targets)',
            ("tests/unit/training/test_rank_figures.py::test_waiting_for_a_rank_whose_reader_is_slow_is_sync_not_other",)),
+    Mutant("MLflow's opening beside the worker group counted as a part of the start-up", "orchestrator/startup.py",
+           "        self.spans[stage] = (began, ended)", "        self.marks[stage] = ended",
+           ("tests/unit/test_startup.py",)),
+    Mutant("held small data: each rank's part runs on into the next rank's rows", "pipelines/held.py",
+           "self._rows = table.slice(self.rank * each, each)",
+           "self._rows = table.slice(self.rank * each, table.num_rows - self.rank * each)",
+           (f"{DATA_ORDER}::test_held_small_data_gives_each_rank_an_equal_disjoint_part_in_row_order",)),
+    Mutant("small data read by the driver without its transforms", "pipelines/datasets.py",
+           "tables.append(apply_transforms(table, cfg.transforms, cfg.features) if cfg.transforms else table)",
+           "tables.append(table)",
+           (f"{DATA_ORDER}::test_small_data_read_by_the_driver_makes_the_blocks_ray_datas_read_tasks_make",)),
 )
 
 
