@@ -42,7 +42,7 @@ class _PendingFile(logging.Handler):
 
     def open(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with self.lock:  # opened in a thread while Ray starts and logs in the main one: no record lost between
+        with self.lock:  # opened in a thread while Ray logs in the main one: no record lost between
             file = logging.FileHandler(path, encoding="utf-8")
             file.setFormatter(self.formatter)
             for record in self.pending:

@@ -110,7 +110,7 @@ def plan_run(config: Config, resume: bool = False, verbose: bool = True) -> RunP
     checked = check_run(config, infos)  # the model built once, on the meta device
     config = checked.config
     pricing = resolve_pricing(config)  # an unknown node type fails now, not after training
-    check_server_listens(config.tracking)  # the run is opened while Ray starts: a dead server must stop us first
+    check_server_listens(config.tracking)  # the run is opened once Ray runs: a dead server must stop us first
     if checked.advice and verbose:  # ddp would not fit a worker, fsdp would
         print(checked.advice, file=sys.stderr, flush=True)
     place, record = place_run(config, resume, verbose)

@@ -57,7 +57,7 @@ class MlflowTracker(Lineage):
                  context: dict[str, str] | None = None) -> None:
         """A new run, or with `run_id` the existing run reopened (a resumed Tune study or trial). `headline`: the
         task's validation metric (tune.metric), charted with the loss and samples/s in the headline section.
-        `context`: the command's context_tags(), taken by a caller that opens the run while Ray starts (in a Ray
+        `context`: the command's context_tags(), taken by a caller that opens the run after Ray started (in a Ray
         job, `ray.init` can remove the working directory the commit is read from); else taken here."""
         for key, value in _HTTP_DEFAULTS.items():
             os.environ.setdefault(key, value)

@@ -14,8 +14,8 @@ from orchestrator.tracking.uri import mask_password, resolve_uri
 
 def check_server_listens(cfg: TrackingConfig, timeout_s: float = 3.0) -> None:
     """An http(s) tracking server that nothing listens at fails here, before Ray starts (the MLflow run is otherwise
-    opened while Ray starts, and would be found unreachable only once Ray runs). A TCP connect only: whether the
-    store works is MlflowTracker's to find out."""
+    opened while Ray Train starts the worker group, and would be found unreachable only then). A TCP connect only:
+    whether the store works is MlflowTracker's to find out."""
     uri = resolve_uri(cfg.uri)
     if not cfg.enabled or not uri.startswith(("http://", "https://")):
         return
