@@ -182,8 +182,9 @@ def build_datasets(
     """Streaming readers over the already-checked shards (nothing is read until a worker iterates), with the
     configured transforms in `map_batches`. The train shards are read in (seed, epoch) order when `cfg.shuffle`
     and `epoch_clock` names the clock the workers advance. With the memory cache the blocks are decoded once into
-    the object store (never into the driver); small data keeps the shard order of epoch 0 (the workers replay and
-    reshuffle it), larger data is handed out block by block in (seed, epoch) order (`reorders_memory_blocks`).
+    the object store (by Ray Data's read tasks; small data to replay under READ_HERE_BYTES by this process); small
+    data keeps the shard order of epoch 0 (the workers replay and reshuffle it), larger data is handed out block by
+    block in (seed, epoch) order (`reorders_memory_blocks`).
     `decision` (a resumed run's, from its checkpoint, one of CACHE_DECISIONS: the driver refuses others as it
     reads them) replaces what `cache_decision` would decide now. `hold`: small data read here is returned as
     HeldRows for the ranks to split themselves (the caller knows no shuffle buffer or replica reads it)."""
