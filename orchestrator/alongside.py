@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from orchestrator.tracking.tracker import closed_on_error
+
 
 class Alongside:
     """A driver stage run in a thread while the main thread does another; `result()` waits for it (Ctrl+C still
@@ -47,11 +49,12 @@ def ended_on_error(opening: Alongside) -> Iterator[None]:
     (once it is open: a failed opening ended what it opened itself)."""
     try:
         yield
-    except BaseException as exc:
+    except BaseException:
         try:
             tracker = opening.result()
-        except BaseException:  # noqa: BLE001 - its own failure: raised instead when it is the one being raised
+        except BaseException:  # noqa: BLE001 - its own failure: the error being raised is the one to raise
             tracker = None
-        if tracker is not None:
-            tracker.finish("KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
-        raise
+        if tracker is None:
+            raise
+        with closed_on_error(tracker):  # KILLED on Ctrl+C, FAILED otherwise
+            raise

@@ -53,9 +53,9 @@ class HeldShard:
                            local_shuffle_buffer_size: int | None = None, **_: Any) -> Iterator[Batch]:
         """Ray Data's iter_torch_batches over this rank's rows: `batch_size` rows at a time (the last may be
         shorter), collated, on the rank's device. Held data has no shuffle buffer (trainer.build_inputs)."""
+        from pipelines.tensors import to_device  # torch: in the rank's process only
+
         assert not local_shuffle_buffer_size, "held data is replayed, never shuffled through a buffer"
         rows = self.rows()
         for start in range(0, rows.num_rows, batch_size):
-            batch = collate_fn(rows.slice(start, batch_size))
-            yield batch if self.device.type == "cpu" else {k: v.to(self.device, non_blocking=True)
-                                                            for k, v in batch.items()}
+            yield to_device(collate_fn(rows.slice(start, batch_size)), self.device)
