@@ -1,9 +1,10 @@
 """Small data to replay, handed to the ranks without Ray Data's streaming split.
 
 The driver reads such data itself (datasets.READ_HERE_BYTES) and holds its blocks in the object store. Each rank
-takes its equal part of the rows straight from them: Ray Data's split coordinator would start its first execution
-when the ranks first ask, and every rank would wait at its epoch barrier (1.3-2.6 s of the first batch on 2 cores),
-to hand out rows each worker replays from its own memory after the first pass anyway (batches.EpochReplay).
+takes its part of the rows straight from them (equal parts to train on, every row once to validate on): Ray Data's
+split coordinator would start its first execution when the ranks first ask, and every rank would wait at its epoch
+barrier (1.3-2.6 s of the first batch on 2 cores), to hand out rows each worker replays from its own memory after
+the first pass anyway (batches.EpochReplay).
 """
 
 from __future__ import annotations
@@ -26,17 +27,28 @@ class HeldRows:
 
     refs: list[Any]
 
-    def shard(self, rank: int, world: int, device: torch.device) -> HeldShard:
-        return HeldShard(self.refs, rank, world, device)
+    def shard(self, rank: int, world: int, device: torch.device, *, equal: bool = True) -> HeldShard:
+        return HeldShard(self.refs, rank, world, device, equal=equal)
+
+
+def rank_rows(rows: int, rank: int, world: int, equal: bool) -> tuple[int, int]:
+    """(first row, row count) of rank `rank`'s contiguous part of `rows` rows. `equal`: `rows // world` each, the
+    last `rows mod world` left out; else every row on exactly one rank, the first `rows mod world` ranks one more."""
+    each, extra = divmod(rows, world)
+    if equal:
+        return rank * each, each
+    return rank * each + min(rank, extra), each + (rank < extra)
 
 
 class HeldShard:
     """Rank `rank`'s part of the rows, iterated as a Ray Data shard is: the rows in block order cut into `world`
-    equal contiguous parts, the last `rows mod world` left out (as many as streaming_split(equal=True) leaves out):
-    each rank has the same number of rows, so the ranks' collectives stay aligned."""
+    contiguous parts. `equal` (training): equal parts, the last `rows mod world` left out (as many as
+    streaming_split(equal=True) leaves out), so the ranks' collectives stay aligned. Not `equal` (validation):
+    every row scored exactly once, the accuracy the same at any world size; `evaluate` adds the ranks' sums, so
+    their row counts may differ by one."""
 
-    def __init__(self, refs: list[Any], rank: int, world: int, device: torch.device) -> None:
-        self.refs, self.rank, self.world, self.device = refs, rank, world, device
+    def __init__(self, refs: list[Any], rank: int, world: int, device: torch.device, *, equal: bool = True) -> None:
+        self.refs, self.rank, self.world, self.device, self.equal = refs, rank, world, device, equal
         self._rows: pa.Table | None = None
 
     def rows(self) -> pa.Table:
@@ -45,8 +57,7 @@ class HeldShard:
 
             tables = ray.get(self.refs)
             table = pa.concat_tables(tables) if tables else pa.table({})
-            each = table.num_rows // self.world
-            self._rows = table.slice(self.rank * each, each)
+            self._rows = table.slice(*rank_rows(table.num_rows, self.rank, self.world, self.equal))
         return self._rows
 
     def iter_torch_batches(self, *, batch_size: int, collate_fn: Callable[[pa.Table], Batch],

@@ -38,6 +38,7 @@ SLOW_MODULES = {
     "tests/unit/training/test_replica_groups.py": 35,
     "tests/unit/training/test_fsdp_checkpoint.py": 31,
     "tests/unit/training/test_fsdp.py": 18,
+    "tests/unit/training/test_held_validation.py": 17,
     "tests/unit/test_cli.py": 9,
     "tests/unit/training/test_fsdp_training.py": 9,
     "tests/unit/training/test_rank_agreement.py": 8,

@@ -69,9 +69,12 @@ class Seat:
 
 def rank_shard(spec: dict[str, Any], name: str, seat: Seat, otherwise: Callable[[str], Any]) -> Any:
     """The rank's shard of dataset `name`: its part of held small data (pipelines/held.py), else `otherwise(name)`
-    (Ray Train's split of the dataset, or in a Tune trial its whole iterator)."""
+    (Ray Train's split of the dataset, or in a Tune trial its whole iterator). Training takes equal parts (the ranks'
+    steps stay aligned); validation takes every row once, so its figures do not depend on the world size."""
     held = (spec.get("held") or {}).get(name)
-    return held.shard(seat.rank, seat.world, seat.device) if held is not None else otherwise(name)
+    if held is None:
+        return otherwise(name)
+    return held.shard(seat.rank, seat.world, seat.device, equal=name == "train")
 
 
 def rank_config(spec: dict[str, Any], world: int) -> Config:
