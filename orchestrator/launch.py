@@ -27,7 +27,7 @@ from orchestrator.plan import RunPlan, plan_run
 from orchestrator.plots import plot_history
 from orchestrator.progress import ForwardCheckpoints, ForwardFailures, ReportConsumer, progress_line
 from orchestrator.result import TrainResult, run_summary
-from orchestrator.runs import RUN_CONFIG, AttemptLog, RunPlace
+from orchestrator.runs import AttemptLog, RunPlace
 from orchestrator.startup import StartupClock
 from orchestrator.tracking.context import config_params
 from orchestrator.tracking.tracker import Tracker, closed_on_error, start_tracker
@@ -101,7 +101,7 @@ def _open_tracking(plan: RunPlan, log: RunLog, verbose: bool) -> Tracker:
         tracker.log_datasets(plan.datasets)
         tracker.set_tags({"orchestrator.run_dir": place.uri,
                           "orchestrator.train_rows": str(plan.datasets["train"].num_rows)})
-        place.write_text(RUN_CONFIG, to_yaml(config))
+        place.write_config(config)  # its password masked: run storage is often shared
         log.open(log_path := _log_path(config, place))  # the run's directory exists from here on
         if verbose:
             print(f"Ray and MLflow logs: {log_path}" + ("" if log.verbose else " (--verbose shows them here)"),

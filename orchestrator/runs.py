@@ -16,14 +16,15 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from orchestrator.config import Config, flatten, to_dict
+from orchestrator.config import Config, flatten, to_dict, to_yaml
 from orchestrator.cost import attempt_record
 from orchestrator.errors import ConfigError
+from orchestrator.tracking.uri import mask_password
 from orchestrator.training.resume import checkpointed_cache_decision
 from pipelines.storage import Storage, open_storage
 
 RUN_RECORD = "orchestrator-run.json"
-RUN_CONFIG = "config.yaml"
+RUN_CONFIG = "config.yaml"  # the run's config, a URI's password masked: what `--resume` compares against
 ATTEMPTS_DIR = "attempts"  # one JSON record per driver attempt (cost.attempt_record), named by its start
 RAY_CHECKPOINTS = "checkpoint_manager_snapshot.json"  # Ray Train's record of the checkpoints it registered
 
@@ -89,8 +90,15 @@ class RunPlace:
         except OSError:
             return None
 
+    def write_config(self, config: Config) -> None:
+        """The run's config beside its checkpoints, for `check_resumable`. Run storage is often a shared bucket, so
+        a password in a URI (tracking.uri) is masked; `tracking.` may change on resume, and a resumed command
+        connects with the password its own config or $MLFLOW_TRACKING_URI gives."""
+        self.write_text(RUN_CONFIG, mask_password(to_yaml(config)))
+
     def check_resumable(self, config: Config) -> None:
-        """Refuse to continue this run with a config that would train something else than its checkpoints hold."""
+        """Refuse to continue this run with a config that would train something else than its checkpoints hold
+        (its saved config, `write_config`)."""
         import yaml
 
         saved = self.read_text(RUN_CONFIG)

@@ -1,7 +1,8 @@
 """`ray job submit -- orchestrator train` against a real Ray head + worker node (separate `ray start` processes)
 with the project's runtime env, tracked by a real `mlflow server` over HTTP and read back through its REST API.
-With AWS credentials in the environment and a password in the tracking URI, none of them may appear in MLflow or
-the job logs. And the path a new user takes: a SQLite store (no server) with a relative `--config`."""
+With AWS credentials in the environment and a password in the tracking URI, none of them may appear in MLflow,
+the job logs or the run's storage. And the path a new user takes: a SQLite store (no server) with a relative
+`--config`."""
 
 from __future__ import annotations
 
@@ -169,6 +170,8 @@ def test_job_submit_trains_on_two_nodes_and_tracks_to_mlflow_server(
     files = [p for p in [*artifacts.rglob("*"), *model.rglob("*")] if p.is_file()]
     assert {"config.yaml", "learning_curves.png", "MLmodel"} <= {p.name for p in files}
     run_log = next(Path(tmp_path, "runs").rglob("orchestrator.log")).read_text()  # the run log: Ray's, MLflow's lines
+    # The run's storage (often a shared bucket): config.yaml, its record, attempts, checkpoints.
+    files += [p for p in Path(tmp_path, "runs").rglob("*") if p.is_file()]
     assert params["tracking.uri"] == with_password(mlflow_server).replace(CANARY, "***")  # masked, not dropped
     assert "open the MLflow UI: open " + mlflow_server in logs  # the server's address, no credentials in it
     named = dict(zip(["params", "tags", "job logs", "submit stdout", "submit stderr"], blobs, strict=True))

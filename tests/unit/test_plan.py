@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from orchestrator.config import load_config, to_yaml
+from orchestrator.config import load_config
 from orchestrator.plan import plan_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,7 +59,7 @@ def test_the_plan_holds_what_the_data_and_the_price_table_decide(tmp_path: Path,
 def test_a_resume_plans_from_the_runs_record(tmp_path: Path, digits_dir: str) -> None:
     config = _config(tmp_path, digits_dir, "train.max_steps=40")
     first = plan_run(config, verbose=False)
-    first.place.write_text("config.yaml", to_yaml(first.config))  # what the run stage writes as it opens the run
+    first.place.write_config(first.config)  # what the run stage writes as it opens the run
     first.place.write_record({"run_name": first.run_name, "mlflow_run_id": "abc123",
                               "tracking_uri": first.tracking_uri})
     resumed = plan_run(config, resume=True, verbose=False)

@@ -38,7 +38,6 @@ def test_train_takes_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     config that trains something else; without it (or with no earlier run) a new run starts. No Ray: the run's
     place is decided before any cluster is touched."""
     from orchestrator import cli, launch
-    from orchestrator.config import to_yaml
     from orchestrator.errors import ConfigError
     from orchestrator.runs import place_run
 
@@ -63,7 +62,7 @@ def test_train_takes_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     config = load_config(None, sets)
     place, record = place_run(config, resume=True, verbose=False)  # no earlier run: a new one, no record
     assert record is None and latest_run(open_run_storage(config), "exp") is None
-    place.write_text("config.yaml", to_yaml(config))  # what train() writes before it fits
+    place.write_config(config)  # what train() writes before it fits
     place.write_record({"run_name": place.name, "mlflow_run_id": "abc"})
     resumed, record = place_run(load_config(None, [*sets, "train.log_every=5"]), resume=True, verbose=False)
     assert resumed.name == place.name and record == {"run_name": place.name, "mlflow_run_id": "abc"}
@@ -74,13 +73,12 @@ def test_train_takes_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_resume_refuses_a_config_that_trains_something_else(tmp_path: Path) -> None:
-    from orchestrator.config import to_yaml
     from orchestrator.errors import ConfigError
 
     config = load_config(None, [f"storage.path={tmp_path}", "experiment=exp", "train.max_steps=40"])
     place = new_run(open_run_storage(config), "exp")
     place.check_resumable(config)  # no saved config yet: the run never got going
-    place.write_text("config.yaml", to_yaml(config))
+    place.write_config(config)
     # Watching, feeding, placing and billing the run may change...
     place.check_resumable(load_config(None, [f"storage.path={tmp_path}", "experiment=exp", "train.max_steps=40",
                                              "train.log_every=5", "scaling.num_workers=1", "data.prefetch_batches=8",

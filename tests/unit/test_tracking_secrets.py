@@ -5,7 +5,10 @@ real run for it."""
 
 from __future__ import annotations
 
+import json
 import shlex
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -81,3 +84,56 @@ def test_doctor_on_an_unreachable_store_names_it_without_its_password(monkeypatc
     with pytest.raises(UserError) as refused:
         load_run("0" * 32, f"http://analyst:{PASSWORD}@127.0.0.1:{port}")
     assert PASSWORD not in str(refused.value) and f"http://analyst:***@127.0.0.1:{port}" in str(refused.value)
+
+
+def test_the_runs_storage_and_log_hold_no_password_and_a_resume_still_continues_it(
+        tmp_path: Path, digits_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run storage is often a shared bucket: the run's `config.yaml` there (what --resume compares against), its
+    record and its log hold the URI masked, as the MLflow run does. A resume takes the password from its own config
+    (or $MLFLOW_TRACKING_URI): `tracking.` may change on resume, so the masked URI in storage is no obstacle."""
+    from orchestrator import launch
+    from orchestrator.config import to_dict
+    from orchestrator.console import RunLog
+    from orchestrator.plan import plan_run
+    from orchestrator.tracking.tracker import NullTracker
+
+    logged: list[str] = []
+
+    class Recording(NullTracker):
+        """What the run sends to its MLflow run (params, tags, artifacts), as text."""
+
+        uri, run_id = f"http://me:{PASSWORD}@127.0.0.1:1", "abc"
+
+        def log_params(self, params: dict[str, Any]) -> None:
+            logged.append(json.dumps(params, default=str))
+
+        def set_tags(self, tags: dict[str, str]) -> None:
+            logged.append(json.dumps(tags))
+
+        def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+            logged.append(Path(path).read_text())
+
+    monkeypatch.setattr(launch, "start_tracker", lambda *args, **kwargs: Recording())
+    sets = [f"data.train={digits_dir}/train", f"data.val={digits_dir}/val", f"storage.path={tmp_path}/runs",
+            "experiment=private", "tracking.enabled=false", "train.max_steps=40"]
+    config = load_config(None, [*sets, f"tracking.uri=http://me:{PASSWORD}@127.0.0.1:1"])
+    plan = plan_run(config, verbose=False)
+    with RunLog() as log:
+        launch._open_tracking(plan, log, verbose=False)
+    files = [p for p in (tmp_path / "runs").rglob("*") if p.is_file()]
+    assert {"config.yaml", "orchestrator-run.json", "orchestrator.log"} <= {p.name for p in files}
+    leaked = [str(p) for p in files if PASSWORD in p.read_text()] + [text for text in logged if PASSWORD in text]
+    assert not leaked, leaked
+    assert "http://me:***@127.0.0.1:1" in Path(plan.place.path, "config.yaml").read_text()  # masked, not dropped
+
+    # Resumed with the password given again, or another one, or from $MLFLOW_TRACKING_URI: the same run continues
+    # with what its command gives, and what it trains is still compared.
+    for uri in (f"http://me:{PASSWORD}@127.0.0.1:1", "http://me:rotated@127.0.0.1:1"):
+        resumed = plan_run(load_config(None, [*sets, f"tracking.uri={uri}"]), resume=True, verbose=False)
+        assert resumed.place.uri == plan.place.uri and to_dict(resumed.config)["tracking"]["uri"] == uri
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://me:{PASSWORD}@127.0.0.1:1")
+    assert plan_run(load_config(None, sets), resume=True, verbose=False).place.uri == plan.place.uri
+    from orchestrator.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"train\.max_steps: 40 -> 80"):
+        plan_run(load_config(None, [*sets[:-1], "train.max_steps=80"]), resume=True, verbose=False)
