@@ -22,7 +22,7 @@ from orchestrator.config import Config
 from orchestrator.tasks import step_loss_sum
 from orchestrator.training import fsdp, ranks
 from orchestrator.training.checkpoint import Progress, unwrap
-from orchestrator.training.knobs import Knobs, Settings
+from orchestrator.training.knobs import Knobs, Settings, flush_switchable
 from orchestrator.training.memory import GIB, is_oom, release_cached_memory
 from orchestrator.training.micro_batch import for_world_size
 from orchestrator.training.parts import Parts
@@ -142,7 +142,8 @@ class Autopilot:
         self.charged = 0.0
         self.steps_left = cfg.train.max_steps - progress.step  # type: ignore[operator]
         self.budget_s, self.margin, self.adopted = math.inf, MARGIN[0], False
-        self.flush_ok = flush_denormals(start.flush_denormal)  # False where the CPU cannot flush
+        # False where the CPU cannot flush, or a switch mid-run would not reach torch's intra-op threads.
+        self.flush_ok = flush_denormals(start.flush_denormal) and flush_switchable()
         self.walker = self._walk() if ranks.world()[0] == 0 else None
         self.done, self.report = False, None
 

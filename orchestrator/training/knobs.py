@@ -3,14 +3,20 @@ start, and how a candidate's settings are put on the running model, optimizer an
 
 from __future__ import annotations
 
+import ctypes
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from orchestrator.training.checkpoint import unwrap
 from orchestrator.training.parts import Parts, compile_model
-from orchestrator.training.precision import Precision, flush_denormals
+from orchestrator.training.precision import Precision
 from orchestrator.training.sync import average_optimizer_state, build_local_sgd
+
+OMP_PAUSE_HARD = 2  # omp_pause_resource_t: the runtime's threads end (a soft pause may only put them to sleep)
 
 
 @dataclass(frozen=True)
@@ -64,8 +70,7 @@ class Knobs:
         if torch.get_num_threads() != s.torch_threads:
             torch.set_num_threads(s.torch_threads)
         if s.flush_denormal != self.flush:
-            # This thread's setting; intra-op threads started later copy it (precision.flush_denormals).
-            flush_denormals(s.flush_denormal)
+            switch_flush_denormal(s.flush_denormal)
             self.flush = s.flush_denormal
         self._sync(parts, s.sync)
 
@@ -91,3 +96,41 @@ class Knobs:
             self.compiled = parts.model
         elif parts.model is not self.compiled:
             parts.model = self.compiled  # it compiled on an earlier step of the search
+
+
+def switch_flush_denormal(on: bool) -> bool:
+    """Flush subnormal floats (or stop) mid-run on every thread this thread's ops compute on. The setting is per
+    thread, and torch's intra-op threads copied it from this thread when it created them (precision.flush_denormals),
+    so setting it here alone reached half a two-thread op. The OpenMP runtime's threads are therefore ended and the
+    next parallel op starts them again, copying the new setting. False, with nothing changed, where that cannot be
+    done (see `flush_switchable`) or the CPU cannot flush."""
+    pause = _omp_pause()
+    if pause is None or not torch.set_flush_denormal(on):
+        return False
+    threads = torch.get_num_threads()
+    ended = pause(OMP_PAUSE_HARD) == 0
+    torch.set_num_threads(threads)  # a runtime that reset its settings with its threads gets torch's count back
+    return ended
+
+
+def flush_switchable() -> bool:
+    """Whether `switch_flush_denormal` reaches torch's intra-op threads: they are OpenMP's, in a runtime found."""
+    return _omp_pause() is not None
+
+
+@functools.cache
+def _omp_pause() -> Callable[[int], int] | None:
+    """omp_pause_resource_all (OpenMP 5) of the runtime torch's intra-op threads run on, else None: torch's own copy
+    (a wheel's torch/lib), else one already loaded into the process."""
+    if not torch.backends.openmp.is_available():
+        return None
+    lib = Path(torch.__file__).parent / "lib"
+    bundled = [str(p) for pattern in ("libgomp*", "libomp*", "libiomp*") for p in sorted(lib.glob(pattern))]
+    for name in [*bundled, None]:
+        try:
+            pause = ctypes.CDLL(name).omp_pause_resource_all
+        except (OSError, AttributeError):
+            continue
+        pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+        return pause  # type: ignore[no-any-return]
+    return None
