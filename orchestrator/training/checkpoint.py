@@ -67,19 +67,29 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         model = inner
 
 
-def capture_rng() -> dict[str, Any]:
+def capture_rng(device: torch.device | None = None) -> dict[str, Any]:
+    """This process's RNG streams; of CUDA's, only the training `device`'s: a restarted rank may see other devices,
+    or its device under another index, and a state per visible device would not map onto them."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device is not None and device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def restore_rng(state: dict[str, Any]) -> None:
+def restore_rng(state: dict[str, Any], device: torch.device | None = None) -> None:
+    """Put `capture_rng`'s streams back; the CUDA one into the training `device`, whichever index it has now."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is None or device is None or device.type != "cuda":
+        return
+    if isinstance(cuda, list):  # written before: one state per visible device, restored by index if it exists
+        index = torch.cuda.current_device() if device.index is None else device.index
+        if index >= len(cuda):
+            return
+        cuda = cuda[index]
+    torch.cuda.set_rng_state(cuda, device)
 
 
 def save_state(directory: str | Path, state: dict[str, Any]) -> Path:
@@ -166,7 +176,7 @@ def checkpoint_state(parts: Parts, progress: Progress, micro_batch_size: int) ->
 def rank_state(parts: Parts) -> dict[str, Any]:
     """What this rank contributes to a checkpoint beyond the shared model: its RNG streams, and under local SGD its
     own optimizer and precision state (on the CPU, so any rank can load it)."""
-    state: dict[str, Any] = {"rng": capture_rng()}
+    state: dict[str, Any] = {"rng": capture_rng(parts.device)}
     if parts.local_sgd is not None:
         state |= {"optimizer": _to_cpu(parts.optimizer.state_dict()), "precision": parts.precision.state_dict()}
     return state
@@ -204,12 +214,12 @@ def restore(parts: Parts, state: dict[str, Any], cache_decision: str | None = No
     parts.precision.load_state_dict(precision)
     if parts.local_sgd is not None:
         parts.local_sgd.load_state_dict(state.get("local_sgd", {}), unwrap(parts.model))
-    return _position(state, cache_decision)
+    return _position(state, cache_decision, parts.device)
 
 
-def _position(state: dict[str, Any], cache_decision: str | None) -> Progress:
-    """The progress of a checkpoint's `state` for this rank: at the same world size its RNG streams and data
-    position; after a resize, or under another cache decision, the next epoch boundary."""
+def _position(state: dict[str, Any], cache_decision: str | None, device: torch.device) -> Progress:
+    """The progress of a checkpoint's `state` for this rank (training on `device`): at the same world size its RNG
+    streams and data position; after a resize, or under another cache decision, the next epoch boundary."""
     rank, size = world()
     same_world = len(state["rng"]) == size
     progress = Progress(**state["progress"])
@@ -218,7 +228,7 @@ def _position(state: dict[str, Any], cache_decision: str | None) -> Progress:
     # checkpoint that records none (written before the decision was saved) keeps its position, as it always did.
     same_order = saved is None or cache_decision is None or saved == cache_decision
     if same_world:
-        restore_rng(state["rng"][rank])
+        restore_rng(state["rng"][rank], device)
         if same_order:
             return progress
         if rank == 0 and progress.rows_in_epoch:
@@ -275,9 +285,9 @@ def shared_state(parts: Parts, progress: Progress, micro_batch_size: int | str |
     copy): schedule, loss scale, progress and every rank's RNG streams. A collective."""
     rngs: list[Any] = [None] * world()[1]
     if world()[1] > 1:
-        dist.all_gather_object(rngs, capture_rng())
+        dist.all_gather_object(rngs, capture_rng(parts.device))
     else:
-        rngs = [capture_rng()]
+        rngs = [capture_rng(parts.device)]
     return {"scheduler": parts.scheduler.state_dict(), "precision": parts.precision.state_dict(),
             "progress": asdict(progress), "rng": rngs, "micro_batch_size": micro_batch_size}
 
@@ -393,4 +403,4 @@ def restore_sharded(parts: Parts, state: dict[str, Any], cache_decision: str | N
     schedule, precision = state["scheduler"], state["precision"]
     parts.scheduler.load_state_dict(schedule)
     parts.precision.load_state_dict(precision)
-    return _position(state, cache_decision)
+    return _position(state, cache_decision, parts.device)
