@@ -24,10 +24,12 @@ def release_cached_memory(device: torch.device) -> None:
 
 
 def device_facts(device: torch.device) -> dict[str, float]:
-    """Numbers about the device, reported once: is it a GPU, does it support bf16, how much memory it has."""
+    """Numbers about the device, reported once: is it a GPU, does it run bf16 natively (torch's default also counts
+    pre-Ampere GPUs that only emulate it, slower than fp16), how much memory it has."""
     if device.type != "cuda":
         return {"device/cuda": 0.0}
-    return {"device/cuda": 1.0, "device/bf16_supported": float(torch.cuda.is_bf16_supported()),
+    native_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+    return {"device/cuda": 1.0, "device/bf16_supported": float(native_bf16),
             "device/memory_total_gb": torch.cuda.get_device_properties(device).total_memory / GIB}
 
 
