@@ -22,7 +22,7 @@ schedule and the autopilot's budget are those of a 3000-step run) and stopped on
     grid score    a point's samples/s over a 3000-step run with its compile seconds counted, the autopilot's own
                   criterion (compile pays only if its gain over the run exceeds its compile time)
 
-    .venv/bin/python bench/autopilot.py [--models mlp gpt --quick]
+    .venv/bin/python bench/autopilot.py [--models mlp gpt --quick --by-hand]
 """
 
 from __future__ import annotations
@@ -358,6 +358,35 @@ def gpt_experiment(tmp: Path, args: argparse.Namespace) -> Experiment:
 EXPERIMENTS = {"mlp": mlp_experiment, "gpt": gpt_experiment}
 
 
+def versus_hand(exp: Experiment, args: argparse.Namespace) -> list[bool]:
+    """The autopilot's run from each start against the same settings configured by hand, measured side by side
+    (one of each after the other, `1 + args.again` rounds): the chosen run's steady state after its search over the
+    by-hand run's, and what its run achieved over what it predicted (the chosen candidate's samples/s in the
+    search)."""
+    verdicts = []
+    print(f"\n{exp.name}: the autopilot's choice vs the same settings by hand", flush=True)
+    for name, keys in {"poor": exp.poor, "defaults": []}.items():
+        autopilot, hand, predicted, chosen = [], [], [], None
+        for _ in range(1 + args.again):
+            run = autopilot_run(exp, keys, args)
+            chosen = run.table.get("chosen")
+            autopilot.append(run.rate)
+            # The prediction: the chosen candidate's samples/s in the search (its step times).
+            row = next((r for r in run.table.get("rows", []) if r.get("chosen")), {})
+            predicted.append(row.get("samples_per_s") or math.nan)
+            hand.append(measure(exp, settings_point(chosen), args).rate if chosen else math.nan)
+        ratio = statistics.median(a / h for a, h in zip(autopilot, hand, strict=True))
+        achieved = statistics.median(a / p for a, p in zip(autopilot, predicted, strict=True))
+        label = settings_point(chosen).label(exp.per_worker) if chosen else "-"
+        print(f"  from {name}: chose {label}\n"
+              f"    autopilot {', '.join(f'{r:,.0f}' for r in autopilot)} | by hand "
+              f"{', '.join(f'{r:,.0f}' for r in hand)} samples/s | chosen/by hand {ratio:.3f} (target >= 0.97) | "
+              f"achieved/predicted {achieved:.3f} (predicted {', '.join(f'{r:,.0f}' for r in predicted)})",
+              flush=True)
+        verdicts.append(ratio >= 0.97)
+    return verdicts
+
+
 def bench_model(exp: Experiment, args: argparse.Namespace) -> list[bool]:
     """The grid and both autopilot runs of one model; prints its table and returns whether each start met the
     targets."""
@@ -420,6 +449,8 @@ def main() -> None:
     parser.add_argument("--recheck", type=int, default=4, help="best grid points measured again")
     parser.add_argument("--again", type=int, default=2, help="more readings of those and of the starts")
     parser.add_argument("--quick", action="store_true", help="a smoke run: the MLP only, tiny windows")
+    parser.add_argument("--by-hand", action="store_true", help="no grid: each start's autopilot run against its "
+                        "choice configured by hand, side by side")
     args = parser.parse_args()
     args.autopilot_keys = []
     if args.quick:
@@ -432,7 +463,10 @@ def main() -> None:
     verdicts = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
-            verdicts += bench_model(EXPERIMENTS[name](Path(tmp), args), args)
+            verdicts += (versus_hand if args.by_hand else bench_model)(EXPERIMENTS[name](Path(tmp), args), args)
+    if args.by_hand:
+        print(f"\ntarget (the chosen run >= 0.97 of its settings by hand): {'holds' if all(verdicts) else 'NOT met'}")
+        return
     held = all(verdicts)
     print(f"\ntargets (autopilot's steady state >= 0.95 of the grid's best; search <= 5% of a {RUN_STEPS}-step "
           f"run's wall clock, extrapolated from the measured search and steady state): "

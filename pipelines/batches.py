@@ -17,6 +17,7 @@ from pipelines.tensors import (
     IGNORE_INDEX,
     LABELS,
     Batch,
+    Epoch,
     Padded,
     Padding,
     cat_rows,
@@ -162,44 +163,56 @@ def fetch_size(micro_batch_size: int) -> int:
 
 
 def split_batches(chunks: Iterable[Batch], size: int | Callable[[], int], drop_last: bool,
-                  padding: Padding | None = None) -> Iterator[Batch]:
-    """Slice fetched chunks into batches of `size` rows, each trimmed to its own longest sequence. `size` may be a
-    function, read before each batch: a size changed mid-pass (the autopilot's micro-batch) takes effect from the
-    next batch, the rows a chunk has left carried into the next chunk's. Only the epoch's last chunk can be short
-    (chunks are fetched without drop_last), so with drop_last exactly the rows of an incomplete final batch are
-    dropped."""
+                  padding: Padding | None = None, start: int = 0) -> Iterator[Batch]:
+    """Slice fetched chunks into batches of `size` rows from row `start` on, each trimmed to its own longest
+    sequence. `size` may be a function, read before each batch: a size changed mid-pass (the autopilot's
+    micro-batch) takes effect from the next batch, the rows a chunk has left carried into the next chunk's. Only the
+    epoch's last chunk can be short (chunks are fetched without drop_last), so with drop_last exactly the rows of an
+    incomplete final batch are dropped."""
     trim = padding.trim if padding is not None else (lambda batch: batch)
     size_now = size if callable(size) else (lambda: size)
     rest: Batch | None = None
     for chunk in chunks:
+        count = rows(chunk)
+        if start >= count:  # before the first row handed out
+            start -= count
+            continue
         if rest is not None:
             chunk, rest = cat_rows([rest, chunk]), None
-        count, start = rows(chunk), 0
+            count = rows(chunk)
         while start < count:
             n = size_now()
-            if start + n > count:
+            if start == 0 and count == n:  # a chunk that is one whole batch (a replayed pass): as it is
+                yield trim(chunk)
+                start = count
+            elif start + n > count:
                 rest = take(chunk, slice(start, count))
                 break
-            yield trim(take(chunk, slice(start, start + n)))
-            start += n
+            else:
+                yield trim(take(chunk, slice(start, start + n)))
+                start += n
+        start = 0
     if rest is not None and not drop_last:
         yield trim(rest)
 
 
 class EpochReplay:
-    """Keeps the batches of one complete pass to hand them out again. For a small dataset held in memory (`cache:
+    """Keeps the rows of one complete pass to hand them out again. For a small dataset held in memory (`cache:
     memory|auto`), whose order is the same every epoch, replaying costs nothing, while restarting Ray Data's
     streaming_split costs ~0.1-0.3 s per epoch: most of an epoch's time for a small dataset. With `keep` false
     every pass streams.
 
-    `reshuffle(epoch)` gives the seed of a later epoch's order: its rows are this rank's pass permuted, cut into
-    micro-batches of the same size (epoch 0 is the pass as streamed). An epoch's order depends only on the pass and
-    the seed, so a worker that starts inside a later epoch (a restart) reads the pass first and then hands out
-    exactly the batches an uninterrupted worker would have.
+    `stream()` gives the pass as fetched (chunks of any size); the replay cuts it into micro-batches of `micro` rows
+    (read before each one: `resize` takes effect from the next micro-batch, mid-epoch too, no row lost) from the
+    epoch's row `start` on (a resumed epoch starts where its checkpoint left it, cut as the interrupted run cut it).
+    Only whole micro-batches are handed out: the rows of the epoch's incomplete last one are left out of it. Without
+    `micro`, the batches are handed out as streamed, the short last one included (validation).
 
-    With `micro`, only whole micro-batches of that size are handed out, but the pass is kept whole: the rows of the
-    incomplete last micro-batch are left out of epoch 0 and drawn into later epochs' permutations like any other,
-    as streaming in a new shard order would."""
+    `reshuffle(epoch)` gives the seed of a later epoch's order: this rank's pass permuted (epoch 0 is the pass as
+    streamed), so the rows an epoch left out are drawn into later ones like any other, as streaming in a new shard
+    order would. An epoch's order depends only on the pass and the seed, so a worker that starts inside a later
+    epoch (a restart) reads the pass first and then hands out exactly the batches an uninterrupted worker would
+    have. A later epoch is gathered once and handed out as views, with no per-micro-batch gather."""
 
     def __init__(self, keep: bool, reshuffle: Callable[[int], int] | None = None, micro: int | None = None,
                  padding: Padding | None = None) -> None:
@@ -207,52 +220,65 @@ class EpochReplay:
         self.reshuffle = reshuffle
         self.micro = micro
         self.padding = padding
-        self.batches: list[Batch] | None = None
-        self.everything: Batch | None = None  # the kept pass in one batch, for reshuffled epochs
-        self.recut = False  # resized since the pass was recorded
+        self.rows: Batch | None = None  # the kept pass, in one batch
+        self.size = micro  # rows per batch handed out: `micro`, else the first streamed batch's
 
-    def __call__(self, stream: Callable[[], Iterable[Batch]], epoch: int = 0) -> Iterator[Batch]:
-        """The recorded pass in `epoch`'s order if there is one; else a new `stream()`, recorded when kept. A pass
-        left unfinished (training ended mid-epoch) is not kept."""
+    def __call__(self, stream: Callable[[], Iterable[Batch]], epoch: int = 0, start: int = 0) -> Iterator[Batch]:
+        """`epoch`'s micro-batches from its row `start` on: the kept pass in that epoch's order if there is one;
+        else a new `stream()`, kept when `keep`. A pass left unfinished (training ended mid-epoch) is not kept."""
         if not self.keep:
-            yield from self._whole(stream())
+            yield from self._cut(stream(), start)
             return
-        if self.batches is None and (epoch == 0 or self.reshuffle is None):
-            seen = []
-            for batch in stream():
-                seen.append(batch)
-                if self._is_whole(batch):
-                    yield batch
-            self.batches = seen
+        if self.rows is None and (epoch == 0 or self.reshuffle is None):
+            seen: list[Batch] = []
+            yield from self._cut(_recorded(stream(), seen), start)
+            self._keep(seen)
             return
-        if self.batches is None:
-            self.batches = list(stream())
-        yield from self._in_order_of(epoch)
-
-    def _is_whole(self, batch: Batch) -> bool:
-        return self.micro is None or rows(batch) == self.micro
-
-    def _whole(self, batches: Iterable[Batch]) -> Iterator[Batch]:
-        return (batch for batch in batches if self._is_whole(batch))
+        if self.rows is None:
+            self._keep(list(stream()))
+        yield from self._serve(self._ordered(epoch), start)
 
     def resize(self, micro: int) -> None:
-        """Hand out micro-batches of `micro` rows from here on (the autopilot's choice); a kept pass recorded at
-        another size is cut again, none of its rows lost."""
-        self.micro, self.recut = micro, True
+        """Hand out micro-batches of `micro` rows from the next one on (the autopilot's choice)."""
+        self.micro = self.size = micro
 
-    def _in_order_of(self, epoch: int) -> Iterator[Batch]:
-        batches = self.batches or []
-        if self.reshuffle is None or epoch == 0 or not batches:
-            recut = self.recut and self.micro is not None
-            yield from self._whole(split_batches(batches, lambda: self.micro, False, self.padding) if recut
-                                   else batches)
-            return
-        if self.everything is None:
-            self.everything = cat_rows(batches)  # once; each epoch then gathers only the micro-batch in hand
-        order = torch.randperm(rows(self.everything), generator=torch.Generator().manual_seed(self.reshuffle(epoch)))
-        size = self.micro or rows(batches[0])
-        gathered = (take(self.everything, order[start:start + size]) for start in range(0, len(order), size))
-        yield from self._whole(split_batches(gathered, size, drop_last=False, padding=self.padding))
+    def _keep(self, seen: list[Batch]) -> None:
+        if seen:
+            self.rows = cat_rows(seen)
+            self.size = self.size or rows(seen[0])
+
+    def _cut(self, batches: Iterable[Batch], start: int) -> Iterator[Batch]:
+        if self.micro is None:  # handed out as streamed
+            assert start == 0, "only micro-batches of a known size start mid-epoch"
+            return iter(batches)
+        return (batch for batch in split_batches(batches, lambda: self.micro, False, self.padding, start)  # type: ignore[arg-type, return-value]
+                if rows(batch) == self.micro)
+
+    def _ordered(self, epoch: int) -> Batch:
+        """The kept rows in `epoch`'s order, gathered once."""
+        assert self.rows is not None
+        if self.reshuffle is None or epoch == 0:
+            return self.rows
+        order = torch.randperm(rows(self.rows), generator=torch.Generator().manual_seed(self.reshuffle(epoch)))
+        return take(self.rows, order)
+
+    def _serve(self, epoch_rows: Batch, start: int) -> Iterator[Batch]:
+        """Views of `epoch_rows`, each `size` rows (read before each), from row `start` on; without `micro` the short
+        last batch too."""
+        trim = self.padding.trim if self.padding is not None else (lambda batch: batch)
+        total, position = rows(epoch_rows), start
+        while position < total:
+            size = self.size or total
+            if position + size > total and self.micro is not None:
+                return
+            yield trim(take(epoch_rows, slice(position, position + size)))
+            position += size
+
+
+def _recorded(batches: Iterable[Batch], seen: list[Batch]) -> Iterator[Batch]:
+    for batch in batches:
+        seen.append(batch)
+        yield batch
 
 
 class RankBatches:
@@ -278,8 +304,9 @@ class RankBatches:
                                         micro=micro_batch_size, padding=self.padding)
         self.replay_val = EpochReplay(keep=replay)
 
-    def train(self, epoch: int) -> Iterator[Batch]:
-        return self.replay_train(lambda: self._stream_train(epoch), epoch)
+    def train(self, epoch: int) -> Epoch:
+        """`epoch`'s micro-batches, from the row its `start` is set to (the loop sets it on a resume)."""
+        return Epoch(lambda start: self.replay_train(lambda: self._stream_train(epoch), epoch, start))
 
     def resize(self, micro: int) -> None:
         """Cut the training micro-batches at `micro` rows from the next one on, in this pass and every later one
@@ -291,20 +318,22 @@ class RankBatches:
     def val(self) -> Iterator[Batch]:
         return self.replay_val(lambda: self._batches(self.val_shard, drop_last=False))
 
-    def _stream_train(self, epoch: int) -> Iterator[Batch]:
+    def _stream_train(self, epoch: int) -> Iterable[Batch]:
         # Before this rank starts the epoch: the reader draws the epoch's shard order from the clock once all
         # ranks have arrived (streaming_split's epoch barrier), so a resumed run re-reads the same order.
         if self.epoch_clock:
             set_epoch(self.epoch_clock, epoch)
         # Seeded per (seed, epoch, rank): a re-streamed epoch after a restart shuffles identically.
         seed = local_shuffle_seed(self.seed, epoch, self.rank) if self.data.shuffle_buffer else None
-        # Every rank holds the same number of rows (equal split), so dropping the incomplete last micro-batch
-        # (EpochReplay does, with micro) leaves equal batch counts on every rank and the collectives aligned.
-        return self._batches(self.train_shard, drop_last=False, shuffle_seed=seed)
+        # The chunks as fetched: EpochReplay cuts them. Every rank holds the same number of rows (equal split), so
+        # dropping the incomplete last micro-batch leaves equal batch counts on every rank and the collectives aligned.
+        return self._chunks(self.train_shard, shuffle_seed=seed)
 
-    def _batches(self, shard: Any, drop_last: bool, shuffle_seed: int | None = None) -> Iterator[Batch]:
-        chunks = shard.iter_torch_batches(
+    def _chunks(self, shard: Any, shuffle_seed: int | None = None) -> Iterable[Batch]:
+        return shard.iter_torch_batches(
             batch_size=fetch_size(self.micro), prefetch_batches=self.data.prefetch_batches, collate_fn=self.collate,
             local_shuffle_buffer_size=self.data.shuffle_buffer if shuffle_seed is not None else None,
             local_shuffle_seed=shuffle_seed)
-        return split_batches(chunks, lambda: self.micro, drop_last, self.padding)
+
+    def _batches(self, shard: Any, drop_last: bool) -> Iterator[Batch]:
+        return split_batches(self._chunks(shard), lambda: self.micro, drop_last, self.padding)

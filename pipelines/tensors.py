@@ -3,6 +3,7 @@ and the loop share (slice, concatenate, trim padding). No Ray here: the loop run
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,6 +13,18 @@ import torch
 Batch = dict[str, torch.Tensor]
 LABELS = "labels"  # the targets' key, whatever the label column is called (the name Hugging Face models take)
 IGNORE_INDEX = -100  # padding in targets: counted neither in a loss nor in its normaliser
+
+
+@dataclass
+class Epoch:
+    """One epoch's micro-batches from its row `start` on, cut there (set `start` before iterating): a source that can
+    seek, so that a resumed epoch is cut exactly as the interrupted one was (training.loop.micro_batches)."""
+
+    cut: Callable[[int], Iterator[Batch]]
+    start: int = 0
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self.cut(self.start)
 
 
 def rows(batch: Batch) -> int:

@@ -3,6 +3,7 @@ notice decide, broadcast so that every rank makes the same collective calls at t
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,11 +40,18 @@ class Cadence:
         self.began = self.last_saved = clock()  # for checkpoint.every_minutes and auto
         self.run_s = progress.run_s  # training seconds before this (re)start
         self.auto = cfg.checkpoint.every == "auto"  # only then is the clock kept in the progress (not bitwise)
+        # Every report step is a multiple of this (log_every, eval_every and a fixed checkpoint.every divide it).
+        self.every = math.gcd(cfg.train.log_every, *(n for n in (cfg.train.eval_every if has_val else None,
+                                                                  None if self.auto else cfg.checkpoint.every)
+                                                     if isinstance(n, int)))
         if self.auto and progress.step > 0:  # restarted from a checkpoint: an interruption (failure, resize, --resume)
             progress.interruptions += 1
 
     def at(self, step: int) -> Due | None:
-        """What is due after `step`; None when it is not a report step."""
+        """What is due after `step`; None when it is not a report step. Called after every step: anything that
+        reads a clock, the drain notice or another rank runs at report steps only."""
+        if step % self.every and step != self.t.max_steps:
+            return None
         last = step == self.t.max_steps
         due = Due(eval=self.has_val and (last or (self.t.eval_every is not None and step % self.t.eval_every == 0)),
                   checkpoint=last or (not self.auto and step % self.ckpt.every == 0))  # type: ignore[operator]

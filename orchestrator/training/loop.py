@@ -9,7 +9,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -27,7 +27,7 @@ from orchestrator.training.step import StepResult, first_compiled_step, flops_pe
 from orchestrator.training.sync import LocalSGD
 from orchestrator.training.system import node_stats
 from orchestrator.training.timing import PhaseTimer, peak_flops
-from pipelines.tensors import Batch, rows, take, to_device
+from pipelines.tensors import Batch, Epoch, rows, take, to_device
 
 if TYPE_CHECKING:  # torchft is an optional extra (`replicas`): only failure.mode=replicas imports it
     from orchestrator.training.replicas import Replicas
@@ -55,34 +55,41 @@ class NonFiniteLossError(UserError):
 
 @dataclass
 class Interval:
-    """Sums since the last report; losses stay on the device so no step waits for a host sync."""
+    """The steps since the last report. Their results stay on the device, kept as they came: adding them up is left
+    to the report, which reads everything back at once, so no step waits for the device or pays for the sums."""
 
     timer: PhaseTimer
-    loss_sum: torch.Tensor | float = 0.0  # a tensor on the device from the first applied step
-    targets: torch.Tensor | int = 0  # samples, or tokens for a language model (on the device: no host sync)
+    results: list[StepResult] = field(default_factory=list)
     samples: int = 0
-    steps: int = 0
     micro: int = 0  # micro-batch size actually run (smaller after an out-of-memory retry)
-    grad_norm_sum: torch.Tensor | float = 0.0
-    loss_targets: torch.Tensor | int = 0  # targets of the applied steps (a skipped non-finite step shows no loss)
-    skipped: int = 0
-    overflowed: int = 0  # fp16 steps the GradScaler skipped: their loss counts, their (inf/nan) norm does not
     comm_start: int = 0  # Parts.comm_bytes when the interval began
 
     def add(self, result: StepResult, micro: int) -> None:
-        """Count one step; a skipped (non-finite) step adds its targets but no loss or gradient norm, and a step
-        the fp16 scaler skipped adds its loss but not its overflowed norm."""
-        if not result.skipped:
-            self.loss_sum = result.loss_sum + self.loss_sum
-            self.loss_targets = self.loss_targets + result.targets.double()
-            if not result.overflowed:
-                self.grad_norm_sum = result.grad_norm + self.grad_norm_sum
-        self.targets = self.targets + result.targets.double()  # float64: token counts pass 2**24
+        self.results.append(result)
         self.samples += result.samples
-        self.steps += 1
-        self.skipped += result.skipped
-        self.overflowed += result.overflowed
         self.micro = micro
+
+    def sums(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """On the device, in float64 (token counts pass 2**24): the sums every rank adds up (loss over the applied
+        steps, targets, samples, targets of the applied steps) and this rank's own (gradient norms of the steps that
+        applied an update, how many did, non-finite steps). A skipped (non-finite) step adds its
+        targets but no loss or gradient norm; a step the fp16 scaler skipped adds its loss but not its overflowed
+        norm."""
+        if not self.results:
+            return (torch.zeros(4, dtype=torch.float64, device=device),
+                    torch.zeros(3, dtype=torch.float64, device=device))
+        figures = torch.stack([torch.stack([r.loss_sum.double().reshape(()), r.grad_norm.double().reshape(()),
+                                            r.targets.double().reshape(()), r.skipped.double().reshape(()),
+                                            r.overflowed.double().reshape(())]) for r in self.results])
+        loss, norm, targets, skipped, overflowed = figures.unbind(1)
+        applied = skipped == 0
+        counted = applied & (overflowed == 0)
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        shared = torch.stack([torch.where(applied, loss, zero).sum(), targets.sum(),
+                              torch.tensor(float(self.samples), dtype=torch.float64, device=device),
+                              (targets * applied).sum()])
+        own = torch.stack([torch.where(counted, norm, zero).sum(), counted.sum().double(), skipped.sum()])
+        return shared, own
 
 
 @torch.no_grad()
@@ -139,20 +146,26 @@ def _empty_like_others(batch: Batch | None, device: torch.device) -> Batch:
 def micro_batches(
     train_batches: Callable[[int], Iterable[Batch]], progress: Progress, device: torch.device
 ) -> Iterator[Batch]:
-    """Endless stream over epochs that keeps `progress` at the data position, skipping on resume the rows already
-    trained on (the epoch is re-read from its start). The position counts rows, not micro-batches: a resumed run
-    may cut micro-batches of another size (auto, or a changed train.micro_batch_size) and still sees every row once."""
+    """Endless stream over epochs that keeps `progress` at the data position. On resume the rows already trained on
+    are not trained again: a source that seeks (pipelines' `Epoch`, as RankBatches gives) starts cutting at the
+    position, exactly as the interrupted run cut (a mid-epoch autopilot re-cut included); any other is re-read
+    from the epoch's start and skipped here. The position counts rows, not micro-batches: a resumed run may cut
+    micro-batches of another size (auto, or a changed train.micro_batch_size) and still sees every row once."""
     while True:
         produced, skip = False, progress.rows_in_epoch
-        for batch in train_batches(progress.epoch):
+        batches = train_batches(progress.epoch)
+        if isinstance(batches, Epoch):
+            batches.start, skip = skip, 0
+        for batch in batches:
             produced = True
             if skip >= rows(batch):
                 skip -= rows(batch)
                 continue
-            batch, skip = take(batch, slice(skip, None)), 0  # straddling the position: only its untrained rows
+            if skip:  # straddling the position: only its untrained rows
+                batch, skip = take(batch, slice(skip, None)), 0
             progress.rows_in_epoch += rows(batch)
             yield to_device(batch, device)
-        if not produced:
+        if not produced and progress.rows_in_epoch == 0:
             raise UserError("the training split is smaller than one micro-batch per worker: "
                             "add rows, or lower train.global_batch_size / scaling.num_workers")
         progress.epoch += 1
@@ -217,9 +230,6 @@ def run(
             result = train_step(parts, batch, interval.timer)
         progress.step += 1
         progress.samples_seen += t.global_batch_size
-        progress.nonfinite_skipped += result.skipped
-        if progress.nonfinite_skipped > t.max_nonfinite_steps:
-            raise _too_many_non_finite(progress, t.max_nonfinite_steps)
         interval.add(result, micro=-(-rows(batch[0]) * parts.join // parts.split))
         due = cadence.at(progress.step)
         if parts.local_sgd is not None:
@@ -227,7 +237,8 @@ def run(
         if due is None:
             continue
         metrics, interval = _report(due, interval, progress, parts, reporter, val_batches,
-                                    once | cadence.figures() | {"flops_per_sample": flops}, peak, t.micro_batch_size)
+                                    once | cadence.figures() | {"flops_per_sample": flops}, peak, t.micro_batch_size,
+                                    t.max_nonfinite_steps)
         once = {}
     return metrics
 
@@ -287,10 +298,9 @@ def _search_step(pilot: autopilot.Autopilot, parts: Parts, batch: list[Batch], t
 
 def _too_many_non_finite(progress: Progress, limit: int) -> NonFiniteLossError:
     return NonFiniteLossError(
-        f"{progress.nonfinite_skipped} steps had a non-finite loss or gradient (the last at step "
-        f"{progress.step}), more than train.max_nonfinite_steps={limit}: lower optim.lr, "
-        "raise optim.warmup_steps, set optim.max_grad_norm, use train.precision=bf16/fp32, or check "
-        "the data for NaN/inf values"
+        f"{progress.nonfinite_skipped} steps had a non-finite loss or gradient by step {progress.step}, more than "
+        f"train.max_nonfinite_steps={limit}: lower optim.lr, raise optim.warmup_steps, set optim.max_grad_norm, use "
+        "train.precision=bf16/fp32, or check the data for NaN/inf values"
     )
 
 
@@ -304,13 +314,13 @@ def _average_local_sgd(sgd: LocalSGD, parts: Parts, step: int, due: Due | None, 
 
 def _report(due: Due, interval: Interval, progress: Progress, parts: Parts, reporter: Reporter,
             val_batches: Callable[[], Iterable[Batch]] | None, once: dict[str, Any], peak: float | None,
-            micro_batch_size: int | str | None) -> tuple[dict[str, Any], Interval]:
+            micro_batch_size: int | str | None, max_nonfinite: int) -> tuple[dict[str, Any], Interval]:
     """A report step: the interval's figures summed over ranks, evaluation and a checkpoint when due, then the
     report. Returns its metrics and the next interval, which starts before the report so that time blocked in
     registering the checkpoint is billed to it as "report". `once`: figures sent with this report only."""
     world = ranks.world()[1]
     # Raises on a non-finite loss before anything is evaluated or saved: a broken model is never persisted.
-    metrics, samples, targets = _interval_metrics(interval, progress, parts, world)
+    metrics, samples, targets = _interval_metrics(interval, progress, parts, world, max_nonfinite)
     if due.drain:
         metrics["drain_checkpoint"] = 1
     if due.eval:
@@ -367,28 +377,32 @@ def _worker_paces(interval: Interval, device: torch.device) -> dict[str, float]:
     return {f"worker/{r}/samples_per_s": p for r, p in enumerate(ranks.all_reduce_sum(paces, device))}
 
 
-def _interval_metrics(interval: Interval, progress: Progress, parts: Parts, world: int
+def _interval_metrics(interval: Interval, progress: Progress, parts: Parts, world: int, max_nonfinite: int
                       ) -> tuple[dict[str, Any], float, float]:
     """The interval's figures summed over ranks, with its sample and target counts (throughput comes later, once
-    the interval's wall time is known)."""
-    loss_sum_, targets, samples, loss_targets = ranks.all_reduce_sum(
-        [float(interval.loss_sum), float(interval.targets), float(interval.samples), float(interval.loss_targets)],
-        parts.device)
+    the interval's wall time is known): the interval's one read of the device. Its non-finite steps are counted
+    here, so train.max_nonfinite_steps stops a run at the first report after the step that passed it."""
+    shared, own = interval.sums(parts.device)
+    if world > 1:
+        dist.all_reduce(shared)
+    loss_sum_, targets, samples, loss_targets, norm_sum, norms, skipped = torch.cat([shared, own]).tolist()
+    progress.nonfinite_skipped += int(skipped)
+    if progress.nonfinite_skipped > max_nonfinite:
+        raise _too_many_non_finite(progress, max_nonfinite)
     loss = loss_sum_ / loss_targets if loss_targets else math.nan  # nan: every step of the interval was skipped
     if loss_targets and not math.isfinite(loss):
         raise NonFiniteLossError(
             f"training loss became {loss} by step {progress.step}: lower optim.lr, raise optim.warmup_steps, "
             "set optim.max_grad_norm, or use train.precision=bf16/fp32"
         )
-    # The gradient norm is the mean over the steps that were applied; nan when none was (as train_loss).
-    applied = interval.steps - interval.skipped - interval.overflowed
     metrics = {
         "step": progress.step,
         "epoch": progress.epoch,
         "samples_seen": progress.samples_seen,
         "train_loss": loss,
         "lr": parts.optimizer.param_groups[0]["lr"],
-        "grad_norm": float(interval.grad_norm_sum) / applied if applied else math.nan,
+        # The gradient norm is the mean over the steps that were applied; nan when none was (as train_loss).
+        "grad_norm": norm_sum / norms if norms else math.nan,
         "skipped_steps": parts.precision.skipped_steps,
         "nonfinite_skipped": progress.nonfinite_skipped,
         "oom_retries": parts.oom_retries,

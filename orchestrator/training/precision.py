@@ -29,7 +29,7 @@ def resolve_precision(requested: str, device: torch.device) -> Mode:
     if requested != "auto":
         return requested  # type: ignore[return-value]
     if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
     return "bf16" if cpu_supports_bf16() else "fp32"
 
 
@@ -48,17 +48,26 @@ class Precision:
 
     def __init__(self, mode: Mode, device: torch.device) -> None:
         self.mode = mode
-        self.device_type = device.type
+        self.device = device
         # fp16 has a narrow exponent range: small gradients underflow unless the loss is scaled up first.
         self.scaler = torch.amp.GradScaler(device.type) if mode == "fp16" else None
-        self.skipped_steps = 0
+        # Steps the fp16 scaler skipped, counted on the device (read at reports and checkpoints only).
+        self._overflows = torch.zeros((), device=device)
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self._overflows)
+
+    @skipped_steps.setter
+    def skipped_steps(self, count: int) -> None:
+        self._overflows = torch.tensor(float(count), device=self.device)
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
         if self.mode == "fp32":
             yield
         else:
-            with torch.autocast(self.device_type, dtype=_DTYPES[self.mode]):
+            with torch.autocast(self.device.type, dtype=_DTYPES[self.mode]):
                 yield
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -69,23 +78,24 @@ class Precision:
         if self.scaler:
             self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Apply the update; False when the scaler skipped it because gradients overflowed."""
+    def step(self, optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> torch.Tensor:
+        """Apply the update unless `skip` (1.0 on the device, the same on every rank) says otherwise, without reading
+        it back. Returns, on the device, 1.0 where the fp16 scaler skipped the update because the gradients overflowed
+        (and `skip` had not already dropped it), else 0.0. A skipped step still counts for the fp16 scale."""
         if self.scaler is None:
-            optimizer.step()
-            return True
-        scale = self.scaler.get_scale()
+            step_unless(optimizer, skip)
+            return torch.zeros((), device=skip.device)
+        # The scaler's verdict per device, from unscale_: `skip` joins it, so the update is dropped (inside the fused
+        # kernel, or by the scaler's own read without one) and update() backs the scale off, as after an overflow.
+        found = self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        overflow = torch.stack([flag.to(skip.device) for flag in found.values()]).amax()
+        for flag in found.values():
+            torch.maximum(flag, skip.to(flag.device), out=flag)
         self.scaler.step(optimizer)
         self.scaler.update()
-        applied = self.scaler.get_scale() >= scale  # the scale only drops after an inf/nan step
-        self.skipped_steps += not applied
-        return applied
-
-    def skip(self) -> None:
-        """Close a step dropped for a non-finite loss without an update: the scaler has unscaled this step's
-        gradients and must be updated (and backs off its scale) before the next one."""
-        if self.scaler:
-            self.scaler.update()
+        overflowed = (overflow > 0) & (skip == 0)
+        self._overflows += overflowed
+        return overflowed.float()
 
     def state_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "skipped_steps": self.skipped_steps,
@@ -95,3 +105,17 @@ class Precision:
         self.skipped_steps = state.get("skipped_steps", 0)
         if self.scaler and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+
+
+def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+    """`optimizer.step()` unless `skip` is 1.0, decided on the device where the optimizer can (torch's fused kernels
+    take a `found_inf` flag and leave parameters, state and step count untouched when it is 1). Any other optimizer
+    reads the flag back: one host read per step, the price of an optimizer without a fused kernel."""
+    if getattr(optimizer, "defaults", {}).get("fused"):
+        optimizer.found_inf = skip  # type: ignore[attr-defined]  # the attribute GradScaler sets for fused kernels
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf  # type: ignore[attr-defined]
+    elif not bool(skip):
+        optimizer.step()

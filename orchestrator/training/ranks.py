@@ -50,6 +50,15 @@ def any_rank(flag: bool | torch.Tensor, device: torch.device) -> bool:
     return bool(tensor.item())
 
 
+def on_any_rank(flag: torch.Tensor) -> torch.Tensor:
+    """1.0 on every rank if `flag` (a float 0/1 on the training device) is 1 on any rank, left on the device: a MAX
+    all-reduce, never read back (the step decides with it on the device)."""
+    flag = flag.to(torch.float32).reshape(())
+    if world()[1] > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag
+
+
 def rank0_says(flag: bool, device: torch.device) -> bool:
     """Rank 0's value on every rank: a decision from a local clock must be the same everywhere, or the ranks'
     collective calls (checkpoint gather, report) would no longer line up."""

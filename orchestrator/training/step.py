@@ -9,6 +9,7 @@ import time
 import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,29 +30,18 @@ class DeviceMemoryError(UserError):
 
 
 def train_step(parts: Parts, micro_batches: list[Batch], timer: PhaseTimer | None = None) -> StepResult:
-    """Forward/backward every micro-batch, then one optimizer step.
+    """Forward/backward every micro-batch, then one optimizer step, all queued without waiting for the device: no
+    value is read back and nothing synchronises it (what a report needs stays on the device, see StepResult).
 
-    After an out-of-memory error on any rank before DDP's gradient all-reduce, every rank redoes the step with
-    each micro-batch cut in two (twice the accumulation): the same samples and the same normaliser, so the same
-    update. Under FSDP (train.parallel=fsdp) an out-of-memory error is fatal: see `_unretriable`.
+    After an out-of-memory error before DDP's gradient all-reduce, the rank redoes its part of the step with each
+    micro-batch cut in two (twice the accumulation): the same samples and the same normaliser, so the same update.
+    Under FSDP (train.parallel=fsdp) an out-of-memory error is fatal: see `_unretriable`.
     """
     timer = timer or PhaseTimer(parts.device)
-    # Normalise by the targets (samples, or tokens) of the whole step on all ranks, not per micro-batch: then
-    # k micro-batches of size b give the gradient of one batch of k*b, and DDP's mean over ranks (hence the
-    # world factor) gives the mean over the global batch even when ranks hold different token counts.
-    local_targets = sum(parts.task.count(batch) for batch in micro_batches).to(torch.float32)
-    targets = local_targets.clone()
-    # Local SGD: each rank's step is its own (no gradient mean), so the normaliser is its own targets too.
-    world = ranks.world()[1] if parts.local_sgd is None else 1
-    if world > 1:
-        # The step's first collective: a rank whose data came first waits here for the others (sync, not "other").
-        with timer.phase("sync"):
-            dist.all_reduce(targets)
-        parts.comm_bytes += targets.element_size()
-    scale = world / targets.clamp(min=1)
+    norm = Normaliser(parts, micro_batches, timer)
     while True:
         pieces = cut(parts, micro_batches)
-        step_loss = _forward_backward(parts, pieces, scale, timer)
+        step_loss = _forward_backward(parts, pieces, norm, timer)
         if step_loss is not None:
             break
         parts.optimizer.zero_grad(set_to_none=True)
@@ -65,19 +55,55 @@ def train_step(parts: Parts, micro_batches: list[Batch], timer: PhaseTimer | Non
         # Under FSDP each rank holds a shard of every gradient: the norm is reduced over the ranks' shards.
         grad_norm = (fsdp.clip_grad_norm(parts.model, max_norm) if fsdp.is_sharded(parts.model)
                      else torch.nn.utils.clip_grad_norm_(parts.model.parameters(), max_norm))
-        if _non_finite_anywhere(step_loss, grad_norm, parts):
-            # No update from this step; its samples are consumed and the LR schedule (indexed by samples) moves
-            # on, as after a step the fp16 scaler skips.
-            parts.optimizer.zero_grad(set_to_none=True)
-            parts.precision.skip()
+        # A non-finite step makes no update (decided on the device); its samples are consumed and the LR schedule
+        # (indexed by samples) moves on, as after a step the fp16 scaler skips.
+        skipped = _non_finite_anywhere(step_loss, grad_norm, parts)
+        overflowed = parts.precision.step(parts.optimizer, skipped)
+        parts.optimizer.zero_grad(set_to_none=True)
+        if getattr(parts.optimizer, "defaults", {}).get("fused"):
+            parts.scheduler.step()
+        else:
             with warnings.catch_warnings():  # torch warns when the schedule moves before any optimizer step
                 warnings.simplefilter("ignore", UserWarning)
                 parts.scheduler.step()
-            return StepResult(step_loss, grad_norm.detach(), samples, local_targets, skipped=True)
-        applied = parts.precision.step(parts.optimizer)
-        parts.optimizer.zero_grad(set_to_none=True)
-        parts.scheduler.step()
-    return StepResult(step_loss, grad_norm.detach(), samples, local_targets, overflowed=not applied)
+    return StepResult(step_loss, grad_norm.detach(), samples, norm.local, skipped, overflowed)
+
+
+class Normaliser:
+    """The step's loss normaliser: its targets (samples, or tokens) on all ranks, not per micro-batch. Then k
+    micro-batches of size b give the gradient of one batch of k*b, and DDP's mean over ranks (hence the world
+    factor) gives the mean over the global batch even when ranks hold different token counts.
+
+    Rows are the same on every rank (equal shards), so a task whose count follows from the rows (classification,
+    regression: `counts_tokens` false) needs no collective: the global count is the local one times the world.
+    Token counts differ per rank: their all-reduce is started here and waited for only at the first backward, so it
+    overlaps the first forward. A user's task that does not subclass Task is treated as varying."""
+
+    def __init__(self, parts: Parts, micro_batches: list[Batch], timer: PhaseTimer) -> None:
+        self.timer = timer
+        self.waited: tuple[Any, Any] | None = None  # the timer's marks around the wait for the all-reduce
+        self.local = sum(parts.task.count(batch) for batch in micro_batches).to(torch.float32)
+        # Local SGD: each rank's step is its own (no gradient mean), so the normaliser is its own targets too.
+        self.world = ranks.world()[1] if parts.local_sgd is None else 1
+        self.work: dist.Work | None = None
+        self._scale: torch.Tensor | None = None
+        if self.world > 1 and getattr(parts.task, "counts_tokens", True):
+            self.total = self.local.clone()
+            self.work = dist.all_reduce(self.total, async_op=True)
+            parts.comm_bytes += self.total.element_size()
+        else:
+            self.total = self.local * self.world
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """world / global targets: multiplies each piece's loss sum before its backward."""
+        if self._scale is None:
+            if self.work is not None:  # waits on the host under gloo; under NCCL only the device's stream waits
+                started = self.timer.mark()
+                self.work.wait()
+                self.waited = (started, self.timer.mark())
+            self._scale = self.world / self.total.clamp(min=1)
+        return self._scale
 
 
 def cut(parts: Parts, micro_batches: list[Batch]) -> list[Batch]:
@@ -86,36 +112,45 @@ def cut(parts: Parts, micro_batches: list[Batch]) -> list[Batch]:
     `parts.split` (a smaller one, or after an out-of-memory error)."""
     if parts.join > 1:
         micro_batches = [cat_rows(micro_batches[i:i + parts.join]) for i in range(0, len(micro_batches), parts.join)]
+    if parts.split == 1:
+        return micro_batches
     return [piece for batch in micro_batches for piece in chunk(batch, parts.split)]
 
 
-def _non_finite_anywhere(step_loss: torch.Tensor, grad_norm: torch.Tensor, parts: Parts) -> bool:
-    """True on every rank if any rank's loss (or the gradient) is NaN/inf. Losses differ per rank, and skipping on
-    one rank only would leave the ranks' weights apart and their collectives misaligned: so all-reduce a flag.
-    With fp16 the GradScaler already skips overflowing gradients, so only the loss is judged."""
+def _non_finite_anywhere(step_loss: torch.Tensor, grad_norm: torch.Tensor, parts: Parts) -> torch.Tensor:
+    """1.0 on every rank if any rank's loss (or the gradient) is NaN/inf, else 0.0, on the device (never read here).
+    Losses differ per rank, and skipping on one rank only would leave the ranks' weights apart: so the flag is
+    all-reduced. With fp16 the GradScaler already skips overflowing gradients, so only the loss is judged."""
     bad = ~torch.isfinite(step_loss)
     if parts.precision.scaler is None:
         bad = bad | ~torch.isfinite(grad_norm)
-    return ranks.any_rank(bad, parts.device)
+    return ranks.on_any_rank(bad)
 
 
 @dataclass
 class StepResult:
+    """What a step leaves for the report, on the device (read once per report, never per step)."""
+
     loss_sum: torch.Tensor  # summed over this rank's targets
     grad_norm: torch.Tensor
     samples: int
     targets: torch.Tensor  # this rank's targets (samples, or tokens) in the step, on the device
-    skipped: bool = False  # non-finite loss or gradient on some rank: no update was applied
-    # fp16: the GradScaler skipped the update (the unscaled gradient overflowed; its norm is inf/nan). The loss is
+    # 1.0: a non-finite loss or gradient on some rank, no update was applied (the same on every rank)
+    skipped: torch.Tensor
+    # 1.0: fp16's GradScaler skipped the update (the unscaled gradient overflowed; its norm is inf/nan). The loss is
     # real, the norm is not a figure of the model.
-    overflowed: bool = False
+    overflowed: torch.Tensor
 
 
-def _forward_backward(parts: Parts, pieces: list[Batch], scale: torch.Tensor,
+def _forward_backward(parts: Parts, pieces: list[Batch], norm: Normaliser,
                       timer: PhaseTimer) -> torch.Tensor | None:
-    """Forward and backward of every piece, accumulating gradients; returns the summed loss, or None when some rank
-    ran out of memory before DDP's gradient all-reduce (every rank then redoes the step with smaller pieces).
-    DeviceMemoryError when pieces of one row still do not fit."""
+    """Forward and backward of every piece, accumulating gradients; returns the summed loss, or None when this rank
+    ran out of memory before DDP's gradient all-reduce (it then redoes its step with smaller pieces).
+    DeviceMemoryError when pieces of one row still do not fit.
+
+    The retry is this rank's alone: the pieces before the synced one run under no_sync, which holds no collective,
+    so the other ranks need not know (and a verdict agreed every step would read a flag back every step). They
+    simply wait for this rank in the synced piece's all-reduce."""
     model = parts.model
     model.train()
     sharded = fsdp.is_sharded(model)
@@ -123,79 +158,77 @@ def _forward_backward(parts: Parts, pieces: list[Batch], scale: torch.Tensor,
     # no_sync. Under local SGD no piece is all-reduced: ranks step alone and average parameters later. FSDP's
     # counterpart of no_sync (train.fsdp.defer_sync) is fsdp.gradient_sync.
     ddp = (hasattr(model, "no_sync") and parts.local_sgd is None) or sharded
-    # With several ranks, an OOM retry is decided together before the synced piece: a rank redoing the step alone
-    # would meet the others' gradient all-reduce with collectives of its own (gloo aborts, NCCL hangs).
-    together = ddp and not sharded and ranks.world()[1] > 1 and len(pieces) > 1
     total = torch.zeros((), device=parts.device)
-    seconds: list[float] = []
-    forward_s = 0.0
-
-    ran_out = False  # on this rank
+    marks: list[tuple[Any, Any, Any]] = []  # each piece's start, end of forward, end of backward
     try:
         for batch in pieces[:-1] if ddp else pieces:
-            forward_s = _piece(parts, batch, scale, False, sharded, total, seconds)
+            _piece(parts, batch, norm, False, sharded, total, marks, timer)
     except Exception as exc:
         if not is_oom(exc):
             raise
         if sharded:
             raise _unretriable(pieces) from exc
-        ran_out = True
-    if ranks.any_rank(ran_out, parts.device) if together else ran_out:
-        # Once no rank's pieces can be cut further, a retry would redo the identical step forever.
-        splittable = max(rows(batch) for batch in pieces) > 1
-        if not (ranks.any_rank(splittable, parts.device) if together else splittable):
+        if max(rows(batch) for batch in pieces) <= 1:  # a retry would redo the identical step forever
             raise DeviceMemoryError(
                 "out of memory even with a micro-batch of 1 row: use a smaller model or shorter sequences, "
-                "train.precision=bf16, or a device with more memory")
-        if ran_out:  # the rank that ran out says so; the others retry quietly, as agreed
-            warnings.warn(f"out of memory: retrying the step with micro-batches cut in {parts.split * 2} "
-                          "(same global batch, more accumulation)", stacklevel=3)
+                "train.precision=bf16, or a device with more memory") from exc
+        # DDP broadcast its buffers in this step's first forward, and a forward that raised never told it so:
+        # the redone forward must not broadcast again, which the other ranks would not match.
+        if hasattr(model, "require_forward_param_sync"):
+            model.require_forward_param_sync = False
+        warnings.warn(f"out of memory: retrying the step with micro-batches cut in {parts.split * 2} "
+                      "(same global batch, more accumulation)", stacklevel=3)
         return None
     if ddp:  # an OOM in here is not retried: it may strike inside the all-reduce, which one rank cannot undo
         try:
-            forward_s = _piece(parts, pieces[-1], scale, True, sharded, total, seconds)
+            _piece(parts, pieces[-1], norm, True, sharded, total, marks, timer)
         except Exception as exc:
             if sharded and is_oom(exc):
                 raise _unretriable(pieces) from exc
             raise
-    _bill_compute_and_sync(timer, seconds, forward_s, ddp)
+    synced, waited = ddp and ranks.world()[1] > 1, norm.waited
+    timer.later(lambda between: _bill_compute_and_sync(timer, [between(s, e) for s, _, e in marks],
+                                                       between(*marks[-1][:2]), synced,
+                                                       between(*waited) if waited else 0.0))
     return total
 
 
-def _piece(parts: Parts, batch: Batch, scale: torch.Tensor, synced: bool, sharded: bool, total: torch.Tensor,
-           seconds: list[float]) -> float:
+def _piece(parts: Parts, batch: Batch, norm: Normaliser, synced: bool, sharded: bool, total: torch.Tensor,
+           marks: list[tuple[Any, Any, Any]], timer: PhaseTimer) -> None:
     """Forward and backward of one piece (`synced`: the one whose backward reduces the gradients across ranks).
-    Adds its loss into `total` (in place, on the device) and its seconds to `seconds`; returns its forward's
-    seconds."""
+    Adds its loss into `total` (in place, on the device) and its start, end of forward and end of backward (the
+    timer's marks, never waited for) to `marks`."""
     model = parts.model
-    started = time.perf_counter()
+    started = timer.mark()
     # The forward must be inside no_sync too, because DDP arms its reducer during forward.
     with fsdp.gradient_sync(model, synced, parts.defer_sync) if sharded else \
             nullcontext() if synced or not hasattr(model, "no_sync") else model.no_sync():
         with parts.precision.autocast():
             output = parts.call(model, batch)
         loss = step_loss_sum(parts.task, output, batch, parts.model_loss)
-        forward_s = _elapsed(started, parts.device)
-        parts.precision.backward(loss * scale)
+        forwarded = timer.mark()
+        parts.precision.backward(loss * norm.scale)
     # FSDP without defer_sync reduce-scatters every piece's gradients (a world share of them, for all ranks).
     if (synced or (sharded and not parts.defer_sync)) and ranks.world()[1] > 1:
         parts.comm_bytes += grad_bytes(model)
     total += loss.detach()
-    seconds.append(_elapsed(started, parts.device))
-    return forward_s
+    marks.append((started, forwarded, timer.mark()))
 
 
-def _bill_compute_and_sync(timer: PhaseTimer, seconds: list[float], forward_s: float, ddp: bool) -> None:
+def _bill_compute_and_sync(timer: PhaseTimer, seconds: list[float], forward_s: float, synced: bool,
+                           waited_s: float) -> None:
     """Split the pieces' seconds into compute and sync. The all-reduce overlaps the last backward; what it adds
-    beyond compute is the exposed sync time."""
-    if not (ddp and ranks.world()[1] > 1):
+    beyond compute is the exposed sync time. `waited_s`: the wait for the token count's all-reduce inside the first
+    piece (a rank whose data came first waits there for the others): sync."""
+    seconds = [seconds[0] - waited_s, *seconds[1:]]
+    if not synced:
         sync_s = 0.0
     elif len(seconds) > 1:
         sync_s = max(0.0, seconds[-1] - sum(seconds[:-1]) / (len(seconds) - 1))
     else:  # no unsynced piece to compare with: backward costs about twice the forward's FLOPs
         sync_s = max(0.0, seconds[-1] - 3 * forward_s)
     timer.add("compute", sum(seconds) - sync_s)
-    timer.add("sync", sync_s)
+    timer.add("sync", sync_s + waited_s)
 
 
 def _unretriable(pieces: list[Batch]) -> DeviceMemoryError:

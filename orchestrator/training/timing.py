@@ -6,6 +6,8 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
+from typing import Any
 
 import torch
 
@@ -42,30 +44,72 @@ def count_flops(step: Callable[[], None]) -> int:
 
 
 class PhaseTimer:
-    """Wall seconds per phase within one report interval. On CUDA the device is synchronised at phase ends,
-    otherwise asynchronous kernels would be billed to whichever phase happens to wait for them."""
+    """Seconds per phase within one report interval, read at the report.
 
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+    On CPU a mark is the host's clock. On CUDA kernels run after the host queued them, so a host clock would bill
+    them to whichever phase happens to wait: each mark is instead a CUDA event recorded on the device's stream
+    (queued, no wait), and the report synchronises once (`resolve`) before reading every span of the interval. A
+    step never waits for the device to be timed. `events`: the event factory (CUDA's by default on a CUDA device;
+    tests inject one)."""
+
+    def __init__(self, device: torch.device, events: Callable[[], Any] | None = None) -> None:
+        if events is None and device.type == "cuda":
+            events = partial(torch.cuda.Event, enable_timing=True)
+        self.events = events
         self.seconds: dict[str, float] = defaultdict(float)
+        self.pending: list[Callable[[Callable[[Any, Any], float]], None]] = []  # to work out at the report
+        self.last: Any = None  # the newest event recorded
         self.started = time.perf_counter()
+
+    def mark(self) -> Any:
+        """A point in time: the host's clock, or a CUDA event recorded now on the current stream."""
+        if self.events is None:
+            return time.perf_counter()
+        self.last = self.events()
+        self.last.record()
+        return self.last
+
+    def later(self, work: Callable[[Callable[[Any, Any], float]], None]) -> None:
+        """Run `work(between)` once the marks it reads are complete: now on the host's clock, at the report on a
+        device's (`between(a, b)`: seconds from mark a to mark b)."""
+        if self.events is None:
+            work(_host_between)
+        else:
+            self.pending.append(work)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
+        start = self.mark()
         try:
             yield
         finally:
-            if self.cuda:
-                torch.cuda.synchronize()
-            self.seconds[name] += time.perf_counter() - start
+            end = self.mark()
+            self.later(lambda between: self.add(name, between(start, end)))
 
     def add(self, name: str, seconds: float) -> None:
         self.seconds[name] += seconds
 
+    def resolve(self) -> None:
+        """At a report: wait once for the device to pass the newest mark, then work out every pending span."""
+        if not self.pending:
+            return
+        self.last.synchronize()
+        for work in self.pending:
+            work(_event_between)
+        self.pending.clear()
+
     def shares(self) -> dict[str, float]:
         """Share of the interval's wall time per phase; `other` is the rest (metrics, logging, Python)."""
+        self.resolve()
         wall = max(time.perf_counter() - self.started, 1e-9)
         shares = {f"time/{name}_frac": self.seconds[name] / wall for name in PHASES}
         shares["time/other_frac"] = max(0.0, 1.0 - sum(shares.values()))
         return shares
+
+
+def _host_between(start: float, end: float) -> float:
+    return end - start
+
+
+def _event_between(start: Any, end: Any) -> float:
+    return start.elapsed_time(end) / 1000.0  # milliseconds

@@ -37,7 +37,7 @@ def test_a_complete_pass_is_replayed_and_an_unfinished_one_is_not_kept() -> None
     replay = EpochReplay(keep=True)
     first = replay(stream)
     next(first)  # training ended after one batch: nothing is kept
-    assert replay.batches is None
+    assert replay.rows is None
     assert ys(replay(stream)) == [[0, 1], [2, 3], [4, 5]]
     streamed.clear()
     assert ys(replay(stream)) == [[0, 1], [2, 3], [4, 5]]
@@ -46,7 +46,7 @@ def test_a_complete_pass_is_replayed_and_an_unfinished_one_is_not_kept() -> None
     passing = EpochReplay(keep=False)
     for _ in range(2):
         assert ys(passing(stream)) == [[0, 1], [2, 3], [4, 5]]
-    assert passing.batches is None and streamed == [0, 2, 4, 0, 2, 4]
+    assert passing.rows is None and streamed == [0, 2, 4, 0, 2, 4]
 
 
 def test_later_epochs_replay_the_pass_reshuffled_and_a_restart_inside_one_gets_the_same_batches() -> None:

@@ -113,12 +113,13 @@ def test_local_sgd_all_reduces_about_sync_every_times_fewer_bytes(
         two_ranks: list[dict[str, list[dict[str, Any]]]]) -> None:
     params = sum(p.numel() for p in build_model("mlp", None, 16, 4, {"hidden": [32]}).parameters())
     ddp, local = two_ranks[0]["ddp"][-1]["comm"], two_ranks[0]["local"][-1]["comm"]
-    # DDP: one gradient all-reduce of every fp32 parameter per step, plus a 4-byte normaliser.
-    assert ddp == STEPS * (params * 4 + 4)
+    # DDP: one gradient all-reduce of every fp32 parameter per step (classification's normaliser is rows x world,
+    # no all-reduce).
+    assert ddp == STEPS * params * 4
     # Local SGD: one parameter all-reduce per sync_every steps, nothing in between.
     assert local == STEPS // H * params * 4
     assert ddp / local == pytest.approx(H, rel=0.01)
-    assert two_ranks[0]["ddp"][-1]["per_sample"] == pytest.approx((params * 4 + 4) / 32)
+    assert two_ranks[0]["ddp"][-1]["per_sample"] == pytest.approx(params * 4 / 32)
 
 
 def test_outer_nesterov_step_on_the_averaged_change() -> None:
