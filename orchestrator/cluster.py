@@ -78,23 +78,21 @@ def _join_warm(minutes: float, num_cpus: int, needed: int, logging_config: Any) 
     cannot be had (another command uses a cluster of another environment): a private one is started instead."""
     global _warm
     import ray
-    from ray._private.authentication.authentication_token_setup import (
-        enable_token_auth_by_default,
-        ensure_token_if_auth_enabled,
-    )
+    from ray._private.authentication.authentication_token_setup import enable_token_auth_by_default
 
     wanted = fingerprint(os.environ["PYTHONPATH"], os.environ.get("RAY_AUTH_MODE", "token"))
     if "RAY_AUTH_MODE" not in os.environ:
         # As Ray's own local cluster (`ray.init()` without an address) does: token auth, a token made if missing.
         # Set here, the head started below and this process's join agree on it.
         enable_token_auth_by_default()
-        ensure_token_if_auth_enabled(create_token_if_missing=True)
+    private_token()
     use = take(minutes, num_cpus, needed, wanted)
     if use is None:
         return False
     os.environ["RAY_API_SERVER_ADDRESS"] = use.state["dashboard"]  # see pin_state_api
     try:
-        ray.init(address=use.state["address"], logging_config=logging_config)
+        with local_only():
+            ray.init(address=use.state["address"], logging_config=logging_config)
     except BaseException:
         os.environ.pop("RAY_API_SERVER_ADDRESS", None)
         stop_cluster(use.state, warm_dir())  # a cluster this process cannot join serves none
@@ -102,6 +100,36 @@ def _join_warm(minutes: float, num_cpus: int, needed: int, logging_config: Any) 
         raise
     _warm = use
     return True
+
+
+@contextmanager
+def local_only() -> Iterator[None]:
+    """Ray's local-only mode (its default on macOS and Windows) in this process while it joins the warm cluster,
+    which listens on loopback only (warm_cluster.start): Ray on Linux otherwise replaces the loopback address it is
+    given with the machine's own. Once joined, this process keeps the node IP it joined with."""
+    from ray._private import ray_constants
+
+    saved, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+def private_token() -> None:
+    """With token auth, the token (~/.ray/auth_token) that joins this user's clusters: made when missing, as Ray's own
+    local cluster makes it, but this user's alone. Ray writes it with the process's umask (0644 on most systems: any
+    local user could read it and join the warm cluster as this user); one written so before is made 0600 too."""
+    from ray._private.authentication import authentication_token_setup as tokens
+
+    before = os.umask(0o077)  # the file 0600, a missing ~/.ray 0700; process-wide, so for this short call only
+    try:
+        tokens.ensure_token_if_auth_enabled(create_token_if_missing=True)
+    finally:
+        os.umask(before)
+    token = tokens._get_default_token_path()
+    if token.is_file() and token.stat().st_mode & 0o077:
+        token.chmod(0o600)
 
 
 def job_package() -> str | None:

@@ -105,8 +105,11 @@ def ray_data_config(directory: Path) -> Path:
     config = copy.deepcopy(DEFAULT_CONFIG)
     config["handlers"]["console"] = {"class": f"{__name__}.RayDataConsole", "formatter": "ray", "level": "INFO",
                                      "filters": ["console_filter"]}
+    from pipelines.storage import owner_only
+
     path = directory / "ray-data-logging.yaml"
-    path.write_text(yaml.safe_dump(config))
+    with open(path, "w", opener=owner_only) as out:
+        out.write(yaml.safe_dump(config))
     return path
 
 

@@ -4,7 +4,9 @@ state file in this user's cache directory. A command takes it only when its fing
 Python, working directory, PYTHONPATH, auth mode, environment) and it has the CPUs; otherwise it is stopped and a
 fresh one started. A small keeper process started with the head stops the head's process tree by PID once no
 command has used it for the idle time; `orchestrator cluster stop` stops it now. A command holds a shared lock while
-it uses the cluster, so it is never stopped under a run. Ray is not imported here: the keeper stays light."""
+it uses the cluster, so it is never stopped under a run. On a shared machine it is its user's alone: its files
+owner-only, Ray's temp dir inside a directory of its own, every port on loopback. Ray is not imported here: the
+keeper stays light."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from typing import IO, Any
 import psutil
 
 from orchestrator.console import RAY_DATA_CONFIG, own_ray_data_config, ray_data_config
-from pipelines.storage import private_dir, user_cache_dir
+from pipelines.storage import owner_only, private_dir, user_cache_dir
 
 STATE, IN_USE, STARTING, HEAD_LOG, KEEPER_LOG = "state.json", "in-use.lock", "start.lock", "head.log", "keeper.log"
 HEAD_READY_S = 90.0  # `ray start` on a busy 2-core machine takes 5-15 s
@@ -34,6 +36,8 @@ KEEPER_POLL_S = 1.0
 UNRECORDED_S = 120.0  # a keeper whose head was never recorded (its command died first) stops it after this
 # Unix socket paths (Ray's temp dir + session_<date>_<pid>/sockets/plasma_store) must stay under 108 bytes.
 MAX_TEMP_DIR = 40
+PRIVATE_TEMP = "orchestrator-warm-"  # the private directory of Ray's temp dir when the cache's path is too long
+LISTENS = "127.0.0.1"  # where every server of the cluster listens (start)
 # Variables of a shell or terminal session, those compared on their own (PYTHONPATH, RAY_AUTH_MODE) and those Ray
 # or the product set in a driver, which say nothing of what a Ray worker computes: commands that differ only in
 # these share a warm cluster. Every other variable must match.
@@ -72,14 +76,14 @@ def fingerprint(pythonpath: str, auth_mode: str, environment: dict[str, str] | N
     env = {name: hashlib.sha256(value.encode()).hexdigest()[:16] for name, value in sorted(given.items())
            if name not in SESSION_VARIABLES and not name.startswith(SESSION_PREFIXES)}
     return {"ray": version("ray"), "python": sys.executable, "cwd": os.getcwd(), "pythonpath": pythonpath,
-            "auth_mode": auth_mode, "env": env}
+            "auth_mode": auth_mode, "env": env, "listens": LISTENS}
 
 
 def mismatch(state: dict[str, Any], wanted: dict[str, Any], needed_cpus: int) -> str | None:
     """Why the recorded cluster cannot serve this command (a phrase), or None."""
     have = state["fingerprint"]
     names = {"ray": "Ray", "python": "Python", "cwd": "working directory", "pythonpath": "PYTHONPATH",
-             "auth_mode": "RAY_AUTH_MODE"}
+             "auth_mode": "RAY_AUTH_MODE", "listens": "listening address"}  # one started before it listened on loopback
     for key, name in names.items():
         if have.get(key) != wanted[key]:
             return f"was started with another {name} ({have.get(key)}; here {wanted[key]})"
@@ -130,7 +134,8 @@ def read_state(directory: Path) -> dict[str, Any] | None:
 def write_state(directory: Path, state: dict[str, Any]) -> None:
     """Atomically (the keeper reads it meanwhile); its modification time is the cluster's last use."""
     temporary = directory / f".{STATE}.{os.getpid()}"
-    temporary.write_text(json.dumps(state, indent=1))
+    with open(temporary, "w", opener=owner_only) as out:
+        out.write(json.dumps(state, indent=1))
     os.replace(temporary, directory / STATE)
 
 
@@ -176,9 +181,9 @@ def take(minutes: float, num_cpus: int, needed_cpus: int, wanted: dict[str, Any]
     stopped first, saying why); held until `WarmUse.release`. None when the recorded one does not match but
     another command is using it: this command then starts a private cluster of its own."""
     directory = warm_dir()
-    with open(directory / STARTING, "a+b") as starting:
+    with open(directory / STARTING, "a+b", opener=owner_only) as starting:
         fcntl.flock(starting, fcntl.LOCK_EX)  # one command at a time finds or starts it
-        lock = open(directory / IN_USE, "a+b")  # noqa: SIM115 - held until release
+        lock = open(directory / IN_USE, "a+b", opener=owner_only)  # noqa: SIM115 - held until release
         try:
             state = read_state(directory)
             reason = mismatch(state, wanted, needed_cpus) if state else None
@@ -221,30 +226,37 @@ def free_port() -> int:
 
 def _ray_temp_dir(directory: Path) -> Path:
     """Where Ray keeps the cluster's sessions and logs: under the cache directory, fresh for each cluster, when its
-    path is short enough for Ray's Unix sockets; else a private new directory under the system's temp dir."""
+    path is short enough for Ray's Unix sockets; else in a private new directory under the system's temp dir. Inside
+    a directory of this user's alone either way: `ray start` makes its temp dir (and every directory in it) 0777."""
     under = directory / "ray"
     if len(str(under)) <= MAX_TEMP_DIR:
         shutil.rmtree(under, ignore_errors=True)  # the logs of the clusters stopped before this one
         under.mkdir(mode=0o700)
         return under
-    return Path(tempfile.mkdtemp(prefix="orchestrator-warm-"))
+    return Path(tempfile.mkdtemp(prefix=PRIVATE_TEMP)) / "ray"  # mkdtemp: 0700
 
 
 def start(directory: Path, minutes: float, num_cpus: int, wanted: dict[str, Any]) -> dict[str, Any]:
     """`ray start --head --block` in its own session (a Ctrl+C in the terminal does not reach it), sized and set
     up as `cluster.connect_ray`'s private cluster (dashboard on localhost, its state API in RAY_API_SERVER_ADDRESS
-    for every Ray process), and its keeper; recorded in the state file. Stopped again if anything fails."""
+    for every Ray process), and its keeper; recorded in the state file. Stopped again if anything fails. Its node
+    IP is loopback: Ray then binds every server (GCS, raylet, workers, agents, dashboard) there, none on all
+    interfaces."""
     temp_dir, gcs, dashboard = _ray_temp_dir(directory), free_port(), free_port()
-    env = dict(os.environ, RAY_API_SERVER_ADDRESS=f"http://127.0.0.1:{dashboard}")
+    # Ray's local-only mode (its default on macOS and Windows), for every process of the cluster: `ray start` on Linux
+    # otherwise replaces a loopback node IP with the machine's, and its servers listen on every interface. A driver
+    # joins in that mode too (cluster.local_only).
+    env = dict(os.environ, RAY_API_SERVER_ADDRESS=f"http://127.0.0.1:{dashboard}",
+               RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     if own_ray_data_config():  # this run's file goes with the run: the cluster's workers get a lasting copy
         env[RAY_DATA_CONFIG] = str(ray_data_config(directory))
     command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--port", str(gcs),
-               "--num-cpus", str(num_cpus), "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
-               "--dashboard-port", str(dashboard), "--ray-client-server-port", str(free_port()),
-               "--dashboard-agent-listen-port", str(free_port()), "--metrics-export-port", str(free_port()),
-               "--min-worker-port", "0", "--max-worker-port", "0", "--temp-dir", str(temp_dir),
-               "--disable-usage-stats"]
-    with open(directory / HEAD_LOG, "wb") as log:
+               "--node-ip-address", LISTENS, "--num-cpus", str(num_cpus), "--include-dashboard", "true",
+               "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard),
+               "--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
+               "--metrics-export-port", str(free_port()), "--min-worker-port", "0", "--max-worker-port", "0",
+               "--temp-dir", str(temp_dir), "--disable-usage-stats"]
+    with open(directory / HEAD_LOG, "wb", opener=owner_only) as log:
         head = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
     state: dict[str, Any] = {"address": f"127.0.0.1:{gcs}", "dashboard": env["RAY_API_SERVER_ADDRESS"],
@@ -258,7 +270,7 @@ def start(directory: Path, minutes: float, num_cpus: int, wanted: dict[str, Any]
                 tail = (directory / HEAD_LOG).read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"the warm Ray cluster's head did not start (log {directory / HEAD_LOG}):\n{tail}")
             time.sleep(0.1)
-        with open(directory / KEEPER_LOG, "ab") as log:
+        with open(directory / KEEPER_LOG, "ab", opener=owner_only) as log:
             keeper = subprocess.Popen([sys.executable, "-m", "orchestrator.warm_cluster", "keep", str(head.pid)],
                                       stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True)
@@ -307,8 +319,10 @@ def stop_cluster(state: dict[str, Any], directory: Path) -> None:
         time.sleep(0.05)
     if read_state(directory) == state or (read_state(directory) or {}).get("head_pid") == state["head_pid"]:
         (directory / STATE).unlink(missing_ok=True)
-    if not state["temp_dir"].startswith(str(directory)):  # a private temp dir of its own
-        shutil.rmtree(state["temp_dir"], ignore_errors=True)
+    if not state["temp_dir"].startswith(str(directory)):  # with the private directory it lies in
+        temp_dir = Path(state["temp_dir"])
+        shutil.rmtree(temp_dir.parent if temp_dir.parent.name.startswith(PRIVATE_TEMP) else temp_dir,
+                      ignore_errors=True)
 
 
 def _running(process: psutil.Process) -> bool:
@@ -332,7 +346,7 @@ def stop_now() -> str:
 
 
 def _in_use(directory: Path) -> bool:
-    with open(directory / IN_USE, "a+b") as lock:
+    with open(directory / IN_USE, "a+b", opener=owner_only) as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -391,7 +405,7 @@ def keep(head_pid: int) -> None:
         assert state is not None
         if idle_s(directory) < state["keep_warm_minutes"] * 60:
             continue
-        with open(directory / IN_USE, "a+b") as lock:
+        with open(directory / IN_USE, "a+b", opener=owner_only) as lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -249,6 +249,11 @@ def user_cache_dir() -> str:
         return private_dir(os.path.join(tempfile.gettempdir(), f"orchestrator-{os.getuid()}"))
 
 
+def owner_only(path: str, flags: int) -> int:
+    """An `open(..., opener=owner_only)`: a file it creates is this user's alone (0600), from its first byte."""
+    return os.open(path, flags, 0o600)
+
+
 def private_dir(path: str, instead: str = "set XDG_CACHE_HOME to a directory of your own") -> str:
     """`path` as a real directory owned by this user that no one else can write to (created 0700, tightened if
     others may only read it); DataError if it is a symlink, someone else's, or writable by others (whoever could

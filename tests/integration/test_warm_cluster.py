@@ -1,8 +1,9 @@
 """The warm path (cluster.keep_warm_minutes, warm_cluster.py) through the CLI, as a user runs it: a second
 `orchestrator train` joins the first one's cluster and starts none (one Ray session, the same head PID) and its
 start-up is lower; its CPUs are all free again between runs; `orchestrator cluster stop` leaves no process of it; a
-recorded cluster of another Ray version is not reused; an idle one is gone after its idle time. Each test stops what
-it started by PID, also on failure. XDG_CACHE_HOME is the test's own: the user's warm cluster is not touched."""
+recorded cluster of another Ray version is not reused; an idle one is gone after its idle time. On a shared machine it
+is its user's alone: its files owner-only, every port on loopback. Each test stops what it started by PID, also on
+failure. XDG_CACHE_HOME is the test's own: the user's warm cluster is not touched."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -44,15 +46,33 @@ def cache(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def overrides(tmp_path: Path, digits_dir: str, minutes: float) -> list[str]:
+    return [f"data.train={digits_dir}/train", f"data.val={digits_dir}/val", f"storage.path={tmp_path}/runs",
+            f"tracking.uri=sqlite:///{tmp_path}/mlruns.db", "train.max_steps=20", "optim.warmup_steps=2",
+            "checkpoint.every=20", f"cluster.keep_warm_minutes={minutes}"]
+
+
 def train(tmp_path: Path, digits_dir: str, minutes: float) -> subprocess.CompletedProcess[str]:
-    command = [str(BIN / "orchestrator"), "train", "--config", str(ROOT / "examples" / "digits.yaml"),
-               "--set", f"data.train={digits_dir}/train", "--set", f"data.val={digits_dir}/val",
-               "--set", f"storage.path={tmp_path}/runs", "--set", f"tracking.uri=sqlite:///{tmp_path}/mlruns.db",
-               "--set", "train.max_steps=20", "--set", "optim.warmup_steps=2", "--set", "checkpoint.every=20",
-               "--set", f"cluster.keep_warm_minutes={minutes}"]
+    sets = [arg for value in overrides(tmp_path, digits_dir, minutes) for arg in ("--set", value)]
+    command = [str(BIN / "orchestrator"), "train", "--config", str(ROOT / "examples" / "digits.yaml"), *sets]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return done
+
+
+def listening_on(state: dict[str, Any]) -> set[str]:
+    """The addresses the cluster's processes accept TCP connections on."""
+    found: set[str] = set()
+    for pid in processes(state):
+        try:
+            found |= {c.laddr.ip for c in psutil.Process(pid).net_connections("inet") if c.status == psutil.CONN_LISTEN}
+        except psutil.Error:
+            continue
+    return found
+
+
+def mode(path: Path) -> str:
+    return oct(stat.S_IMODE(path.lstat().st_mode))
 
 
 def processes(state: dict[str, Any]) -> list[int]:
@@ -76,7 +96,10 @@ def free_cpus(address: str) -> tuple[float, float]:
     before = dict(os.environ)  # before `import ray`, which sets some of its own
     import ray
 
-    ray.init(address=address)
+    from orchestrator.cluster import local_only
+
+    with local_only():  # the cluster listens on loopback only
+        ray.init(address=address)
     try:
         deadline = time.time() + 20
         while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"] and time.time() < deadline:
@@ -90,13 +113,19 @@ def free_cpus(address: str) -> tuple[float, float]:
 
 def test_a_second_command_joins_the_first_ones_cluster_and_cluster_stop_ends_it(
         cache: Path, tmp_path: Path, digits_dir: str) -> None:
-    from orchestrator.warm_cluster import read_state
+    from orchestrator.warm_cluster import HEAD_LOG, IN_USE, KEEPER_LOG, STARTING, STATE, read_state
 
     first = train(tmp_path, digits_dir, minutes=5)
     state = read_state(cache)
     assert state is not None
     assert (f"Ray cluster kept warm for 5 min at {state['address']} for the next run; `orchestrator cluster stop` "
             "ends it now") in first.stdout.splitlines()
+    # Its user's alone on a shared machine: no other local user reads its files or reaches a port of it.
+    addresses = listening_on(state)
+    assert addresses and addresses <= {"127.0.0.1", "::1", "::ffff:127.0.0.1"}, addresses
+    files = {p.name: mode(p) for p in cache.iterdir() if p.is_file()}
+    assert {STATE, IN_USE, STARTING, HEAD_LOG, KEEPER_LOG} <= files.keys() and set(files.values()) == {"0o600"}, files
+    assert mode(cache) == "0o700" and Path(state["temp_dir"]).parent == cache  # Ray makes its own temp dir 0777
     sessions = sorted(p.name for p in Path(state["temp_dir"]).glob("session_2*"))
     assert len(sessions) == 1
     available, total = free_cpus(state["address"])

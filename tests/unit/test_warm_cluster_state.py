@@ -7,8 +7,10 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +20,7 @@ import psutil
 import pytest
 
 from orchestrator import warm_cluster
-from orchestrator.warm_cluster import IN_USE, fingerprint, mismatch, read_state, write_state
+from orchestrator.warm_cluster import IN_USE, STATE, fingerprint, mismatch, read_state, write_state
 
 
 @pytest.fixture()
@@ -83,6 +85,9 @@ def test_a_recorded_cluster_serves_only_the_environment_it_was_started_in(
     assert "another PYTHONPATH" in mismatch(state, fingerprint("/other", "disabled"), 4)
     assert "another RAY_AUTH_MODE" in mismatch(state, fingerprint("/src", "token"), 4)
     assert "has 4 CPUs and this run needs 6" in mismatch(state, fingerprint("/src", "disabled"), 6)
+    before_loopback = {k: v for k, v in state["fingerprint"].items() if k != "listens"}  # every interface
+    assert "another listening address (None; here 127.0.0.1)" in mismatch(
+        state | {"fingerprint": before_loopback}, fingerprint("/src", "disabled"), 4)
     started = warm_cluster.start_environment()  # the command's own, whatever it set in itself since
     monkeypatch.setenv("SET_IN_THIS_PROCESS", "1")
     assert mismatch(state, fingerprint("/src", "disabled"), 4) is None
@@ -135,3 +140,51 @@ def test_cluster_stop_ends_every_process_of_it_by_pid(
     assert warm_cluster.stop_now() == f"stopped the warm Ray cluster at {listening} (head pid {head.pid})"
     assert gone(pids, within_s=5) and read_state(cache) is None
     assert warm_cluster.status().startswith("no warm Ray cluster is running")
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.lstat().st_mode)
+
+
+def test_the_warm_clusters_files_and_directories_are_its_owners_alone(cache: Path, tmp_path: Path) -> None:
+    """On a shared machine: its directory 0700 and its files 0600; Ray's temp dir, which `ray start` makes 0777,
+    inside a directory of this user's alone also when the cache's path is too long for it (under /tmp), and that
+    directory removed with the cluster."""
+    write_state(cache, {"address": "127.0.0.1:1"})
+    assert not warm_cluster._in_use(cache)
+    assert mode(cache) == 0o700
+    assert {p.name: oct(mode(p)) for p in cache.iterdir()} == {STATE: "0o600", IN_USE: "0o600"}
+
+    from ray._common.utils import try_to_create_directory
+
+    long = tmp_path / ("x" * warm_cluster.MAX_TEMP_DIR)
+    long.mkdir()
+    temp = warm_cluster._ray_temp_dir(long)  # too long for Ray's sockets: under the system's temp dir
+    try_to_create_directory(str(temp))  # what `ray start --temp-dir` does with it: chmod 0777
+    assert len(str(temp)) <= warm_cluster.MAX_TEMP_DIR and temp.parent.parent == Path(tempfile.gettempdir())
+    assert oct(mode(temp.parent)) == "0o700" and temp.parent.stat().st_uid == os.getuid()
+    warm_cluster.stop_cluster({"head_pid": os.getpid(), "head_created": 0.0, "temp_dir": str(temp)}, long)
+    assert not temp.parent.exists()
+
+
+def test_the_ray_token_a_warm_cluster_is_joined_with_is_its_owners_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Token auth: the token (~/.ray/auth_token) is the cluster's password. Made when missing, as Ray's own local
+    cluster makes it, but 0600 in a 0700 directory (Ray writes it with the default umask: 0644); one an earlier
+    `ray.init()` wrote 0644 is kept, made 0600."""
+    from ray._private.authentication import authentication_token_setup as tokens
+
+    from orchestrator.cluster import private_token
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+    # Token mode for this call only: the test process's own Ray stays in the suite's mode.
+    monkeypatch.setattr(tokens, "get_authentication_mode", lambda: tokens.AuthenticationMode.TOKEN)
+    token = tmp_path / ".ray" / "auth_token"
+    private_token()
+    assert (oct(mode(token)), oct(mode(token.parent)), len(token.read_text())) == ("0o600", "0o700", 64)
+    made = token.read_text()
+    token.chmod(0o644)
+    private_token()
+    assert oct(mode(token)) == "0o600" and token.read_text() == made
