@@ -48,6 +48,11 @@ SESSION_VARIABLES = frozenset({
     "PYTHONPATH", "RAY_AUTH_MODE", "RAY_API_SERVER_ADDRESS", "PYTHONBREAKPOINT",
 })
 SESSION_PREFIXES = ("SSH_", "TERM_", "XDG_SESSION_", "PYTEST_")
+# What the workers read, write and run on (S3's, MLflow's and the Hugging Face Hub's credentials and endpoints; the
+# GPUs): compared as they are in the command's process now, so that a notebook that changes one between two runs
+# gets a cluster started with it. Passing them in each job's runtime_env instead would have Ray's runtime-env agent
+# log them in clear. The MLflow settings the product sets in itself are set again by every tracking process.
+LIVE_PREFIXES = ("AWS_", "MLFLOW_", "HF_", "CUDA_VISIBLE_DEVICES")
 
 
 def warm_dir() -> Path:
@@ -67,12 +72,23 @@ def start_environment() -> dict[str, str]:
     return {name.decode(errors="replace"): value.decode(errors="replace") for name, value in pairs}
 
 
+def command_environment() -> dict[str, str]:
+    """start_environment(), with the LIVE_PREFIXES variables as they are in this process now."""
+    from orchestrator.tracking.client import PROCESS_SETTINGS
+
+    def live(name: str) -> bool:
+        return name.startswith(LIVE_PREFIXES) and name not in PROCESS_SETTINGS
+
+    return ({k: v for k, v in start_environment().items() if not live(k)}
+            | {k: v for k, v in os.environ.items() if live(k)})
+
+
 def fingerprint(pythonpath: str, auth_mode: str, environment: dict[str, str] | None = None) -> dict[str, Any]:
     """What a warm cluster must share with the command that joins it: its workers import the user's modules from
     the working directory and PYTHONPATH, with this Python and Ray, and inherit the environment it was started in
-    (`environment`, by default `start_environment()`; each variable kept as a digest: the state file holds no
+    (`environment`, by default `command_environment()`; each variable kept as a digest: the state file holds no
     secret)."""
-    given = start_environment() if environment is None else environment
+    given = command_environment() if environment is None else environment
     env = {name: hashlib.sha256(value.encode()).hexdigest()[:16] for name, value in sorted(given.items())
            if name not in SESSION_VARIABLES and not name.startswith(SESSION_PREFIXES)}
     return {"ray": version("ray"), "python": sys.executable, "cwd": os.getcwd(), "pythonpath": pythonpath,

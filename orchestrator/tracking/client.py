@@ -39,6 +39,10 @@ from orchestrator.tracking.view import (
 # A dead tracking server would otherwise stall training for minutes (7 retries, 120 s timeout by default).
 _HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15",
                   "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
+# What every process that tracks sets in its environment (a value the user exported wins): the HTTP defaults, and no
+# MLflow "View run ... at <tracking URI>" line on stdout: the product prints the run's URL itself (training view, no
+# credentials), and MLflow's would show a password in the URI.
+PROCESS_SETTINGS = {**_HTTP_DEFAULTS, "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
 # Once the store stops answering, calls are skipped (not each charged those retries) and one is tried again after
 # this long: a dead server costs one warning and a few seconds, not a stalled driver and a warning per report.
 OUTAGE_RETRY_S = 30.0
@@ -59,11 +63,8 @@ class MlflowTracker(Lineage):
         task's validation metric (tune.metric), charted with the loss and samples/s in the headline section.
         `context`: the command's context_tags(), taken by a caller that opens the run after Ray started (in a Ray
         job, `ray.init` can remove the working directory the commit is read from); else taken here."""
-        for key, value in _HTTP_DEFAULTS.items():
+        for key, value in PROCESS_SETTINGS.items():
             os.environ.setdefault(key, value)
-        # MLflow's own "View run ... at <tracking URI>" line on stdout: the product prints the run's URL itself
-        # (training view, no credentials), and MLflow's would show a password in the URI.
-        os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
         from mlflow.tracking import MlflowClient
 
         self.uri = resolve_uri(cfg.uri)  # what connects; `mask_password(self.uri)` is what is shown

@@ -2,8 +2,9 @@
 `orchestrator train` joins the first one's cluster and starts none (one Ray session, the same head PID) and its
 start-up is lower; its CPUs are all free again between runs; `orchestrator cluster stop` leaves no process of it; a
 recorded cluster of another Ray version is not reused; an idle one is gone after its idle time. On a shared machine it
-is its user's alone: its files owner-only, every port on loopback. Each test stops what it started by PID, also on
-failure. XDG_CACHE_HOME is the test's own: the user's warm cluster is not touched."""
+is its user's alone: its files owner-only, every port on loopback. A notebook that sets a variable in itself between
+runs trains with the new value. Each test stops what it started by PID, also on failure. XDG_CACHE_HOME is the
+test's own: the user's warm cluster is not touched."""
 
 from __future__ import annotations
 
@@ -58,6 +59,31 @@ def train(tmp_path: Path, digits_dir: str, minutes: float) -> subprocess.Complet
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return done
+
+
+# A notebook's cells: a variable set in the process, then a run through the Python API (argv: config, overrides).
+NOTEBOOK = """
+import os, sys
+os.environ["HF_HUB_OFFLINE"] = "1"
+from orchestrator import load_config, train
+train(load_config(sys.argv[1], sys.argv[2:]))
+print(f"driver pid {os.getpid()}")
+"""
+
+
+def train_in_notebook(tmp_path: Path, digits_dir: str) -> tuple[subprocess.CompletedProcess[str], dict[str, str]]:
+    """The notebook's run with a model that records what each process that builds it sees of HF_HUB_OFFLINE; the
+    run's output and {pid: value} of its Ray Train workers (the driver builds the model too: left out)."""
+    shutil.copy(Path(__file__).with_name("env_model.py"), tmp_path)  # the user's module, in the working directory
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    model = ["model.entrypoint=env_model:build", "model.variable=HF_HUB_OFFLINE", f"model.out_dir={seen}"]
+    done = subprocess.run([str(BIN / "python"), "-c", NOTEBOOK, str(ROOT / "examples" / "digits.yaml"),
+                           *overrides(tmp_path, digits_dir, 5), *model],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    driver = re.search(r"^driver pid (\d+)$", done.stdout, re.M)[1]  # type: ignore[index]
+    return done, {p.name: p.read_text() for p in seen.iterdir() if p.name != driver}
 
 
 def listening_on(state: dict[str, Any]) -> set[str]:
@@ -115,6 +141,7 @@ def test_a_second_command_joins_the_first_ones_cluster_and_cluster_stop_ends_it(
         cache: Path, tmp_path: Path, digits_dir: str) -> None:
     from orchestrator.warm_cluster import HEAD_LOG, IN_USE, KEEPER_LOG, STARTING, STATE, read_state
 
+    assert os.environ.get("HF_HUB_OFFLINE") != "1"  # what the notebook below changes
     first = train(tmp_path, digits_dir, minutes=5)
     state = read_state(cache)
     assert state is not None
@@ -140,6 +167,17 @@ def test_a_second_command_joins_the_first_ones_cluster_and_cluster_stop_ends_it(
     (_, first_ray), (_, second_ray) = (
         map(float, STARTUP.search(done.stdout).groups()) for done in (first, second))  # type: ignore[union-attr]
     assert second_ray < first_ray / 3, (first.stdout, second.stdout)
+
+    # A notebook sets HF_HUB_OFFLINE in itself, then trains: its workers see the value. The cluster's workers
+    # inherit the environment it was started in, so it is replaced.
+    replaced = processes(state)
+    notebook, workers = train_in_notebook(tmp_path, digits_dir)
+    assert workers and set(workers.values()) == {"1"}, (workers, notebook.stdout[-3000:])
+    assert (f"the warm Ray cluster at {state['address']} was started in another environment (HF_HUB_OFFLINE "
+            "differ): stopped it; starting a fresh one") in notebook.stdout
+    assert gone(replaced, within_s=15)
+    state = read_state(cache)
+    assert state is not None
 
     pids = processes(state)
     stopped = subprocess.run([str(BIN / "orchestrator"), "cluster", "stop"], capture_output=True, text=True,

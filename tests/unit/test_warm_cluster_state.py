@@ -146,6 +146,30 @@ def mode(path: Path) -> int:
     return stat.S_IMODE(path.lstat().st_mode)
 
 
+def test_a_credential_endpoint_or_device_variable_set_in_the_process_is_another_environment(
+        head: subprocess.Popen[bytes], listening: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A notebook that changes os.environ between two runs: the cluster's workers inherit the environment it was
+    started in, so a changed AWS_*, MLFLOW_*, HF_* or CUDA_VISIBLE_DEVICES value is another environment (the cluster
+    is replaced, and the run sees the new value); set or removed alike. What the product sets in itself for MLflow
+    (each tracking process sets it again) is not."""
+    state = recorded(head, listening)
+    for name in ("AWS_SECRET_ACCESS_KEY", "MLFLOW_TRACKING_TOKEN", "HF_TOKEN", "CUDA_VISIBLE_DEVICES"):
+        with monkeypatch.context() as notebook:
+            notebook.setenv(name, "set-in-the-notebook")
+            assert mismatch(state, fingerprint("/src", "disabled"), 4) == \
+                f"was started in another environment ({name} differ)"
+            assert mismatch(recorded(head, listening), fingerprint("/src", "disabled"), 4) is None
+            with_it = recorded(head, listening)
+            notebook.delenv(name)
+            assert mismatch(with_it, fingerprint("/src", "disabled"), 4) == \
+                f"was started in another environment ({name} differ)"
+    from orchestrator.tracking.client import PROCESS_SETTINGS
+
+    for name, value in PROCESS_SETTINGS.items():
+        monkeypatch.setenv(name, value)
+    assert mismatch(state, fingerprint("/src", "disabled"), 4) is None
+
+
 def test_the_warm_clusters_files_and_directories_are_its_owners_alone(cache: Path, tmp_path: Path) -> None:
     """On a shared machine: its directory 0700 and its files 0600; Ray's temp dir, which `ray start` makes 0777,
     inside a directory of this user's alone also when the cache's path is too long for it (under /tmp), and that
