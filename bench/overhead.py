@@ -126,7 +126,8 @@ def host_reads(args: argparse.Namespace, data: Path) -> tuple[float, float]:
     from pipelines.batches import collate_arrow
 
     steps = 200
-    cfg = load_config(None, [*overrides(args, data), f"train.max_steps={steps}", "train.log_every=50"])
+    cfg = load_config(None, [*overrides(args, data), f"train.max_steps={steps}", "train.log_every=50",
+                             "model.num_classes=10"])
     torch.set_num_threads(args.threads)
     x, y = collate_arrow(pq.read_table(data / "train"), ["features"], "label").values()
     parts = build_parts(cfg, 64, torch.device("cpu"))

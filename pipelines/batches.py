@@ -22,6 +22,7 @@ from pipelines.tensors import (
     Padding,
     cat_rows,
     column_array,
+    pinned,
     rows,
     take,
     tensor,
@@ -139,8 +140,8 @@ def collate_sample(table: pa.Table, data: DataConfig, named: bool) -> Batch:
 
 
 class FeatureCollate(ArrowBatchCollateFn):
-    """Collate for `iter_torch_batches`: Arrow batch in, named tensors out (moved to the device by Ray). Holds
-    only immutable settings: Ray Data calls it in threads of its own."""
+    """Collate for `iter_torch_batches`: Arrow batch in, named tensors out (on the host: RankBatches cuts them
+    there). Holds only immutable settings: Ray Data calls it in threads of its own."""
 
     def __init__(self, features: list[str], label: str | None, named: bool = False,
                  padding: Padding | None = None) -> None:
@@ -212,11 +213,13 @@ class EpochReplay:
     streamed), so the rows an epoch left out are drawn into later ones like any other, as streaming in a new shard
     order would. An epoch's order depends only on the pass and the seed, so a worker that starts inside a later
     epoch (a restart) reads the pass first and then hands out exactly the batches an uninterrupted worker would
-    have. A later epoch is gathered once and handed out as views, with no per-micro-batch gather."""
+    have. A later epoch is gathered once and handed out as views, with no per-micro-batch gather. The rows stay in
+    host memory (pinned, `pin`, for a GPU: each micro-batch is copied to it without waiting), never a second copy of
+    the pass on the device."""
 
     def __init__(self, keep: bool, reshuffle: Callable[[int], int] | None = None, micro: int | None = None,
-                 padding: Padding | None = None) -> None:
-        self.keep = keep
+                 padding: Padding | None = None, pin: bool = False) -> None:
+        self.keep, self.pin = keep, pin
         self.reshuffle = reshuffle
         self.micro = micro
         self.padding = padding
@@ -260,7 +263,8 @@ class EpochReplay:
         if self.reshuffle is None or epoch == 0:
             return self.rows
         order = torch.randperm(rows(self.rows), generator=torch.Generator().manual_seed(self.reshuffle(epoch)))
-        return take(self.rows, order)
+        gathered = take(self.rows, order)
+        return pinned(gathered) if self.pin else gathered
 
     def _serve(self, epoch_rows: Batch, start: int) -> Iterator[Batch]:
         """Views of `epoch_rows`, each `size` rows (read before each), from row `start` on; without `micro` the short
@@ -290,8 +294,9 @@ class RankBatches:
 
     def __init__(self, data: DataConfig, train_shard: Any, val_shard: Any | None, micro_batch_size: int, seed: int,
                  rank: int, epoch_clock: str | None, replay: bool, named: bool = False,
-                 schema: pa.Schema | None = None) -> None:
+                 schema: pa.Schema | None = None, pin_memory: bool = False) -> None:
         self.data, self.train_shard, self.val_shard = data, train_shard, val_shard
+        self.pin_memory = pin_memory
         self.micro, self.seed, self.rank, self.epoch_clock = micro_batch_size, seed, rank, epoch_clock
         self.padding = (padding_of(schema, data.features, data.label, named, data.pad_to_multiple_of)
                         if schema is not None else Padding(multiple=data.pad_to_multiple_of))
@@ -301,7 +306,7 @@ class RankBatches:
         reshuffle = (lambda epoch: local_shuffle_seed(seed, epoch, rank)) if data.shuffle else None
         # Streamed whole, the incomplete last micro-batch included: EpochReplay hands out whole micro-batches only.
         self.replay_train = EpochReplay(keep=replay and not data.shuffle_buffer, reshuffle=reshuffle,
-                                        micro=micro_batch_size, padding=self.padding)
+                                        micro=micro_batch_size, padding=self.padding, pin=pin_memory)
         self.replay_val = EpochReplay(keep=replay)
 
     def train(self, epoch: int) -> Epoch:
@@ -330,8 +335,10 @@ class RankBatches:
         return self._chunks(self.train_shard, shuffle_seed=seed)
 
     def _chunks(self, shard: Any, shuffle_seed: int | None = None) -> Iterable[Batch]:
+        # On the host: micro-batches are cut, trimmed and replayed there, and the loop copies each to the device.
         return shard.iter_torch_batches(
             batch_size=fetch_size(self.micro), prefetch_batches=self.data.prefetch_batches, collate_fn=self.collate,
+            device="cpu", pin_memory=self.pin_memory,
             local_shuffle_buffer_size=self.data.shuffle_buffer if shuffle_seed is not None else None,
             local_shuffle_seed=shuffle_seed)
 

@@ -61,12 +61,15 @@ class HeldShard:
         return self._rows
 
     def iter_torch_batches(self, *, batch_size: int, collate_fn: Callable[[pa.Table], Batch],
-                           local_shuffle_buffer_size: int | None = None, **_: Any) -> Iterator[Batch]:
+                           local_shuffle_buffer_size: int | None = None, device: Any = "auto",
+                           pin_memory: bool = False, **_: Any) -> Iterator[Batch]:
         """Ray Data's iter_torch_batches over this rank's rows: `batch_size` rows at a time (the last may be
-        shorter), collated, on the rank's device. Held data has no shuffle buffer (trainer.build_inputs)."""
-        from pipelines.tensors import to_device  # torch: in the rank's process only
+        shorter), collated, on `device` ("auto": the rank's), pinned when asked. Held data has no shuffle buffer
+        (trainer.build_inputs)."""
+        from pipelines.tensors import pinned, to_device  # torch: in the rank's process only
 
         assert not local_shuffle_buffer_size, "held data is replayed, never shuffled through a buffer"
         rows = self.rows()
         for start in range(0, rows.num_rows, batch_size):
-            yield to_device(collate_fn(rows.slice(start, batch_size)), self.device)
+            batch = collate_fn(rows.slice(start, batch_size))
+            yield to_device(batch, self.device) if device == "auto" else pinned(batch) if pin_memory else batch

@@ -37,7 +37,15 @@ def take(batch: Batch, index: slice | torch.Tensor) -> Batch:
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
+    """The batch on `device`; from pinned host memory the copy is queued without waiting (non_blocking)."""
+    if device.type == "cpu":
+        return batch
     return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+
+
+def pinned(batch: Batch) -> Batch:
+    """The batch in page-locked host memory, from which a copy to a GPU is queued without waiting."""
+    return {key: value.pin_memory() for key, value in batch.items()}
 
 
 def chunk(batch: Batch, pieces: int) -> list[Batch]:
@@ -104,10 +112,12 @@ class Padding:
 
 
 def _longest(batch: Batch, group: Padded) -> int:
+    """The longest row's length, worked out in numpy: batches are trimmed on the host, before they go to the device
+    (RankBatches fetches to the host), so reading a width never waits for a device."""
     if group.mask is not None:
-        return int(batch[group.mask].sum(dim=1).max())
-    real = (batch[group.column] != IGNORE_INDEX).any(dim=0)  # the last real position of any row, plus one
-    return int((torch.arange(1, len(real) + 1, device=real.device) * real).max()) if len(real) else 0
+        return int(batch[group.mask].numpy().sum(axis=1).max())
+    real = np.flatnonzero((batch[group.column].numpy() != IGNORE_INDEX).any(axis=0))  # positions any row uses
+    return int(real[-1]) + 1 if len(real) else 0
 
 
 def column_array(column: pa.ChunkedArray | pa.Array, pad_multiple: int | None = None

@@ -117,7 +117,8 @@ def train_rank(spec: dict[str, Any], cfg: Config, seat: Seat, load_state: Callab
     data = RankBatches(cfg.data, train_shard, val_shard,
                        t.micro_batch_size, t.seed, seat.rank, spec.get("epoch_clock"),  # type: ignore[arg-type]
                        replay=decision == REPLAY, named=named,
-                       schema=getattr(spec.get("sample"), "schema", None))  # decides the padded columns
+                       schema=getattr(spec.get("sample"), "schema", None),  # decides the padded columns
+                       pin_memory=device.type == "cuda")
     # Facts only a worker knows, sent with the first report of every (re)start.
     facts = {"precision": parts.precision.mode, "grad_accum_steps": t.grad_accum_steps,
              "global_batch": t.micro_batch_size * t.grad_accum_steps * seat.world,  # type: ignore[operator]

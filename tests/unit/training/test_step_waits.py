@@ -10,6 +10,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.fs as pafs
 import pytest
 import torch
@@ -30,6 +32,7 @@ from orchestrator.training.precision import Precision, resolve_precision
 from orchestrator.training.step import train_step
 from orchestrator.training.sync import build_local_sgd
 from orchestrator.training.timing import PhaseTimer
+from pipelines.batches import RankBatches
 
 CPU = torch.device("cpu")
 FEATURES, CLASSES, ROWS = 16, 4, 512
@@ -37,7 +40,7 @@ FEATURES, CLASSES, ROWS = 16, 4, 512
 
 def _config(*overrides: str, workers: int = 1) -> Config:
     """The product's defaults (checkpoint.every=auto among them) but for the experiment's size."""
-    mlp = [] if any(o.startswith("model.name=") for o in overrides) else ["model.hidden=[32]",
+    mlp = [] if any(o.startswith(("model.name=", "model.entrypoint=")) for o in overrides) else ["model.hidden=[32]",
                                                                           f"model.num_classes={CLASSES}"]
     return load_config(None, [f"scaling.num_workers={workers}", *mlp, "data.val=null", "train.eval_every=null",
                               *overrides])
@@ -110,6 +113,47 @@ def test_no_host_read_in_the_steps_between_reports_and_a_bounded_few_at_each(pre
     # the last report of these runs save one under checkpoint.every=auto).
     per_report = {n: r["reads"]["report"] / r["reports"] for n, r in counted.items()}
     assert max(per_report.values()) <= 4, per_report
+
+
+def tiny_lm(vocab: int = 16) -> torch.nn.Module:
+    """An embedding and a head over the vocabulary, called by name: forward(input_ids, attention_mask)."""
+
+    class TinyLM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.head = torch.nn.Embedding(vocab, 8), torch.nn.Linear(8, vocab)
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            return self.head(self.embed(input_ids) * attention_mask[..., None])
+
+    return TinyLM()
+
+
+class Tokens:
+    """One rank's variable-length token rows as Ray Data's iter_torch_batches hands them out: fetched chunks
+    collated by the product's own collate (padded with a mask), on the host."""
+
+    def __init__(self) -> None:
+        rng = np.random.default_rng(0)
+        self.table = pa.table({"tokens": pa.array([list(rng.integers(1, 16, n)) for n in rng.integers(2, 12, 256)],
+                                                  type=pa.list_(pa.int64()))})
+
+    def iter_torch_batches(self, *, batch_size: int, collate_fn: Any, **_: Any) -> Any:
+        for start in range(0, self.table.num_rows, batch_size):
+            yield collate_fn(self.table.slice(start, batch_size))
+
+
+def test_variable_length_tokens_are_trimmed_without_a_read_in_the_steps() -> None:
+    # Padded rows: each micro-batch is cut to its own longest row on the host, from the mask, before the copy.
+    cfg = _config("model.entrypoint=test_step_waits:tiny_lm",
+                  "model.inputs={input_ids: tokens, attention_mask: attention_mask}", "data.features=[tokens]",
+                  "data.label=null", "task.name=causal_lm", "train.global_batch_size=16", "train.micro_batch_size=8",
+                  "train.max_steps=24", "train.log_every=8", "optim.warmup_steps=2")
+    tokens = Tokens()
+    data = RankBatches(cfg.data, tokens, None, 8, seed=0, rank=0, epoch_clock=None, replay=True, named=True,
+                       schema=tokens.table.schema)
+    counted = _counted(cfg, build_parts(cfg, None, CPU), data.train)
+    assert counted["steps"] == 24 and counted["reads"].get("step", 0) == 0, counted
 
 
 def _two_ranks(rank: int, shared: Path) -> dict[str, Any]:
