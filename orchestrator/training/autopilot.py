@@ -137,7 +137,10 @@ class Autopilot:
         self.start, self.trial = start, Trial(start)
         self.best: Trial | None = None
         self.trials: list[Trial] = []
-        self.spent, self.steps, self.fits = 0.0, 0, 0  # fits: rows of the largest piece that ran
+        self.spent, self.steps = 0.0, 0
+        # Rows of the largest piece that ran, per precision: fp32's activations take about twice bf16's memory, so
+        # a piece known to fit in one precision is not known to fit in a wider one.
+        self.fits: dict[str, int] = {}
         # The budget pays for the candidates' steps: the start's are the steps the run takes without a search.
         self.charged = 0.0
         self.steps_left = cfg.train.max_steps - progress.step  # type: ignore[operator]
@@ -153,8 +156,12 @@ class Autopilot:
         if not trial.started:
             self._open(parts, trial, batch)
         # Timed from when every rank is at the step: under DDP a rank still waiting for its data would hold the
-        # others in the gradient all-reduce, and its data wait would be billed to the candidate.
+        # others in the gradient all-reduce, and its data wait would be billed to the candidate. Under NCCL the
+        # meeting all-reduce returns before it completes: the clock starts once the device has passed it (a search
+        # step's wait, at both ends of its window; the run's own steps never wait).
         ranks.meet(parts.device)
+        if parts.device.type == "cuda":
+            torch.cuda.synchronize(parts.device)
         retries, started = parts.oom_retries, time.perf_counter()
         result, compiled = self._run(parts, batch, timer, trial)
         if parts.device.type == "cuda":
@@ -168,7 +175,8 @@ class Autopilot:
         if ran_out and trial.failed is None and self.best is not None:  # the step's own retry cut its pieces
             trial.failed = "failed: out of memory (the step was retried with smaller pieces)"
         if not ran_out and trial.failed is None:
-            self.fits = max(self.fits, trial.piece_rows)
+            precision = trial.settings.precision
+            self.fits[precision] = max(self.fits.get(precision, 0), trial.piece_rows)
         if compiled:
             trial.compile_s = seconds  # the step that compiled the model, timed apart
         if trial.warmup > 0:
@@ -182,8 +190,8 @@ class Autopilot:
         return result
 
     def _open(self, parts: Parts, trial: Trial, batch: list[Batch]) -> None:
-        """Put the candidate on `parts`. A micro-batch larger than any that ran is first tried on one piece, off the
-        step (a rank out of memory inside a step's gradient all-reduce could not be undone): if any rank runs out,
+        """Put the candidate on `parts`. A micro-batch larger than any that ran in its precision is first tried on
+        one piece, off the step (a rank out of memory inside a step's gradient all-reduce could not be undone): if any rank runs out,
         the candidate is dropped on all, and the step runs with the best settings."""
         trial.started = True
         self.knobs.apply(parts, trial.settings)
@@ -193,7 +201,8 @@ class Autopilot:
             torch.cuda.reset_peak_memory_stats(parts.device)
         first = cut(parts, batch)[0]
         trial.piece_rows = rows(first)
-        if self.best is not None and trial.piece_rows > self.fits and _runs_out(parts, first):
+        fits = self.fits.get(trial.settings.precision, 0)
+        if self.best is not None and trial.piece_rows > fits and _runs_out(parts, first):
             trial.failed = f"failed: out of memory at {trial.piece_rows} rows per forward"
             self.knobs.apply(parts, self.best.settings)
 

@@ -27,7 +27,7 @@ from orchestrator.training.knobs import Knobs
 from orchestrator.training.loop import run
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts
-from orchestrator.training.precision import Precision
+from orchestrator.training.precision import Precision, cpu_supports_bf16
 from orchestrator.training.step import train_step
 from pipelines.batches import split_batches
 
@@ -380,3 +380,36 @@ def test_back_to_ddp_after_local_sgd_the_ranks_share_one_model_and_one_optimizer
     """A search that measured local SGD and chose DDP: DDP's steps after it leave both ranks with one model."""
     for a, b in zip(ranks[0]["back_to_ddp"], ranks[1]["back_to_ddp"], strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+class OomInFp32(Net):
+    """Runs out of memory past 8 rows per forward in fp32 only, as a GPU whose chosen micro-batch fits in bf16
+    but not in fp32's twice-as-large activations."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(x) > 8 and not torch.is_autocast_enabled("cpu"):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return super().forward(x)
+
+
+def _fp32_runs_out(rank: int, shared: Path) -> dict[str, Any]:
+    """precision auto (bf16 here): micro-batches up to the whole per-worker batch (one piece, DDP's synced one) are
+    searched in bf16, then fp32 at the chosen one, which does not fit."""
+    cfg = _config("scaling.num_workers=2", "train.precision=auto", "autopilot.budget=0.5")
+    model = DistributedDataParallel(OomInFp32(overhead_s=0.002))
+    optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.train.max_steps or 1)
+    parts = Parts(model, optimizer, scheduler, Precision("bf16", CPU), CPU, cfg.optim.max_grad_norm)
+    recorder, progress, data = Recorder(), Progress(), Resizable(rank, 4)
+    run(cfg, parts, data, None, recorder, progress, resize=data.resize)
+    return {"saved": progress.autopilot, "table": _table(recorder) if rank == 0 else None}
+
+
+@pytest.mark.skipif(not cpu_supports_bf16(), reason="precision auto resolves to bf16 only where the CPU runs it")
+def test_a_wider_precision_that_runs_out_of_memory_is_dropped_and_the_search_goes_on(tmp_path: Path) -> None:
+    ranks = run_two_ranks(_fp32_runs_out, tmp_path)
+    assert ranks[0]["saved"] == ranks[1]["saved"]
+    assert ranks[0]["saved"]["chosen"]["precision"] == "bf16"
+    rows = ranks[0]["table"]["rows"]
+    fp32 = [r for r in rows if r["settings"]["precision"] == "fp32"]
+    assert fp32 and all(r["status"].startswith("failed: out of memory") for r in fp32), fp32
+    assert ranks[0]["saved"]["chosen"]["micro_batch_size"] > 8  # the bf16 choice the fp32 candidate could not fit
