@@ -9,6 +9,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -24,7 +25,7 @@ from orchestrator.training.fsdp import is_sharded
 from orchestrator.training.memory import cuda_memory_stats, device_facts, release_cached_memory
 from orchestrator.training.parts import Parts, rank_bytes
 from orchestrator.training.step import StepResult, first_compiled_step, flops_per_sample, train_step
-from orchestrator.training.sync import LocalSGD
+from orchestrator.training.sync import average_tensors
 from orchestrator.training.system import node_stats
 from orchestrator.training.timing import PhaseTimer, peak_flops
 from pipelines.tensors import Batch, Epoch, rows, take, to_device
@@ -232,8 +233,9 @@ def run(
         progress.samples_seen += t.global_batch_size
         interval.add(result, micro=-(-rows(batch[0]) * parts.join // parts.split))
         due = cadence.at(progress.step)
-        if parts.local_sgd is not None:
-            _average_local_sgd(parts.local_sgd, parts, progress.step, due, interval.timer)
+        if parts.local_sgd is not None and parts.local_sgd.due(progress.step):  # the configured period only
+            with interval.timer.phase("sync"):
+                parts.comm_bytes += parts.local_sgd.average(unwrap(parts.model))
         if due is None:
             continue
         metrics, interval = _report(due, interval, progress, parts, reporter, val_batches,
@@ -304,12 +306,26 @@ def _too_many_non_finite(progress: Progress, limit: int) -> NonFiniteLossError:
     )
 
 
-def _average_local_sgd(sgd: LocalSGD, parts: Parts, step: int, due: Due | None, timer: PhaseTimer) -> None:
-    """Average the ranks' models when local SGD's period is up, and also before eval and checkpoints, so both see
-    (and save) the one averaged model."""
-    if sgd.due(step) or (due and (due.eval or due.checkpoint)):
-        with timer.phase("sync"):
-            parts.comm_bytes += sgd.average(unwrap(parts.model))
+@contextmanager
+def _one_model(parts: Parts, step: int, timer: PhaseTimer) -> Iterator[None]:
+    """Within: the ranks' one model. Under local SGD between two syncs each rank holds its own replica: evaluation
+    and a checkpoint see (and save) their average, and each rank gets its replica back afterwards, so the weights
+    follow the configured sync period only, whatever steps checkpoint.every=auto's clock or a drain picks."""
+    sgd = parts.local_sgd
+    if sgd is None or sgd.due(step) or ranks.world()[1] == 1:  # just averaged, or nothing to average
+        yield
+        return
+    model = unwrap(parts.model)
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
+    own = [t.detach().clone() for t in tensors]
+    with timer.phase("sync"):
+        parts.comm_bytes += average_tensors(tensors)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for tensor, mine in zip(tensors, own, strict=True):
+                tensor.copy_(mine)
 
 
 def _report(due: Due, interval: Interval, progress: Progress, parts: Parts, reporter: Reporter,
@@ -323,18 +339,19 @@ def _report(due: Due, interval: Interval, progress: Progress, parts: Parts, repo
     metrics, samples, targets = _interval_metrics(interval, progress, parts, world, max_nonfinite)
     if due.drain:
         metrics["drain_checkpoint"] = 1
-    if due.eval:
-        with interval.timer.phase("eval"):
-            metrics |= evaluate(parts, val_batches())  # type: ignore[misc]
     checkpoint_dir: Any = None
-    with interval.timer.phase("checkpoint"):
-        if due.checkpoint:
-            _check_finite_weights(parts, progress.step)
-            if is_sharded(parts.model):  # no rank holds the whole model: each writes its shards into run storage
-                checkpoint_dir = reporter.save_sharded(parts, progress, micro_batch_size)
-            elif (state := checkpoint_state(parts, progress, micro_batch_size)) is not None:  # a collective
-                checkpoint_dir = tempfile.mkdtemp(prefix="orchestrator-ckpt-")
-                save_state(checkpoint_dir, state)
+    with _one_model(parts, progress.step, interval.timer) if due.eval or due.checkpoint else nullcontext():
+        if due.eval:
+            with interval.timer.phase("eval"):
+                metrics |= evaluate(parts, val_batches())  # type: ignore[misc]
+        with interval.timer.phase("checkpoint"):
+            if due.checkpoint:
+                _check_finite_weights(parts, progress.step)
+                if is_sharded(parts.model):  # no rank holds the whole model: each writes its shards into storage
+                    checkpoint_dir = reporter.save_sharded(parts, progress, micro_batch_size)
+                elif (state := checkpoint_state(parts, progress, micro_batch_size)) is not None:  # a collective
+                    checkpoint_dir = tempfile.mkdtemp(prefix="orchestrator-ckpt-")
+                    save_state(checkpoint_dir, state)
     metrics |= interval.timer.shares() | cuda_memory_stats(parts.device) | node_stats(world)
     metrics |= _worker_paces(interval, parts.device)
     # Throughput is the wall clock's: the interval from the end of the previous report to now, with its data

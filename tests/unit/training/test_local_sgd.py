@@ -72,6 +72,8 @@ def _both_modes(rank: int, shared: Path) -> dict[str, Any]:
         "ddp": _train(rank),
         "local": _train(rank, "train.sync=local_sgd", f"train.sync_every={H}"),
         "diloco": _train(rank, "train.sync=local_sgd", f"train.sync_every={H}", "train.outer_momentum=0.9"),
+        # Checkpoints at steps 3, 6 and 9 too, between syncs (as checkpoint.every=auto's clock may place them).
+        "checkpointed": _train(rank, "train.sync=local_sgd", f"train.sync_every={H}", "checkpoint.every=3"),
         # Each rank's own clock says something else; every rank must act on rank 0's.
         "rank0_says": [rank0_says(rank == 0, torch.device("cpu")), rank0_says(rank == 1, torch.device("cpu"))],
     }
@@ -92,6 +94,17 @@ def test_parameters_agree_right_after_each_sync_and_drift_between(
             assert _same(ra["params"], rb["params"]), ra["step"]
         else:  # local steps on different data: the ranks have drifted apart
             assert not _same(ra["params"], rb["params"]), ra["step"]
+
+
+def test_checkpoints_between_syncs_leave_the_weights_as_the_sync_period_makes_them(
+        two_ranks: list[dict[str, list[dict[str, Any]]]]) -> None:
+    # The replicas are averaged at the configured sync steps only: a checkpoint (or evaluation) between two saves
+    # (or scores) their average and leaves each replica as it was, so where checkpoint.every=auto's clock puts the
+    # checkpoints cannot change the weights.
+    for result in two_ranks:
+        assert _same(result["local"][-1]["params"], result["checkpointed"][-1]["params"])
+    after_step_3 = [next(r for r in result["checkpointed"] if r["step"] == 3) for result in two_ranks]
+    assert not _same(after_step_3[0]["params"], after_step_3[1]["params"])  # each rank's replica, as it was
 
 
 def test_a_clock_decision_is_rank_0s_on_every_rank(two_ranks: list[dict[str, Any]]) -> None:
