@@ -1,8 +1,12 @@
 # The two commands the README starts with: `make train` and `make test`. Both set everything up first.
-.PHONY: setup train test lint bench mutate
+.PHONY: setup browser train test lint bench mutate
 
 setup:
 	@bash scripts/setup.sh
+
+# Debian's chromium for the MLflow UI test (installed as root with apt-get; otherwise that test is skipped).
+browser:
+	@bash scripts/browser.sh
 
 # examples/digits.yaml is the built-in default experiment, logged to the MLflow experiment `digits`.
 train: setup
@@ -11,7 +15,7 @@ train: setup
 
 # Two pytest-xdist workers, each running whole modules (a module's Ray cluster stays one), the longest first
 # (tests/conftest.py orders them; --no-loadscope-reorder keeps that order): most of a Ray test's time is waiting.
-test: setup
+test: setup browser
 	.venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: setup

@@ -32,12 +32,17 @@ _KEYS = {
     "comm_bytes": "perf/comm_bytes", "comm_bytes_per_sample": "perf/comm_bytes_per_sample",
     "flops_per_sample": "perf/flops_per_sample", "compile_s": "perf/compile_s",
     "interval_s": "time/interval_s",
+    # checkpoint.every=auto's interval and its inputs: not a `checkpoint/` section, which the run page would list
+    # before the headline one (it orders sections by name).
+    "checkpoint/interval_s": "time/checkpoint_interval_s", "checkpoint/cost_s": "time/checkpoint_cost_s",
+    "checkpoint/mtbf_s": "time/mtbf_s", "checkpoint/interruptions": "train/interruptions",
 }
 # Keys whose value does not change from report to report (or that only count rare events): the summary table's.
 _FACTS = {"train/step", "train/epoch", "train/samples_seen", "train/skipped_steps", "train/nonfinite_skipped",
           "train/oom_retries", "train/micro_batch_size", "train/grad_accum_steps", "train/global_batch",
           "train/precision", "train/world_size", "train/worker_pid", "perf/comm_bytes", "perf/flops_per_sample",
-          "perf/compile_s", "train/parallel", "train/param_bytes_per_rank", "train/optimizer_bytes_per_rank"}
+          "perf/compile_s", "train/parallel", "train/param_bytes_per_rank", "train/optimizer_bytes_per_rank",
+          "train/interruptions"}
 # Sections of whole-run figures, of a study's (`study/`) and of the autopilot's search (`autopilot/`, its predicted
 # and achieved speed-up: autopilot_report.py): rows of the summary table, never charted.
 _SUMMARY_SECTIONS = ("final/", "cost/", "startup/", "device/", "study/", "autopilot/")
@@ -48,7 +53,9 @@ _SUMMARY_ORDER = ("final", "autopilot", "study", "cost", "startup", "train", "va
 _DROPPED = {"elapsed_s", "world_rank", "drain_checkpoint", "autopilot"}
 SUMMARY_TABLE = "summary.json"
 # The section that holds the training loss, the task's validation metric and samples/s: MLflow 3's run page sorts
-# its chart sections by name (plain string order), so this one comes before memory/, perf/, train/, val/...
+# its chart sections by name (plain string order, then localeCompare), so this one comes before memory/, perf/,
+# replicas/, time/, train/, val/...; no charted key may have a section that sorts before it
+# (tests/unit/test_summary_keys.py checks every mode's keys).
 HEADLINE = "headline/"
 NOTE_TAG = "mlflow.note.content"  # the run's description in the UI
 SIGNIFICANT = 4  # digits of a figure in the summary table

@@ -127,9 +127,10 @@ class _Reports:
 @pytest.fixture(scope="module")
 def reported() -> set[str]:
     """Every name the worker and the driver hand to the tracker, by MLflow key."""
+    # checkpoint.every left at its default (auto), as a user's run has it: its figures are reported too.
     cfg = load_config(None, ["scaling.num_workers=1", "train.global_batch_size=16", "model.hidden=[8]",
                              "optim.warmup_steps=0", "train.max_steps=4", "train.log_every=2", "train.eval_every=2",
-                             "checkpoint.every=4", "train.peak_tflops=0.001"])
+                             "train.peak_tflops=0.001"])
     torch.manual_seed(0)
     model = build_model("mlp", None, 4, 3, cfg.model.kwargs)
     optimizer, scheduler = build_optimizer(model, cfg.optim, 4)
@@ -153,6 +154,9 @@ def reported() -> set[str]:
     names |= _literal_keys("orchestrator/training/worker.py", "train_rank", set())
     names |= _literal_keys("orchestrator/training/memory.py", "device_facts")
     names |= _literal_keys("orchestrator/training/memory.py", "cuda_memory_stats")
+    # checkpoint.every=auto's interval and its inputs; failure.mode=replicas' live replicas and dropped steps.
+    names |= _literal_keys("orchestrator/training/cadence.py", "figures")
+    names |= _literal_keys("orchestrator/training/replicas.py", "figures")
     names |= {f"summary/{k}" for k in ("compile_s", "tokens_per_s", "mfu")}  # run_summary's when measured
     # The worker's train.parallel facts, with its first report: the mode and what one worker holds.
     names |= {"parallel", "param_bytes_per_rank", "optimizer_bytes_per_rank"}
@@ -171,6 +175,17 @@ def test_the_run_reports_what_the_list_covers(reported: set[str]) -> None:
             "train/nonfinite_skipped", "perf/comm_bytes", "perf/compile_s", "perf/tokens_per_s", "perf/mfu",
             "worker/0/samples_per_s", "memory/allocated_gb", "final/perf/compile_s", "cost/usd",
             "startup/total_s", "train/worker_pid", "device/cuda"} <= reported
+
+
+def test_the_run_page_opens_on_the_headline_section(reported: set[str]) -> None:
+    # MLflow 3.17's run page orders its chart sections by name (a key's section: all before its last `/`), in
+    # plain string order when it first draws them and by localeCompare after an update (server/js: the chart
+    # sections of `RunsChartsCard`): the headline section must come first under both, in every mode.
+    charted = {chart_key(key, "val_accuracy") for key in reported if logged_as(key) == "metric"}
+    sections = {key.rsplit("/", 1)[0] for key in charted}
+    assert "headline" in sections and sorted(sections)[0] == "headline", sorted(sections)
+    assert min(sections, key=str.casefold) == "headline", sorted(sections, key=str.casefold)
+    assert {"replicas/live", mlflow_key("checkpoint/interval_s")} <= reported  # the modes' figures are in the set
 
 
 def test_what_is_charted_and_what_is_summarised_is_what_the_metrics_page_says(reported: set[str]) -> None:
