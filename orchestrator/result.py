@@ -9,7 +9,7 @@ from typing import Any
 from orchestrator.autopilot_report import gain_line
 from orchestrator.config import Config
 from orchestrator.tracking.links import run_url, ui_command
-from orchestrator.training.checkpoint_interval import auto_interval
+from orchestrator.training.checkpoint_interval import auto_interval, mtbf_origin
 
 
 @dataclass
@@ -66,18 +66,19 @@ def parallel_line(history: list[dict[str, Any]]) -> str | None:
 
 
 def checkpoint_interval_line(config: Config, history: list[dict[str, Any]]) -> str | None:
-    """'checkpoint interval: auto, 38 s (about 120 steps) at the end: sqrt(...)': checkpoint.every=auto's interval
-    from the last report's figures, and why; None for a fixed interval or before any checkpoint cost was measured."""
+    """'checkpoint interval: auto, 38 s (about 120 steps) at the end: sqrt(...); 0.2 s: ...; 3,600 s: ...':
+    checkpoint.every=auto's interval from the last report's figures, and where each of its numbers came from; None
+    for a fixed interval or before any checkpoint cost was measured."""
     last = next((r for r in reversed(history) if "checkpoint/interval_s" in r), None)
     if config.checkpoint.every != "auto" or last is None:
         return None
     interval = auto_interval(last["checkpoint/cost_s"], last["checkpoint/mtbf_s"], config.checkpoint.every_minutes)
     rate = last.get("samples_per_s")
     steps = f" (about {interval.seconds * rate / config.train.global_batch_size:,.0f} steps)" if rate else ""
-    interruptions = int(last.get("checkpoint/interruptions", 0))
-    source = ("failure.mtbf_minutes" if config.failure.mtbf_minutes is not None else
-              f"{interruptions} interruption{'s' * (interruptions != 1)} so far, the next counted as due now")
-    return f"checkpoint interval: auto, {interval.seconds:,.1f} s{steps} at the end: {interval.why()} ({source})"
+    origin = mtbf_origin(interval.mtbf_s, int(last.get("checkpoint/interruptions", 0)), config.failure.mtbf_minutes)
+    return (f"checkpoint interval: auto, {interval.seconds:,.1f} s{steps} at the end: {interval.why()}; "
+            f"{interval.cost_s:.2g} s: the last checkpoint's measured blocking time; "
+            f"{interval.mtbf_s:,.0f} s: {origin}")
 
 
 def _bytes(n: float) -> str:

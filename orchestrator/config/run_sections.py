@@ -96,9 +96,9 @@ class CheckpointConfig(_Section):
         "auto", json_schema_extra={"accepts": "a step count >= 1 or auto"},
         description="Steps between checkpoints; the last step is always saved. auto: the interval that loses least to "
                     "interruptions, about sqrt(2 x a checkpoint's measured blocking seconds x failure.mtbf_minutes "
-                    "(else the run's own seconds per interruption)), re-evaluated at every report step, never so often "
-                    "that checkpoints block more than 3% of the time; the first report step saves one to measure "
-                    "that cost (docs/training.md).")
+                    "(unset: 60 minutes until the run's first interruption, then its own seconds per interruption)), "
+                    "re-evaluated at every report step, never so often that checkpoints block more than 3% of the "
+                    "time; the first report step saves one to measure that cost (docs/training.md).")
     every_minutes: float | None = Field(None, gt=0, description="Also save at the first report step once this many "
                                         "minutes passed since the last checkpoint (by rank 0's clock): a cadence "
                                         "that holds whatever a step costs; with every=auto, the longest interval. "
@@ -130,7 +130,9 @@ class FailureConfig(_Section):
                                          "away, counted apart from max_failures; -1 = unlimited.")
     mtbf_minutes: float | None = Field(None, gt=0, description="Mean minutes between interruptions of a run (node "
                                        "failures, spot reclaims), when known: checkpoint.every=auto sets its "
-                                       "interval from it. null: the run's own interruptions so far.")
+                                       "interval from it. null: 60 minutes stand in until the run is first "
+                                       "interrupted (a fixed figure, so identical runs checkpoint alike), then the "
+                                       "run's own training seconds per interruption.")
     preemption_grace_s: float = Field(0.0, ge=0, description="Seconds the surviving workers may run past a drain "
                                       "deadline (e.g. to finish a checkpoint upload).")
     worker_start_timeout_s: float | None = Field(None, gt=0, description="How long a (re)started worker group "

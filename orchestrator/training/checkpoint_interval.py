@@ -11,6 +11,9 @@ import math
 from dataclasses import dataclass
 
 MAX_COST_SHARE = 0.03  # of the time between checkpoints, at most, spent blocked in one
+# The MTBF assumed while failure.mtbf_minutes is unset and the run has seen no interruption. A fixed figure, not
+# the run's seconds so far: those differ between identical runs, and so would their intervals.
+STAND_IN_MTBF_MINUTES = 60.0
 
 
 @dataclass(frozen=True)
@@ -40,11 +43,24 @@ def young(cost_s: float, mtbf_s: float) -> float:
 
 def mtbf_s(run_s: float, interruptions: int, mtbf_minutes: float | None) -> float:
     """The mean time between interruptions: failure.mtbf_minutes when the user knows it (spot markets publish it);
-    else this run's training seconds per interruption, counting the next one as due now. A run that has seen none
-    so far thus starts with short intervals that lengthen as it runs without one."""
+    else, once the run has been interrupted, its training seconds per interruption, counting the next one as due
+    now; before that, STAND_IN_MTBF_MINUTES."""
     if mtbf_minutes is not None:
         return mtbf_minutes * 60
+    if interruptions == 0:
+        return STAND_IN_MTBF_MINUTES * 60
     return run_s / (interruptions + 1)
+
+
+def mtbf_origin(mtbf: float, interruptions: int, mtbf_minutes: float | None) -> str:
+    """Where `mtbf` (mtbf_s's answer) came from, in the user's terms."""
+    if mtbf_minutes is not None:
+        return f"failure.mtbf_minutes={mtbf_minutes:g}"
+    if interruptions == 0:
+        return (f"no interruption yet, so {STAND_IN_MTBF_MINUTES:g} minutes stand in for the time between them "
+                "(failure.mtbf_minutes sets yours)")
+    return (f"the run's {mtbf * (interruptions + 1):,.0f} s of training over its {interruptions} "
+            f"interruption{'s' * (interruptions != 1)} and the next, counted as due now")
 
 
 def auto_interval(cost_s: float, mtbf: float, cap_minutes: float | None) -> AutoInterval:

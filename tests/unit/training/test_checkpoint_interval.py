@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from orchestrator.config import load_config
+from orchestrator.config.reference import description
+from orchestrator.result import checkpoint_interval_line
 from orchestrator.training.cadence import Cadence
 from orchestrator.training.checkpoint import Progress
-from orchestrator.training.checkpoint_interval import auto_interval, mtbf_s
+from orchestrator.training.checkpoint_interval import STAND_IN_MTBF_MINUTES, auto_interval, mtbf_s
 
 
 def test_the_interval_is_youngs_formula_clamped_by_the_cost_floor_and_the_cap() -> None:
@@ -25,8 +27,40 @@ def test_the_interval_is_youngs_formula_clamped_by_the_cost_floor_and_the_cap() 
     # checkpoint.every_minutes=1 caps the 120 s.
     capped = auto_interval(2.0, 3600.0, 1.0)
     assert (capped.seconds, capped.bound) == (60.0, "cap")
-    # The MTBF: the user's, else the run's seconds per interruption, the next counted as due now.
-    assert mtbf_s(600.0, 2, 30.0) == 1800.0 and mtbf_s(600.0, 2, None) == 200.0 and mtbf_s(600.0, 0, None) == 600.0
+    # The MTBF: the user's, else the run's seconds per interruption, the next counted as due now; before the first
+    # interruption a stand-in, whatever the run's length, so identical runs checkpoint at the same interval.
+    assert mtbf_s(600.0, 2, 30.0) == 1800.0 and mtbf_s(600.0, 2, None) == 200.0
+    assert mtbf_s(600.0, 0, None) == mtbf_s(2.0, 0, None) == STAND_IN_MTBF_MINUTES * 60
+    stand_in = f"{STAND_IN_MTBF_MINUTES:g} minutes"  # as the config reference states it (config is a leaf)
+    assert stand_in in description("failure.mtbf_minutes") and stand_in in description("checkpoint.every")
+
+
+def summary_line(overrides: list[str], report: dict[str, float]) -> str | None:
+    history = [{"step": 300, "samples_per_s": 12_800.0, **report}]
+    return checkpoint_interval_line(load_config(None, overrides), history)
+
+
+def test_the_summary_line_says_where_each_number_comes_from() -> None:
+    # No interruption yet: the stand-in, said to be one, and the key that sets it.
+    mtbf = STAND_IN_MTBF_MINUTES * 60
+    line = summary_line([], {"checkpoint/interval_s": 7.2, "checkpoint/cost_s": 0.0072,
+                             "checkpoint/mtbf_s": mtbf, "checkpoint/interruptions": 0})
+    seconds = math.sqrt(2 * 0.0072 * mtbf)
+    assert line == (f"checkpoint interval: auto, {seconds:.1f} s (about {seconds * 100:,.0f} steps) at the end: "
+                    f"sqrt(2 x 0.0072 s a checkpoint x {mtbf:,.0f} s between interruptions); 0.0072 s: the last "
+                    f"checkpoint's measured blocking time; {mtbf:,.0f} s: no interruption yet, so "
+                    f"{STAND_IN_MTBF_MINUTES:g} minutes stand in for the time between them (failure.mtbf_minutes "
+                    "sets yours)"), line
+    assert "0 interruptions" not in line and "due now" not in line
+    # The user's MTBF, named with its value; the run's own after interruptions, with the seconds it divides.
+    known = summary_line(["failure.mtbf_minutes=30"], {"checkpoint/interval_s": 15.0, "checkpoint/cost_s": 0.05,
+                                                       "checkpoint/mtbf_s": 1800.0, "checkpoint/interruptions": 1})
+    assert known is not None and "1,800 s: failure.mtbf_minutes=30" in known, known
+    own = summary_line([], {"checkpoint/interval_s": 66.7, "checkpoint/cost_s": 2.0, "checkpoint/mtbf_s": 200.0,
+                            "checkpoint/interruptions": 2})
+    assert own is not None and ("200 s: the run's 600 s of training over its 2 interruptions and the next, counted "
+                                "as due now") in own, own
+    assert "raised so checkpoints block at most 3% of the time" in own  # the cost floor, where it binds
 
 
 class Clock:
