@@ -179,10 +179,15 @@ def place_run(config: Config, resume: bool, verbose: bool) -> tuple[RunPlace, di
     storage = open_run_storage(config)
     place = latest_run(storage, config.experiment) if resume else None
     if place is None:
-        if resume:
-            print(f"no earlier run of '{config.experiment}' in {storage.uri}: starting a new one", file=sys.stderr)
-        return new_run(storage, config.experiment), None
+        fresh = new_run(storage, config.experiment)
+        if resume:  # always said: a job that always passes --resume would otherwise start over unseen
+            print(f"--resume: no earlier run of experiment '{config.experiment}' in {storage.uri} (storage.path): "
+                  f"starting a new run, {fresh.name}", file=sys.stderr)
+        return fresh, None
     place.check_resumable(config)
-    if verbose:
-        print(f"resuming run {place.uri} from its latest checkpoint", file=sys.stderr)
+    step = place.registered_step()
+    if step is None:
+        print(f"--resume: run {place.uri} saved no checkpoint: it starts again from step 0", file=sys.stderr)
+    elif verbose:
+        print(f"resuming run {place.uri} from its latest checkpoint (step {step})", file=sys.stderr)
     return place, place.read_record() or {}

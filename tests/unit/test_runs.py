@@ -87,3 +87,26 @@ def test_resume_refuses_a_config_that_trains_something_else(tmp_path: Path) -> N
     with pytest.raises(ConfigError, match=r"optim\.lr: 0\.003 -> 0\.1.*train\.max_steps: 40 -> 80.*without --resume"):
         place.check_resumable(load_config(None, [f"storage.path={tmp_path}", "experiment=exp", "train.max_steps=80",
                                                  "optim.lr=0.1"]))
+
+
+def test_resume_with_nothing_to_resume_says_so_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--resume` that finds no run to continue starts one, and says which experiment and storage it searched;
+    one whose latest run saved no checkpoint says that run starts again from step 0. Without `--resume`, no line."""
+    from orchestrator.runs import place_run
+
+    config = load_config(None, [f"storage.path={tmp_path}/runs", "experiment=exp"])
+    place, record = place_run(config, resume=True, verbose=False)
+    assert record is None
+    assert capsys.readouterr().err.splitlines() == [
+        f"--resume: no earlier run of experiment 'exp' in {tmp_path}/runs (storage.path): starting a new run, "
+        f"{place.name}"]
+
+    place.write_config(config)  # started, then stopped before its first checkpoint
+    place.write_record({"run_name": place.name, "mlflow_run_id": "abc"})
+    again, record = place_run(config, resume=True, verbose=True)
+    assert again.name == place.name and record == {"run_name": place.name, "mlflow_run_id": "abc"}
+    assert capsys.readouterr().err.splitlines() == [
+        f"--resume: run {place.uri} saved no checkpoint: it starts again from step 0"]
+
+    place_run(config, resume=False, verbose=True)
+    assert capsys.readouterr().err == ""
