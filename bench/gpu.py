@@ -104,6 +104,8 @@ def main() -> None:
         seconds = timed(make_step(net, optimizer, micro, args.seq, args.vocab, device, bf16), args.steps, device)
         wall = time.perf_counter() - started
         memory = torch.cuda.max_memory_allocated() / GIB if cuda else float("nan")
+        # Against the peak of the mode measured: strict fp32 has no tensor cores, TF32 half of bf16's.
+        peak = peak_flops(device, None, "bf16" if bf16 else "fp32")
         mfu = flops / seconds / peak if peak else float("nan")
         rows.append((label, tokens_per_step / seconds, mfu, memory, wall))
         release_cached_memory(device)

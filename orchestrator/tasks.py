@@ -54,13 +54,18 @@ class Task:
 
     metric = "val_loss"
     mode = "min"
-    counts_tokens = False  # True when `count` is tokens (the loop then reports tokens/s), not rows or labels
+    # True when `count` is tokens (the loop then reports tokens/s), not rows or labels. It also says whether counts
+    # differ between ranks at the same rows: a step then all-reduces them (overlapping its first forward); False
+    # means the count follows from the rows, the same on every rank, and no collective is needed.
+    counts_tokens = False
     # The loss a Hugging Face model given `labels` must compute (config.problem_type), None: leave it as it is
     problem_type: str | None = None
 
     def count(self, batch: Batch) -> torch.Tensor:
-        """Targets in the batch the loss sums over (rows; tokens for a language model)."""
-        return torch.tensor(float(len(batch[LABELS])), device=batch[LABELS].device)
+        """Targets in the batch the loss sums over (rows; tokens for a language model), on the batch's device. A
+        count known on the host is filled in there (torch.full), not copied from host memory: a blocking copy to a
+        GPU would wait for every kernel queued before it."""
+        return torch.full((), float(len(batch[LABELS])), device=batch[LABELS].device)
 
     def loss_sum(self, output: Any, batch: Batch) -> torch.Tensor:
         raise NotImplementedError
@@ -116,7 +121,7 @@ class Multilabel(Task):
     problem_type = "multi_label_classification"
 
     def count(self, batch: Batch) -> torch.Tensor:
-        return torch.tensor(float(batch[LABELS].numel()), device=batch[LABELS].device)
+        return torch.full((), float(batch[LABELS].numel()), device=batch[LABELS].device)
 
     def model_labels(self, batch: Batch) -> torch.Tensor:
         # Collate gives 0/1 lists as int64: binary cross-entropy takes float targets (and Hugging Face, without a
@@ -148,7 +153,7 @@ class Regression(Task):
     problem_type = "regression"
 
     def count(self, batch: Batch) -> torch.Tensor:
-        return torch.tensor(float(batch[LABELS].numel()), device=batch[LABELS].device)
+        return torch.full((), float(batch[LABELS].numel()), device=batch[LABELS].device)
 
     def model_labels(self, batch: Batch) -> torch.Tensor:
         return batch[LABELS].float()  # integer targets are still numbers, not classes

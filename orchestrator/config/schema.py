@@ -143,8 +143,12 @@ class TrainConfig(_Section):
         None, gt=0, description="CPU only, with micro_batch_size=auto: memory one worker may use for the model, "
         "its gradients, optimizer state and activations (default: half the node's RAM over its workers)."
     )
-    peak_tflops: float | None = Field(None, gt=0, description="Peak TFLOP/s of one device, for MFU on devices "
-                                      "missing from the built-in table (CPUs, new GPUs).")
+    peak_tflops: float | None = Field(None, gt=0, description="Peak TFLOP/s of one device in the precision the "
+                                      "run uses, for MFU on devices missing from the built-in tables (CPUs, new "
+                                      "GPUs).")
+    tf32: bool = Field(False, description="GPU only: fp32 matrix products and convolutions on TF32 tensor cores "
+                       "(Ampere and later: about 8x fp32's peak, a 10-bit mantissa, so slightly different math). "
+                       "Off: fp32 stays fp32 (cuDNN's convolutions included, which torch otherwise runs in TF32).")
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Seeds the model init, the data order and the workers' RNGs.")
     max_nonfinite_steps: int = Field(10, ge=0, description="Steps with a NaN/inf loss or gradient that are skipped "
                                      "(no update) before training stops with an error.")
@@ -160,8 +164,8 @@ class TrainConfig(_Section):
         "optimizer steps alone, then the workers average their parameters (~sync_every x less communication)."
     )
     sync_every: int | None = Field(None, ge=1, description="local_sgd: optimizer steps between parameter "
-                                   "averages (null = 8). Only these steps average the replicas: evaluation and checkpoints "
-                                   "between two see their average and leave each replica as it was.")
+                                   "averages (null = 8). Only these steps average the replicas: evaluation and "
+                                   "checkpoints between two see their average and leave each replica as it was.")
     outer_lr: float | None = Field(None, gt=0, description="local_sgd: step size on the averaged change since the "
                                    "last sync (null = 1.0, plain averaging; 0.7 with outer_momentum, DiLoCo's).")
     outer_momentum: float | None = Field(None, gt=0, lt=1, description="local_sgd: Nesterov momentum of the outer "
@@ -333,6 +337,9 @@ class Config(_Section):
         self._resolve_task()
         if self.train.precision == "fp16" and not self.scaling.use_gpu:
             raise ValueError("train.precision=fp16 needs a GPU (scaling.use_gpu=true); on CPU use bf16 or fp32")
+        if self.train.tf32 and not self.scaling.use_gpu:
+            raise _key_error(("train", "tf32"), "train.tf32=true needs a GPU (scaling.use_gpu=true): CPUs have no "
+                             "TF32; set it to false", True)
         warmup, steps = self.optim.warmup_steps, self.train.max_steps
         # With epochs, the step count is known only with the data: launch.resolve_for_data checks it then.
         if steps is not None and warmup >= steps:

@@ -191,8 +191,8 @@ class Autopilot:
 
     def _open(self, parts: Parts, trial: Trial, batch: list[Batch]) -> None:
         """Put the candidate on `parts`. A micro-batch larger than any that ran in its precision is first tried on
-        one piece, off the step (a rank out of memory inside a step's gradient all-reduce could not be undone): if any rank runs out,
-        the candidate is dropped on all, and the step runs with the best settings."""
+        one piece, off the step (a rank out of memory inside a step's gradient all-reduce could not be undone): if
+        any rank runs out, the candidate is dropped on all, and the step runs with the best settings."""
         trial.started = True
         self.knobs.apply(parts, trial.settings)
         if parts.eager_model is not None:

@@ -206,7 +206,6 @@ def run(
     progress = progress or Progress()
     stream = micro_batches(train_batches, progress, parts.device)
     cadence = Cadence(cfg, val_batches is not None, preempted, parts.device, progress)
-    peak = peak_flops(parts.device, t.peak_tflops)
     metrics: dict[str, Any] = {}
     once = dict(facts or {}) | device_facts(parts.device) | {"at/loop": time.time()}
     flops: float | None = None  # counted on this process's first step
@@ -239,7 +238,8 @@ def run(
         if due is None:
             continue
         metrics, interval = _report(due, interval, progress, parts, reporter, val_batches,
-                                    once | cadence.figures() | {"flops_per_sample": flops}, peak, t.micro_batch_size,
+                                    once | cadence.figures() | {"flops_per_sample": flops},
+                                    peak_flops(parts.device, t.peak_tflops, parts.precision.mode), t.micro_batch_size,
                                     t.max_nonfinite_steps)
         once = {}
     return metrics

@@ -19,18 +19,36 @@ PEAK_FLOPS = {
     "V100": 125e12, "T4": 65e12, "RTX 4090": 165e12, "RTX 3090": 71e12,
 }
 
+# Dense fp32 peaks without tensor cores (FLOP/s), for runs in fp32 with TF32 off.
+FP32_FLOPS = {
+    "H200": 67e12, "H100 PCIe": 51e12, "H100": 67e12, "GH200": 67e12, "A100": 19.5e12, "A10G": 31.2e12,
+    "A10": 31.2e12, "L40S": 91.6e12, "L4": 30.3e12, "V100": 15.7e12, "T4": 8.1e12, "RTX 4090": 82.6e12,
+    "RTX 3090": 35.6e12,
+}
+
 PHASES = ("compute", "sync", "data_wait", "eval", "checkpoint", "report")
 
 
-def peak_flops(device: torch.device, configured_tflops: float | None) -> float | None:
-    """Peak FLOP/s of one device: the configured value, else the table for known GPUs, else unknown."""
+def peak_flops(device: torch.device, configured_tflops: float | None, precision: str = "bf16") -> float | None:
+    """Peak FLOP/s of one device in `precision` (the run's: MFU against a faster mode's peak would understate it):
+    the configured value, else the tables for known GPUs (TF32 runs at half the bf16 tensor-core peak on Ampere and
+    later), else unknown."""
     if configured_tflops:
         return configured_tflops * 1e12
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    matches = [key for key in PEAK_FLOPS if key in name]
-    return PEAK_FLOPS[max(matches, key=len)] if matches else None
+    if precision in ("bf16", "fp16"):
+        return _lookup(PEAK_FLOPS, name)
+    if torch.backends.cuda.matmul.allow_tf32 and torch.cuda.get_device_capability(device)[0] >= 8:
+        peak = _lookup(PEAK_FLOPS, name)
+        return peak / 2 if peak else None
+    return _lookup(FP32_FLOPS, name)
+
+
+def _lookup(table: dict[str, float], name: str) -> float | None:
+    matches = [key for key in table if key in name]  # the longest match: "H100 PCIe" before "H100"
+    return table[max(matches, key=len)] if matches else None
 
 
 def count_flops(step: Callable[[], None]) -> int:

@@ -85,6 +85,8 @@ def rank_config(spec: dict[str, Any], world: int) -> Config:
     if cfg.train.torch_threads is not None:  # None: Ray's OMP_NUM_THREADS, the worker's CPUs
         torch.set_num_threads(cfg.train.torch_threads)
     flush_denormals(cfg.train.flush_denormal)
+    # fp32 on a GPU: TF32 only when asked (torch's own defaults differ between matmuls and cuDNN's convolutions).
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.train.tf32
     return cfg
 
 

@@ -21,8 +21,10 @@ class HostReads(TorchDispatchMode):
     """Counts reads and synchronisations by where the loop is: `step` (a step between reports), `report` (the
     report and what follows it), `first` (this process's first step: FLOPs counted, optimizer state measured)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sync_debug: bool = False) -> None:
         super().__init__()
+        # On CUDA: torch raises on any device synchronisation made while the loop is in its steps.
+        self.sync_debug = sync_debug and torch.cuda.is_available()
         self.where = "step"
         self.counts: Counter[str] = Counter()
         self.syncs: Counter[str] = Counter()
@@ -30,8 +32,13 @@ class HostReads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is torch.ops.aten._local_scalar_dense.default:
-            self.counts[self.where] += 1
+            self.counts["step" if self.where == "cadence" else self.where] += 1
         return func(*args, **(kwargs or {}))
+
+    def _enter(self, where: str) -> None:
+        self.where = where
+        if self.sync_debug:
+            torch.cuda.set_sync_debug_mode("error" if where == "step" else "default")
 
     @contextlib.contextmanager
     def around_loop(self) -> Iterator[HostReads]:
@@ -41,11 +48,12 @@ class HostReads(TorchDispatchMode):
 
         def within(name: str, fn: Any) -> Any:
             def wrapped(*args: Any, **kwargs: Any) -> Any:
-                outer, self.where = self.where, name
+                outer = self.where
+                self._enter(name)
                 try:
                     return fn(*args, **kwargs)
                 finally:
-                    self.where = outer
+                    self._enter(outer)
             return wrapped
 
         def counted_step(*args: Any, **kwargs: Any) -> Any:
@@ -54,15 +62,20 @@ class HostReads(TorchDispatchMode):
 
         def counted_at(cadence: Cadence, number: int) -> Any:
             # What the cadence reads at a report step (rank 0's clock, the drain notice) belongs to that report.
-            before = self.counts[self.where]
-            due = at(cadence, number)
+            # (Torch's sync check is off inside: a read here is still counted, as the step's when it is not a report.)
+            before, outer = self.counts[self.where], self.where
+            self._enter("cadence")
+            try:
+                due = at(cadence, number)
+            finally:
+                self._enter(outer)
             if due is not None and self.where == "step":
                 self.counts["report"] += self.counts["step"] - before
                 self.counts["step"] = before
             return due
 
         def counted_tolist(tensor: torch.Tensor) -> Any:
-            self.counts[self.where] += 1
+            self.counts["step" if self.where == "cadence" else self.where] += 1
             return tolist(tensor)
 
         def counted_synchronize(*args: Any, **kwargs: Any) -> None:
@@ -77,8 +90,10 @@ class HostReads(TorchDispatchMode):
         torch.cuda.synchronize = counted_synchronize  # type: ignore[assignment]
         try:
             with self:
+                self._enter("step")
                 yield self
         finally:
+            self._enter("report")  # torch's default mode again
             loop._report, loop._first_step, loop.train_step = report, first, step  # type: ignore[assignment]
             Cadence.at = at  # type: ignore[method-assign]
             torch.Tensor.tolist = tolist  # type: ignore[method-assign]

@@ -3,16 +3,20 @@ Skipped without a CUDA device (see tests/conftest.py)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
-from test_loop import xy
+from reads import HostReads
+from test_loop import Recorder, xy
 
 from orchestrator.config import load_config
 from orchestrator.models import GPT, mlp
 from orchestrator.tasks import CausalLM
+from orchestrator.training.loop import run
 from orchestrator.training.memory import cuda_memory_stats, fit_micro_batch_cuda
 from orchestrator.training.optim import build_optimizer
-from orchestrator.training.parts import Parts
+from orchestrator.training.parts import Parts, build_parts
 from orchestrator.training.precision import Precision, resolve_precision
 from orchestrator.training.step import train_step
 
@@ -29,14 +33,63 @@ def cuda_parts(model: torch.nn.Module, mode: str) -> Parts:
 
 def test_fp16_uses_a_grad_scaler_and_counts_skipped_steps() -> None:
     parts = cuda_parts(mlp(16, 4, hidden=[32]), "fp16")
+    assert parts.precision.scaler is not None and parts.optimizer.defaults.get("fused")
+    # A first loss scale so large that the fp16 backward overflows while the loss itself is finite: the scaler
+    # skips the update (inside the fused kernel) and lowers its scale, read nowhere but here.
+    parts.precision.scaler = torch.amp.GradScaler("cuda", init_scale=2.0**40)
     x, y = torch.randn(64, 16, device=CUDA), torch.randint(0, 4, (64,), device=CUDA)
-    assert parts.precision.scaler is not None
-    assert torch.isfinite(train_step(parts, [xy(x, y)]).loss_sum)
-    x[0, 0] = float("inf")  # overflowing gradients: the scaler skips the update and lowers its scale
     before = [p.detach().clone() for p in parts.model.parameters()]
-    train_step(parts, [xy(x, y)])
+    result = train_step(parts, [xy(x, y)])
+    assert torch.isfinite(result.loss_sum) and float(result.overflowed) == 1.0 and float(result.skipped) == 0.0
     assert parts.precision.skipped_steps == 1
     assert all(torch.equal(a, b) for a, b in zip(before, parts.model.parameters(), strict=True))
+    for _ in range(40):  # the scale backs off until the steps apply
+        train_step(parts, [xy(x, y)])
+    assert not all(torch.equal(a, b) for a, b in zip(before, parts.model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_gpt_trains_between_reports_without_a_single_device_sync(precision: str) -> None:
+    """torch raises on any synchronisation in the steps between reports (set_sync_debug_mode("error")), and every
+    value read back from the device is counted: none in the steps, a few at each report."""
+    cfg = load_config(None, [
+        "scaling.num_workers=1", "scaling.use_gpu=true", "model.name=gpt", "model.d_model=64", "model.n_layer=2",
+        "model.n_head=2", "data.label=null", "task.name=causal_lm", "model.num_classes=128",
+        f"train.precision={precision}", "train.global_batch_size=16", "train.micro_batch_size=8",
+        "train.max_steps=40", "train.log_every=10", "data.val=null", "train.eval_every=null",
+        "optim.warmup_steps=2"])
+    parts = build_parts(cfg, 32, CUDA)
+    tokens = torch.randint(0, 128, (640, 33))
+    x, y = tokens[:, :-1].contiguous().pin_memory(), tokens[:, 1:].contiguous().pin_memory()  # as RankBatches
+    report = Recorder()
+    with HostReads(sync_debug=True).around_loop() as reads:
+        run(cfg, parts, lambda epoch: [{"x": x[i:i + 8], "labels": y[i:i + 8]} for i in range(0, 640, 8)], None,
+            report)
+    assert reads.steps == 40 and len(report.reports) == 4
+    assert reads.counts.get("step", 0) == 0 and reads.syncs.get("step", 0) == 0, (reads.counts, reads.syncs)
+    assert all(math.isfinite(m["train_loss"]) for m, _ in report.reports)
+    assert report.reports[-1][0]["time/compute_frac"] > 0  # the phases, timed by events read at the report
+
+
+def test_an_out_of_memory_error_from_a_real_allocation_is_retried_with_smaller_pieces() -> None:
+    class Hungry(torch.nn.Module):
+        """Asks for twice the device's memory when a forward gets more than 4 rows."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = mlp(16, 4, hidden=[32])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if len(x) > 4:
+                torch.empty(2 * torch.cuda.get_device_properties(x.device).total_memory, dtype=torch.uint8,
+                            device=x.device)
+            return self.net(x)
+
+    parts = cuda_parts(Hungry(), "bf16")
+    x, y = torch.randn(8, 16, device=CUDA), torch.randint(0, 4, (8,), device=CUDA)
+    with pytest.warns(UserWarning, match="out of memory: retrying the step"):
+        result = train_step(parts, [xy(x, y)])
+    assert (parts.split, parts.oom_retries) == (2, 1) and torch.isfinite(result.loss_sum)
 
 
 def test_auto_precision_prefers_bf16_on_cuda() -> None:
