@@ -27,3 +27,32 @@ def test_autopilot_bench_runs_in_its_quick_mode() -> None:
     rows = [line for line in out.stdout.splitlines() if line.startswith(("poor ", "defaults "))]
     assert len(rows) == 2
     assert "targets (autopilot's steady state" in out.stdout
+
+
+def test_gpu_check_says_so_without_cuda_and_every_planned_command_would_run(tmp_path: Path) -> None:
+    """make gpu-check's CPU path: one line and exit 0; on a GPU machine its commands must run the first time, so
+    each names a program and files that exist and every training command's overrides load as a config."""
+    import importlib.util
+
+    from orchestrator.config import load_config
+
+    out = subprocess.run([sys.executable, "scripts/gpu_check.py"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().startswith("gpu-check: no CUDA device"), out
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules["gpu_check"] = gpu_check  # its dataclass looks its module up there
+    spec.loader.exec_module(gpu_check)  # type: ignore[union-attr]
+    plan = gpu_check.checks(tmp_path)
+    assert [c.name for c in plan] == ["pytest -m gpu", "bench/gpu.py", "prepare data", "train (Ray, 1 GPU)",
+                                      "autopilot, poor start"]
+    assert sum(c.timeout_s for c in plan) <= 8 * 60
+    for check in plan:
+        assert Path(check.command[0]).exists(), check.command[0]
+        assert all((ROOT / arg).exists() for arg in check.command if arg.startswith(("bench/", "tests/")))
+        overrides = [check.command[i + 1] for i, arg in enumerate(check.command) if arg == "--set"]
+        if overrides:
+            load_config(None, overrides)
+    table = ("mode  tokens/s  vs fp32  MFU  peak GiB  wall s\nfp32 strict  120,000  1.00x  10.0%  30.1  9.0\n"
+             "tf32  400,000  3.33x  16.0%  30.1  5.0\nbf16  900,000  7.50x  45.0%  20.0  4.0\n")
+    assert gpu_check._bench_figures(table).startswith("fp32 strict 120,000 tokens/s MFU 10.0%")
