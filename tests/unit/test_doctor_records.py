@@ -1,10 +1,10 @@
 """Every doctor rule (doctor/engine.py RULES) on every kind of run record, table-driven: a finished run, one that
 failed before its first report and one that failed mid-run, a resumed run, a `checkpoint.every: auto` run, a study's
-parent (finished, and still without trials), autopilot runs (searched, kept from the checkpoint, skipped), an fsdp GPU
-run and a record with nothing in it. Each rule returns None or a well-formed finding for each record, never raises;
-and each record gets the findings its figures call for, and no other. The records are built as MLflow holds a run:
-params from the resolved config (tracking.context.config_params, as strings), metrics under their MLflow keys, the
-tags the driver sets."""
+parent (finished, and still without trials), autopilot runs (searched, kept from the checkpoint, skipped, on GPUs),
+an fsdp GPU run that ran out of memory and a record with nothing in it. Each rule returns None or a well-formed
+finding for each record, never raises; and each record gets the findings its figures call for, and no other. The
+records are built as MLflow holds a run: params from the resolved config (tracking.context.config_params, as
+strings), metrics under their MLflow keys, the tags the driver sets."""
 
 from __future__ import annotations
 
@@ -84,9 +84,16 @@ RECORDS: dict[str, RunRecord] = {
         REPORTS | LEDGER | _metrics(autopilot__achieved_speedup=[1.2]), _params("autopilot.enabled=true") | CHOSEN,
         {"orchestrator.resume.20250101-120000": "from step 50"}),
     "autopilot skipped": RunRecord(REPORTS | LEDGER, _params("autopilot.enabled=true", "train.max_steps=30"), {}),
+    # It ran out of memory once: fsdp already, so no advice to shard.
     "fsdp on GPUs": RunRecord(
         REPORTS | LEDGER | GPU, _params("train.parallel=fsdp", "scaling.use_gpu=true", "train.precision=bf16"),
-        {"orchestrator.precision": "bf16"}),
+        {"orchestrator.precision": "bf16", "orchestrator.failure.1": "after step 40: CUDA out of memory"}),
+    # Small kernels in fp32 with memory to spare: what the autopilot measured (precision, compile, the micro-batch
+    # split at this global batch) is settled, not advised.
+    "autopilot on GPUs": RunRecord(
+        REPORTS | LEDGER | AUTOPILOT | GPU | _metrics(mfu=[0.05], flops_per_sample=[2e6], micro_batch_size=[32.0]),
+        _params("autopilot.enabled=true", "scaling.use_gpu=true") | CHOSEN | {"autopilot.micro_batch_size": "32"},
+        {"orchestrator.precision": "fp32"}),
     "nothing recorded": RunRecord(),
 }
 
@@ -104,6 +111,7 @@ EXPECTED: dict[str, set[str]] = {
     "autopilot kept from the checkpoint": {"autopilot"},
     "autopilot skipped": set(),
     "fsdp on GPUs": {"memory headroom"},
+    "autopilot on GPUs": {"autopilot"},
     "nothing recorded": set(),
 }
 
