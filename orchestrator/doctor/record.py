@@ -25,6 +25,23 @@ class Finding:
     changes: tuple[str, ...]  # concrete config changes, as `--set key=value`
 
 
+# One `--set` value: a dotted config key and a value without spaces (a YAML scalar, or a flow list like [1,2]).
+_SETTING = re.compile(r"[a-z_]\w*(?:\.\w+)+=\S+")
+
+
+def settings(change: str) -> list[str] | None:
+    """The `--set` values of a config change, written `key=value[ --set key=value ...][ (why)]`; None for advice
+    that is not one (a check to make, a search-space edit of the study's YAML)."""
+    flags = change.split(" (", 1)[0].split(" --set ")
+    return flags if all(_SETTING.fullmatch(flag) for flag in flags) else None
+
+
+def reason(change: str) -> str | None:
+    """The why of a config change: the text in parentheses after its values."""
+    _, found, why = change.partition(" (")
+    return why.removesuffix(")") if found else None
+
+
 @dataclass
 class RunRecord:
     """What doctor reads of a run: every metric's values in step order, params (flattened config) and tags."""
@@ -105,3 +122,34 @@ def _world(run: RunRecord) -> int:
     """Workers of the run: the largest world size it reported, else the config's (the largest of `[min, max]`)."""
     configured = [int(n) for n in re.findall(r"\d+", run.param("scaling.num_workers") or "")]
     return int(max(run.values("world_size"), default=0)) or max(configured, default=1)
+
+
+def _elastic(run: RunRecord) -> bool:
+    return len(_world_sizes(run)) > 1
+
+
+def _world_sizes(run: RunRecord) -> range:
+    """Every world size the config allows (one, or `[min, max]`'s range), else the largest reported."""
+    configured = [int(n) for n in re.findall(r"\d+", run.param("scaling.num_workers") or "")]
+    return range(min(configured), max(configured) + 1) if configured else range(_world(run), _world(run) + 1)
+
+
+def batch_split(run: RunRecord, global_batch: int | None = None, micro: int | None = None,
+                workers: int | None = None) -> str | None:
+    """`--set` values of a batch split that loads whatever the run's config pins (global = micro-batch x
+    accumulation x workers): the micro-batch with its accumulation (null in an elastic group: derived per size),
+    the global batch and the worker count where they change. The run's own figures where not given; None when
+    they do not divide."""
+    batch = _int_param(run, "train.global_batch_size")
+    if batch is None:
+        return None
+    target, sizes = global_batch or batch, range(workers, workers + 1) if workers else _world_sizes(run)
+    changed = [*([f"scaling.num_workers={workers}"] if workers else []),
+               *([f"train.global_batch_size={target}"] if target != batch else [])]
+    if micro is None and run.param("train.micro_batch_size") == "auto":
+        return " --set ".join(changed) or None  # auto: each worker derives its accumulation
+    micro = micro or _int_param(run, "train.micro_batch_size") or int(run.last("micro_batch_size") or 0)
+    if not micro or any(target % size or (target // size) % micro for size in sizes):
+        return None
+    accum = str(target // (micro * sizes[0])) if len(sizes) == 1 else "null"
+    return " --set ".join([*changed, f"train.micro_batch_size={micro}", f"train.grad_accum_steps={accum}"])

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import shlex
+
 from orchestrator.doctor.engine import diagnose
 from orchestrator.doctor.load import load_run
-from orchestrator.doctor.record import HIGH, LOW, MEDIUM, Finding, RunRecord, is_study, trial_counts
+from orchestrator.doctor.record import HIGH, LOW, MEDIUM, Finding, RunRecord, is_study, reason, settings, trial_counts
 
 _SEVERITY = {HIGH: "high", MEDIUM: "medium", LOW: "low"}
 
@@ -16,12 +18,50 @@ def format_findings(run_id: str, run: RunRecord, findings: list[Finding]) -> str
     lines = [f"doctor: run {name} ({run_id}){' ' + status if status else ''}, {_length(run)}"]
     if not findings:
         lines.append("no findings: nothing in the recorded metrics points at an easy win")
+    elif _command(run, []) is None and any(settings(c) for f in findings for c in f.changes):
+        lines.append("(the run was not started by `orchestrator train` or `tune`: add these --set values to the "
+                     "overrides it was loaded with)")
     for i, f in enumerate(findings, 1):
         lines.append(f"{i}. [{_SEVERITY[f.severity]}] {f.rule}: {f.title}")
-        # Config keys as the --set flag that applies them; search-space edits go in the study's YAML.
-        lines.extend(f"     --set {change}" if "=" in change and not change.startswith("tune.space.")
-                     else f"     {change}" for change in f.changes)
+        for change in f.changes:
+            values = settings(change)
+            if values is None:  # a check to make, or a search-space edit of the study's YAML
+                lines.append(f"     {change}")
+                continue
+            # The whole command on a line of its own, as the shell takes it; why on the next one.
+            argv = _command(run, values) or [part for value in values for part in ("--set", value)]
+            lines.append(f"     {shlex.join(argv)}")
+            if (why := reason(change)) is not None:
+                lines.append(f"       ({why})")
     return "\n".join(lines)
+
+
+def _command(run: RunRecord, values: list[str]) -> list[str] | None:
+    """The command that started the run (MLflow's `mlflow.source.name`) with `values` as `--set` flags after its
+    own (a key they change loses its old value). Without `--resume` (a changed config trains a new run), without
+    `--autopilot` when the values are the autopilot's choice (the flag would win over them), with `--fresh` for a
+    study (one started with another config is refused; its trials so far stay in MLflow), and without a `--set`
+    whose value MLflow keeps masked (`***`). None when `orchestrator train` or `tune` did not start it (Python)."""
+    try:
+        argv = shlex.split(run.tags.get("mlflow.source.name", ""))
+    except ValueError:
+        return None
+    if argv[:1] != ["orchestrator"] or argv[1:2] not in (["train"], ["tune"]):
+        return None
+    drop = {"--resume", *(["--autopilot"] if any(v.startswith("autopilot.") for v in values) else [])}
+    changed = {value.split("=", 1)[0] + "=" for value in values}
+    kept: list[str] = []
+    for arg in argv:
+        if arg in drop:
+            continue
+        if "***" in arg or (kept[-1:] == ["--set"] and arg.startswith(tuple(changed))):
+            if kept[-1:] == ["--set"]:  # the run's own value of a key that changes goes with its flag
+                kept.pop()
+            continue
+        kept.append(arg)
+    if argv[1] == "tune" and "--fresh" not in kept:
+        kept.append("--fresh")
+    return [*kept, *(part for value in values for part in ("--set", value))]
 
 
 def _length(run: RunRecord) -> str:

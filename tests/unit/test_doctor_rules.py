@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.doctor.engine import diagnose
-from orchestrator.doctor.record import HIGH, MEDIUM, Finding, RunRecord, training_share
+from orchestrator.doctor.record import HIGH, MEDIUM, Finding, RunRecord, settings, training_share
 from orchestrator.doctor.report import format_findings
 from orchestrator.doctor.rules.autopilot import autopilot_gain
 from orchestrator.doctor.rules.run_health import (
@@ -78,13 +78,15 @@ def test_data_wait_names_prefetch_parallelism_and_cache() -> None:
     finding = data_pipeline(record({"time/data_wait_frac": [0.5, 0.6, 0.4]}, {"data.prefetch_batches": "0"}))
     assert finding is not None and finding.severity == HIGH
     assert "50%" in finding.title
-    assert finding.changes[:2] == ("data.prefetch_batches=4", "data.read_parallelism=<CPUs per node for reading, "
-                                                              "e.g. 8>")
-    assert "data.cache=memory" in finding.changes
+    # Local shards, read_parallelism null: as many reads at once as Ray has CPUs already; the cache is what helps.
+    assert finding.changes == ("data.prefetch_batches=4", "data.cache=memory")
     remote = data_pipeline(record({"time/data_wait_frac": [0.2]}, {"data.train": "s3://b/train",
                                                                    "data.read_parallelism": "4"}))
     assert remote is not None and remote.severity == MEDIUM
     assert "data.read_parallelism=8" in remote.changes and any("cache" in c and "remote" in c for c in remote.changes)
+    # From object storage with read_parallelism null: reads wait on the network, four per CPU of the run (2 here).
+    network = data_pipeline(record({"time/data_wait_frac": [0.2]}, {"data.train": "s3://b/train"}))
+    assert network is not None and network.changes[1].startswith("data.read_parallelism=8 (reads from object")
     assert data_pipeline(record({"time/data_wait_frac": [0.1]})) is None
 
 
@@ -93,11 +95,19 @@ def test_free_device_memory_suggests_a_larger_micro_batch() -> None:
     finding = memory_headroom(record(gpu))
     assert finding is not None and "7.5 of 80 GiB" in finding.title
     # 128 = 64 x 1 x 2 workers: no accumulation to trade, so a doubled micro-batch comes with a doubled batch.
-    assert finding.changes == ("train.micro_batch_size=auto", "train.micro_batch_size=128 --set "
-                               "train.global_batch_size=256 (no accumulation left to trade: with a matching optim.lr)")
+    # auto derives the accumulation (a config that pins it refuses auto without null); a doubled micro-batch comes
+    # with the accumulation and the global batch it needs.
+    assert finding.changes == (
+        "train.micro_batch_size=auto --set train.grad_accum_steps=null (the largest micro-batch that fits, measured "
+        "on the device)", "train.global_batch_size=256 --set train.micro_batch_size=128 --set train.grad_accum_steps=1 "
+        "(no accumulation left to trade: twice the samples per step changes the optimisation, so retune optim.lr and "
+        "compare the loss)")
     accumulating = memory_headroom(record(gpu, {"train.global_batch_size": "512"}))  # 4 accumulation steps
     assert accumulating is not None
-    assert accumulating.changes[1] == "train.micro_batch_size=128 (half the accumulation steps)"
+    assert accumulating.changes[1] == ("train.micro_batch_size=128 --set train.grad_accum_steps=2 (half the "
+                                       "accumulation steps)")
+    fsdp = memory_headroom(record(gpu, {"train.parallel": "fsdp"}))  # fsdp refuses auto: a number only
+    assert fsdp is not None and not [c for c in fsdp.changes if "=auto" in c], fsdp.changes
     assert memory_headroom(record({**gpu, "memory/peak_allocated_gb": [60.0]})) is None
     assert memory_headroom(record()) is None  # CPU: no device memory figures
 
@@ -173,8 +183,21 @@ def test_findings_are_sorted_by_severity_then_strength_and_printed_as_set_flags(
     findings = diagnose(run)
     assert [f.rule for f in findings] == ["precision", "data pipeline", "memory headroom", "compile"]
     text = format_findings("r1", run, findings)
-    assert text.splitlines()[1] == "1. [high] precision: trained in fp32 on a GPU that supports bf16"
+    # Not started by `orchestrator train` (no command to complete): the --set values alone, said so once.
+    assert text.splitlines()[1].startswith("(the run was not started by `orchestrator train` or `tune`")
+    assert text.splitlines()[2] == "1. [high] precision: trained in fp32 on a GPU that supports bf16"
     assert "     --set train.precision=bf16" in text and "     --set data.prefetch_batches=4" in text
+    # Started by it: the run's own command with the changes after its flags, the why on a line of its own.
+    run.tags["mlflow.source.name"] = "orchestrator train --config examples/digits.yaml --resume --set train.seed=1"
+    text = format_findings("r1", run, findings)
+    assert text.splitlines()[1] == "1. [high] precision: trained in fp32 on a GPU that supports bf16"
+    assert ("     orchestrator train --config examples/digits.yaml --set train.seed=1 --set train.precision=bf16"
+            in text.splitlines())
+    assert ("     orchestrator train --config examples/digits.yaml --set train.seed=1 --set "
+            "'data.cache=~/.cache/orchestrator/shards'" not in text)  # local data: the memory cache
+    memory = text.splitlines().index("     orchestrator train --config examples/digits.yaml --set train.seed=1 --set "
+                                     "train.micro_batch_size=auto --set train.grad_accum_steps=null")
+    assert text.splitlines()[memory + 1] == "       (the largest micro-batch that fits, measured on the device)"
 
 
 @pytest.mark.parametrize("rule", [data_pipeline, memory_headroom, precision, compile_small_kernels,
@@ -271,7 +294,7 @@ def test_the_issues_run_gets_a_finding_for_each_of_its_overheads() -> None:
                                           "uneven workers"}
     text = format_findings("r1", run, findings)
     assert "no findings" not in text
-    assert "     --set train.sync=local_sgd (average parameters every 8 steps, not gradients every step)" in text
+    assert "     --set train.sync=local_sgd\n       (each worker steps alone and the workers average" in text
     assert "worker 0 ran at 86,517 samples/s, 2.7x the others (26,000-39,000)" in text
 
 
@@ -292,7 +315,7 @@ def test_a_large_eval_share_suggests_evaluating_less_often_or_on_a_smaller_split
     finding = evaluation(record({"summary/time/eval_frac": [0.18]}, {"train.max_steps": "300"}))
     assert finding is not None and finding.severity == MEDIUM and "18% of the training time" in finding.title
     assert finding.changes[0] == "train.eval_every=200"
-    assert finding.changes[1].startswith("data.val=<a smaller validation split>")
+    assert finding.changes[1].startswith("a smaller validation split: each pass reads all of data.val")
     heavy = evaluation(record({"time/eval_frac": [0.0, 0.0, 0.0, 0.7], "interval_s": [1.0, 1.0, 1.0, 6.0]},
                               {"train.eval_every": "50"}))
     assert heavy is not None and heavy.severity == HIGH and "(1 pass over the validation split)" in heavy.title
@@ -301,7 +324,8 @@ def test_a_large_eval_share_suggests_evaluating_less_often_or_on_a_smaller_split
     # one change left. (A short run's one pass: test_one_end_of_run_validation_pass_is_not_blamed_on_the_split.)
     end_only = evaluation(record({"summary/time/eval_frac": [0.4]}, {"train.eval_every": "None",
                                                                      "train.max_steps": "1000"}))
-    assert end_only is not None and len(end_only.changes) == 1 and end_only.changes[0].startswith("data.val=")
+    assert end_only is not None and len(end_only.changes) == 1
+    assert end_only.changes[0].startswith("a smaller validation split")
     assert evaluation(record({"summary/time/eval_frac": [0.08]})) is None
     assert evaluation(record()) is None  # the healthy run: one pass, 3% of the training
 
@@ -336,7 +360,7 @@ def test_one_worker_much_faster_or_slower_than_the_others_is_named() -> None:
     assert fast is not None and fast.severity == HIGH
     assert fast.title.startswith("worker 0 ran at 86,517 samples/s, 2.7x the others (26,000-39,000)")
     assert fast.changes[0].startswith("check the other workers' nodes")
-    assert fast.changes[1].startswith("scaling.cpus_per_worker=<a node's cores / its workers> (now 1.0")
+    assert fast.changes[1].startswith("check scaling.cpus_per_worker (now 1.0) against a node's cores")
     rates = {WORKER_RATE.format(rank=r): [v] for r, v in enumerate([10_000.0, 10_400.0, 6_000.0, 9_800.0])}
     slow = uneven_workers(record({**rates, "world_size": [4.0]}))
     assert slow is not None and slow.severity == MEDIUM and slow.title.startswith("worker 2 ran at 6,000 samples/s")
@@ -386,7 +410,11 @@ def test_a_study_names_its_trials_not_steps_in_the_header() -> None:
     text = format_findings("p1", run, diagnose(run))
     assert text.splitlines()[0] == "doctor: run digits-mlp-study (p1), study of 4 trials (3 completed, 1 stopped early)"
     assert "0 steps" not in text
-    assert "     --set tune.num_samples=8 (ASHA" in text  # tune.num_samples is a --set; a space edit is YAML
+    assert "     --set tune.num_samples=8\n       (ASHA" in text  # tune.num_samples is a --set; a space edit is YAML
+    run.tags["mlflow.source.name"] = "orchestrator tune --config examples/digits-tune.yaml"
+    # A changed study is a new one (the saved one refuses another config): --fresh; its trials stay in MLflow.
+    assert ("     orchestrator tune --config examples/digits-tune.yaml --fresh --set tune.num_samples=8"
+            in format_findings("p1", run, diagnose(run)).splitlines())
     edge = study(LR_WARMUP, {"optim.lr": 0.09, "optim.warmup_steps": 50}, {"completed": 8})
     assert "     tune.space.optim.lr: {loguniform: [0.0001, 1]}" in format_findings("p2", edge, diagnose(edge))
 
@@ -558,8 +586,8 @@ def test_every_command_and_set_doctor_prints_is_accepted_by_the_cli_and_the_conf
         for line in format_findings("r", run, found).splitlines():  # the --set flags of a line apply together
             pairs = re.findall(SET, line)
             assert all(config_key(key) for key, _ in pairs), line
-            # A placeholder (<...>) stands for the user's own figure: its key is all there is to check.
-            load_config(None, [*base, *(f"{key}={value}" for key, value in pairs if not value.startswith("<"))])
+            assert not [value for _, value in pairs if value.startswith("<")], line  # no figure left to fill in
+            load_config(None, [*base, *(f"{key}={value}" for key, value in pairs)])
             checked += len(pairs)
         assert sets
         for edit in spaces:
@@ -606,19 +634,20 @@ def test_one_end_of_run_validation_pass_is_not_blamed_on_the_split() -> None:
 
 
 def test_the_readmes_doctor_example_prints_only_advice_that_applies() -> None:
-    import re
-
+    # Its commands run as printed (from the checkout, where examples/ is): the CLI takes each, the config loads.
+    from orchestrator.cli import build_parser
     from orchestrator.config import load_config
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text()
     example = readme[readme.index("# doctor: run "):]
     example = example[:example.index("```")]
-    commands, sets, _ = printed_advice(example)
-    assert sets and not [c for c in commands if not c.startswith("orchestrator doctor")], commands
-    for line in example.splitlines():
-        pairs = re.findall(SET, line)
-        load_config(None, [f"{key}={value}" for key, value in pairs if not value.startswith("<")])
-        assert all(config_key(key) for key, _ in pairs), line
+    commands = printed_commands("\n".join(line.removeprefix("# ") for line in example.splitlines()))
+    assert len(commands) >= 4 and "=<" not in example
+    for argv in commands:
+        args = build_parser().parse_args(argv[1:])
+        load_config(root / args.config, args.overrides)
+        assert all(config_key(value.split("=", 1)[0]) for value in args.overrides), argv
 
 
 def test_doctor_prints_no_download_progress_bars_and_leaves_mlflows_setting_alone(
@@ -650,7 +679,10 @@ def test_an_autopilot_run_reports_its_predicted_against_its_achieved_speedup() -
     assert finding.title == "predicted 1.30x over the configuration as written, achieved 1.25x; its search took 8.2 s"
     # What the choice changes of the config, as one line of --set flags: the accumulation is derived from the
     # micro-batch at the global batch; compile (False) and torch_threads (null) are the config's already.
-    assert finding.changes == ("train.micro_batch_size=32 --set train.flush_denormal=true --set train.precision=fp32 "
+    # The micro-batch comes with its accumulation at the global batch (128 = 32 x 2 x 2 workers), and the search
+    # is turned off (a config may enable it).
+    assert finding.changes == ("train.micro_batch_size=32 --set train.grad_accum_steps=2 --set "
+                               "train.flush_denormal=true --set train.precision=fp32 --set autopilot.enabled=false "
                                "(the autopilot's choice: trains with it without a search)",)
     # Achieved under 0.9 of the prediction (1.1 < 1.17): a finding of its own, the shortfall its strength.
     short = autopilot_gain(record({**AUTOPILOT_RUN, "autopilot/achieved_speedup": [1.1]}, AUTOPILOT_PARAMS))
@@ -658,7 +690,11 @@ def test_an_autopilot_run_reports_its_predicted_against_its_achieved_speedup() -
     assert "ran slower than the search measured them" in short.title
     assert autopilot_gain(record()) is None  # not an autopilot run
     printed = format_findings("r", record(AUTOPILOT_RUN, AUTOPILOT_PARAMS), [finding])
-    assert "     --set train.micro_batch_size=32 --set train.flush_denormal=true" in printed
+    assert ("     --set train.micro_batch_size=32 --set train.grad_accum_steps=2 --set train.flush_denormal=true"
+            in printed)
+    # Run by `--autopilot`: the flag (which wins over --set) is left out, so the command trains without a search.
+    started = record(AUTOPILOT_RUN, AUTOPILOT_PARAMS, {"mlflow.source.name": "orchestrator train --autopilot"})
+    assert "     orchestrator train --set train.micro_batch_size=32 --set" in format_findings("r", started, [finding])
     # The configuration as written kept: nothing to set.
     same = {**AUTOPILOT_PARAMS, "autopilot.micro_batch_size": "64", "autopilot.flush_denormal": "True",
             "autopilot.precision": "auto"}
@@ -681,3 +717,137 @@ def test_a_finding_the_autopilot_measured_on_the_run_is_settled() -> None:
     # No accumulation left: only a larger global batch (a change of the math the autopilot never makes) remains.
     whole = memory_headroom(record(memory, {"autopilot.micro_batch_size": "64"}))
     assert whole is not None and "global_batch_size=256" in whole.changes[-1]
+
+
+# --------------------------------------------------------------------------- advice runs as printed, on the examples
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+FAILED = {f"orchestrator.failure.{i}": f"after step {100 * i}: boom" for i in (1, 2, 3, 4)}
+# (what the run recorded, the --set flags it was started with, its tags, its other flags): between them, runs that
+# make every rule fire, each started from an example as a user starts one.
+SCENARIOS: list[tuple[dict[str, list[float]], list[str], dict[str, str], list[str]]] = [
+    (ISSUE_RUN, [], {}, []),
+    ({"summary/time/sync_frac": [0.3], "comm_bytes_per_sample": [1e6]}, [], {}, []),
+    ({"summary/time/sync_frac": [0.3], "comm_bytes_per_sample": [100.0]}, [], {}, []),
+    ({"summary/time/sync_frac": [0.3]}, ["train.sync=local_sgd"], {}, []),
+    ({"time/data_wait_frac": [0.5]}, ["data.read_parallelism=4"], {}, []),
+    ({"time/data_wait_frac": [0.5]}, ["data.train=s3://b/train", "data.val=s3://b/val"], {}, []),
+    ({"cost/report_frac": [0.4]}, ["checkpoint.every=50", "checkpoint.upload=sync"], {}, []),
+    ({"cost/startup_frac": [0.6], "startup/datasets_s": [9.0], "startup/total_s": [12.0]}, [], {}, []),
+    ({"device/cuda": [1.0], "device/bf16_supported": [1.0], "device/memory_total_gb": [24.0],
+      "memory/peak_allocated_gb": [3.0], "param_bytes_per_rank": [4e9], "optimizer_bytes_per_rank": [8e9],
+      "mfu": [0.05], "flops_per_sample": [2e6], "nonfinite_skipped": [0.0, 3.0, 6.0, 8.0]},
+     ["train.precision=fp32"], {"orchestrator.precision": "fp32"}, []),
+    ({"cost/wall_s": [1000.0], "cost/compute_frac": [0.70], "cost/checkpoint_frac": [0.04],
+      "cost/report_frac": [0.01], "cost/startup_frac": [0.25]}, ["checkpoint.every=500"], FAILED, []),
+    (AUTOPILOT_RUN, [], {}, ["--autopilot"]),
+    ({"summary/time/eval_frac": [0.4]}, ["train.eval_every=25"], {}, []),
+    ({"summary/time/eval_frac": [0.4]}, ["train.eval_every=null", "train.max_steps=1000"], {}, []),
+    ({"summary/time/other_frac": [0.39]}, [], {}, []),
+]
+
+
+def autopilot_choice(params: dict[str, str]) -> dict[str, str]:
+    """An autopilot run's params (autopilot_report.py): the config's, with the settings it chose, half the
+    micro-batch at twice the accumulation among them, as `autopilot.<key>`."""
+    micro, accum = params.get("train.micro_batch_size", "auto"), params.get("train.grad_accum_steps", "1")
+    if not micro.isdigit():
+        return {}
+    return {**params, "autopilot.micro_batch_size": str(max(1, int(micro) // 2)),
+            "autopilot.grad_accum_steps": str(int(accum) * 2 if int(micro) > 1 else int(accum)),
+            "autopilot.compile": "False", "autopilot.torch_threads": "None", "autopilot.flush_denormal": "True",
+            "autopilot.precision": "fp32"}
+
+
+def example_run(example: Path, metrics: dict[str, list[float]], sets: list[str], tags: dict[str, str],
+                flags: list[str], study_run: bool = False) -> RunRecord | None:
+    """The MLflow record of a run started with `orchestrator train --config <example> <flags> --set ...` (tune for a
+    study): its params the resolved config, as MLflow keeps them; None when the example refuses the flags."""
+    import shlex
+
+    from orchestrator.config import load_config
+    from orchestrator.errors import ConfigError
+    from orchestrator.tracking.context import config_params
+
+    try:
+        config = load_config(example, [*sets, *(["autopilot.enabled=true"] if "--autopilot" in flags else [])])
+    except ConfigError:
+        return None
+    params = {key: str(value) for key, value in config_params(config).items()}
+    if "--autopilot" in flags:
+        params = autopilot_choice(params)
+        if not params:
+            return None
+    micro = config.train.micro_batch_size if isinstance(config.train.micro_batch_size, int) else 16
+    world = config.scaling.max_workers
+    recorded = {**HEALTHY, "world_size": [float(world)] * 4, "micro_batch_size": [float(micro)] * 4,
+                **{WORKER_RATE.format(rank=r): [10_000.0] for r in range(world)}, **metrics}
+    command = ["orchestrator", "tune" if study_run else "train", "--config", str(example), *flags,
+               *(part for item in sets for part in ("--set", item))]
+    return RunRecord(keyed(recorded), params, {"mlflow.source.name": shlex.join(command), **tags})
+
+
+def printed_commands(text: str) -> list[list[str]]:
+    """The `orchestrator ...` command lines of doctor's report, as the shell splits them."""
+    import shlex
+
+    return [shlex.split(line) for line in text.splitlines() if line.strip().startswith("orchestrator ")]
+
+
+def test_every_command_doctor_prints_runs_as_printed_on_every_example() -> None:
+    # Each command is the run's own, with the changes as --set flags: the CLI takes it and the config it loads is
+    # valid (a micro-batch comes with its accumulation, on an example that pins it), whatever the example; no value
+    # is left for the user to fill in. The autopilot's choice trains without a search.
+    from orchestrator.cli import build_parser
+    from orchestrator.config import load_config
+    from orchestrator.doctor.engine import RULES
+
+    fired: set[str] = set()
+    commands = 0
+    for example in EXAMPLES:
+        runs = [example_run(example, *scenario) for scenario in SCENARIOS]
+        space = space_tags(LR_WARMUP, {"optim.lr": 0.09, "optim.warmup_steps": 200})
+        runs.append(example_run(example, {"trials_completed": [2.0]}, [], {"orchestrator.role": "study", **space},
+                                [], study_run=True))
+        for run in (r for r in runs if r is not None):
+            findings = [f for rule in RULES if (f := rule(run)) is not None]
+            fired |= {f.rule for f in findings}
+            text = format_findings("r", run, findings)
+            assert "=<" not in text and "<2x" not in text, text  # no placeholder left to fill in
+            for finding in findings:
+                printed = printed_commands(format_findings("r", run, [finding]))
+                assert len(printed) == sum(1 for c in finding.changes if settings(c) is not None), finding
+                for argv in printed:
+                    args = build_parser().parse_args(argv[1:])
+                    overrides = [*args.overrides, *(["autopilot.enabled=true"] if getattr(args, "autopilot", False)
+                                                    else [])]
+                    try:
+                        config = load_config(args.config, overrides)
+                    except Exception as exc:
+                        pytest.fail(f"{example.name}, {finding.rule}: `{shlex_join(argv)}` fails: {exc}")
+                    assert finding.rule != "autopilot" or not config.autopilot.enabled, argv
+                    commands += 1
+    assert len(RULES) == len(RULE_NAMES)  # a new rule joins the names, and a scenario above makes it fire
+    assert fired == set(RULE_NAMES), sorted(set(RULE_NAMES) - fired)
+    assert commands >= 100
+
+
+RULE_NAMES = ("start-up", "checkpoint reports", "checkpoint interval", "data pipeline", "evaluation",
+              "other overhead", "gradient sync", "uneven workers", "memory headroom", "model state", "precision",
+              "compile", "non-finite steps", "study size", "search space", "autopilot")
+
+
+def shlex_join(argv: list[str]) -> str:
+    import shlex
+
+    return shlex.join(argv)
+
+
+def test_local_sgd_advice_says_it_changes_the_optimisation() -> None:
+    for run in (record({"summary/time/sync_frac": [0.3], "comm_bytes_per_sample": [1e6]}),
+                record({"summary/time/sync_frac": [0.13]}),
+                record({"summary/time/sync_frac": [0.2]}, {"train.sync": "local_sgd"})):
+        finding = gradient_sync(run)
+        assert finding is not None
+        sgd = [c for c in finding.changes if "train.sync" in c]
+        assert sgd and all("changes the optimisation" in c for c in sgd), finding.changes

@@ -7,7 +7,7 @@ the autopilot settles by measurement."""
 from __future__ import annotations
 
 from orchestrator.config import AutopilotConfig
-from orchestrator.doctor.record import LOW, MEDIUM, Finding, RunRecord
+from orchestrator.doctor.record import LOW, MEDIUM, Finding, RunRecord, batch_split
 
 # Below this share of the predicted speed-up, the achieved one is a finding of its own: the search's steps did not
 # see what slowed the training (data waits that grew, evaluation, another load on the nodes).
@@ -25,12 +25,18 @@ _WORDS = {"None": "null", "True": "true", "False": "false"}  # MLflow's param st
 
 def chosen_settings(run: RunRecord) -> dict[str, str]:
     """The settings the autopilot chose that differ from the run's config, by `train.<key>`, as `--set` values
-    (a key left null is not a param)."""
+    (a key left null is not a param). A chosen micro-batch comes with its accumulation at the run's global batch
+    (batch_split): a config that pins grad_accum_steps refuses one without the other."""
     chosen = {f"train.{key.removeprefix('autopilot.')}": _WORDS.get(value, value) for key, value in run.params.items()
               if key.startswith("autopilot.") and key.removeprefix("autopilot.") not in AutopilotConfig.model_fields
               and key != "autopilot.grad_accum_steps"}  # derived from the micro-batch at the global batch
-    return {key: value for key, value in chosen.items() if value != _WORDS.get(run.params.get(key, "None"),
-                                                                                 run.params.get(key))}
+    changed = {key: value for key, value in chosen.items() if value != _WORDS.get(run.params.get(key, "None"),
+                                                                                    run.params.get(key))}
+    micro = changed.pop("train.micro_batch_size", "")
+    split = batch_split(run, micro=int(micro)) if micro.isdigit() else None
+    pairs = [value.partition("=") for value in split.split(" --set ")] if split else []
+    batch = {key: value for key, _, value in pairs} or ({"train.micro_batch_size": micro} if micro else {})
+    return {**batch, **changed}
 
 
 def autopilot_gain(run: RunRecord) -> Finding | None:
@@ -45,8 +51,8 @@ def autopilot_gain(run: RunRecord) -> Finding | None:
     title = (f"{parts[0]} over the configuration as written, {parts[1]}"
              + (f"; its search took {search:.1f} s" if search is not None else ""))
     settings = chosen_settings(run)
-    changes = (" --set ".join(f"{k}={v}" for k, v in settings.items()) + " (the autopilot's choice: trains with it "
-               "without a search)",) if settings else ()
+    changes = (" --set ".join([*(f"{k}={v}" for k, v in settings.items()), "autopilot.enabled=false"])
+               + " (the autopilot's choice: trains with it without a search)",) if settings else ()
     if predicted is not None and achieved is not None and achieved < SHORTFALL * predicted:
         return Finding("autopilot", MEDIUM, predicted - achieved, title + ": the training's steps ran slower than "
                        "the search measured them (other load on the nodes, or a search too short for a stable "

@@ -15,6 +15,7 @@ from orchestrator.doctor.record import (
     Finding,
     RunRecord,
     _int_param,
+    batch_split,
     is_study,
     training_share,
 )
@@ -32,7 +33,7 @@ def nonfinite_steps(run: RunRecord) -> Finding | None:
         return None
     lr = float(run.param("optim.lr", "0") or 0)
     warmup = int(float(run.param("optim.warmup_steps", "0") or 0))
-    changes = [f"optim.lr={lr / 3:.2g}" if lr else "optim.lr=<a third of it>",
+    changes = [*([f"optim.lr={lr / 3:.2g}"] if lr else []),
                f"optim.warmup_steps={max(2 * warmup, int(steps * 0.05), 10)}"]
     if run.param("optim.max_grad_norm") is None:
         changes.append("optim.max_grad_norm=1.0")
@@ -57,12 +58,30 @@ def startup(run: RunRecord) -> Finding | None:
         title += f" ({run.last('startup/total_s') or 0:.1f} s to the first step; slowest: {slowest} " \
                  f"{stages[slowest]:.1f} s)"
     per = "trial" if study else "run"
-    changes = [f"train.max_steps=<more steps per {per}> (start-up is paid once per {per}, not per step)",
+    changes = [*([longer] if (longer := _longer(run, share, per)) else []),
                "cluster.keep_warm_minutes=10 (the next command joins this one's local cluster instead of starting "
-               "one), or run on a running cluster (--address, or ray job submit): no Ray start per command"]
+               "one; or run on a running cluster, with --address or ray job submit: no Ray start per command)"]
     if slowest == "datasets" and run.param("data.cache", "auto") in ("auto", "memory"):
         changes.append("data.cache=none (the memory cache reads every row before the first step)")
     return Finding("start-up", HIGH if share >= 0.5 else MEDIUM, share, title, tuple(changes))
+
+
+STARTUP_SHARE = 0.1  # of the wall clock: what a run long enough for its start-up pays
+
+
+def _longer(run: RunRecord, share: float, per: str) -> str | None:
+    """train.max_steps (or train.epochs) long enough that a start-up taking `share` of the wall clock now would take
+    STARTUP_SHARE of it: the training scaled by share x (1 - S) / (S x (1 - share)); steps rounded up to a report."""
+    factor = share * (1 - STARTUP_SHARE) / (STARTUP_SHARE * (1 - share))
+    why = (f" (start-up is paid once per {per}, not per step: this makes it about {STARTUP_SHARE:.0%} of the wall "
+           "clock)")
+    steps, epochs = _int_param(run, "train.max_steps"), run.param("train.epochs")
+    if steps:
+        every = _int_param(run, "train.log_every") or 1
+        return f"train.max_steps={math.ceil(steps * factor / every) * every}{why}"
+    if epochs is not None:
+        return f"train.epochs={math.ceil(float(epochs) * factor)}{why}"
+    return None
 
 
 def report_blocking(run: RunRecord) -> Finding | None:
@@ -144,7 +163,7 @@ def evaluation(run: RunRecord) -> Finding | None:
         f" ({passes} pass{'es' * (passes > 1)} over the validation split)" if passes else "")
     every = _int_param(run, "train.eval_every")
     steps = _int_param(run, "train.max_steps") or int(run.last("step") or 0)
-    smaller = "data.val=<a smaller validation split> (each pass reads all of it: e.g. a few of its shards)"
+    smaller = "a smaller validation split: each pass reads all of data.val (point it at a few of its shards)"
     severity = HIGH if share >= 0.3 else MEDIUM
     if under_asha(run):
         return Finding("evaluation", severity, share, title, tuple(c for c in (_fewer_reports(run), smaller) if c))
@@ -179,8 +198,9 @@ def bookkeeping(run: RunRecord) -> Finding | None:
         changes.append(f"train.log_every={2 * log_every} (each report gathers figures and node stats from every "
                        "worker outside the timed phases)")
     batch = _int_param(run, "train.global_batch_size")
-    changes.append(f"train.global_batch_size={2 * batch if batch else '<2x>'} (with a matching optim.lr: the fixed "
-                   "cost of a step is spread over twice the samples)")
+    if batch and (doubled := batch_split(run, 2 * batch)):
+        changes.append(f"{doubled} (the fixed cost of a step spread over twice the samples; that changes the "
+                       "optimisation, so retune optim.lr and compare the loss)")
     return Finding("other overhead", HIGH if share >= 0.3 else MEDIUM, share,
                    f"{share:.0%} of the training time was in no timed phase (reports, per-step bookkeeping)",
                    tuple(changes))

@@ -8,7 +8,18 @@ from __future__ import annotations
 import math
 import statistics
 
-from orchestrator.doctor.record import HIGH, LOW, MEDIUM, Finding, RunRecord, _int_param, _world, training_share
+from orchestrator.doctor.record import (
+    HIGH,
+    LOW,
+    MEDIUM,
+    Finding,
+    RunRecord,
+    _elastic,
+    _int_param,
+    _world,
+    batch_split,
+    training_share,
+)
 from orchestrator.doctor.rules.autopilot import MEASURES, measured
 from orchestrator.memory_plan import GIB
 
@@ -21,13 +32,17 @@ def data_pipeline(run: RunRecord) -> Finding | None:
     prefetch = int(run.param("data.prefetch_batches", "2") or 2)
     changes = [f"data.prefetch_batches={max(4, 2 * prefetch)}"]
     parallelism = run.param("data.read_parallelism")
-    changes.append(f"data.read_parallelism={2 * int(parallelism)}" if parallelism else
-                   "data.read_parallelism=<CPUs per node for reading, e.g. 8>")
-    cache = run.param("data.cache", "auto")
     remote = str(run.param("data.train", "")).startswith(("s3://", "gs://"))
+    if parallelism:
+        changes.append(f"data.read_parallelism={2 * int(parallelism)}")
+    elif remote:  # null reads as many shards at once as Ray has CPUs: object storage waits on the network instead
+        cpus = float(run.param("scaling.cpus_per_worker", "1") or 1) * _world(run)
+        changes.append(f"data.read_parallelism={max(8, 4 * math.ceil(cpus))} (reads from object storage wait on "
+                       "the network: four at once per CPU of the run)")
+    cache = run.param("data.cache", "auto")
     if cache in ("none", "auto"):
-        changes.append("data.cache=~/.cache/orchestrator/shards (a node-local directory of your own: remote shards)"
-                       if remote else "data.cache=memory")
+        changes.append("data.cache=~/.cache/orchestrator/shards (each node keeps the remote shards on its disk: "
+                       "later epochs read them from there)" if remote else "data.cache=memory")
     if run.param("data.transforms") not in (None, "[]"):
         changes.append("data.transforms: cheaper or fewer per-batch transforms (they run in the read path)")
     return Finding("data pipeline", HIGH if share >= 0.3 else MEDIUM, share,
@@ -43,19 +58,20 @@ def memory_headroom(run: RunRecord) -> Finding | None:
     if used >= 0.5:
         return None
     micro, batch = int(run.last("micro_batch_size") or 0), _int_param(run, "train.global_batch_size")
-    changes = ["train.micro_batch_size=auto"]
+    # auto probes memory outside the step: fsdp and replica groups refuse it; it derives the accumulation itself.
+    probes = run.param("train.parallel") != "fsdp" and run.param("failure.mode") != "replicas"
+    changes = ["train.micro_batch_size=auto --set train.grad_accum_steps=null (the largest micro-batch that fits, "
+               "measured on the device)"] if probes else []
     # global = micro x accumulation x workers: a doubled micro-batch halves an even accumulation, else it needs
     # a doubled global batch (the config refuses a micro-batch that does not divide it).
     accum = batch // (micro * _world(run)) if micro and batch else 0
     if accum > 1 and measured(run, "micro_batch_size"):
         return None  # the autopilot measured larger micro-batches at this global batch and kept the fastest
-    if accum and accum % 2 == 0:
-        changes.append(f"train.micro_batch_size={2 * micro} (half the accumulation steps)")
-    elif micro and batch:
-        changes.append(f"train.micro_batch_size={2 * micro} --set train.global_batch_size={2 * batch} (no "
-                       "accumulation left to trade: with a matching optim.lr)")
-    else:
-        changes.append("train.global_batch_size=<2x, with a matching optim.lr> (no accumulation left to trade)")
+    if accum and accum % 2 == 0 and (split := batch_split(run, micro=2 * micro)):
+        changes.append(f"{split} (half the accumulation steps)")
+    elif micro and batch and (split := batch_split(run, 2 * batch, 2 * micro)):
+        changes.append(f"{split} (no accumulation left to trade: twice the samples per step changes the "
+                       "optimisation, so retune optim.lr and compare the loss)")
     if accum > 1:  # an accumulation to trade: the split is the autopilot's to measure
         changes.append(f"{MEASURES}: the micro-batch split at this global batch, on the run's own steps")
     return Finding("memory headroom", MEDIUM if used < 0.3 else LOW, 1 - used,
@@ -83,7 +99,14 @@ def model_state(run: RunRecord) -> Finding | None:
     title = (f"under ddp each worker holds {state / GIB:.1f} GiB of model state (parameters, gradients, optimizer "
              f"state), {share:.0%} of its {memory_gb:g} GiB" + (" and ran out of memory" if oom else "")
              + f"; fsdp over {world} workers would hold {sharded / GIB:.1f} GiB")
-    return Finding("model state", HIGH if oom or share >= 1 else MEDIUM, share, title, ("train.parallel=fsdp",))
+    # What fsdp refuses goes with it: local SGD, compile, the auto micro-batch, replica groups.
+    extra = [*(["train.sync=ddp"] if run.param("train.sync") == "local_sgd" else []),
+             *(["train.compile=false"] if run.param("train.compile") in ("True", "true") else []),
+             *([f"train.micro_batch_size={int(micro)}"] if run.param("train.micro_batch_size") == "auto"
+               and (micro := run.last("micro_batch_size")) else []),
+             *(["failure.mode=restart"] if run.param("failure.mode") == "replicas" else [])]
+    return Finding("model state", HIGH if oom or share >= 1 else MEDIUM, share, title,
+                   (" --set ".join(["train.parallel=fsdp", *extra]),))
 
 
 def precision(run: RunRecord) -> Finding | None:
@@ -103,6 +126,8 @@ def compile_small_kernels(run: RunRecord) -> Finding | None:
     mfu, flops, micro = run.mean("mfu"), run.last("flops_per_sample"), run.last("micro_batch_size")
     if mfu is None or mfu >= 0.2 or run.param("train.compile") in ("True", "true") or measured(run, "compile"):
         return None  # compiled already, or the autopilot measured compile on this run and kept the faster
+    if run.param("train.parallel") == "fsdp":
+        return None  # fsdp does not compile yet (the config refuses both)
     if flops and micro and flops * micro >= 5e10:
         return None  # big kernels: compiling will not lift this MFU much; the other findings will
     work = f", {flops * micro / 1e9:.2g} GFLOP per micro-batch" if flops and micro else ""
@@ -111,6 +136,7 @@ def compile_small_kernels(run: RunRecord) -> Finding | None:
 
 
 SMALL_MODEL_BYTES = 100e6  # gradients per step below which an all-reduce is latency-bound, not bandwidth-bound
+LOCAL_SGD_EVERY = 8  # train.sync_every's null
 
 
 def gradient_sync(run: RunRecord) -> Finding | None:
@@ -124,22 +150,33 @@ def gradient_sync(run: RunRecord) -> Finding | None:
     grad_bytes = statistics.median(per_sample) * batch if per_sample and batch else None
     size = f", {grad_bytes / 1e6:.2g} MB of gradients per step" if grad_bytes else ""
     title = f"gradient sync took {share:.0%} of the training time ({world} workers{size})"
-    halve = (f"train.global_batch_size={2 * batch if batch else '<2x>'} (with a matching optim.lr: half the "
-             "all-reduces per sample)")
-    if run.param("train.parallel") == "fsdp":  # local SGD cannot run on shards (the config refuses it)
+    doubled = batch_split(run, 2 * batch) if batch else None
+    halve = [f"{doubled} (half the all-reduces per sample; twice the samples per step changes the optimisation, so "
+             "retune optim.lr and compare the loss)"] if doubled else []
+    # Local SGD averages whole replicas every few steps: fsdp's shards and replica groups' per-step quorum refuse it.
+    local_sgd = [] if run.param("train.parallel") == "fsdp" or run.param("failure.mode") == "replicas" else [
+        f"train.sync=local_sgd (each worker steps alone and the workers average their parameters every "
+        f"{LOCAL_SGD_EVERY} steps, not their gradients every step: this changes the optimisation, so compare the "
+        "validation loss as well as samples/s)"]
+    if run.param("train.parallel") == "fsdp":
         accumulates = (_int_param(run, "train.grad_accum_steps", 1) or 1) > 1
         deferred = run.param("train.fsdp.defer_sync") == "True"
         changes = [*(["train.fsdp.defer_sync=true (one reduce-scatter per optimizer step, not one per "
                       "micro-batch; each worker then holds unsharded gradients)"] if accumulates and not deferred
-                     else []), halve]
+                     else []), *halve]
     elif run.param("train.sync") == "local_sgd":
-        every = _int_param(run, "train.sync_every", 8) or 8
-        changes = [f"train.sync_every={2 * every} (average parameters half as often)"]
+        every = _int_param(run, "train.sync_every", LOCAL_SGD_EVERY) or LOCAL_SGD_EVERY
+        changes = [f"train.sync_every={2 * every} (average the parameters half as often: this changes the "
+                   "optimisation further, so compare the validation loss as well as samples/s)"]
     elif grad_bytes is not None and grad_bytes < SMALL_MODEL_BYTES:
-        changes = [f"scaling.num_workers={max(1, world // 2)} (a model this small is latency-bound: compare "
-                   "samples/s)", "train.sync=local_sgd (average parameters every 8 steps, not gradients every step)"]
+        fewer = (batch_split(run, workers=world // 2) if world // 2 >= (2 if run.param("failure.mode") == "replicas"
+                                                                       else 1) and not _elastic(run) else None)
+        changes = [*([f"{fewer} (a model this small is latency-bound: compare samples/s)"] if fewer else []),
+                   *local_sgd]
     else:
-        changes = ["train.sync=local_sgd (average parameters every 8 steps, not gradients every step)", halve]
+        changes = [*local_sgd, *halve]
+    if not changes:
+        return None
     return Finding("gradient sync", HIGH if share >= 0.25 else MEDIUM, share, title, tuple(changes))
 
 
@@ -170,7 +207,7 @@ def uneven_workers(run: RunRecord) -> Finding | None:
     cpus = run.param("scaling.cpus_per_worker", "1")
     slow = "the other workers' nodes" if factor > 1 else f"worker {odd}'s node"
     changes = (f"check {slow}: other load, fewer free cores, a slower device (`ray status`, the dashboard)",
-               f"scaling.cpus_per_worker=<a node's cores / its workers> (now {cpus}: Ray places workers by it and "
-               "each worker runs that many torch threads)")
+               f"check scaling.cpus_per_worker (now {cpus}) against a node's cores over its workers: Ray places "
+               "workers by it and each worker runs that many torch threads")
     severity = HIGH if max(factor, 1 / factor) >= 2 else MEDIUM
     return Finding("uneven workers", severity, abs(math.log(factor)), title, changes)
