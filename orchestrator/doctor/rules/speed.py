@@ -67,11 +67,15 @@ def memory_headroom(run: RunRecord) -> Finding | None:
     accum = batch // (micro * _world(run)) if micro and batch else 0
     if accum > 1 and measured(run, "micro_batch_size"):
         return None  # the autopilot measured larger micro-batches at this global batch and kept the fastest
-    if accum and accum % 2 == 0 and (split := batch_split(run, micro=2 * micro)):
-        changes.append(f"{split} (half the accumulation steps)")
-    elif micro and batch and (split := batch_split(run, 2 * batch, 2 * micro)):
-        changes.append(f"{split} (no accumulation left to trade: twice the samples per step changes the "
-                       "optimisation, so retune optim.lr and compare the loss)")
+    doubled = None
+    if accum and accum % 2 == 0:
+        doubled, why = batch_split(run, micro=2 * micro), "half the accumulation steps"
+    elif micro and batch:
+        doubled, why = batch_split(run, 2 * batch, 2 * micro), ("no accumulation left to trade: twice the samples "
+                                                                "per step changes the optimisation, so retune "
+                                                                "optim.lr and compare the loss")
+    if doubled:
+        changes.append(f"{doubled} ({why})")
     if accum > 1:  # an accumulation to trade: the split is the autopilot's to measure
         changes.append(f"{MEASURES}: the micro-batch split at this global batch, on the run's own steps")
     return Finding("memory headroom", MEDIUM if used < 0.3 else LOW, 1 - used,
