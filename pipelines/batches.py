@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -285,6 +287,30 @@ def _recorded(batches: Iterable[Batch], seen: list[Batch]) -> Iterator[Batch]:
         yield batch
 
 
+class _Ahead:
+    """A pass started in a thread of its own: the batches it fetched so far, then the rest of it."""
+
+    def __init__(self, epoch: int, start: int, batches: Iterator[Batch]) -> None:
+        self.epoch, self.start, self.batches = epoch, start, batches
+        self.fetched: list[Batch] = []
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+
+    def fetch(self, count: int) -> None:
+        try:
+            self.fetched.extend(itertools.islice(self.batches, count))
+        except BaseException as exc:  # raised in the training thread, where the pass is read
+            self.error = exc
+
+    def rest(self) -> Iterator[Batch]:
+        if self.thread is not None:
+            self.thread.join()
+        if self.error is not None:
+            raise self.error
+        yield from self.fetched
+        yield from self.batches  # the generator goes on in this thread, where the fetching one left it
+
+
 class RankBatches:
     """The micro-batches one rank trains and validates on, epoch by epoch: fetched from its Ray Train dataset shards
     in chunks of about FETCH_ROWS, sliced into micro-batches, the epoch's shard order set through the epoch clock,
@@ -308,10 +334,30 @@ class RankBatches:
         self.replay_train = EpochReplay(keep=replay and not data.shuffle_buffer, reshuffle=reshuffle,
                                         micro=micro_batch_size, padding=self.padding, pin=pin_memory)
         self.replay_val = EpochReplay(keep=replay)
+        self.ahead: _Ahead | None = None  # the first batches, fetched while the model is built (prefetch)
 
     def train(self, epoch: int) -> Epoch:
         """`epoch`'s micro-batches, from the row its `start` is set to (the loop sets it on a resume)."""
-        return Epoch(lambda start: self.replay_train(lambda: self._stream_train(epoch), epoch, start))
+        return Epoch(lambda start: self._epoch(epoch, start))
+
+    def prefetch(self, epoch: int, start: int, count: int) -> None:
+        """Start fetching `epoch`'s first `count` micro-batches from row `start` in a thread of its own, while the
+        worker builds its model: the pipeline's first read (Ray Data's first execution, the split's epoch barrier)
+        then overlaps the set-up instead of following it. The loop's `train(epoch)` from that row begins with them."""
+        batches = self.replay_train(lambda: self._stream_train(epoch), epoch, start)
+        ahead = _Ahead(epoch, start, batches)
+        ahead.thread = threading.Thread(target=ahead.fetch, args=(count,), name="first batches", daemon=True)
+        ahead.thread.start()
+        self.ahead = ahead
+
+    def _epoch(self, epoch: int, start: int) -> Iterator[Batch]:
+        ahead, self.ahead = self.ahead, None
+        if ahead is None:
+            return self.replay_train(lambda: self._stream_train(epoch), epoch, start)
+        if (ahead.epoch, ahead.start) != (epoch, start):  # the position comes from the same checkpoint: a bug
+            raise RuntimeError(f"the first batches were fetched from epoch {ahead.epoch}, row {ahead.start}, but "
+                               f"training starts at epoch {epoch}, row {start}")
+        return ahead.rest()
 
     def resize(self, micro: int) -> None:
         """Cut the training micro-batches at `micro` rows from the next one on, in this pass and every later one

@@ -221,28 +221,38 @@ def _position(state: dict[str, Any], cache_decision: str | None, device: torch.d
     """The progress of a checkpoint's `state` for this rank (training on `device`): at the same world size its RNG
     streams and data position; after a resize, or under another cache decision, the next epoch boundary."""
     rank, size = world()
-    same_world = len(state["rng"]) == size
     progress = Progress(**state["progress"])
     saved, progress.cache_decision = progress.cache_decision, cache_decision or progress.cache_decision
-    # The driver keeps the checkpoint's decision on resume; another one here means it could not read it. A
-    # checkpoint that records none (written before the decision was saved) keeps its position, as it always did.
-    same_order = saved is None or cache_decision is None or saved == cache_decision
-    if same_world:
+    if len(state["rng"]) == size:
         restore_rng(state["rng"][rank], device)
-        if same_order:
-            return progress
-        if rank == 0 and progress.rows_in_epoch:
+        if rank == 0 and progress.rows_in_epoch and not _same_order(saved, cache_decision):
             print(f"the checkpoint's data position counts rows in the '{saved}' epoch order, but the data comes "
                   f"'{cache_decision}': finishing epoch {progress.epoch} early", flush=True)
     else:
         # Resized: Ray Data splits an epoch's rows into one stream per rank, so the old ranks' positions describe a
         # different split. New RNG streams, drawn per (step, rank).
         torch.manual_seed(int(np.random.default_rng([progress.step, rank]).integers(2**62)))
-    # Skipping a position that describes another split or order would miss some rows and repeat others. Finish the
-    # interrupted epoch early instead (none of its rows is seen twice) and start the next one.
-    if progress.rows_in_epoch:
-        progress.epoch, progress.rows_in_epoch = progress.epoch + 1, 0
+    progress.epoch, progress.rows_in_epoch = data_position(state, cache_decision, size)
     return progress
+
+
+def data_position(state: dict[str, Any] | None, cache_decision: str | None, world_size: int) -> tuple[int, int]:
+    """(epoch, rows into it) where a rank of a `world_size` group resumes the data from a checkpoint's `state` ((0, 0)
+    without one): the checkpoint's position at the same world size and epoch order. A position that describes
+    another split or order would miss some rows and repeat others: the interrupted epoch is finished early instead
+    (none of its rows is seen twice) and the next one starts."""
+    if state is None:
+        return 0, 0
+    progress = state["progress"]
+    epoch, rows = progress["epoch"], progress["rows_in_epoch"]
+    same = len(state["rng"]) == world_size and _same_order(progress.get("cache_decision"), cache_decision)
+    return (epoch, rows) if same or not rows else (epoch + 1, 0)
+
+
+def _same_order(saved: str | None, cache_decision: str | None) -> bool:
+    # The driver keeps the checkpoint's decision on resume; another one here means it could not read it. A
+    # checkpoint that records none (written before the decision was saved) keeps its position, as it always did.
+    return saved is None or cache_decision is None or saved == cache_decision
 
 
 # ---- sharded checkpoints (train.parallel=fsdp) -----------------------------------------------------------------

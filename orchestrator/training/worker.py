@@ -14,7 +14,7 @@ import torch
 
 from orchestrator.config import Config, config_from_dict
 from orchestrator.training.autopilot import kept_config
-from orchestrator.training.checkpoint import Progress, restore
+from orchestrator.training.checkpoint import Progress, data_position, restore
 from orchestrator.training.loop import Reporter, run
 from orchestrator.training.micro_batch import for_world_size, with_auto_micro_batch
 from orchestrator.training.parts import build_parts, compile_model
@@ -101,6 +101,14 @@ def train_rank(spec: dict[str, Any], cfg: Config, seat: Seat, load_state: Callab
     state = load_state()
     read_at = time.time()
     cfg = kept_config(cfg, state, seat.world)  # the autopilot's choice of sync and (at this size) micro-batch
+    decision = spec.get("cache_decision")
+    data = None
+    if isinstance(cfg.train.micro_batch_size, int) and cfg.failure.mode != "replicas":
+        # The micro-batch is known before the model: the first step's data is fetched while the model is built.
+        data = rank_batches(spec, cfg, seat, train_shard, val_shard)
+        epoch, start = data_position(state, decision, seat.world)
+        if (state or {}).get("progress", {}).get("step", 0) < cfg.train.max_steps:  # type: ignore[operator]
+            data.prefetch(epoch, start, cfg.train.grad_accum_steps)  # type: ignore[arg-type]
     parts = build_parts(cfg, spec["in_features"], device, pretrained)
     named = cfg.model.inputs is not None
     if cfg.train.micro_batch_size == "auto":
@@ -109,18 +117,13 @@ def train_rank(spec: dict[str, Any], cfg: Config, seat: Seat, load_state: Callab
                                     spec.get("node_ranks"))
     if cfg.train.compile:
         compile_model(parts)
-    decision = spec.get("cache_decision")
     progress = restore(parts, state, decision) if state is not None else Progress(cache_decision=decision)
     # A restart's recovery stages: the checkpoint read, then the model built and the checkpoint restored into it.
     restored = {"at/checkpoint_read": read_at, "at/checkpoint_loaded": time.time()} if state is not None else {}
     del state  # the model and optimizer hold their copies now
 
     t = cfg.train
-    data = RankBatches(cfg.data, train_shard, val_shard,
-                       t.micro_batch_size, t.seed, seat.rank, spec.get("epoch_clock"),  # type: ignore[arg-type]
-                       replay=decision == REPLAY, named=named,
-                       schema=getattr(spec.get("sample"), "schema", None),  # decides the padded columns
-                       pin_memory=device.type == "cuda")
+    data = data or rank_batches(spec, cfg, seat, train_shard, val_shard)
     # Facts only a worker knows, sent with the first report of every (re)start.
     facts = {"precision": parts.precision.mode, "grad_accum_steps": t.grad_accum_steps,
              "global_batch": t.micro_batch_size * t.grad_accum_steps * seat.world,  # type: ignore[operator]
@@ -129,6 +132,17 @@ def train_rank(spec: dict[str, Any], cfg: Config, seat: Seat, load_state: Callab
         return run_replica(cfg, parts, data, reporter, progress, facts, seat.rank)
     return run(cfg, parts, data.train, data.val if cfg.data.val is not None else None, reporter, progress,
                preempted, facts, resize=data.resize)
+
+
+def rank_batches(spec: dict[str, Any], cfg: Config, seat: Seat, train_shard: Any, val_shard: Any | None
+                 ) -> RankBatches:
+    """The rank's micro-batches, cut at the config's (resolved) micro-batch size."""
+    t = cfg.train
+    return RankBatches(cfg.data, train_shard, val_shard,
+                       t.micro_batch_size, t.seed, seat.rank, spec.get("epoch_clock"),  # type: ignore[arg-type]
+                       replay=spec.get("cache_decision") == REPLAY, named=cfg.model.inputs is not None,
+                       schema=getattr(spec.get("sample"), "schema", None),  # decides the padded columns
+                       pin_memory=seat.device.type == "cuda")
 
 
 def run_replica(cfg: Config, parts: Any, data: RankBatches, reporter: Reporter, progress: Progress,

@@ -5,6 +5,7 @@ micro-batches the uninterrupted run trained on (no short first step)."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,3 +85,24 @@ def test_a_resume_after_a_recut_is_handed_the_micro_batches_of_the_uninterrupted
     resumed = Progress(step=42, epoch=interrupted.epoch, rows_in_epoch=interrupted.rows_in_epoch)
     assert (resumed.epoch, resumed.rows_in_epoch) == (3, 36)
     assert _steps(_rank(replay, shuffle, micro=8), resumed, 18) == straight[42:]
+
+
+@pytest.mark.parametrize(("replay", "shuffle"), [(True, True), (False, False)], ids=["replayed-reshuffled", "streamed"])
+def test_the_first_batches_are_fetched_during_set_up_and_the_run_continues_from_them(replay: bool,
+                                                                                     shuffle: bool) -> None:
+    straight = _steps(_rank(replay, shuffle, micro=4), Progress(epoch=1, rows_in_epoch=36), 20)
+    data = _rank(replay, shuffle, micro=4)
+    fetched_by: list[str] = []
+    shard_iter = data.train_shard.iter_torch_batches
+
+    def recording(**kwargs: Any) -> Any:
+        fetched_by.append(threading.current_thread().name)
+        return shard_iter(**kwargs)
+
+    data.train_shard.iter_torch_batches = recording  # type: ignore[method-assign]
+    data.prefetch(1, 36, 2)  # what the worker starts before it builds the model, from the checkpoint's position
+    assert _steps(data, Progress(epoch=1, rows_in_epoch=36), 20) == straight
+    assert fetched_by[0] == "first batches"  # the pipeline's first read ran beside the set-up
+    data.prefetch(1, 36, 2)
+    with pytest.raises(RuntimeError, match="fetched from epoch 1, row 36, but training starts at epoch 1, row 0"):
+        next(iter(data.train(1)))
