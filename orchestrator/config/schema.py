@@ -164,8 +164,9 @@ class TrainConfig(_Section):
         "optimizer steps alone, then the workers average their parameters (~sync_every x less communication)."
     )
     sync_every: int | None = Field(None, ge=1, description="local_sgd: optimizer steps between parameter "
-                                   "averages (null = 8). Only these steps average the replicas: evaluation and "
-                                   "checkpoints between two see their average and leave each replica as it was.")
+                                   "averages (null = 8). Only these steps and the last average the replicas: "
+                                   "evaluation and checkpoints between two see their average and leave each replica "
+                                   "as it was.")
     outer_lr: float | None = Field(None, gt=0, description="local_sgd: step size on the averaged change since the "
                                    "last sync (null = 1.0, plain averaging; 0.7 with outer_momentum, DiLoCo's).")
     outer_momentum: float | None = Field(None, gt=0, lt=1, description="local_sgd: Nesterov momentum of the outer "

@@ -23,6 +23,7 @@ class Due:
     eval: bool
     checkpoint: bool
     drain: bool = False
+    last: bool = False  # the run's last step
 
 
 class Cadence:
@@ -54,7 +55,8 @@ class Cadence:
             return None
         last = step == self.t.max_steps
         due = Due(eval=self.has_val and (last or (self.t.eval_every is not None and step % self.t.eval_every == 0)),
-                  checkpoint=last or (not self.auto and step % self.ckpt.every == 0))  # type: ignore[operator]
+                  checkpoint=last or (not self.auto and step % self.ckpt.every == 0),  # type: ignore[operator]
+                  last=last)
         if not (due.eval or due.checkpoint or step % self.t.log_every == 0):
             return None
         if self.preempted is not None and ranks.rank0_says(self.preempted(), self.device):

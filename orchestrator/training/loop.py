@@ -232,7 +232,8 @@ def run(
         progress.samples_seen += t.global_batch_size
         interval.add(result, micro=-(-rows(batch[0]) * parts.join // parts.split))
         due = cadence.at(progress.step)
-        if parts.local_sgd is not None and parts.local_sgd.due(progress.step):  # the configured period only
+        if parts.local_sgd is not None and (parts.local_sgd.due(progress.step) or progress.step == t.max_steps):
+            # The configured period (and the run's end, which leaves one model): never where a clock decides.
             with interval.timer.phase("sync"):
                 parts.comm_bytes += parts.local_sgd.average(unwrap(parts.model))
         if due is None:
@@ -307,12 +308,12 @@ def _too_many_non_finite(progress: Progress, limit: int) -> NonFiniteLossError:
 
 
 @contextmanager
-def _one_model(parts: Parts, step: int, timer: PhaseTimer) -> Iterator[None]:
+def _one_model(parts: Parts, step: int, last: bool, timer: PhaseTimer) -> Iterator[None]:
     """Within: the ranks' one model. Under local SGD between two syncs each rank holds its own replica: evaluation
     and a checkpoint see (and save) their average, and each rank gets its replica back afterwards, so the weights
     follow the configured sync period only, whatever steps checkpoint.every=auto's clock or a drain picks."""
     sgd = parts.local_sgd
-    if sgd is None or sgd.due(step) or ranks.world()[1] == 1:  # just averaged, or nothing to average
+    if sgd is None or sgd.due(step) or last or ranks.world()[1] == 1:  # just averaged, or nothing to average
         yield
         return
     model = unwrap(parts.model)
@@ -340,7 +341,7 @@ def _report(due: Due, interval: Interval, progress: Progress, parts: Parts, repo
     if due.drain:
         metrics["drain_checkpoint"] = 1
     checkpoint_dir: Any = None
-    with _one_model(parts, progress.step, interval.timer) if due.eval or due.checkpoint else nullcontext():
+    with _one_model(parts, progress.step, due.last, interval.timer) if due.eval or due.checkpoint else nullcontext():
         if due.eval:
             with interval.timer.phase("eval"):
                 metrics |= evaluate(parts, val_batches())  # type: ignore[misc]

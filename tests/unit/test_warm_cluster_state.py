@@ -88,7 +88,9 @@ def test_a_recorded_cluster_serves_only_the_environment_it_was_started_in(
     before_loopback = {k: v for k, v in state["fingerprint"].items() if k != "listens"}  # every interface
     assert "another listening address (None; here 127.0.0.1)" in mismatch(
         state | {"fingerprint": before_loopback}, fingerprint("/src", "disabled"), 4)
-    started = warm_cluster.start_environment()  # the command's own, whatever it set in itself since
+    # What a command has now (the shell's environment, with the credential, endpoint and device variables as this
+    # process holds them: an earlier test's mlflow.set_tracking_uri leaves MLFLOW_TRACKING_URI set in it).
+    started = warm_cluster.command_environment()
     monkeypatch.setenv("SET_IN_THIS_PROCESS", "1")
     assert mismatch(state, fingerprint("/src", "disabled"), 4) is None
     reason = mismatch(state, fingerprint("/src", "disabled", started | {"AWS_ACCESS_KEY_ID": "another-key"}), 4)
