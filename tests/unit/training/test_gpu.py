@@ -112,3 +112,24 @@ def test_probe_finds_a_micro_batch_and_memory_stats_are_logged() -> None:
     assert stats["memory/reserved_gb"] >= stats["memory/allocated_gb"] >= 0
     assert stats["memory/reserved_unused_gb"] == pytest.approx(
         stats["memory/reserved_gb"] - stats["memory/allocated_gb"])
+
+
+def test_a_search_steps_clock_starts_once_the_device_has_passed_the_ranks_meeting(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under NCCL the meeting all-reduce returns before it completes: each timed search step waits for the device
+    right after it (and at its end), never the run's own steps. Recorded in order on one GPU."""
+    from orchestrator.training import autopilot, ranks
+
+    order: list[str] = []
+    meet, synchronize = ranks.meet, torch.cuda.synchronize
+    monkeypatch.setattr(autopilot.ranks, "meet", lambda device: (order.append("meet"), meet(device))[1])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: (order.append("sync"), synchronize(*a))[1])
+    cfg = load_config(None, ["scaling.num_workers=1", "scaling.use_gpu=true", "model.hidden=[64]",
+                             "model.num_classes=4", "train.global_batch_size=64", "train.micro_batch_size=8",
+                             "train.max_steps=200", "train.log_every=50", "data.val=null", "train.eval_every=null",
+                             "autopilot.enabled=true", "autopilot.budget=0.2", "optim.warmup_steps=2"])
+    parts = build_parts(cfg, 16, CUDA)
+    x, y = torch.randn(512, 16).pin_memory(), torch.randint(0, 4, (512,)).pin_memory()
+    run(cfg, parts, lambda epoch: [xy(x[i:i + 8], y[i:i + 8]) for i in range(0, 512, 8)], None, Recorder())
+    meetings = [i for i, what in enumerate(order) if what == "meet"]
+    assert meetings and all(order[i + 1] == "sync" for i in meetings), order[:20]
