@@ -42,16 +42,19 @@ def _parts(model: torch.nn.Module, cfg: Config) -> Parts:
 
 
 class OomOnce(torch.nn.Module):
-    """Raises an out-of-memory error the first time it sees a batch larger than `limit`, like a full GPU."""
+    """Raises an out-of-memory error the first time it sees a batch larger than `limit` (or at its `at_call`-th
+    forward), like a full GPU."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, at_call: int | None = None) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
         self.limit, self.raised = limit, False
+        self.at_call, self.calls = at_call, 0  # or: the first time it is called for the `at_call`-th time
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if len(x) > self.limit and not self.raised:
+        self.calls += 1
+        if (len(x) > self.limit or self.calls == self.at_call) and not self.raised:
             self.raised = True
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
         return self.net(x)
@@ -73,12 +76,15 @@ def _steps(rank: int, shared: Path) -> dict[str, Any]:
     x, y = _rows(rank)
     both = [_rows(r) for r in (0, 1)]
     out: dict[str, Any] = {}
-    for name, limit in (("clean", 1000), ("oom", 8 if rank == 1 else 1000)):
-        parts = _parts(DistributedDataParallel(OomOnce(limit)), cfg)
+    for name, limit in (("clean", 1000), ("oom", 8 if rank == 1 else 1000), ("late", None)):
+        # late: rank 1 runs out in its second micro-batch, after the first one's gradients were accumulated.
+        model = OomOnce(limit) if limit is not None else OomOnce(1000, at_call=2 if rank == 1 else None)
+        parts = _parts(DistributedDataParallel(model), cfg)
         before = [p.detach().clone() for p in parts.model.parameters()]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            train_step(parts, [{"x": x[:16], "labels": y[:16]}, {"x": x[16:], "labels": y[16:]}])
+            size = 8 if name == "late" else 16  # late: four micro-batches, so its second one is not the synced one
+            train_step(parts, [{"x": x[i:i + size], "labels": y[i:i + size]} for i in range(0, 32, size)])
         out[name] = {"update": [b - p.detach() for b, p in zip(before, parts.model.parameters(), strict=True)],
                      "split": parts.split, "retries": parts.oom_retries,
                      "warnings": [str(w.message) for w in caught]}
@@ -162,13 +168,15 @@ def test_an_oom_on_one_rank_is_retried_by_that_rank_alone(steps: list[dict[str, 
     assert [sum("out of memory" in w for w in r["oom"]["warnings"]) for r in steps] == [0, 1]
 
 
-def test_the_retried_step_applies_the_gradient_of_an_oom_free_step(steps: list[dict[str, Any]]) -> None:
-    # Rank 1 ran out in its first micro-batch: what it had accumulated is dropped, not doubled, and rank 0's
-    # gradients meet the retried ones in the one all-reduce.
+@pytest.mark.parametrize("case", ["oom", "late"])
+def test_the_retried_step_applies_the_gradient_of_an_oom_free_step(steps: list[dict[str, Any]], case: str) -> None:
+    # Rank 1 ran out in its first micro-batch (oom), or in its second after the first one's gradients were
+    # accumulated (late): those are dropped, not doubled, and rank 0's meet the retried ones in the one all-reduce.
+    assert [r[case]["retries"] for r in steps] == [0, 1]
     for result in steps:
-        for retried, grad in zip(result["oom"]["update"], result["expected"], strict=True):
+        for retried, grad in zip(result[case]["update"], result["expected"], strict=True):
             torch.testing.assert_close(retried, grad, atol=1e-6, rtol=1e-5)
-    for a, b in zip(steps[0]["oom"]["update"], steps[1]["oom"]["update"], strict=True):
+    for a, b in zip(steps[0][case]["update"], steps[1][case]["update"], strict=True):
         assert torch.equal(a, b)  # DDP: the ranks hold one model
 
 
