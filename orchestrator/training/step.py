@@ -1,6 +1,6 @@
 """One optimizer step, readable top to bottom: forward and backward of every micro-batch (gradient accumulation
-with one all-reduce), the out-of-memory retry the ranks agree on, the non-finite check, and the first step of a
-compiled model. It knows nothing of Ray; loop.py runs it."""
+with one all-reduce), a rank's out-of-memory retry, the non-finite skip decided on the device, and the first step
+of a compiled model. It queues work and never waits for the device. It knows nothing of Ray; loop.py runs it."""
 
 from __future__ import annotations
 
@@ -282,7 +282,7 @@ def _compile_failure(parts: Parts, batch: Batch) -> str | None:
     that fails, else None. Runs under DDP's no_sync (no gradient all-reduce; a buffer broadcast in forward is called
     by every rank alike) with the RNG forked; the gradients are dropped and the buffers (BatchNorm's running
     statistics) put back, so the step itself runs as without the probe. Out of memory: the probe is retried on
-    smaller pieces, down to one row (the step's own agreed retry then handles memory)."""
+    smaller pieces, down to one row (the step's own retry then handles memory)."""
     model = parts.model
     buffers = {name: value.clone() for name, value in unwrap(model).named_buffers()}
     model.train()
