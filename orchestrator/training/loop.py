@@ -73,9 +73,8 @@ class Interval:
     def sums(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """On the device, in float64 (token counts pass 2**24): the sums every rank adds up (loss over the applied
         steps, targets, samples, targets of the applied steps) and this rank's own (gradient norms of the steps that
-        applied an update, how many did, non-finite steps). A skipped (non-finite) step adds its
-        targets but no loss or gradient norm; a step the fp16 scaler skipped adds its loss but not its overflowed
-        norm."""
+        applied an update, how many did, non-finite steps). A skipped (non-finite) step adds its targets but no loss
+        or gradient norm; a step the fp16 scaler skipped adds its loss but not its overflowed norm."""
         if not self.results:
             return (torch.zeros(4, dtype=torch.float64, device=device),
                     torch.zeros(3, dtype=torch.float64, device=device))
