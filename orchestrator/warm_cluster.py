@@ -234,10 +234,17 @@ def take(minutes: float, num_cpus: int, needed_cpus: int, wanted: dict[str, Any]
             raise
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports free on loopback now. Each socket stays bound until all are picked: ports taken one at
+    a time may come back twice, and Ray refuses a head whose components share a port."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def _ray_temp_dir(directory: Path) -> Path:
@@ -258,7 +265,8 @@ def start(directory: Path, minutes: float, num_cpus: int, wanted: dict[str, Any]
     for every Ray process), and its keeper; recorded in the state file. Stopped again if anything fails. Its node
     IP is loopback: Ray then binds every server (GCS, raylet, workers, agents, dashboard) there, none on all
     interfaces."""
-    temp_dir, gcs, dashboard = _ray_temp_dir(directory), free_port(), free_port()
+    temp_dir = _ray_temp_dir(directory)
+    gcs, dashboard, client, agent, metrics = free_ports(5)
     # Ray's local-only mode (its default on macOS and Windows), for every process of the cluster: `ray start` on Linux
     # otherwise replaces a loopback node IP with the machine's, and its servers listen on every interface. A driver
     # joins in that mode too (cluster.local_only).
@@ -269,8 +277,8 @@ def start(directory: Path, minutes: float, num_cpus: int, wanted: dict[str, Any]
     command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--port", str(gcs),
                "--node-ip-address", LISTENS, "--num-cpus", str(num_cpus), "--include-dashboard", "true",
                "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard),
-               "--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
-               "--metrics-export-port", str(free_port()), "--min-worker-port", "0", "--max-worker-port", "0",
+               "--ray-client-server-port", str(client), "--dashboard-agent-listen-port", str(agent),
+               "--metrics-export-port", str(metrics), "--min-worker-port", "0", "--max-worker-port", "0",
                "--temp-dir", str(temp_dir), "--disable-usage-stats"]
     with open(directory / HEAD_LOG, "wb", opener=owner_only) as log:
         head = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,

@@ -214,3 +214,13 @@ def test_the_ray_token_a_warm_cluster_is_joined_with_is_its_owners_alone(
     token.chmod(0o644)
     private_token()
     assert oct(mode(token)) == "0o600" and token.read_text() == made
+
+
+def test_the_heads_ports_are_distinct_and_free() -> None:
+    # Ray refuses a head whose components share a port ("used by other components"): ports picked one at a time,
+    # each socket closed before the next pick, may come back twice.
+    ports = warm_cluster.free_ports(64)
+    assert len(set(ports)) == 64
+    for port in ports[:4]:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # still free once picked
