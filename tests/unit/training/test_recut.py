@@ -106,3 +106,22 @@ def test_the_first_batches_are_fetched_during_set_up_and_the_run_continues_from_
     data.prefetch(1, 36, 2)
     with pytest.raises(RuntimeError, match="fetched from epoch 1, row 36, but training starts at epoch 1, row 0"):
         next(iter(data.train(1)))
+
+
+def test_the_pass_is_fetched_and_kept_on_the_host_pinned_for_a_gpu() -> None:
+    """A replayed pass stays in host memory (pinned when the rank trains on a GPU): the loop copies each micro-batch
+    to the device, so no second copy of the pass lives there, outside the memory the micro-batch probe measured."""
+    asked: list[dict[str, Any]] = []
+
+    class Recording(Shard):
+        def iter_torch_batches(self, **kwargs: Any) -> Any:
+            asked.append(kwargs)
+            return super().iter_torch_batches(**kwargs)
+
+    data = DataConfig(train="unused", val=None, features=["x"], label="labels", shuffle=True)
+    for pin in (False, True):
+        rank = RankBatches(data, Recording(), None, 4, seed=7, rank=0, epoch_clock=None, replay=True,
+                           pin_memory=pin)
+        assert rank.replay_train.pin is pin  # a later epoch's gathered rows are pinned too
+        assert all(b["x"].device.type == "cpu" for b in rank.train(0))  # epoch 0, as fetched
+    assert [(a["device"], a["pin_memory"]) for a in asked] == [("cpu", False), ("cpu", True)]
