@@ -10,6 +10,7 @@ keeper stays light."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -235,16 +236,12 @@ def take(minutes: float, num_cpus: int, needed_cpus: int, wanted: dict[str, Any]
 
 
 def free_ports(count: int) -> list[int]:
-    """`count` distinct ports free on loopback now. Each socket stays bound until all are picked: ports taken one at
-    a time may come back twice, and Ray refuses a head whose components share a port."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
+    """`count` distinct free loopback ports, all bound until all are picked (Ray refuses a head whose ports repeat)."""
+    with contextlib.ExitStack() as bound:
+        sockets = [bound.enter_context(socket.socket()) for _ in range(count)]
         for sock in sockets:
             sock.bind(("127.0.0.1", 0))
         return [int(sock.getsockname()[1]) for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def _ray_temp_dir(directory: Path) -> Path:
@@ -265,8 +262,7 @@ def start(directory: Path, minutes: float, num_cpus: int, wanted: dict[str, Any]
     for every Ray process), and its keeper; recorded in the state file. Stopped again if anything fails. Its node
     IP is loopback: Ray then binds every server (GCS, raylet, workers, agents, dashboard) there, none on all
     interfaces."""
-    temp_dir = _ray_temp_dir(directory)
-    gcs, dashboard, client, agent, metrics = free_ports(5)
+    temp_dir, (gcs, dashboard, client, agent, metrics) = _ray_temp_dir(directory), free_ports(5)
     # Ray's local-only mode (its default on macOS and Windows), for every process of the cluster: `ray start` on Linux
     # otherwise replaces a loopback node IP with the machine's, and its servers listen on every interface. A driver
     # joins in that mode too (cluster.local_only).
