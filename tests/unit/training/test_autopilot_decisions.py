@@ -8,13 +8,12 @@ is the chosen one, also when the budget stopped the search on a slower candidate
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from test_autopilot import Net, _config, _parts, _source, _table
+from test_autopilot import one_thread as one_thread  # its autouse fixture: one torch thread, flushing on
 from test_loop import Recorder
 
 from orchestrator.training import autopilot
@@ -22,16 +21,6 @@ from orchestrator.training.checkpoint import Progress
 from orchestrator.training.loop import run
 
 MICRO = 4  # the configured micro-batch: a step's micro-batch under a candidate is 4 x parts.join / parts.split
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """One torch thread and flushing on: no threads or flushing candidate, only micro-batches are measured."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    torch.set_flush_denormal(True)
 
 
 class VirtualClock:

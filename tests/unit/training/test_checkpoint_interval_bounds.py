@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_checkpoint_interval import Clock
 from test_loop import Recorder, batches, config, dataset, make_parts
 
 from orchestrator.config import load_config
@@ -18,14 +19,6 @@ from orchestrator.training import loop
 from orchestrator.training.cadence import Cadence
 from orchestrator.training.checkpoint import Progress
 from orchestrator.training.checkpoint_interval import auto_interval
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_the_cap_is_in_minutes_and_a_cap_above_the_formula_leaves_the_formula() -> None:
