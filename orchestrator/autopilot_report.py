@@ -2,14 +2,16 @@
 carries it under "autopilot", a plain dict that is never a metric. Here: taking it out of the report, the table
 printed on the terminal, what MLflow keeps of it (the `autopilot.json` table artifact, the chosen settings as
 `autopilot.<key>` params, the predicted speed-up and search seconds as `autopilot/*` rows of the run's summary table)
-and the line the run's summary prints of what it gained over the configuration the user wrote: predicted (measured
-in the search) and achieved (the training's pace after the search against the starting configuration's)."""
+and the line the run's summary prints of what it did: what it chose with its predicted speed-up over the
+configuration the user wrote, and one figure per pace, each named as its line names it: samples/s in training steps
+(compute and gradient sync, as the search times them) in the search and after it, beside the throughput line's
+samples/s over the training's wall clock."""
 
 from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from orchestrator.tracking.tracker import Tracker
@@ -20,7 +22,10 @@ PARAM_PREFIX = "autopilot."  # the chosen settings' params; the config's own key
 FIGURES = "autopilot/"  # the summary table's section (tracking/view.py)
 AT_STEP = "reported_at_step"  # added by the driver: the step of the report that carried it
 COLUMNS = ["candidate", "samples_per_s", "ratio", "peak_memory_gb", "compile_s", "loss", "status", "chosen"]
-_HEADER = ("candidate", "samples/s", "vs start", "peak memory", "compile s", "chosen")
+# The name of the search's figures and of the training's pace after it, and what such a figure counts; the summary's
+# throughput line is the other samples/s, over the training's wall clock.
+_IN_STEPS = "samples/s in training steps"
+_STEPS_ARE = "compute and gradient sync"
 _LOSS = "train loss"  # a column of its own once a candidate that changes the math was measured (autopilot.allow)
 # The phases of an interval the search's timed steps measure (a step's forward, backward and gradient sync; its
 # batch is at hand): the achieved pace counts these seconds only, so the two figures compare like with like.
@@ -36,45 +41,103 @@ def take_autopilot(report: dict[str, Any]) -> dict[str, Any] | None:
     return dict(found) | {AT_STEP: report.get("step")}
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _number(value: Any, form: str) -> str:
-    return "-" if not isinstance(value, int | float) or isinstance(value, bool) else format(value, form)
+    return format(value, form) if _is_number(value) else "-"
+
+
+def rate(value: float) -> str:
+    """A samples/s figure as every autopilot line writes it (the progress and throughput lines' form)."""
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
 
 
 def _settings(settings: Mapping[str, Any] | None) -> str:
     return ", ".join(f"{k}={v}" for k, v in (settings or {}).items()) or "(none)"
 
 
+def _kept(autopilot: Mapping[str, Any]) -> bool:
+    return bool(autopilot.get("start")) and autopilot.get("chosen") == autopilot.get("start")
+
+
 def _chosen_name(autopilot: Mapping[str, Any]) -> str:
     """'chose <the chosen candidate's one-line name, else its settings written out>', or that it kept the
     configuration as written (no candidate beat it by the noise margin)."""
-    if autopilot.get("start") and autopilot.get("chosen") == autopilot.get("start"):
+    if _kept(autopilot):
         return "kept the configuration as written (no candidate beat it)"
     row = next((r for r in autopilot.get("rows") or [] if r.get("chosen")), None)
     return "chose " + (str(row["candidate"]) if row else _settings(autopilot.get("chosen")))
 
 
+def _columns(measured: list[Mapping[str, Any]], mark: str) -> list[tuple[str, Callable[[Mapping[str, Any]], str]]]:
+    """The table's columns, heading and cell: peak memory and compile seconds only where a measured candidate has
+    the figure, the training loss only where one changes the math (its loss may then differ)."""
+    columns: list[tuple[str, Callable[[Mapping[str, Any]], str]]] = [
+        ("candidate", lambda r: str(r.get("candidate"))),
+        ("samples/s", lambda r: rate(r["samples_per_s"]) if _is_number(r.get("samples_per_s")) else "-"),
+        ("vs start", lambda r: _number(r.get("ratio"), ".2f") + ("x" if _is_number(r.get("ratio")) else ""))]
+    if _has_peak(measured):
+        columns.append(("peak memory", lambda r: _number(r.get("peak_memory_gb"), ".2f")
+                        + (" GB" if _is_number(r.get("peak_memory_gb")) else "")))
+    if _has_compile(measured):
+        columns.append(("compile s", lambda r: _number(r.get("compile_s"), ".1f")))
+    columns.append(("chosen", lambda r: mark if r.get("chosen") else ""))
+    if any((r.get("settings") or {}).get("sync", "ddp") != "ddp" for r in measured):
+        columns.append((_LOSS, lambda r: _number(r.get("loss"), ".4f")))
+    return columns
+
+
+def _has_peak(measured: list[Mapping[str, Any]]) -> bool:
+    return any(_is_number(r.get("peak_memory_gb")) and r["peak_memory_gb"] > 0 for r in measured)
+
+
+def _has_compile(measured: list[Mapping[str, Any]]) -> bool:
+    return any(_is_number(r.get("compile_s")) for r in measured)
+
+
+def _not_shown(autopilot: Mapping[str, Any], measured: list[Mapping[str, Any]]) -> str | None:
+    """The line that says which of the table's columns are left out, and why (they would be empty)."""
+    why = [] if _has_peak(measured) else ["peak memory (measured on GPUs only)"]
+    if not _has_compile(measured):
+        why.append(f"compile s ({_no_compile(autopilot)})")
+    return f"autopilot: columns left out: {'; '.join(why)}" if why else None
+
+
+def _no_compile(autopilot: Mapping[str, Any]) -> str:
+    """Why no measured candidate has compile seconds."""
+    if any((r.get("settings") or {}).get("compile") for r in autopilot.get("rows") or []):
+        return "no candidate with torch.compile was measured"
+    from orchestrator.training.autopilot import COMPILE_GUESS_S
+
+    budget = autopilot.get("budget_s")
+    if _is_number(budget) and budget < COMPILE_GUESS_S:
+        return (f"torch.compile not tried: a compile, assumed to take {COMPILE_GUESS_S:.0f} s, does not fit the "
+                f"search's {budget:.2g} s budget")
+    return "torch.compile not tried in this search"
+
+
 def table_lines(autopilot: Mapping[str, Any], mark: str = "✓") -> list[str]:
-    """The terminal's table: one line per measured candidate (samples/s, ratio to the starting config, peak memory,
-    compile seconds, `mark` on the chosen one), then a line per failed candidate, and one closing line (what was
+    """The terminal's table: its heading (what its samples/s are), one line per measured candidate (samples/s in
+    training steps, ratio to the starting config, peak memory and compile seconds where measured, `mark` on the
+    chosen one), which columns are left out and why, a line per failed candidate, and one closing line (what was
     chosen and predicted, or why nothing was searched)."""
     if autopilot.get("from_checkpoint"):
         return [f"autopilot: kept from the checkpoint, nothing searched: {_settings(autopilot.get('chosen'))}"]
     rows = list(autopilot.get("rows") or [])
     measured = [r for r in rows if r.get("status", "ok") == "ok"]
-    # The loss beside the speed where a measured candidate changes the math (its loss may then differ).
-    math = any((r.get("settings") or {}).get("sync", "ddp") != "ddp" for r in measured)
-    cells = [(*_HEADER, *([_LOSS] if math else []))] + [
-        (str(r.get("candidate")), _number(r.get("samples_per_s"), ",.1f"),
-         _number(r.get("ratio"), ".2f") + ("x" if isinstance(r.get("ratio"), int | float) else ""),
-         _number(r.get("peak_memory_gb"), ".2f") + (" GB" if r.get("peak_memory_gb") else ""),
-         _number(r.get("compile_s"), ".1f"), mark if r.get("chosen") else "",
-         *([_number(r.get("loss"), ".4f")] if math else [])) for r in measured]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(cells[0]))]
+    columns = _columns(measured, mark)
+    cells = [[heading for heading, _ in columns]] + [[cell(r) for _, cell in columns] for r in measured]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
     lines = []
     if measured:
-        lines.append("autopilot: candidates measured on the run's own steps")
+        lines.append(f"autopilot: candidates measured on the run's own steps, {_IN_STEPS} ({_STEPS_ARE}; the "
+                     "progress lines' samples/s are over the wall clock)")
         lines += [("  " + "  ".join(c[0].ljust(widths[0]) if i == 0 else c[i].rjust(widths[i])
                                     for i in range(len(c)))).rstrip() for c in cells]
+        hidden = _not_shown(autopilot, measured)
+        lines += [hidden] if hidden else []
     for r in rows:  # failed on a rank (dropped on all), or not measured (the budget ran out in its warm-up)
         status = str(r.get("status", "ok"))
         if status.startswith("failed"):
@@ -84,15 +147,19 @@ def table_lines(autopilot: Mapping[str, Any], mark: str = "✓") -> list[str]:
     if autopilot.get("skipped"):
         lines.append(f"autopilot: skipped ({autopilot['skipped']}): training with the configuration as written")
     else:
-        lines.append(f"autopilot: {_chosen_name(autopilot)}: {_predicted(autopilot)}; search "
-                     f"{_number(autopilot.get('search_s'), '.1f')} s over {autopilot.get('search_steps', '-')} "
-                     "steps of the run")
+        lines.append(f"autopilot: {_decision(autopilot)}; search {_number(autopilot.get('search_s'), '.1f')} s over "
+                     f"{autopilot.get('search_steps', '-')} steps of the run")
     return lines
+
+
+def _decision(autopilot: Mapping[str, Any]) -> str:
+    """What the search chose, with its predicted speed-up (none for the configuration as written: it is 1)."""
+    return _chosen_name(autopilot) + ("" if _kept(autopilot) else f", {_predicted(autopilot)}")
 
 
 def _predicted(autopilot: Mapping[str, Any]) -> str:
     speedup = autopilot.get("predicted_speedup")
-    return ("predicted speed-up unknown" if not isinstance(speedup, int | float)
+    return ("predicted speed-up unknown" if not _is_number(speedup)
             else f"predicted {speedup:.2f}x the configuration as written")
 
 
@@ -192,26 +259,26 @@ def achieved_figures(autopilot: Mapping[str, Any] | None, history: list[dict[str
 
 
 def gain_line(autopilot: Mapping[str, Any] | None, history: list[dict[str, Any]]) -> str | None:
-    """The summary's line on what the autopilot gained over the configuration the user wrote; None for a run
-    without it."""
+    """The summary's line of what the autopilot did: what it chose (with its predicted speed-up over the
+    configuration as written), the samples/s in training steps it measured in its search (the configuration as
+    written's, then the chosen one's) and the training's after it, and what sets them apart from the throughput
+    line's samples/s over the wall clock. None for a run without the autopilot."""
     if autopilot is None:
         return None
     if autopilot.get("skipped"):
         return f"autopilot: skipped ({autopilot['skipped']}): trained with the configuration as written"
+    achieved = achieved_samples_per_s(autopilot, history)
     if autopilot.get("from_checkpoint"):
-        line = f"autopilot: settings kept from the checkpoint ({_settings(autopilot.get('chosen'))})"
+        head = f"autopilot: settings kept from the checkpoint ({_settings(autopilot.get('chosen'))})"
+        head += f", {_predicted(autopilot)}" if _is_number(autopilot.get("predicted_speedup")) else ""
+        paces, tail = (f"{rate(achieved)} since the resume" if achieved is not None
+                       else "not measured since the resume (no report after the first)"), ""
     else:
-        start = start_samples_per_s(autopilot)
-        chosen = search_figures(autopilot).get(FIGURES + "chosen_samples_per_s")
-        measured = (f" ({start:,.0f} -> {chosen:,.0f} samples/s in its search)" if start and chosen else "")
-        line = (f"autopilot: {_chosen_name(autopilot)}; {_predicted(autopilot)}{measured}; search "
-                f"{_number(autopilot.get('search_s'), '.1f')} s")
-    figures = achieved_figures(autopilot, history)
-    if FIGURES + "achieved_speedup" in figures:
-        line += (f"; achieved {figures[FIGURES + 'achieved_speedup']:.2f}x "
-                 f"({figures[FIGURES + 'achieved_samples_per_s']:,.0f} samples/s in training steps after the search)")
-    elif FIGURES + "achieved_samples_per_s" in figures:
-        line += f"; achieved {figures[FIGURES + 'achieved_samples_per_s']:,.0f} samples/s after the search"
-    else:
-        line += "; achieved: no report after the search to measure it"
-    return line
+        start, chosen = start_samples_per_s(autopilot), search_figures(autopilot).get(FIGURES + "chosen_samples_per_s")
+        searched = [] if not (start and chosen) else [start] if _kept(autopilot) else [start, chosen]
+        head, tail = f"autopilot: {_decision(autopilot)}", f"; search {_number(autopilot.get('search_s'), '.1f')} s"
+        after = "after it" if searched else "after the search"
+        paces = (" -> ".join(map(rate, searched)) + " in the search, " if searched else "") + (
+            f"{rate(achieved)} {after}" if achieved is not None else f"none measured {after} (no report followed)")
+    return (f"{head}; {_IN_STEPS}: {paces} ({_STEPS_ARE}; the throughput over the training's wall clock also counts "
+            f"data waits, evaluation and checkpoints){tail}")

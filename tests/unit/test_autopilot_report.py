@@ -87,22 +87,26 @@ def test_the_report_is_taken_out_of_the_metrics_with_the_step_it_came_at() -> No
     assert autopilot_report.take_autopilot(plain) is None and plain == {"step": 5, "train_loss": 1.0}
 
 
+HEADING = ("autopilot: candidates measured on the run's own steps, samples/s in training steps (compute and gradient "
+           "sync; the progress lines' samples/s are over the wall clock)")
+# What the summary's autopilot line says of its samples/s, against the throughput line's.
+STEPS_ARE = ("(compute and gradient sync; the throughput over the training's wall clock also counts data waits, "
+             "evaluation and checkpoints)")
+
+
 def test_the_terminal_table_has_a_line_per_candidate_and_one_per_failure() -> None:
     lines = autopilot_report.table_lines(_taken())
-    assert lines[0] == "autopilot: candidates measured on the run's own steps"
-    table = lines[1:5]
-    assert table[0].split() == ["candidate", "samples/s", "vs", "start", "peak", "memory", "compile", "s", "chosen"]
-    assert [line.split()[-6:] for line in table[1:]] == [["fp32", "1,000.0", "1.00x", "0.40", "GB", "-"],
-                                                         ["1,310.0", "1.31x", "1.25", "GB", "-", "✓"],
-                                                         ["fp32", "1,200.0", "1.20x", "0.40", "GB", "12.0"]]
-    assert "micro 128 x 1" in table[2] and len(table[2]) == len(table[0])  # the chosen column is the last
-    # Figures right-aligned under their heading.
-    assert table[0].index("samples/s") + len("samples/s") == table[1].index("1,000.0") + len("1,000.0")
-    assert lines[5] == ("autopilot: dropped micro 256 x 1 | compile off | threads 2 | flush on | fp32: out of memory "
-                        "on rank 1")
-    assert lines[6] == ("autopilot: chose micro 128 x 1 | compile off | threads 2 | flush on | fp32: predicted 1.31x "
-                        "the configuration as written; search 8.2 s over 40 steps of the run")
-    assert len(lines) == 7
+    assert lines == [
+        HEADING,
+        "  candidate                                                  samples/s  vs start  peak memory  compile s"
+        "  chosen",
+        "  micro 32 x 4 | compile off | threads 2 | flush on | fp32       1,000     1.00x      0.40 GB          -",
+        "  micro 128 x 1 | compile off | threads 2 | flush on | fp32      1,310     1.31x      1.25 GB          -"
+        "       ✓",
+        "  micro 32 x 4 | compile on | threads 2 | flush on | fp32        1,200     1.20x      0.40 GB       12.0",
+        "autopilot: dropped micro 256 x 1 | compile off | threads 2 | flush on | fp32: out of memory on rank 1",
+        "autopilot: chose micro 128 x 1 | compile off | threads 2 | flush on | fp32, predicted 1.31x the configuration "
+        "as written; search 8.2 s over 40 steps of the run"]
     unmeasured = REPORT | {"rows": [*REPORT["rows"], _row("micro 32 x 4 | compile off | threads 1 | flush on | fp32",
                                                            START | {"torch_threads": 1}, None, None, None, None,
                                                            status="stopped: the budget ran out in its warm-up")]}
@@ -110,6 +114,61 @@ def test_the_terminal_table_has_a_line_per_candidate_and_one_per_failure() -> No
         "autopilot: not measured micro 32 x 4 | compile off | threads 1 | flush on | fp32: stopped: the budget ran "
         "out in its warm-up")
     assert autopilot_report.table_lines(_taken(), mark="*")[3].endswith("*")  # a terminal without the check mark
+
+
+# Rank 0's report of the digits example on 2 CPU workers (examples/digits.yaml --autopilot): no peak memory (a
+# GPU's figure), no compile tried (the 5% budget of a 300-step run is far below a compile), the configuration as
+# written kept; and its run's reports, the autopilot's at step 25.
+CPU_START = {"micro_batch_size": 64, "grad_accum_steps": 1, "compile": False, "torch_threads": 1,
+             "flush_denormal": True, "precision": "bf16", "sync": "ddp", "tf32": False}
+CPU_REPORT = {
+    "rows": [_row("micro 64 x 1 | compile off | threads 1 | flush on | bf16", CPU_START, 26347.2, 1.0, None, None,
+                  chosen=True) | {"loss": 2.05},
+             _row("micro 32 x 2 | compile off | threads 1 | flush on | bf16",
+                  CPU_START | {"micro_batch_size": 32, "grad_accum_steps": 2}, 11655.4, 0.4424, None, None)
+             | {"loss": 1.98},
+             _row("micro 64 x 1 | compile off | threads 1 | flush on | fp32", CPU_START | {"precision": "fp32"},
+                  24309.1, 0.9226, None, None) | {"loss": 1.91}],
+    "start": CPU_START, "chosen": CPU_START, "from_checkpoint": False, "search_s": 0.12, "search_steps": 15,
+    "predicted_speedup": 1.0, "skipped": None, "budget_s": 0.073, "budget_spent_s": 0.05}
+# After the search: 9,000 samples in 0.375 s of training steps at step 50 and again at step 75 (its interval evaluated).
+CPU_HISTORY = [_report(25, 12292.0, 0.52), _report(50, 18000.0, 0.5, compute=0.7, sync=0.05),
+               _report(75, 9000.0, 1.0, compute=0.35, sync=0.025)]
+
+
+def test_a_cpu_run_that_kept_its_configuration_reads_as_one_story(capsys: pytest.CaptureFixture[str]) -> None:
+    """What the terminal shows of the digits run on CPU: the table without its empty columns (a line says which
+    and why), no speed-up of the configuration against itself; the summary's line names its samples/s as the
+    table does and sets them apart from the throughput line's, over the wall clock, one figure for each pace."""
+    found = _taken(CPU_REPORT, step=25)
+    autopilot_report.print_table(found)
+    assert capsys.readouterr().out.splitlines() == [
+        HEADING,
+        "  candidate                                                 samples/s  vs start  chosen",
+        "  micro 64 x 1 | compile off | threads 1 | flush on | bf16     26,347     1.00x       ✓",
+        "  micro 32 x 2 | compile off | threads 1 | flush on | bf16     11,655     0.44x",
+        "  micro 64 x 1 | compile off | threads 1 | flush on | fp32     24,309     0.92x",
+        "autopilot: columns left out: peak memory (measured on GPUs only); compile s (torch.compile not tried: a "
+        "compile, assumed to take 30 s, does not fit the search's 0.073 s budget)",
+        "autopilot: kept the configuration as written (no candidate beat it); search 0.1 s over 15 steps of the run"]
+    config = load_config(None, ["autopilot.enabled=true", "train.max_steps=75"])
+    result = TrainResult(config=config, metrics={"step": 75, "train_loss": 0.1}, checkpoint_path=None, run_dir="r",
+                         run_id=None, tracking_uri=None, history=CPU_HISTORY, autopilot=found)
+    rates = [line for line in summary(result).splitlines() if "samples/s" in line]
+    assert rates[0].startswith("throughput: ") and rates[0].endswith(
+        " samples/s over the training's wall clock (first step to last)")
+    assert rates[1:] == [
+        "autopilot: kept the configuration as written (no candidate beat it); samples/s in training steps: 26,347 "
+        f"in the search, 24,000 after it {STEPS_ARE}; search 0.1 s"]
+    # Compile tried but not measured (it failed): the column is left out for that reason.
+    failed = CPU_REPORT | {"rows": [*CPU_REPORT["rows"], _row("micro 64 x 1 | compile on | threads 1 | flush on | bf16",
+                                                               CPU_START | {"compile": True}, None, None, None, None,
+                                                               status="failed: torch.compile failed")]}
+    assert ("compile s (no candidate with torch.compile was measured)"
+            in autopilot_report.table_lines(_taken(failed))[5])
+    # A budget that covers a compile, and still none tried (FSDP, a search cut short): said without a reason.
+    assert autopilot_report.table_lines(_taken(CPU_REPORT | {"budget_s": 60.0}))[5].endswith(
+        "compile s (torch.compile not tried in this search)")
 
 
 def test_a_skipped_search_and_one_kept_from_the_checkpoint_say_so_in_one_line() -> None:
@@ -151,16 +210,16 @@ def test_the_search_figures_and_the_achieved_speedup() -> None:
     assert autopilot_report.achieved_figures(None, _history()) == {}
     # The configuration as written kept: said so, not as a choice.
     kept = found | {"chosen": START, "predicted_speedup": 1.0}
-    assert autopilot_report.table_lines(kept)[-1].startswith(
-        "autopilot: kept the configuration as written (no candidate beat it): predicted 1.00x")
+    assert autopilot_report.table_lines(kept)[-1] == (
+        "autopilot: kept the configuration as written (no candidate beat it); search 8.2 s over 40 steps of the run")
 
 
-def test_the_summary_says_what_the_autopilot_gained_predicted_and_achieved() -> None:
+def test_the_summary_says_what_the_autopilot_chose_and_its_paces_in_the_search_and_after() -> None:
     found = _taken()
     line = autopilot_report.gain_line(found, _history())
-    assert line == (f"autopilot: chose micro 128 x 1 | compile off | threads 2 | flush on | fp32; predicted 1.31x the "
-                    f"configuration as written (1,000 -> 1,310 samples/s in its search); search 8.2 s; achieved "
-                    f"{ACHIEVED / 1000:.2f}x ({ACHIEVED:,.0f} samples/s in training steps after the search)")
+    assert line == ("autopilot: chose micro 128 x 1 | compile off | threads 2 | flush on | fp32, predicted 1.31x the "
+                    "configuration as written; samples/s in training steps: 1,000 -> 1,310 in the search, "
+                    f"{ACHIEVED:,.0f} after it {STEPS_ARE}; search 8.2 s")
     config = load_config(None, ["autopilot.enabled=true"])
     result = TrainResult(config=config, metrics={"step": 80, "train_loss": 0.5}, checkpoint_path=None, run_dir="r",
                          run_id=None, tracking_uri=None, history=_history(), autopilot=found)
@@ -172,12 +231,16 @@ def test_the_summary_says_what_the_autopilot_gained_predicted_and_achieved() -> 
     assert autopilot_report.gain_line(skipped, _history()) == (
         "autopilot: skipped (run too short to pay for the search: 30 steps): trained with the configuration as "
         "written")
-    # A resumed run: the choice kept from the checkpoint, with the starting config's pace its search measured.
+    assert autopilot_report.gain_line(found, _history()[:2]) == (  # no report after the one that carried it
+        "autopilot: chose micro 128 x 1 | compile off | threads 2 | flush on | fp32, predicted 1.31x the "
+        "configuration as written; samples/s in training steps: 1,000 -> 1,310 in the search, none measured after "
+        f"it (no report followed) {STEPS_ARE}; search 8.2 s")
+    # A resumed run: the choice kept from the checkpoint, with the speed-up its search predicted.
     resumed = found | {"rows": [], "from_checkpoint": True, "start_samples_per_s": 1000.0}
     assert autopilot_report.gain_line(resumed, _history()) == (
         "autopilot: settings kept from the checkpoint (micro_batch_size=128, grad_accum_steps=1, compile=False, "
-        f"torch_threads=2, flush_denormal=True, precision=fp32); achieved {ACHIEVED / 1000:.2f}x ({ACHIEVED:,.0f} "
-        "samples/s in training steps after the search)")
+        "torch_threads=2, flush_denormal=True, precision=fp32), predicted 1.31x the configuration as written; "
+        f"samples/s in training steps: {ACHIEVED:,.0f} since the resume {STEPS_ARE}")
 
 
 class _RecordingTracker:
