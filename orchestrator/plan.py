@@ -90,8 +90,9 @@ class RunPlan:
 
 
 def _autopilot(c: Config) -> dict[str, Any]:
-    """The autopilot's setting: its budget, and the keys it measures (docs/autopilot.md): only those that leave the
-    math unchanged; precision only when the user left it auto, flush_denormal only on CPU."""
+    """The autopilot's setting: its budget, and the keys it measures (docs/autopilot.md): those that leave the
+    math unchanged (precision only when the user left it auto, flush_denormal only on CPU), and those autopilot.allow
+    lists where they can run (sync on 2 workers or more; tf32 on a GPU in fp32, which the config checks)."""
     if not c.autopilot.enabled:
         return {"enabled": False}
     searches = ["train.micro_batch_size (at the global batch)", "train.compile", "train.torch_threads"]
@@ -99,6 +100,7 @@ def _autopilot(c: Config) -> dict[str, Any]:
     searches += ["train.precision"] if c.train.precision == "auto" else []
     # Opted in (autopilot.allow): changes the math, measured with the loss beside the speed.
     searches += ["train.sync (allowed)"] if "sync" in c.autopilot.allow and c.scaling.max_workers > 1 else []
+    searches += ["train.tf32 (allowed)"] if "tf32" in c.autopilot.allow else []  # refused without a GPU, in bf16
     return {"enabled": True, "budget_share_of_wall_clock": c.autopilot.budget, "searches": searches}
 
 

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from orchestrator.config.base import _Section
+from orchestrator.config.base import _key_error, _Section
 
 
 class ScalingConfig(_Section):
@@ -187,7 +187,18 @@ class AutopilotConfig(_Section):
     budget: float = Field(0.05, gt=0, le=0.5, description="Most of the run's expected wall clock (max_steps x the "
                           "starting config's step time) the search may spend; a run too short to pay for it trains "
                           "with its config.")
-    allow: list[Literal["sync"]] = Field(
+    allow: list[Literal["sync", "tf32"]] = Field(
         default_factory=list, description="Settings that change the math of training, measured too only when "
         "listed here: sync (train.sync local_sgd against ddp, on 2 workers or more; local_sgd's own settings, or "
-        "its defaults). Their rows show the loss over the measured steps beside the speed.")
+        "its defaults); tf32 (train.tf32 flipped, on a GPU while the run trains in fp32: train.precision fp32, or "
+        "auto once fp32 beat bf16). Their rows show the loss over the measured steps beside the speed.")
+
+    def check_allowed(self, use_gpu: bool, precision: str) -> None:
+        """Refuses an allowed setting the run can never measure: TF32 exists on GPUs only, and changes fp32's matrix
+        products only (under bf16 or fp16 autocast they already run in the narrower type)."""
+        if "tf32" in self.allow and (not use_gpu or precision in ("bf16", "fp16")):
+            why = ("needs a GPU (CPUs have no TF32): set scaling.use_gpu=true" if not use_gpu else
+                   f"has no effect with train.precision={precision} (TF32 changes fp32's matrix products only): set "
+                   "train.precision=fp32 or auto")
+            raise _key_error(("autopilot", "allow"), f"autopilot.allow=[tf32] {why}, or remove tf32 from "
+                             "autopilot.allow", self.allow)

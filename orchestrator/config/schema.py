@@ -207,8 +207,7 @@ class TrainConfig(_Section):
             raise ValueError("train.micro_batch_size=auto cannot probe memory under train.parallel=fsdp: set "
                              "train.micro_batch_size to a number (or train.parallel=ddp)")
         if self.parallel == "ddp" and self.fsdp != FSDPConfig():
-            raise ValueError("train.fsdp has no effect with train.parallel=ddp; remove it or set "
-                             "train.parallel=fsdp")
+            raise ValueError("train.fsdp has no effect with train.parallel=ddp; remove it or set train.parallel=fsdp")
         return self
 
     @property
@@ -341,6 +340,7 @@ class Config(_Section):
         if self.train.tf32 and not self.scaling.use_gpu:
             raise _key_error(("train", "tf32"), "train.tf32=true needs a GPU (scaling.use_gpu=true): CPUs have no "
                              "TF32; set it to false", True)
+        self.autopilot.check_allowed(self.scaling.use_gpu, self.train.precision)
         warmup, steps = self.optim.warmup_steps, self.train.max_steps
         # With epochs, the step count is known only with the data: launch.resolve_for_data checks it then.
         if steps is not None and warmup >= steps:

@@ -1,9 +1,10 @@
 """The autopilot (`autopilot.enabled`): the run's first steps measure the settings that leave the math of training
 unchanged, one dimension at a time (the micro-batch at the fixed global batch, bf16 vs fp32 when train.precision is
-auto, torch.compile, torch threads, flush_denormal), and the rest of the run trains with the fastest. Every measured
-step is a real step of the run. A step's time is the slowest rank's (an all-reduce max), rank 0 decides and
-broadcasts, a candidate that fails on any rank (out of memory, compile error) is dropped on all, and the choice is
-kept in Progress: a checkpoint carries it and a resume applies it without searching."""
+auto, torch.compile, torch threads, flush_denormal; train.sync and train.tf32, which change it, only when
+autopilot.allow lists them), and the rest of the run trains with the fastest. Every measured step is a real step of
+the run. A step's time is the slowest rank's (an all-reduce max), rank 0 decides and broadcasts, a candidate that
+fails on any rank (out of memory, compile error) is dropped on all, and the choice is kept in Progress: a checkpoint
+carries it and a resume applies it without searching."""
 
 from __future__ import annotations
 
@@ -78,13 +79,15 @@ def begin(cfg: Config, parts: Parts, progress: Progress) -> tuple[Autopilot | No
     saved = progress.autopilot
     resized = saved is not None and saved.get("world") != world
     if saved is not None:
-        chosen = Settings(**saved["chosen"])
+        # A setting a checkpoint predates (sync, tf32) is the run's as configured, as kept_config builds it.
+        chosen = Settings(**(asdict(start) | saved["chosen"]))
         if resized or not _joins(chosen.micro_batch_size, knobs.micro, per_worker):
             # The micro-batch depends on the world size (re-measured below after a resize); the rest holds.
             chosen = replace(chosen, micro_batch_size=start.micro_batch_size, grad_accum_steps=start.grad_accum_steps)
         knobs.apply(parts, chosen)
         if not resized:
-            kept = summary(Settings(**saved["start"]), chosen, predicted_speedup=saved.get("predicted_speedup"),
+            kept = summary(Settings(**(asdict(start) | saved["start"])), chosen,
+                           predicted_speedup=saved.get("predicted_speedup"),
                            start_samples_per_s=saved.get("start_samples_per_s"))
             return None, (kept | {"from_checkpoint": True} if rank == 0 else None)
         start = chosen
@@ -284,17 +287,17 @@ class Autopilot:
 
     def _walk(self) -> Iterator[Settings]:
         """The candidates in order, each from the best so far (rank 0): micro-batches larger than the best's while
-        each beats the best, else smaller ones alike; then precision (auto only), compile, threads and
-        flush_denormal, each value against the best; then, if one of those changed the best, the micro-batch once
-        more (what pays depends on them: a larger micro-batch may gain only with more threads)."""
+        each beats the best, else smaller ones alike; then sync (allowed), precision (auto only), tf32 (allowed),
+        compile, threads and flush_denormal, each value against the best; then, if one of those changed the best,
+        the micro-batch once more (what pays depends on them: a larger micro-batch may gain only with more
+        threads)."""
         yield from self._walk_micro()
         if self.micro_only:
             return
         searched = self.best.settings  # type: ignore[union-attr]
         for key, values in self._other_options():
             for value in values:
-                affordable = key != "compile" or self.charged + COMPILE_GUESS_S <= self.budget_s
-                if value != getattr(self.best.settings, key) and affordable:
+                if value != getattr(self.best.settings, key) and self._worth(key):
                     yield replace(self.best.settings, **{key: value})  # type: ignore[union-attr]
         if self.best.settings != searched:  # type: ignore[union-attr]
             yield from self._walk_micro()
@@ -323,14 +326,27 @@ class Autopilot:
         best = self.best.settings.micro_batch_size  # type: ignore[union-attr]
         return sorted(o for o in options if o > best), sorted((o for o in options if o < best), reverse=True)
 
+    def _worth(self, key: str) -> bool:
+        """Whether a candidate of `key` is measured now, from the best so far: compile only when the budget left
+        covers a compile, TF32 only while the best trains in fp32 (bf16 and fp16 autocast already narrow the matrix
+        products it would change)."""
+        if key == "compile":
+            return self.charged + COMPILE_GUESS_S <= self.budget_s
+        return key != "tf32" or self.best.settings.precision == "fp32"  # type: ignore[union-attr]
+
     def _other_options(self) -> list[tuple[str, list[Any]]]:
         s, cpu = self.start, self.knobs.device.type == "cpu"
         sharded = fsdp.is_sharded(self.knobs.eager)
         options: list[tuple[str, list[Any]]] = []
         if "sync" in self.cfg.autopilot.allow and ranks.world()[1] > 1 and not sharded:
             options.append(("sync", ["local_sgd" if s.sync == "ddp" else "ddp"]))  # asked for: measured first
+        fp32 = s.precision == "fp32"
         if self.cfg.train.precision == "auto" and s.precision == "bf16" and not sharded:
             options.append(("precision", ["fp32"]))  # auto chose bf16: the device runs it natively
+            fp32 = True
+        if "tf32" in self.cfg.autopilot.allow and self.knobs.device.type == "cuda" and fp32:
+            # Asked for, on a GPU, where the run trains or may train in fp32 (`_worth`): from the config's setting.
+            options.append(("tf32", [not s.tf32]))
         if not sharded:
             options.append(("compile", [not s.compile]))
         cpus = max(1, int(self.cfg.scaling.cpus_per_worker))

@@ -30,11 +30,12 @@ class Settings:
     flush_denormal: bool
     precision: str
     sync: str = "ddp"  # train.sync, a candidate only when autopilot.allow lists it (it changes the math)
+    tf32: bool = False  # train.tf32: fp32's matrix products on TF32 tensor cores; allowed like sync (a GPU's)
 
     def line(self) -> str:
         return (f"micro {self.micro_batch_size} x {self.grad_accum_steps} | compile {_on(self.compile)} | threads "
                 f"{self.torch_threads} | flush {_on(self.flush_denormal)} | {self.precision}"
-                + (f" | {self.sync}" if self.sync != "ddp" else ""))
+                + (" | tf32" if self.tf32 else "") + (f" | {self.sync}" if self.sync != "ddp" else ""))
 
 
 def _on(flag: bool) -> str:
@@ -55,7 +56,7 @@ class Knobs:
         micro = self.micro * parts.join // parts.split
         return Settings(micro, per_worker // micro, self.compiled is not None and parts.model is self.compiled,
                         torch.get_num_threads(), self.flush, parts.precision.mode,
-                        "local_sgd" if parts.local_sgd is not None else "ddp")
+                        "local_sgd" if parts.local_sgd is not None else "ddp", torch.backends.cuda.matmul.allow_tf32)
 
     def apply(self, parts: Parts, s: Settings) -> None:
         if s.micro_batch_size >= self.micro:
@@ -72,6 +73,9 @@ class Knobs:
         if s.flush_denormal != self.flush:
             switch_flush_denormal(s.flush_denormal)
             self.flush = s.flush_denormal
+        # Process-wide flags, read by the next kernel launched (and by timing.peak_flops for the MFU's peak).
+        # cuDNN's is set with the matmuls': torch turns its TF32 on by default, so fp32 stays fp32 only with both.
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = s.tf32
         self._sync(parts, s.sync)
 
     def _sync(self, parts: Parts, sync: str) -> None:

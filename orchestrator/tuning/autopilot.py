@@ -23,7 +23,8 @@ from orchestrator.tracking.tracker import Tracker
 
 # Searched keys that change what the autopilot would choose: with one of them, each trial searches its own.
 _PER_TRIAL_KEYS = {"train.micro_batch_size", "train.grad_accum_steps", "train.global_batch_size", "train.compile",
-                   "train.torch_threads", "train.flush_denormal", "train.precision", "train.parallel", "train.sync"}
+                   "train.torch_threads", "train.flush_denormal", "train.precision", "train.parallel", "train.sync",
+                   "train.tf32"}
 _PER_TRIAL_SECTIONS = {"model", "data", "scaling", "autopilot"}
 _WAIT_S = 0.5  # how often a waiting trial asks again
 

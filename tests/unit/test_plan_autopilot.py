@@ -1,8 +1,8 @@
 """The plan's autopilot section (orchestrator/plan.py, docs/autopilot.md): what `show-config --plan` and `plan.yaml`
 say the autopilot will measure is only what it measures for that run: train.sync (opted in with autopilot.allow)
-only where the run has two workers or more, train.precision only when left auto, train.flush_denormal (turned off in
-the config: the autopilot only ever turns it on) only on CPU, nothing when the autopilot is off. Through plan_run
-on the digits data, as the CLI plans a run. No Ray."""
+only where the run has two workers or more, train.tf32 only when opted in too, train.precision only when left auto,
+train.flush_denormal (turned off in the config: the autopilot only ever turns it on) only on CPU, nothing when the
+autopilot is off. Through plan_run on the digits data, as the CLI plans a run. No Ray."""
 
 from __future__ import annotations
 
@@ -56,3 +56,12 @@ def test_the_plan_of_a_run_without_the_autopilot_lists_nothing(tmp_path: Path, d
     config = load_config(None, [f"data.train={digits_dir}/train", f"data.val={digits_dir}/val",
                                 f"storage.path={tmp_path}/runs", "tracking.enabled=false"])
     assert yaml.safe_load(plan_run(config, verbose=False).to_yaml())["autopilot"] == {"enabled": False}
+
+
+def test_the_plan_lists_train_tf32_only_when_allowed(tmp_path: Path, digits_dir: str) -> None:
+    """TF32 changes fp32's math: measured on a GPU run in fp32 only with autopilot.allow=[tf32] (the config refuses
+    it without a GPU or in bf16/fp16, tests/unit/training/test_autopilot_tf32.py)."""
+    gpu = ("scaling.use_gpu=true", "train.precision=fp32")
+    assert _planned(tmp_path, digits_dir, *gpu, "autopilot.allow=[tf32]")["searches"] == [*ALWAYS,
+                                                                                          "train.tf32 (allowed)"]
+    assert _planned(tmp_path, digits_dir, *gpu)["searches"] == ALWAYS

@@ -238,7 +238,7 @@ def test_a_resume_applies_the_saved_choice_without_searching(tmp_path: Path, mon
 def test_a_resized_group_keeps_the_saved_choice_but_measures_the_micro_batch_again() -> None:
     cfg = _config("train.max_steps=200")
     settings = {"micro_batch_size": 16, "grad_accum_steps": 4, "compile": False, "torch_threads": 1,
-                "flush_denormal": False, "precision": "fp32", "sync": "ddp"}
+                "flush_denormal": False, "precision": "fp32", "sync": "ddp", "tf32": False}
     progress = Progress(autopilot={"start": settings, "chosen": settings, "world": 2, "predicted_speedup": 2.0})
     _, recorder = _train(cfg, Net(overhead_s=0.002), progress=progress)
     table = _table(recorder)
