@@ -1,6 +1,7 @@
 """The micro-batch a worker trains with: the configured one at this group's world size, or under
 `train.micro_batch_size=auto` the largest that fits the device (a probe on the GPU, an estimate on the CPU), agreed
-by all ranks and kept across a resume at the same world size."""
+by all ranks and kept across a resume at the same world size. It is measured on the driver's sample rows: a
+micro-batch padded longer than they are is cut by the step to their size (step.wider)."""
 
 from __future__ import annotations
 
@@ -141,5 +142,8 @@ def with_auto_micro_batch(cfg: Config, parts: Parts, state: dict[str, Any] | Non
         micro = choose_micro_batch(cfg, parts, sample, node_ranks)
     elif rank == 0:
         print(f"auto micro-batch: {micro} per worker, as in the checkpoint", flush=True)
+    # What the size was measured on, per row (the sample's, padded to its longest row): the step cuts a micro-batch
+    # padded longer into pieces no larger (step.wider), as the checkpoint's size was measured on the same rows.
+    parts.probed = {key: value.numel() // rows(sample) for key, value in sample.items() if value.numel()}
     release_cached_memory(parts.device)
     return for_world_size(cfg, world, micro)

@@ -38,6 +38,7 @@ class Parts:
     task: Task = field(default_factory=Classification)  # the loss as a sum with its target count, the metrics
     call: ModelCall = field(default_factory=ModelCall)  # how the model takes a batch: forward(x) or by name
     model_loss: bool = False  # task.loss=model: the model's own loss (given labels), not the task's
+    probed: dict[str, int] | None = None  # micro_batch_size=auto: values per row of what it measured (step.wider)
     defer_sync: bool = False  # fsdp: one reduce-scatter per step (train.fsdp.defer_sync), not one per micro-batch
 
 

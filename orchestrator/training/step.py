@@ -109,12 +109,28 @@ class Normaliser:
 def cut(parts: Parts, micro_batches: list[Batch]) -> list[Batch]:
     """The pieces a step runs forward: the data's micro-batches joined `parts.join` at a time (the autopilot's larger
     micro-batch; the step's normaliser is the whole step's, so only the summation order changes), each cut in
-    `parts.split` (a smaller one, or after an out-of-memory error)."""
+    `parts.split` (a smaller one, or after an out-of-memory error), and in as many more as it is wider than the
+    batch train.micro_batch_size=auto measured (`wider`)."""
     if parts.join > 1:
         micro_batches = [cat_rows(micro_batches[i:i + parts.join]) for i in range(0, len(micro_batches), parts.join)]
-    if parts.split == 1:
+    if parts.split == 1 and parts.probed is None:
         return micro_batches
-    return [piece for batch in micro_batches for piece in chunk(batch, parts.split)]
+    return [piece for batch in micro_batches for piece in chunk(batch, parts.split * wider(parts.probed, batch))]
+
+
+def wider(probed: dict[str, int] | None, batch: Batch) -> int:
+    """How many times more values a row of `batch` holds than a row of the batch the auto micro-batch was measured
+    on (`probed`: values per row, by key), rounded up; 1 without a probe. Padded token columns are as wide as the
+    micro-batch's longest row, and the probe ran the driver's sample rows: a batch padded longer would run out of
+    memory where the probe's fitted, and under DDP an out-of-memory error in the step's synced piece (a one-piece
+    run's only one) cannot be retried. Cut in this many, each piece holds no more values than the probe ran
+    (activations grow linearly with the length under fused attention). From the shapes: nothing waits for the
+    device."""
+    if probed is None:
+        return 1
+    ratios = [-(-(value.numel() // len(value)) // probed[key]) for key, value in batch.items()
+              if probed.get(key) and len(value)]
+    return max([1, *ratios])
 
 
 def _non_finite_anywhere(step_loss: torch.Tensor, grad_norm: torch.Tensor, parts: Parts) -> torch.Tensor:
