@@ -18,7 +18,7 @@ from orchestrator.checks import check_run
 from orchestrator.config import Config
 from orchestrator.cost import Pricing, resolve_pricing
 from orchestrator.runs import RunPlace, place_run
-from orchestrator.tracking.context import context_tags, short_run_name
+from orchestrator.tracking.context import changed_keys, context_tags
 from orchestrator.tracking.store import check_server_listens
 from orchestrator.tracking.uri import mask_password, resolve_uri
 from pipelines.datasets import inspect_datasets
@@ -47,7 +47,7 @@ class RunPlan:
     pricing: Pricing
     place: RunPlace  # where the run lives in storage: a new one, or the one resumed
     resume: ResumePoint | None
-    run_name: str  # the MLflow run's name
+    run_name: str  # the run's one name (runs.run_name): its directory in storage, its MLflow run's name
     tracking_uri: str | None  # the MLflow store, resolved (None: tracking off)
     reopen_run_id: str | None  # the resumed run's MLflow run, continued when tracked at the same store
     context: Mapping[str, str]  # the run's context tags (git commit, user, source), taken where the command started
@@ -115,14 +115,14 @@ def plan_run(config: Config, resume: bool = False, verbose: bool = True) -> RunP
     check_server_listens(config.tracking)  # the run is opened once Ray runs: a dead server must stop us first
     if checked.advice and verbose:  # ddp would not fit a worker, fsdp would
         print(checked.advice, file=sys.stderr, flush=True)
-    place, record = place_run(config, resume, verbose)
+    place, record = place_run(config, resume, verbose, changed_keys())  # named by what the command's --set changed
     uri = resolve_uri(config.tracking.uri) if config.tracking.enabled else None
     point = (None if record is None
              else ResumePoint(MappingProxyType(record), place.registered_step(), place.cache_decision()))
     # The context is read where the command started (its commit): a Ray job's driver then leaves that directory.
     return RunPlan(config=config, datasets=MappingProxyType(infos), in_features=checked.in_features,
                    memory_budget=checked.memory_budget, advice=checked.advice, pricing=pricing, place=place,
-                   resume=point, run_name=short_run_name(config, place.name), tracking_uri=uri,
+                   resume=point, run_name=place.name, tracking_uri=uri,
                    reopen_run_id=_reopen_id(uri, record), context=MappingProxyType(context_tags() if uri else {}))
 
 

@@ -30,6 +30,11 @@ class TrainResult:
     attempts: int = 1  # driver attempts of this run: the first command and each `--resume`
     autopilot: dict[str, Any] | None = None  # the autopilot's report (autopilot_report.py); None without it
 
+    @property
+    def run_name(self) -> str:
+        """The run's one name (runs.run_name): its directory's, its MLflow run's."""
+        return self.run_dir.rstrip("/").rsplit("/", 1)[-1]
+
 
 def run_summary(history: list[dict[str, Any]]) -> dict[str, float]:
     """Whole-run figures from the reports: throughput and MFU over the wall clock of the training (every interval,
@@ -91,7 +96,7 @@ def _bytes(n: float) -> str:
 def summary(result: TrainResult) -> str:
     """The lines printed after a run: final accuracy, where the time went, where things are, how to look at them."""
     m = result.metrics
-    lines = [f"finished {result.config.experiment}: step {m.get('step')}, "
+    lines = [f"finished {result.run_name}: step {m.get('step')}, "
              f"train loss {m.get('train_loss', float('nan')):.4f}"]
     if "val_accuracy" in m and result.config.task.kind is not None and result.config.task.kind.label == "classes":
         lines.append(f"final validation accuracy: {m['val_accuracy']:.4f} (val loss {m['val_loss']:.4f})")

@@ -1,8 +1,10 @@
 """Where a run lives in storage (local directory or S3, through the data layer's `Storage`): its name, the record
 that lets `orchestrator train --resume` continue it (same Ray Train run, same MLflow run), and finding the latest.
 
-Ray Train resumes a run when it is launched again with the same RunConfig name and storage; so a run's name is
-chosen once (`<experiment>-<YYYYmmdd-HHMMSS>`) and a resumed driver finds it again in storage.
+A run has one name (`run_name`): its directory in storage.path, its MLflow run's name and what the terminal calls it,
+`<experiment>[-<model>][-<what the command changed>]-<YYYYmmdd-HHMMSS>`. Ray Train resumes a run when it is launched
+again with the same RunConfig name and storage; so the name is chosen once and a resumed driver finds it again in
+storage (the newest of its experiment, by the time in its name; its saved config says whose it is).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import re
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,41 +148,127 @@ class AttemptLog:
             print(f"warning: could not write the run's attempt record in {self.place.uri}: {exc}", file=sys.stderr)
 
 
+# What a run's name leaves out of what its command changed: where the run lives and how it is watched, fed and
+# billed (its directory and MLflow say that), and the model (named on its own).
+UNNAMED = ("experiment", "model.name", "model.entrypoint", "data.", "storage.", "tracking.", "cluster.",
+           "checkpoint.", "failure.", "cost.", "tune.", "train.log_every", "train.eval_every")
+SHORT = {"warmup_steps": "warmup", "weight_decay": "wd", "global_batch_size": "batch", "micro_batch_size": "micro",
+         "max_steps": "steps", "num_workers": "workers", "grad_accum_steps": "accum", "max_grad_norm": "clip"}
+CHANGED_MAX = 24  # characters of the name for what changed: a glance, not the params (MLflow has them all)
+GENERIC_BUILDERS = ("build", "make", "create", "model", "main", "get_model", "build_model", "make_model")
+_STAMP = r"\d{8}-\d{6}"
+
+
+def run_name(config: Config, changed: Sequence[str] = (), started: float | None = None) -> str:
+    """The run's one name: the experiment, the model unless the experiment names it, what the command's `--set`
+    keys (`changed`) set that changes what is trained (the first ones, as many as CHANGED_MAX characters hold:
+    `lr1e-3-seed2`), and the start time to the second (`digits-mlp-lr1e-3-20261206-051238`); new_run adds `-2` to
+    a name already taken."""
+    model = model_label(config)
+    parts = [config.experiment]
+    if f"-{_words(model)}-" not in f"-{_words(config.experiment)}-":
+        parts.append(model)
+    values = flatten(to_dict(config))
+    tokens: list[str] = []
+    for key in dict.fromkeys(changed):
+        token = None if key.startswith(UNNAMED) or key not in values else _token(key, values[key])
+        if token and len("-".join([*tokens, token])) > CHANGED_MAX:
+            break  # the first changes, in the command's order
+        tokens += [token] if token else []
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() if started is None else started))
+    return "-".join([*parts, *tokens, stamp])
+
+
+def model_label(config: Config) -> str:
+    """The model's name; for one built by `model.entrypoint`, its function's (`examples.models:two_input` ->
+    `two_input`), or its module's when the function is named for what it does (`my_models:build` -> `my_models`)."""
+    entrypoint = config.model.entrypoint
+    if not entrypoint:
+        return config.model.name[:16]
+    module, _, function = entrypoint.partition(":")
+    label = function if function and function not in GENERIC_BUILDERS else module.rsplit(".", 1)[-1]
+    return re.sub(r"[^A-Za-z0-9_.-]", "", label)[:16] or "model"
+
+
+def _words(name: str) -> str:
+    return re.sub(r"[_.]", "-", name.lower())
+
+
+def _token(key: str, value: Any) -> str | None:
+    """`optim.lr` 1e-3 -> `lr1e-3`, `train.compile` false -> `no-compile`, `model.hidden` [64, 64] -> `hidden64x64`,
+    `train.precision` fp32 -> `fp32`, `autopilot.enabled` true -> `autopilot`; None for a value that says nothing
+    short (a path, a mapping)."""
+    section, _, leaf = key.rpartition(".")
+    leaf = section.split(".")[0] if leaf == "enabled" and section else SHORT.get(leaf, leaf)
+    if isinstance(value, bool):
+        return leaf if value else f"no-{leaf}"
+    if isinstance(value, int | float):
+        return f"{leaf}{_number(value)}"
+    if isinstance(value, list) and value and all(isinstance(v, int | float) for v in value):
+        return leaf + "x".join(_number(v) for v in value)
+    if isinstance(value, str) and re.fullmatch(r"[A-Za-z0-9._]{1,12}", value):
+        return value
+    return None
+
+
+def _number(value: float) -> str:
+    return str(value) if isinstance(value, int) else compact_number(value)
+
+
+def compact_number(value: float) -> str:
+    """3e-3, 2.5e-4, 0.05, 1: a number in the fewest characters that keep 2 significant digits."""
+    if value != 0 and not 1e-2 <= abs(value) < 1e4:
+        mantissa, exponent = f"{value:.1e}".split("e")
+        return f"{mantissa.removesuffix('.0')}e{int(exponent)}"
+    return f"{value:.2g}"
+
+
 def _run_names(storage: Storage, experiment: str) -> list[str]:
-    pattern = re.compile(rf"^{re.escape(experiment)}-\d{{8}}-\d{{6}}(-\d+)?$")
+    """The directories named like a run of `experiment`, oldest first by the start time in their names (an
+    experiment whose name starts with this one's, `exp-other`, may match: latest_run tells them apart)."""
+    pattern = re.compile(rf"^{re.escape(experiment)}-(?:.+-)?({_STAMP})(?:-(\d+))?$")
     infos = storage.filesystem().get_file_info(pafs.FileSelector(storage.root, allow_not_found=True))
-    names = [i.base_name for i in infos if i.type == pafs.FileType.Directory and pattern.match(i.base_name)]
-
-    def order(name: str) -> tuple[str, int]:
-        rest = name[len(experiment) + 1:]  # YYYYmmdd-HHMMSS[-n]
-        return rest[:15], int(rest[16:] or 0)
-
-    return sorted(names, key=order)
+    found = [(m, i.base_name) for i in infos
+             if i.type == pafs.FileType.Directory and (m := pattern.match(i.base_name))]
+    return [name for m, name in sorted(found, key=lambda f: (f[0].group(1), int(f[0].group(2) or 0)))]
 
 
 def latest_run(storage: Storage, experiment: str) -> RunPlace | None:
-    """The newest run of `experiment` in storage, by the start time in its name."""
-    names = _run_names(storage, experiment)
-    return RunPlace(storage, names[-1]) if names else None
+    """The newest run of `experiment` in storage, by the start time in its name. Its saved config says whose run it
+    is; one that stopped before saving it counts only when named `<experiment>-<time>` (nothing else between)."""
+    import yaml
+
+    plain = re.compile(rf"^{re.escape(experiment)}-{_STAMP}(-\d+)?$")
+    for name in reversed(_run_names(storage, experiment)):
+        place = RunPlace(storage, name)
+        saved = place.read_text(RUN_CONFIG)
+        try:
+            owner = (yaml.safe_load(saved) or {}).get("experiment") if saved else None
+        except (yaml.YAMLError, AttributeError):
+            owner = None
+        if owner == experiment or (owner is None and plain.match(name)):
+            return place
+    return None
 
 
-def new_run(storage: Storage, experiment: str) -> RunPlace:
-    """A fresh, unused run name (a name already in storage would make Ray Train resume that run)."""
-    base = f"{experiment}-{time.strftime('%Y%m%d-%H%M%S')}"
-    taken = set(_run_names(storage, experiment))
-    name, n = base, 1
-    while name in taken:
+def new_run(storage: Storage, name: str) -> RunPlace:
+    """A fresh, unused run directory for `name` (run_name): `-2`, `-3`... after it when taken (a name already in
+    storage would make Ray Train resume that run)."""
+    fs, candidate, n = storage.filesystem(), name, 1
+    while fs.get_file_info(storage.join(candidate)).type != pafs.FileType.NotFound:
         n += 1
-        name = f"{base}-{n}"
-    return RunPlace(storage, name)
+        candidate = f"{name}-{n}"
+    return RunPlace(storage, candidate)
 
 
-def place_run(config: Config, resume: bool, verbose: bool) -> tuple[RunPlace, dict[str, Any] | None]:
-    """The run's place in storage and, when resuming, its record (MLflow run id; {} when it has none)."""
+def place_run(config: Config, resume: bool, verbose: bool, changed: Sequence[str] = ()
+              ) -> tuple[RunPlace, dict[str, Any] | None]:
+    """The run's place in storage and, when resuming, its record (MLflow run id; {} when it has none). A new run is
+    named by run_name (`changed`: the config keys the command's --set flags set)."""
     storage = open_run_storage(config)
     place = latest_run(storage, config.experiment) if resume else None
     if place is None:
-        fresh = new_run(storage, config.experiment)
+        fresh = new_run(storage, run_name(config, changed))
         if resume:  # always said: a job that always passes --resume would otherwise start over unseen
             print(f"--resume: no earlier run of experiment '{config.experiment}' in {storage.uri} (storage.path): "
                   f"starting a new run, {fresh.name}", file=sys.stderr)

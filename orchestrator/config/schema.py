@@ -288,8 +288,8 @@ class Config(_Section):
     """Everything one experiment needs; see examples/*.yaml."""
 
     experiment: str = Field("digits-mlp", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$",
-                            description="Names the run's directory in storage.path (<experiment>-<YYYYmmdd-HHMMSS>) "
-                            "and a study's (<experiment>-tune); --resume continues its latest run.")
+                            description="Begins each run's name, its directory's and MLflow run's (<experiment>-"
+                            "...-<YYYYmmdd-HHMMSS>), and a study's (<experiment>-tune); --resume finds its latest run.")
     # The sections' descriptions head their part of docs/config.md and of `show-config --explain` (reference.py).
     model: ModelConfig = Field(default_factory=ModelConfig, description="The model: a built-in one by name, or your "
                                "own builder; any other key is an option of the builder (e.g. hidden for mlp).")

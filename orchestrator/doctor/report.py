@@ -8,6 +8,7 @@ import shlex
 from orchestrator.doctor.engine import diagnose
 from orchestrator.doctor.load import load_run
 from orchestrator.doctor.record import HIGH, LOW, MEDIUM, Finding, RunRecord, is_study, reason, settings, trial_counts
+from orchestrator.tracking.context import COMMAND_TAG
 
 _SEVERITY = {HIGH: "high", MEDIUM: "medium", LOW: "low"}
 
@@ -37,13 +38,14 @@ def format_findings(run_id: str, run: RunRecord, findings: list[Finding]) -> str
 
 
 def _command(run: RunRecord, values: list[str]) -> list[str] | None:
-    """The command that started the run (MLflow's `mlflow.source.name`) with `values` as `--set` flags after its
-    own (a key they change loses its old value). Without `--resume` (a changed config trains a new run), without
-    `--autopilot` when the values are the autopilot's choice (the flag would win over them), with `--fresh` for a
-    study (one started with another config is refused; its trials so far stay in MLflow), and without a `--set`
-    whose value MLflow keeps masked (`***`). None when `orchestrator train` or `tune` did not start it (Python)."""
+    """The command that started the run (its `orchestrator.command`; for a run from before that tag, MLflow's
+    `mlflow.source.name`) with `values` as `--set` flags after its own (a key they change loses its old value).
+    Without `--resume` (a changed config trains a new run), without `--autopilot` when the values are the
+    autopilot's choice (the flag would win over them), with `--fresh` for a study (one started with another config
+    is refused; its trials so far stay in MLflow), and without a `--set` whose value MLflow keeps masked (`***`).
+    None when `orchestrator train` or `tune` did not start it (Python)."""
     try:
-        argv = shlex.split(run.tags.get("mlflow.source.name", ""))
+        argv = shlex.split(run.tags.get(COMMAND_TAG) or run.tags.get("mlflow.source.name", ""))
     except ValueError:
         return None
     if argv[:1] != ["orchestrator"] or argv[1:2] not in (["train"], ["tune"]):

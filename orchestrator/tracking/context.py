@@ -1,12 +1,11 @@
-"""What a run is known by besides its figures: its short MLflow name, MLflow's context tags for where it came from
-(the command or script, LOCAL or JOB, the user, the git commit) and its params (the complete resolved config, the
-model builder's defaults included, a password in a URI masked)."""
+"""What a run is known by besides its figures and its name (runs.run_name): MLflow's context tags for where it came
+from (the command or script, LOCAL or JOB, the user, the git commit), the keys its command changed, and its params
+(the complete resolved config, the model builder's defaults included, a password in a URI masked)."""
 
 from __future__ import annotations
 
 import functools
 import getpass
-import hashlib
 import os
 import shlex
 import subprocess
@@ -21,38 +20,52 @@ from orchestrator.tracking.uri import mask_password
 if TYPE_CHECKING:
     from orchestrator.config import Config, ModelConfig
 
-
-def short_run_name(config: Config, place_name: str) -> str:
-    """A run's MLflow name, short enough for the runs table and different between runs in its first 20
-    characters: the model, its learning rate and 4 hex digits of the run's directory name (`mlp-lr3e-3-0f2a`). A
-    model built by `model.entrypoint` is named by its module (`my_models:build` -> `my_models`): the function's
-    name is most often a verb (`build`) that says nothing of the model."""
-    entrypoint = config.model.entrypoint
-    model = (entrypoint.split(":")[0].split(".")[-1] if entrypoint else config.model.name)[:10]
-    tag = hashlib.sha1(place_name.encode()).hexdigest()[:4]
-    return f"{model}-lr{compact_number(config.optim.lr)}-{tag}"
-
-
-def compact_number(value: float) -> str:
-    """3e-3, 2.5e-4, 0.05, 1: a number in the fewest characters that keep 2 significant digits."""
-    if value != 0 and not 1e-2 <= abs(value) < 1e4:
-        mantissa, exponent = f"{value:.1e}".split("e")
-        return f"{mantissa.removesuffix('.0')}e{int(exponent)}"
-    return f"{value:.2g}"
+# MLflow's UI shows a source as its text after the last "/" (a script's file name): `orchestrator train --config
+# examples/digits.yaml --set storage.path=/tmp/runs` would show as `runs`. The command's slashes are shown as this
+# look-alike (U+2215, division slash) so that the runs table's Source column shows the command; the exact command
+# is the run's `orchestrator.command` tag.
+SHOWN_SLASH = "\u2215"
+COMMAND_TAG = "orchestrator.command"
 
 
 # Run context: MLflow's own tags for where a run came from (the UI's Source and User columns), set on new runs.
 
 
 def source_name(argv: list[str] | None = None) -> str:
-    """The command (`orchestrator train --config ...`) or, for a run started from Python, the script."""
+    """The command (`orchestrator train --config ...`, a password in it masked) or, for a run started from Python,
+    the script."""
     argv = sys.argv if argv is None else argv
     if not argv or not argv[0]:
         return "<console>"
-    program = Path(argv[0])
-    if program.name == "orchestrator" or (program.name == "__main__.py" and program.parent.name == "orchestrator"):
+    if _is_orchestrator(argv):
         return mask_password(shlex.join(["orchestrator", *argv[1:]]))[:2000]
     return argv[0]
+
+
+def _is_orchestrator(argv: list[str]) -> bool:
+    program = Path(argv[0]) if argv and argv[0] else Path()
+    return program.name == "orchestrator" or (program.name == "__main__.py" and program.parent.name == "orchestrator")
+
+
+def changed_keys(argv: list[str] | None = None) -> list[str]:
+    """The config keys an `orchestrator` command's `--set` flags set (`-s`, `--set=`, `-sKEY=...` too), and
+    `autopilot.enabled` for `--autopilot`, in order: what its run's name shows (runs.run_name). [] for a run started
+    from Python (its script's flags are its own)."""
+    argv = sys.argv if argv is None else argv
+    if not _is_orchestrator(argv):
+        return []
+    values: list[str] = []
+    args = iter(argv[1:])
+    for arg in args:
+        if arg in ("--set", "-s"):
+            values.append(next(args, ""))
+        elif arg.startswith("--set="):
+            values.append(arg.removeprefix("--set="))
+        elif arg.startswith("-s") and not arg.startswith("--"):  # -sKEY=VALUE
+            values.append(arg[2:])
+        elif arg == "--autopilot":
+            values.append("autopilot.enabled=true")
+    return [value.split("=", 1)[0].strip() for value in values if "=" in value]
 
 
 def source_type(environ: Mapping[str, str] | None = None) -> str:
@@ -82,8 +95,12 @@ def git_commit(directory: str | None = None) -> str | None:
 
 
 def context_tags() -> dict[str, str]:
-    """`mlflow.source.name`, `mlflow.source.type`, `mlflow.user` and, in a git checkout, `mlflow.source.git.commit`."""
-    tags = {"mlflow.source.name": source_name(), "mlflow.source.type": source_type(), "mlflow.user": current_user()}
+    """`mlflow.source.name`, `mlflow.source.type`, `mlflow.user`, in a git checkout `mlflow.source.git.commit`, and
+    for an `orchestrator` command the command itself (COMMAND_TAG; the source shows it with SHOWN_SLASH)."""
+    source = source_name()
+    tags = {"mlflow.source.name": source, "mlflow.source.type": source_type(), "mlflow.user": current_user()}
+    if _is_orchestrator(sys.argv):
+        tags |= {"mlflow.source.name": source.replace("/", SHOWN_SLASH), COMMAND_TAG: source}
     commit = git_commit(os.getcwd())
     if commit:
         tags["mlflow.source.git.commit"] = commit

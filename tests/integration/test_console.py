@@ -104,7 +104,8 @@ def _check_the_autopilot(lines: list[str], tmp_path: Path) -> None:
     assert "; samples/s in training steps: " in gained and " after it (compute and gradient sync; the throughput " \
         "over the training's wall clock also counts data waits, evaluation and checkpoints); search " in gained, gained
     assert not [line for line in lines if "achieved" in line]
-    assert any(line.startswith("finished digits-mlp: step 100") for line in lines)  # it trained
+    # It trained, under its one name: what the command's --set flags changed in what is trained, then its start.
+    assert any(re.match(r"finished digits-mlp-steps100-autopilot-\d{8}-\d{6}: step 100", line) for line in lines)
     run_id = next(line for line in lines if line.startswith("MLflow run id: ")).split(": ")[1]
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlruns.db")
     params = client.get_run(run_id).data.params

@@ -6,6 +6,8 @@ micro-batches)."""
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -24,10 +26,13 @@ from orchestrator.training.checkpoint import load_state
 pytestmark = pytest.mark.slow
 
 
+def sets(tmp_path: Path, digits_dir: str, *overrides: str) -> list[str]:
+    return [f"data.train={digits_dir}/train", f"data.val={digits_dir}/val", f"storage.path={tmp_path}/runs",
+            f"tracking.uri=sqlite:///{tmp_path}/mlruns.db", "tracking.experiment=tests", *overrides]
+
+
 def run(tmp_path: Path, digits_dir: str, *overrides: str) -> TrainResult:
-    base = [f"data.train={digits_dir}/train", f"data.val={digits_dir}/val", f"storage.path={tmp_path}/runs",
-            f"tracking.uri=sqlite:///{tmp_path}/mlruns.db", "tracking.experiment=tests"]
-    return train(load_config(None, [*base, *overrides]), verbose=False)
+    return train(load_config(None, sets(tmp_path, digits_dir, *overrides)), verbose=False)
 
 
 def final_weights(result: TrainResult) -> dict[str, torch.Tensor]:
@@ -41,8 +46,13 @@ DIGITS_DDP = ("scaling.num_workers=2", "train.max_steps=150", "train.log_every=2
 
 @pytest.fixture(scope="module")
 def digits_ddp(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory, digits_dir: str) -> TrainResult:
-    """2-worker DDP on digits, tracked: the run whose MLflow record is read back, and local SGD's reference."""
-    return run(tmp_path_factory.mktemp("ddp"), digits_dir, *DIGITS_DDP)
+    """2-worker DDP on digits, tracked: the run whose MLflow record is read back, and local SGD's reference. Run as
+    `orchestrator train --set ...` runs it, with the same flags: the command is the MLflow run's Source."""
+    tmp_path = tmp_path_factory.mktemp("ddp")
+    flags = [part for value in sets(tmp_path, digits_dir, *DIGITS_DDP) for part in ("--set", value)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "argv", ["/venv/bin/orchestrator", "train", *flags])
+        return run(tmp_path, digits_dir, *DIGITS_DDP)
 
 
 def test_two_workers_learn_digits_and_mlflow_has_the_run(digits_ddp: TrainResult, digits_dir: str) -> None:
@@ -98,10 +108,16 @@ def test_two_workers_learn_digits_and_mlflow_has_the_run(digits_ddp: TrainResult
     assert f"val_accuracy {table['final/val/accuracy']:.4g}" in mlrun.data.tags["mlflow.note.content"]
     datasets = {i.dataset.name for i in mlrun.inputs.dataset_inputs}
     assert datasets == {f"{Path(digits_dir).name}/train", f"{Path(digits_dir).name}/val"}
-    assert mlrun.info.run_name.startswith("mlp-lr3e-3-") and len(mlrun.info.run_name) <= 20
-    # Where it came from, and the experiment the UI opens on its training-runs table.
+    # One name: the run's folder, its MLflow run, the summary's `finished` line (what --set changed, when it began).
+    assert mlrun.info.run_name == Path(result.run_dir).name == result.run_name
+    assert re.fullmatch(r"digits-mlp-workers2-steps150-\d{8}-\d{6}", result.run_name), result.run_name
+    # Where it came from (the command; whole in the runs table's Source column, which shows a source's text after
+    # its last slash: its slashes are shown as U+2215), and the experiment the UI opens on its training-runs table.
     tags = mlrun.data.tags
-    assert tags["mlflow.source.type"] == "LOCAL" and tags["mlflow.source.name"] and tags["mlflow.user"]
+    command = shlex.join(["orchestrator", "train", *(p for s in sets(Path(result.run_dir).parents[1], digits_dir,
+                                                                       *DIGITS_DDP) for p in ("--set", s))])
+    assert tags["orchestrator.command"] == command and tags["mlflow.source.name"] == command.replace("/", "\u2215")
+    assert tags["mlflow.source.type"] == "LOCAL" and tags["mlflow.user"]
     assert tags.get("mlflow.source.git.commit") == git_commit(os.getcwd())  # absent outside a checkout
     experiment = client.get_experiment(mlrun.info.experiment_id)
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"

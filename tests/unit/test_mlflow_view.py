@@ -15,7 +15,7 @@ import pytest
 
 from orchestrator.config import load_config
 from orchestrator.tracking.client import MlflowTracker
-from orchestrator.tracking.context import config_params, short_run_name
+from orchestrator.tracking.context import config_params
 from orchestrator.tracking.links import experiment_url, run_url, ui_command
 from orchestrator.tracking.read import read_metrics, read_summary
 from orchestrator.tracking.view import HEADLINE, chart_key, mlflow_key
@@ -120,19 +120,6 @@ def test_the_datasets_are_run_inputs(store: str, digits_dir: str) -> None:
     columns = [c["name"] for c in json.loads(train.schema)["mlflow_colspec"]]
     assert columns == infos["train"].schema.names
     assert len(train.digest) == 8 and train.digest != found["validation"].digest
-
-
-def test_run_names_are_short_and_differ_early() -> None:
-    a = short_run_name(load_config(None, ["optim.lr=3e-3"]), "digits-mlp-20261202-003110")
-    b = short_run_name(load_config(None, ["optim.lr=3e-3"]), "digits-mlp-20261202-003245")
-    assert a.startswith("mlp-lr3e-3-") and len(a) <= 20 and a[:20] != b[:20]
-    assert short_run_name(load_config(None, ["optim.lr=2.5e-4"]), "x").startswith("mlp-lr2.5e-4-")
-    assert short_run_name(load_config(None, ["optim.lr=0.05"]), "x").startswith("mlp-lr0.05-")
-    # A model built by `model.entrypoint` is named by its module: the function's name (`build`) says nothing.
-    own = short_run_name(load_config(None, ["model.entrypoint=my_models:build", "model.width=4"]), "x")
-    assert own.startswith("my_models-lr3e-3-"), own
-    assert short_run_name(load_config(None, ["model.entrypoint=tests.unit.my_models:build"]), "x").startswith(
-        "my_models-lr")
 
 
 def test_urls_open_the_training_view_on_the_ui_the_product_starts(tmp_path: Path) -> None:

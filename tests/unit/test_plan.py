@@ -56,6 +56,31 @@ def test_the_plan_holds_what_the_data_and_the_price_table_decide(tmp_path: Path,
         plan.datasets["train"] = plan.datasets["val"]  # type: ignore[index]
 
 
+def test_one_name_for_the_runs_folder_its_mlflow_run_and_its_summary(tmp_path: Path, digits_dir: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan names the run once: its folder in storage.path, its MLflow run (and `plan.yaml`), the summary's
+    `finished` line. The command's --set flags that change what is trained are in the name; the command itself is
+    the MLflow run's Source, whole in the runs table (MLflow shows a source's text after its last slash)."""
+    from orchestrator.result import TrainResult, summary
+
+    argv = ["/venv/bin/orchestrator", "train", "--config", "examples/digits.yaml", "--set", "optim.lr=1e-3",
+            "--set", f"storage.path={tmp_path}/runs", "--set", "tracking.uri=http://me:secret@mlflow.internal:5000"]
+    monkeypatch.setattr(sys, "argv", argv)
+    plan = plan_run(_config(tmp_path, digits_dir, "optim.lr=1e-3"), verbose=False)
+    assert plan.run_name == plan.place.name == yaml.safe_load(plan.to_yaml())["run"]["mlflow_run_name"]
+    assert re.fullmatch(r"planned-mlp-lr1e-3-\d{8}-\d{6}", plan.run_name), plan.run_name
+    plan.place.write_config(plan.config)  # as the run opens
+    assert plan_run(_config(tmp_path, digits_dir, "optim.lr=1e-3"), resume=True, verbose=False).run_name == (
+        plan.run_name)  # --resume finds it by that name
+    command = (f"orchestrator train --config examples/digits.yaml --set optim.lr=1e-3 --set storage.path={tmp_path}"
+               "/runs --set tracking.uri=http://me:***@mlflow.internal:5000")
+    assert plan.context["orchestrator.command"] == command  # exact, its password masked: what doctor re-runs
+    shown = plan.context["mlflow.source.name"]
+    assert "/" not in shown and shown.replace("\u2215", "/") == command
+    result = TrainResult(plan.config, {"step": 40, "train_loss": 0.5}, None, plan.place.uri, None, None)
+    assert summary(result).splitlines()[0] == f"finished {plan.run_name}: step 40, train loss 0.5000"
+
+
 def test_a_resume_plans_from_the_runs_record(tmp_path: Path, digits_dir: str) -> None:
     config = _config(tmp_path, digits_dir, "train.max_steps=40")
     first = plan_run(config, verbose=False)

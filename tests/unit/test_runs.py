@@ -1,14 +1,46 @@
-"""Run places in storage: fresh names never reuse a run's name, --resume finds the newest run, records round-trip."""
+"""Run places in storage: a run's one name (its folder, its MLflow run, its terminal lines), fresh names never reuse
+a run's name, --resume finds the newest run of its experiment, records round-trip."""
 
 from __future__ import annotations
 
+import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from orchestrator.config import load_config
-from orchestrator.runs import latest_run, new_run, open_run_storage
+from orchestrator.runs import latest_run, new_run, open_run_storage, run_name
+
+STARTED = time.mktime((2026, 12, 6, 5, 12, 38, 0, 0, -1))  # 2026-12-06 05:12:38, local time
+
+
+def test_a_runs_name_tells_it_apart_at_a_glance() -> None:
+    """The experiment, the model unless the experiment names it, what the command's --set flags changed in what is
+    trained (short), and when it started: two runs of one config differ by their start."""
+    sets = ["experiment=digits-mlp", "optim.lr=1e-3", "storage.path=/tmp/x", "tracking.uri=http://u:pw@h:5000",
+            "train.log_every=5"]
+    config = load_config(None, sets)
+    keys = [s.split("=")[0] for s in sets]
+    assert run_name(config, keys, STARTED) == "digits-mlp-lr1e-3-20261206-051238"  # not where it lives, or the URI
+    assert run_name(config, [], STARTED) == "digits-mlp-20261206-051238"
+    assert run_name(config, [], STARTED + 1) == "digits-mlp-20261206-051239"  # the next second: another name
+    assert run_name(load_config(None, ["experiment=digits"]), [], STARTED) == "digits-mlp-20261206-051238"
+    cnn = load_config(None, ["experiment=digits-mlp", "model.name=cnn", "model.channels=[8, 16]"])
+    assert run_name(cnn, ["model.name", "model.channels"], STARTED) == "digits-mlp-cnn-channels8x16-20261206-051238"
+    many = load_config(None, ["train.seed=1", "scaling.num_workers=4", "train.precision=fp32",
+                              "optim.warmup_steps=50", "autopilot.enabled=true", "train.compile=false"])
+    name = run_name(many, ["train.seed", "scaling.num_workers", "train.precision", "optim.warmup_steps",
+                           "autopilot.enabled", "train.compile"], STARTED)
+    assert name == "digits-mlp-seed1-workers4-fp32-20261206-051238"  # the first changes, as many as fit at a glance
+    name = run_name(many, ["autopilot.enabled", "train.compile"], STARTED)
+    assert name == "digits-mlp-autopilot-no-compile-20261206-051238" and re.fullmatch(r"[A-Za-z0-9._-]+", name)
+    # A model built by `model.entrypoint` is named by its function, or by its module when that says more.
+    own = load_config(None, ["experiment=tabular", "model.entrypoint=my_models:build"])
+    assert run_name(own, ["model.entrypoint"], STARTED) == "tabular-my_models-20261206-051238"
+    two = load_config(None, ["experiment=diabetes-two-input", "model.entrypoint=examples.models:two_input"])
+    assert run_name(two, [], STARTED) == "diabetes-two-input-20261206-051238"
 
 
 def test_resume_finds_the_newest_run_of_the_experiment_only(tmp_path: Path) -> None:
@@ -23,14 +55,21 @@ def test_resume_finds_the_newest_run_of_the_experiment_only(tmp_path: Path) -> N
     assert place is not None and place.name == "exp-20260102-000000-2"
     place.write_record({"mlflow_run_id": "abc"})
     assert latest_run(storage, "exp").read_record() == {"mlflow_run_id": "abc"}  # type: ignore[union-attr]
+    # Named by what it trains: its saved config says whose run it is (`exp-other` may be an experiment of its own).
+    mine = new_run(storage, run_name(load_config(None, ["experiment=exp", "optim.lr=0.1"]), ["optim.lr"], STARTED))
+    mine.write_config(load_config(None, ["experiment=exp", "optim.lr=0.1"]))
+    assert re.fullmatch(r"exp-mlp-lr0\.1-\d{8}-\d{6}", mine.name) and latest_run(storage, "exp") == mine
+    theirs = new_run(storage, run_name(load_config(None, ["experiment=exp-mlp"]), [], STARTED + 60))
+    theirs.write_config(load_config(None, ["experiment=exp-mlp"]))
+    assert latest_run(storage, "exp") == mine and latest_run(storage, "exp-mlp") == theirs
 
 
 def test_a_new_run_never_takes_an_existing_name(tmp_path: Path) -> None:
     storage = open_run_storage(load_config(None, [f"storage.path={tmp_path}"]))
-    first = new_run(storage, "exp")
+    first = new_run(storage, "exp-20260101-000000")
     Path(first.path).mkdir()
-    second = new_run(storage, "exp")
-    assert second.name != first.name
+    second = new_run(storage, "exp-20260101-000000")  # started in the same second
+    assert first.name == "exp-20260101-000000" and second.name == "exp-20260101-000000-2"
 
 
 def test_train_takes_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -76,7 +115,7 @@ def test_resume_refuses_a_config_that_trains_something_else(tmp_path: Path) -> N
     from orchestrator.errors import ConfigError
 
     config = load_config(None, [f"storage.path={tmp_path}", "experiment=exp", "train.max_steps=40"])
-    place = new_run(open_run_storage(config), "exp")
+    place = new_run(open_run_storage(config), run_name(config, []))
     place.check_resumable(config)  # no saved config yet: the run never got going
     place.write_config(config)
     # Watching, feeding, placing and billing the run may change...

@@ -13,7 +13,7 @@ import pytest
 
 from orchestrator.config import TrackingConfig, load_config
 from orchestrator.tracking.client import MlflowTracker
-from orchestrator.tracking.context import config_params, git_commit, source_name, source_type
+from orchestrator.tracking.context import changed_keys, config_params, git_commit, source_name, source_type
 from orchestrator.tracking.links import run_url
 from orchestrator.tracking.read import read_metrics, read_summary
 from orchestrator.tracking.view import logged_as, mlflow_key
@@ -156,6 +156,11 @@ def test_source_tags_and_the_run_url() -> None:
         "orchestrator train --config examples/digits.yaml")
     assert source_name(["/x/orchestrator/__main__.py", "tune"]) == "orchestrator tune"
     assert source_name(["/home/me/train_script.py", "--fast"]) == "/home/me/train_script.py"
+    # What the command changed, for the run's name: its --set keys (any spelling argparse takes) and --autopilot.
+    argv = ["/x/.venv/bin/orchestrator", "train", "--config", "a.yaml", "--set", "optim.lr=1e-3", "-s", "train.seed=2",
+            "--set=model.hidden=[8]", "-sscaling.num_workers=1", "--autopilot"]
+    assert changed_keys(argv) == ["optim.lr", "train.seed", "model.hidden", "scaling.num_workers", "autopilot.enabled"]
+    assert changed_keys(["/home/me/train_script.py", "--set", "optim.lr=1"]) == []  # not the orchestrator's flags
     assert source_type({}) == "LOCAL"
     assert source_type({"RAY_JOB_CONFIG_JSON_ENV_VAR": "{}"}) == "JOB"  # a dict: no Ray variable is set
     assert run_url("http://mlflow.internal:5000/", "abc", "7", tab="overview") == (
