@@ -88,12 +88,15 @@ def trained(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory, digits_
     short, as a user would shorten it: 60 steps, validated three times (so its validation metric is a curve),
     tracked in a SQLite store in a temp dir; with what the command prints after it."""
     tmp = tmp_path_factory.mktemp("ui")
-    config = load_config(ROOT / "examples" / "digits.yaml", [
-        f"data.train={digits_dir}/train", f"data.val={digits_dir}/val", f"storage.path={tmp}/runs",
-        f"tracking.uri=sqlite:///{tmp}/mlruns.db", "tracking.experiment=ui-tests", "train.max_steps=60",
-        "train.log_every=10", "train.eval_every=20"])
+    sets = [f"data.train={digits_dir}/train", f"data.val={digits_dir}/val", f"storage.path={tmp}/runs",
+            f"tracking.uri=sqlite:///{tmp}/mlruns.db", "tracking.experiment=ui-tests", "train.max_steps=60",
+            "train.log_every=10", "train.eval_every=20"]
+    config = load_config(ROOT / "examples" / "digits.yaml", sets)
     assert config.checkpoint.every == "auto"
-    result = train(config, verbose=False)
+    with pytest.MonkeyPatch.context() as patch:  # the command that trains it: the run's Source
+        patch.setattr(sys, "argv", [str(Path(sys.executable).parent / "orchestrator"), "train", "--config",
+                                    "examples/digits.yaml", *(part for value in sets for part in ("--set", value))])
+        result = train(config, verbose=False)
     return result, summary(result)
 
 
@@ -143,6 +146,9 @@ def test_the_printed_urls_open_the_training_views(browser: str, trained: tuple[T
     assert experiment_url.endswith(f"/#/experiments/{run.info.experiment_id}?workflowType=machine_learning")
     page = browse(browser, experiment_url, "experiment", tmp_path)
     assert "Runs" in page and run.info.run_name in page and "Dataset" in page, page[:80]
+    # Its Source: the command, whole (the UI shows a source's text after its last slash: none is left in it).
+    assert run.data.tags["mlflow.source.name"] in page and "/" not in run.data.tags["mlflow.source.name"], page[:80]
+    assert run.data.tags["mlflow.source.name"].startswith("orchestrator train --config examples")
     assert not {"Detect Issues", "Token Usage", "Usage"} & set(page), page[:80]
 
     # The run, at the URL `orchestrator train` printed: its charts, the headline section first.
