@@ -3,6 +3,7 @@ the worker group): the main thread keeps Ctrl+C and Ray's signal handlers."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -46,10 +47,14 @@ class Alongside:
 @contextmanager
 def ended_on_error(opening: Alongside) -> Iterator[None]:
     """The MLflow run being opened beside the run ends KILLED on Ctrl+C, FAILED on an error, never left RUNNING
-    (once it is open: a failed opening ended what it opened itself)."""
+    (once it is open: a failed opening ended what it opened itself). Ctrl+C before it is open waits for it, saying
+    so: a second Ctrl+C leaves at once."""
     try:
         yield
-    except BaseException:
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt) and opening.ended is None:  # a wait as long as the opening's
+            print("interrupted: waiting for the MLflow run being opened, to end it as KILLED (Ctrl+C again to leave "
+                  "without waiting: the run may then stay RUNNING in MLflow)", file=sys.stderr, flush=True)
         try:
             tracker = opening.result()
         except BaseException:  # noqa: BLE001 - its own failure: the error being raised is the one to raise

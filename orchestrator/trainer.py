@@ -95,10 +95,18 @@ def replica_warning(config: Config) -> str:
     workers, batch = config.scaling.num_workers, config.train.global_batch_size
     return (f"warning: failure.mode=replicas: {workers} replicas split the global batch of {batch} between the live "
             f"ones (each {batch // (workers - 1)} rows while one of {workers} is restarting), so every step keeps its "
-            "samples and LR; but each replica reads the whole dataset and keeps every "
-            f"{workers}th micro-batch, the shard order does not change per epoch, a restarted replica reads from the "
-            "start (after copying a live peer's state), resume is not bitwise, and only the last step is "
-            "checkpointed (docs/training.md)")
+            "rows, samples and LR and every row is trained once; but each replica reads (and decodes) the whole "
+            "dataset, the shard order does not change per epoch, and only the last step is checkpointed "
+            "(docs/training.md)")
+
+
+def _rows_known(config: Config, train: Any) -> int | None:
+    """failure.mode=replicas: the training split's rows, from which a replica that joins in a later epoch finds
+    its step's rows without reading the epochs before (training/replicas.py); None where a `call` transform may
+    change the count."""
+    if config.failure.mode != "replicas" or any("call" in item for item in config.data.transforms or []):
+        return None
+    return train.num_rows
 
 
 def _worker_env(config: Config) -> dict[str, str]:
@@ -158,7 +166,7 @@ def build_inputs(config: Config, infos: dict[str, DatasetInfo], name: str, saved
         create_epoch_clock(clock)
     spec = {"config": to_dict(config), "in_features": in_features(config, infos["train"]), "epoch_clock": clock,
             "cache_decision": decision, "metrics_queue": metrics_queue, "sample": infos["train"].sample,
-            "node_ranks": node_ranks}
+            "node_ranks": node_ranks, "train_rows": _rows_known(config, infos["train"])}
     context = DataContext.get_current()
     context.execution_options.preserve_order = True
     context.print_on_execution_start = False  # one log line per epoch per dataset otherwise

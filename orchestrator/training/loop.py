@@ -213,23 +213,23 @@ def run(
         parts.local_sgd.start(unwrap(parts.model))
     # Waiting for the first batch is start-up (the pipeline's first read), not part of the first interval.
     pieces = t.grad_accum_steps  # the data's micro-batches a step takes
-    first = [next(stream) for _ in range(pieces)] if progress.step < t.max_steps else None
+    first = [next(stream) for _ in range(pieces)] if progress.step < t.max_steps and replicas is None else None
     once["at/first_batch"] = time.time()
     interval = Interval(PhaseTimer(parts.device))
     while progress.step < t.max_steps:
-        if replicas is not None:  # failure.mode=replicas: the live replicas split the global batch between them
-            pieces = replicas.begin_step(interval.timer)
-            once |= replicas.figures()  # as of the report step: the quorum's size, the steps it dropped
-        batch, first = _take(stream, pieces, first, interval.timer), None
-        if flops is None:  # this process's first step, also after a resume
-            flops, result, interval = _first_step(parts, batch, interval, once)
-        elif pilot is not None:
-            result, pilot, pieces = _search_step(pilot, parts, batch, interval.timer, once, resize, pieces)
-        else:
-            result = train_step(parts, batch, interval.timer)
-        progress.step += 1
-        progress.samples_seen += t.global_batch_size
-        interval.add(result, micro=-(-rows(batch[0]) * parts.join // parts.split))
+        batch, first = _take(stream, pieces, first, interval.timer, replicas, t.max_steps), None
+        if batch is not None:  # None: a restarted replica took its finished peers' state: only the last report is left
+            if flops is None:  # this process's first step, also after a resume
+                flops, result, interval = _first_step(parts, batch, interval, once)
+            elif pilot is not None:
+                result, pilot, pieces = _search_step(pilot, parts, batch, interval.timer, once, resize, pieces)
+            else:
+                result = train_step(parts, batch, interval.timer)
+            if replicas is not None and not replicas.step_done(result, t.global_batch_size):
+                continue  # the quorum dropped the step (a peer failed in it): the same step again, the same rows
+            progress.step += 1
+            progress.samples_seen += t.global_batch_size
+            interval.add(result, micro=-(-rows(batch[0]) * parts.join // parts.split))
         due = cadence.at(progress.step)
         if parts.local_sgd is not None and (parts.local_sgd.due(progress.step) or progress.step == t.max_steps):
             # The configured period (and the run's end, which leaves one model): never where a clock decides.
@@ -245,9 +245,13 @@ def run(
     return metrics
 
 
-def _take(stream: Iterator[Batch], pieces: int, first: list[Batch] | None, timer: PhaseTimer) -> list[Batch]:
-    """A step's `pieces` micro-batches: the first step's, fetched before the loop (topped up under failure.mode=
-    replicas when fewer replicas are live than it was fetched for), else the next ones of the stream."""
+def _take(stream: Iterator[Batch], pieces: int, first: list[Batch] | None, timer: PhaseTimer,
+          replicas: Replicas | None, max_steps: int) -> list[Batch] | None:
+    """A step's `pieces` micro-batches: the first step's, fetched before the loop, else the next ones of the stream.
+    Under failure.mode=replicas the step's quorum fixes the step's number and this replica's micro-batches of it
+    (None: a restarted replica took its finished peers' state, and only their last report is left to make)."""
+    if replicas is not None:
+        return replicas.begin_step(timer, max_steps)
     batch = first or []
     if len(batch) < pieces:
         with timer.phase("data_wait"):

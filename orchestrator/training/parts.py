@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,6 +40,8 @@ class Parts:
     call: ModelCall = field(default_factory=ModelCall)  # how the model takes a batch: forward(x) or by name
     model_loss: bool = False  # task.loss=model: the model's own loss (given labels), not the task's
     probed: dict[str, int] | None = None  # micro_batch_size=auto: values per row of what it measured (step.wider)
+    replicas: Any = None  # failure.mode=replicas: this worker's replica (training/replicas.py), over whose quorum
+    # the token normaliser sums
     defer_sync: bool = False  # fsdp: one reduce-scatter per step (train.fsdp.defer_sync), not one per micro-batch
 
 

@@ -111,7 +111,7 @@ def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
     """`optimizer.step()` unless `skip` is 1.0, decided on the device where the optimizer can (torch's fused kernels
     take a `found_inf` flag and leave parameters, state and step count untouched when it is 1). Any other optimizer
     reads the flag back: one host read per step, the price of an optimizer without a fused kernel."""
-    if getattr(optimizer, "defaults", {}).get("fused"):
+    if getattr(optimizer, "_step_supports_amp_scaling", False):  # set by torch's fused kernels (and replicas.py)
         optimizer.found_inf = skip  # type: ignore[attr-defined]  # the attribute GradScaler sets for fused kernels
         try:
             optimizer.step()

@@ -84,12 +84,15 @@ class Normaliser:
         self.waited: tuple[Any, Any] | None = None  # the timer's marks around the wait for the all-reduce
         self.local = sum(parts.task.count(batch) for batch in micro_batches).to(torch.float32)
         # Local SGD: each rank's step is its own (no gradient mean), so the normaliser is its own targets too.
-        self.world = ranks.world()[1] if parts.local_sgd is None else 1
-        self.work: dist.Work | None = None
+        # failure.mode=replicas: the gradient mean is over the step's quorum of replicas (each a group of one).
+        quorum = parts.replicas
+        self.world = quorum.participants if quorum is not None else ranks.world()[1] if parts.local_sgd is None else 1
+        self.work: Any = None
         self._scale: torch.Tensor | None = None
         if self.world > 1 and getattr(parts.task, "counts_tokens", True):
             self.total = self.local.clone()
-            self.work = dist.all_reduce(self.total, async_op=True)
+            self.work = quorum.count_sum(self.total) if quorum is not None else dist.all_reduce(self.total,
+                                                                                                 async_op=True)
             parts.comm_bytes += self.total.element_size()
         else:
             self.total = self.local * self.world

@@ -40,13 +40,10 @@ def train_worker(spec: dict[str, Any], entered: float) -> dict[str, Any]:
     cfg = rank_config(spec, world)
     seat = Seat(world, rank, ray.train.torch.get_device(), entered)
     reporter = RayReporter(spec.get("metrics_queue"), cfg.checkpoint.upload)
-    if cfg.failure.mode == "replicas":  # each replica reads the datasets itself (trainer.build_trainer says why)
-        from orchestrator.training.replicas import StridedShard  # torchft: the optional `replicas` extra
-
+    if cfg.failure.mode == "replicas":  # each replica reads the datasets whole (trainer.build_trainer says why)
         datasets = spec["replica_datasets"]
-        micro: int = cfg.train.micro_batch_size  # type: ignore[assignment]  # fixed under replicas (config)
-        train_shard: Any = StridedShard(datasets["train"], rank, world, micro)
-        val_shard = StridedShard(datasets["val"], 0, 1, micro) if cfg.data.val is not None else None  # all, on each
+        train_shard: Any = datasets["train"].iterator()
+        val_shard = datasets["val"].iterator() if cfg.data.val is not None else None
     else:
         train_shard = rank_shard(spec, "train", seat, ray.train.get_dataset_shard)
         val_shard = rank_shard(spec, "val", seat, ray.train.get_dataset_shard) if cfg.data.val is not None else None
@@ -129,7 +126,7 @@ def train_rank(spec: dict[str, Any], cfg: Config, seat: Seat, load_state: Callab
              "global_batch": t.micro_batch_size * t.grad_accum_steps * seat.world,  # type: ignore[operator]
              "worker_pid": os.getpid(), "world_rank": seat.rank, "at/worker": seat.entered} | restored
     if cfg.failure.mode == "replicas":
-        return run_replica(cfg, parts, data, reporter, progress, facts, seat.rank)
+        return run_replica(cfg, parts, data, reporter, progress, facts, seat, spec.get("train_rows"))
     return run(cfg, parts, data.train, data.val if cfg.data.val is not None else None, reporter, progress,
                preempted, facts, resize=data.resize)
 
@@ -138,27 +135,34 @@ def rank_batches(spec: dict[str, Any], cfg: Config, seat: Seat, train_shard: Any
                  ) -> RankBatches:
     """The rank's micro-batches, cut at the config's (resolved) micro-batch size."""
     t = cfg.train
+    # Under failure.mode=replicas every replica reads the same sequence (training/replicas.py: StepRows): rank 0's.
+    rank = 0 if cfg.failure.mode == "replicas" else seat.rank
     return RankBatches(cfg.data, train_shard, val_shard,
-                       t.micro_batch_size, t.seed, seat.rank, spec.get("epoch_clock"),  # type: ignore[arg-type]
+                       t.micro_batch_size, t.seed, rank, spec.get("epoch_clock"),  # type: ignore[arg-type]
                        replay=spec.get("cache_decision") == REPLAY, named=cfg.model.inputs is not None,
                        schema=getattr(spec.get("sample"), "schema", None),  # decides the padded columns
                        pin_memory=seat.device.type == "cuda")
 
 
 def run_replica(cfg: Config, parts: Any, data: RankBatches, reporter: Reporter, progress: Progress,
-                facts: dict[str, Any], rank: int) -> dict[str, Any]:
-    """failure.mode=replicas: this worker is one torchft replica (training/replicas.py). Only the last step is
-    checkpointed (a checkpoint is a barrier that a restarting replica could not reach), and drain notices are not
-    watched (Ray Train turns its preemption watcher off for replica groups)."""
-    from orchestrator.training.replicas import join_replicas  # torchft: the optional `replicas` extra
+                facts: dict[str, Any], seat: Seat, train_rows: int | None) -> dict[str, Any]:
+    """failure.mode=replicas: this worker is one torchft replica (training/replicas.py), the step's rows numbered
+    from the whole dataset that every replica reads (`train_rows`: its rows, when the driver knows them). Only the
+    last step is checkpointed (a checkpoint is a barrier that a restarting replica could not reach), and drain
+    notices are not watched (Ray Train turns its preemption watcher off for replica groups)."""
+    from orchestrator.training.replicas import ReplicaReporter, StepRows, join_replicas  # the `replicas` extra
 
     t = cfg.train
+    micro: int = t.micro_batch_size  # type: ignore[assignment]  # fixed under replicas (config)
     cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"every": t.max_steps})})
-    replicas = join_replicas(parts, progress, rank, cfg.scaling.max_workers, t.global_batch_size,
-                             t.micro_batch_size)  # type: ignore[arg-type]
+    rows = StepRows(data.train, t.global_batch_size // micro, micro, train_rows // micro if train_rows else None,
+                    seat.device)
+    replicas = join_replicas(parts, progress, seat.rank, cfg.scaling.max_workers, rows)
     try:
-        return run(cfg, parts, data.train, data.val if cfg.data.val is not None else None, reporter, progress,
-                   None, facts, replicas=replicas)
+        metrics = run(cfg, parts, data.train, data.val if cfg.data.val is not None else None,
+                      ReplicaReporter(reporter, replicas), progress, None, facts, replicas=replicas)
+        replicas.finish()
+        return metrics
     finally:
         replicas.shutdown()
 

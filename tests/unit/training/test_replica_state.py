@@ -8,6 +8,7 @@ replicas, one killed) is test_replica_groups.py."""
 from __future__ import annotations
 
 import io
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from orchestrator.training.parts import Parts
 from orchestrator.training.precision import Precision
 from orchestrator.training.step import train_step
 from orchestrator.training.timing import PhaseTimer
+from pipelines.tensors import Epoch
 
 pytest.importorskip("torchft")  # the `replicas` extra
 
@@ -47,7 +49,10 @@ class Manager:
     def current_step(self) -> int:
         return self.step or 0
 
-    def allreduce(self, tensor: torch.Tensor) -> Any:
+    def participating_rank(self) -> int:
+        return 0
+
+    def allreduce(self, tensor: torch.Tensor, reduce_op: Any = None) -> Any:
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         done.set_result(tensor)
         return done
@@ -87,6 +92,18 @@ def _batches(seed: int, steps: int, overflow: tuple[int, ...] = ()) -> list[dict
     return out
 
 
+def _rows() -> replicas.StepRows:
+    """Numbered micro-batches, 10 an epoch: micro-batch n holds the value n."""
+    return replicas.StepRows(lambda epoch: ({"x": torch.full((MICRO, 16), float(10 * epoch + i)),
+                                             "labels": torch.arange(MICRO) % 4} for i in range(10)),
+                             GLOBAL // MICRO, MICRO, None, CPU)
+
+
+def _numbers(batches: list[dict[str, torch.Tensor]] | None) -> list[int]:
+    assert batches is not None
+    return [int(batch["x"][0, 0]) for batch in batches]
+
+
 def _weights(parts: Parts) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in unwrap(parts.model).state_dict().items()}
 
@@ -103,10 +120,10 @@ def test_a_replaced_replica_takes_its_peers_whole_state_fp16_scale_and_skips_inc
     scaler = live.precision.scaler
     assert scaler is not None and scaler.get_scale() == 65536 / 8 and live.precision.skipped_steps == 3
     assert scaler.state_dict()["_growth_tracker"] == 2
-    replicas.join_replicas(live, live_progress, 0, 2, GLOBAL, MICRO)
+    live_group = replicas.join_replicas(live, live_progress, 0, 2, _rows())
     # Its replacement: a fresh process, its own initial weights and a fresh scaler, nothing trained.
     fresh, fresh_progress = _parts(1), Progress()
-    replicas.join_replicas(fresh, fresh_progress, 1, 2, GLOBAL, MICRO)
+    fresh_group = replicas.join_replicas(fresh, fresh_progress, 1, 2, _rows())
     assert fresh.precision.scaler.get_scale() == 65536  # type: ignore[union-attr]
     # The peer's state as torchft's transport carries it (serialised), into the newcomer's first step.
     sent = io.BytesIO()
@@ -120,7 +137,10 @@ def test_a_replaced_replica_takes_its_peers_whole_state_fp16_scale_and_skips_inc
     assert fresh.scheduler.state_dict() == live.scheduler.state_dict()
     assert all(torch.equal(a, b) for a, b in zip(_weights(fresh).values(), _weights(live).values(), strict=True))
     # From here the two are one replica: the same steps, one of them overflowing, leave both bitwise alike, the
-    # scale and the skips included.
+    # scale and the skips included (each in a quorum of one: this manager's all-reduce leaves the tensor as it is).
+    for group in (live_group, fresh_group):
+        group.manager.participants, group.manager.step = [1], 8  # (torchft's heal sets the step too)
+        group.begin_step(PhaseTimer(CPU), 50)
     for batch in _batches(2, 4, overflow=(1,)):
         for parts in (live, fresh):
             train_step(parts, [batch])
@@ -136,17 +156,64 @@ def test_a_replaced_replica_takes_its_peers_whole_state_fp16_scale_and_skips_inc
 
 def test_the_live_replicas_split_the_global_batch_and_a_fresh_run_waits_for_every_one(
         managers: list[Manager]) -> None:
-    group = replicas.join_replicas(_parts(0), Progress(), 0, 2, GLOBAL, MICRO)
+    group = replicas.join_replicas(_parts(0), Progress(), 0, 2, _rows())
     manager = managers[0]
     assert manager.step == 0  # a fresh run: the manager starts at step 0
     # A fresh run's first quorum: alone at first, it asks again until the other replica is in.
     manager.participants = [1, 1, 2]
-    assert group.begin_step(PhaseTimer(CPU)) == GLOBAL // MICRO // 2 and manager.quorums == 3
-    assert group.figures() == {"replicas/live": 2, "replicas/dropped_steps": 0, "world_size": 2}
-    # Later (step 5), a replica alone runs the whole global batch: 4 micro-batches of 8, not its half.
+    assert _numbers(group.begin_step(PhaseTimer(CPU), 50)) == [0, 1] and manager.quorums == 3
+    assert group.report({}) == {"replicas/live": 2, "replicas/dropped_steps": 0, "world_size": 2}
+    # Later (step 5), a replica alone runs the whole global batch: the step's 4 micro-batches, not its half.
     manager.step, manager.quorums, manager.participants = 5, 0, [1]
-    assert group.begin_step(PhaseTimer(CPU)) == GLOBAL // MICRO and manager.quorums == 1
-    assert group.figures()["replicas/live"] == 1
+    assert _numbers(group.begin_step(PhaseTimer(CPU), 50)) == [20, 21, 22, 23] and manager.quorums == 1
+    assert group.report({})["replicas/live"] == 1
     # A group resumed from a checkpoint agrees on where it is: the manager starts at the checkpoint's step.
-    replicas.join_replicas(_parts(0), Progress(step=40, samples_seen=40 * GLOBAL), 1, 2, GLOBAL, MICRO)
+    replicas.join_replicas(_parts(0), Progress(step=40, samples_seen=40 * GLOBAL), 1, 2, _rows())
     assert managers[1].step == 40
+
+
+def test_a_steps_rows_follow_from_its_number_wherever_a_replica_starts_reading() -> None:
+    """StepRows over seekable epochs (RankBatches' `Epoch`) of 10 micro-batches, 4 a step: a replica that joins at
+    step 7 (micro-batches 28-31: epoch 2 from its row 64, then epoch 3's first two) takes exactly what one that read
+    from the start takes, going straight there when the epoch's length is known, reading the first epoch to learn it
+    otherwise; a redone step takes the same rows again; an epoch of another length is refused."""
+    opened: list[tuple[int, int]] = []
+
+    def epochs(epoch: int, length: int = 10) -> Epoch:
+        def cut(start: int) -> Iterator[dict[str, torch.Tensor]]:
+            opened.append((epoch, start))
+            return ({"x": torch.full((MICRO, 1), float(10 * epoch + i))} for i in range(start // MICRO, length))
+        return Epoch(cut)
+
+    reader = replicas.StepRows(epochs, 4, MICRO, None, CPU)
+    assert [_numbers(reader.share(step, rank, live)) for step, rank, live in
+            [(0, 0, 2), (0, 1, 2), (1, 0, 1), (6, 1, 2), (7, 0, 1)]] == \
+        [[0, 1], [2, 3], [4, 5, 6, 7], [26, 27], [28, 29, 30, 31]]
+    assert _numbers(reader.share(7, 1, 2)) == [30, 31]  # the step redone by two: the same rows, split
+    assert reader.position(8) == (3, 2 * MICRO)
+    opened.clear()
+    assert _numbers(replicas.StepRows(epochs, 4, MICRO, 10, CPU).share(7, 0, 2)) == [28, 29]
+    assert opened == [(2, 8 * MICRO)]
+    opened.clear()
+    assert _numbers(replicas.StepRows(epochs, 4, MICRO, None, CPU).share(7, 1, 2)) == [30, 31]
+    assert opened == [(0, 0), (1, 0), (2, 0), (3, 0)]
+    uneven = replicas.StepRows(lambda epoch: epochs(epoch, 10 - epoch), 4, MICRO, None, CPU)
+    with pytest.raises(RuntimeError, match="epoch 1 gave 9 micro-batches"):
+        uneven.share(4, 0, 1)
+
+
+def test_a_step_the_quorum_drops_is_redone_with_the_same_rows_and_lr(managers: list[Manager]) -> None:
+    parts = _parts(0)
+    group = replicas.join_replicas(parts, Progress(), 0, 2, _rows())
+    manager = managers[0]
+    verdicts = iter([True, False, True])
+    manager.should_commit = lambda: next(verdicts)  # type: ignore[method-assign]  # a peer fails in the 2nd step
+    seen = []
+    for _ in range(3):
+        batches = group.begin_step(PhaseTimer(CPU), 50)
+        lr = parts.optimizer.param_groups[0]["lr"]
+        if group.step_done(train_step(parts, batches or []), GLOBAL):
+            manager.step = manager.current_step() + 1  # as torchft's manager counts a committed step
+        seen.append((_numbers(batches), lr))
+    assert seen[0][0] == [0, 1] and seen[1] == seen[2] == ([4, 5], seen[1][1]) and seen[1][1] != seen[0][1]
+    assert parts.scheduler.last_epoch == 2 and group.optimizer.dropped == 1
