@@ -170,8 +170,8 @@ def _replica(rank: int, lighthouse: str, out: str, die_at: int | None, steps: in
     class Recorder:
         def publish(self, metrics: dict[str, Any]) -> None:
             rows = round(metrics["samples_per_s"] * metrics["interval_s"])
-            write({"rank": rank, "step": metrics["step"], "rows": rows, "loss": metrics["train_loss"], "participants": metrics["replicas/live"],
-                   "dropped": metrics["replicas/dropped_steps"]})
+            write({"rank": rank, "step": metrics["step"], "rows": rows, "loss": metrics["train_loss"],
+                   "participants": metrics["replicas/live"], "dropped": metrics["replicas/dropped_steps"]})
 
         def checkpoint(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
             pass
