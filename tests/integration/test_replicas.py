@@ -64,6 +64,8 @@ def clean_loss(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory, digi
     result = train(replica_run(tmp_path_factory.mktemp("clean"), digits_dir), verbose=False)
     assert result.metrics["step"] == STEPS
     assert {r["replicas/live"] for r in result.history} == {2} and result.history[-1]["replicas/dropped_steps"] == 0
+    # Each report counts the global batch of its 5 steps, both replicas' rows (not rank 0's share alone).
+    assert all(r["samples_per_s"] * r["interval_s"] == pytest.approx(32 * 5, rel=0.01) for r in result.history[1:])
     return tail_loss(result)
 
 
