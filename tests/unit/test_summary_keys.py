@@ -156,7 +156,7 @@ def reported() -> set[str]:
     names |= _literal_keys("orchestrator/training/memory.py", "cuda_memory_stats")
     # checkpoint.every=auto's interval and its inputs; failure.mode=replicas' live replicas and dropped steps.
     names |= _literal_keys("orchestrator/training/cadence.py", "figures")
-    names |= _literal_keys("orchestrator/training/replicas.py", "figures")
+    names |= _literal_keys("orchestrator/training/replicas.py", "report")
     names |= {f"summary/{k}" for k in ("compile_s", "tokens_per_s", "mfu")}  # run_summary's when measured
     # The worker's train.parallel facts, with its first report: the mode and what one worker holds.
     names |= {"parallel", "param_bytes_per_rank", "optimizer_bytes_per_rank"}
