@@ -84,7 +84,9 @@ def _columns(measured: list[Mapping[str, Any]], mark: str) -> list[tuple[str, Ca
     if _has_compile(measured):
         columns.append(("compile s", lambda r: _number(r.get("compile_s"), ".1f")))
     columns.append(("chosen", lambda r: mark if r.get("chosen") else ""))
-    if any((r.get("settings") or {}).get("sync", "ddp") != "ddp" for r in measured):
+    # The loss where a candidate changes the math: another sync, or TF32 flipped.
+    if (any((r.get("settings") or {}).get("sync", "ddp") != "ddp" for r in measured)
+            or len({bool((r.get("settings") or {}).get("tf32")) for r in measured}) > 1):
         columns.append((_LOSS, lambda r: _number(r.get("loss"), ".4f")))
     return columns
 

@@ -358,3 +358,13 @@ def test_a_measured_candidate_that_changes_the_math_brings_the_loss_column() -> 
     assert lines[2].endswith("0.6931") and lines[3].split()[-2:] == ["✓", "0.7012"], lines
     # Without such a candidate: no loss column (every measured step trains the same math).
     assert "loss" not in autopilot_report.table_lines(_taken())[1]
+
+
+def test_a_candidate_with_tf32_flipped_brings_the_loss_column_too() -> None:
+    tf32 = START | {"tf32": True}
+    rows = [_row("micro 32 x 4 | compile off | threads 2 | flush on | fp32", START, 1000.0, 1.0, None, None)
+            | {"loss": 0.6931},
+            _row("micro 32 x 4 | compile off | threads 2 | flush on | fp32 | tf32", tf32, 1400.0, 1.4, None, None,
+                 chosen=True) | {"loss": 0.6935}]
+    lines = autopilot_report.table_lines(_taken(REPORT | {"rows": rows, "chosen": tf32}))
+    assert lines[1].split()[-2:] == ["train", "loss"] and lines[3].split()[-2:] == ["✓", "0.6935"], lines
