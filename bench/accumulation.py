@@ -18,7 +18,7 @@ import torch
 from _common import scratch_run
 
 from orchestrator import load_config, train
-from orchestrator.models import mlp
+from orchestrator.models.zoo import mlp
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts
 from orchestrator.training.precision import Precision

@@ -46,8 +46,8 @@ import pyarrow.parquet as pq
 import torch
 from _common import scratch_run
 
-from orchestrator.checks import check_run
 from orchestrator.config import Config, load_config, to_dict
+from orchestrator.run.checks import check_run
 from orchestrator.training.precision import resolve_precision
 from orchestrator.training.worker import Seat, rank_config, train_rank
 from orchestrator.tuning.trial import start_as_fresh_process

@@ -46,10 +46,10 @@ import torch
 from _common import free_port, scratch_run, train_workers, wait_for
 
 from orchestrator import load_config, train
-from orchestrator.cluster import train_environment
+from orchestrator.cluster.local import train_environment
 from orchestrator.config import Config, config_from_dict, to_dict
-from orchestrator.cost import PARTS, RESTART_MARK
-from orchestrator.result import TrainResult, checkpoint_interval_line
+from orchestrator.report.cost import PARTS, RESTART_MARK
+from orchestrator.run.result import TrainResult, checkpoint_interval_line
 from orchestrator.training.checkpoint import load_state
 from pipelines.prepare import prepare_synthetic
 

@@ -91,7 +91,7 @@ def main() -> None:
     from ray.data import DataContext
 
     from orchestrator.config import load_config
-    from orchestrator.launch import train
+    from orchestrator.run.launch import train
     from pipelines.config import S3Config
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-ingest-"))

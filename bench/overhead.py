@@ -49,7 +49,7 @@ def loop_marks(args: argparse.Namespace, data: Path) -> list[tuple[int, float]]:
     import torch
 
     from orchestrator.config import load_config
-    from orchestrator.models import mlp
+    from orchestrator.models.zoo import mlp
     from orchestrator.training.optim import build_optimizer
     from orchestrator.training.parts import Parts
     from orchestrator.training.precision import Precision, flush_denormals
@@ -88,7 +88,7 @@ def ray_floor(args: argparse.Namespace) -> None:
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from orchestrator.cluster import connect_ray, shutdown_local_ray, train_environment
+    from orchestrator.cluster.local import connect_ray, shutdown_local_ray, train_environment
     from orchestrator.config import load_config
 
     cfg = load_config(None, overrides(args, Path(args.floor)))

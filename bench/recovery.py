@@ -26,7 +26,7 @@ from typing import Any
 from _common import scratch_run, train_workers  # noqa: E402
 
 from orchestrator import load_config, train  # noqa: E402
-from orchestrator.result import TrainResult  # noqa: E402
+from orchestrator.run.result import TrainResult  # noqa: E402
 from pipelines.prepare import prepare_synthetic  # noqa: E402
 
 

@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from orchestrator.config import Config, load_config
-    from orchestrator.launch import train
-    from orchestrator.result import TrainResult
+    from orchestrator.run.launch import train
+    from orchestrator.run.result import TrainResult
     from orchestrator.tuning.results import TuneResult
     from orchestrator.tuning.study import tune
 
 __all__ = ["Config", "TrainResult", "TuneResult", "load_config", "train", "tune"]
 
 _HOMES = {"Config": "orchestrator.config", "load_config": "orchestrator.config",
-          "TrainResult": "orchestrator.result", "train": "orchestrator.launch",
+          "TrainResult": "orchestrator.run.result", "train": "orchestrator.run.launch",
           "TuneResult": "orchestrator.tuning.results", "tune": "orchestrator.tuning.study"}
 
 

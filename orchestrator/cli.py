@@ -202,7 +202,7 @@ def run_command(args: argparse.Namespace) -> int:
     if args.command == "prepare":
         return _prepare(args)
     if args.command == "cluster":
-        from orchestrator.warm_cluster import status, stop_now
+        from orchestrator.cluster.warm import status, stop_now
 
         print(stop_now() if args.action == "stop" else status())
         return 0
@@ -254,8 +254,8 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _show_config(args: argparse.Namespace, config: Config) -> int:
-    from orchestrator.models import check_model_options
-    from orchestrator.plan import plan_run
+    from orchestrator.models.zoo import check_model_options
+    from orchestrator.run.plan import plan_run
 
     if args.plan:  # the config resolved for the data, and what the run would be
         plan = plan_run(config, resume=args.resume, verbose=False)
@@ -270,7 +270,7 @@ def _show_config(args: argparse.Namespace, config: Config) -> int:
 def _ui(args: argparse.Namespace, config: Config) -> int:
     from pathlib import Path
 
-    from orchestrator.ui import serve
+    from orchestrator.report.ui import serve
     from pipelines.storage import user_cache_dir
 
     log = Path(user_cache_dir()) / "logs" / "mlflow-ui.log"
@@ -279,7 +279,7 @@ def _ui(args: argparse.Namespace, config: Config) -> int:
 
 
 def _tune(args: argparse.Namespace, config: Config) -> int:
-    from orchestrator.startup import process_started_at
+    from orchestrator.report.startup import process_started_at
     from orchestrator.tuning.results import summary as tune_summary
     from orchestrator.tuning.study import tune
 
@@ -289,9 +289,9 @@ def _tune(args: argparse.Namespace, config: Config) -> int:
 
 
 def _train(args: argparse.Namespace, config: Config) -> int:
-    from orchestrator.launch import train
-    from orchestrator.result import summary
-    from orchestrator.startup import process_started_at
+    from orchestrator.report.startup import process_started_at
+    from orchestrator.run.launch import train
+    from orchestrator.run.result import summary
 
     # The clock starts with this process, as a stopwatch around the command would.
     print(summary(train(config, address=args.address, resume=args.resume, started_at=process_started_at(),

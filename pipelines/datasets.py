@@ -51,7 +51,7 @@ def replay_epochs(cfg: DataConfig, infos: dict[str, DatasetInfo], object_store_b
 
 # The cache decision: how the train data reaches the workers each epoch. Each gives an epoch another row order, so
 # a checkpoint's data position (rows into its epoch's order) holds only under the decision it was made under; a
-# resumed run keeps its checkpoint's decision (orchestrator.trainer), whatever data.cache or the object store say.
+# resumed run keeps its checkpoint's decision (orchestrator.run.trainer), whatever data.cache or the object store say.
 STREAM = "stream"  # read from storage (or the disk cache) every epoch, the shards in (seed, epoch) order
 MEMORY = "memory"  # decoded once into the object store, its blocks handed out again each epoch in (seed, epoch) order
 REPLAY = "replay"  # decoded once in epoch 0's shard order, small: each worker replays (and reshuffles) its first pass

@@ -1,6 +1,6 @@
 """Follow `config` through the driver's code, read statically, and count how often the walk goes back and forth.
 
-Starting at a function (default `orchestrator.launch.train`) with one parameter followed (default `config`), the
+Starting at a function (default `orchestrator.run.launch.train`) with one parameter followed (default `config`), the
 walk reads the function's statements in order. A part of a followed value (`config.train`) is followed too, and so
 is what a product function returns from a followed value when it returns a config (`-> Config`) or another form of
 it (orchestrator.config's `to_dict`, `config_from_dict`); a call that
@@ -12,7 +12,7 @@ data layer, pipelines/). Printed: the modules entered, the stays, the *climbs ba
 (stays reached by returning from a call rather than by calling), the *returns* (stays in a module the walk had
 already left, by a call or a climb), and how often each module is *entered* (by a call).
 
-    python scripts/config_walk.py [--trace] [--start orchestrator.launch.train] [--follow config]
+    python scripts/config_walk.py [--trace] [--start orchestrator.run.launch.train] [--follow config]
 """
 
 from __future__ import annotations
@@ -274,7 +274,7 @@ def entries(w: Walk) -> Counter[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--start", default="orchestrator.launch.train")
+    parser.add_argument("--start", default="orchestrator.run.launch.train")
     parser.add_argument("--follow", default="config")
     parser.add_argument("--trace", action="store_true", help="print every stay")
     args = parser.parse_args(argv)

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from orchestrator.config.schema import Config
 from orchestrator.errors import ConfigError
-from orchestrator.registry import suggest
+from orchestrator.models.registry import suggest
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

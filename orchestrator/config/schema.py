@@ -22,7 +22,7 @@ from orchestrator.config.run_sections import (
     TrackingConfig,
 )
 from orchestrator.config.space import parse_space
-from orchestrator.registry import suggest
+from orchestrator.models.registry import suggest
 from pipelines.config import DataConfig
 
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
@@ -30,8 +30,8 @@ Precision = Literal["auto", "bf16", "fp16", "fp32"]
 
 @dataclass(frozen=True)
 class TaskKind:
-    """What a built-in task (orchestrator/tasks.py) means to the driver: the validation metrics it reports, the one
-    (with its mode) Tune and doctor rank by unless tune.metric says otherwise, and what `data.label` must hold."""
+    """What a built-in task (orchestrator/models/tasks.py) means to the driver: the validation metrics it reports, the
+    one (with its mode) Tune and doctor rank by unless tune.metric says otherwise, and what `data.label` must hold."""
 
     metrics: tuple[str, ...]
     metric: str
@@ -98,7 +98,7 @@ class ModelConfig(BaseModel):
 
 
 class TaskConfig(_Section):
-    """What is learned: the loss, the validation metrics and what Tune ranks by (orchestrator/tasks.py)."""
+    """What is learned: the loss, the validation metrics and what Tune ranks by (orchestrator/models/tasks.py)."""
 
     name: str | None = Field(None, description="classification | multilabel | regression | causal_lm | "
                              "'module:Class'; null: classification with data.label, causal_lm without.")

@@ -10,7 +10,7 @@ from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel
 
-from orchestrator.registry import suggest
+from orchestrator.models.registry import suggest
 
 RANGES = ("loguniform", "uniform", "randint")  # [low, high]; randint includes high
 LISTS = ("choice", "grid")  # grid: every value once per sample (random searcher only)

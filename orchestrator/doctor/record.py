@@ -10,7 +10,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from orchestrator.cost import PARTS, RESTARTS
+from orchestrator.report.cost import PARTS, RESTARTS
 from orchestrator.tracking.view import mlflow_key
 
 HIGH, MEDIUM, LOW = 3, 2, 1

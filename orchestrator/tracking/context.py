@@ -116,7 +116,7 @@ def model_defaults(model: ModelConfig) -> dict[str, Any]:
     import inspect
 
     try:
-        from orchestrator.models import model_builder
+        from orchestrator.models.zoo import model_builder
 
         parameters = inspect.signature(model_builder(model.name, model.entrypoint)).parameters.values()
     except Exception:  # a checked config loads its builder; anything else is not worth failing tracking over

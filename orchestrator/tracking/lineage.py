@@ -36,7 +36,7 @@ class Lineage:
         the others as they are logged."""
         from mlflow.entities import Metric
 
-        from orchestrator.checkpoint_models import create_checkpoint_model
+        from orchestrator.models.checkpoints import create_checkpoint_model
 
         created: list[str] = []
         self._safe("log_checkpoint", lambda: created.append(
@@ -55,7 +55,7 @@ class Lineage:
         retention) are deleted; one the driver never heard of (committed while an earlier attempt's driver was going
         away) is made now, and one an earlier driver made but was killed before linking gets its links: the run's
         points of its step."""
-        from orchestrator.checkpoint_models import delete_dropped
+        from orchestrator.models.checkpoints import delete_dropped
 
         modelled: list[dict[str, Any]] = []
         self._safe("log_checkpoint", lambda: modelled.append(

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from orchestrator.config import Config
-from orchestrator.tasks import step_loss_sum
+from orchestrator.models.tasks import step_loss_sum
 from orchestrator.training import fsdp, ranks
 from orchestrator.training.checkpoint import Progress, unwrap
 from orchestrator.training.knobs import Knobs, Settings, flush_switchable

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from orchestrator.config import Config
 from orchestrator.config.batching import split_batch
 from orchestrator.errors import ConfigError
-from orchestrator.tasks import step_loss_sum
+from orchestrator.models.tasks import step_loss_sum
 from orchestrator.training import fsdp, ranks
 from orchestrator.training.checkpoint import unwrap
 from orchestrator.training.memory import (

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from orchestrator.config import OptimConfig
-from orchestrator.registry import Registry
+from orchestrator.models.registry import Registry
 
 OptimizerBuilder = Callable[[Iterable[torch.nn.Parameter], OptimConfig], torch.optim.Optimizer]
 OPTIMIZERS: Registry[OptimizerBuilder] = Registry("optimizer")

@@ -11,8 +11,8 @@ import torch
 
 from orchestrator.config import Config
 from orchestrator.errors import ConfigError
-from orchestrator.models import build_model
-from orchestrator.tasks import Classification, ModelCall, Task, align_model_loss, task_parts
+from orchestrator.models.tasks import Classification, ModelCall, Task, align_model_loss, task_parts
+from orchestrator.models.zoo import build_model
 from orchestrator.training import fsdp, ranks
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.precision import Mode, Precision, resolve_precision

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from orchestrator.errors import UserError
-from orchestrator.tasks import step_loss_sum
+from orchestrator.models.tasks import step_loss_sum
 from orchestrator.training import fsdp, ranks
 from orchestrator.training.checkpoint import unwrap
 from orchestrator.training.memory import is_oom, release_cached_memory

@@ -16,9 +16,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from orchestrator.autopilot_report import record_autopilot
 from orchestrator.config import Config, with_values
-from orchestrator.runs import RunPlace
+from orchestrator.report.autopilot import record_autopilot
+from orchestrator.run.place import RunPlace
 from orchestrator.tracking.tracker import Tracker
 
 # Searched keys that change what the autopilot would choose: with one of them, each trial searches its own.

@@ -12,11 +12,11 @@ from typing import Any
 
 import yaml
 
-from orchestrator.checks import resolve_for_data
 from orchestrator.config import Config, to_dict, to_yaml
-from orchestrator.cost import PARTS, PRODUCTIVE, resolve_pricing, study_metrics
-from orchestrator.plots import plot_lr_sweep, plot_trial_curves
-from orchestrator.runs import RunPlace
+from orchestrator.report.cost import PARTS, PRODUCTIVE, resolve_pricing, study_metrics
+from orchestrator.report.plots import plot_lr_sweep, plot_trial_curves
+from orchestrator.run.checks import resolve_for_data
+from orchestrator.run.place import RunPlace
 from orchestrator.tracking.links import experiment_of, experiment_url, run_url, ui_command
 from orchestrator.tracking.tracker import Tracker
 from orchestrator.tracking.uri import mask_password

@@ -14,8 +14,8 @@ from typing import Any
 from orchestrator.config import USER_TASK, Config, config_from_dict
 from orchestrator.config.space import Domain, parse_domain
 from orchestrator.errors import ConfigError
-from orchestrator.models import check_model_options
-from orchestrator.registry import suggest
+from orchestrator.models.registry import suggest
+from orchestrator.models.zoo import check_model_options
 
 # What training/loop.py reports (`_interval_metrics` every log_every steps, `evaluate` at eval steps);
 # tests/unit/test_search.py runs the loop and fails if this drifts.

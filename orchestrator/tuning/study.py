@@ -19,16 +19,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from orchestrator.checks import resolve_for_data
-from orchestrator.cluster import connect_ray, outside_job_package, shutdown_local_ray
+from orchestrator.cluster.local import connect_ray, outside_job_package, shutdown_local_ray
 from orchestrator.config import Config, flatten, to_dict
-from orchestrator.console import LOG_FILE, RunLog
-from orchestrator.cost import resolve_pricing
 from orchestrator.errors import ConfigError, UserError
-from orchestrator.runs import RunPlace, open_run_storage
+from orchestrator.report.console import LOG_FILE, RunLog
+from orchestrator.report.cost import resolve_pricing
+from orchestrator.run.checks import resolve_for_data
+from orchestrator.run.place import RunPlace, open_run_storage
+from orchestrator.run.trainer import storage_args
 from orchestrator.tracking.context import config_params
 from orchestrator.tracking.tracker import Tracker, closed_on_error, start_tracker
-from orchestrator.trainer import storage_args
 from orchestrator.tuning.autopilot import record_study_choice, study_board
 from orchestrator.tuning.results import TuneResult, local_dir, pick_best, record, summaries
 from orchestrator.tuning.search import (

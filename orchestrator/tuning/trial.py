@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from orchestrator.checks import resolve_for_data
-from orchestrator.cluster import report_queue, train_environment
+from orchestrator.cluster.local import report_queue, train_environment
 from orchestrator.config import Config
-from orchestrator.cost import REPORTED_AT
-from orchestrator.runs import RunPlace
-from orchestrator.trainer import RunFailedError, build_inputs, build_run, root_cause
+from orchestrator.report.cost import REPORTED_AT
+from orchestrator.run.checks import resolve_for_data
+from orchestrator.run.place import RunPlace
+from orchestrator.run.trainer import RunFailedError, build_inputs, build_run, root_cause
 from orchestrator.training.checkpoint import manifest_cache_decision
 from orchestrator.training.resume import loadable_checkpoint
 from orchestrator.training.worker import Seat, rank_config, rank_shard, state_of, train_rank

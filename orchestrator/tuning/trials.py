@@ -14,10 +14,10 @@ from typing import Any
 
 from ray.tune import Callback
 
-from orchestrator.checks import resolve_for_data
 from orchestrator.config import TrackingConfig
-from orchestrator.cost import REPORTED_AT, RESTART_MARK, Ledger, Pricing, build_ledger, resolve_pricing
 from orchestrator.errors import ConfigError
+from orchestrator.report.cost import REPORTED_AT, RESTART_MARK, Ledger, Pricing, build_ledger, resolve_pricing
+from orchestrator.run.checks import resolve_for_data
 from orchestrator.tracking.client import MlflowTracker
 from orchestrator.tracking.context import config_params
 from orchestrator.tuning.autopilot import find_board

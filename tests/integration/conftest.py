@@ -26,7 +26,7 @@ def ray_cluster() -> Iterator[None]:
     # Workers inherit the environment: they can import the test's own model modules and the examples', like a
     # user's run from the checkout.
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [here, str(ROOT), os.environ.get("PYTHONPATH")] if p)
-    from orchestrator.cluster import pin_state_api
+    from orchestrator.cluster.local import pin_state_api
 
     # Ray's processes resolve S3 credentials from their own standard chain, like a user's nodes: they inherit
     # the fake ones from the environment Ray starts in; the test process itself gets them per test (aws_env).
@@ -38,7 +38,7 @@ def ray_cluster() -> Iterator[None]:
     try:
         yield
     finally:
-        from orchestrator.cluster import shutdown_local_ray
+        from orchestrator.cluster.local import shutdown_local_ray
 
         shutdown_local_ray()
 

@@ -14,7 +14,7 @@ import pytest
 
 from orchestrator import load_config, train
 from orchestrator.cli import main
-from orchestrator.result import summary
+from orchestrator.run.result import summary
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def test_doctor_names_the_data_pipeline_evaluation_and_start_up_and_the_run_has_
     from orchestrator.doctor.record import training_share
     from orchestrator.doctor.rules.run_health import bookkeeping, evaluation
     from orchestrator.doctor.rules.speed import gradient_sync, uneven_workers
-    from orchestrator.startup import STAGES
+    from orchestrator.report.startup import STAGES
 
     uri = f"sqlite:///{tmp_path}/mlruns.db"
     result = train(load_config(None, [
@@ -94,7 +94,7 @@ def test_doctor_on_a_study_counts_trials_and_names_the_study_rules(
     """The parent run as `orchestrator tune` leaves it (study.tune and study._record): role and search-space tags,
     the best trial's params, trial counts and the study's cost shares."""
     from orchestrator.config import TrackingConfig
-    from orchestrator.cost import Ledger, Pricing, study_metrics
+    from orchestrator.report.cost import Ledger, Pricing, study_metrics
     from orchestrator.tracking.client import MlflowTracker
 
     uri = f"sqlite:///{tmp_path}/mlruns.db"

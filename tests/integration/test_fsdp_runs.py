@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from orchestrator import load_config, train
-from orchestrator.models import build_model
-from orchestrator.result import TrainResult
+from orchestrator.models.zoo import build_model
+from orchestrator.run.result import TrainResult
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

@@ -23,7 +23,7 @@ import pytest
 from terminal import from_a_terminal
 
 from orchestrator import load_config, train
-from orchestrator.result import TrainResult, summary
+from orchestrator.run.result import TrainResult, summary
 
 pytestmark = pytest.mark.slow
 

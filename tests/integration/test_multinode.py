@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from orchestrator import load_config
-from orchestrator.launch import train
-from orchestrator.result import TrainResult
+from orchestrator.run.launch import train
+from orchestrator.run.result import TrainResult
 from orchestrator.training.checkpoint import load_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -24,9 +24,9 @@ import torch
 from terminal import from_a_terminal
 
 from orchestrator import load_config
-from orchestrator.cost import PARTS, RESTART_MARK
-from orchestrator.launch import train
-from orchestrator.result import TrainResult
+from orchestrator.report.cost import PARTS, RESTART_MARK
+from orchestrator.run.launch import train
+from orchestrator.run.result import TrainResult
 from orchestrator.training.checkpoint import check_complete, load_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from orchestrator import load_config
-from orchestrator.launch import train
-from orchestrator.result import TrainResult
+from orchestrator.run.launch import train
+from orchestrator.run.result import TrainResult
 
 pytest.importorskip("torchft")  # the `replicas` extra
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -18,8 +18,8 @@ from recording_bert import read_calls
 
 from orchestrator import load_config
 from orchestrator.errors import ConfigError
-from orchestrator.launch import train
-from orchestrator.result import TrainResult
+from orchestrator.run.launch import train
+from orchestrator.run.result import TrainResult
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,7 +35,7 @@ def text_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from pipelines.prepare import prepare_text
 
     out = tmp_path_factory.mktemp("text")
-    prepare_text([str(ROOT / "README.md"), str(ROOT / "orchestrator" / "launch.py")], str(out), seq_len=32)
+    prepare_text([str(ROOT / "README.md"), str(ROOT / "orchestrator" / "run" / "launch.py")], str(out), seq_len=32)
     return out
 
 
@@ -237,7 +237,7 @@ def test_multilabel_trains_and_reports_scikit_learns_f1_of_its_own_predictions(r
     from ray.train import Checkpoint
     from sklearn.metrics import accuracy_score, f1_score, log_loss
 
-    from orchestrator.models import build_model
+    from orchestrator.models.zoo import build_model
     from orchestrator.training.checkpoint import load_state
 
     cfg = load_config(None, [

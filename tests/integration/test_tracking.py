@@ -26,7 +26,7 @@ from services import BIN, free_port, start_mlflow_server, stop_group, wait_for
 from test_cluster_jobs import http_json
 
 from orchestrator import load_config, train
-from orchestrator.result import summary
+from orchestrator.run.result import summary
 
 pytestmark = pytest.mark.slow
 
@@ -135,7 +135,7 @@ def test_tracking_server_dying_mid_run_warns_once_and_training_finishes(
         f"{after_kill:.0f} s after the server died, {training:.0f} s of it training: tracking calls stalled the run"
 
 
-# The final model as an MLflow Model (orchestrator/model_logging.py): loadable and registrable from the run.
+# The final model as an MLflow Model (orchestrator/models/flavour.py): loadable and registrable from the run.
 
 
 def named_mlp(in_features: int, num_classes: int) -> torch.nn.Module:
@@ -179,12 +179,12 @@ def test_final_model_is_an_mlflow_model_that_loads_predicts_and_registers(
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    import orchestrator.launch
-    from orchestrator.models import build_model
+    import orchestrator.run.launch
+    from orchestrator.models.zoo import build_model
     from orchestrator.training.checkpoint import load_state
 
     timings: list[float] = []
-    log_final_artifacts = orchestrator.launch._log_final_artifacts
+    log_final_artifacts = orchestrator.run.launch._log_final_artifacts
 
     def timed(*args: Any, **kwargs: Any) -> None:
         started = time.perf_counter()
@@ -198,7 +198,7 @@ def test_final_model_is_an_mlflow_model_that_loads_predicts_and_registers(
         "train.eval_every=10", "checkpoint.every=10"])  # checkpoints at 10, 20, 30; retention keeps 2
     uri_before, env_before = mlflow.get_tracking_uri(), os.environ.get("MLFLOW_TRACKING_URI")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(orchestrator.launch, "_log_final_artifacts", timed)
+        patch.setattr(orchestrator.run.launch, "_log_final_artifacts", timed)
         result = train(config, verbose=False)
     # Logging the model read and changed no process-wide MLflow state.
     assert (mlflow.get_tracking_uri(), os.environ.get("MLFLOW_TRACKING_URI")) == (uri_before, env_before)
@@ -288,8 +288,8 @@ def test_named_inputs_are_logged_with_a_dict_signature(tmp_path: Path, digits_di
     """Without a training run: the logging itself, for a model called by keyword (`model.inputs`)."""
     import mlflow
 
-    from orchestrator.checks import resolve_for_data
-    from orchestrator.model_logging import log_final_model
+    from orchestrator.models.flavour import log_final_model
+    from orchestrator.run.checks import resolve_for_data
     from orchestrator.tracking.client import MlflowTracker
     from pipelines.datasets import inspect_datasets
 
@@ -324,8 +324,8 @@ def test_a_model_that_cannot_be_logged_warns_one_line_and_tracking_goes_on(
         tmp_path: Path, digits_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
     from mlflow.tracking import MlflowClient
 
-    from orchestrator.checks import resolve_for_data
-    from orchestrator.model_logging import log_final_model
+    from orchestrator.models.flavour import log_final_model
+    from orchestrator.run.checks import resolve_for_data
     from orchestrator.tracking.client import MlflowTracker
     from orchestrator.tracking.tracker import NullTracker
     from pipelines.datasets import inspect_datasets

@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from orchestrator import load_config, train
-from orchestrator.result import TrainResult, run_summary
+from orchestrator.run.result import TrainResult, run_summary
 from orchestrator.tracking.context import git_commit
 from orchestrator.tracking.read import read_summary
 from orchestrator.tracking.view import mlflow_key
@@ -148,7 +148,7 @@ def test_accumulation_across_two_workers_matches_one_worker(ray_cluster: None, t
 
 
 def load_state_initial(tmp_path: Path) -> torch.Tensor:
-    from orchestrator.models import mlp
+    from orchestrator.models.zoo import mlp
 
     torch.manual_seed(0)
     return mlp(8, 3, hidden=[16])[0].weight.detach()
@@ -172,7 +172,7 @@ def test_local_sgd_h8_matches_ddp_accuracy_with_fewer_bytes(digits_ddp: TrainRes
 def test_failure_budget_spent_is_one_clear_error(ray_cluster: None, tmp_path: Path, digits_dir: str) -> None:
     from mlflow.tracking import MlflowClient
 
-    from orchestrator.trainer import RunFailedError
+    from orchestrator.run.trainer import RunFailedError
 
     marker = tmp_path / "crashed"
     with pytest.raises(RunFailedError, match="training failed") as info:

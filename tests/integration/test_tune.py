@@ -17,8 +17,8 @@ import pytest
 
 from orchestrator import load_config, train, tune
 from orchestrator.config import Config
-from orchestrator.console import LOG_FILE
 from orchestrator.errors import ConfigError
+from orchestrator.report.console import LOG_FILE
 from orchestrator.tracking.read import read_summary
 from orchestrator.tuning.results import TuneResult
 from orchestrator.tuning.search import TrialNamer, peak_concurrency

@@ -36,7 +36,7 @@ def cache(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     by PID at the end."""
     root = Path(tempfile.mkdtemp(prefix="warm"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(root))  # the commands inherit it
-    from orchestrator import warm_cluster
+    from orchestrator.cluster import warm as warm_cluster
 
     try:
         yield warm_cluster.warm_dir()
@@ -122,7 +122,7 @@ def free_cpus(address: str) -> tuple[float, float]:
     before = dict(os.environ)  # before `import ray`, which sets some of its own
     import ray
 
-    from orchestrator.cluster import local_only
+    from orchestrator.cluster.local import local_only
 
     with local_only():  # the cluster listens on loopback only
         ray.init(address=address)
@@ -139,7 +139,7 @@ def free_cpus(address: str) -> tuple[float, float]:
 
 def test_a_second_command_joins_the_first_ones_cluster_and_cluster_stop_ends_it(
         cache: Path, tmp_path: Path, digits_dir: str) -> None:
-    from orchestrator.warm_cluster import HEAD_LOG, IN_USE, KEEPER_LOG, STARTING, STATE, read_state
+    from orchestrator.cluster.warm import HEAD_LOG, IN_USE, KEEPER_LOG, STARTING, STATE, read_state
 
     assert os.environ.get("HF_HUB_OFFLINE") != "1"  # what the notebook below changes
     first = train(tmp_path, digits_dir, minutes=5)
@@ -189,7 +189,7 @@ def test_a_second_command_joins_the_first_ones_cluster_and_cluster_stop_ends_it(
 
 def test_a_cluster_of_another_ray_version_is_replaced_and_an_idle_one_stops_itself(
         cache: Path, tmp_path: Path, digits_dir: str) -> None:
-    from orchestrator.warm_cluster import STATE, read_state
+    from orchestrator.cluster.warm import STATE, read_state
 
     train(tmp_path, digits_dir, minutes=5)
     stale = read_state(cache)

@@ -1,4 +1,4 @@
-"""Ctrl+C while MLflow's run is still being opened beside the worker group's start (orchestrator/alongside.py): the
+"""Ctrl+C while MLflow's run is still being opened beside the worker group's start (orchestrator/run/alongside.py): the
 user is told what the wait is for and how to skip it, and the run, once open, ends KILLED, never left RUNNING."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.alongside import Alongside, ended_on_error
 from orchestrator.config import TrackingConfig
+from orchestrator.run.alongside import Alongside, ended_on_error
 from orchestrator.tracking.client import MlflowTracker
 
 

@@ -30,32 +30,37 @@ def _under(name: str, prefixes: tuple[str, ...]) -> bool:
 
 
 # Each rule: which files it covers (first match wins), the product modules they may import, the SDKs they may not.
-LEAF = ("orchestrator.config", "orchestrator.errors", "orchestrator.registry", "pipelines.config",
+LEAF = ("orchestrator.config", "orchestrator.errors", "orchestrator.models.registry", "pipelines.config",
         "pipelines.entrypoints")
-WORKER = (*LEAF, "orchestrator.tasks", "orchestrator.models", "orchestrator.training", "pipelines")
+WORKER = (*LEAF, "orchestrator.models.tasks", "orchestrator.models.zoo", "orchestrator.training", "pipelines")
 DRIVER_SDKS_ONLY = ("mlflow", "ray.tune", "boto3")
 RULES: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
     # (files: a folder or a file under ROOT, allowed product imports, banned third-party imports)
     ("pipelines", ("pipelines",), ("mlflow", "ray.tune")),
     ("orchestrator/config", LEAF, ("torch", "ray", "mlflow")),
     ("orchestrator/errors.py", (), ("torch", "ray", "mlflow")),
-    ("orchestrator/registry.py", LEAF, ("torch", "ray", "mlflow")),
-    # Worker side: what Ray Train workers import. No driver module, no tracking or tuning SDK.
+    ("orchestrator/models/registry.py", LEAF, ("torch", "ray", "mlflow")),
+    # Worker side: what Ray Train workers import. No driver module, no tracking or tuning SDK. Of the model package
+    # the workers import zoo, tasks and registry (and so its __init__.py): never its MLflow modules (flavour, pyfunc,
+    # checkpoints).
     ("orchestrator/training", WORKER, DRIVER_SDKS_ONLY),
-    ("orchestrator/tasks.py", WORKER, DRIVER_SDKS_ONLY),
-    ("orchestrator/models.py", WORKER, DRIVER_SDKS_ONLY),
+    ("orchestrator/models/tasks.py", WORKER, DRIVER_SDKS_ONLY),
+    ("orchestrator/models/zoo.py", WORKER, DRIVER_SDKS_ONLY),
+    ("orchestrator/models/__init__.py", WORKER, DRIVER_SDKS_ONLY),
     # Entry points: the CLI and the package's lazy attributes reach everything.
     ("orchestrator/cli.py", PRODUCT, ()),
     ("orchestrator/__init__.py", PRODUCT, ()),
     ("orchestrator/__main__.py", PRODUCT, ()),
     # The study is built on the driver's modules; they never reach back into it.
-    ("orchestrator/tuning", ("orchestrator.config", "orchestrator.errors", "orchestrator.registry",
-                             "orchestrator.tasks", "orchestrator.models", "orchestrator.training",
-                             "orchestrator.tuning", "orchestrator.checks", "orchestrator.cluster",
-                             "orchestrator.console", "orchestrator.cost", "orchestrator.plots", "orchestrator.runs",
-                             "orchestrator.tracking", "orchestrator.trainer", "orchestrator.autopilot_report",
+    ("orchestrator/tuning", ("orchestrator.config", "orchestrator.errors", "orchestrator.models.registry",
+                             "orchestrator.models.tasks", "orchestrator.models.zoo", "orchestrator.training",
+                             "orchestrator.tuning", "orchestrator.run.checks", "orchestrator.cluster.local",
+                             "orchestrator.report.console", "orchestrator.report.cost", "orchestrator.report.plots",
+                             "orchestrator.run.place",
+                             "orchestrator.tracking", "orchestrator.run.trainer", "orchestrator.report.autopilot",
                              "pipelines"), ()),
-    # Every other module of orchestrator/ is driver side, a driver package's (doctor/, tracking/) too: anything but
+    # Every other module of orchestrator/ is driver side, a driver package's (run/, report/, cluster/, doctor/,
+    # tracking/, and models/ but for its worker modules above) too: anything but
     # the entry points and the study.
     ("orchestrator", tuple(f"orchestrator.{p.stem}" for p in (ROOT / "orchestrator").glob("*.py")
                            if p.stem not in ("cli", "__init__", "__main__"))
@@ -91,7 +96,7 @@ def test_a_module_added_to_a_folder_is_held_to_its_rule() -> None:
         assert rule_of(ROOT / folder / "zz_architecture_probe.py")[0] == folder
     # The worker side may not reach a driver module, nor the driver side the study, nor the config a model.
     assert not _under("orchestrator.tracking", rule_of(ROOT / "orchestrator/training/new.py")[1])
-    assert not _under("orchestrator.launch", rule_of(ROOT / "orchestrator/models.py")[1])
+    assert not _under("orchestrator.run.launch", rule_of(ROOT / "orchestrator/models/zoo.py")[1])
     assert not _under("orchestrator.tuning.study", rule_of(ROOT / "orchestrator/new_driver.py")[1])
     assert not _under("orchestrator.tuning.study", rule_of(ROOT / "orchestrator/tracking/new.py")[1])
     assert _under("orchestrator.tracking.client", rule_of(ROOT / "orchestrator/new_driver.py")[1])
@@ -99,7 +104,7 @@ def test_a_module_added_to_a_folder_is_held_to_its_rule() -> None:
     assert rule_of(ROOT / "orchestrator/doctor/rules/new_rule.py")[0] == "orchestrator"
     assert _under("orchestrator.doctor.rules.speed", rule_of(ROOT / "orchestrator/new_driver.py")[1])
     assert not _under("orchestrator.tuning.study", rule_of(ROOT / "orchestrator/doctor/new.py")[1])
-    assert not _under("orchestrator.models", rule_of(ROOT / "orchestrator/config/new.py")[1])
+    assert not _under("orchestrator.models.zoo", rule_of(ROOT / "orchestrator/config/new.py")[1])
 
 
 def _module_name(path: Path) -> str:
@@ -169,7 +174,7 @@ def test_config_is_light() -> None:
 def test_workers_and_the_driver_import_fsdp_only_for_a_sharded_run() -> None:
     # torch's FSDP, DTensor and DCP modules cost each worker process (and the driver) about half a second of its
     # start; a DDP run never uses them. Deciding whether a model is sharded must not import them either.
-    code = ("import sys, torch, orchestrator.training.worker, orchestrator.launch\n"
+    code = ("import sys, torch, orchestrator.training.worker, orchestrator.run.launch\n"
             "from orchestrator.training import fsdp\n"
             "assert not fsdp.is_sharded(torch.nn.Linear(2, 2)) and fsdp.local_tensor(torch.ones(1)).numel() == 1\n"
             "print(','.join(m for m in ('torch.distributed.fsdp', 'torch.distributed.tensor', "
@@ -193,7 +198,7 @@ def test_package_import_is_light() -> None:
 
 def test_exported_functions_are_not_shadowed_by_subpackages() -> None:
     # A subpackage named like an exported function replaces it once imported (orchestrator.train did).
-    code = ("import orchestrator.training.loop, orchestrator.tuning.study, orchestrator.launch\n"
+    code = ("import orchestrator.training.loop, orchestrator.tuning.study, orchestrator.run.launch\n"
             "from orchestrator import train, tune\n"
             "assert callable(train) and callable(tune), (train, tune)\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, capture_output=True)
@@ -202,7 +207,7 @@ def test_exported_functions_are_not_shadowed_by_subpackages() -> None:
 def test_ingest_options_keep_order_and_use_no_deprecated_option() -> None:
     import warnings
 
-    from orchestrator.trainer import ingest_options
+    from orchestrator.run.trainer import ingest_options
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -1,4 +1,4 @@
-"""The autopilot on the driver (orchestrator/autopilot_report.py, launch.py's report handler, result.py's summary,
+"""The autopilot on the driver (orchestrator/report/autopilot.py, launch.py's report handler, result.py's summary,
 the plan and `train --autopilot`), from hand-made reports that follow the contract of docs/autopilot.md: the
 terminal's table, the MLflow params, table artifact and summary rows (one real SQLite store, read back through
 MlflowClient), never a charted metric, and the predicted and achieved speed-up, each checked against figures
@@ -16,13 +16,13 @@ from typing import Any
 import pytest
 import yaml
 
-from orchestrator import autopilot_report
-from orchestrator.alongside import Alongside
 from orchestrator.cli import build_parser, main
 from orchestrator.config import TrackingConfig, load_config
-from orchestrator.launch import _Reports
-from orchestrator.result import TrainResult, summary
-from orchestrator.startup import StartupClock
+from orchestrator.report import autopilot as autopilot_report
+from orchestrator.report.startup import StartupClock
+from orchestrator.run.alongside import Alongside
+from orchestrator.run.launch import _Reports
+from orchestrator.run.result import TrainResult, summary
 from orchestrator.tracking.client import MlflowTracker
 from orchestrator.tracking.context import config_params
 from orchestrator.tracking.read import read_metrics, read_summary
@@ -331,14 +331,14 @@ def test_train_autopilot_sets_the_key_and_the_plan_shows_its_budget(tmp_path: Pa
         captured["config"] = config
         raise KeyboardInterrupt  # stop before anything runs
 
-    import orchestrator.launch
+    import orchestrator.run.launch
 
-    original = orchestrator.launch.train
-    orchestrator.launch.train = fake_train  # type: ignore[assignment]
+    original = orchestrator.run.launch.train
+    orchestrator.run.launch.train = fake_train  # type: ignore[assignment]
     try:
         main(["train", "--autopilot", "--set", "autopilot.enabled=false", *(a for s in sets for a in ("--set", s))])
     finally:
-        orchestrator.launch.train = original  # type: ignore[assignment]
+        orchestrator.run.launch.train = original  # type: ignore[assignment]
     assert captured["config"].autopilot.enabled  # the flag wins over --set
     assert main(["show-config", "--plan", "--set", "autopilot.enabled=true", "--set", "autopilot.budget=0.1",
                  *(a for s in sets for a in ("--set", s))]) == 0

@@ -6,7 +6,7 @@ import pytest
 
 from orchestrator.config import flatten, load_config, parse_override, to_dict
 from orchestrator.errors import ConfigError
-from orchestrator.models import check_model_options
+from orchestrator.models.zoo import check_model_options
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -101,7 +101,7 @@ def test_bad_config_names_the_key(overrides: list[str], message: str) -> None:
 
 
 def test_warmup_must_fit_the_steps_epochs_make(tmp_path: Path) -> None:
-    from orchestrator.checks import resolve_for_data
+    from orchestrator.run.checks import resolve_for_data
     from pipelines.sources import DatasetInfo
 
     # The default config (warmup 20, global batch 128, 2 workers) for one epoch of 1438 rows: 12 steps.

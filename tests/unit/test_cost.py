@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from orchestrator.config import load_config
-from orchestrator.cost import PARTS, Ledger, Pricing, build_ledger, resolve_pricing, study_metrics
 from orchestrator.errors import ConfigError
+from orchestrator.report.cost import PARTS, Ledger, Pricing, build_ledger, resolve_pricing, study_metrics
 
 PRICED = Pricing(nodes=2, usd_per_node_hour=3.6, description="2 x test")
 
@@ -186,7 +186,7 @@ def test_time_blocked_in_reports_is_its_own_part_not_recovery() -> None:
 
 
 def test_elastic_run_is_billed_at_the_largest_world_size_it_reached() -> None:
-    from orchestrator.launch import _cost
+    from orchestrator.run.launch import _cost
 
     # gpu_spot nodes hold one GPU each, so nodes = workers; 120 divides by every size from 2 to 6.
     cfg = load_config(None, ["scaling.num_workers=[2, 6]", "train.global_batch_size=120", "scaling.use_gpu=true",
@@ -206,7 +206,7 @@ def test_elastic_run_is_billed_at_the_largest_world_size_it_reached() -> None:
 
 
 def test_a_resumed_run_is_one_ledger_across_its_attempts() -> None:
-    from orchestrator.cost import attempt_record, ledger_across_attempts
+    from orchestrator.report.cost import attempt_record, ledger_across_attempts
 
     # Attempt 1 began at t=1000 (epoch seconds), reported steps 10 and 20, then its driver was killed (last record
     # at t=1045). Attempt 2 (`--resume`) began at t=1100 from step 10's checkpoint, redid step 20, reached 30, and

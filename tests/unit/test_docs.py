@@ -141,9 +141,9 @@ def _is_mapping(annotation: Any) -> bool:
 @cache
 def model_options() -> frozenset[str]:
     """Options a `model:` section may carry besides ModelConfig's fields: the keyword arguments of the built-in
-    models (orchestrator/models.py) and of the example builders (examples/models.py)."""
+    models (orchestrator/models/zoo.py) and of the example builders (examples/models.py)."""
     import examples.models
-    from orchestrator.models import MODELS
+    from orchestrator.models.zoo import MODELS
 
     builders = [MODELS.get(name) for name in MODELS.names()]
     builders += [f for _, f in inspect.getmembers(examples.models, inspect.isfunction)

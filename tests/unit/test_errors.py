@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.checks import resolve_for_data
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError
-from orchestrator.models import check_model_build, check_model_options
+from orchestrator.models.zoo import check_model_build, check_model_options
+from orchestrator.run.checks import resolve_for_data
 from pipelines.sources import DatasetInfo
 
 ROOT = Path(__file__).resolve().parents[2]

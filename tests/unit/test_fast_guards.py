@@ -14,11 +14,12 @@ from typing import Any
 import cloudpickle
 import pytest
 
-from orchestrator import cli, launch
+from orchestrator import cli
 from orchestrator.config import load_config
-from orchestrator.plan import RunPlan
-from orchestrator.runs import RAY_CHECKPOINTS, RunPlace, open_run_storage
-from orchestrator.trainer import storage_args
+from orchestrator.run import launch
+from orchestrator.run.place import RAY_CHECKPOINTS, RunPlace, open_run_storage
+from orchestrator.run.plan import RunPlan
+from orchestrator.run.trainer import storage_args
 from pipelines.config import S3Config
 from pipelines.reader import ShardDatasource
 from pipelines.storage import ObjectInfo, open_storage

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cluster import outside_job_package
+from orchestrator.cluster.local import outside_job_package
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError
 

@@ -1,4 +1,4 @@
-"""The driver's memory estimate (orchestrator.memory_plan) against the worker's own DDP figure and plain arithmetic.
+"""The driver's memory estimate (orchestrator.run.memory_plan) against the worker's own DDP figure and plain arithmetic.
 The FSDP figures are checked against bytes measured on real ranks in tests/unit/training/test_fsdp.py."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from orchestrator.errors import ConfigError
-from orchestrator.memory_plan import estimate_bytes_per_rank
+from orchestrator.run.memory_plan import estimate_bytes_per_rank
 from orchestrator.training.memory import state_bytes
 
 
@@ -45,7 +45,7 @@ def test_unknown_values_name_their_key(args: tuple, key: str) -> None:
 
 
 def test_the_fsdp_advice_names_the_setting_only_when_ddp_would_not_fit_and_fsdp_would() -> None:
-    from orchestrator.memory_plan import fsdp_advice
+    from orchestrator.run.memory_plan import fsdp_advice
 
     n, gib = 1_000_000_000, 2**30  # a 1B-parameter model under AdamW: 16 GB of model state per DDP rank
     ddp = estimate_bytes_per_rank(n, 4, "ddp", "adamw", "bf16")["total"]
@@ -75,8 +75,8 @@ TOKENS = __import__("pipelines.sources", fromlist=["DatasetInfo"]).DatasetInfo(
 
 
 def test_the_driver_counts_the_workers_model_and_says_fsdp_fits_where_ddp_does_not() -> None:
-    from orchestrator.checks import model_state_advice
-    from orchestrator.models import build_model
+    from orchestrator.models.zoo import build_model
+    from orchestrator.run.checks import model_state_advice
     from orchestrator.training.fsdp import find_blocks
 
     # The built-in gpt at d_model 1024, 8 layers: counted here on the meta device as the driver counts it.
@@ -102,7 +102,8 @@ def test_the_driver_counts_the_workers_model_and_says_fsdp_fits_where_ddp_does_n
 def test_orchestrator_train_says_so_before_ray_starts(tmp_path: Path, digits_dir: str,
                                                        monkeypatch: pytest.MonkeyPatch,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
-    from orchestrator import cli, launch
+    from orchestrator import cli
+    from orchestrator.run import launch
 
     # An MLP of 17M parameters has no blocks: fsdp gathers it whole in compute (2 x 4 bytes per parameter) and
     # shards the rest over 4 workers, 12 bytes per parameter in all against ddp's 16: a 0.22 GB budget lies between.
@@ -125,7 +126,7 @@ def test_orchestrator_train_says_so_before_ray_starts(tmp_path: Path, digits_dir
 
 def test_the_printed_summary_shows_the_parallel_mode_and_what_each_worker_holds() -> None:
     from orchestrator.config import load_config
-    from orchestrator.result import TrainResult, summary
+    from orchestrator.run.result import TrainResult, summary
 
     # The worker's facts come with the first report of each (re)start; a resize's later facts are the ones shown.
     history = [{"step": 25, "train_loss": 1.0, "parallel": "fsdp", "world_size": 2,
@@ -142,7 +143,7 @@ def test_the_printed_summary_shows_the_parallel_mode_and_what_each_worker_holds(
 
 
 def test_the_parallel_line_of_one_worker_says_worker_not_workers() -> None:
-    from orchestrator.result import parallel_line
+    from orchestrator.run.result import parallel_line
 
     facts = {"step": 10, "parallel": "ddp", "param_bytes_per_rank": 2**20, "optimizer_bytes_per_rank": 2**21}
     assert parallel_line([facts | {"world_size": 1}]) == ("parallel: ddp on 1 worker, holding 1.0 MiB of parameters "
@@ -176,7 +177,7 @@ def test_auto_micro_batch_in_a_study_divides_the_nodes_memory_by_every_rank_it_p
 
 def test_the_auto_micro_batch_line_of_one_worker_says_worker_not_workers(capsys: pytest.CaptureFixture[str]) -> None:
     from orchestrator.config import load_config
-    from orchestrator.models import build_model
+    from orchestrator.models.zoo import build_model
     from orchestrator.training.micro_batch import choose_micro_batch
     from orchestrator.training.optim import build_optimizer
     from orchestrator.training.parts import Parts

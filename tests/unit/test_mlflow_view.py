@@ -143,7 +143,7 @@ def test_orchestrator_ui_refuses_a_store_that_is_not_there_and_finds_a_free_port
     import socket
 
     from orchestrator.cli import main
-    from orchestrator.ui import free_port
+    from orchestrator.report.ui import free_port
 
     assert main(["ui", "--tracking-uri", f"sqlite:///{tmp_path}/missing.db"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -157,7 +157,7 @@ def test_orchestrator_ui_refuses_a_store_that_is_not_there_and_finds_a_free_port
 
 
 def test_the_ui_starts_without_mlflows_job_runner_unless_the_user_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    from orchestrator.ui import ui_environment
+    from orchestrator.report.ui import ui_environment
 
     monkeypatch.delenv("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", raising=False)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///kept.db")

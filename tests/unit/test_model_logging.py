@@ -53,7 +53,7 @@ def mlp_from_file(in_features: int, num_classes: int) -> torch.nn.Module:
 
 
 def _log(config: Config, info: Any, weights: dict[str, Any]) -> str:
-    from orchestrator.model_logging import log_final_model
+    from orchestrator.models.flavour import log_final_model
     from orchestrator.tracking.client import MlflowTracker
 
     tracker = MlflowTracker(config.tracking, "model-logging")
@@ -69,8 +69,8 @@ def test_a_fine_tuned_pretrained_model_is_logged_with_the_saved_architecture(
     import mlflow
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from orchestrator.checks import resolve_for_data
-    from orchestrator.models import build_model
+    from orchestrator.models.zoo import build_model
+    from orchestrator.run.checks import resolve_for_data
     from pipelines.batches import collate_sample
     from pipelines.datasets import inspect_datasets
     from pipelines.prepare import prepare_text
@@ -123,7 +123,7 @@ def test_a_builder_reading_a_relative_file_is_logged(tmp_path: Path, digits_dir:
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     import mlflow
 
-    from orchestrator.checks import resolve_for_data
+    from orchestrator.run.checks import resolve_for_data
     from pipelines.batches import collate_sample
     from pipelines.datasets import inspect_datasets
 
@@ -148,7 +148,7 @@ def test_a_builder_reading_a_relative_file_is_logged(tmp_path: Path, digits_dir:
         torch.testing.assert_close(loaded(x), trained(x))
 
 
-# The pyfunc flavour: feature columns by name, answers in the task's terms (orchestrator/pyfunc_model.py).
+# The pyfunc flavour: feature columns by name, answers in the task's terms (orchestrator/models/pyfunc.py).
 
 
 def tiny_mlp(in_features: int, num_classes: int) -> torch.nn.Module:
@@ -191,7 +191,7 @@ def _frame_and_x(path: str) -> tuple[Any, torch.Tensor]:
 
 
 def _log_tiny(task: str, path: str, store: str, extra: list[str]) -> tuple[str, torch.nn.Module]:
-    from orchestrator.checks import resolve_for_data
+    from orchestrator.run.checks import resolve_for_data
     from pipelines.datasets import inspect_datasets
 
     config = load_config(None, [
@@ -265,8 +265,8 @@ def test_the_built_in_gpt_is_logged_and_its_pyfunc_predicts_the_next_token_of_it
     # model's positions end there, so the input example and what pyfunc is given are windows of that length.
     import mlflow
 
-    from orchestrator.checks import in_features, resolve_for_data
-    from orchestrator.models import build_model
+    from orchestrator.models.zoo import build_model
+    from orchestrator.run.checks import in_features, resolve_for_data
     from pipelines.batches import collate_sample
     from pipelines.datasets import inspect_datasets
     from pipelines.prepare import prepare_text

@@ -44,7 +44,7 @@ def text(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def resolve(text: Path, *overrides: str, named: bool = True) -> Any:
     """The driver's checks (trainer.resolve_for_data, which `train` runs before Ray starts) on the prepared text."""
-    from orchestrator.checks import resolve_for_data
+    from orchestrator.run.checks import resolve_for_data
     from pipelines.datasets import inspect_datasets
 
     config = load_config(None, [f"data.train={text}/train", "data.val=null", "data.features=[tokens]",
@@ -110,7 +110,7 @@ def roberta(num_classes: int = 64, positions: int = 34) -> Any:
 
 
 def test_roberta_limit_is_the_longest_sequence_its_table_runs() -> None:
-    from orchestrator.models import position_limit
+    from orchestrator.models.zoo import position_limit
 
     model = roberta(positions=34)
     found = position_limit(model)

@@ -1,9 +1,10 @@
-"""The run planned once (orchestrator/plan.py): what the plan decides, checked against the data and the price table
+"""The run planned once (orchestrator/run/plan.py): what the plan decides, checked against the data and the price table
 read independently; a resume's saved decisions as fields of the plan; the plan immutable; and the driver's
 structure, walked statically (scripts/config_walk.py), staying as flat as this change made it. No Ray."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import math
 import re
@@ -16,7 +17,7 @@ import pytest
 import yaml
 
 from orchestrator.config import load_config
-from orchestrator.plan import plan_run
+from orchestrator.run.plan import plan_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,7 +62,7 @@ def test_one_name_for_the_runs_folder_its_mlflow_run_and_its_summary(tmp_path: P
     """The plan names the run once: its folder in storage.path, its MLflow run (and `plan.yaml`), the summary's
     `finished` line. The command's --set flags that change what is trained are in the name; the command itself is
     the MLflow run's Source, whole in the runs table (MLflow shows a source's text after its last slash)."""
-    from orchestrator.result import TrainResult, summary
+    from orchestrator.run.result import TrainResult, summary
 
     argv = ["/venv/bin/orchestrator", "train", "--config", "examples/digits.yaml", "--set", "optim.lr=1e-3",
             "--set", f"storage.path={tmp_path}/runs", "--set", "tracking.uri=http://me:secret@mlflow.internal:5000"]
@@ -109,9 +110,13 @@ def test_the_driver_reads_the_config_in_one_place() -> None:
     assert counts is not None, out[-2:]
     stays, climbs, returns = map(int, counts.groups())
     assert climbs <= 59 // 2 and returns <= 104 // 2, out[-2]
-    # The run stage never takes the config: launch is left once, for the plan, and the walk ends on coming back.
-    trace = [line.split()[1] for line in out if line.startswith(("->", "<-"))]
-    assert len(trace) == stays and trace[:2] == ["orchestrator.launch", "orchestrator.plan"]
-    assert trace.count("orchestrator.launch") == 2 and trace[-2:] == ["orchestrator.plan", "orchestrator.launch"]
+    # The run stage never takes the config: of launch's functions only train is walked (it hands the config to the
+    # plan, in the same package), and the walk starts and ends in the run package.
+    trace = [line.split() for line in out if line.startswith(("->", "<-"))]
+    assert len(trace) == stays and trace[0] == ["->", "orchestrator.run", "(train)"], trace[:1]
+    assert trace[-1][1] == "orchestrator.run", trace[-1]
+    launch = ast.parse((ROOT / "orchestrator" / "run" / "launch.py").read_text())
+    stage = {f"({node.name})" for node in ast.walk(launch) if isinstance(node, ast.FunctionDef)} - {"(train)"}
+    assert not [line for line in trace if line[2] in stage], trace
     entries = dict(re.findall(r"([\w.]+) (\d+)", out[-1].removeprefix("entries per module: ")))
     assert max(map(int, entries.values())) <= 6, out[-1]

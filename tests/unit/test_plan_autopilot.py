@@ -1,4 +1,4 @@
-"""The plan's autopilot section (orchestrator/plan.py, docs/autopilot.md): what `show-config --plan` and `plan.yaml`
+"""The plan's autopilot section (orchestrator/run/plan.py, docs/autopilot.md): what `show-config --plan` and `plan.yaml`
 say the autopilot will measure is only what it measures for that run: train.sync (opted in with autopilot.allow)
 only where the run has two workers or more, train.tf32 only when opted in too, train.precision only when left auto,
 train.flush_denormal (turned off in the config: the autopilot only ever turns it on) only on CPU, nothing when the
@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from orchestrator.config import load_config
-from orchestrator.plan import plan_run
+from orchestrator.run.plan import plan_run
 
 ALWAYS = ["train.micro_batch_size (at the global batch)", "train.compile", "train.torch_threads"]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.console import RayDataConsole, RunLog, product_line
+from orchestrator.report.console import RayDataConsole, RunLog, product_line
 
 
 @pytest.mark.parametrize("verbose", [False, True])
@@ -60,8 +60,8 @@ def test_a_run_stored_in_s3_logs_to_a_private_directory(tmp_path: Path, monkeypa
     import stat
 
     from orchestrator.config import load_config
-    from orchestrator.launch import _log_path
-    from orchestrator.runs import RunPlace
+    from orchestrator.run.launch import _log_path
+    from orchestrator.run.place import RunPlace
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     config = load_config(None, ["storage.path=s3://bucket/runs"])

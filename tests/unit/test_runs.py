@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config import load_config
-from orchestrator.runs import latest_run, new_run, open_run_storage, run_name
+from orchestrator.run.place import latest_run, new_run, open_run_storage, run_name
 
 STARTED = time.mktime((2026, 12, 6, 5, 12, 38, 0, 0, -1))  # 2026-12-06 05:12:38, local time
 
@@ -76,9 +76,10 @@ def test_train_takes_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     """`train --resume` reaches train(resume=True), which continues the newest run with its record and refuses a
     config that trains something else; without it (or with no earlier run) a new run starts. No Ray: the run's
     place is decided before any cluster is touched."""
-    from orchestrator import cli, launch
+    from orchestrator import cli
     from orchestrator.errors import ConfigError
-    from orchestrator.runs import place_run
+    from orchestrator.run import launch
+    from orchestrator.run.place import place_run
 
     calls: list[bool] = []
 
@@ -131,7 +132,7 @@ def test_resume_refuses_a_config_that_trains_something_else(tmp_path: Path) -> N
 def test_resume_with_nothing_to_resume_says_so_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`--resume` that finds no run to continue starts one, and says which experiment and storage it searched;
     one whose latest run saved no checkpoint says that run starts again from step 0. Without `--resume`, no line."""
-    from orchestrator.runs import place_run
+    from orchestrator.run.place import place_run
 
     config = load_config(None, [f"storage.path={tmp_path}/runs", "experiment=exp"])
     place, record = place_run(config, resume=True, verbose=False)

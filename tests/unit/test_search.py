@@ -11,7 +11,7 @@ import torch
 from orchestrator.config import TASK_KINDS, Config, load_config
 from orchestrator.config.space import Domain
 from orchestrator.errors import ConfigError
-from orchestrator.tasks import Classification
+from orchestrator.models.tasks import Classification
 from orchestrator.tuning.search import (
     TRAIN_METRICS,
     check_capacity,
@@ -130,7 +130,7 @@ def test_trial_config_rederives_batch_for_a_searched_worker_count() -> None:
 def test_what_the_data_decides_is_checked_for_every_trial_before_any_starts(overrides: list[str],
                                                                             message: str) -> None:
     """With epochs, steps are known only with the data: each searched extreme is resolved and priced up front."""
-    from orchestrator.checks import resolve_for_data
+    from orchestrator.run.checks import resolve_for_data
     from orchestrator.tuning.study import check_trials
     from pipelines.sources import DatasetInfo
 
@@ -250,7 +250,7 @@ def test_trials_at_once_are_bounded_by_the_gpus_too(overrides: list[str], resour
 
 def test_metric_list_matches_what_the_loop_reports() -> None:
     """tune.metric may only name what loop.py reports: fails if the loop stops reporting a listed key."""
-    from orchestrator.models import build_model
+    from orchestrator.models.zoo import build_model
     from orchestrator.training.loop import run
     from orchestrator.training.optim import build_optimizer
     from orchestrator.training.parts import Parts
@@ -376,7 +376,7 @@ def _trial(lr: float, warmup: Any, metric: float, status: str = "completed", nam
 
 
 def test_sweep_plot_draws_a_choice_as_categories_and_a_range_on_a_colour_bar() -> None:
-    from orchestrator.plots import sweep_figure
+    from orchestrator.report.plots import sweep_figure
 
     keys = ["optim.lr", "optim.warmup_steps"]
     trials = [_trial(1e-3, 0, 0.5), _trial(3e-3, 20, 0.7, "stopped"), _trial(1e-2, 10, 0.9),
@@ -399,7 +399,7 @@ def test_sweep_plot_draws_a_choice_as_categories_and_a_range_on_a_colour_bar() -
 
 
 def test_curves_are_labelled_by_name_and_a_shared_name_gets_its_id() -> None:
-    from orchestrator.plots import trial_labels
+    from orchestrator.report.plots import trial_labels
 
     trials = [_trial(1e-3, 0, 0.5, name="lr=1.0e-03,warmup=0"), _trial(2e-3, 0, 0.6, name="lr=2.0e-03,warmup=0"),
               _trial(2.01e-3, 0, 0.7, name="lr=2.0e-03,warmup=0"), _trial(5e-3, 0, 0.7)]
@@ -408,7 +408,7 @@ def test_curves_are_labelled_by_name_and_a_shared_name_gets_its_id() -> None:
 
 
 def test_study_cost_line_shows_a_small_productive_share_with_what_took_the_time() -> None:
-    from orchestrator.cost import Ledger, Pricing, study_metrics
+    from orchestrator.report.cost import Ledger, Pricing, study_metrics
     from orchestrator.tuning.results import study_cost_line
 
     pricing = Pricing(1, 2.0, "1 node at $2/h")

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from orchestrator.result import run_summary
-from orchestrator.startup import STAGES, StartupClock
+from orchestrator.report.startup import STAGES, StartupClock
+from orchestrator.run.result import run_summary
 
 
 def test_stages_tile_the_time_to_the_first_step() -> None:
@@ -76,7 +76,8 @@ def test_the_command_starts_when_a_stopwatch_around_it_starts() -> None:
     stopwatch started just before the command and before the command's first line runs. The kernel's boot time is
     kept in whole seconds, so a start taken from it can be up to a second early: every figure that long."""
     began = time.time()
-    out = subprocess.run([sys.executable, "-c", "import time; from orchestrator.startup import process_started_at; "
+    out = subprocess.run([sys.executable, "-c", "import time; "
+                          "from orchestrator.report.startup import process_started_at; "
                           "print(process_started_at(), time.time())"], capture_output=True, text=True, check=True)
     started, running = map(float, out.stdout.split())
     assert began - 0.02 <= started <= running, (started - began, running - began)  # a clock tick of slack

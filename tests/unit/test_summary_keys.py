@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from orchestrator.config import TASK_KINDS, load_config
-from orchestrator.cost import Pricing, build_ledger
-from orchestrator.models import build_model
-from orchestrator.result import run_summary
-from orchestrator.startup import STAGES, StartupClock
+from orchestrator.models.zoo import build_model
+from orchestrator.report.cost import Pricing, build_ledger
+from orchestrator.report.startup import STAGES, StartupClock
+from orchestrator.run.result import run_summary
 from orchestrator.tracking.view import chart_key, headline_keys, logged_as, mlflow_key
 from orchestrator.training.loop import run
 from orchestrator.training.optim import build_optimizer

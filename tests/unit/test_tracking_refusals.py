@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import launch
 from orchestrator.config import TrackingConfig, load_config
+from orchestrator.run import launch
 from orchestrator.tracking.client import MlflowTracker
 from orchestrator.tracking.view import chart_key, mlflow_key
 

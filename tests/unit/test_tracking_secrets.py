@@ -91,10 +91,10 @@ def test_the_runs_storage_and_log_hold_no_password_and_a_resume_still_continues_
     """Run storage is often a shared bucket: the run's `config.yaml` there (what --resume compares against), its
     record and its log hold the URI masked, as the MLflow run does. A resume takes the password from its own config
     (or $MLFLOW_TRACKING_URI): `tracking.` may change on resume, so the masked URI in storage is no obstacle."""
-    from orchestrator import launch
     from orchestrator.config import to_dict
-    from orchestrator.console import RunLog
-    from orchestrator.plan import plan_run
+    from orchestrator.report.console import RunLog
+    from orchestrator.run import launch
+    from orchestrator.run.plan import plan_run
     from orchestrator.tracking.tracker import NullTracker
 
     logged: list[str] = []

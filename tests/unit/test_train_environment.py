@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from orchestrator.cluster import TRAIN_DEFAULTS, train_environment
+from orchestrator.cluster.local import TRAIN_DEFAULTS, train_environment
 from orchestrator.config import load_config
 
 NAMES = [*TRAIN_DEFAULTS, "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S",

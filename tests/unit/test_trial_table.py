@@ -80,7 +80,7 @@ def test_a_pipe_gets_a_line_per_trial_that_ends_and_no_table(capsys: pytest.Capt
 def test_a_restarted_trials_ledger_bills_the_time_its_restart_lost() -> None:
     """Tune rewinds time_total_s to the checkpoint's when it restarts a trial: the ledger's clock is when each report
     was made, from the trial's start, and its wall clock the span Tune saw the trial run."""
-    from orchestrator.cost import REPORTED_AT, RESTART_MARK, Pricing
+    from orchestrator.report.cost import REPORTED_AT, RESTART_MARK, Pricing
     from orchestrator.tuning.trials import trial_ledger
 
     started = 1000.0

@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 import pytest
 
-from orchestrator.warm_cluster import fingerprint, mismatch, start_environment
+from orchestrator.cluster.warm import fingerprint, mismatch, start_environment
 
 PYTHONPATH, AUTH = "/src", "disabled"
 

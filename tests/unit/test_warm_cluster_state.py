@@ -19,8 +19,8 @@ from typing import Any
 import psutil
 import pytest
 
-from orchestrator import warm_cluster
-from orchestrator.warm_cluster import IN_USE, STATE, fingerprint, mismatch, read_state, write_state
+from orchestrator.cluster import warm as warm_cluster
+from orchestrator.cluster.warm import IN_USE, STATE, fingerprint, mismatch, read_state, write_state
 
 
 @pytest.fixture()
@@ -116,7 +116,7 @@ def test_the_keeper_spares_a_cluster_in_use_and_stops_it_once_idle(
         cache: Path, head: subprocess.Popen[bytes], listening: str) -> None:
     pids = tree(head)
     state = recorded(head, listening, minutes=0.04)  # 2.4 s idle
-    keeper = subprocess.Popen([sys.executable, "-m", "orchestrator.warm_cluster", "keep", str(head.pid)],
+    keeper = subprocess.Popen([sys.executable, "-m", "orchestrator.cluster.warm", "keep", str(head.pid)],
                               start_new_session=True)
     try:
         with open(cache / IN_USE, "a+b") as lock:
@@ -200,7 +200,7 @@ def test_the_ray_token_a_warm_cluster_is_joined_with_is_its_owners_alone(
     `ray.init()` wrote 0644 is kept, made 0600."""
     from ray._private.authentication import authentication_token_setup as tokens
 
-    from orchestrator.cluster import private_token
+    from orchestrator.cluster.local import private_token
 
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)

@@ -9,7 +9,7 @@ def test_a_worker_error_that_would_repeat_is_told_apart_from_one_a_restart_may_c
     from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
 
     from orchestrator.errors import ConfigError
-    from orchestrator.progress import ForwardFailures
+    from orchestrator.report.progress import ForwardFailures
 
     forwarded: Queue = Queue()
     failures = ForwardFailures(forwarded)  # type: ignore[arg-type]

@@ -19,7 +19,7 @@ from orchestrator.doctor.record import (
     is_study,
     training_share,
 )
-from orchestrator.startup import STAGES
+from orchestrator.report.startup import STAGES
 from orchestrator.training.checkpoint_interval import auto_interval
 
 

@@ -21,7 +21,7 @@ from orchestrator.doctor.record import (
     training_share,
 )
 from orchestrator.doctor.rules.autopilot import MEASURES, measured
-from orchestrator.memory_plan import GIB
+from orchestrator.run.memory_plan import GIB
 
 
 def data_pipeline(run: RunRecord) -> Finding | None:

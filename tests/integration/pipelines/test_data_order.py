@@ -15,9 +15,9 @@ import torch
 from recording_model import read_runs
 
 from orchestrator.config import load_config
-from orchestrator.launch import train
-from orchestrator.result import TrainResult
-from orchestrator.trainer import RunFailedError
+from orchestrator.run.launch import train
+from orchestrator.run.result import TrainResult
+from orchestrator.run.trainer import RunFailedError
 from orchestrator.training.checkpoint import load_state
 from pipelines.datasets import inspect_datasets, replay_epochs, use_memory_cache
 from pipelines.order import shard_order
@@ -35,7 +35,7 @@ def ray_cluster() -> Iterator[None]:
     """This module's local Ray instance: ../conftest.py's, with a small object store."""
     import ray
 
-    from orchestrator.cluster import pin_state_api, shutdown_local_ray
+    from orchestrator.cluster.local import pin_state_api, shutdown_local_ray
 
     here = str(Path(__file__).parents[1])  # the test model modules must import in the workers
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [here, os.environ.get("PYTHONPATH")] if p)

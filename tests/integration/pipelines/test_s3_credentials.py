@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from s3_server import MotoServer
 
-from orchestrator.trainer import storage_args
+from orchestrator.run.trainer import storage_args
 from pipelines.config import S3Config
 from pipelines.errors import DataError
 from pipelines.reader import ShardDatasource

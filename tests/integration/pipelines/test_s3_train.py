@@ -9,7 +9,7 @@ import pytest
 from s3_server import MotoServer
 
 from orchestrator.config import load_config
-from orchestrator.launch import train
+from orchestrator.run.launch import train
 from pipelines.cache import cache_stats
 from pipelines.config import S3Config
 from pipelines.prepare import prepare_digits

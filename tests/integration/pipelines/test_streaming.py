@@ -12,7 +12,7 @@ import pytest
 from recording_model import read_runs
 
 from orchestrator.config import load_config
-from orchestrator.launch import train
+from orchestrator.run.launch import train
 from orchestrator.training.checkpoint import load_state
 from pipelines.prepare import prepare_synthetic
 from pipelines.sources import inspect_parquet

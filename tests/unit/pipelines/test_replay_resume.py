@@ -17,8 +17,8 @@ import torch
 
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError
-from orchestrator.models import build_model
-from orchestrator.runs import RunPlace
+from orchestrator.models.zoo import build_model
+from orchestrator.run.place import RunPlace
 from orchestrator.training.checkpoint import (
     Progress,
     capture_rng,
@@ -111,7 +111,7 @@ def test_the_cache_decision_flips_with_the_object_store_and_with_data_cache() ->
 ])
 def test_resume_keeps_the_checkpoints_cache_decision_and_trains_every_row_once(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], first: str, resumed: str, changed: str) -> None:
-    from orchestrator.trainer import resumed_cache_decision
+    from orchestrator.run.trainer import resumed_cache_decision
     from orchestrator.training.resume import checkpointed_cache_decision
     from pipelines.datasets import REPLAY, STREAM, cache_decision
 
@@ -143,7 +143,7 @@ def test_resume_keeps_the_checkpoints_cache_decision_and_trains_every_row_once(
 
 def test_no_line_when_the_decision_holds_and_none_without_a_checkpoint(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from orchestrator.trainer import resumed_cache_decision
+    from orchestrator.run.trainer import resumed_cache_decision
     from orchestrator.training.resume import checkpointed_cache_decision
     from pipelines.datasets import REPLAY, STREAM
 
@@ -165,7 +165,7 @@ def test_the_decision_read_is_the_registered_checkpoints_not_a_newer_unregistere
     """Ray resumes from the checkpoint it registered (the worker falls back from it to an older complete one, never
     to a newer one): a newer complete directory Ray never registered (its worker died before registration) must
     not decide how the resumed run is fed."""
-    from orchestrator.runs import RAY_CHECKPOINTS
+    from orchestrator.run.place import RAY_CHECKPOINTS
     from orchestrator.training.resume import checkpointed_cache_decision
     from pipelines.datasets import REPLAY, STREAM
 

@@ -11,7 +11,7 @@ import torch
 
 from orchestrator.config import load_config
 from orchestrator.config.reference import description
-from orchestrator.result import checkpoint_interval_line
+from orchestrator.run.result import checkpoint_interval_line
 from orchestrator.training.cadence import Cadence
 from orchestrator.training.checkpoint import Progress
 from orchestrator.training.checkpoint_interval import STAND_IN_MTBF_MINUTES, auto_interval, mtbf_s

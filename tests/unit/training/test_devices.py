@@ -29,8 +29,8 @@ from orchestrator.training.step import train_step
 
 ROOT = Path(__file__).resolve().parents[3]
 # The worker side: the training package and the task and model code it runs.
-TRAINING_SIDE = [*sorted((ROOT / "orchestrator" / "training").glob("*.py")), ROOT / "orchestrator" / "tasks.py",
-                 ROOT / "orchestrator" / "models.py"]
+TRAINING_SIDE = [*sorted((ROOT / "orchestrator" / "training").glob("*.py")),
+                 ROOT / "orchestrator" / "models" / "tasks.py", ROOT / "orchestrator" / "models" / "zoo.py"]
 # Tensor constructors that take `device=`; `*_like`, `x.new_*` and `.to(...)` derive it from another tensor.
 CONSTRUCTORS = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "linspace", "eye", "rand", "randn",
                 "randint", "randperm", "scalar_tensor"}

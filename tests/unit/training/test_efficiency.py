@@ -11,8 +11,8 @@ from test_loop import Recorder, xy
 
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError, UserError
-from orchestrator.models import GPT
-from orchestrator.tasks import CausalLM, Classification
+from orchestrator.models.tasks import CausalLM, Classification
+from orchestrator.models.zoo import GPT
 from orchestrator.training.loop import run
 from orchestrator.training.memory import (
     activation_bytes_per_sample,

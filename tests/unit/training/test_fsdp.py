@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from orchestrator.errors import ConfigError
-from orchestrator.memory_plan import estimate_bytes_per_rank
+from orchestrator.run.memory_plan import estimate_bytes_per_rank
 from orchestrator.training import fsdp
 
 ROWS, ACCUM, STEPS, VOCAB, CONTEXT = 16, 4, 3, 12, 8
@@ -27,7 +27,7 @@ def build(kind: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     if kind == "mlp":  # 5 outputs: the head's rows do not split evenly over 2 ranks (padding)
         return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 5))
-    from orchestrator.models import GPT
+    from orchestrator.models.zoo import GPT
 
     return GPT(CONTEXT, VOCAB, d_model=16, n_layer=2, n_head=2)
 

@@ -13,8 +13,8 @@ from gloo_world import run_ranks
 
 from orchestrator.config import Config, load_config
 from orchestrator.errors import ConfigError
-from orchestrator.models import build_model
-from orchestrator.tasks import task_parts
+from orchestrator.models.tasks import task_parts
+from orchestrator.models.zoo import build_model
 from orchestrator.training import fsdp
 from orchestrator.training.loop import evaluate
 from orchestrator.training.micro_batch import refuse_auto_under_fsdp
@@ -270,7 +270,7 @@ def test_compile_and_auto_micro_batch_are_refused_under_fsdp_naming_the_keys(ran
 
 
 def test_final_weights_are_put_together_from_the_shards_on_one_process(ranks: list[dict[str, Any]]) -> None:
-    from orchestrator.model_logging import checkpoint_weights
+    from orchestrator.models.flavour import checkpoint_weights
 
     gathered = ranks[0]["export"]["weights"]
     weights = checkpoint_weights(ranks[0]["export"]["path"])

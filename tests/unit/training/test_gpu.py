@@ -11,8 +11,8 @@ from reads import HostReads
 from test_loop import Recorder, xy
 
 from orchestrator.config import load_config
-from orchestrator.models import GPT, mlp
-from orchestrator.tasks import CausalLM
+from orchestrator.models.tasks import CausalLM
+from orchestrator.models.zoo import GPT, mlp
 from orchestrator.training.loop import run
 from orchestrator.training.memory import cuda_memory_stats, fit_micro_batch_cuda
 from orchestrator.training.optim import build_optimizer

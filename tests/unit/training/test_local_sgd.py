@@ -13,7 +13,7 @@ from gloo import run_two_ranks
 
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError
-from orchestrator.models import build_model
+from orchestrator.models.zoo import build_model
 from orchestrator.training.loop import run
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts

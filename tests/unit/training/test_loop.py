@@ -13,7 +13,7 @@ import torch
 
 from orchestrator.config import Config, load_config
 from orchestrator.errors import ConfigError
-from orchestrator.models import build_model
+from orchestrator.models.zoo import build_model
 from orchestrator.training.checkpoint import Progress, load_state, restore
 from orchestrator.training.loop import NonFiniteLossError, micro_batches, run
 from orchestrator.training.optim import build_optimizer

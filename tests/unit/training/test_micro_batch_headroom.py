@@ -15,7 +15,7 @@ import pyarrow as pa
 import torch
 
 from orchestrator.config import Config, load_config
-from orchestrator.tasks import CausalLM, ModelCall
+from orchestrator.models.tasks import CausalLM, ModelCall
 from orchestrator.training.micro_batch import with_auto_micro_batch
 from orchestrator.training.parts import Parts
 from orchestrator.training.precision import Precision

@@ -17,7 +17,7 @@ from test_loop import Recorder
 from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator.config import Config, load_config
-from orchestrator.models import build_model
+from orchestrator.models.zoo import build_model
 from orchestrator.training.checkpoint import load_state, restore
 from orchestrator.training.loop import run
 from orchestrator.training.optim import build_optimizer

@@ -15,7 +15,7 @@ from test_loop import Recorder
 from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator.config import Config, load_config
-from orchestrator.tasks import CausalLM
+from orchestrator.models.tasks import CausalLM
 from orchestrator.training.loop import evaluate, run
 from orchestrator.training.parts import Parts
 from orchestrator.training.precision import Precision

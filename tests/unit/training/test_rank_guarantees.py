@@ -24,8 +24,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator.config import load_config
-from orchestrator.models import build_model
-from orchestrator.tasks import task_parts
+from orchestrator.models.tasks import task_parts
+from orchestrator.models.zoo import build_model
 from orchestrator.training import fsdp
 from orchestrator.training.checkpoint import MANIFEST, Progress, ShardedSaver, check_complete
 from orchestrator.training.loop import evaluate, run

@@ -105,7 +105,7 @@ def _tokens(epoch: int) -> Iterator[dict[str, torch.Tensor]]:
 
 
 def _lm_parts() -> Any:
-    from orchestrator.tasks import CausalLM
+    from orchestrator.models.tasks import CausalLM
     from orchestrator.training.parts import Parts
     from orchestrator.training.precision import Precision
 
@@ -311,7 +311,7 @@ def test_the_token_loss_is_normalised_over_every_live_replicas_tokens(tmp_path: 
     on the mean over all the step's tokens (a mean of each replica's own token mean would step elsewhere)."""
     from torchft.coordination import LighthouseServer
 
-    from orchestrator.tasks import CausalLM
+    from orchestrator.models.tasks import CausalLM
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
     spawn = mp.get_context("spawn")

@@ -22,8 +22,8 @@ from test_loop import Recorder
 from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator.config import Config, load_config
-from orchestrator.models import build_model
-from orchestrator.tasks import task_parts
+from orchestrator.models.tasks import task_parts
+from orchestrator.models.zoo import build_model
 from orchestrator.training.checkpoint import ShardedSaver
 from orchestrator.training.loop import run
 from orchestrator.training.optim import build_optimizer

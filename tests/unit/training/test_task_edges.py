@@ -16,7 +16,7 @@ from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadMo
 
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError
-from orchestrator.tasks import (
+from orchestrator.models.tasks import (
     IGNORE_INDEX,
     TASKS,
     CausalLM,

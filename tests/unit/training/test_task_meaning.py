@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from sklearn.metrics import accuracy_score, f1_score, log_loss
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from orchestrator.tasks import IGNORE_INDEX, CausalLM, Multilabel, Task, build_task
+from orchestrator.models.tasks import IGNORE_INDEX, CausalLM, Multilabel, Task, build_task
 
 VOCAB = 11
 

@@ -17,7 +17,7 @@ from test_loop import CPU, Recorder, update
 
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError
-from orchestrator.tasks import (
+from orchestrator.models.tasks import (
     CausalLM,
     Classification,
     ModelCall,
@@ -138,7 +138,7 @@ def test_classification_top5_and_multilabel_f1() -> None:
 
 def test_a_users_task_is_loaded_by_module_and_class(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "my_task.py").write_text(
-        "import torch\nfrom orchestrator.tasks import Regression\n"
+        "import torch\nfrom orchestrator.models.tasks import Regression\n"
         "class Huber(Regression):\n"
         "    def loss_sum(self, output, batch):\n"
         "        return torch.nn.functional.huber_loss(output.reshape(batch['labels'].shape).float(),\n"

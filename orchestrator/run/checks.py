@@ -13,9 +13,9 @@ import pyarrow as pa
 
 from orchestrator.config import Config, with_values
 from orchestrator.errors import ConfigError
-from orchestrator.memory_plan import GIB, estimate_bytes_per_rank, fsdp_advice
-from orchestrator.models import check_model_build, check_model_options, position_limit
-from orchestrator.tasks import check_forward, task_parts
+from orchestrator.models.tasks import check_forward, task_parts
+from orchestrator.models.zoo import check_model_build, check_model_options, position_limit
+from orchestrator.run.memory_plan import GIB, estimate_bytes_per_rank, fsdp_advice
 from pipelines.batches import collate_sample, padding_of
 from pipelines.sources import DatasetInfo
 

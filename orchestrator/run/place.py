@@ -20,8 +20,8 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from orchestrator.config import Config, flatten, to_dict, to_yaml
-from orchestrator.cost import attempt_record
 from orchestrator.errors import ConfigError
+from orchestrator.report.cost import attempt_record
 from orchestrator.tracking.uri import mask_password
 from orchestrator.training.resume import checkpointed_cache_decision
 from pipelines.storage import Storage, open_storage

@@ -48,7 +48,7 @@ class Pricing:
 
 def default_prices_file() -> Path:
     """cluster/prices.yaml of this checkout; on a cluster job, the one in the working directory."""
-    checkout = Path(__file__).resolve().parents[1] / "cluster" / "prices.yaml"
+    checkout = Path(__file__).resolve().parents[2] / "cluster" / "prices.yaml"
     return checkout if checkout.is_file() else Path.cwd() / "cluster" / "prices.yaml"
 
 

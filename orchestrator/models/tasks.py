@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from orchestrator.config import TASK_KINDS, Config
 from orchestrator.errors import ConfigError
-from orchestrator.registry import Registry, load_entrypoint
+from orchestrator.models.registry import Registry, load_entrypoint
 
 Batch = dict[str, torch.Tensor]  # column name (or "x", "labels", "attention_mask") -> rows x ...
 LABELS = "labels"  # the batch key of the targets, whatever the label column is called (the Hugging Face name)

@@ -14,10 +14,10 @@ from typing import Any
 
 import yaml
 
-from orchestrator.checks import check_run
 from orchestrator.config import Config
-from orchestrator.cost import Pricing, resolve_pricing
-from orchestrator.runs import RunPlace, place_run
+from orchestrator.report.cost import Pricing, resolve_pricing
+from orchestrator.run.checks import check_run
+from orchestrator.run.place import RunPlace, place_run
 from orchestrator.tracking.context import changed_keys, context_tags
 from orchestrator.tracking.store import check_server_listens
 from orchestrator.tracking.uri import mask_password, resolve_uri

@@ -20,10 +20,10 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from orchestrator.checks import in_features
 from orchestrator.config import Config
-from orchestrator.models import build_model, pretrained_config, with_saved_architecture
-from orchestrator.tasks import logits_of
+from orchestrator.models.tasks import logits_of
+from orchestrator.models.zoo import build_model, pretrained_config, with_saved_architecture
+from orchestrator.run.checks import in_features
 from orchestrator.tracking.client import MlflowTracker
 from orchestrator.tracking.tracker import Tracker
 from pipelines.batches import collate_sample
@@ -174,7 +174,7 @@ def _add_task_pyfunc(model: Any, path: Path, settings: dict[str, Any], frame: An
     from mlflow.models import Model, infer_signature
     from mlflow.models.utils import _save_example
 
-    from orchestrator.pyfunc_model import LOADER_MODULE, SETTINGS_FILE, TaskPredictor
+    from orchestrator.models.pyfunc import LOADER_MODULE, SETTINGS_FILE, TaskPredictor
 
     mlmodel = Model.load(str(path))
     flavor = mlmodel.flavors.get("python_function")
@@ -185,7 +185,7 @@ def _add_task_pyfunc(model: Any, path: Path, settings: dict[str, Any], frame: An
         warnings.simplefilter("ignore", UserWarning)
         signature = infer_signature(frame, output)
     (path / "code").mkdir(exist_ok=True)
-    shutil.copyfile(Path(__file__).with_name("pyfunc_model.py"), path / "code" / f"{LOADER_MODULE}.py")
+    shutil.copyfile(Path(__file__).with_name("pyfunc.py"), path / "code" / f"{LOADER_MODULE}.py")
     (path / SETTINGS_FILE).write_text(json.dumps(settings))
     flavor["loader_module"], flavor["code"] = LOADER_MODULE, "code"
     for name in ("input_example.json", "serving_input_example.json"):  # the tensor example pt2 was traced with

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.autopilot_report import gain_line
 from orchestrator.config import Config
+from orchestrator.report.autopilot import gain_line
 from orchestrator.tracking.links import run_url, ui_command
 from orchestrator.training.checkpoint_interval import auto_interval, mtbf_origin
 

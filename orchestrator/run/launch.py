@@ -15,24 +15,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.alongside import Alongside, ended_on_error
-from orchestrator.autopilot_report import achieved_figures, record_autopilot, take_autopilot
-from orchestrator.cluster import connect_ray, outside_job_package, report_queue, shutdown_local_ray, train_environment
+from orchestrator.cluster.local import (
+    connect_ray,
+    outside_job_package,
+    report_queue,
+    shutdown_local_ray,
+    train_environment,
+)
 from orchestrator.config import Config, to_yaml
-from orchestrator.console import LOG_FILE, RunLog
-from orchestrator.cost import build_ledger, ledger_across_attempts, resolve_pricing
 from orchestrator.errors import ConfigError
-from orchestrator.model_logging import checkpoint_weights, log_final_model
-from orchestrator.plan import RunPlan, plan_run
-from orchestrator.plots import plot_history
-from orchestrator.progress import ForwardCheckpoints, ForwardFailures, ReportConsumer, progress_line
-from orchestrator.result import TrainResult, run_summary
-from orchestrator.runs import AttemptLog, RunPlace
-from orchestrator.startup import StartupClock
+from orchestrator.models.flavour import checkpoint_weights, log_final_model
+from orchestrator.report.autopilot import achieved_figures, record_autopilot, take_autopilot
+from orchestrator.report.console import LOG_FILE, RunLog
+from orchestrator.report.cost import build_ledger, ledger_across_attempts, resolve_pricing
+from orchestrator.report.plots import plot_history
+from orchestrator.report.progress import ForwardCheckpoints, ForwardFailures, ReportConsumer, progress_line
+from orchestrator.report.startup import StartupClock
+from orchestrator.run.alongside import Alongside, ended_on_error
+from orchestrator.run.place import AttemptLog, RunPlace
+from orchestrator.run.plan import RunPlan, plan_run
+from orchestrator.run.result import TrainResult, run_summary
+from orchestrator.run.trainer import RunFailedError, build_inputs, build_trainer, root_cause
 from orchestrator.tracking.context import config_params
 from orchestrator.tracking.tracker import Tracker, closed_on_error, start_tracker
 from orchestrator.tracking.uri import mask_password
-from orchestrator.trainer import RunFailedError, build_inputs, build_trainer, root_cause
 from orchestrator.training.resume import unregistered_checkpoints
 from pipelines.config import is_remote
 from pipelines.sources import DatasetInfo

@@ -9,10 +9,10 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from orchestrator.checks import in_features
 from orchestrator.config import Config, to_dict
 from orchestrator.errors import ConfigError, UserError
-from orchestrator.runs import RunPlace
+from orchestrator.run.checks import in_features
+from orchestrator.run.place import RunPlace
 from pipelines.config import DataConfig
 from pipelines.datasets import CACHE_DECISIONS, REPLAY, build_datasets, cache_decision
 from pipelines.held import HeldRows

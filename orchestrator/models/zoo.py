@@ -14,7 +14,7 @@ from torch import nn
 
 from orchestrator.config import ModelConfig, either, keys_elsewhere
 from orchestrator.errors import ConfigError
-from orchestrator.registry import Registry, load_entrypoint, suggest
+from orchestrator.models.registry import Registry, load_entrypoint, suggest
 from pipelines.storage import open_storage, storage_error
 
 ModelBuilder = Callable[..., nn.Module]
@@ -289,3 +289,10 @@ class GPT(nn.Module):
 
 
 MODELS.register("gpt")(GPT)
+
+
+# Pickled models (MLflow's pickled fallback, torch.save of a whole module) name a class by its module: these keep
+# the path they had before the zoo moved into orchestrator/models/ (the package resolves it lazily, __init__.py).
+for _persisted in (SmallCNN, CausalSelfAttention, Block, GPT):
+    _persisted.__module__ = "orchestrator.models"
+del _persisted

@@ -13,10 +13,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from orchestrator.cluster.warm import WarmUse, answers, fingerprint, stop_cluster, take, warm_dir
 from orchestrator.config import Config, TrackingConfig
 from orchestrator.errors import ConfigError, UserError
 from orchestrator.tracking.uri import sqlite_file
-from orchestrator.warm_cluster import WarmUse, answers, fingerprint, stop_cluster, take, warm_dir
 from pipelines.storage import user_cache_dir
 
 # The warm cluster this process is joined to (cluster.keep_warm_minutes), held until shutdown_local_ray.

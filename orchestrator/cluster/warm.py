@@ -28,7 +28,7 @@ from typing import IO, Any
 
 import psutil
 
-from orchestrator.console import RAY_DATA_CONFIG, own_ray_data_config, ray_data_config
+from orchestrator.report.console import RAY_DATA_CONFIG, own_ray_data_config, ray_data_config
 from pipelines.storage import owner_only, private_dir, user_cache_dir
 
 STATE, IN_USE, STARTING, HEAD_LOG, KEEPER_LOG = "state.json", "in-use.lock", "start.lock", "head.log", "keeper.log"
@@ -291,7 +291,7 @@ def start(directory: Path, minutes: float, num_cpus: int, wanted: dict[str, Any]
                 raise RuntimeError(f"the warm Ray cluster's head did not start (log {directory / HEAD_LOG}):\n{tail}")
             time.sleep(0.1)
         with open(directory / KEEPER_LOG, "ab", opener=owner_only) as log:
-            keeper = subprocess.Popen([sys.executable, "-m", "orchestrator.warm_cluster", "keep", str(head.pid)],
+            keeper = subprocess.Popen([sys.executable, "-m", "orchestrator.cluster.warm", "keep", str(head.pid)],
                                       stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True)
         state |= {"keeper_pid": keeper.pid, "keeper_created": psutil.Process(keeper.pid).create_time()}
