@@ -41,8 +41,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
-import torch
+# `ray start` turns token auth on where ~/.ray/auth_token exists (the product's warm cluster makes one): this process
+# then joins with the token, as the product's error tells a user to (cluster/README.md). Set before Ray is imported.
+if "RAY_AUTH_MODE" not in os.environ and (Path.home() / ".ray" / "auth_token").exists():
+    os.environ["RAY_AUTH_MODE"] = "token"
+
+import psutil  # noqa: E402
+import torch  # noqa: E402
 from _common import free_port, scratch_run, train_workers, wait_for
 
 from orchestrator import load_config, train
@@ -57,6 +62,7 @@ RAY = Path(sys.executable).with_name("ray")
 CPUS_PER_WORKER = 2  # one training worker per node: no node holds two
 GLOBAL_BATCH = 256
 # The restarted group's marks (rank 0's), in order: the stage each one ends.
+LAST_IN = "last worker in, after rank 0"
 STAGES = (("at/worker", "detection + group restart"), ("at/checkpoint_read", "imports + checkpoint read"),
           ("at/checkpoint_loaded", "model set-up + restore"), ("at/loop", "data shards"),
           ("at/first_batch", "first batch"), ("at/first_step", "first step"))
@@ -304,8 +310,10 @@ def print_faults(faults: list[Fault], began: float) -> list[float]:
     def row(seconds: list[float]) -> str:
         return " | ".join(f"{s:{len(name)}.1f}" for s, (_, name) in zip(seconds, STAGES, strict=True))
 
+    # Beside the stages (rank 0's): how long after rank 0 the group's last worker entered. Rank 0's set-up waits for
+    # it in the model's first broadcast, so a late worker (a replacement node's) shows as "model set-up" there.
     print(f"{'fault':13}{'at (s)':>7}{'resumed':>8}{'redone':>7}{'-> step (s)':>12}   "
-          + " | ".join(name for _, name in STAGES))
+          + " | ".join(name for _, name in STAGES) + f" || {LAST_IN}")
     kills, stages = [], []
     for n, fault in enumerate(faults, 1):
         r, began_stage = fault.restart, fault.lost_at or fault.at
@@ -318,8 +326,9 @@ def print_faults(faults: list[Fault], began: float) -> list[float]:
             kills.append(total)
             stages.append(seconds)
         redone = max(0, r["before"] - resumed_from(r))
+        late = r.get("at/last_worker", r["at/worker"]) - r["at/worker"]
         print(f"{n} {fault.kind:11}{fault.at - began:7.0f}{resumed_from(r):8d}{redone:7d}{total:12.1f}   "
-              + row(seconds))
+              + row(seconds) + f" || {late:{len(LAST_IN)}.1f}")
         if fault.lost_at:
             print(f"  (the drain: notice at {fault.at - began:.0f} s, node lost {fault.lost_at - fault.at:.0f} s "
                   f"later; from the notice to the first step again {r['at/first_step'] - fault.at:.1f} s)")

@@ -13,6 +13,7 @@ import ray.train.torch
 import torch
 
 from orchestrator.config import Config, config_from_dict
+from orchestrator.training import ranks
 from orchestrator.training.autopilot import kept_config
 from orchestrator.training.checkpoint import Progress, data_position, restore
 from orchestrator.training.loop import Reporter, run
@@ -107,6 +108,9 @@ def train_rank(spec: dict[str, Any], cfg: Config, seat: Seat, load_state: Callab
         if (state or {}).get("progress", {}).get("step", 0) < cfg.train.max_steps:  # type: ignore[operator]
             data.prefetch(epoch, start, cfg.train.grad_accum_steps)  # type: ignore[arg-type]
     parts = build_parts(cfg, spec["in_features"], device, pretrained)
+    # When the group's last worker entered (the ranks have met in the model's first broadcast by now, so this waits
+    # for none): a restart's stages then tell a late worker's start (on a replacement node) from rank 0's set-up.
+    last_in = ranks.all_reduce_max([seat.entered], device)[0]
     named = cfg.model.inputs is not None
     if cfg.train.micro_batch_size == "auto":
         # Before the checkpoint is restored: probing touches weights and optimizer state, then puts them back.
@@ -124,7 +128,8 @@ def train_rank(spec: dict[str, Any], cfg: Config, seat: Seat, load_state: Callab
     # Facts only a worker knows, sent with the first report of every (re)start.
     facts = {"precision": parts.precision.mode, "grad_accum_steps": t.grad_accum_steps,
              "global_batch": t.micro_batch_size * t.grad_accum_steps * seat.world,  # type: ignore[operator]
-             "worker_pid": os.getpid(), "world_rank": seat.rank, "at/worker": seat.entered} | restored
+             "worker_pid": os.getpid(), "world_rank": seat.rank, "at/worker": seat.entered,
+             "at/last_worker": last_in} | restored
     if cfg.failure.mode == "replicas":
         return run_replica(cfg, parts, data, reporter, progress, facts, seat, spec.get("train_rows"))
     return run(cfg, parts, data.train, data.val if cfg.data.val is not None else None, reporter, progress,

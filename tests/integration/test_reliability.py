@@ -183,6 +183,8 @@ def test_two_kills_are_billed_as_the_test_timed_them(ray_cluster: None, tmp_path
     for kill, r in zip(killed, restarts, strict=True):
         assert kill < r["at/worker"] <= r["at/checkpoint_read"] <= r["at/checkpoint_loaded"] <= r["at/loop"] \
             <= r["at/first_batch"] <= r["at/first_step"] < began + r["elapsed_s"]
+        # The group's last worker entered after rank 0 and before rank 0's model was built: it waited for it there.
+        assert r["at/worker"] <= r["at/last_worker"] <= r["at/checkpoint_loaded"]
     # Recovery: from the last report before each hold (made before the test saw the group held) to the restarted
     # group's first interval (which began after its first batch); at most to its first report's arrival.
     least = sum(r["at/first_batch"] - h for h, r in zip(held, restarts, strict=True))
