@@ -29,6 +29,7 @@ from orchestrator.run.place import RunPlace, open_run_storage
 from orchestrator.run.trainer import storage_args
 from orchestrator.tracking.context import config_params
 from orchestrator.tracking.tracker import Tracker, closed_on_error, start_tracker
+from orchestrator.tracking.uri import mask_password
 from orchestrator.tuning.autopilot import record_study_choice, study_board
 from orchestrator.tuning.results import TuneResult, local_dir, pick_best, record, summaries
 from orchestrator.tuning.search import (
@@ -74,7 +75,11 @@ def _delete(storage: Storage, path: str) -> None:
 
 
 def _fingerprint(config: Config) -> dict[str, Any]:
-    return json.loads(json.dumps(flatten(to_dict(config)), default=str))
+    """The config as the study's state keeps it in storage (often a shared bucket): the tracking URI's password
+    masked, so a rotated password continues the same study."""
+    flat = json.loads(json.dumps(flatten(to_dict(config)), default=str))
+    return {key: mask_password(value) if key.startswith("tracking.") and isinstance(value, str) else value
+            for key, value in flat.items()}
 
 
 def _check_same_study(state: dict[str, Any], config: Config, study: str, study_path: str) -> None:
