@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -139,6 +140,26 @@ def collate_sample(table: pa.Table, data: DataConfig, named: bool) -> Batch:
     the driver's checks, the workers' memory probe and the logged model's input example."""
     padding = padding_of(table.schema, data.features, data.label, named, data.pad_to_multiple_of)
     return collate_arrow(table, data.features, data.label, named, padding)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """The driver's sample rows collated as the workers collate them (`batch`), or why they cannot be (`error`, the
+    collate's ValueError), and the mask the collate gives each padded column ({column: mask key})."""
+
+    batch: Batch | None
+    error: str | None = None
+    masks: dict[str, str] = field(default_factory=dict)
+
+
+def inspect_sample(table: pa.Table, data: DataConfig, named: bool) -> Sample:
+    """collate_sample, kept with its padding's masks or its error: what the driver's model checks read."""
+    try:
+        padding = padding_of(table.schema, data.features, data.label, named, data.pad_to_multiple_of)
+        batch = collate_arrow(table, data.features, data.label, named, padding)
+    except ValueError as exc:
+        return Sample(None, str(exc))
+    return Sample(batch, None, {g.column: g.mask for g in padding.groups if g.mask is not None})
 
 
 class FeatureCollate(ArrowBatchCollateFn):

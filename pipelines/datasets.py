@@ -11,10 +11,13 @@ from pipelines.config import DataConfig
 from pipelines.held import HeldRows
 from pipelines.order import current_epoch, shard_order
 from pipelines.sources import DatasetInfo, inspect_parquet
+from pipelines.storage import Storage, open_storage
 
 if TYPE_CHECKING:
     import pyarrow as pa
     import ray.data
+
+    from pipelines.batches import Sample
 
 
 def inspect_datasets(cfg: DataConfig, named: bool = False) -> dict[str, DatasetInfo]:
@@ -27,6 +30,28 @@ def inspect_datasets(cfg: DataConfig, named: bool = False) -> dict[str, DatasetI
     if cfg.val is not None:
         infos["val"] = inspect_parquet(cfg.val, cfg.features, cfg.label, cfg.s3, named)
     return infos
+
+
+@dataclass(frozen=True)
+class Inspection:
+    """What a run's plan reads from storage, once, before Ray starts: each split's facts, the training data's
+    sample rows collated as the workers collate them where the model's checks need them (named inputs, or token
+    windows without a label), and the run's own storage (storage.path), opened as the data are."""
+
+    datasets: dict[str, DatasetInfo]
+    sample: Sample | None
+    run_storage: Storage
+
+
+def inspect_run(cfg: DataConfig, named: bool, run_path: str) -> Inspection:
+    """inspect_datasets, the train sample collated (inspect_sample), and `run_path` opened with the data's S3
+    settings; raises `DataError` naming the problem."""
+    from pipelines.batches import inspect_sample  # torch: the driver's checks need it, `prepare` does not
+
+    infos = inspect_datasets(cfg, named)
+    rows = infos["train"].sample
+    sample = inspect_sample(rows, cfg, named) if rows is not None and (named or cfg.label is None) else None
+    return Inspection(infos, sample, open_storage(run_path, cfg.s3))  # a local path takes no S3 settings
 
 
 # `cache: auto` keeps a dataset in memory when its files use less than this share of the object store.

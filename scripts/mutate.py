@@ -133,7 +133,7 @@ MUTANTS = (
     Mutant("a variable-length label is not trimmed with its tokens", "pipelines/tensors.py",
            "return (self.column, *((self.mask,) if self.mask else ()), *self.along)",
            "return (self.column, *((self.mask,) if self.mask else ()))", ("tests/unit/pipelines/test_padding.py",)),
-    Mutant("windows longer than the model's positions reach the workers", "orchestrator/run/checks.py",
+    Mutant("windows longer than the model's positions reach the workers", "orchestrator/models/checks.py",
            "or value.shape[1] <= limit:", "or value.shape[1] <= limit + 1000:",
            ("tests/unit/test_model_positions.py",)),
     Mutant("a compile failure on one rank is not agreed", STEP,

@@ -4,10 +4,10 @@
 `base.py` what they are built on; `load.py` reads YAML and overrides and words validation errors; `space.py` parses
 Tune's search space; `batching.py` holds the batch arithmetic; `reference.py` the meaning of every key."""
 
+from orchestrator.config.base import flatten
 from orchestrator.config.load import (
     config_from_dict,
     either,
-    flatten,
     format_validation_error,
     keys_elsewhere,
     load_config,

@@ -13,6 +13,24 @@ class _Section(BaseModel):
     # inf/nan pass gt/ge bounds (inf > 0) and then poison a schedule, a timeout or a price: refuse them.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
+    @property
+    def dotted(self) -> dict[str, Any]:
+        """The section as flat dotted keys, values as its plain data has them (`to_dict`): for the whole config
+        {'optim.lr': 0.0003, ...}, what a run's name and a --resume's comparison read."""
+        return flatten(self.model_dump(mode="json"))
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'optim': {'lr': 1}} -> {'optim.lr': 1} (MLflow params)."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
 
 def _key_error(loc: tuple[str, ...], message: str, value: Any) -> ValidationError:
     """A validation error placed at the config key `loc`: a cross-field check in a model validator otherwise has

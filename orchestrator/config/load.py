@@ -280,15 +280,3 @@ def with_values(config: Config, values: dict[str, Any]) -> Config:
     for dotted, value in values.items():
         _set_dotted(tree, dotted, value)
     return config_from_dict(tree)
-
-
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{'optim': {'lr': 1}} -> {'optim.lr': 1} (MLflow params)."""
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            flat.update(flatten(value, f"{name}."))
-        else:
-            flat[name] = value
-    return flat

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.config import Config
+from orchestrator.models.checks import in_features
 from orchestrator.models.tasks import logits_of
 from orchestrator.models.zoo import build_model, pretrained_config, with_saved_architecture
-from orchestrator.run.checks import in_features
 from orchestrator.tracking.client import MlflowTracker
 from orchestrator.tracking.tracker import Tracker
 from pipelines.batches import collate_sample

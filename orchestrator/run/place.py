@@ -19,7 +19,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from orchestrator.config import Config, flatten, to_dict, to_yaml
+from orchestrator.config import Config, flatten, to_yaml
 from orchestrator.errors import ConfigError
 from orchestrator.report.cost import attempt_record
 from orchestrator.tracking.uri import mask_password
@@ -107,7 +107,7 @@ class RunPlace:
         saved = self.read_text(RUN_CONFIG)
         if saved is None:
             return  # the run stopped before it saved its config: nothing was trained yet
-        old, new = flatten(yaml.safe_load(saved) or {}), flatten(to_dict(config))
+        old, new = flatten(yaml.safe_load(saved) or {}), config.dotted
         changed = sorted(k for k in old.keys() | new.keys()
                          if old.get(k) != new.get(k) and not k.startswith(RESUMABLE_CHANGES))
         if changed:
@@ -168,7 +168,7 @@ def run_name(config: Config, changed: Sequence[str] = (), started: float | None 
     parts = [config.experiment]
     if f"-{_words(model)}-" not in f"-{_words(config.experiment)}-":
         parts.append(model)
-    values = flatten(to_dict(config))
+    values = config.dotted
     tokens: list[str] = []
     for key in dict.fromkeys(changed):
         token = None if key.startswith(UNNAMED) or key not in values else _token(key, values[key])
@@ -265,7 +265,12 @@ def place_run(config: Config, resume: bool, verbose: bool, changed: Sequence[str
               ) -> tuple[RunPlace, dict[str, Any] | None]:
     """The run's place in storage and, when resuming, its record (MLflow run id; {} when it has none). A new run is
     named by run_name (`changed`: the config keys the command's --set flags set)."""
-    storage = open_run_storage(config)
+    return place_in(open_run_storage(config), config, resume, verbose, changed)
+
+
+def place_in(storage: Storage, config: Config, resume: bool, verbose: bool, changed: Sequence[str] = ()
+             ) -> tuple[RunPlace, dict[str, Any] | None]:
+    """place_run in `storage` already opened (storage.path: the plan's data inspection opens it with the data)."""
     place = latest_run(storage, config.experiment) if resume else None
     if place is None:
         fresh = new_run(storage, run_name(config, changed))

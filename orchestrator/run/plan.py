@@ -16,12 +16,12 @@ import yaml
 
 from orchestrator.config import Config
 from orchestrator.report.cost import Pricing, resolve_pricing
-from orchestrator.run.checks import check_run
-from orchestrator.run.place import RunPlace, place_run
+from orchestrator.run.checks import check_inspected
+from orchestrator.run.place import RunPlace, place_in
 from orchestrator.tracking.context import changed_keys, context_tags
 from orchestrator.tracking.store import check_server_listens
 from orchestrator.tracking.uri import mask_password, resolve_uri
-from pipelines.datasets import inspect_datasets
+from pipelines.datasets import inspect_run
 from pipelines.sources import DatasetInfo
 
 
@@ -51,6 +51,7 @@ class RunPlan:
     tracking_uri: str | None  # the MLflow store, resolved (None: tracking off)
     reopen_run_id: str | None  # the resumed run's MLflow run, continued when tracked at the same store
     context: Mapping[str, str]  # the run's context tags (git commit, user, source), taken where the command started
+    autopilot: Mapping[str, Any]  # the autopilot's setting: on or off, its budget and the keys it measures (_autopilot)
 
     def describe(self) -> dict[str, Any]:
         """The plan as plain data: what `show-config --plan` prints and `plan.yaml` in MLflow holds."""
@@ -76,7 +77,7 @@ class RunPlan:
                        else round(self.memory_budget[0] / 2**30, 2),
                        "budget_from": None if self.memory_budget is None else self.memory_budget[1],
                        "advice": self.advice},
-            "autopilot": _autopilot(c),
+            "autopilot": dict(self.autopilot),
             "data_cache": {"setting": c.data.cache, "kept_from_checkpoint": self.resume.cache_decision
                            if self.resume else None},
             "cost": {"nodes": self.pricing.nodes, "usd_per_node_hour": self.pricing.usd_per_node_hour,
@@ -108,22 +109,25 @@ def plan_run(config: Config, resume: bool = False, verbose: bool = True) -> RunP
     """Check the config against the data, the model, the price table and the tracking store, and find the run's
     place (the latest run to continue with `resume`); raises UserError subclasses on bad input. Prints the
     memory advice and where a resume continues from when `verbose`."""
-    infos = inspect_datasets(config.data, named=config.model.inputs is not None)
-    checked = check_run(config, infos)  # the model built once, on the meta device
+    # Every file the plan reads, once: the data's facts, the sample rows collated, the run's storage opened.
+    data = inspect_run(config.data, config.model.inputs is not None, config.storage.path)
+    checked = check_inspected(config, data.datasets, data.sample)  # the model built once, on the meta device
     config = checked.config
     pricing = resolve_pricing(config)  # an unknown node type fails now, not after training
     check_server_listens(config.tracking)  # the run is opened once Ray runs: a dead server must stop us first
     if checked.advice and verbose:  # ddp would not fit a worker, fsdp would
         print(checked.advice, file=sys.stderr, flush=True)
-    place, record = place_run(config, resume, verbose, changed_keys())  # named by what the command's --set changed
+    # A new run is named by what the command's --set changed.
+    place, record = place_in(data.run_storage, config, resume, verbose, changed_keys())
     uri = resolve_uri(config.tracking.uri) if config.tracking.enabled else None
     point = (None if record is None
              else ResumePoint(MappingProxyType(record), place.registered_step(), place.cache_decision()))
     # The context is read where the command started (its commit): a Ray job's driver then leaves that directory.
-    return RunPlan(config=config, datasets=MappingProxyType(infos), in_features=checked.in_features,
+    return RunPlan(config=config, datasets=MappingProxyType(data.datasets), in_features=checked.in_features,
                    memory_budget=checked.memory_budget, advice=checked.advice, pricing=pricing, place=place,
                    resume=point, run_name=place.name, tracking_uri=uri,
-                   reopen_run_id=_reopen_id(uri, record), context=MappingProxyType(context_tags() if uri else {}))
+                   reopen_run_id=_reopen_id(uri, record), context=MappingProxyType(context_tags() if uri else {}),
+                   autopilot=MappingProxyType(_autopilot(config)))
 
 
 def _reopen_id(uri: str | None, record: Mapping[str, Any] | None) -> str | None:

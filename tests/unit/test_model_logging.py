@@ -265,8 +265,9 @@ def test_the_built_in_gpt_is_logged_and_its_pyfunc_predicts_the_next_token_of_it
     # model's positions end there, so the input example and what pyfunc is given are windows of that length.
     import mlflow
 
+    from orchestrator.models.checks import in_features
     from orchestrator.models.zoo import build_model
-    from orchestrator.run.checks import in_features, resolve_for_data
+    from orchestrator.run.checks import resolve_for_data
     from pipelines.batches import collate_sample
     from pipelines.datasets import inspect_datasets
     from pipelines.prepare import prepare_text

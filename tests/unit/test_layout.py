@@ -1,0 +1,49 @@
+"""The driver's shape (docs/layout.md): orchestrator/ holds its packages and few loose modules, each package is on the
+layout page, and the walk of `config` through the driver (scripts/config_walk.py) goes back and forth no more than
+it did once the plan gathered its inspection (issue 51). No Ray."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# The loose modules of orchestrator/: the API (__init__), `python -m orchestrator`, the one CLI entry, the errors.
+LOOSE = {"__init__", "__main__", "cli", "errors"}
+MAX_LOOSE = 6
+# What the walk from orchestrator.run.launch.train counted after issue 51 (docs/layout.md has both walks).
+MAX_CLIMBS, MAX_RETURNS, MAX_ENTRIES = 11, 17, 3
+
+
+def test_orchestrator_keeps_few_loose_modules() -> None:
+    loose = {p.stem for p in (ROOT / "orchestrator").glob("*.py")}
+    assert len(loose) <= MAX_LOOSE and loose <= LOOSE, sorted(loose - LOOSE)
+
+
+def test_every_package_of_orchestrator_is_on_the_layout_page() -> None:
+    page = (ROOT / "docs" / "layout.md").read_text()
+    packages = sorted(p.parent.name for p in (ROOT / "orchestrator").glob("*/__init__.py"))
+    assert {"run", "report", "models", "cluster"} <= set(packages)
+    assert [name for name in packages if f"\n  {name}/" not in page] == []
+
+
+def walk() -> tuple[dict[str, int], dict[str, int]]:
+    """The walk's counts and its entries per module, from scripts/config_walk.py run as anyone runs it (in a process
+    of its own: CPython 3.11's ast may not parse beside another thread using it)."""
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "config_walk.py")], capture_output=True, text=True,
+                         check=True, timeout=120).stdout.splitlines()
+    found = re.search(r"(\d+) modules entered in (\d+) stays, (\d+) climbs back up, (\d+) returns", out[-2])
+    assert found is not None, out
+    counts = dict(zip(("modules", "stays", "climbs", "returns"), map(int, found.groups()), strict=True))
+    entries = {m: int(n) for m, n in re.findall(r"([\w.]+) (\d+)", out[-1].removeprefix("entries per module: "))}
+    return counts, entries
+
+
+def test_the_walk_of_config_stays_as_flat_as_the_plan_made_it() -> None:
+    counts, entries = walk()
+    assert counts["climbs"] <= MAX_CLIMBS and counts["returns"] <= MAX_RETURNS, counts
+    assert max(entries.values()) <= MAX_ENTRIES, entries
+    # The data layer is entered for the plan's one inspection, the model's entrypoint and a pretrained config only.
+    assert entries["pipelines"] <= 3 and "orchestrator.run" in entries, entries
