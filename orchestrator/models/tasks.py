@@ -248,7 +248,7 @@ def build_task(name: str, num_classes: int | None, shift: bool) -> Task:
                 else cls())
     missing = [m for m in ("count", "loss_sum", "metric_sums", "metrics") if not callable(getattr(task, m, None))]
     if missing:
-        raise ConfigError(f"task '{name}' lacks {missing}: subclass orchestrator.tasks.Task")
+        raise ConfigError(f"task '{name}' lacks {missing}: subclass orchestrator.models.tasks.Task")
     return task
 
 

@@ -23,7 +23,7 @@ class TrainResult:
     run_id: str | None
     tracking_uri: str | None
     history: list[dict[str, Any]] = field(default_factory=list)
-    cost: Any = None  # orchestrator.cost.Ledger: node-hours, $ and the productive/overhead split
+    cost: Any = None  # orchestrator.report.cost.Ledger: node-hours, $ and the productive/overhead split
     startup: dict[str, float] = field(default_factory=dict)  # seconds per start-up part, to the first step
     startup_alongside: dict[str, float] = field(default_factory=dict)  # stages run at once with one of those parts
     run_cost: Any = None  # a resumed run's Ledger over all its attempts (cost.ledger_across_attempts); else None

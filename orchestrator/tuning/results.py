@@ -36,7 +36,7 @@ class TrialSummary:
     steps: int
     metric: float | None
     history: list[dict[str, Any]] = field(default_factory=list)
-    cost: Any = None  # orchestrator.cost.Ledger of the trial's run
+    cost: Any = None  # orchestrator.report.cost.Ledger of the trial's run
     name: str = ""  # its searched values, `lr=3.2e-03,warmup=20` (search.TrialNamer); also its Tune trial name
     # When Ray Tune started the trial and when its last result reached the driver (epoch seconds, the driver's
     # clock): the trial's place among the study's concurrent trials. None where Tune recorded none.
