@@ -11,7 +11,8 @@ import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from orchestrator.cluster.warm import WarmUse, answers, fingerprint, stop_cluster, take, warm_dir
 from orchestrator.config import Config, TrackingConfig
@@ -23,23 +24,52 @@ from pipelines.storage import user_cache_dir
 _warm: WarmUse | None = None
 
 
+@dataclass(frozen=True)
+class ClusterChoice:
+    """The Ray cluster a run gets, decided with its plan: `join` the one at `address` (--address or $RAY_ADDRESS),
+    else a local one of this command's: the `warm` one kept between commands (cluster.keep_warm_minutes; a private
+    one when it cannot be had) or a `private` one. A local one has this machine's CPUs, at least `needed`: the
+    workers' (`workers_cpus`) and two for Ray Data's read tasks."""
+
+    kind: Literal["join", "warm", "private"]
+    address: str | None
+    workers_cpus: int
+    needed: int
+    keep_warm_minutes: float
+
+    def describe(self) -> dict[str, Any]:
+        if self.kind == "join":
+            return {"join": self.address}
+        return {"local": self.kind, "cpus": max(os.cpu_count() or 1, self.needed),
+                "keep_warm_minutes": self.keep_warm_minutes or None}
+
+
+def choose_cluster(address: str | None, config: Config) -> ClusterChoice:
+    """connect_ray's choice, without Ray: `address`, else $RAY_ADDRESS, else a local cluster (warm or private)."""
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    # Ray Data's read tasks need CPUs beside the workers', or ingest waits forever on a small machine.
+    workers_cpus = math.ceil(config.scaling.max_workers * config.scaling.cpus_per_worker)
+    minutes = config.cluster.keep_warm_minutes
+    kind = "join" if address else "warm" if minutes > 0 else "private"
+    return ClusterChoice(kind, address, workers_cpus, workers_cpus + 2, minutes)
+
+
 def connect_ray(address: str | None, config: Config) -> bool:
     """Join `address` / $RAY_ADDRESS if given, else start a private local cluster, or with
-    cluster.keep_warm_minutes join the warm one (started here when none matches). True for a local cluster of this
-    command's own (private or warm: it cannot grow, and `shutdown_local_ray` leaves it)."""
+    cluster.keep_warm_minutes join the warm one (started here when none matches): choose_cluster's choice, which a
+    run's plan holds. True for a local cluster of this command's own (private or warm: it cannot grow, and
+    `shutdown_local_ray` leaves it)."""
     import ray
 
-    address = address or os.environ.get("RAY_ADDRESS")
+    choice = choose_cluster(address, config)
     if ray.is_initialized():
         return False
     # Ray's own INFO lines (per-report, per-epoch) would bury the progress lines; warnings still show.
     logging_config = ray.LoggingConfig(log_level="WARNING")
-    if address:
-        join_cluster(address, logging_config)
+    if choice.address:
+        join_cluster(choice.address, logging_config)
         return False
-    # Ray Data's read tasks need CPUs beside the workers', or ingest waits forever on a small machine.
-    workers_cpus = math.ceil(config.scaling.max_workers * config.scaling.cpus_per_worker)
-    needed = workers_cpus + 2
+    workers_cpus, needed = choice.workers_cpus, choice.needed
     if workers_cpus > (os.cpu_count() or 1):
         print(f"warning: the workers ask for {workers_cpus} CPUs (scaling.num_workers x scaling.cpus_per_worker) "
               f"but this machine has {os.cpu_count()}: they will share cores and each run slower; lower "
@@ -48,8 +78,7 @@ def connect_ray(address: str | None, config: Config) -> bool:
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([os.getcwd(), *paths]))  # once, however many runs
     num_cpus = max(os.cpu_count() or 1, needed)
-    if config.cluster.keep_warm_minutes > 0 and _join_warm(config.cluster.keep_warm_minutes, num_cpus, needed,
-                                                           logging_config):
+    if choice.kind == "warm" and _join_warm(choice.keep_warm_minutes, num_cpus, needed, logging_config):
         return True
     # The dashboard serves the state API that Ray Train's controller polls; bound to localhost only.
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=True,

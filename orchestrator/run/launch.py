@@ -79,7 +79,7 @@ def train(config: Config, address: str | None = None, verbose: bool = True, resu
     Ctrl+C ends the MLflow run as KILLED and raises KeyboardInterrupt after saying how to continue."""
     clock = StartupClock(started_at or time.time())
     clock.mark("command")
-    plan = plan_run(config, resume, verbose)  # before any cluster resource is taken
+    plan = plan_run(config, resume, verbose, address)  # before any cluster resource is taken
     with outside_job_package(plan.config.tracking):  # a Ray job's driver leaves the package `ray.init` may delete
         clock.mark("data inspection")
         with RunLog(show_logs) as log:

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from orchestrator.cluster.local import ClusterChoice, choose_cluster
 from orchestrator.config import Config
 from orchestrator.report.cost import Pricing, resolve_pricing
 from orchestrator.run.checks import check_inspected
@@ -41,7 +42,7 @@ class RunPlan:
 
     config: Config  # resolved for the data: the number of classes and, for epochs, the step count filled in
     datasets: Mapping[str, DatasetInfo]  # each split's rows, bytes, files, columns and classes
-    in_features: int | None  # the width of the classic model input the workers build with (checks.in_features)
+    in_features: int | None  # the width of the classic model input the workers build with (models.checks)
     memory_budget: tuple[float, str] | None  # bytes one worker may use, and where that figure comes from
     advice: str | None  # ddp would not fit a worker while fsdp would (checks.model_state_advice)
     pricing: Pricing
@@ -52,6 +53,7 @@ class RunPlan:
     reopen_run_id: str | None  # the resumed run's MLflow run, continued when tracked at the same store
     context: Mapping[str, str]  # the run's context tags (git commit, user, source), taken where the command started
     autopilot: Mapping[str, Any]  # the autopilot's setting: on or off, its budget and the keys it measures (_autopilot)
+    cluster: ClusterChoice  # the Ray cluster the run joins or starts (connect_ray carries it out)
 
     def describe(self) -> dict[str, Any]:
         """The plan as plain data: what `show-config --plan` prints and `plan.yaml` in MLflow holds."""
@@ -78,6 +80,7 @@ class RunPlan:
                        "budget_from": None if self.memory_budget is None else self.memory_budget[1],
                        "advice": self.advice},
             "autopilot": dict(self.autopilot),
+            "cluster": self.cluster.describe(),
             "data_cache": {"setting": c.data.cache, "kept_from_checkpoint": self.resume.cache_decision
                            if self.resume else None},
             "cost": {"nodes": self.pricing.nodes, "usd_per_node_hour": self.pricing.usd_per_node_hour,
@@ -105,10 +108,11 @@ def _autopilot(c: Config) -> dict[str, Any]:
     return {"enabled": True, "budget_share_of_wall_clock": c.autopilot.budget, "searches": searches}
 
 
-def plan_run(config: Config, resume: bool = False, verbose: bool = True) -> RunPlan:
+def plan_run(config: Config, resume: bool = False, verbose: bool = True, address: str | None = None) -> RunPlan:
     """Check the config against the data, the model, the price table and the tracking store, and find the run's
     place (the latest run to continue with `resume`); raises UserError subclasses on bad input. Prints the
-    memory advice and where a resume continues from when `verbose`."""
+    memory advice and where a resume continues from when `verbose`. `address`: the Ray cluster to join (--address;
+    else $RAY_ADDRESS, else a local one)."""
     # Every file the plan reads, once: the data's facts, the sample rows collated, the run's storage opened.
     data = inspect_run(config.data, config.model.inputs is not None, config.storage.path)
     checked = check_inspected(config, data.datasets, data.sample)  # the model built once, on the meta device
@@ -127,7 +131,7 @@ def plan_run(config: Config, resume: bool = False, verbose: bool = True) -> RunP
                    memory_budget=checked.memory_budget, advice=checked.advice, pricing=pricing, place=place,
                    resume=point, run_name=place.name, tracking_uri=uri,
                    reopen_run_id=_reopen_id(uri, record), context=MappingProxyType(context_tags() if uri else {}),
-                   autopilot=MappingProxyType(_autopilot(config)))
+                   autopilot=MappingProxyType(_autopilot(config)), cluster=choose_cluster(address, config))
 
 
 def _reopen_id(uri: str | None, record: Mapping[str, Any] | None) -> str | None:

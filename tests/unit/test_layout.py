@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LOOSE = {"__init__", "__main__", "cli", "errors"}
 MAX_LOOSE = 6
 # What the walk from orchestrator.run.launch.train counted after issue 51 (docs/layout.md has both walks).
-MAX_CLIMBS, MAX_RETURNS, MAX_ENTRIES = 11, 17, 3
+MAX_CLIMBS, MAX_RETURNS, MAX_ENTRIES = 12, 18, 3
 
 
 def test_orchestrator_keeps_few_loose_modules() -> None:
