@@ -39,6 +39,11 @@ class Alongside:
             raise self._outcome["error"]
         return self._outcome["value"]
 
+    def wait(self, seconds: float) -> bool:
+        """Whether it has ended, waiting `seconds` at most."""
+        self._thread.join(timeout=seconds)
+        return not self._thread.is_alive()
+
     def failed(self) -> bool:
         """Whether it ended with an error (which `result()` raises)."""
         return not self._thread.is_alive() and "error" in self._outcome
@@ -52,7 +57,7 @@ def ended_on_error(opening: Alongside) -> Iterator[None]:
     try:
         yield
     except BaseException as exc:
-        if isinstance(exc, KeyboardInterrupt) and opening.ended is None:  # a wait as long as the opening's
+        if isinstance(exc, KeyboardInterrupt) and not opening.wait(0.5):  # a wait as long as the opening's
             print("interrupted: waiting for the MLflow run being opened, to end it as KILLED (Ctrl+C again to leave "
                   "without waiting: the run may then stay RUNNING in MLflow)", file=sys.stderr, flush=True)
         try:
