@@ -16,11 +16,13 @@ def scratch_run(data: Path | str, runs: Path | str, val: bool = False) -> list[s
             f"storage.path={runs}", "tracking.enabled=false"]
 
 
-def train_workers() -> list[Any]:
-    """Ray Train's worker actors alive now (Ray's state API: each with its pid and node_id)."""
+def train_workers(address: str | None = None) -> list[Any]:
+    """Ray Train's worker actors alive now (Ray's state API: each with its pid and node_id), on the cluster at
+    `address` (its GCS; needed where another Ray instance runs on this machine too)."""
     from ray.util.state import list_actors
 
-    return [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.class_name == "RayTrainWorker" and a.pid]
+    return [a for a in list_actors(address=address, filters=[("state", "=", "ALIVE")])
+            if a.class_name == "RayTrainWorker" and a.pid]
 
 
 def free_port() -> int:

@@ -185,7 +185,7 @@ def inject_faults(cluster: Cluster, runs: Path, run: threading.Thread, started: 
             time.sleep(0.5)
         if not run.is_alive():
             break
-        workers = sorted(train_workers(), key=lambda w: w.pid)
+        workers = sorted(train_workers(cluster.gcs), key=lambda w: w.pid)
         if not workers:  # the run is ending
             continue
         if len(faults) == 1 and notice_s is not None:
@@ -415,7 +415,7 @@ def print_grid(results: dict[int | str, TrainResult]) -> None:
               f"{auto_ettr / best_ettr:.3f}x (target >= 0.90, within 10%)")
 
 
-def replica_kills(run: threading.Thread, started: float, every_s: float) -> list[float]:
+def replica_kills(gcs: str, run: threading.Thread, started: float, every_s: float) -> list[float]:
     """failure.mode=replicas: a training worker SIGKILLed every `every_s` seconds from `started` (the two in turn,
     as in the restart run; no drain: a replica group's node loss is not handled by Ray Train 2.60's replacement),
     each once Ray has replaced the previous one. Returns when each kill was."""
@@ -423,9 +423,9 @@ def replica_kills(run: threading.Thread, started: float, every_s: float) -> list
     killed: set[int] = set()
     while run.is_alive():
         due = started + every_s * (len(kills) + 1)
-        while run.is_alive() and (time.time() < due or len({w.pid for w in train_workers()} - killed) < 2):
+        while run.is_alive() and (time.time() < due or len({w.pid for w in train_workers(gcs)} - killed) < 2):
             time.sleep(0.5)
-        workers = sorted(train_workers(), key=lambda w: w.pid)
+        workers = sorted(train_workers(gcs), key=lambda w: w.pid)
         if not run.is_alive() or len(workers) < 2:
             continue
         kills.append(time.time())
@@ -449,7 +449,8 @@ def compare_replicas(cluster: Cluster, tmp: Path, clean_cfg: Config, clean: Trai
     tree = to_dict(clean_cfg)
     tree["failure"]["mode"], tree["storage"]["path"] = "replicas", str(tmp / "replicas")
     result, kills, began = under_faults(cluster, config_from_dict(tree),
-                                        lambda run, began: replica_kills(run, began, kill_every), "replicas")
+                                        lambda run, began: replica_kills(cluster.gcs, run, began, kill_every),
+                                        "replicas")
     # The full reports (the attempt record keeps only what the ledger needs), their arrival made absolute.
     history = [r | {"at": began + r["elapsed_s"]} for r in result.history if "elapsed_s" in r]
     print(f"replicas run: wall clock {result.cost.wall_s:6.1f} s | ETTR {result.cost.ettr:.3f} | "
