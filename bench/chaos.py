@@ -472,8 +472,9 @@ def compare_replicas(cluster: Cluster, tmp: Path, clean_cfg: Config, clean: Trai
               f"{max((r['interval_s'] for r in broken), default=float('nan')):29.2f}")
     dropped = sum(max(0, b.get("replicas/dropped_steps", 0) - a.get("replicas/dropped_steps", 0))
                   for a, b in zip(history, history[1:], strict=False))  # a replaced rank 0 counts from 0 again
-    print(f"steps lost to {len(kills)} kills: {dropped} not committed (their update dropped), {steps_back(history)} "
-          "redone" + (f"; the restart run: {steps_back(restart.history)} redone" if restart is not None else ""))
+    print(f"steps lost to {len(kills)} kills: {dropped} not committed (each done again at once, its rows and LR "
+          f"the same), {steps_back(history)} reported again"
+          + (f"; the restart run: {steps_back(restart.history)} redone" if restart is not None else ""))
 
 
 def steps_back(history: list[dict[str, Any]]) -> int:
