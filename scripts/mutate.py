@@ -431,7 +431,7 @@ MUTANTS = (
            "        quorum = parts.replicas\n", "        quorum = None\n",
            ("tests/unit/training/test_replica_groups.py",)),
     Mutant("a fresh run's first step starts without waiting for every replica", "orchestrator/training/replicas.py",
-           "and self.participants < self.workers", "and self.participants < 1",
+           "lambda: self.manager.current_step() == 0)", "lambda: False)",
            ("tests/unit/training/test_replica_state.py",)),
     Mutant("a warm cluster started by another Python is reused", "orchestrator/cluster/warm.py",
            'names = {"ray": "Ray", "python": "Python", ', 'names = {"ray": "Ray", ',

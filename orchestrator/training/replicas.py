@@ -185,11 +185,7 @@ class Replicas:
             self._quorum()
             # A fresh run's first quorum forms as soon as one replica asks. Alone, it would take the whole first
             # steps while the others start: so at step 0 it asks again until every replica is in, for a while.
-            began = time.monotonic()
-            while (self.manager.current_step() == 0 and self.participants < self.workers
-                   and time.monotonic() - began < START_WAIT_S):
-                time.sleep(0.2)
-                self._quorum()
+            self._until_all_in(START_WAIT_S, lambda: self.manager.current_step() == 0)
         step = self.manager.current_step()
         if step >= max_steps:
             self.took_final = True
@@ -204,11 +200,8 @@ class Replicas:
         peer being replaced takes the final state from this one rather than training the run again alone."""
         if self.took_final:
             return
-        began = time.monotonic()
         self._quorum()
-        while self.participants < self.workers and time.monotonic() - began < END_WAIT_S:
-            time.sleep(0.2)
-            self._quorum()
+        self._until_all_in(END_WAIT_S)
 
     def step_done(self, result: Any, global_batch: int) -> bool:
         """Whether the quorum committed the step. A committed step trained the global batch (the step's `result`
@@ -238,6 +231,13 @@ class Replicas:
     def _quorum(self) -> None:
         self.manager.start_quorum()
         self.participants = self.manager.num_participants()
+
+    def _until_all_in(self, seconds: float, asking: Callable[[], bool] = lambda: True) -> None:
+        """Ask for quorums again (for `seconds` at most, while `asking()`) until every replica is in one."""
+        began = time.monotonic()
+        while self.participants < self.workers and asking() and time.monotonic() - began < seconds:
+            time.sleep(0.2)
+            self._quorum()
 
 
 class ReplicaReporter:
