@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.cluster.local import connect_ray, outside_job_package, shutdown_local_ray
-from orchestrator.config import Config, flatten, to_dict
+from orchestrator.config import Config
 from orchestrator.errors import ConfigError, UserError
 from orchestrator.report.console import LOG_FILE, RunLog
 from orchestrator.report.cost import resolve_pricing
@@ -77,9 +77,8 @@ def _delete(storage: Storage, path: str) -> None:
 def _fingerprint(config: Config) -> dict[str, Any]:
     """The config as the study's state keeps it in storage (often a shared bucket): the tracking URI's password
     masked, so a rotated password continues the same study."""
-    flat = json.loads(json.dumps(flatten(to_dict(config)), default=str))
     return {key: mask_password(value) if key.startswith("tracking.") and isinstance(value, str) else value
-            for key, value in flat.items()}
+            for key, value in config.dotted.items()}
 
 
 def _check_same_study(state: dict[str, Any], config: Config, study: str, study_path: str) -> None:
