@@ -239,10 +239,19 @@ def run(
             continue
         metrics, interval = _report(due, interval, progress, parts, reporter, val_batches,
                                     once | cadence.figures() | {"flops_per_sample": flops},
-                                    peak_flops(parts.device, t.peak_tflops, parts.precision.mode), t.micro_batch_size,
+                                    _group_peak(parts, t.peak_tflops, replicas), t.micro_batch_size,
                                     t.max_nonfinite_steps)
         once = {}
     return metrics
+
+
+def _group_peak(parts: Parts, configured_tflops: float | None, replicas: Replicas | None) -> float | None:
+    """Peak FLOP/s of every device whose rows the report's samples count (MFU's denominator): the group's ranks, or
+    under failure.mode=replicas the last quorum's live replicas (each replica's own group is of one, yet it counts
+    the global batch that all of them trained)."""
+    peak = peak_flops(parts.device, configured_tflops, parts.precision.mode)
+    devices = replicas.participants if replicas is not None else ranks.world()[1]
+    return peak * devices if peak else None
 
 
 def _take(stream: Iterator[Batch], pieces: int, first: list[Batch] | None, timer: PhaseTimer,
@@ -337,7 +346,8 @@ def _report(due: Due, interval: Interval, progress: Progress, parts: Parts, repo
             micro_batch_size: int | str | None, max_nonfinite: int) -> tuple[dict[str, Any], Interval]:
     """A report step: the interval's figures summed over ranks, evaluation and a checkpoint when due, then the
     report. Returns its metrics and the next interval, which starts before the report so that time blocked in
-    registering the checkpoint is billed to it as "report". `once`: figures sent with this report only."""
+    registering the checkpoint is billed to it as "report". `once`: figures sent with this report only. `peak`: of
+    all the devices whose rows the interval's samples count (`_group_peak`)."""
     world = ranks.world()[1]
     # Raises on a non-finite loss before anything is evaluated or saved: a broken model is never persisted.
     metrics, samples, targets = _interval_metrics(interval, progress, parts, world, max_nonfinite)
@@ -369,7 +379,7 @@ def _report(due: Due, interval: Interval, progress: Progress, parts: Parts, repo
         metrics["tokens_per_s"] = targets / seconds
     flops = once.get("flops_per_sample")
     if peak and flops:  # model FLOPs utilisation of the devices over the wall clock
-        metrics["mfu"] = flops * metrics["samples_per_s"] / (peak * world)
+        metrics["mfu"] = flops * metrics["samples_per_s"] / peak
     metrics |= once
     following = Interval(PhaseTimer(parts.device), comm_start=parts.comm_bytes)
     with following.timer.phase("report"):

@@ -335,3 +335,74 @@ def test_the_token_loss_is_normalised_over_every_live_replicas_tokens(tmp_path: 
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6)
     assert _final_weights_equal(tmp_path)
+
+
+class _Quorum:
+    """A torchft manager's answers for a quorum of `live` replicas that commits every step (no lighthouse): enough
+    for the real `Replicas` to give the loop its share of each step and count the step's global batch."""
+
+    def __init__(self, live: int, progress: Any) -> None:
+        self.live, self.progress = live, progress
+
+    def start_quorum(self) -> None:
+        pass
+
+    def num_participants(self) -> int:
+        return self.live
+
+    def participating_rank(self) -> int:
+        return 0
+
+    def current_step(self) -> int:
+        return self.progress.step
+
+
+@pytest.mark.parametrize("live", [1, 2])
+def test_mfu_under_replicas_is_over_the_devices_that_trained_the_counted_rows(live: int) -> None:
+    """A replica counts the whole global batch of each step (every live replica's rows), so its MFU divides by the
+    peak of every live replica's device: it equals this one device's own figure, counted here from the rows it
+    trained itself (a division by one device's peak reports `live` times that)."""
+    from types import SimpleNamespace
+
+    from orchestrator.training.checkpoint import Progress
+    from orchestrator.training.loop import run
+    from orchestrator.training.micro_batch import for_world_size
+    from orchestrator.training.parts import build_parts
+    from orchestrator.training.replicas import Replicas, StepRows
+
+    steps, log_every, peak_tflops = 8, 4, 0.001
+    cfg = for_world_size(replica_config(f"train.max_steps={steps}", f"train.log_every={log_every}",
+                                        f"train.peak_tflops={peak_tflops}"), 2)
+    parts = build_parts(cfg, 16, torch.device("cpu"))
+    progress = Progress()
+    rows = StepRows(_epoch, GLOBAL // MICRO, MICRO, EPOCH_MICROS, torch.device("cpu"))
+    trained: list[int] = []  # rows this replica trained, step by step
+    share = rows.share
+
+    def share_counted(step: int, rank: int, participants: int) -> list[dict[str, torch.Tensor]]:
+        batches = share(step, rank, participants)
+        trained.append(sum(len(b["row"]) for b in batches))
+        return batches
+
+    rows.share = share_counted  # type: ignore[method-assign]
+    replicas = Replicas(_Quorum(live, progress), SimpleNamespace(committed=True, dropped=0),  # type: ignore[arg-type]
+                        live, rows, progress)
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.reports: list[dict[str, Any]] = []
+
+        def publish(self, metrics: dict[str, Any]) -> None:
+            self.reports.append(metrics)
+
+        def checkpoint(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
+            pass
+
+    recorder = Recorder()
+    run(cfg, parts, _epoch, None, recorder, progress, replicas=replicas)
+    assert len(recorder.reports) == steps // log_every and trained == [GLOBAL // live] * steps
+    for index, report in enumerate(recorder.reports):
+        assert report["samples_per_s"] * report["interval_s"] == pytest.approx(GLOBAL * log_every)  # all replicas'
+        own = sum(trained[index * log_every:(index + 1) * log_every])  # this device's rows in the interval
+        one_device = report["flops_per_sample"] * own / report["interval_s"] / (peak_tflops * 1e12)
+        assert report["mfu"] == pytest.approx(one_device, rel=1e-6), (live, report["mfu"] / one_device)
