@@ -91,7 +91,11 @@ class Precision:
         overflow = torch.stack([flag.to(skip.device) for flag in found.values()]).amax()
         for flag in found.values():
             torch.maximum(flag, skip.to(flag.device), out=flag)
-        self.scaler.step(optimizer)
+        dropped = torch.maximum(overflow, skip)
+        with _no_state_from_a_dropped_step(optimizer, dropped) as needs_read:
+            # needs_read: GradScaler's own path for an optimizer without a kernel (one host read, on such steps only)
+            with _attribute(optimizer, "_step_supports_amp_scaling", False) if needs_read else contextlib.nullcontext():
+                self.scaler.step(optimizer)
         self.scaler.update()
         overflowed = (overflow > 0) & (skip == 0)
         self._overflows += overflowed
@@ -111,11 +115,64 @@ def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
     """`optimizer.step()` unless `skip` is 1.0, decided on the device where the optimizer can (torch's fused kernels
     take a `found_inf` flag and leave parameters, state and step count untouched when it is 1). Any other optimizer
     reads the flag back: one host read per step, the price of an optimizer without a fused kernel."""
-    if getattr(optimizer, "_step_supports_amp_scaling", False):  # set by torch's fused kernels (and replicas.py)
-        optimizer.found_inf = skip  # type: ignore[attr-defined]  # the attribute GradScaler sets for fused kernels
-        try:
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):  # set by torch's fused kernels (and replicas.py)
+        if not bool(skip):
             optimizer.step()
-        finally:
-            del optimizer.found_inf  # type: ignore[attr-defined]
-    elif not bool(skip):
-        optimizer.step()
+        return
+    with _no_state_from_a_dropped_step(optimizer, skip) as needs_read:
+        if needs_read:
+            if not bool(skip):
+                optimizer.step()
+            return
+        with _attribute(optimizer, "found_inf", skip):  # the attribute GradScaler sets for fused kernels
+            optimizer.step()
+
+
+@contextlib.contextmanager
+def _attribute(obj: object, name: str, value: Any) -> Iterator[None]:
+    """`obj.name = value` for the block, then as it was (absent included)."""
+    missing = object()
+    before = obj.__dict__.get(name, missing)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        if before is missing:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, before)
+
+
+@contextlib.contextmanager
+def _no_state_from_a_dropped_step(optimizer: torch.optim.Optimizer, dropped: torch.Tensor) -> Iterator[bool]:
+    """Around a step the device may drop (`dropped` 1.0): the optimizer state that step creates is left as a fresh
+    optimizer's would be, so the next applied step is the optimizer's true first one.
+
+    torch's fused kernels leave parameters and existing state alone on `found_inf`, but the state a first step
+    creates is stored all the same: fused SGD makes its momentum buffers with `empty_like` before the kernel returns,
+    so a skipped first step (a NaN batch; fp16's first overflow) would train on uninitialised memory. Where a fresh
+    state is zeros (torch's Adam and AdamW, whose fused step count is taken back on `found_inf`; SGD without
+    dampening, whose first buffer, the gradient, is what a zero buffer gives) the new state is zeroed on the device
+    where the step dropped. Any other optimizer yields True while it still creates state: its caller decides on the
+    host then (one read, on those steps only)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if len(optimizer.state) >= len(params):  # every parameter has its state: the usual step
+        yield False
+        return
+    fresh = [p for p in params if p not in optimizer.state]
+    if not _zeros_are_fresh(optimizer):
+        yield True
+        return
+    yield False
+    for p in fresh:
+        for value in optimizer.state.get(p, {}).values():
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if hasattr(value, "to_local") else value  # an FSDP shard's own tensor
+                local.masked_fill_(dropped.to(local.device, torch.bool), 0)
+
+
+def _zeros_are_fresh(optimizer: torch.optim.Optimizer) -> bool:
+    inner = getattr(optimizer, "optim", optimizer)  # replicas.py's wrapper holds torch's optimizer
+    if isinstance(inner, torch.optim.SGD):
+        return all(group["dampening"] == 0 for group in inner.param_groups)
+    return isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))

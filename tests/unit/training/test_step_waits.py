@@ -165,26 +165,28 @@ def _two_ranks(rank: int, shared: Path) -> dict[str, Any]:
                       "train.max_steps=16", "train.log_every=8", "optim.warmup_steps=4", *overrides,
                       workers=2)
         out[name] = _counted(cfg, _built(cfg), _source(rank, 8), shared / name)
-    out["nan"] = _skips_together(rank)
+    out["nan"] = _skips_together(rank, "optim.momentum=0", nan_step=3)
+    # The first step skipped: the optimizer's state (SGD's momentum) does not exist yet, and must not come out of it.
+    out["nan_first"] = _skips_together(rank, "optim.momentum=0.9", nan_step=1)
     return out
 
 
-SGD = ["optim.name=sgd", "optim.momentum=0", "optim.weight_decay=0", "optim.lr=0.5", "optim.warmup_steps=0",
-       "optim.schedule=constant", "optim.max_grad_norm=null"]  # no state: a dropped step leaves no trace
+SGD = ["optim.name=sgd", "optim.weight_decay=0", "optim.lr=0.5", "optim.warmup_steps=0", "optim.schedule=constant",
+       "optim.max_grad_norm=null"]
 
 
-def _skips_together(rank: int) -> dict[str, Any]:
-    """Rank 1's rows of step 3 hold a NaN: the run that skips that step, and a run on both ranks' data without
-    that step's rows (one step fewer), must end with the same weights on both ranks."""
-    cfg = _config(*SGD, "train.global_batch_size=16", "train.max_steps=8", "train.log_every=4", workers=2)
+def _skips_together(rank: int, momentum: str, nan_step: int) -> dict[str, Any]:
+    """Rank 1's rows of step `nan_step` hold a NaN: the run that skips that step, and a run on both ranks' data
+    without that step's rows (one step fewer), must end with the same weights on both ranks."""
+    cfg = _config(*SGD, momentum, "train.global_batch_size=16", "train.max_steps=8", "train.log_every=4", workers=2)
     parts = _built(cfg)
-    source = _source(rank, 8, nan_at=2 if rank == 1 else None)  # the third micro-batch: step 3's
+    source = _source(rank, 8, nan_at=nan_step - 1 if rank == 1 else None)  # one micro-batch per step and rank
     report = Recorder()
     run(cfg, parts, source, None, report)
     shorter = cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_steps": 7})})
     without = _built(shorter)
     run(shorter, without,
-        lambda epoch: [b for i, b in enumerate(_source(rank, 8)(epoch)) if i != 2], None, Recorder())
+        lambda epoch: [b for i, b in enumerate(_source(rank, 8)(epoch)) if i != nan_step - 1], None, Recorder())
     return {"skipped": [m["nonfinite_skipped"] for m, _ in report.reports],
             "weights": [p.detach().clone() for p in parts.model.parameters()],
             "without": [p.detach().clone() for p in without.model.parameters()]}
@@ -204,13 +206,16 @@ def test_no_host_read_between_reports_on_two_ranks(two_ranks: list[dict[str, Any
         assert counted["syncs"] == {}, counted
 
 
+@pytest.mark.parametrize("case", ["nan", "nan_first"])
 def test_a_nan_on_one_rank_skips_the_step_on_both_with_the_weights_of_a_run_without_it(
-        two_ranks: list[dict[str, Any]]) -> None:
+        two_ranks: list[dict[str, Any]], case: str) -> None:
+    """`nan`: SGD without momentum, step 3; `nan_first`: SGD with momentum 0.9, the first step (its momentum
+    buffers are created by the step the device skips)."""
     for result in two_ranks:
-        assert result["nan"]["skipped"] == [1, 1]  # counted at the report that follows it
-        for skipped, without in zip(result["nan"]["weights"], result["nan"]["without"], strict=True):
+        assert result[case]["skipped"] == [1, 1]  # the run's count, from the report that follows it
+        for skipped, without in zip(result[case]["weights"], result[case]["without"], strict=True):
             torch.testing.assert_close(skipped, without, rtol=0, atol=1e-7)
-    for a, b in zip(two_ranks[0]["nan"]["weights"], two_ranks[1]["nan"]["weights"], strict=True):
+    for a, b in zip(two_ranks[0][case]["weights"], two_ranks[1][case]["weights"], strict=True):
         assert torch.equal(a, b)
 
 
