@@ -237,8 +237,10 @@ class EpochReplay:
     order would. An epoch's order depends only on the pass and the seed, so a worker that starts inside a later
     epoch (a restart) reads the pass first and then hands out exactly the batches an uninterrupted worker would
     have. A later epoch is gathered once and handed out as views, with no per-micro-batch gather. The rows stay in
-    host memory (pinned, `pin`, for a GPU: each micro-batch is copied to it without waiting), never a second copy of
-    the pass on the device."""
+    host memory, never a second copy of the pass on the device. With `pin` (a GPU rank) the kept rows are pinned and
+    every batch is handed out pinned and contiguous, which the loop's copy to the device takes without waiting: a
+    view of pinned rows as it is, a trimmed (strided) view or one joined across two chunks copied into pinned
+    memory."""
 
     def __init__(self, keep: bool, reshuffle: Callable[[int], int] | None = None, micro: int | None = None,
                  padding: Padding | None = None, pin: bool = False) -> None:
@@ -252,6 +254,10 @@ class EpochReplay:
     def __call__(self, stream: Callable[[], Iterable[Batch]], epoch: int = 0, start: int = 0) -> Iterator[Batch]:
         """`epoch`'s micro-batches from its row `start` on: the kept pass in that epoch's order if there is one;
         else a new `stream()`, kept when `keep`. A pass left unfinished (training ended mid-epoch) is not kept."""
+        batches = self._batches(stream, epoch, start)
+        return map(pinned, batches) if self.pin else batches
+
+    def _batches(self, stream: Callable[[], Iterable[Batch]], epoch: int, start: int) -> Iterator[Batch]:
         if not self.keep:
             yield from self._cut(stream(), start)
             return
@@ -270,7 +276,7 @@ class EpochReplay:
 
     def _keep(self, seen: list[Batch]) -> None:
         if seen:
-            self.rows = cat_rows(seen)
+            self.rows = pinned(cat_rows(seen)) if self.pin else cat_rows(seen)  # replayed as views of these rows
             self.size = self.size or rows(seen[0])
 
     def _cut(self, batches: Iterable[Batch], start: int) -> Iterator[Batch]:
@@ -354,7 +360,7 @@ class RankBatches:
         # Streamed whole, the incomplete last micro-batch included: EpochReplay hands out whole micro-batches only.
         self.replay_train = EpochReplay(keep=replay and not data.shuffle_buffer, reshuffle=reshuffle,
                                         micro=micro_batch_size, padding=self.padding, pin=pin_memory)
-        self.replay_val = EpochReplay(keep=replay)
+        self.replay_val = EpochReplay(keep=replay, pin=pin_memory)
         self.ahead: _Ahead | None = None  # the first batches, fetched while the model is built (prefetch)
 
     def train(self, epoch: int) -> Epoch:

@@ -44,8 +44,11 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
 
 
 def pinned(batch: Batch) -> Batch:
-    """The batch in page-locked host memory, from which a copy to a GPU is queued without waiting."""
-    return {key: value.pin_memory() for key, value in batch.items()}
+    """The batch in page-locked, contiguous host memory, from which a copy to a GPU is queued without waiting (from
+    pageable or strided memory torch stages the copy through a pageable buffer, and the host waits for the device).
+    Tensors that are both already are kept as they are (views of a pinned chunk)."""
+    return {key: value if value.is_contiguous() and value.is_pinned() else value.contiguous().pin_memory()
+            for key, value in batch.items()}
 
 
 def chunk(batch: Batch, pieces: int) -> list[Batch]:

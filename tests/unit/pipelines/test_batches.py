@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+import pytest
 import torch
 
 from pipelines.batches import EpochReplay, fetch_size, split_batches
@@ -165,3 +166,77 @@ def test_collate_starts_no_intra_op_thread_pool_in_the_thread_it_runs_in() -> No
     done = subprocess.run([sys.executable, "-c", COLLATE_IN_A_THREAD], capture_output=True, text=True, check=True,
                           timeout=120)
     assert done.stdout.split()[-1] == "1", "collating started threads besides its own: an intra-op pool"
+
+
+class FakePins:
+    """torch.Tensor.pin_memory / is_pinned where no accelerator is present (a CPU torch refuses to pin): a pin
+    copies into storage of its own with the same strides, as torch's does, and marks that storage pinned. The
+    copies are kept, so no unpinned tensor later reuses a marked address."""
+
+    def __init__(self) -> None:
+        self.kept: list[torch.Tensor] = []
+        self.storages: set[int] = set()
+
+    def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
+        copy = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu").copy_(tensor)
+        self.kept.append(copy)
+        self.storages.add(copy.untyped_storage().data_ptr())
+        return copy
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return tensor.untyped_storage().data_ptr() in self.storages
+
+
+class RowShard:
+    """A rank's shard as Ray Data's iter_torch_batches hands it out (collated by the product's collate, pinned when
+    asked), in chunks of 37 rows: chunk ends fall inside micro-batches. Its rows: variable-length `tokens`
+    (`padded`), else fixed-size `features` and a `label`."""
+
+    def __init__(self, count: int, seed: int, padded: bool) -> None:
+        import numpy as np
+        import pyarrow as pa
+
+        rng = np.random.default_rng(seed)
+        if padded:
+            tokens = [list(rng.integers(1, 50, n)) for n in rng.integers(2, 30, count)]
+            self.table = pa.table({"tokens": pa.array(tokens, type=pa.list_(pa.int64()))})
+        else:
+            features = pa.FixedSizeListArray.from_arrays(rng.normal(size=count * 4).astype(np.float32), 4)
+            self.table = pa.table({"features": features, "label": rng.integers(0, 3, count)})
+
+    def iter_torch_batches(self, *, collate_fn: object, pin_memory: bool = False, **_: object
+                           ) -> Iterator[dict[str, torch.Tensor]]:
+        from pipelines.tensors import pinned
+
+        for start in range(0, self.table.num_rows, 37):
+            chunk = collate_fn(self.table.slice(start, 37))  # type: ignore[operator]
+            yield pinned(chunk) if pin_memory else chunk
+
+
+@pytest.mark.parametrize("padded", [True, False])
+@pytest.mark.parametrize(("replay", "shuffle"), [(True, False), (True, True), (False, False)])
+def test_every_micro_batch_handed_to_the_copy_is_pinned_and_contiguous(
+        monkeypatch: pytest.MonkeyPatch, replay: bool, shuffle: bool, padded: bool) -> None:
+    """With `pin` (a GPU rank) every host batch the loop copies to the device is in page-locked, contiguous
+    memory: torch stages a copy from pageable or strided memory through a pageable buffer and the step waits.
+    Trimmed micro-batches (views of their padded chunk), a micro-batch across two chunks, a replayed pass and a
+    reshuffled one, and the validation batches alike."""
+    from orchestrator.config import load_config
+    from pipelines.batches import RankBatches
+
+    pins = FakePins()
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda tensor, device=None: pins.pin_memory(tensor))
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda tensor, device=None: pins.is_pinned(tensor))
+    columns = ["data.features=[tokens]", "data.label=null"] if padded else ["data.features=[features]"]
+    data = load_config(None, [*columns, f"data.shuffle={str(shuffle).lower()}"]).data
+    train, val = RowShard(300, 0, padded), RowShard(101, 1, padded)
+    batches = RankBatches(data, train, val, 8, seed=0, rank=0, epoch_clock=None, replay=replay, named=padded,
+                          schema=train.table.schema, pin_memory=True)
+    handed = [b for epoch in range(3) for b in batches.train(epoch)] + list(batches.val()) + list(batches.val())
+    assert sum(len(b["labels"]) for b in handed) == 3 * 296 + 2 * 101  # every micro-batch looked at
+    if padded:
+        assert len({b["tokens"].shape[1] for b in handed}) > 1  # trimmed to each micro-batch's own longest row
+    for batch in handed:
+        for key, value in batch.items():
+            assert value.is_contiguous(), (key, value.shape, value.stride())
+            assert value.is_pinned(), (key, value.shape)

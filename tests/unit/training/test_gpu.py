@@ -4,6 +4,7 @@ Skipped without a CUDA device (see tests/conftest.py)."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -133,3 +134,45 @@ def test_a_search_steps_clock_starts_once_the_device_has_passed_the_ranks_meetin
     run(cfg, parts, lambda epoch: [xy(x[i:i + 8], y[i:i + 8]) for i in range(0, 512, 8)], None, Recorder())
     meetings = [i for i, what in enumerate(order) if what == "meet"]
     assert meetings and all(order[i + 1] == "sync" for i in meetings), order[:20]
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_every_host_micro_batch_is_pinned_and_its_copy_does_not_wait_for_the_device(padded: bool) -> None:
+    """A GPU rank's micro-batches, as RankBatches hands them to the loop's copy (trimmed views, batches across two
+    chunks, a replayed pass, validation), are pinned and contiguous; so their non_blocking copies are queued behind
+    a long kernel without the host waiting for it (from pageable memory each copy would wait for the kernel)."""
+    import numpy as np
+    import pyarrow as pa
+
+    from pipelines.batches import RankBatches
+    from pipelines.tensors import pinned, to_device
+
+    rng = np.random.default_rng(0)
+    if padded:
+        tokens = [list(rng.integers(1, 50, n)) for n in rng.integers(2, 30, 300)]
+        table = pa.table({"tokens": pa.array(tokens, pa.list_(pa.int64()))})
+        columns = ["data.features=[tokens]", "data.label=null"]
+    else:
+        features = pa.FixedSizeListArray.from_arrays(rng.normal(size=300 * 4).astype(np.float32), 4)
+        table = pa.table({"features": features, "label": rng.integers(0, 3, 300)})
+        columns = ["data.features=[features]"]
+
+    class Shard:  # Ray Data's iter_torch_batches: collated chunks of 37 rows, pinned when asked
+        def iter_torch_batches(self, *, collate_fn: Any, pin_memory: bool = False, **_: Any) -> Any:
+            for start in range(0, table.num_rows, 37):
+                chunk = collate_fn(table.slice(start, 37))
+                yield pinned(chunk) if pin_memory else chunk
+
+    data = load_config(None, columns).data
+    batches = RankBatches(data, Shard(), Shard(), 8, seed=0, rank=0, epoch_clock=None, replay=True, named=padded,
+                          schema=table.schema, pin_memory=True)
+    handed = [b for epoch in range(2) for b in batches.train(epoch)] + list(batches.val())
+    assert all(v.is_pinned() and v.is_contiguous() for b in handed for v in b.values())
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of one busy kernel
+    slept = torch.cuda.Event()
+    slept.record()
+    copies = [to_device(b, CUDA) for b in handed]
+    assert not slept.query()  # the host queued every copy while the kernel still ran
+    torch.cuda.synchronize()
+    assert all(torch.equal(c[k].cpu(), b[k]) for b, c in zip(handed, copies, strict=True) for k in b)

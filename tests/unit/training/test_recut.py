@@ -108,9 +108,11 @@ def test_the_first_batches_are_fetched_during_set_up_and_the_run_continues_from_
         next(iter(data.train(1)))
 
 
-def test_the_pass_is_fetched_and_kept_on_the_host_pinned_for_a_gpu() -> None:
+def test_the_pass_is_fetched_and_kept_on_the_host_pinned_for_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """A replayed pass stays in host memory (pinned when the rank trains on a GPU): the loop copies each micro-batch
     to the device, so no second copy of the pass lives there, outside the memory the micro-batch probe measured."""
+    # A CPU torch cannot pin (no accelerator): a pin here is a copy (test_batches.py checks what is pinned).
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda tensor, device=None: tensor.clone())
     asked: list[dict[str, Any]] = []
 
     class Recording(Shard):
@@ -125,3 +127,16 @@ def test_the_pass_is_fetched_and_kept_on_the_host_pinned_for_a_gpu() -> None:
         assert rank.replay_train.pin is pin  # a later epoch's gathered rows are pinned too
         assert all(b["x"].device.type == "cpu" for b in rank.train(0))  # epoch 0, as fetched
     assert [(a["device"], a["pin_memory"]) for a in asked] == [("cpu", False), ("cpu", True)]
+
+
+def test_a_gpu_rank_pins_every_batch_it_hands_out_and_a_cpu_rank_none() -> None:
+    """The worker's decision: a rank on a GPU has its training and validation batches pinned (test_batches.py:
+    each is then pinned and contiguous); on the CPU no copy is made for a device."""
+    from orchestrator.config import load_config
+    from orchestrator.training.worker import Seat, rank_batches
+
+    cfg = load_config(None, ["train.micro_batch_size=4", "train.global_batch_size=8", "scaling.num_workers=2"])
+    spec = {"cache_decision": "replay", "epoch_clock": None, "sample": None}
+    for device, pin in (("cuda", True), ("cpu", False)):
+        data = rank_batches(spec, cfg, Seat(2, 1, torch.device(device), 0.0), Shard(), Shard())
+        assert (data.pin_memory, data.replay_train.pin, data.replay_val.pin) == (pin, pin, pin)
