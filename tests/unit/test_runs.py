@@ -43,6 +43,19 @@ def test_a_runs_name_tells_it_apart_at_a_glance() -> None:
     assert run_name(two, [], STARTED) == "diabetes-two-input-20261206-051238"
 
 
+@pytest.mark.parametrize("setting", [
+    "storage.path=/tmp/elsewhere", "tracking.uri=sqlite:////tmp/other.db", "cluster.keep_warm_minutes=5",
+    "checkpoint.every=50", "failure.max_failures=1", "cost.cloud=gcp", "tune.num_samples=3",
+    "data.prefetch_batches=4", "train.log_every=7", "train.eval_every=30"])
+def test_a_runs_name_leaves_out_where_it_lives_and_how_it_is_watched(setting: str) -> None:
+    """One case per kind of key a name leaves out: a --set of it names the run as the run without it."""
+    key = setting.split("=")[0]
+    assert run_name(load_config(None, [setting]), [key], STARTED) == run_name(load_config(None, []), [], STARTED)
+    # ...while a key that changes what is trained is named
+    assert run_name(load_config(None, [setting, "train.seed=3"]), [key, "train.seed"], STARTED) != \
+        run_name(load_config(None, []), [], STARTED)
+
+
 def test_resume_finds_the_newest_run_of_the_experiment_only(tmp_path: Path) -> None:
     config = load_config(None, [f"storage.path={tmp_path}", "experiment=exp"])
     storage = open_run_storage(config)

@@ -7,6 +7,7 @@ on every rank, and the targets' all-reduce runs only where the ranks' counts dif
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -168,7 +169,36 @@ def _two_ranks(rank: int, shared: Path) -> dict[str, Any]:
     out["nan"] = _skips_together(rank, "optim.momentum=0", nan_step=3)
     # The first step skipped: the optimizer's state (SGD's momentum) does not exist yet, and must not come out of it.
     out["nan_first"] = _skips_together(rank, "optim.momentum=0.9", nan_step=1)
+    out["token_shares"] = _token_shares(rank)
     return out
+
+
+TOKENS = ["model.name=gpt", "model.d_model=16", "model.n_layer=1", "model.n_head=2", "data.label=null",
+          "task.name=causal_lm", "model.num_classes=12"]
+LATE_S = 0.1  # rank 0's data comes this late at every step
+
+
+def _token_shares(rank: int) -> dict[str, float]:
+    """A token run on two ranks whose rank 0 reads each step's data LATE_S late: rank 1 waits that long for the
+    token count's all-reduce, which is sync (waiting for a peer), not compute."""
+    cfg = _config(*TOKENS, "train.global_batch_size=8", "train.micro_batch_size=2", "optim.warmup_steps=0",
+                  "train.max_steps=6", "train.log_every=6", workers=2)
+    parts = _built(cfg, 6)
+    g = torch.Generator().manual_seed(rank)
+    labels = torch.randint(0, 12, (2, 6), generator=g)
+    labels[:, : 2 + rank] = -100  # ranks hold different token counts
+    batch = {"x": torch.randint(0, 12, (2, 6), generator=g), "labels": labels}
+
+    def source(epoch: int) -> Any:
+        for i in range(64):
+            if rank == 0 and i % 2 == 0:  # a step's first micro-batch (two per step and rank)
+                time.sleep(LATE_S)
+            yield batch
+
+    report = Recorder()
+    run(cfg, parts, source, None, report)
+    metrics = report.reports[-1][0]
+    return {key: metrics[key] for key in metrics if key.startswith("time/")} | {"wall": metrics["interval_s"]}
 
 
 SGD = ["optim.name=sgd", "optim.weight_decay=0", "optim.lr=0.5", "optim.warmup_steps=0", "optim.schedule=constant",
@@ -219,6 +249,19 @@ def test_a_nan_on_one_rank_skips_the_step_on_both_with_the_weights_of_a_run_with
         assert torch.equal(a, b)
 
 
+def test_a_wait_for_a_late_rank_in_the_token_count_is_sync_and_the_shares_tile_the_wall_clock(
+        two_ranks: list[dict[str, Any]]) -> None:
+    late, waiting = (r["token_shares"] for r in two_ranks)
+    phases = [key for key in late if key.startswith("time/") and key != "time/other_frac"]
+    for shares in (late, waiting):
+        assert sum(shares[key] for key in phases) <= 1.0 + 1e-6, shares  # no second is billed twice
+    # Rank 0 waits for its data at least 5 times LATE_S (the loop may fetch the first step's before the interval).
+    assert late["time/data_wait_frac"] * late["wall"] >= 5 * LATE_S, late
+    # Rank 1 spends those seconds in the all-reduce of the token count: sync, and not its compute.
+    assert waiting["time/sync_frac"] * waiting["wall"] >= 0.8 * 5 * LATE_S, (late, waiting)
+    assert waiting["time/compute_frac"] < waiting["time/sync_frac"] / 2, (late, waiting)
+
+
 def _collectives(rank: int, shared: Path) -> dict[str, int]:
     """The all-reduces one step makes before its backward: none for classification (the normaliser is rows x
     world), one for tokens (whose counts differ per rank), started before the forward and waited for after it."""
@@ -231,9 +274,7 @@ def _collectives(rank: int, shared: Path) -> dict[str, int]:
         return original(tensor, *args, **kwargs)
 
     out = {}
-    for name, overrides in {"classification": [],
-                            "tokens": ["model.name=gpt", "model.d_model=16", "model.n_layer=1", "model.n_head=2",
-                                       "data.label=null", "task.name=causal_lm", "model.num_classes=12"]}.items():
+    for name, overrides in {"classification": [], "tokens": TOKENS}.items():
         cfg = _config(*overrides, "train.global_batch_size=8", "train.micro_batch_size=2", "optim.warmup_steps=0",
                       workers=2)
         parts = _built(cfg, 6 if name == "tokens" else FEATURES)
