@@ -21,7 +21,7 @@ from orchestrator.run.checks import check_inspected
 from orchestrator.run.place import RunPlace, place_in
 from orchestrator.tracking.context import changed_keys, context_tags
 from orchestrator.tracking.store import check_server_listens
-from orchestrator.tracking.uri import mask_password, resolve_uri
+from orchestrator.tracking.uri import mask_password, mask_passwords, resolve_uri
 from pipelines.datasets import inspect_run
 from pipelines.sources import DatasetInfo
 
@@ -90,7 +90,8 @@ class RunPlan:
         }
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.describe(), sort_keys=False, default_flow_style=False)
+        """`describe` as YAML, the password of every URI in it masked (it is logged to MLflow)."""
+        return yaml.safe_dump(mask_passwords(self.describe()), sort_keys=False, default_flow_style=False)
 
 
 def _autopilot(c: Config) -> dict[str, Any]:

@@ -1,24 +1,39 @@
 """The tracking URI: which store a command uses (the configured URI, else $MLFLOW_TRACKING_URI, else a local SQLite
 file, made absolute), the SQLite file it names, and the URI as it may be shown: its password masked, or left out of
-an address a browser opens."""
+an address a browser opens. The masking serves every URI of a config, not only the tracking store's."""
 
 from __future__ import annotations
 
 import os
 import re
+from typing import Any
 
 DEFAULT_URI = "sqlite:///mlruns.db"
 
 
 # `scheme://user:PASSWORD@host`: the password of a URI's userinfo (up to the authority's last @).
 _PASSWORD = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://[^\s/@:]*):[^\s/]*@")
+# `?password=SECRET`, `&token=SECRET`: a secret as a query parameter (libpq's and SQLAlchemy's password, an API
+# token or key, a presigned URL's signature), by the common names; other parameters (sslmode, sslkey=<path>) stay.
+_QUERY_SECRET = re.compile(r"([?&](?:[\w.-]*(?:password|passwd|pwd|secret|token|signature|api_?key)[\w.-]*"
+                           r"|pass|sig|key)=)[^&#\s'\"]+", re.IGNORECASE)
 
 
 def mask_password(text: str) -> str:
     """`text` with the password of every URI in it (`postgresql://user:PASSWORD@host/db`, an http server's
-    `http://user:PASSWORD@host`) replaced by `***`: what is logged, written or printed of a tracking URI (MLflow
-    params cannot be deleted). Never what the product connects with."""
-    return _PASSWORD.sub(r"\1:***@", text)
+    `http://user:PASSWORD@host`, `...?password=PASSWORD`, `...?token=TOKEN`) replaced by `***`: what is logged,
+    written or printed of a URI (MLflow params cannot be deleted). Never what the product connects with."""
+    return _QUERY_SECRET.sub(r"\1***", _PASSWORD.sub(r"\1:***@", text))
+
+
+def mask_passwords(tree: Any) -> Any:
+    """A config's plain data (dicts, lists, values; nested or flat) with `mask_password` applied to every string in
+    it: what is written of a config where others read it (study state, tuner.pkl, best.yaml)."""
+    if isinstance(tree, dict):
+        return {key: mask_passwords(value) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [mask_passwords(value) for value in tree]
+    return mask_password(tree) if isinstance(tree, str) else tree
 
 
 def without_userinfo(url: str) -> str:

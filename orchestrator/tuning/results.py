@@ -19,7 +19,7 @@ from orchestrator.run.checks import resolve_for_data
 from orchestrator.run.place import RunPlace
 from orchestrator.tracking.links import experiment_of, experiment_url, run_url, ui_command
 from orchestrator.tracking.tracker import Tracker
-from orchestrator.tracking.uri import mask_password
+from orchestrator.tracking.uri import mask_password, mask_passwords
 from orchestrator.tracking.view import NOTE_TAG
 from orchestrator.tuning.search import TrialNamer, domains, peak_concurrency, short_keys, trial_config
 from orchestrator.tuning.trials import format_table, trial_ledger, trial_status
@@ -79,12 +79,17 @@ STUDY_CADENCE = ("log_every", "eval_every")
 
 def best_yaml(tree: dict[str, Any], params: dict[str, Any], header: str = "") -> str:
     """The full config with the best values, minus the tune section and the study's reporting cadence (see
-    STUDY_CADENCE): `orchestrator train` takes it unchanged."""
+    STUDY_CADENCE): `orchestrator train` takes it unchanged. It is logged to MLflow, so the password of every URI
+    in it is masked, and said so: the command that trains it gives the password again."""
     tree = {**tree, "train": {k: v for k, v in tree.get("train", {}).items()
                               if k not in STUDY_CADENCE or f"train.{k}" in params}}
     config = to_dict(trial_config(tree, params))
     config.pop("tune")
-    return header + yaml.safe_dump(config, sort_keys=False)
+    masked = mask_passwords(config)
+    if masked != config:
+        header += ("# Passwords in URIs are masked (***): give them with --set (e.g. --set tracking.uri=...), or "
+                   "$MLFLOW_TRACKING_URI with tracking.uri left out.\n")
+    return header + yaml.safe_dump(masked, sort_keys=False)
 
 
 def _tune_trials(grid: Any) -> dict[str, tuple[str, float | None, float | None]]:

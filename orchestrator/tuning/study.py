@@ -29,7 +29,7 @@ from orchestrator.run.place import RunPlace, open_run_storage
 from orchestrator.run.trainer import storage_args
 from orchestrator.tracking.context import config_params
 from orchestrator.tracking.tracker import Tracker, closed_on_error, start_tracker
-from orchestrator.tracking.uri import mask_password
+from orchestrator.tracking.uri import mask_passwords
 from orchestrator.tuning.autopilot import record_study_choice, study_board
 from orchestrator.tuning.results import TuneResult, local_dir, pick_best, record, summaries
 from orchestrator.tuning.search import (
@@ -47,7 +47,7 @@ from orchestrator.tuning.search import (
     widest_trial,
 )
 from orchestrator.tuning.trial import in_trial_process, run_trial, trial_resources
-from orchestrator.tuning.trials import StudyCallback
+from orchestrator.tuning.trials import StudyCallback, restored_as
 from pipelines.datasets import inspect_datasets
 from pipelines.sources import DatasetInfo
 from pipelines.storage import Storage
@@ -75,14 +75,13 @@ def _delete(storage: Storage, path: str) -> None:
 
 
 def _fingerprint(config: Config) -> dict[str, Any]:
-    """The config as the study's state keeps it in storage (often a shared bucket): the tracking URI's password
-    masked, so a rotated password continues the same study."""
-    return {key: mask_password(value) if key.startswith("tracking.") and isinstance(value, str) else value
-            for key, value in config.dotted.items()}
+    """The config as the study's state keeps it in storage (often a shared bucket): the password of every URI in
+    it masked (tracking.uri, data.s3.endpoint, ...), so a rotated password continues the same study."""
+    return dict(mask_passwords(config.dotted))
 
 
 def _check_same_study(state: dict[str, Any], config: Config, study: str, study_path: str) -> None:
-    old, new = state.get("config", {}), _fingerprint(config)
+    old, new = mask_passwords(state.get("config", {})), _fingerprint(config)  # masked too: an older state's
     changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
     if changed:
         raise ConfigError(f"study '{study}' at {study_path} was started with a different config "
@@ -205,7 +204,7 @@ def _node_ranks(base: Config, concurrency: int) -> int:
 
 
 def _fit(config: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo], max_steps: int, place: RunPlace,
-         resume: bool, callback: Any, concurrency: int, private_cluster: bool, node_ranks: int,
+         resume: bool, callback: StudyCallback, concurrency: int, private_cluster: bool, node_ranks: int,
          shared_search: bool) -> Any:
     from ray import tune as ray_tune
 
@@ -219,9 +218,11 @@ def _fit(config: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo], ma
     storage = storage_args(place.storage)
     if resume:
         # Finished trials stay finished; unfinished ones restart and their Train runs resume from checkpoints.
-        # Errored ones stay errored: the same config would fail the same way.
-        restored = ray_tune.Tuner.restore(place.path, trainable, resume_unfinished=True,
-                                          storage_filesystem=storage.get("storage_filesystem"))
+        # Errored ones stay errored: the same config would fail the same way. The saved callback (tuner.pkl) has
+        # its passwords masked: it becomes this command's `callback`.
+        with restored_as(callback):
+            restored = ray_tune.Tuner.restore(place.path, trainable, resume_unfinished=True,
+                                              storage_filesystem=storage.get("storage_filesystem"))
         with _credentials_stay_home(), _quiet_tune():
             return restored.fit()
     t = config.tune

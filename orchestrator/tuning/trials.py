@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -20,6 +22,7 @@ from orchestrator.report.cost import REPORTED_AT, RESTART_MARK, Ledger, Pricing,
 from orchestrator.run.checks import resolve_for_data
 from orchestrator.tracking.client import MlflowTracker
 from orchestrator.tracking.context import config_params
+from orchestrator.tracking.uri import mask_password, mask_passwords
 from orchestrator.tuning.autopilot import find_board
 from orchestrator.tuning.search import TRAIN_METRICS, trial_config
 from pipelines.sources import DatasetInfo
@@ -82,6 +85,21 @@ def _short(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+# The resuming command's callback of each study while Tuner.restore unpickles the saved one (`restored_as`).
+_RESTORING: dict[str, StudyCallback] = {}
+
+
+@contextmanager
+def restored_as(callback: StudyCallback) -> Iterator[None]:
+    """While Tune restores a study (Tuner.restore unpickles its tuner.pkl, in this process): its saved callback
+    becomes `callback`, the resuming command's, whose URIs carry the passwords the saved one has masked."""
+    _RESTORING[callback.study] = callback
+    try:
+        yield
+    finally:
+        _RESTORING.pop(callback.study, None)
+
+
 class StudyCallback(Callback):
     """Child runs (tag mlflow.parentRunId: the UI nests them under the study's parent run) with params and step
     metrics (under the tracker's MLflow keys; the trial's cost and other facts in its summary table), closed with a
@@ -111,12 +129,22 @@ class StudyCallback(Callback):
         self._started = time.monotonic()
         self._drawn = 0  # lines of the table on the terminal now, redrawn over
 
-    # Tune pickles its callbacks with the study (for Tuner.restore): keep settings, drop clients and open runs.
-    def __getstate__(self) -> dict[str, Any]:
+    def settings(self) -> dict[str, Any]:
+        """What the callback is made of, without its clients and open runs."""
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
+    # Tune pickles its callbacks into the study's tuner.pkl (often in a shared bucket) for Tuner.restore: settings
+    # only, with no password of any URI (the config tree's, the tracking store's). Restored, the callback takes the
+    # resuming command's own settings (`restored_as`), real passwords included, a rotated one too.
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.settings() | {"tree": mask_passwords(self.tree)}
+        if self.tracking is not None and self.tracking.uri is not None:
+            state["tracking"] = self.tracking.model_copy(update={"uri": mask_password(self.tracking.uri)})
+        return state
+
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        live = _RESTORING.get(state["study"])
+        self.__dict__.update(state if live is None else live.settings())
         self._runtime()
 
     def _run(self, trial: Any) -> MlflowTracker | None:

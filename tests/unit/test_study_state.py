@@ -4,10 +4,13 @@ compared by a continued study, never with the tracking server's password in it."
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import pytest
 
-from orchestrator.config import load_config
+from orchestrator.config import Config, load_config
 from orchestrator.errors import ConfigError
 from orchestrator.tuning.study import _check_same_study, _fingerprint
 
@@ -22,3 +25,77 @@ def test_the_study_state_keeps_no_tracking_password_and_a_new_password_continues
     # Another server is another config.
     with pytest.raises(ConfigError, match="tracking.uri"):
         _check_same_study(state, load_config(None, ["tracking.uri=http://user:SECRET@other:5000"]), "s", "p")
+
+
+@dataclass
+class _Trial:
+    """What the study's callback reads of a Ray Tune Trial to open its child run."""
+
+    trial_id: str
+    config: dict[str, Any]
+    last_result: dict[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return f"lr={self.config['optim.lr']}"
+
+
+def test_the_saved_study_callback_holds_no_password_and_a_resumed_study_tracks_with_the_commands_own(
+        tmp_path: Path) -> None:
+    """Tune pickles the run config's callbacks into `<storage>/<study>/tuner.pkl` (often a shared bucket) and
+    unpickles them on Tuner.restore. The saved callback keeps no password of any URI; the resumed study's callback
+    tracks with the resuming command's config, its password rotated or not."""
+    import ray.cloudpickle  # what Tune writes tuner.pkl with
+    from mlflow.tracking import MlflowClient
+    from ray.tune import RunConfig
+
+    from orchestrator.tracking.client import MlflowTracker
+    from orchestrator.tuning.search import user_tree
+    from orchestrator.tuning.trials import StudyCallback, restored_as
+
+    store = tmp_path / "mlruns.db"
+
+    def config(password: str) -> Config:  # a store URI that carries a secret and still connects (SQLite ignores it)
+        return load_config(None, [f"tracking.uri=sqlite:///{store}?password={password}",
+                                  f"data.s3.endpoint=http://minio:{password}@127.0.0.1:9000"])
+
+    def callback(cfg: Config, parent: str) -> StudyCallback:
+        return StudyCallback("s", user_tree(cfg), ["optim.lr"], "val_accuracy", 30, cfg.tracking, parent,
+                             verbose=False)
+
+    first = config("SECRET")
+    parent = MlflowTracker(first.tracking, "s", tags={"orchestrator.study": "s"})
+    saved = ray.cloudpickle.dumps(RunConfig(name="s", callbacks=[callback(first, parent.run_id)]))
+    assert b"SECRET" not in saved
+
+    # Without the resuming command's callback (nothing restores it so): masked, never the saved password.
+    alone = ray.cloudpickle.loads(saved).callbacks[0]
+    assert alone.tracking.uri == f"sqlite:///{store}?password=***"
+
+    for password in ("SECRET", "ROTATED"):  # the study resumed with its password, or a new one
+        resuming = config(password)
+        with restored_as(callback(resuming, parent.run_id)):
+            restored = ray.cloudpickle.loads(saved).callbacks[0]
+        assert restored.tracking.uri == resuming.tracking.uri and restored.tree == user_tree(resuming)
+        trial = _Trial(f"t_{password}", {"optim.lr": 0.01})
+        restored.on_trial_start(0, [trial], trial)  # opens the trial's child run in the store
+        restored.on_experiment_end([trial])
+        runs = MlflowClient(tracking_uri=resuming.tracking.uri).search_runs(
+            [parent._client.get_run(parent.run_id).info.experiment_id],
+            f"tags.`orchestrator.trial_id` = '{trial.trial_id}'")
+        assert [r.data.tags["mlflow.parentRunId"] for r in runs] == [parent.run_id]
+        assert runs[0].data.params["optim.lr"] == "0.01" and password not in json.dumps(runs[0].data.params)
+    parent.finish("FINISHED")
+
+
+def test_the_study_state_masks_the_password_of_every_uri_in_the_config() -> None:
+    """Not only tracking.*: an S3 endpoint's userinfo, a query parameter's password; a rotated one is the same
+    study."""
+    def config(password: str) -> Config:
+        return load_config(None, [f"data.s3.endpoint=http://minio:{password}@127.0.0.1:9000",
+                                  f"tracking.uri=postgresql://db/mlflow?user=u&password={password}"])
+
+    state = {"config": _fingerprint(config("SECRET"))}
+    assert "SECRET" not in json.dumps(state)
+    assert state["config"]["data.s3.endpoint"] == "http://minio:***@127.0.0.1:9000"
+    assert state["config"]["tracking.uri"] == "postgresql://db/mlflow?user=u&password=***"
+    _check_same_study(state, config("ROTATED"), "s", "p")

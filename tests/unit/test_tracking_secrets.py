@@ -30,6 +30,15 @@ PASSWORD = "s3cr3t-Pa55"
     ("http://me@host:5000", "http://me@host:5000"),  # a user name alone: no password to hide
     ("sqlite:////tmp/mlruns.db", "sqlite:////tmp/mlruns.db"),
     ("http://127.0.0.1:5000/a@b", "http://127.0.0.1:5000/a@b"),  # an @ in the path is no userinfo
+    # A secret as a query parameter: libpq's and SQLAlchemy's password, a token, a presigned URL's signature.
+    (f"postgresql://db/mlflow?user=mlflow&password={PASSWORD}&sslmode=require",
+     "postgresql://db/mlflow?user=mlflow&password=***&sslmode=require"),
+    (f"mysql+pymysql://db/mlflow?passwd={PASSWORD}", "mysql+pymysql://db/mlflow?passwd=***"),
+    (f"http://127.0.0.1:5000/?token={PASSWORD}#x", "http://127.0.0.1:5000/?token=***#x"),
+    (f"https://b.s3.amazonaws.com/w.pt?X-Amz-Security-Token={PASSWORD}&X-Amz-Signature={PASSWORD}",
+     "https://b.s3.amazonaws.com/w.pt?X-Amz-Security-Token=***&X-Amz-Signature=***"),
+    (f"https://host/w.pt?sig={PASSWORD}&api_key={PASSWORD}", "https://host/w.pt?sig=***&api_key=***"),
+    ("postgresql://db/mlflow?sslmode=require&sslkey=/k.pem", "postgresql://db/mlflow?sslmode=require&sslkey=/k.pem"),
 ])
 def test_the_password_of_a_uri_is_masked_and_nothing_else(uri: str, masked: str) -> None:
     assert mask_password(uri) == masked
@@ -86,8 +95,12 @@ def test_doctor_on_an_unreachable_store_names_it_without_its_password(monkeypatc
     assert PASSWORD not in str(refused.value) and f"http://analyst:***@127.0.0.1:{port}" in str(refused.value)
 
 
+@pytest.mark.parametrize(("uri", "masked"), [
+    ("http://me:{}@127.0.0.1:1", "http://me:***@127.0.0.1:1"),
+    ("http://127.0.0.1:1/?token={}", "http://127.0.0.1:1/?token=***"),
+])
 def test_the_runs_storage_and_log_hold_no_password_and_a_resume_still_continues_it(
-        tmp_path: Path, digits_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        uri: str, masked: str, tmp_path: Path, digits_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Run storage is often a shared bucket: the run's `config.yaml` there (what --resume compares against), its
     record and its log hold the URI masked, as the MLflow run does. A resume takes the password from its own config
     (or $MLFLOW_TRACKING_URI): `tracking.` may change on resume, so the masked URI in storage is no obstacle."""
@@ -98,11 +111,12 @@ def test_the_runs_storage_and_log_hold_no_password_and_a_resume_still_continues_
     from orchestrator.tracking.tracker import NullTracker
 
     logged: list[str] = []
+    secret = uri.format(PASSWORD)
 
     class Recording(NullTracker):
         """What the run sends to its MLflow run (params, tags, artifacts), as text."""
 
-        uri, run_id = f"http://me:{PASSWORD}@127.0.0.1:1", "abc"
+        uri, run_id = secret, "abc"
 
         def log_params(self, params: dict[str, Any]) -> None:
             logged.append(json.dumps(params, default=str))
@@ -115,8 +129,9 @@ def test_the_runs_storage_and_log_hold_no_password_and_a_resume_still_continues_
 
     monkeypatch.setattr(launch, "start_tracker", lambda *args, **kwargs: Recording())
     sets = [f"data.train={digits_dir}/train", f"data.val={digits_dir}/val", f"storage.path={tmp_path}/runs",
+            f"data.s3.endpoint=http://minio:{PASSWORD}@127.0.0.1:9000",  # another URI's password
             "experiment=private", "tracking.enabled=false", "train.max_steps=40"]
-    config = load_config(None, [*sets, f"tracking.uri=http://me:{PASSWORD}@127.0.0.1:1"])
+    config = load_config(None, [*sets, f"tracking.uri={secret}"])
     plan = plan_run(config, verbose=False)
     with RunLog() as log:
         launch._open_tracking(plan, log, verbose=False)
@@ -124,16 +139,50 @@ def test_the_runs_storage_and_log_hold_no_password_and_a_resume_still_continues_
     assert {"config.yaml", "orchestrator-run.json", "orchestrator.log"} <= {p.name for p in files}
     leaked = [str(p) for p in files if PASSWORD in p.read_text()] + [text for text in logged if PASSWORD in text]
     assert not leaked, leaked
-    assert "http://me:***@127.0.0.1:1" in Path(plan.place.path, "config.yaml").read_text()  # masked, not dropped
+    assert masked in Path(plan.place.path, "config.yaml").read_text()  # masked, not dropped
+    assert any(text.startswith("run:") for text in logged)  # plan.yaml was among what was logged
 
     # Resumed with the password given again, or another one, or from $MLFLOW_TRACKING_URI: the same run continues
     # with what its command gives, and what it trains is still compared.
-    for uri in (f"http://me:{PASSWORD}@127.0.0.1:1", "http://me:rotated@127.0.0.1:1"):
-        resumed = plan_run(load_config(None, [*sets, f"tracking.uri={uri}"]), resume=True, verbose=False)
-        assert resumed.place.uri == plan.place.uri and to_dict(resumed.config)["tracking"]["uri"] == uri
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://me:{PASSWORD}@127.0.0.1:1")
+    for given in (secret, uri.format("rotated")):
+        resumed = plan_run(load_config(None, [*sets, f"tracking.uri={given}"]), resume=True, verbose=False)
+        assert resumed.place.uri == plan.place.uri and to_dict(resumed.config)["tracking"]["uri"] == given
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", secret)
     assert plan_run(load_config(None, sets), resume=True, verbose=False).place.uri == plan.place.uri
     from orchestrator.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"train\.max_steps: 40 -> 80"):
         plan_run(load_config(None, [*sets[:-1], "train.max_steps=80"]), resume=True, verbose=False)
+
+
+def test_best_yaml_holds_no_password_of_any_uri() -> None:
+    """best.yaml is written beside the study and logged to its MLflow run: every URI's password masked."""
+    from orchestrator.tuning.results import best_yaml
+
+    config = load_config(None, [f"tracking.uri=http://me:{PASSWORD}@mlflow.internal:5000",
+                                f"data.s3.endpoint=http://minio:{PASSWORD}@127.0.0.1:9000"])
+    text = best_yaml(user_tree(config), {"optim.lr": 0.01})
+    assert PASSWORD not in text
+    assert "http://me:***@mlflow.internal:5000" in text and "http://minio:***@127.0.0.1:9000" in text
+    assert "# Passwords in URIs are masked (***): give them with --set" in text  # what training it needs
+    assert "masked" not in best_yaml(user_tree(load_config(None, [])), {"optim.lr": 0.01})  # none to mask
+
+
+def test_a_resume_compares_the_saved_config_as_it_was_masked(tmp_path: Path) -> None:
+    """The run's config.yaml keeps a URI's password masked (a model's weights URL, say): the same config resumes,
+    and a changed one is refused without the password in the message."""
+    from orchestrator.errors import ConfigError
+    from orchestrator.run.place import RunPlace
+    from pipelines.storage import open_storage
+
+    def config(weights: str) -> Any:
+        return load_config(None, ["model.entrypoint=my_models:build", f"model.weights={weights}"])
+
+    place = RunPlace(open_storage(str(tmp_path)), "run")
+    place.write_config(config(f"https://me:{PASSWORD}@host/w.pt?token={PASSWORD}"))
+    assert PASSWORD not in (tmp_path / "run" / "config.yaml").read_text()
+    place.check_resumable(config(f"https://me:{PASSWORD}@host/w.pt?token={PASSWORD}"))
+    place.check_resumable(config("https://me:rotated@host/w.pt?token=rotated"))  # the same weights
+    with pytest.raises(ConfigError, match="model.weights") as refused:
+        place.check_resumable(config(f"https://me:{PASSWORD}@host/other.pt"))
+    assert PASSWORD not in str(refused.value)
