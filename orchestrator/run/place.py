@@ -22,7 +22,7 @@ import pyarrow.fs as pafs
 from orchestrator.config import Config, flatten, to_yaml
 from orchestrator.errors import ConfigError
 from orchestrator.report.cost import attempt_record
-from orchestrator.tracking.uri import mask_password
+from orchestrator.tracking.uri import mask_password, mask_passwords
 from orchestrator.training.resume import checkpointed_cache_decision
 from pipelines.storage import Storage, open_storage
 
@@ -107,7 +107,7 @@ class RunPlace:
         saved = self.read_text(RUN_CONFIG)
         if saved is None:
             return  # the run stopped before it saved its config: nothing was trained yet
-        old, new = flatten(yaml.safe_load(saved) or {}), config.dotted
+        old, new = flatten(yaml.safe_load(saved) or {}), mask_passwords(config.dotted)  # as write_config saved it
         changed = sorted(k for k in old.keys() | new.keys()
                          if old.get(k) != new.get(k) and not k.startswith(RESUMABLE_CHANGES))
         if changed:
