@@ -21,6 +21,7 @@ from orchestrator.tracking.links import TRAINING_VIEW, UI_PORT, experiment_url, 
 from orchestrator.tracking.uri import mask_password, resolve_uri
 
 JOB_EXECUTION = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"
+BACKEND_STORE = "MLFLOW_BACKEND_STORE_URI"  # the envvar of `mlflow ui/server --backend-store-uri`
 START_TIMEOUT_S = 120.0  # a cold MLflow server imports a lot; on a busy laptop this took over a minute
 
 
@@ -64,20 +65,22 @@ def landing_url(uri: str, name: str | None, port: int) -> str:
 
 def start(uri: str, port: int, log_path: Path) -> subprocess.Popen[bytes]:
     """`mlflow ui` for `uri` on 127.0.0.1:`port` from this Python's MLflow, its output in `log_path`, in a session
-    of its own (so Ctrl+C reaches it through this process, which stops it with its workers)."""
+    of its own (so Ctrl+C reaches it through this process, which stops it with its workers). The store's URI goes
+    in its environment, not on its command line, which every user of the machine can read (`ps`): a SQL store's
+    password would be theirs for as long as the UI runs. MLflow hands it on to its server workers the same way."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
-               "--port", str(port), "--workers", "1"]
+    command = [sys.executable, "-m", "mlflow", "ui", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
     with open(log_path, "ab") as log:
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=ui_environment())
+                                env=ui_environment(uri))
 
 
-def ui_environment() -> dict[str, str]:
+def ui_environment(uri: str) -> dict[str, str]:
     """This environment, with MLflow's job runner off unless the user turned it on: its seven consumer processes
     (GenAI evaluation and trace jobs, nothing a training run logs) each import MLflow, about 20 s of CPU that the
-    UI's own start competes with on a laptop."""
-    return {JOB_EXECUTION: "false", **os.environ}
+    UI's own start competes with on a laptop. `uri`: the store to serve, as `mlflow ui --backend-store-uri` reads
+    it from the environment (MLFLOW_BACKEND_STORE_URI), over any the user exported."""
+    return {JOB_EXECUTION: "false", **os.environ, BACKEND_STORE: uri}
 
 
 def wait_until_up(process: subprocess.Popen[bytes], port: int, log_path: Path,

@@ -230,3 +230,35 @@ def test_a_terminated_ui_stops_its_mlflow_server(tmp_path: Path) -> None:
             except (psutil.NoSuchProcess, ProcessLookupError):
                 pass
         ui.wait(timeout=10)
+
+
+def test_the_ui_and_its_server_workers_carry_the_store_in_their_environment_not_their_command_lines(
+        tmp_path: Path) -> None:
+    """Every user of the machine reads a process's command line (`ps`): a SQL store's password there would be
+    theirs while the UI runs. `orchestrator ui` hands `mlflow ui` its store in its environment, and MLflow hands it
+    on to its uvicorn worker the same way: the store is on no command line of the UI's processes, and the UI serves
+    it. A SQLite store (a URI cannot give it a password: its path stands in for one); no Ray, no browser."""
+    import json
+    import urllib.request
+
+    from mlflow.tracking import MlflowClient
+
+    from orchestrator.report.ui import free_port, start, stop, wait_until_up
+
+    store = tmp_path / "the-store-s3cr3t.db"
+    uri = f"sqlite:///{store}"
+    MlflowClient(tracking_uri=uri).create_experiment("served-from-the-environment")
+    port, log = free_port(0), tmp_path / "ui.log"
+    process = start(uri, port, log)
+    try:
+        wait_until_up(process, port, log)
+        tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+        commands = [" ".join(p.cmdline()) for p in tree]
+        assert any("uvicorn" in c for c in commands), commands  # the server's worker is among those looked at
+        assert not [c for c in commands if "s3cr3t" in c], commands
+        url = (f"http://127.0.0.1:{port}/api/2.0/mlflow/experiments/get-by-name"
+               "?experiment_name=served-from-the-environment")
+        with urllib.request.urlopen(url, timeout=30) as answer:
+            assert json.load(answer)["experiment"]["name"] == "served-from-the-environment"
+    finally:
+        stop(process)

@@ -161,7 +161,9 @@ def test_the_ui_starts_without_mlflows_job_runner_unless_the_user_asked(monkeypa
 
     monkeypatch.delenv("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", raising=False)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///kept.db")
-    env = ui_environment()
+    monkeypatch.setenv("MLFLOW_BACKEND_STORE_URI", "sqlite:///exported.db")
+    env = ui_environment("sqlite:///served.db")
     assert env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false" and env["MLFLOW_TRACKING_URI"] == "sqlite:///kept.db"
+    assert env["MLFLOW_BACKEND_STORE_URI"] == "sqlite:///served.db"  # the store asked for, over an exported one
     monkeypatch.setenv("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "true")  # exported: the user's choice stands
-    assert ui_environment()["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "true"
+    assert ui_environment("sqlite:///served.db")["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "true"

@@ -186,3 +186,35 @@ def test_a_resume_compares_the_saved_config_as_it_was_masked(tmp_path: Path) -> 
     with pytest.raises(ConfigError, match="model.weights") as refused:
         place.check_resumable(config(f"https://me:{PASSWORD}@host/other.pt"))
     assert PASSWORD not in str(refused.value)
+
+
+def test_the_ui_gets_a_sql_stores_password_through_its_environment_not_its_command_line(tmp_path: Path) -> None:
+    """Any user of the machine reads a process's command line (`ps`, /proc/<pid>/cmdline): `orchestrator ui` on
+    a SQL store hands `mlflow ui` the store's URI in its environment (readable by its owner only). Here the store
+    is a PostgreSQL server that is not there: the real child starts, shows its command line while it imports
+    MLflow, and fails on the store it was given."""
+    import time
+
+    import psutil
+
+    from orchestrator.report.ui import free_port, start, stop
+
+    uri = f"postgresql://mlflow:{PASSWORD}@127.0.0.1:{free_port(0)}/mlflow"
+    log = tmp_path / "ui.log"
+    process = start(uri, free_port(0), log)
+    seen: list[str] = []
+    deadline = time.monotonic() + 120  # a UI that ignored the store would serve its default one until then
+    try:
+        while process.poll() is None and time.monotonic() < deadline:
+            try:
+                parent = psutil.Process(process.pid)
+                seen += [" ".join(p.cmdline()) for p in (parent, *parent.children(recursive=True))]
+            except psutil.Error:  # it, or a child, ended meanwhile
+                pass
+            time.sleep(0.05)
+    finally:
+        stop(process)
+    assert process.returncode not in (None, 0), log.read_text()  # it failed on the store, not at the deadline
+    assert any("mlflow ui" in line for line in seen), seen
+    assert not [line for line in seen if PASSWORD in line], seen
+    assert "dialects/postgresql" in log.read_text()  # the store it was given is the one it tried
