@@ -39,14 +39,19 @@ class _Trial:
         return f"lr={self.config['optim.lr']}"
 
 
+def _trainable(config: dict[str, Any]) -> None:
+    """A study's trainable: never run here (nothing is fitted)."""
+
+
 def test_the_saved_study_callback_holds_no_password_and_a_resumed_study_tracks_with_the_commands_own(
         tmp_path: Path) -> None:
     """Tune pickles the run config's callbacks into `<storage>/<study>/tuner.pkl` (often a shared bucket) and
     unpickles them on Tuner.restore. The saved callback keeps no password of any URI; the resumed study's callback
-    tracks with the resuming command's config, its password rotated or not."""
+    tracks with the resuming command's config, its password rotated or not. A real Tuner writes and restores the
+    file (neither starts Ray)."""
     import ray.cloudpickle  # what Tune writes tuner.pkl with
     from mlflow.tracking import MlflowClient
-    from ray.tune import RunConfig
+    from ray import tune
 
     from orchestrator.tracking.client import MlflowTracker
     from orchestrator.tuning.search import user_tree
@@ -64,21 +69,26 @@ def test_the_saved_study_callback_holds_no_password_and_a_resumed_study_tracks_w
 
     first = config("SECRET")
     parent = MlflowTracker(first.tracking, "s", tags={"orchestrator.study": "s"})
-    saved = ray.cloudpickle.dumps(RunConfig(name="s", callbacks=[callback(first, parent.run_id)]))
+    tune.Tuner(_trainable, param_space={"optim.lr": tune.choice([0.01])},
+               run_config=tune.RunConfig(name="s", storage_path=str(tmp_path / "studies"),
+                                         callbacks=[callback(first, parent.run_id)]))
+    saved = (tmp_path / "studies" / "s" / "tuner.pkl").read_bytes()
     assert b"SECRET" not in saved
 
-    # Without the resuming command's callback (nothing restores it so): masked, never the saved password.
-    alone = ray.cloudpickle.loads(saved).callbacks[0]
+    # Unpickled without the resuming command's callback (the study never restores it so): masked, no password.
+    alone = ray.cloudpickle.loads(saved)["_run_config"].callbacks[0]
     assert alone.tracking.uri == f"sqlite:///{store}?password=***"
 
     for password in ("SECRET", "ROTATED"):  # the study resumed with its password, or a new one
         resuming = config(password)
         with restored_as(callback(resuming, parent.run_id)):
-            restored = ray.cloudpickle.loads(saved).callbacks[0]
-        assert restored.tracking.uri == resuming.tracking.uri and restored.tree == user_tree(resuming)
+            restored = tune.Tuner.restore(str(tmp_path / "studies" / "s"), _trainable)
+        # The callback Tune will call (Ray has no public accessor for a restored Tuner's run config).
+        study = restored._local_tuner.get_run_config().callbacks[0]
+        assert study.tracking.uri == resuming.tracking.uri and study.tree == user_tree(resuming)
         trial = _Trial(f"t_{password}", {"optim.lr": 0.01})
-        restored.on_trial_start(0, [trial], trial)  # opens the trial's child run in the store
-        restored.on_experiment_end([trial])
+        study.on_trial_start(0, [trial], trial)  # opens the trial's child run in the store
+        study.on_experiment_end([trial])
         runs = MlflowClient(tracking_uri=resuming.tracking.uri).search_runs(
             [parent._client.get_run(parent.run_id).info.experiment_id],
             f"tags.`orchestrator.trial_id` = '{trial.trial_id}'")
