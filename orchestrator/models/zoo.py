@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 from orchestrator.config import ModelConfig, either, keys_elsewhere
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, raised_in_model_code
 from orchestrator.models.registry import Registry, load_entrypoint, suggest
 from pipelines.storage import open_storage, storage_error
 
@@ -112,13 +113,12 @@ def check_model_build(model: ModelConfig, in_features: int | None, num_classes: 
             built = build_model(model.name, model.entrypoint, in_features, num_classes, model.kwargs)
     except ConfigError:
         raise
-    # Only a TypeError/ValueError not about meta tensors blames the options: others may be the driver's (CUDA, network).
-    except (TypeError, ValueError) as exc:
-        if "meta" in str(exc):
+    # Any error of the builder blames it or its options, and every worker would raise it again; but not one about
+    # the meta device this check builds on, a GPU the driver may lack, or the network (the workers may reach it).
+    except Exception as exc:  # noqa: BLE001 - see above
+        if isinstance(exc, (ConnectionError, TimeoutError)) or re.search(r"meta|cuda|device", str(exc), re.I):
             return None
         raise ConfigError(_cannot_build(model, exc)) from None
-    except Exception:  # noqa: BLE001 - see above
-        return None
     if model.pretrained is None:
         return built
     _check_pretrainable(built, model.entrypoint or model.name)
@@ -139,6 +139,8 @@ def _cannot_build(model: ModelConfig, exc: Exception) -> str:
     name, given = model.entrypoint or model.name, model.kwargs
     lines = str(exc).strip().splitlines()
     reason = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    where = raised_in_model_code(exc, users_only=True)  # the line in the user's own builder
+    reason += f" at {where}" if where else ""
     if not given:
         return f"config key '{'model.entrypoint' if model.entrypoint else 'model.name'}': model '{name}' cannot be " \
                f"built ({reason})"

@@ -127,6 +127,7 @@ class RunLog:
     def __init__(self, verbose: bool = False) -> None:
         self.verbose = verbose
         self._file = _PendingFile()
+        self.path: Path | None = None  # the log file, once opened
         self._filter: _ToFile | None = None
         self._diverted: list[logging.Logger | logging.Handler] = []
         self._saved: dict[str, Any] = {}
@@ -155,6 +156,7 @@ class RunLog:
     def open(self, path: Path) -> None:
         """Start writing the log file at `path` (the lines so far included)."""
         self._file.open(path)
+        self.path = path
 
     def divert(self) -> None:
         """Put the filter on every library logger (the records it creates) and on every console handler they or

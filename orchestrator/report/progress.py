@@ -15,13 +15,25 @@ from typing import Any
 from ray.train import UserCallback
 from ray.util.queue import Empty, Queue
 
-from orchestrator.errors import UserError
+from orchestrator.errors import UserError, raised_in_model_code
 
-# Errors in the user's code or config that every restart would raise again (a wrong shape, a missing key, a bad
-# option, a non-finite loss): not worth a restart when they come before the run's first report. A crash, an I/O or
-# network error or a collective's RuntimeError may be transient and is retried.
+# Errors in the user's code or config that every restart would raise again (a missing key, a bad option, a
+# non-finite loss): not worth a restart when they come before the run's first report. A crash, a network error or a
+# collective's RuntimeError may be transient and is retried.
 DETERMINISTIC = (TypeError, ValueError, AttributeError, KeyError, IndexError, NameError, ImportError,
                  NotImplementedError, UserError)
+# ...and these too when raised in the model's own code (the user's, or the product's models): a shape that does not
+# multiply, an assertion, a file the builder cannot find. Never out of memory (a retry may fit), nor a collective's.
+IN_MODEL_CODE = (RuntimeError, AssertionError, ArithmeticError, FileNotFoundError, IsADirectoryError,
+                 NotADirectoryError, PermissionError)
+
+
+def repeats(raised: BaseException, where: str | None) -> bool:
+    """Whether a failure before the run's first report would fail every restart the same way."""
+    if isinstance(raised, DETERMINISTIC):
+        return True
+    transient = "OutOfMemory" in type(raised).__name__ or type(raised).__name__.startswith("Dist")
+    return where is not None and isinstance(raised, IN_MODEL_CODE) and not transient
 
 
 class ForwardFailures(UserCallback):
@@ -38,8 +50,9 @@ class ForwardFailures(UserCallback):
         text = (str(exc).strip().splitlines() or [""])[-1]
         name = type(raised).__name__
         error = text if text.startswith(name) else f"{name}: {text}"  # a traceback's last line names it already
-        self.queue.put({"event": "worker_failure", "rank": rank, "error": error[:300],
-                        "repeats": isinstance(raised, DETERMINISTIC)})
+        where = raised_in_model_code(exc)
+        self.queue.put({"event": "worker_failure", "rank": rank, "error": error[:300], "at": where,
+                        "repeats": repeats(raised, where)})
 
 
 class ForwardCheckpoints(UserCallback):

@@ -29,7 +29,13 @@ from orchestrator.report.autopilot import achieved_figures, record_autopilot, ta
 from orchestrator.report.console import LOG_FILE, RunLog
 from orchestrator.report.cost import build_ledger, ledger_across_attempts, resolve_pricing
 from orchestrator.report.plots import plot_history
-from orchestrator.report.progress import ForwardCheckpoints, ForwardFailures, ReportConsumer, progress_line
+from orchestrator.report.progress import (
+    ForwardCheckpoints,
+    ForwardFailures,
+    ProgressLines,
+    ReportConsumer,
+    setup_line,
+)
 from orchestrator.report.startup import StartupClock
 from orchestrator.run.alongside import Alongside, ended_on_error
 from orchestrator.run.place import AttemptLog, RunPlace
@@ -292,6 +298,11 @@ class _Reports:
         self.failures: list[float] = []
         self.doomed: list[str] = []  # an error in the user's code or config before the first report
         self.autopilot: dict[str, Any] | None = None  # the autopilot's report (autopilot_report.py), once it came
+        t = plan.config.train
+        self.lines = ProgressLines(t.max_steps or 0, t.global_batch_size,
+                                   t.eval_every if plan.config.data.val is not None else None,
+                                   plan.config.tune.metric or "")
+        self.setup: dict[str, Any] | None = None  # what the workers said they run, as last printed
 
     @property
     def tracker(self) -> Tracker:
@@ -312,6 +323,11 @@ class _Reports:
         if report.get("event") == "worker_failure":
             self._failed(report)
             return
+        if report.get("event") == "setup":  # before the first step of each (re)start: said once, and when it changed
+            if self.verbose and report != self.setup:
+                print(setup_line(report, self.plan.datasets["train"].num_rows), flush=True)
+            self.setup = report
+            return
         autopilot = take_autopilot(report)  # a dict, never a metric
         if clock.take_worker_marks(report):
             tracker.log_metrics(clock.metrics(), step=report["step"])
@@ -329,8 +345,7 @@ class _Reports:
         if "precision" in report:
             tracker.set_tags({"orchestrator.precision": report["precision"]})
         if self.verbose:
-            print(progress_line(report, config.train.max_steps or 0, config.train.global_batch_size,
-                                config.tune.metric or ""), flush=True)
+            print(self.lines(report), flush=True)
 
     def _autopilot(self, autopilot: dict[str, Any], step: int) -> None:
         """The search's table shown and tracked. A restarted worker group sends its choice again, kept from the
@@ -347,7 +362,8 @@ class _Reports:
         step = self.history[-1]["step"] if self.history else 0
         self.tracker.set_tags({f"orchestrator.failure.{len(self.failures)}": f"after step {step}: {report['error']}"})
         if report.get("repeats") and not self.history and self.private_cluster:
-            self.doomed.append(report["error"])  # the main thread stops the run: a restart would fail the same way
+            # The main thread stops the run: a restart would fail the same way.
+            self.doomed.append(report["error"] + (f" (at {report['at']})" if report.get("at") else ""))
             return
         print(f"worker {report['rank']} failed: {report['error']} (restarting from the last checkpoint)",
               file=sys.stderr)
@@ -376,7 +392,7 @@ def _fit(plan: RunPlan, inputs: _Inputs, opening: Alongside, verbose: bool, cloc
         raise RunFailedError(f"training failed: {root_cause(exc)} (run directory: {place.uri})") from None
     except _Doomed as exc:
         raise RunFailedError(f"training failed before its first report: {exc}; not retried, as every restart would "
-                             f"fail the same way (run directory: {place.uri})") from None
+                             f"fail the same way (traceback in {log.path}; run directory: {place.uri})") from None
     _remove_unregistered_checkpoints(result)
     # The checkpoints retention kept, each a LoggedModel of the run (checkpoint_models.py); the others' models go.
     kept = {_checkpoint_uri(config, c.path): m.get("step") for c, m in result.best_checkpoints or []}

@@ -1,8 +1,8 @@
 """A user model (loaded through `model.entrypoint`) with fault-injection knobs for the reliability tests:
 - `step_s`: sleep per training forward, so a run lasts long enough to be killed from outside mid-run;
 - `nan_call`/`nan_rank`: NaN logits on that rank's n-th training forward (one rank only: the skip must be agreed);
-- `raise_call`: a ValueError (a bug in the user's forward) on every rank's n-th training forward, each recorded as
-  a file in the `marker` directory, so a test counts the attempts;
+- `raise_call`: a RuntimeError (a shape bug in the user's forward) on every rank's n-th training forward, each
+  recorded as a file in the `marker` directory, so a test counts the attempts;
 - `die_in_checkpoint`: SIGKILL the worker halfway through writing its n-th checkpoint (while torch.save pickles
   state.pt; counted by picklings, since state_dict() is also called elsewhere), once (a marker file remembers it);
 - `late_build_s`: a process that builds the model after `late_after` other processes did (each records its pid in
@@ -58,7 +58,7 @@ class Faulty(torch.nn.Module):
                 out = out * float("nan")
             if self.calls == self.raise_call:
                 Path(self.marker, f"raised-{os.getpid()}").write_text("")
-                raise ValueError("a bug in the user's forward")
+                return self.net[0](out)  # the commonest model bug: RuntimeError, mat1 and mat2 shapes ...
         return out
 
     def get_extra_state(self) -> Any:

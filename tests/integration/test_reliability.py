@@ -415,7 +415,12 @@ def test_an_error_every_restart_would_repeat_is_not_retried(tmp_path: Path, digi
     assert done.returncode == 2, done.stderr[-3000:]
     *_, line = done.stderr.strip().splitlines()
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
-    assert re.match(r"error: training failed before its first report: .*ValueError: a bug in the user's forward; "
-                    r"not retried, as every restart would fail the same way \(run directory: ", line), line
+    at = next(i for i, text in enumerate((Path(__file__).parent / "fault_model.py").read_text().splitlines(), 1)
+              if "the commonest model bug" in text)
+    found = re.match(r"error: training failed before its first report: RuntimeError: mat1 and mat2 shapes cannot be "
+                     r"multiplied \(\d+x10 and 64x32\) \(at (.+)\); not retried, as every restart would fail the "
+                     r"same way \(traceback in (.+); run directory: ", line)
+    assert found and found[1] == f"{Path(__file__).parent / 'fault_model.py'}:{at}", line
+    assert "mat1 and mat2 shapes cannot be multiplied" in Path(found[2]).read_text()  # the traceback is where it says
     # One attempt (each of its 2 workers raised at most once), not the 4 that failure.max_failures=3 allows.
     assert len(list((tmp_path / "raised").iterdir())) <= 2

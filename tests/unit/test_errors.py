@@ -48,6 +48,8 @@ def my_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]
         "def data_dependent(in_features, num_classes, width=8):\n"
         "    scale = torch.ones(1).item()  # no meta kernel can answer this: checked in the workers instead\n"
         "    return torch.nn.Linear(in_features, int(width * scale))\n"
+        "def needs_file(in_features, num_classes):\n"
+        "    return torch.load('/nonexistent/weights.pt')\n"
         "def gpu_only(in_features, num_classes, width=8):\n"
         "    torch.cuda.current_device()  # a driver without a GPU cannot run this; the workers can\n"
         "    return torch.nn.Linear(in_features, num_classes)\n"
@@ -76,10 +78,20 @@ def test_options_the_builder_cannot_take_are_refused_naming_the_key() -> None:
 def test_a_users_builder_is_checked_with_its_options(my_models: Path) -> None:
     assert refusal(None, ["model.entrypoint=my_models:picky", "model.depth=0"]) == (
         "config key 'model.depth': model 'my_models:picky' cannot be built with depth=0 (ValueError: depth must be "
-        "at least 1, got 0)")
+        f"at least 1, got 0 at {_line(my_models, 'raise ValueError')})")
     assert refusal(None, ["model.entrypoint=my_models:needs_vocab"]) == (
         "config key 'model.entrypoint': model 'my_models:needs_vocab' cannot be built (TypeError: needs_vocab() "
         "missing 1 required positional argument: 'vocab')")
+    # Any error of the builder, not only a TypeError or ValueError: every worker would raise it again.
+    assert refusal(None, ["model.entrypoint=my_models:needs_file"]) == (
+        "config key 'model.entrypoint': model 'my_models:needs_file' cannot be built (FileNotFoundError: [Errno 2] "
+        f"No such file or directory: '/nonexistent/weights.pt' at {_line(my_models, 'nonexistent')})")
+
+
+def _line(folder: Path, text: str) -> str:
+    """'path:line' of the line of my_models.py that holds `text`."""
+    path = folder / "my_models.py"
+    return f"{path}:{next(i for i, line in enumerate(path.read_text().splitlines(), 1) if text in line)}"
     resolve_for_data(load_config(None, ["model.entrypoint=my_models:picky", "model.depth=3"]), DIGITS)
 
 
