@@ -74,7 +74,9 @@ def build_trainer(config: Config, spec: dict[str, Any], datasets: dict[str, Any]
             worker_runtime_env={"env_vars": _worker_env(config)},
         ),
         datasets=datasets,
-        dataset_config=ray.train.DataConfig(datasets_to_split="all", execution_options=options),
+        # Only the training data is split (equally: the ranks' steps stay aligned). Every rank reads the validation
+        # data whole and scores its stride of it (worker.rank_shard): an equal split would leave rows mod workers out.
+        dataset_config=ray.train.DataConfig(datasets_to_split=["train"], execution_options=options),
         # The workers import the training side while the group starts (training/warm.py); under
         # failure.mode=replicas, torchft's replica groups instead.
         torch_config=replica_torch_config() if config.failure.mode == "replicas" else WarmTorchConfig(),

@@ -24,6 +24,7 @@ from orchestrator.training.reporting import RayReporter, quiet_report_log
 from orchestrator.training.resume import loadable_checkpoint, read_checkpoint
 from pipelines.batches import RankBatches, collate_sample
 from pipelines.datasets import REPLAY
+from pipelines.shards import StridedShard
 from pipelines.storage import fetch_prefix
 
 
@@ -67,12 +68,14 @@ class Seat:
 
 def rank_shard(spec: dict[str, Any], name: str, seat: Seat, otherwise: Callable[[str], Any]) -> Any:
     """The rank's shard of dataset `name`: its part of held small data (pipelines/held.py), else `otherwise(name)`
-    (Ray Train's split of the dataset, or in a Tune trial its whole iterator). Training takes equal parts (the ranks'
-    steps stay aligned); validation takes every row once, so its figures do not depend on the world size."""
+    (Ray Train's split of the training data, its whole iterator of the validation data, of which the rank keeps its
+    stride; in a Tune trial the whole iterator). Training takes equal parts (the ranks' steps stay aligned);
+    validation takes every row once, so its figures do not depend on the world size."""
     held = (spec.get("held") or {}).get(name)
-    if held is None:
-        return otherwise(name)
-    return held.shard(seat.rank, seat.world, seat.device, equal=name == "train")
+    if held is not None:
+        return held.shard(seat.rank, seat.world, seat.device, equal=name == "train")
+    shard = otherwise(name)
+    return StridedShard(shard, seat.rank, seat.world) if name != "train" and seat.world > 1 else shard
 
 
 def rank_config(spec: dict[str, Any], world: int) -> Config:
