@@ -246,12 +246,10 @@ def run(
 
 
 def _group_peak(parts: Parts, configured_tflops: float | None, replicas: Replicas | None) -> float | None:
-    """Peak FLOP/s of every device whose rows the report's samples count (MFU's denominator): the group's ranks, or
-    under failure.mode=replicas the last quorum's live replicas (each replica's own group is of one, yet it counts
-    the global batch that all of them trained)."""
+    """Peak FLOP/s of every device whose rows a report's samples count: the group's ranks, or under replicas the last
+    quorum's live replicas (a replica's own group is of one, yet it counts the global batch all of them trained)."""
     peak = peak_flops(parts.device, configured_tflops, parts.precision.mode)
-    devices = replicas.participants if replicas is not None else ranks.world()[1]
-    return peak * devices if peak else None
+    return peak * (replicas.participants if replicas is not None else ranks.world()[1]) if peak else None
 
 
 def _take(stream: Iterator[Batch], pieces: int, first: list[Batch] | None, timer: PhaseTimer,
@@ -346,8 +344,7 @@ def _report(due: Due, interval: Interval, progress: Progress, parts: Parts, repo
             micro_batch_size: int | str | None, max_nonfinite: int) -> tuple[dict[str, Any], Interval]:
     """A report step: the interval's figures summed over ranks, evaluation and a checkpoint when due, then the
     report. Returns its metrics and the next interval, which starts before the report so that time blocked in
-    registering the checkpoint is billed to it as "report". `once`: figures sent with this report only. `peak`: of
-    all the devices whose rows the interval's samples count (`_group_peak`)."""
+    registering the checkpoint is billed to it as "report". `once`: figures sent with this report only."""
     world = ranks.world()[1]
     # Raises on a non-finite loss before anything is evaluated or saved: a broken model is never persisted.
     metrics, samples, targets = _interval_metrics(interval, progress, parts, world, max_nonfinite)
@@ -378,7 +375,7 @@ def _report(due: Due, interval: Interval, progress: Progress, parts: Parts, repo
     if getattr(parts.task, "counts_tokens", False):  # a user's task need not subclass Task
         metrics["tokens_per_s"] = targets / seconds
     flops = once.get("flops_per_sample")
-    if peak and flops:  # model FLOPs utilisation of the devices over the wall clock
+    if peak and flops:  # model FLOPs utilisation of the devices (`peak`: all of theirs) over the wall clock
         metrics["mfu"] = flops * metrics["samples_per_s"] / peak
     metrics |= once
     following = Interval(PhaseTimer(parts.device), comm_start=parts.comm_bytes)
