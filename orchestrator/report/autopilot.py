@@ -135,7 +135,7 @@ def table_lines(autopilot: Mapping[str, Any], mark: str = "✓") -> list[str]:
     lines = []
     if measured:
         lines.append(f"autopilot: candidates measured on the run's own steps, {_IN_STEPS} ({_STEPS_ARE}; the "
-                     "progress lines' samples/s are over the wall clock)")
+                     "progress lines' samples/s also count data waits)")
         lines += [("  " + "  ".join(c[0].ljust(widths[0]) if i == 0 else c[i].rjust(widths[i])
                                     for i in range(len(c)))).rstrip() for c in cells]
         hidden = _not_shown(autopilot, measured)

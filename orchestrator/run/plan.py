@@ -71,7 +71,8 @@ class RunPlan:
             "model": {"name": c.model.entrypoint or c.model.name, "in_features": self.in_features,
                       "outputs": c.model.num_classes},
             "training": {"steps": c.train.max_steps, "global_batch_size": c.train.global_batch_size,
-                         "micro_batch_size": c.train.micro_batch_size, "precision": c.train.precision,
+                         "micro_batch_size": c.train.micro_batch_size,
+                         "precision": planned_precision(c.train.precision, c.scaling.use_gpu),
                          "parallel": c.train.parallel, "sync": c.train.sync,
                          "workers": c.scaling.num_workers if isinstance(c.scaling.num_workers, int)
                          else list(c.scaling.num_workers), "use_gpu": c.scaling.use_gpu},
@@ -93,6 +94,23 @@ class RunPlan:
         """`describe` as YAML, the password of every URI in it masked (it is logged to MLflow)."""
         return yaml.safe_dump(mask_passwords(self.describe()), sort_keys=False, default_flow_style=False)
 
+
+def planned_precision(requested: str, use_gpu: bool) -> str:
+    """train.precision as the workers resolve it (training/precision.py, on their device), resolved here on this
+    machine's device of their kind: its CPU for CPU workers (a local cluster's run here), its GPU for GPU workers;
+    a GPU run planned on a machine without one gets what `auto` would choose there. The first line of the run says
+    what the workers resolved."""
+    if requested != "auto":
+        return requested
+    import torch
+
+    from orchestrator.training.precision import resolve_precision
+
+    if not use_gpu:
+        return resolve_precision(requested, torch.device("cpu"))
+    if torch.cuda.is_available():
+        return resolve_precision(requested, torch.device("cuda"))
+    return "bf16 on a GPU that runs it natively (Ampere or newer), else fp16"
 
 def _autopilot(c: Config) -> dict[str, Any]:
     """The autopilot's setting: its budget, and the keys it measures (docs/autopilot.md): those that leave the

@@ -26,12 +26,14 @@ _KEYS = {
     # train.parallel's facts: ddp or fsdp, and the fp32 parameter and optimizer-state bytes one worker holds.
     "parallel": "train/parallel", "param_bytes_per_rank": "train/param_bytes_per_rank",
     "optimizer_bytes_per_rank": "train/optimizer_bytes_per_rank",
-    "samples_per_s": "perf/samples_per_s", "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu",
+    # samples/s over the interval's wall clock (the cost ledger's), and training's own pace (the headline's).
+    "samples_per_s": "perf/samples_per_s", "train_samples_per_s": "perf/train_samples_per_s",
+    "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu",
     # One name for the interval's data-wait share (the loop reports it twice, as a time/* share and on its own).
     "data_wait_frac": "perf/data_wait_frac", "time/data_wait_frac": "perf/data_wait_frac",
     "comm_bytes": "perf/comm_bytes", "comm_bytes_per_sample": "perf/comm_bytes_per_sample",
     "flops_per_sample": "perf/flops_per_sample", "compile_s": "perf/compile_s",
-    "interval_s": "time/interval_s",
+    "interval_s": "time/interval_s", "eval_s": "time/eval_s",
     # checkpoint.every=auto's interval and its inputs: not a `checkpoint/` section, which the run page would list
     # before the headline one (it orders sections by name).
     "checkpoint/interval_s": "time/checkpoint_interval_s", "checkpoint/cost_s": "time/checkpoint_cost_s",
@@ -87,9 +89,10 @@ def logged_as(key: str) -> Literal["metric", "summary"] | None:
 
 def headline_keys(metric: str | None) -> dict[str, str]:
     """MLflow key -> the key it is charted under in the headline section: the training loss, the task's validation
-    metric `metric` (tune.metric, resolved per task; val_loss when it is not a validation figure) and samples/s."""
+    metric `metric` (tune.metric, resolved per task; val_loss when it is not a validation figure) and training's
+    samples/s (evaluation and checkpoints taken out, so a steady run charts a flat line)."""
     val = metric if metric and metric.startswith("val_") else "val_loss"
-    return {mlflow_key(name): HEADLINE + name for name in ("train_loss", val, "samples_per_s")}
+    return {mlflow_key(name): HEADLINE + name for name in ("train_loss", val, "train_samples_per_s")}
 
 
 def canonical_key(key: str) -> str:

@@ -371,6 +371,10 @@ def _report(due: Due, interval: Interval, progress: Progress, parts: Parts, repo
     seconds = max(time.perf_counter() - interval.timer.started, 1e-9)
     metrics["interval_s"] = seconds
     metrics["samples_per_s"] = samples / seconds
+    # Training's own pace (the headline's, the progress line's): evaluation, checkpoint and a blocked report aside.
+    aside = sum(interval.timer.seconds[phase] for phase in ("eval", "checkpoint", "report"))
+    metrics["train_samples_per_s"] = samples / max(seconds - aside, 1e-9)
+    metrics |= {"eval_s": interval.timer.seconds["eval"]} if due.eval else {}
     metrics["data_wait_frac"] = metrics["time/data_wait_frac"]
     if getattr(parts.task, "counts_tokens", False):  # a user's task need not subclass Task
         metrics["tokens_per_s"] = targets / seconds

@@ -15,10 +15,10 @@ import torch
 from orchestrator.config import Config, config_from_dict
 from orchestrator.training import ranks
 from orchestrator.training.autopilot import kept_config
-from orchestrator.training.checkpoint import Progress, data_position, restore
+from orchestrator.training.checkpoint import Progress, data_position, restore, unwrap
 from orchestrator.training.loop import Reporter, run
 from orchestrator.training.micro_batch import for_world_size, with_auto_micro_batch
-from orchestrator.training.parts import build_parts, compile_model
+from orchestrator.training.parts import Parts, build_parts, compile_model
 from orchestrator.training.precision import flush_denormals
 from orchestrator.training.reporting import RayReporter, quiet_report_log
 from orchestrator.training.resume import loadable_checkpoint, read_checkpoint
@@ -51,7 +51,7 @@ def train_worker(spec: dict[str, Any], entered: float) -> dict[str, Any]:
         val_shard = rank_shard(spec, "val", seat, ray.train.get_dataset_shard) if cfg.data.val is not None else None
     try:
         return train_rank(spec, cfg, seat, checkpoint_to_resume, train_shard, val_shard, reporter,
-                          preempted if cfg.checkpoint.on_preemption else None)
+                          preempted if cfg.checkpoint.on_preemption else None, announce=reporter.publish)
     finally:
         reporter.close()
 
@@ -93,10 +93,12 @@ def rank_config(spec: dict[str, Any], world: int) -> Config:
 
 def train_rank(spec: dict[str, Any], cfg: Config, seat: Seat, load_state: Callable[[], dict[str, Any] | None],
                train_shard: Any, val_shard: Any | None, reporter: Reporter,
-               preempted: Callable[[], bool] | None) -> dict[str, Any]:
+               preempted: Callable[[], bool] | None,
+               announce: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """One rank from its device on: model, optimizer and data wired from `spec` (see train_worker), the checkpoint
     `load_state` returns restored, then `loop.run`. Shared by Ray Train's workers and a one-worker Tune trial that
-    trains in its own process (tuning/trial.py): same seed, same set-up, same loop, same figures."""
+    trains in its own process (tuning/trial.py): same seed, same set-up, same loop, same figures. `announce` gets
+    `what_runs` before the first step (rank 0's goes to the driver's terminal)."""
     device = seat.device
     pretrained = fetch_pretrained(cfg.model.pretrained, cfg.data.s3) if cfg.model.pretrained else None
     state = load_state()
@@ -133,11 +135,26 @@ def train_rank(spec: dict[str, Any], cfg: Config, seat: Seat, load_state: Callab
              "global_batch": t.micro_batch_size * t.grad_accum_steps * seat.world,  # type: ignore[operator]
              "worker_pid": os.getpid(), "world_rank": seat.rank, "at/worker": seat.entered,
              "at/last_worker": last_in} | restored
+    if announce is not None:
+        announce(what_runs(parts, cfg, seat, progress.step))
     if cfg.failure.mode == "replicas":
         return run_replica(cfg, parts, data, reporter, progress, facts, seat, spec.get("train_rows"))
     return run(cfg, parts, data.train, data.val if cfg.data.val is not None else None, reporter, progress,
                preempted, facts, resize=data.resize)
 
+
+def what_runs(parts: Parts, cfg: Config, seat: Seat, step: int) -> dict[str, Any]:
+    """What the group trains, as rank 0 set it up (report/progress.py `setup_line` prints it): the built model's
+    parameters, the precision `auto` resolved to on this device, the devices, the micro-batch (`auto` found by
+    now), the accumulation and the steps, from `step` on."""
+    t = cfg.train
+    device = torch.cuda.get_device_name(seat.device) if seat.device.type == "cuda" else seat.device.type
+    micro, accumulation = t.micro_batch_size, t.grad_accum_steps
+    assert isinstance(micro, int) and isinstance(accumulation, int)  # resolved for the world size by now
+    return {"event": "setup", "params": sum(p.numel() for p in unwrap(parts.model).parameters()),
+            "precision": parts.precision.mode, "device": device, "workers": seat.world, "micro_batch": micro,
+            "grad_accum_steps": accumulation, "global_batch": micro * accumulation * seat.world,
+            "max_steps": t.max_steps, "from_step": step}
 
 def rank_batches(spec: dict[str, Any], cfg: Config, seat: Seat, train_shard: Any, val_shard: Any | None
                  ) -> RankBatches:

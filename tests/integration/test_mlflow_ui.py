@@ -163,7 +163,7 @@ def test_the_printed_urls_open_the_training_views(browser: str, trained: tuple[T
     # in the section's name order; checkpoint.every=auto's figures come later, with the time shares.
     legend = re.compile(rf"^{re.escape(run.info.run_name)} \((\S+)\)$")
     charts = [m[1] for p in page if (m := legend.match(p))]
-    assert charts[:3] == ["headline/samples_per_s", "headline/train_loss", "headline/val_accuracy"], charts
+    assert charts[:3] == ["headline/train_loss", "headline/train_samples_per_s", "headline/val_accuracy"], charts
     assert not [k for k in run.data.metrics if k.rsplit("/", 1)[0] < "headline"], sorted(run.data.metrics)
     assert page.index("train_loss") < page.index(f"{run.info.run_name} (headline/train_loss)")  # titled by name
 

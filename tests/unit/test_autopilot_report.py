@@ -88,7 +88,7 @@ def test_the_report_is_taken_out_of_the_metrics_with_the_step_it_came_at() -> No
 
 
 HEADING = ("autopilot: candidates measured on the run's own steps, samples/s in training steps (compute and gradient "
-           "sync; the progress lines' samples/s are over the wall clock)")
+           "sync; the progress lines' samples/s also count data waits)")
 # What the summary's autopilot line says of its samples/s, against the throughput line's.
 STEPS_ARE = ("(compute and gradient sync; the throughput over the training's wall clock also counts data waits, "
              "evaluation and checkpoints)")

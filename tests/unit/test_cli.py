@@ -107,6 +107,11 @@ def test_show_config_plan_prints_what_train_decides_before_ray_starts(tmp_path: 
     assert config["train"]["max_steps"] == plan["training"]["steps"] == steps and config["model"]["num_classes"] == 10
     assert plan["data"]["train"]["rows"] == rows and plan["run"]["place"].startswith(f"{tmp_path}/runs/")
     assert plan["tracking"] is None and not (tmp_path / "runs").exists()  # planned, nothing written
+    # The precision the CPU workers will run, resolved as they resolve it: never `auto` itself.
+    from orchestrator.training.precision import resolve_precision
+
+    assert config["train"]["precision"] == "auto" and plan["training"]["precision"] == resolve_precision(
+        "auto", torch.device("cpu"))
     refused = cli("show-config", "--plan", *sets, "--set", f"optim.warmup_steps={steps}")
     assert refused.returncode == 2 and "optim.warmup_steps" in refused.stderr
 
