@@ -88,7 +88,7 @@ class _Average:
 
 
 def _duration(seconds: float) -> str:
-    seconds = int(max(0, seconds))
+    seconds = round(max(0.0, seconds))  # to the nearest second: cutting the fraction off would read early
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 

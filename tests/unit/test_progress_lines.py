@@ -81,3 +81,11 @@ def test_lines_say_what_the_eta_does_not_count_yet_and_what_evaluation_took() ->
     evaluated = rows[EVAL_EVERY // LOG_EVERY - 1][1]
     assert f"val acc 0.900 (eval {evaluated['eval_s']:.1f} s)" in lines[EVAL_EVERY // LOG_EVERY - 1]
     assert lines[-1].startswith(f"step {STEPS}/{STEPS} | loss ") and lines[-1].endswith("eta 0:00:00")
+
+
+def test_the_eta_rounds_to_the_nearest_second() -> None:
+    # 75 steps left at 0.104 s a step (no evaluation, nothing else): 7.8 s, shown as 8 s, not cut down to 7.
+    lines = ProgressLines(100, BATCH, None, "val_accuracy")
+    row = {"step": 25, "train_loss": 1.0, "lr": 1e-3, "samples_per_s": 25 * BATCH / 2.6,
+           "train_samples_per_s": 25 * BATCH / 2.6, "interval_s": 2.6, "data_wait_frac": 0.0}
+    assert lines(row).endswith("| eta 0:00:08"), lines(row)
