@@ -133,8 +133,8 @@ def summaries(grid: Any, tree: dict[str, Any], infos: dict[str, DatasetInfo], me
             rows = [{k: v for k, v in row.items() if v == v} for row in frame.to_dict("records")]
             ledger = trial_ledger(rows, started, ended, resolve_pricing(resolved))
         if frame is not None and "step" in frame:
-            keep = [c for c in ("step", "train_loss", "val_loss", "val_accuracy", metric, "samples_per_s")
-                    if c in frame]
+            keep = [c for c in ("step", "train_loss", "val_loss", "val_accuracy", metric, "samples_per_s",
+                                "train_samples_per_s") if c in frame]
             history = [{k: v for k, v in row.items() if v == v} for row in frame[list(dict.fromkeys(keep))]
                        .to_dict("records")]  # v == v drops NaN (reports without eval)
         name = (namer or TrialNamer(tuple(short_keys(params).items())))(params)
@@ -213,11 +213,11 @@ def record(config: Config, tree: dict[str, Any], trials: list[TrialSummary], bes
 
 
 def headline_figures(trial: TrialSummary, metric: str) -> dict[str, float]:
-    """The trial's headline figures (tracking.view.headline_keys: training loss, `metric`, samples/s) at its last report
-    that has each."""
+    """The trial's headline figures (tracking.view.headline_keys: training loss, `metric`, training samples/s) at its
+    last report that has each."""
     figures: dict[str, float] = {}
     for row in trial.history:
-        figures |= {k: v for k, v in row.items() if k in ("train_loss", metric, "samples_per_s")}
+        figures |= {k: v for k, v in row.items() if k in ("train_loss", metric, "train_samples_per_s")}
     return figures
 
 

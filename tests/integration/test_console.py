@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[2]
 # The product's own lines, start to end of a run (README shows them).
-PRODUCT = re.compile(r"^(Ray and MLflow logs: |start-up [\d.]+ s to the first step: |step \d+/\d+ \| |"
+PRODUCT = re.compile(r"^(Ray and MLflow logs: |run: [\d,]+ params \| |start-up [\d.]+ s to the first step: |"
+                     r"step \d+/\d+ \| |"
                      r"auto micro-batch: |finished |final validation|time: |throughput: |parallel: |cost: |"
                      r"checkpoint: |MLflow run|open the MLflow UI: |this run in the MLflow UI: |warning: |"
                      r"autopilot: |  candidate +samples/s|  micro \d+ x \d+ \| )")
@@ -37,7 +38,10 @@ def test_a_healthy_run_prints_only_the_products_lines(tmp_path: Path, digits_dir
     _check_the_start_up_against_a_stopwatch(lines, seen, tmp_path)
     assert [line for line in lines if not PRODUCT.match(line)] == []
     assert done.stderr.strip() == "", done.stderr  # no library warning, deprecation or worker noise
-    assert sum(line.startswith("step ") for line in lines) == 4 and len(lines) <= (30 if autopilot else 16), lines
+    assert sum(line.startswith("step ") for line in lines) == 4 and len(lines) <= (31 if autopilot else 17), lines
+    assert sum(line.startswith("run: ") for line in lines) == 1, lines  # what runs, before the first step's lines
+    assert lines.index(next(line for line in lines if line.startswith("run: "))) < lines.index(
+        next(line for line in lines if line.startswith("step "))), lines
     if autopilot:
         _check_the_autopilot(lines, tmp_path)
     else:
@@ -88,7 +92,7 @@ def _check_the_autopilot(lines: list[str], tmp_path: Path) -> None:
     from orchestrator.tracking.read import read_summary
 
     heading = lines.index("autopilot: candidates measured on the run's own steps, samples/s in training steps "
-                          "(compute and gradient sync; the progress lines' samples/s are over the wall clock)")
+                          "(compute and gradient sync; the progress lines' samples/s also count data waits)")
     rows = [line for line in lines[heading + 2:] if line.startswith("  micro ")]
     assert lines[heading + 1].startswith("  candidate") and rows and "1.00x" in rows[0].split(), rows  # the start
     assert sum(line.endswith("✓") for line in rows) == 1, rows

@@ -73,7 +73,7 @@ def test_two_workers_learn_digits_and_mlflow_has_the_run(digits_ddp: TrainResult
     assert not [k for k, v in params.items() if v == "None"] and not [k for k in params if k.startswith("tune.")]
     # Metrics in sections, the headline three first; only series that change; no run-level figure is charted.
     metrics = mlrun.data.metrics
-    for key in ("headline/train_loss", "headline/val_accuracy", "headline/samples_per_s", "train/lr",
+    for key in ("headline/train_loss", "headline/val_accuracy", "headline/train_samples_per_s", "train/lr",
                 "train/grad_norm", "perf/data_wait_frac", "val/loss", "time/compute_frac"):
         assert key in metrics, key
     assert all("/" in k for k in metrics) and len(metrics) <= 30, sorted(metrics)

@@ -306,7 +306,7 @@ def test_mlflow_parent_and_child_runs_all_end(study: tuple[TuneResult, Path]) ->
     best_run = client.search_runs(
         [parent.info.experiment_id], f"tags.`orchestrator.trial_id` = '{result.best.trial_id}'")[0]
     headline = {k: v for k, v in best_run.data.metrics.items() if k.startswith("headline/")}
-    assert set(headline) == {"headline/train_loss", "headline/val_accuracy", "headline/samples_per_s"}
+    assert set(headline) == {"headline/train_loss", "headline/val_accuracy", "headline/train_samples_per_s"}
     assert parent.data.metrics == pytest.approx(headline, rel=1e-6)  # a float through Tune's CSV
     assert parent.data.metrics["headline/val_accuracy"] == result.best.metric
     assert result.best.label in parent.data.tags["mlflow.note.content"]

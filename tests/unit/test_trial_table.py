@@ -124,3 +124,17 @@ def test_the_final_table_ranks_the_trials_shows_their_values_and_marks_the_best(
         assert lines[0].endswith(f"{best.trial_id}  <- best") and sum("<- best" in x for x in lines) == 1
         values = [(float(line.split()[2]), int(line.split()[3])) for line in lines]  # the searched values
         assert values == [(pytest.approx(trials[i].params["optim.lr"], rel=1e-2), 10 * i) for i in order]
+
+
+def test_a_studys_parent_charts_the_best_trials_headline_under_the_trials_own_keys() -> None:
+    # The parent run's headline figures are the best trial's last ones, charted as the trial's run charts them.
+    from orchestrator.tracking.view import chart_key, headline_keys, mlflow_key
+    from orchestrator.tuning.results import TrialSummary, headline_figures
+
+    history = [{"step": 20, "train_loss": 1.0, "samples_per_s": 500.0, "train_samples_per_s": 900.0,
+                "val_accuracy": 0.8},
+               {"step": 40, "train_loss": 0.5, "samples_per_s": 400.0, "train_samples_per_s": 950.0}]
+    best = TrialSummary("t_00000", {"optim.lr": 1e-3}, "completed", 40, 0.8, history=history)
+    charted = {chart_key(mlflow_key(k), "val_accuracy"): v for k, v in headline_figures(best, "val_accuracy").items()}
+    assert set(charted) == set(headline_keys("val_accuracy").values())
+    assert charted == {"headline/train_loss": 0.5, "headline/val_accuracy": 0.8, "headline/train_samples_per_s": 950.0}
