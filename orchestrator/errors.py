@@ -26,11 +26,27 @@ _AROUND = (str(_PRODUCT) + "/", str(_PRODUCT.parent / "pipelines") + "/")
 _MODELS = str(_PRODUCT / "models") + "/"
 
 
+RAISED_AT = "orchestrator_raised_at"  # where_raised's answer, kept on an exception that leaves a worker
+
+
+def mark_where_raised(exc: BaseException) -> None:
+    """Keep `raised_in_model_code(exc)` on `exc` itself, while its traceback is alive: Ray Train hands the driver's
+    callbacks the exception without it (pickled across processes, only its attributes go along)."""
+    where = raised_in_model_code(exc)
+    if where is not None:
+        try:
+            setattr(exc, RAISED_AT, where)
+        except AttributeError:  # an exception type that takes no attributes: the driver reads its text instead
+            pass
+
+
 def raised_in_model_code(exc: BaseException, users_only: bool = False) -> str | None:
     """'path:line' of the innermost frame outside the libraries (site-packages, the standard library) where `exc`
     was raised, when that frame is the user's code or a model's (the product's models included); None where it is
-    the product's loop or data code (any of the product's code, `users_only`), or unknown. `exc` may have crossed a process: Ray's wrapper keeps only the
-    formatted traceback, which is read from its text."""
+    the product's loop or data code (any of the product's code, `users_only`), or unknown. `exc` may have crossed a
+    process: a worker marked it (`mark_where_raised`), or Ray's wrapper kept the traceback's text."""
+    if getattr(exc, RAISED_AT, None) and not users_only:
+        return str(getattr(exc, RAISED_AT))
     if exc.__traceback__ is not None:
         frames = [(f.filename, f.lineno or 0) for f in traceback.extract_tb(exc.__traceback__)]
     else:

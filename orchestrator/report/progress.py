@@ -50,7 +50,7 @@ class ForwardFailures(UserCallback):
         text = (str(exc).strip().splitlines() or [""])[-1]
         name = type(raised).__name__
         error = text if text.startswith(name) else f"{name}: {text}"  # a traceback's last line names it already
-        where = raised_in_model_code(exc)
+        where = raised_in_model_code(raised) or raised_in_model_code(exc)  # marked by the worker, or in Ray's text
         self.queue.put({"event": "worker_failure", "rank": rank, "error": error[:300], "at": where,
                         "repeats": repeats(raised, where)})
 

@@ -1,5 +1,5 @@
-"""When the loop evaluates, checkpoints and reports (worker side): the step number, rank 0's clock and Ray's drain
-notice decide, broadcast so that every rank makes the same collective calls at the same steps."""
+"""When the loop evaluates, checkpoints and reports (worker side): the step number, rank 0's clock, Ray's drain
+notice and the user's stop decide, broadcast so that every rank makes the same collective calls at the same steps."""
 
 from __future__ import annotations
 
@@ -16,6 +16,16 @@ from orchestrator.training.checkpoint import Progress
 from orchestrator.training.checkpoint_interval import AutoInterval, auto_interval, mtbf_s
 
 
+@dataclass(frozen=True)
+class Notices:
+    """What may cut a run short, asked at report steps (rank 0's answer counts): Ray draining a node of the run
+    (`preempted`, a barrier: every report until its deadline saves) and the user's stop (`stop_requested`, Ctrl+C on
+    the driver: the next report saves, and the loop ends there)."""
+
+    preempted: Callable[[], bool] | None = None
+    stop_requested: Callable[[], bool] | None = None
+
+
 @dataclass
 class Due:
     """What follows a report step: evaluation, and a checkpoint (`drain`: the first for a node going away)."""
@@ -24,6 +34,7 @@ class Due:
     checkpoint: bool
     drain: bool = False
     last: bool = False  # the run's last step
+    stop: bool = False  # the user asked the run to stop (Ctrl+C): this report saves, and the driver ends the run
 
 
 class Cadence:
@@ -32,10 +43,12 @@ class Cadence:
     report step saves once rank 0's clock has passed the interval of checkpoint_interval.py; until a checkpoint's
     cost is measured, the first report step saves one. `progress` carries what that interval is computed from."""
 
-    def __init__(self, cfg: Config, has_val: bool, preempted: Callable[[], bool] | None, device: torch.device,
+    def __init__(self, cfg: Config, has_val: bool, notices: Notices | None, device: torch.device,
                  progress: Progress, clock: Callable[[], float] = time.monotonic) -> None:
         self.t, self.ckpt, self.mtbf_minutes = cfg.train, cfg.checkpoint, cfg.failure.mtbf_minutes
-        self.has_val, self.preempted, self.device = has_val, preempted, device
+        notices = notices or Notices()
+        self.has_val, self.preempted, self.stop_requested = has_val, notices.preempted, notices.stop_requested
+        self.device, self.stopped = device, False
         self.progress, self.clock = progress, clock
         self.drain_saved = False
         self.began = self.last_saved = clock()  # for checkpoint.every_minutes and auto
@@ -45,7 +58,9 @@ class Cadence:
         self.every = math.gcd(cfg.train.log_every, *(n for n in (cfg.train.eval_every if has_val else None,
                                                                   None if self.auto else cfg.checkpoint.every)
                                                      if isinstance(n, int)))
-        if self.auto and progress.step > 0:  # restarted from a checkpoint: an interruption (failure, resize, --resume)
+        # Restarted from a checkpoint: an interruption (failure, resize, --resume), unless the user's own stop saved
+        # it (Ctrl+C is no failure: it would shorten the interval for the rest of the run).
+        if self.auto and progress.step > 0 and progress.stopped_at != progress.step:
             progress.interruptions += 1
 
     def at(self, step: int) -> Due | None:
@@ -63,6 +78,9 @@ class Cadence:
             # A node is going away: every report until its deadline saves, so its loss costs at most one report
             # interval (Ray resumes from the newest). The first is marked as the drain's.
             due.checkpoint, due.drain, self.drain_saved = True, not self.drain_saved, True
+        if self.stop_requested is not None and ranks.rank0_says(self.stop_requested(), self.device):
+            due.checkpoint, due.stop, self.stopped = True, True, True
+            self.progress.stopped_at = step  # saved with the checkpoint: a resume from it is no interruption
         if not due.checkpoint and (self.auto or self.ckpt.every_minutes is not None):
             due.checkpoint = ranks.rank0_says(self._time_to_save(), self.device)
         if due.checkpoint:

@@ -56,6 +56,7 @@ class Progress:
     run_s: float = 0.0
     interruptions: int = 0
     checkpoint_cost_s: float | None = None
+    stopped_at: int | None = None  # the step the user's stop (Ctrl+C) saved at
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from orchestrator.config import Config
 from orchestrator.errors import UserError
 from orchestrator.training import autopilot, fsdp, ranks
-from orchestrator.training.cadence import Cadence, Due
+from orchestrator.training.cadence import Cadence, Due, Notices
 from orchestrator.training.checkpoint import Progress, checkpoint_state, save_state, unwrap
 from orchestrator.training.fsdp import is_sharded
 from orchestrator.training.memory import cuda_memory_stats, device_facts, release_cached_memory
@@ -190,21 +190,21 @@ def run(
     val_batches: Callable[[], Iterable[Batch]] | None,
     reporter: Reporter,
     progress: Progress | None = None,
-    preempted: Callable[[], bool] | None = None,
+    notices: Notices | None = None,
     facts: dict[str, Any] | None = None,
     resize: Callable[[int], None] | None = None,
     replicas: Replicas | None = None,
 ) -> dict[str, Any]:
     """Train to `cfg.train.max_steps`, publishing metrics every `log_every` steps; returns the last metrics.
-    `preempted` (a barrier, called at report steps) tells whether a node of the run is being drained: the next
-    report then carries a checkpoint. `facts` go out once, with the first report of this (re)start, together with
-    when (`at/*`, epoch seconds) the loop started, had its first batch, ended its first step: start-up's breakdown.
+    `notices` (a drained node, the user's stop) make the next reports save; a stop ends the loop there. `facts` go
+    out once, with the first report of this (re)start, together with when (`at/*`, epoch seconds) the loop started,
+    had its first batch, ended its first step: start-up's breakdown.
     `resize` cuts the data at another micro-batch (RankBatches.resize); `replicas`: see training/replicas.py."""
     t = cfg.train
     assert t.max_steps is not None and isinstance(t.grad_accum_steps, int)  # resolved before the loop
     progress = progress or Progress()
     stream = micro_batches(train_batches, progress, parts.device)
-    cadence = Cadence(cfg, val_batches is not None, preempted, parts.device, progress)
+    cadence = Cadence(cfg, val_batches is not None, notices, parts.device, progress)
     metrics: dict[str, Any] = {}
     once = dict(facts or {}) | device_facts(parts.device) | {"at/loop": time.time()}
     flops: float | None = None  # counted on this process's first step
@@ -216,7 +216,7 @@ def run(
     first = [next(stream) for _ in range(pieces)] if progress.step < t.max_steps and replicas is None else None
     once["at/first_batch"] = time.time()
     interval = Interval(PhaseTimer(parts.device))
-    while progress.step < t.max_steps:
+    while progress.step < t.max_steps and not cadence.stopped:
         batch, first = _take(stream, pieces, first, interval.timer, replicas, t.max_steps), None
         if batch is not None:  # None: a restarted replica took its finished peers' state: only the last report is left
             if flops is None:  # this process's first step, also after a resume

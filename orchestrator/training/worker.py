@@ -13,8 +13,10 @@ import ray.train.torch
 import torch
 
 from orchestrator.config import Config, config_from_dict
+from orchestrator.errors import mark_where_raised
 from orchestrator.training import ranks
 from orchestrator.training.autopilot import kept_config
+from orchestrator.training.cadence import Notices
 from orchestrator.training.checkpoint import Progress, data_position, restore, unwrap
 from orchestrator.training.loop import Reporter, run
 from orchestrator.training.micro_batch import for_world_size, with_auto_micro_batch
@@ -22,10 +24,11 @@ from orchestrator.training.parts import Parts, build_parts, compile_model
 from orchestrator.training.precision import flush_denormals
 from orchestrator.training.reporting import RayReporter, quiet_report_log
 from orchestrator.training.resume import loadable_checkpoint, read_checkpoint
+from orchestrator.training.stop import StopWatch
 from pipelines.batches import RankBatches, collate_sample
 from pipelines.datasets import REPLAY
 from pipelines.shards import StridedShard
-from pipelines.storage import fetch_prefix
+from pipelines.storage import Storage, fetch_prefix
 
 
 def train_worker(spec: dict[str, Any], entered: float) -> dict[str, Any]:
@@ -51,7 +54,11 @@ def train_worker(spec: dict[str, Any], entered: float) -> dict[str, Any]:
         val_shard = rank_shard(spec, "val", seat, ray.train.get_dataset_shard) if cfg.data.val is not None else None
     try:
         return train_rank(spec, cfg, seat, checkpoint_to_resume, train_shard, val_shard, reporter,
-                          preempted if cfg.checkpoint.on_preemption else None, announce=reporter.publish)
+                          Notices(preempted if cfg.checkpoint.on_preemption else None,
+                                  stop_asked(spec.get("stop_request"), rank)), announce=reporter.publish)
+    except Exception as exc:
+        mark_where_raised(exc)  # the driver decides from it whether a restart would fail the same way
+        raise
     finally:
         reporter.close()
 
@@ -93,7 +100,7 @@ def rank_config(spec: dict[str, Any], world: int) -> Config:
 
 def train_rank(spec: dict[str, Any], cfg: Config, seat: Seat, load_state: Callable[[], dict[str, Any] | None],
                train_shard: Any, val_shard: Any | None, reporter: Reporter,
-               preempted: Callable[[], bool] | None,
+               notices: Notices | None,
                announce: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """One rank from its device on: model, optimizer and data wired from `spec` (see train_worker), the checkpoint
     `load_state` returns restored, then `loop.run`. Shared by Ray Train's workers and a one-worker Tune trial that
@@ -140,7 +147,7 @@ def train_rank(spec: dict[str, Any], cfg: Config, seat: Seat, load_state: Callab
     if cfg.failure.mode == "replicas":
         return run_replica(cfg, parts, data, reporter, progress, facts, seat, spec.get("train_rows"))
     return run(cfg, parts, data.train, data.val if cfg.data.val is not None else None, reporter, progress,
-               preempted, facts, resize=data.resize)
+               notices, facts, resize=data.resize)
 
 
 def what_runs(parts: Parts, cfg: Config, seat: Seat, step: int) -> dict[str, Any]:
@@ -155,6 +162,7 @@ def what_runs(parts: Parts, cfg: Config, seat: Seat, step: int) -> dict[str, Any
             "precision": parts.precision.mode, "device": device, "workers": seat.world, "micro_batch": micro,
             "grad_accum_steps": accumulation, "global_batch": micro * accumulation * seat.world,
             "max_steps": t.max_steps, "from_step": step}
+
 
 def rank_batches(spec: dict[str, Any], cfg: Config, seat: Seat, train_shard: Any, val_shard: Any | None
                  ) -> RankBatches:
@@ -208,6 +216,14 @@ def state_of(checkpoint: ray.train.Checkpoint | None) -> dict[str, Any] | None:
     Of a sharded checkpoint (train.parallel=fsdp) only what every rank shares: `restore` reads the shards."""
     checkpoint = loadable_checkpoint(checkpoint)
     return None if checkpoint is None else read_checkpoint(checkpoint)
+
+
+def stop_asked(request: tuple[Storage, str] | None, rank: int) -> Callable[[], bool] | None:
+    """Whether the user stopped the run (Ctrl+C): rank 0 watches for the driver's request file (training/stop.py);
+    the other ranks answer no (Cadence takes rank 0's answer). None without one (a Tune trial)."""
+    if request is None:
+        return None
+    return StopWatch(*request) if rank == 0 else (lambda: False)
 
 
 def preempted() -> bool:

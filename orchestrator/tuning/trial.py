@@ -120,7 +120,7 @@ def train_in_trial(config: Config, infos: dict[str, DatasetInfo], name: str, nod
 
         val = rank_shard(spec, "val", seat, whole) if cfg.data.val is not None else None
         train_rank(spec, cfg, seat, lambda: state_of(checkpoint), rank_shard(spec, "train", seat, whole), val,
-                   TrialReporter(on_report), preempted=None)
+                   TrialReporter(on_report), notices=None)
     finally:  # Tune stops a trial in a reused actor by raising SystemExit in its thread at a report
         if spec["epoch_clock"]:
             release_epoch_clock(spec["epoch_clock"])

@@ -4,7 +4,8 @@ so a test acts on a run at that point instead of racing it (however slow or fast
   extra forward at its first step, so call n is in step n-1 or n: a test asserts report steps around it;
 - `marker`: a directory; each held worker writes `held-<pid>` there as it starts waiting (the test's sign that the
   run is at that point);
-- `release`: what ends the hold: "file" (the test creates <marker>/release) or "drain" (Ray Train has a drain
+- `release`: what ends the hold: "file" (the test creates <marker>/release, or <marker>/release-<pid> for one
+  process only) or "drain" (Ray Train has a drain
   notice for the run: `ray.train.get_preemption_info`, a barrier every worker calls in step, each the same number
   of times, so all leave the hold together);
 - `timeout_s`: the hold gives up after about this long and training goes on, so a test whose go-ahead never comes
@@ -50,7 +51,7 @@ class Held(torch.nn.Module):
             import ray.train
 
             return ray.train.get_preemption_info() is not None
-        return Path(self.marker, "release").exists()
+        return Path(self.marker, "release").exists() or Path(self.marker, f"release-{os.getpid()}").exists()
 
 
 def build(in_features: int, num_classes: int, hold_call: int = 0, marker: str = "", release: str = "file",

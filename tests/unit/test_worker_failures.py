@@ -38,6 +38,7 @@ def test_a_bug_in_the_models_own_code_is_not_retried_and_names_its_file_and_line
     and the failure names that line. Where the product's loop raised them (a collective inside the backward), or
     the device ran out of memory, a restart may cure them."""
     import inspect
+    import pickle
     from pathlib import Path
     from queue import Queue
 
@@ -46,13 +47,17 @@ def test_a_bug_in_the_models_own_code_is_not_retried_and_names_its_file_and_line
     from ray.train.v2._internal.util import construct_user_exception_with_traceback
 
     import orchestrator
+    from orchestrator.errors import mark_where_raised
     from orchestrator.report.progress import ForwardFailures
 
     def as_ray_hands_it_over(call, *args):  # noqa: ANN001, ANN202 - the worker's exception, as the controller gets it
         try:
             call(*args)
         except BaseException as exc:  # noqa: BLE001
-            return construct_user_exception_with_traceback(exc)
+            mark_where_raised(exc)  # what the worker does before it lets the exception go
+            wrapped = construct_user_exception_with_traceback(exc)
+            # Ray Train 2.60 hands callbacks the inner exception, pickled across processes: no traceback left.
+            return pickle.loads(pickle.dumps(wrapped._base_exc)), wrapped
         raise AssertionError("did not raise")
 
     def oom(x):  # noqa: ANN001, ANN202
@@ -69,11 +74,12 @@ def test_a_bug_in_the_models_own_code_is_not_retried_and_names_its_file_and_line
         'RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:41235\n'))
     forwarded: Queue = Queue()
     failures = ForwardFailures(forwarded)  # type: ignore[arg-type]
-    for exc, repeats, at in (
+    for (inner, wrapped), repeats, at in (
             (as_ray_hands_it_over(_forward, torch.ones(2, 3)), True, f"{here}:{line['forward']}"),
             (as_ray_hands_it_over(_build, "/nonexistent/weights.pt"), True, f"{here}:{line['build']}"),
             (as_ray_hands_it_over(oom, None), False, f"{here}:{inspect.getsourcelines(oom)[1] + 1}"),
-            (collective, False, None)):
-        failures.after_exception(None, {0: exc})
-        event = forwarded.get_nowait()
-        assert (event["repeats"], event["at"]) == (repeats, at), event
+            ((collective, collective), False, None)):
+        for exc in (inner, wrapped):  # as Ray 2.60 hands it over, and as the wrapper with the traceback's text
+            failures.after_exception(None, {0: exc})
+            event = forwarded.get_nowait()
+            assert (event["repeats"], event["at"]) == (repeats, at), event

@@ -12,7 +12,7 @@ import torch
 from orchestrator.config import load_config
 from orchestrator.config.reference import description
 from orchestrator.run.result import checkpoint_interval_line
-from orchestrator.training.cadence import Cadence
+from orchestrator.training.cadence import Cadence, Notices
 from orchestrator.training.checkpoint import Progress
 from orchestrator.training.checkpoint_interval import STAND_IN_MTBF_MINUTES, auto_interval, mtbf_s
 
@@ -95,3 +95,26 @@ def test_the_cadence_saves_once_the_interval_passed_and_carries_its_inputs_acros
     own = cfg.model_copy(update={"failure": cfg.failure.model_copy(update={"mtbf_minutes": None})})
     figures = Cadence(own, False, None, torch.device("cpu"), progress, clock).figures()
     assert progress.interruptions == 2 and figures["checkpoint/mtbf_s"] == pytest.approx((interval + 1) / 3)
+
+
+def test_a_users_stop_saves_at_the_next_report_and_a_resume_from_it_is_no_interruption() -> None:
+    """Ctrl+C asks rank 0 to stop: the next report step saves (whatever the auto interval says), and the resume of
+    that checkpoint is the user's choice, not a failure: the auto interval's MTBF does not count it."""
+    cfg = load_config(None, ["checkpoint.every=auto", "train.max_steps=1000", "train.log_every=10",
+                             "train.eval_every=null", "data.val=null"])
+    clock, progress, asked = Clock(), Progress(), [False]
+    cadence = Cadence(cfg, False, Notices(stop_requested=lambda: asked[0]), torch.device("cpu"), progress, clock)
+    assert cadence.at(10).checkpoint  # type: ignore[union-attr]  # the first report saves (no cost measured)
+    progress.checkpoint_cost_s = 2.0
+    clock.now += 1
+    assert not cadence.at(20).checkpoint  # type: ignore[union-attr]  # the interval has not come round
+    asked[0] = True
+    assert cadence.at(25) is None  # still only at report steps
+    due = cadence.at(30)
+    assert due is not None and due.checkpoint and due.stop
+    progress.step = 30
+    Cadence(cfg, False, None, torch.device("cpu"), progress, clock)  # `--resume` from the step-30 checkpoint
+    assert progress.interruptions == 0
+    progress.step = 40  # ...whose later checkpoint a failure resumes: that restart counts
+    Cadence(cfg, False, None, torch.device("cpu"), progress, clock)
+    assert progress.interruptions == 1

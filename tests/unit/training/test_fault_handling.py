@@ -14,6 +14,7 @@ from test_loop import Recorder, batches, config, dataset, make_parts
 
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError
+from orchestrator.training.cadence import Notices
 from orchestrator.training.checkpoint import MANIFEST, STATE_FILE, check_complete, load_state, restore, save_state
 from orchestrator.training.loop import NonFiniteLossError, run
 from orchestrator.training.optim import lr_factor
@@ -163,7 +164,7 @@ def test_a_drain_notice_checkpoints_every_report_until_its_deadline() -> None:
 
     report = Recorder()
     x, y = dataset(384)
-    run(cfg, make_parts(cfg), lambda epoch: batches(x, y, 32), None, report, preempted=preempted)
+    run(cfg, make_parts(cfg), lambda epoch: batches(x, y, 32), None, report, notices=Notices(preempted))
     saved = [(m["step"], m.get("drain_checkpoint")) for m, ckpt in report.reports if ckpt is not None]
     assert saved == [(4, 1), (6, None), (8, None), (12, None)]
     assert len(calls) == 6  # asked at every report step

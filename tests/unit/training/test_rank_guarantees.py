@@ -27,6 +27,7 @@ from orchestrator.config import load_config
 from orchestrator.models.tasks import task_parts
 from orchestrator.models.zoo import build_model
 from orchestrator.training import fsdp
+from orchestrator.training.cadence import Notices
 from orchestrator.training.checkpoint import MANIFEST, Progress, ShardedSaver, check_complete
 from orchestrator.training.loop import evaluate, run
 from orchestrator.training.memory import GIB, activation_bytes_per_sample, state_bytes
@@ -224,7 +225,7 @@ def _overflow_in_one_shard(rank: int, shared: Path) -> dict[str, Any]:
 
     reporter = _Reporter(shared / "finite")
     try:
-        run(cfg, parts, train_batches, None, reporter, preempted=plant)
+        run(cfg, parts, train_batches, None, reporter, notices=Notices(plant))
         error = "none"
     except Exception as exc:  # noqa: BLE001 - whatever each rank met is the result
         error = f"{type(exc).__name__}: {exc}"
