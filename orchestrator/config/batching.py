@@ -24,9 +24,16 @@ def split_batch(global_batch: int, world: int, micro: int | None = None, accum: 
                              f"x num_workers={world}")
         return per_worker // accum, accum
     derived, rest = divmod(per_worker, micro)
-    if rest or derived == 0 or (accum is not None and accum != derived):
+    if rest or derived == 0:
+        fits = ", ".join(str(n) for n in range(1, per_worker + 1) if per_worker % n == 0)
         raise ValueError(f"train.global_batch_size={global_batch} must equal micro_batch_size={micro} x "
-                         f"grad_accum_steps={accum or 'N'} x num_workers={world}")
+                         f"grad_accum_steps={accum or 'N'} x num_workers={world}: micro_batch_size={micro} does not "
+                         f"divide the {per_worker} rows each of the {world} workers takes a step: pick one that "
+                         f"does ({fits})")
+    if accum is not None and accum != derived:
+        raise ValueError(f"train.global_batch_size={global_batch} must equal micro_batch_size={micro} x "
+                         f"grad_accum_steps={accum} x num_workers={world}: set train.grad_accum_steps={derived}, or "
+                         "null to derive it")
     return micro, derived
 
 

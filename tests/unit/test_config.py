@@ -208,4 +208,11 @@ def test_one_split_of_the_global_batch() -> None:
                           ((128, 2, None, 3), "not divisible by grad_accum_steps=3")]:
         with pytest.raises(ValueError, match=message):
             split_batch(*args)
+    # A micro-batch set alone beside a config's accumulation (examples/digits.yaml's 1): the refusal says the fix.
+    with pytest.raises(ValueError, match=r"must equal micro_batch_size=8 x grad_accum_steps=1 x num_workers=2: set "
+                                         r"train.grad_accum_steps=8, or null to derive it"):
+        split_batch(128, 2, micro=8, accum=1)
+    with pytest.raises(ValueError, match=r"micro_batch_size=48 does not divide the 64 rows each of the 2 workers "
+                                         r"takes a step: pick one that does \(1, 2, 4, 8, 16, 32, 64\)"):
+        split_batch(128, 2, micro=48)
     assert common_micro_batch(120, range(2, 4)) == 20
