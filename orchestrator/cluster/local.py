@@ -1,6 +1,7 @@
 """The Ray cluster a driver runs on: join the one given (or $RAY_ADDRESS), or start a private local one sized for
 the run (or, with cluster.keep_warm_minutes, join the warm one a previous command left: warm_cluster.py), and stop
-only what was started here."""
+only what was started here. A local one is its user's alone on a shared machine: every port on loopback, Ray's token
+and temp dir out of other users' reach."""
 
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from orchestrator.cluster.warm import WarmUse, answers, fingerprint, stop_cluster, take, warm_dir
+from orchestrator.cluster.warm import LISTENS, WarmUse, answers, fingerprint, stop_cluster, take, warm_dir
 from orchestrator.config import Config, TrackingConfig
 from orchestrator.errors import ConfigError, UserError
 from orchestrator.tracking.uri import sqlite_file
-from pipelines.storage import user_cache_dir
+from pipelines.storage import private_dir, user_cache_dir
 
 # The warm cluster this process is joined to (cluster.keep_warm_minutes), held until shutdown_local_ray.
 _warm: WarmUse | None = None
@@ -80,10 +81,33 @@ def connect_ray(address: str | None, config: Config) -> bool:
     num_cpus = max(os.cpu_count() or 1, needed)
     if choice.kind == "warm" and _join_warm(choice.keep_warm_minutes, num_cpus, needed, logging_config):
         return True
-    # The dashboard serves the state API that Ray Train's controller polls; bound to localhost only.
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=True,
-             dashboard_host="127.0.0.1", dashboard_port=pin_state_api(), logging_config=logging_config)
+    start_private(num_cpus, logging_config)
     return True
+
+
+def start_private(num_cpus: int, logging_config: Any) -> None:
+    """This command's own local cluster, as private as the warm one (warm_cluster.start): its node IP loopback, so
+    that Ray binds every server there (by default the GCS, raylet and workers listen on every interface, the
+    dashboard agent on 0.0.0.0), Ray's token this user's alone, and its temp dir out of other users' reach. The
+    dashboard serves the state API that Ray Train's controller polls (pin_state_api)."""
+    import ray
+
+    own_token()
+    with local_only():
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host=LISTENS,
+                 dashboard_port=pin_state_api(), _node_ip_address=LISTENS, _temp_dir=private_temp_dir(),
+                 logging_config=logging_config)
+
+
+def private_temp_dir() -> str:
+    """Ray's temp dir for this user's per-command clusters: `ray` in a directory of this user's alone (0700) in the
+    system's temp dir as Ray picks it (RAY_TMPDIR, TMPDIR on Linux, else /tmp: short enough for its Unix sockets),
+    kept between commands as Ray's default <tmp>/ray is (each session's logs). Ray makes its temp dir and every
+    directory in it 0777 (sockets, logs, runtime envs): behind the 0700 one, no other user reaches them."""
+    from ray._common.utils import get_default_system_temp_dir
+
+    mine = os.path.join(get_default_system_temp_dir(), f"orchestrator-{os.getuid()}")
+    return os.path.join(private_dir(mine, instead="set RAY_TMPDIR to a directory of your own"), "ray")
 
 
 def join_cluster(address: str, logging_config: Any) -> None:
@@ -107,14 +131,9 @@ def _join_warm(minutes: float, num_cpus: int, needed: int, logging_config: Any) 
     cannot be had (another command uses a cluster of another environment): a private one is started instead."""
     global _warm
     import ray
-    from ray._private.authentication.authentication_token_setup import enable_token_auth_by_default
 
     wanted = fingerprint(os.environ["PYTHONPATH"], os.environ.get("RAY_AUTH_MODE", "token"))
-    if "RAY_AUTH_MODE" not in os.environ:
-        # As Ray's own local cluster (`ray.init()` without an address) does: token auth, a token made if missing.
-        # Set here, the head started below and this process's join agree on it.
-        enable_token_auth_by_default()
-    private_token()
+    own_token()  # the head started below and this process's join agree on the mode
     use = take(minutes, num_cpus, needed, wanted)
     if use is None:
         return False
@@ -133,9 +152,10 @@ def _join_warm(minutes: float, num_cpus: int, needed: int, logging_config: Any) 
 
 @contextmanager
 def local_only() -> Iterator[None]:
-    """Ray's local-only mode (its default on macOS and Windows) in this process while it joins the warm cluster,
-    which listens on loopback only (warm_cluster.start): Ray on Linux otherwise replaces the loopback address it is
-    given with the machine's own. Once joined, this process keeps the node IP it joined with."""
+    """Ray's local-only mode (its default on macOS and Windows) in this process while it starts its private cluster
+    or joins the warm one, both on loopback only (start_private, warm_cluster.start): Ray on Linux otherwise replaces
+    the loopback address it is given with the machine's own. Once joined, this process keeps the node IP it joined
+    with, and the cluster's processes the one they were started with."""
     from ray._private import ray_constants
 
     saved, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
@@ -143,6 +163,17 @@ def local_only() -> Iterator[None]:
         yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+def own_token() -> None:
+    """As Ray's own local cluster (`ray.init()` without an address) does: token auth unless RAY_AUTH_MODE says
+    otherwise, a token made if missing; but the token is this user's alone (private_token). Set in this process's
+    environment, for the cluster it starts and the join."""
+    from ray._private.authentication.authentication_token_setup import enable_token_auth_by_default
+
+    if "RAY_AUTH_MODE" not in os.environ:
+        enable_token_auth_by_default()
+    private_token()
 
 
 def private_token() -> None:

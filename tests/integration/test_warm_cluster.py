@@ -1,10 +1,11 @@
-"""The warm path (cluster.keep_warm_minutes, warm_cluster.py) through the CLI, as a user runs it: a second
-`orchestrator train` joins the first one's cluster and starts none (one Ray session, the same head PID) and its
-start-up is lower; its CPUs are all free again between runs; `orchestrator cluster stop` leaves no process of it; a
-recorded cluster of another Ray version is not reused; an idle one is gone after its idle time. On a shared machine it
-is its user's alone: its files owner-only, every port on loopback. A notebook that sets a variable in itself between
-runs trains with the new value. Each test stops what it started by PID, also on failure. XDG_CACHE_HOME is the
-test's own: the user's warm cluster is not touched."""
+"""The local clusters a command starts. The warm path (cluster.keep_warm_minutes, warm_cluster.py) through the CLI, as a
+user runs it: a second `orchestrator train` joins the first one's cluster and starts none (one Ray session, the same
+head PID) and its start-up is lower; its CPUs are all free again between runs; `orchestrator cluster stop` leaves no
+process of it; a recorded cluster of another Ray version is not reused; an idle one is gone after its idle time. On a
+shared machine it is its user's alone: its files owner-only, every port on loopback. A notebook that sets a variable
+in itself between runs trains with the new value. Each test stops what it started by PID, also on failure.
+XDG_CACHE_HOME is the test's own: the user's warm cluster is not touched. The default per-command cluster
+(keep_warm_minutes 0) is as private as the warm one, for a user with a fresh home."""
 
 from __future__ import annotations
 
@@ -86,10 +87,13 @@ def train_in_notebook(tmp_path: Path, digits_dir: str) -> tuple[subprocess.Compl
     return done, {p.name: p.read_text() for p in seen.iterdir() if p.name != driver}
 
 
-def listening_on(state: dict[str, Any]) -> set[str]:
-    """The addresses the cluster's processes accept TCP connections on."""
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+
+
+def listening_on(pids: list[int]) -> set[str]:
+    """The addresses these processes accept TCP connections on."""
     found: set[str] = set()
-    for pid in processes(state):
+    for pid in pids:
         try:
             found |= {c.laddr.ip for c in psutil.Process(pid).net_connections("inet") if c.status == psutil.CONN_LISTEN}
         except psutil.Error:
@@ -148,8 +152,8 @@ def test_a_second_command_joins_the_first_ones_cluster_and_cluster_stop_ends_it(
     assert (f"Ray cluster kept warm for 5 min at {state['address']} for the next run; `orchestrator cluster stop` "
             "ends it now") in first.stdout.splitlines()
     # Its user's alone on a shared machine: no other local user reads its files or reaches a port of it.
-    addresses = listening_on(state)
-    assert addresses and addresses <= {"127.0.0.1", "::1", "::ffff:127.0.0.1"}, addresses
+    addresses = listening_on(processes(state))
+    assert addresses and addresses <= LOOPBACK, addresses
     files = {p.name: mode(p) for p in cache.iterdir() if p.is_file()}
     assert {STATE, IN_USE, STARTING, HEAD_LOG, KEEPER_LOG} <= files.keys() and set(files.values()) == {"0o600"}, files
     assert mode(cache) == "0o700" and Path(state["temp_dir"]).parent == cache  # Ray makes its own temp dir 0777
@@ -210,3 +214,66 @@ def test_a_cluster_of_another_ray_version_is_replaced_and_an_idle_one_stops_itse
     last_used = (cache / STATE).stat().st_mtime  # the command's release (before its summary and exit)
     assert gone(pids, within_s=40) and read_state(cache) is None
     assert time.time() - last_used >= 12 - 1  # not before its idle time
+
+
+# A user's script: a run's cluster, as `train` starts it by default (cluster.keep_warm_minutes 0), held until told.
+PER_COMMAND = """
+import json, sys
+import ray
+from orchestrator import load_config
+from orchestrator.cluster.local import connect_ray, shutdown_local_ray
+assert connect_ray(None, load_config(None, []))
+print(json.dumps({"temp_dir": ray._private.worker._global_node.get_temp_dir_path()}), flush=True)
+sys.stdin.readline()
+shutdown_local_ray()
+"""
+
+
+def exposed(root: Path) -> list[str]:
+    """The paths under `root` (a 1777 directory, as /tmp) that another local user can read or write: every directory
+    above them lets others through, and their own mode lets others read or write."""
+    found = []
+    for parent, dirs, files in os.walk(root):  # links are not followed: their targets are walked as themselves
+        modes = {name: Path(parent, name).lstat().st_mode for name in dirs + files}
+        found += [os.path.join(parent, n) for n, m in modes.items() if not stat.S_ISLNK(m) and m & 0o066]
+        dirs[:] = [n for n in dirs if modes[n] & 0o011]  # below a directory others cannot pass, nothing is theirs
+    return sorted(found)
+
+
+def test_the_per_command_cluster_is_its_users_alone_too(tmp_path: Path) -> None:
+    """On a shared machine no other local user reaches the default cluster: every port of its processes is on
+    loopback, Ray's token (~/.ray/auth_token, made on first use) is owner-only, and nothing of its temp dir (Ray makes
+    its directories 0777) is readable or writable by others. A fresh user home and temp dir, as most systems make
+    them (home 0755, /tmp 1777); the user's shell has set no Ray variable."""
+    home, temp = Path(tempfile.mkdtemp(prefix="home")), Path(tempfile.mkdtemp(prefix="tmp"))  # short: Ray's sockets
+    home.chmod(0o755)
+    temp.chmod(0o1777)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "XDG_"))} | {
+        "HOME": str(home), "TMPDIR": str(temp)}
+    driver = subprocess.Popen([str(BIN / "python"), "-c", PER_COMMAND], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    pids = [driver.pid]
+    try:
+        line = driver.stdout.readline()  # type: ignore[union-attr]
+        assert line, driver.communicate(timeout=30)[1][-3000:]
+        temp_dir = Path(json.loads(line)["temp_dir"])
+        pids += [p.pid for p in psutil.Process(driver.pid).children(recursive=True)]
+        addresses, token = listening_on(pids), home / ".ray" / "auth_token"
+        assert temp_dir.is_relative_to(temp) and (temp_dir / "session_latest" / "sockets").is_dir(), temp_dir
+        seen = {"off loopback": sorted(addresses - LOOPBACK), "token, ~/.ray": (mode(token), mode(token.parent)),
+                "others reach": exposed(temp)}
+        assert addresses and seen == {"off loopback": [], "token, ~/.ray": ("0o600", "0o700"), "others reach": []}
+    finally:
+        driver.stdin.write("\n")  # type: ignore[union-attr]
+        driver.stdin.close()  # type: ignore[union-attr]
+        try:
+            driver.wait(timeout=60)
+        finally:
+            for pid in pids:  # whatever is left of it, by PID
+                try:
+                    psutil.Process(pid).kill()
+                except psutil.Error:
+                    pass
+            shutil.rmtree(home, ignore_errors=True)
+            shutil.rmtree(temp, ignore_errors=True)
+    assert driver.returncode == 0
