@@ -32,19 +32,23 @@ def fit_interruptibly(trainer: Any, doomed: list[str], opening: Alongside,
     asks the workers to save and end at their next report and returns how many seconds that may take; the
     KeyboardInterrupt follows once they did (or that time passed, or a second Ctrl+C came)."""
     outcome: dict[str, Any] = {}
+    # Waited for as an event, not with Thread.join: a KeyboardInterrupt inside join() can leave the thread marked
+    # as ended while it still runs (CPython before 3.13), and the run must go on to its checkpoint.
+    ended = threading.Event()
 
     def fit() -> None:
         try:
             outcome["result"] = trainer.fit()
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread as is
             outcome["error"] = exc
+        finally:
+            ended.set()
 
-    thread = threading.Thread(target=fit, name="orchestrator-fit", daemon=True)
-    thread.start()
+    threading.Thread(target=fit, name="orchestrator-fit", daemon=True).start()
     deadline: float | None = None  # set by the user's first Ctrl+C: how long the run may take to save
-    while thread.is_alive():
+    while not ended.is_set():
         try:
-            thread.join(timeout=0.2)
+            ended.wait(timeout=0.2)
         except KeyboardInterrupt:
             if deadline is not None or stop is None:  # a second Ctrl+C: stop now, without that checkpoint
                 raise
