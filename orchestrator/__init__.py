@@ -4,6 +4,7 @@ The Python API the CLI wraps; attributes are imported on first use so `import or
 
     from orchestrator import load_config, train
     result = train(load_config("examples/digits.yaml", ["optim.lr=1e-3"]))
+    train(config, resume=True)  # or resume="<run name>" / "<run directory's path or s3:// URI>"
 """
 
 from __future__ import annotations

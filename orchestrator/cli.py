@@ -61,8 +61,10 @@ def _add_train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     _config_args(train)
     train.add_argument("--address", help="join this Ray cluster (default: $RAY_ADDRESS, else start a local one)")
-    train.add_argument("--resume", action="store_true", help="continue the latest run of this experiment in "
-                       "storage.path from its latest checkpoint, in the same MLflow run (a new run if there is none)")
+    train.add_argument("--resume", nargs="?", const=True, default=False, metavar="RUN",
+                       help="continue a run from its latest checkpoint, in the same MLflow run: the newest run of "
+                       "this experiment in storage.path trained with this config (a new run if the experiment has "
+                       "none), or RUN: a run's name, or its directory's path or s3:// URI")
     train.add_argument("--verbose", "-v", action="store_true", help="also show Ray's and MLflow's own log lines "
                        "(always written to the run's log file)")
     train.add_argument("--autopilot", action="store_true", help="measure the speed settings that leave the math "
@@ -106,7 +108,8 @@ def _add_show_config_parser(sub: argparse._SubParsersAction[argparse.ArgumentPar
     show.add_argument("--plan", action="store_true", help="check the config against the data, the model, the price "
                       "table and storage, as `train` does before Ray starts, and print the run's plan (what MLflow "
                       "keeps as plan.yaml)")
-    show.add_argument("--resume", action="store_true", help="with --plan: plan the resume of the latest run")
+    show.add_argument("--resume", nargs="?", const=True, default=False, metavar="RUN",
+                      help="with --plan: plan the resume of a run, as `train --resume [RUN]` would")
 
 
 def _add_cluster_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

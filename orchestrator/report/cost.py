@@ -206,14 +206,18 @@ def attempt_record(began: float, history: list[dict[str, Any]], ended: float) ->
 
 
 def ledger_across_attempts(attempts: list[dict[str, Any]], pricing: Pricing) -> Ledger:
-    """The run's ledger over every attempt (Google's goodput and Meta's ETTR count a job's wall clock from its first
-    start): the wall clock from the first command to the end of the last one; steps an attempt trained again after
-    an earlier one had reported them are wasted progress, and the gap between one attempt's last report and the
-    next one's first interval (the driver's death, the wait for `--resume`, the new start-up) is recovery."""
+    """The run's ledger over every attempt: the commands' own time, each from its start to its end, on one clock
+    with the time between commands taken out (nothing of the run ran then: the user had not resumed it yet). Steps
+    an attempt trained again after an earlier one had reported them are wasted progress; from one attempt's last
+    report to its end (the driver's death) and the next one's start-up to its first interval is recovery."""
     ordered = sorted(attempts, key=lambda a: a["began"])
-    t0 = ordered[0]["began"]
-    history = [r | {"elapsed_s": r["at"] - t0} for a in ordered for r in a["reports"]]
-    return build_ledger(history, max(a["ended"] for a in ordered) - t0, pricing)
+    history: list[dict[str, Any]] = []
+    t0, seen_to, idle = ordered[0]["began"], ordered[0]["began"], 0.0
+    for attempt in ordered:
+        idle += max(0.0, attempt["began"] - seen_to)  # no command ran: not the run's time
+        seen_to = max(seen_to, attempt["ended"])
+        history += [r | {"elapsed_s": r["at"] - t0 - idle} for r in attempt["reports"]]
+    return build_ledger(history, seen_to - t0 - idle, pricing)
 
 
 def study_metrics(ledgers: list[Ledger]) -> dict[str, float]:

@@ -40,7 +40,7 @@ from orchestrator.report.startup import StartupClock
 from orchestrator.run.alongside import Alongside, ended_on_error
 from orchestrator.run.place import AttemptLog, RunPlace
 from orchestrator.run.plan import RunPlan, plan_run
-from orchestrator.run.result import TrainResult, run_summary
+from orchestrator.run.result import TrainResult, finished_result, run_summary
 from orchestrator.run.trainer import RunFailedError, build_inputs, build_trainer, root_cause
 from orchestrator.tracking.context import config_params
 from orchestrator.tracking.tracker import Tracker, closed_on_error, start_tracker
@@ -75,17 +75,22 @@ def _log_final_artifacts(tracker: Tracker, config: Config, checkpoint_path: str 
             tracker.log_artifact(plot_history(history, Path(tmp) / "learning_curves.png", metric))
 
 
-def train(config: Config, address: str | None = None, verbose: bool = True, resume: bool = False,
+def train(config: Config, address: str | None = None, verbose: bool = True, resume: bool | str = False,
           started_at: float | None = None, show_logs: bool = False) -> TrainResult:
     """Run one distributed training job and return its result. Raises UserError subclasses on bad input.
-    With `resume`, continue the latest run of this experiment in storage (its Ray Train run from the latest
-    checkpoint, and its MLflow run); without an earlier run, start a new one. `started_at` (epoch seconds, the
+    With `resume`, continue a run in storage (its Ray Train run from its latest checkpoint, and its MLflow run):
+    True, the newest run of this experiment trained with this config (none: a new run), a run's name, or a run
+    directory's path or s3:// URI; a finished run's result comes back as it was (`already_finished`), nothing
+    run. `started_at` (epoch seconds, the
     CLI passes its process start) is where the start-up breakdown and the cost ledger's clock begin. Ray's and
     MLflow's own lines go to the run's log file (console.py), and to the terminal too with `show_logs`.
     Ctrl+C ends the MLflow run as KILLED and raises KeyboardInterrupt after saying how to continue."""
     clock = StartupClock(started_at or time.time())
     clock.mark("command")
     plan = plan_run(config, resume, verbose, address)  # before any cluster resource is taken
+    if plan.resume is not None and plan.resume.finished:  # nothing to train: no Ray, no MLflow write, no bill
+        return finished_result(plan.config, plan.place.uri, plan.resume.record,
+                               plan.tracking_uri if plan.reopen_run_id else None)
     with outside_job_package(plan.config.tracking):  # a Ray job's driver leaves the package `ray.init` may delete
         clock.mark("data inspection")
         with RunLog(show_logs) as log:
@@ -207,6 +212,7 @@ def _train(plan: RunPlan, address: str | None, verbose: bool, clock: StartupCloc
         logged = (result.run_cost or result.cost).metrics() | {"cost/attempts": float(result.attempts)}
         tracker.log_metrics(logged, step=result.history[-1]["step"] if result.history else 0)
     tracker.finish("FINISHED")
+    place.mark_finished(result.finished_record())
     return result
 
 

@@ -75,6 +75,14 @@ class RunPlace:
     def write_record(self, record: dict[str, Any], name: str = RUN_RECORD) -> None:
         self.write_text(name, json.dumps(record, indent=1))
 
+    def mark_finished(self, finished: dict[str, Any]) -> None:
+        """The run's record says it finished, and with what (its step, result, final checkpoint): a later
+        `--resume` of it starts nothing."""
+        try:
+            self.write_record((self.read_record() or {}) | {"finished": finished})
+        except OSError as exc:  # the run is done: a record it could not update must not fail it
+            print(f"warning: could not mark the run finished in {self.uri}: {exc}", file=sys.stderr)
+
     def write_attempt(self, attempt: dict[str, Any]) -> None:
         """Write (or rewrite) this attempt's record; each attempt owns its own file, so none overwrites another."""
         self.write_text(f"{ATTEMPTS_DIR}/{attempt['began']:.3f}.json", json.dumps(attempt))
@@ -99,22 +107,40 @@ class RunPlace:
         connects with the password its own config or $MLFLOW_TRACKING_URI gives."""
         self.write_text(RUN_CONFIG, mask_password(to_yaml(config)))
 
-    def check_resumable(self, config: Config) -> None:
-        """Refuse to continue this run with a config that would train something else than its checkpoints hold
-        (its saved config, `write_config`)."""
+    def config_changes(self, config: Config) -> list[str]:
+        """What `config` changes of what this run trains ('optim.lr: 0.003 -> 0.1'), against its saved config
+        (`write_config`); what may change on resume (RESUMABLE_CHANGES) is left out."""
         import yaml
 
         saved = self.read_text(RUN_CONFIG)
         if saved is None:
-            return  # the run stopped before it saved its config: nothing was trained yet
+            return []  # the run stopped before it saved its config: nothing was trained yet
         old, new = flatten(yaml.safe_load(saved) or {}), mask_passwords(config.dotted)  # as write_config saved it
         changed = sorted(k for k in old.keys() | new.keys()
                          if old.get(k) != new.get(k) and not k.startswith(RESUMABLE_CHANGES))
+        return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed]
+
+    def check_resumable(self, config: Config) -> None:
+        """Refuse to continue this run with a config that would train something else than its checkpoints hold."""
+        changed = self.config_changes(config)
         if changed:
-            shown = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:4])
-            raise ConfigError(f"--resume: run {self.uri} was trained with a different config ({shown}"
+            raise ConfigError(f"--resume: run {self.uri} was trained with a different config ({', '.join(changed[:4])}"
                               f"{' ...' if len(changed) > 4 else ''}): set those back to continue it, or run without "
                               "--resume to start a new run")
+
+    def exists(self) -> bool:
+        return self.storage.filesystem().get_file_info(self.path).type == pafs.FileType.Directory
+
+    def describe(self, config: Config) -> str:
+        """'exp-20261206-051238 (step 40, started 2026-12-06 05:12:38; optim.lr: 0.1 -> 0.003)': the step it
+        reached (its attempts' last report, or its newest checkpoint), its start (from its name) and what `config`
+        would change of it."""
+        steps = [int(r["step"]) for a in self.read_attempts() for r in a.get("reports", []) if "step" in r]
+        reached = max([*steps, self.registered_step() or 0])
+        stamp = re.search(rf"({_STAMP})(?:-\d+)?$", self.name)
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.strptime(stamp.group(1), "%Y%m%d-%H%M%S")) if stamp else "?"
+        changed = self.config_changes(config)
+        return f"{self.name} (step {reached}, started {started}{'; ' + changed[0] if changed else ''})"
 
     def cache_decision(self) -> str | None:
         """The cache decision of the checkpoint a resume of this run loads (training.resume); None without one."""
@@ -233,12 +259,13 @@ def _run_names(storage: Storage, experiment: str) -> list[str]:
     return [name for m, name in sorted(found, key=lambda f: (f[0].group(1), int(f[0].group(2) or 0)))]
 
 
-def latest_run(storage: Storage, experiment: str) -> RunPlace | None:
-    """The newest run of `experiment` in storage, by the start time in its name. Its saved config says whose run it
-    is; one that stopped before saving it counts only when named `<experiment>-<time>` (nothing else between)."""
+def experiment_runs(storage: Storage, experiment: str) -> list[RunPlace]:
+    """The runs of `experiment` in storage, newest first by the start time in their names. A run's saved config
+    says whose run it is; one that stopped before saving it counts only when named `<experiment>-<time>`."""
     import yaml
 
     plain = re.compile(rf"^{re.escape(experiment)}-{_STAMP}(-\d+)?$")
+    runs = []
     for name in reversed(_run_names(storage, experiment)):
         place = RunPlace(storage, name)
         saved = place.read_text(RUN_CONFIG)
@@ -247,8 +274,26 @@ def latest_run(storage: Storage, experiment: str) -> RunPlace | None:
         except (yaml.YAMLError, AttributeError):
             owner = None
         if owner == experiment or (owner is None and plain.match(name)):
-            return place
-    return None
+            runs.append(place)
+    return runs
+
+
+def latest_run(storage: Storage, experiment: str) -> RunPlace | None:
+    """The newest run of `experiment` in storage, by the start time in its name."""
+    return next(iter(experiment_runs(storage, experiment)), None)
+
+
+def resume_target(config: Config, resume: bool | str) -> tuple[Config, bool | str]:
+    """`--resume <path or s3://... of a run directory>` as a run name in its parent, which becomes storage.path
+    (where Ray Train finds the run by name); a name or a bare `--resume` as given."""
+    if not isinstance(resume, str):
+        return config, resume
+    path = resume.rstrip("/")  # a shell's completion adds the slash
+    if "/" not in path:
+        return config, path  # a run's name, in storage.path
+    parent, _, name = path.rpartition("/")
+    storage = config.storage.model_copy(update={"path": parent or "/"})  # a path: nothing to validate again
+    return config.model_copy(update={"storage": storage}), name
 
 
 def new_run(storage: Storage, name: str) -> RunPlace:
@@ -261,17 +306,21 @@ def new_run(storage: Storage, name: str) -> RunPlace:
     return RunPlace(storage, candidate)
 
 
-def place_run(config: Config, resume: bool, verbose: bool, changed: Sequence[str] = ()
+def place_run(config: Config, resume: bool | str, verbose: bool, changed: Sequence[str] = ()
               ) -> tuple[RunPlace, dict[str, Any] | None]:
-    """The run's place in storage and, when resuming, its record (MLflow run id; {} when it has none). A new run is
-    named by run_name (`changed`: the config keys the command's --set flags set)."""
+    """The run's place in storage and, when resuming, its record (MLflow run id, `finished` once it finished; {}
+    when it has none). A new run is named by run_name (`changed`: the config keys the command's --set flags set).
+    `resume`: True for the newest run of the experiment this config trained, or a run's name."""
     return place_in(open_run_storage(config), config, resume, verbose, changed)
 
 
-def place_in(storage: Storage, config: Config, resume: bool, verbose: bool, changed: Sequence[str] = ()
+def place_in(storage: Storage, config: Config, resume: bool | str, verbose: bool, changed: Sequence[str] = ()
              ) -> tuple[RunPlace, dict[str, Any] | None]:
     """place_run in `storage` already opened (storage.path: the plan's data inspection opens it with the data)."""
-    place = latest_run(storage, config.experiment) if resume else None
+    if isinstance(resume, str):
+        place: RunPlace | None = _named_run(storage, config, resume)
+    else:
+        place = _matching_run(storage, config) if resume else None
     if place is None:
         fresh = new_run(storage, run_name(config, changed))
         if resume:  # always said: a job that always passes --resume would otherwise start over unseen
@@ -279,9 +328,38 @@ def place_in(storage: Storage, config: Config, resume: bool, verbose: bool, chan
                   f"starting a new run, {fresh.name}", file=sys.stderr)
         return fresh, None
     place.check_resumable(config)
+    record = place.read_record() or {}
     step = place.registered_step()
-    if step is None:
+    if record.get("finished"):
+        pass  # nothing to resume: train() says where its result is
+    elif step is None:
         print(f"--resume: run {place.uri} saved no checkpoint: it starts again from step 0", file=sys.stderr)
     elif verbose:
         print(f"resuming run {place.uri} from its latest checkpoint (step {step})", file=sys.stderr)
-    return place, place.read_record() or {}
+    return place, record
+
+
+_SHOWN = 5  # runs a refused --resume lists
+
+
+def _named_run(storage: Storage, config: Config, name: str) -> RunPlace:
+    place = RunPlace(storage, name)
+    if not place.exists():
+        runs = ", ".join(run.describe(config) for run in experiment_runs(storage, config.experiment)[:_SHOWN])
+        raise ConfigError(f"--resume {name}: no run of that name in {storage.uri} (storage.path); runs of experiment "
+                          f"'{config.experiment}' there: {runs or 'none'}")
+    return place
+
+
+def _matching_run(storage: Storage, config: Config) -> RunPlace | None:
+    """The newest run of the experiment whose saved config `config` matches (check_resumable); None when the
+    experiment has no run. When it has runs and none matches, they are listed: the user picks one by name."""
+    runs = experiment_runs(storage, config.experiment)
+    place = next((run for run in runs if not run.config_changes(config)), None)
+    if runs and place is None:
+        listed = ", ".join(run.describe(config) for run in runs[:_SHOWN])
+        raise ConfigError(f"--resume: no run of experiment '{config.experiment}' in {storage.uri} (storage.path) was "
+                          f"trained with this config; its runs, newest first: {listed}"
+                          f"{' ...' if len(runs) > _SHOWN else ''}: pass --resume <run name> with that run's config, "
+                          "or run without --resume to start a new run")
+    return place

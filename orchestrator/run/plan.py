@@ -18,7 +18,7 @@ from orchestrator.cluster.local import ClusterChoice, choose_cluster
 from orchestrator.config import Config
 from orchestrator.report.cost import Pricing, resolve_pricing
 from orchestrator.run.checks import check_inspected
-from orchestrator.run.place import RunPlace, place_in
+from orchestrator.run.place import RunPlace, place_in, resume_target
 from orchestrator.tracking.context import changed_keys, context_tags
 from orchestrator.tracking.store import check_server_listens
 from orchestrator.tracking.uri import mask_password, mask_passwords, resolve_uri
@@ -29,11 +29,13 @@ from pipelines.sources import DatasetInfo
 @dataclass(frozen=True)
 class ResumePoint:
     """What a `--resume` continues: the run's record (its MLflow run), the newest checkpoint Ray Train registered,
-    and the cache decision that checkpoint's data position counts rows in."""
+    and the cache decision that checkpoint's data position counts rows in; or, for a run that finished, nothing
+    (`finished`: its step, result and final checkpoint, from its record)."""
 
     record: Mapping[str, Any]
     step: int | None
     cache_decision: str | None
+    finished: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,8 @@ class RunPlan:
         c = self.config
         resume = None if self.resume is None else {
             "from_step": self.resume.step, "cache_decision": self.resume.cache_decision,
-            "mlflow_run_id": self.reopen_run_id}
+            "mlflow_run_id": self.reopen_run_id,
+            "finished_at_step": self.resume.finished.get("step") if self.resume.finished else None}
         return {
             "run": {"experiment": c.experiment, "place": self.place.uri, "mlflow_run_name": self.run_name,
                     "resume": resume},
@@ -112,6 +115,7 @@ def planned_precision(requested: str, use_gpu: bool) -> str:
         return resolve_precision(requested, torch.device("cuda"))
     return "bf16 on a GPU that runs it natively (Ampere or newer), else fp16"
 
+
 def _autopilot(c: Config) -> dict[str, Any]:
     """The autopilot's setting: its budget, and the keys it measures (docs/autopilot.md): those that leave the
     math unchanged (precision only when the user left it auto, flush_denormal only on CPU), and those autopilot.allow
@@ -127,11 +131,14 @@ def _autopilot(c: Config) -> dict[str, Any]:
     return {"enabled": True, "budget_share_of_wall_clock": c.autopilot.budget, "searches": searches}
 
 
-def plan_run(config: Config, resume: bool = False, verbose: bool = True, address: str | None = None) -> RunPlan:
+def plan_run(config: Config, resume: bool | str = False, verbose: bool = True, address: str | None = None
+             ) -> RunPlan:
     """Check the config against the data, the model, the price table and the tracking store, and find the run's
-    place (the latest run to continue with `resume`); raises UserError subclasses on bad input. Prints the
-    memory advice and where a resume continues from when `verbose`. `address`: the Ray cluster to join (--address;
-    else $RAY_ADDRESS, else a local one)."""
+    place (with `resume`: True, the newest run of the experiment this config trained; a run's name; or a run
+    directory's path or s3:// URI); raises UserError subclasses on bad input. Prints the memory advice and where a
+    resume continues from when `verbose`. `address`: the Ray cluster to join (--address; else $RAY_ADDRESS, else a
+    local one)."""
+    config, resume = resume_target(config, resume)  # a run directory's path: its parent is storage.path
     # Every file the plan reads, once: the data's facts, the sample rows collated, the run's storage opened.
     data = inspect_run(config.data, config.model.inputs is not None, config.storage.path)
     checked = check_inspected(config, data.datasets, data.sample)  # the model built once, on the meta device
@@ -144,7 +151,8 @@ def plan_run(config: Config, resume: bool = False, verbose: bool = True, address
     place, record = place_in(data.run_storage, config, resume, verbose, changed_keys())
     uri = resolve_uri(config.tracking.uri) if config.tracking.enabled else None
     point = (None if record is None
-             else ResumePoint(MappingProxyType(record), place.registered_step(), place.cache_decision()))
+             else ResumePoint(MappingProxyType(record), place.registered_step(), place.cache_decision(),
+                              record.get("finished")))
     # The context is read where the command started (its commit): a Ray job's driver then leaves that directory.
     return RunPlan(config=config, datasets=MappingProxyType(data.datasets), in_features=checked.in_features,
                    memory_budget=checked.memory_budget, advice=checked.advice, pricing=pricing, place=place,

@@ -3,6 +3,7 @@ under `final/...`, where the time and money went, where the checkpoint and the M
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,11 +30,32 @@ class TrainResult:
     run_cost: Any = None  # a resumed run's Ledger over all its attempts (cost.ledger_across_attempts); else None
     attempts: int = 1  # driver attempts of this run: the first command and each `--resume`
     autopilot: dict[str, Any] | None = None  # the autopilot's report (autopilot_report.py); None without it
+    already_finished: bool = False  # a `--resume` of a run that had finished: nothing trained, its result as it was
 
     @property
     def run_name(self) -> str:
         """The run's one name (runs.run_name): its directory's, its MLflow run's."""
         return self.run_dir.rstrip("/").rsplit("/", 1)[-1]
+
+    def finished_record(self) -> dict[str, Any]:
+        """What the run's record keeps once it finished (`finished`): its step, result figures, final checkpoint."""
+        return {"step": self.metrics.get("step"), "checkpoint": self.checkpoint_path,
+                "metrics": _result_figures(self.metrics)}
+
+
+def finished_result(config: Config, run_dir: str, record: Mapping[str, Any], tracking_uri: str | None) -> TrainResult:
+    """A finished run's result from its record (`TrainResult.finished_record`): what `--resume` of it returns.
+    `tracking_uri`: the store the run's MLflow run is in, when this command tracks to it (else the record's)."""
+    finished = record["finished"]
+    return TrainResult(config, {**finished.get("metrics", {}), "step": finished.get("step")},
+                       finished.get("checkpoint"), run_dir, record.get("mlflow_run_id"),
+                       tracking_uri or record.get("tracking_uri"), already_finished=True)
+
+
+def _result_figures(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The training loss and every validation figure: the run's result in a line."""
+    return {k: float(v) for k, v in metrics.items() if (k == "train_loss" or k.startswith("val_"))
+            and isinstance(v, int | float) and not isinstance(v, bool)}
 
 
 def run_summary(history: list[dict[str, Any]]) -> dict[str, float]:
@@ -96,6 +118,11 @@ def _bytes(n: float) -> str:
 def summary(result: TrainResult) -> str:
     """The lines printed after a run: final accuracy, where the time went, where things are, how to look at them."""
     m = result.metrics
+    if result.already_finished:
+        figures = sorted(_result_figures(m).items(), key=lambda kv: (kv[0] != "train_loss", kv[0]))
+        shown = ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in figures) or "no figures recorded"
+        return "\n".join([f"{result.run_name} finished at step {m.get('step')} (its result: {shown}): nothing to "
+                          "resume", f"run directory: {result.run_dir}", *_where(result)])
     lines = [f"finished {result.run_name}: step {m.get('step')}, "
              f"train loss {m.get('train_loss', float('nan')):.4f}"]
     if "val_accuracy" in m and result.config.task.kind is not None and result.config.task.kind.label == "classes":
@@ -119,7 +146,7 @@ def summary(result: TrainResult) -> str:
     if result.cost is not None:
         lines.append(result.cost.line())
     if result.run_cost is not None:
-        lines.append(f"run over its {result.attempts} attempts (from the first command): "
+        lines.append(f"run over its {result.attempts} attempts (the commands' own time): "
                      f"{result.run_cost.time_line().removeprefix('time: ')} | ETTR {result.run_cost.ettr:.0%}")
     held = parallel_line(result.history)
     if held:
@@ -127,7 +154,12 @@ def summary(result: TrainResult) -> str:
     interval = checkpoint_interval_line(result.config, result.history)
     if interval:
         lines.append(interval)
-    lines.append(f"checkpoint: {result.checkpoint_path}")
+    return "\n".join([*lines, *_where(result)])
+
+
+def _where(result: TrainResult) -> list[str]:
+    """Where the run's final checkpoint and its MLflow run are, and how to open it."""
+    lines = [f"checkpoint: {result.checkpoint_path}"]
     if result.run_id:
         lines.append(f"MLflow run id: {result.run_id}")
         command = ui_command(result.tracking_uri or "", result.config.tracking.experiment)
@@ -135,4 +167,4 @@ def summary(result: TrainResult) -> str:
         url = run_url(result.tracking_uri or "", result.run_id)
         if url:
             lines.append(f"this run in the MLflow UI: {url}")
-    return "\n".join(lines)
+    return lines

@@ -215,16 +215,21 @@ def test_a_resumed_run_is_one_ledger_across_its_attempts() -> None:
     second = attempt_record(1100.0, [report(20, 35.0) | {"worker_pid": 102}, report(30, 45.0)], ended=1150.0)
     ledger = ledger_across_attempts([second, first], PRICED)  # in any order: sorted by when each began
     s = ledger.seconds
-    assert ledger.wall_s == pytest.approx(150.0)  # from the first command to the end of the last one
+    # The commands' own time, 45 s + 50 s: the 55 s between them (nothing ran: the user had not resumed yet) is
+    # not the run's.
+    assert ledger.wall_s == pytest.approx(95.0)
     assert s["startup"] == pytest.approx(20.0)  # attempt 1's first interval began at t=1020
     assert s["wasted"] == pytest.approx(10.0)  # attempt 1's step 20, trained again by attempt 2
-    # From attempt 1's last report (t=1040) to attempt 2's first kept interval (began t=1125): the driver's death,
-    # the time before --resume, and attempt 2's start-up. A restart to the first step again is recovery.
-    assert s["recovery"] == pytest.approx(85.0)
+    # From attempt 1's last report (t=1040) to its end (5 s), and attempt 2's start-up to its first kept interval
+    # (began t=1125, 25 s in): what the stop cost. A restart to the first step again is recovery.
+    assert s["recovery"] == pytest.approx(30.0)
     assert s["compute"] + s["sync"] == pytest.approx(3 * 8.0)  # steps 10 (attempt 1), 20 and 30 (attempt 2)
     assert s["shutdown"] == pytest.approx(5.0)
-    assert sum(s.values()) == pytest.approx(150.0)
-    assert ledger.ettr == pytest.approx(24.0 / 145.0)
+    assert sum(s.values()) == pytest.approx(95.0)
+    assert ledger.ettr == pytest.approx(24.0 / 90.0)
+    # Attempts that overlap (a second driver started before the first one's last record) bill each moment once.
+    overlapping = attempt_record(1040.0, [report(20, 25.0) | {"worker_pid": 103}], ended=1070.0)
+    assert ledger_across_attempts([first, overlapping], PRICED).wall_s == pytest.approx(70.0)
     # A record keeps what the ledger needs, and survives JSON (it is written beside the run in storage).
     import json
 

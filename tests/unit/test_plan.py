@@ -97,6 +97,11 @@ def test_a_resume_plans_from_the_runs_record(tmp_path: Path, digits_dir: str) ->
     elsewhere = plan_run(_config(tmp_path, digits_dir, "train.max_steps=40",
                                  f"tracking.uri=sqlite:///{tmp_path}/other.db"), resume=True, verbose=False)
     assert elsewhere.place.uri == first.place.uri and elsewhere.reopen_run_id is None
+    # By its directory's path, from a config whose storage.path is elsewhere: that run, its parent as storage.path.
+    by_path = plan_run(_config(tmp_path, digits_dir, "train.max_steps=40", f"storage.path={tmp_path}/other"),
+                       resume=first.place.path, verbose=False)
+    assert by_path.place.uri == first.place.uri and by_path.config.storage.path == f"{tmp_path}/runs"
+    assert by_path.reopen_run_id == "abc123" and by_path.resume is not None and by_path.resume.finished is None
 
 
 def test_the_driver_reads_the_config_in_one_place() -> None:
