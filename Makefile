@@ -1,5 +1,5 @@
 # The two commands the README starts with: `make train` and `make test`. Both set everything up first.
-.PHONY: setup browser train test lint bench mutate
+.PHONY: setup browser train test lint bench mutate gpu-check gpu-check-ray
 
 setup:
 	@bash scripts/setup.sh
@@ -27,5 +27,11 @@ bench: setup
 mutate: setup  # plant known bugs in a copy of the package and check the tests catch each (about a minute)
 	.venv/bin/python scripts/mutate.py
 
-gpu-check: setup  # on a CUDA machine: the GPU path proved in one command, one table (8 minutes on one H100)
-	.venv/bin/python scripts/gpu_check.py
+# The GPU check (docs/testing.md), two tiers. The torch tier sets nothing up: it runs with this machine's own Python and
+# CUDA torch (the .venv's where there is one), a bare GPU machine carrying a few small wheels; 8 minutes on one H100.
+GPU_PYTHON ?= $(if $(wildcard .venv/bin/python),.venv/bin/python,python3)
+gpu-check:
+	$(GPU_PYTHON) scripts/gpu_check.py
+
+gpu-check-ray: setup  # a GPU node with the full .venv (a CUDA torch): Ray Train on one GPU, and on two (NCCL)
+	.venv/bin/python scripts/gpu_check.py --ray

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout, nothing installed
 
-from orchestrator.models.zoo import GPT  # noqa: E402  (torch-only modules: no pydantic, Ray or MLflow needed)
+from orchestrator.models.zoo import GPT  # noqa: E402  (no Ray, MLflow or Arrow needed: the GPU check's torch tier)
 from orchestrator.training.memory import GIB, fit_micro_batch_cuda, release_cached_memory  # noqa: E402
 from orchestrator.training.timing import count_flops, peak_flops  # noqa: E402
 

@@ -6,12 +6,10 @@ import itertools
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pyarrow as pa
 import torch
-from ray.data.collate_fn import ArrowBatchCollateFn
 
 from pipelines.config import DataConfig
 from pipelines.errors import DataError
@@ -31,6 +29,14 @@ from pipelines.tensors import (
     tensor,
 )
 
+if TYPE_CHECKING:
+    import pyarrow as pa  # imported where read: the host-to-device path runs on a machine without Arrow (GPU check)
+
+try:
+    from ray.data.collate_fn import ArrowBatchCollateFn
+except ImportError:  # no Ray (the GPU check's torch tier): only Ray Data reads the base class (Arrow batches in)
+    ArrowBatchCollateFn = object  # type: ignore[misc,assignment]
+
 
 def padding_of(schema: pa.Schema, features: list[str], label: str | None, named: bool = False,
                multiple: int | None = None) -> Padding:
@@ -40,6 +46,8 @@ def padding_of(schema: pa.Schema, features: list[str], label: str | None, named:
     the first token column's tokens (one label per token). A variable-length integer label column with no token
     column to follow (always so in the classic path) is padded alone. Decided once, before iteration: the collate
     checks each batch against it."""
+    import pyarrow as pa
+
     variable = [name for name in features if named and _is_list(schema.field(name).type)]
     labelled = None  # the token column the labels are padded and trimmed with
     groups = []
@@ -60,6 +68,8 @@ def padding_of(schema: pa.Schema, features: list[str], label: str | None, named:
 
 
 def _is_list(kind: pa.DataType) -> bool:
+    import pyarrow as pa
+
     return pa.types.is_list(kind) or pa.types.is_large_list(kind)
 
 

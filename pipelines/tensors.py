@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pyarrow as pa
 import torch
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 Batch = dict[str, torch.Tensor]
 LABELS = "labels"  # the targets' key, whatever the label column is called (the name Hugging Face models take)
@@ -128,6 +131,8 @@ def column_array(column: pa.ChunkedArray | pa.Array, pad_multiple: int | None = 
     """A column as an array that keeps its meaning, and a mask for a variable-length list (else None): integers
     -> int64, floats and booleans -> float32, fixed-size lists -> one more dimension each, Ray Data tensor
     columns -> their shape, variable-length integer lists -> padded (rows x longest) with a 0/1 mask."""
+    import pyarrow as pa  # here: the rows' tensor operations run where no Arrow is installed (the GPU check)
+
     array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     mask = None
     if isinstance(array.type, pa.ExtensionType):  # Ray Data's tensor columns: to_numpy gives (rows, *shape)

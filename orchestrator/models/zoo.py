@@ -16,7 +16,6 @@ from torch import nn
 from orchestrator.config import ModelConfig, either, keys_elsewhere
 from orchestrator.errors import ConfigError, raised_in_model_code
 from orchestrator.models.registry import Registry, load_entrypoint, suggest
-from pipelines.storage import open_storage, storage_error
 
 ModelBuilder = Callable[..., nn.Module]
 MODELS: Registry[ModelBuilder] = Registry("model")
@@ -178,6 +177,7 @@ def pretrained_config(uri: str, s3: Any = None) -> dict[str, Any]:
     architecture the workers' from_pretrained builds, read without the weights. ConfigError when it is missing."""
     import json
 
+    from pipelines.storage import open_storage, storage_error  # pyarrow: only where a pretrained model is read
 
     storage = open_storage(uri, s3)
     path = storage.join("config.json")

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
 
@@ -29,6 +28,7 @@ from orchestrator.training.parts import Parts
 from orchestrator.training.ranks import gather_to_rank0, world
 
 if TYPE_CHECKING:
+    import pyarrow.fs as pafs  # the run's storage; imported where used: a torch-only machine has no Arrow
     import torch.distributed.checkpoint as dcp
 
 STATE_FILE = "state.pt"
@@ -261,6 +261,7 @@ def _same_order(saved: str | None, cache_decision: str | None) -> bool:
 
 def storage_writer(filesystem: pafs.FileSystem, path: str) -> dcp.FileSystemWriter:
     """A DCP writer into `path` on a pyarrow filesystem (Ray Train's run storage: local or S3)."""
+    import pyarrow.fs as pafs
     import torch.distributed.checkpoint as dcp
 
     if isinstance(filesystem, pafs.LocalFileSystem):
@@ -272,6 +273,7 @@ def storage_writer(filesystem: pafs.FileSystem, path: str) -> dcp.FileSystemWrit
 
 def storage_reader(filesystem: pafs.FileSystem, path: str) -> dcp.FileSystemReader:
     """A DCP reader of the checkpoint at `path` on a pyarrow filesystem; every rank reads only what its shards need."""
+    import pyarrow.fs as pafs
     import torch.distributed.checkpoint as dcp
 
     reader = dcp.FileSystemReader(path)
@@ -366,6 +368,8 @@ class ShardedSaver:
 def write_manifest(filesystem: pafs.FileSystem, path: str, step: int, cache_decision: str | None) -> None:
     """The manifest of the checkpoint directory `path` in storage: every file in it (DCP's `.metadata` included)
     with its size. Written under a temporary name and moved, so it appears whole or not at all."""
+    import pyarrow.fs as pafs
+
     infos = filesystem.get_file_info(pafs.FileSelector(path))
     files = {i.base_name: i.size for i in infos if i.type == pafs.FileType.File and i.base_name != MANIFEST
              and not i.base_name.endswith(".tmp")}
@@ -378,6 +382,8 @@ def write_manifest(filesystem: pafs.FileSystem, path: str, step: int, cache_deci
 
 def is_sharded_checkpoint(filesystem: pafs.FileSystem, path: str) -> bool:
     """Whether the checkpoint at `path` was written by FSDP's ranks (DCP) rather than as DDP's state.pt."""
+    import pyarrow.fs as pafs
+
     return filesystem.get_file_info(f"{path}/.metadata").type == pafs.FileType.File
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,24 +31,28 @@ def test_autopilot_bench_runs_in_its_quick_mode() -> None:
 
 
 def test_gpu_check_says_so_without_cuda_and_every_planned_command_would_run(tmp_path: Path) -> None:
-    """make gpu-check's CPU path: one line and exit 0; on a GPU machine its commands must run the first time, so
-    each names a program and files that exist and every training command's overrides load as a config."""
+    """The Ray tier's CPU path: one line and exit 0 (the torch tier's: tests/unit/test_gpu_check.py); on a GPU
+    machine every command of both tiers must run the first time, so each names a program and files that exist and
+    every training command's overrides load as a config."""
     import importlib.util
 
     from orchestrator.config import load_config
 
-    out = subprocess.run([sys.executable, "scripts/gpu_check.py"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0 and out.stdout.strip().startswith("gpu-check: no CUDA device"), out
+    out = subprocess.run([sys.executable, "scripts/gpu_check.py", "--ray"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PATH": str(tmp_path)})  # no nvidia-smi on that PATH
+    assert out.returncode == 0 and out.stdout.splitlines() == ["gpu-check: no GPU: nothing to check (run it where a "
+                                                               "GPU is)"], out
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
     gpu_check = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     sys.modules["gpu_check"] = gpu_check  # its dataclass looks its module up there
     spec.loader.exec_module(gpu_check)  # type: ignore[union-attr]
-    plan = gpu_check.checks(tmp_path)
-    assert [c.name for c in plan] == ["pytest -m gpu", "bench/gpu.py", "prepare data", "train (Ray, 1 GPU)",
-                                      "autopilot, poor start"]
-    assert sum(c.timeout_s for c in plan) <= 8 * 60
-    for check in plan:
+    torch_tier, ray_tier = gpu_check.torch_tier(cuda=True), gpu_check.ray_tier(tmp_path, gpus=2)
+    assert [c.name for c in torch_tier] == ["pytest -m gpu", "probe", "bench/gpu.py"]
+    assert [c.name for c in ray_tier] == ["prepare data", "train (Ray, 1 GPU)", "autopilot, poor start",
+                                          "train (Ray, 2 GPUs, NCCL)"]
+    assert sum(c.timeout_s for c in torch_tier) <= 8 * 60
+    assert "tests/unit/training/test_gpu.py" in torch_tier[0].command
+    for check in torch_tier + ray_tier:
         assert Path(check.command[0]).exists(), check.command[0]
         assert all((ROOT / arg).exists() for arg in check.command if arg.startswith(("bench/", "tests/")))
         overrides = [check.command[i + 1] for i, arg in enumerate(check.command) if arg == "--set"]
