@@ -157,7 +157,7 @@ def train_here(exp: Experiment, settings: list[str], done: Callable[[Marks], boo
             torch.set_num_threads(exp.cpus)  # what Ray's OMP_NUM_THREADS gives a worker of cpus_per_worker
             rank_cfg = rank_config(spec, world=1)
             train_rank(spec, rank_cfg, Seat(1, 0, CPU, time.time()), lambda: None, TableShard(exp.table), None,
-                       marks, preempted=None)
+                       marks, notices=None)
         except Enough:
             pass
         except BaseException as exc:  # noqa: BLE001  (reported by the caller's thread)

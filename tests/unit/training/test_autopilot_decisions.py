@@ -35,6 +35,9 @@ class VirtualClock:
     def perf_counter(self) -> float:
         return self.now
 
+    def spend(self, seconds: float) -> None:
+        """test_autopilot's Net charges its modelled forward here: a step's time is this clock's table alone."""
+
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         real = autopilot.train_step
 
