@@ -4,13 +4,10 @@ progress, track it in MLflow and bill it. Nothing here reads the config's raw fo
 
 from __future__ import annotations
 
-import shlex
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +35,7 @@ from orchestrator.report.progress import (
 )
 from orchestrator.report.startup import StartupClock
 from orchestrator.run.alongside import Alongside, ended_on_error
+from orchestrator.run.interrupts import Doomed, fit_interruptibly, interrupted, stop_at_next_report
 from orchestrator.run.place import AttemptLog, RunPlace
 from orchestrator.run.plan import RunPlan, plan_run
 from orchestrator.run.result import TrainResult, finished_result, run_summary
@@ -46,6 +44,7 @@ from orchestrator.tracking.context import config_params
 from orchestrator.tracking.tracker import Tracker, closed_on_error, start_tracker
 from orchestrator.tracking.uri import mask_password
 from orchestrator.training.resume import unregistered_checkpoints
+from orchestrator.training.stop import STOP_FILE
 from pipelines.config import is_remote
 from pipelines.sources import DatasetInfo
 from pipelines.storage import user_cache_dir
@@ -177,6 +176,8 @@ def _build_inputs(plan: RunPlan, started_ray: bool, log: RunLog) -> _Inputs:
     queue = report_queue()
     spec, datasets = build_inputs(config, plan.datasets, plan.place.name,
                                   plan.resume.cache_decision if plan.resume else None, queue)
+    plan.place.remove(STOP_FILE)  # a stop asked of an earlier attempt (Ctrl+C, then --resume) is not this one's
+    spec["stop_request"] = (plan.place.storage, f"{plan.place.path}/{STOP_FILE}")
     log.divert()  # Ray Data sets up its loggers on first use
     return _Inputs(queue, spec, datasets)
 
@@ -214,61 +215,6 @@ def _train(plan: RunPlan, address: str | None, verbose: bool, clock: StartupCloc
     tracker.finish("FINISHED")
     place.mark_finished(result.finished_record())
     return result
-
-
-class _Doomed(Exception):
-    """A worker raised an error that a restart would raise again, before the run's first report."""
-
-
-def _fit_interruptibly(trainer: Any, doomed: list[str], opening: Alongside) -> Any:
-    """`trainer.fit()` in a thread, so that Ctrl+C reaches this (main) thread as KeyboardInterrupt, and so that a
-    run whose first attempt failed in the user's code or config (`doomed`, filled by the report handler) stops now
-    instead of after every restart Ray Train would make; so does a run whose MLflow run could not be opened
-    (`opening`'s error is raised). Called in the main thread, Ray Train installs its own
-    SIGINT handler, which waits for its controller to abort and then exits the process with status 1, before the
-    run is marked or the user told how to continue. The run's actors end with the driver (the local cluster is shut
-    down; a joined cluster drops the job's actors when the driver leaves it)."""
-    outcome: dict[str, Any] = {}
-
-    def fit() -> None:
-        try:
-            outcome["result"] = trainer.fit()
-        except BaseException as exc:  # noqa: BLE001 - handed to the main thread as is
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=fit, name="orchestrator-fit", daemon=True)
-    thread.start()
-    while thread.is_alive():
-        thread.join(timeout=0.2)
-        if doomed:
-            raise _Doomed(doomed[0])
-        if opening.failed():
-            opening.result()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["result"]
-
-
-@contextmanager
-def interrupted(place: RunPlace, history: list[dict[str, Any]]) -> Iterator[None]:
-    """Ctrl+C: say where the run stopped, what a resume continues from and the command for it; the interrupt
-    then ends the command (exit 130, the MLflow run KILLED)."""
-    try:
-        yield
-    except KeyboardInterrupt:
-        import ray
-
-        if ray.is_initialized():  # a joined cluster: leaving it ends the run's actors, so nothing more registers
-            ray.shutdown()
-        saved = place.registered_step()
-        # A checkpoint can register before its step's report reaches this driver: the run got at least that far.
-        step = max(history[-1]["step"] if history else 0, saved or 0)
-        command = ["orchestrator", *sys.argv[1:]] if sys.argv[1:2] == ["train"] else ["orchestrator", "train", "..."]
-        again = shlex.join(command + ([] if "--resume" in command else ["--resume"]))
-        print(f"interrupted at step {step}; " + (f"last checkpoint step {saved}; continue with: {again}"
-                                                 if saved else "no checkpoint yet: a new run starts from step 0"),
-              file=sys.stderr, flush=True)
-        raise
 
 
 def _checkpoint_uri(config: Config, path: str) -> str:
@@ -392,11 +338,11 @@ def _fit(plan: RunPlan, inputs: _Inputs, opening: Alongside, verbose: bool, cloc
     log.divert()  # Ray Train sets up its loggers on first use
     try:
         with ReportConsumer(queue, handle):
-            result = _fit_interruptibly(trainer, handle.doomed, opening)
+            result = fit_interruptibly(trainer, handle.doomed, opening, lambda: stop_at_next_report(place, history))
         tracker = handle.tracker  # the reports logged: MLflow's run is open
     except ray.train.TrainingFailedError as exc:
         raise RunFailedError(f"training failed: {root_cause(exc)} (run directory: {place.uri})") from None
-    except _Doomed as exc:
+    except Doomed as exc:
         raise RunFailedError(f"training failed before its first report: {exc}; not retried, as every restart would "
                              f"fail the same way (traceback in {log.path}; run directory: {place.uri})") from None
     _remove_unregistered_checkpoints(result)

@@ -146,6 +146,13 @@ class RunPlace:
         """The cache decision of the checkpoint a resume of this run loads (training.resume); None without one."""
         return checkpointed_cache_decision(self.storage.filesystem(), self.path, self.registered_step())
 
+    def remove(self, name: str) -> None:
+        """Delete file `name` of the run, if it is there."""
+        try:
+            self.storage.filesystem().delete_file(f"{self.path}/{name}")
+        except FileNotFoundError:
+            pass
+
     def write_text(self, name: str, text: str) -> None:
         fs = self.storage.filesystem()
         target = f"{self.path}/{name}"
