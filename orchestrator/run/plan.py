@@ -118,12 +118,13 @@ def planned_precision(requested: str, use_gpu: bool) -> str:
 
 def _autopilot(c: Config) -> dict[str, Any]:
     """The autopilot's setting: its budget, and the keys it measures (docs/autopilot.md): those that leave the
-    math unchanged (precision only when the user left it auto, flush_denormal only on CPU), and those autopilot.allow
-    lists where they can run (sync on 2 workers or more; tf32 on a GPU in fp32, which the config checks)."""
+    math unchanged (precision only when the user left it auto, threads and flush_denormal only on CPU), and those
+    autopilot.allow lists where they can run (sync on 2 workers or more; tf32 on a GPU in fp32, which the config
+    checks)."""
     if not c.autopilot.enabled:
         return {"enabled": False}
-    searches = ["train.micro_batch_size (at the global batch)", "train.compile", "train.torch_threads"]
-    searches += [] if c.scaling.use_gpu else ["train.flush_denormal"]
+    searches = ["train.micro_batch_size (at the global batch)", "train.compile"]
+    searches += [] if c.scaling.use_gpu else ["train.torch_threads", "train.flush_denormal"]
     searches += ["train.precision"] if c.train.precision == "auto" else []
     # Opted in (autopilot.allow): changes the math, measured with the loss beside the speed.
     searches += ["train.sync (allowed)"] if "sync" in c.autopilot.allow and c.scaling.max_workers > 1 else []

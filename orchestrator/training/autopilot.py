@@ -1,7 +1,7 @@
 """The autopilot (`autopilot.enabled`): the run's first steps measure the settings that leave the math of training
 unchanged, one dimension at a time (the micro-batch at the fixed global batch, bf16 vs fp32 when train.precision is
-auto, torch.compile, torch threads, flush_denormal; train.sync and train.tf32, which change it, only when
-autopilot.allow lists them), and the rest of the run trains with the fastest. Every measured step is a real step of
+auto, torch.compile, torch threads and flush_denormal on CPU ranks; train.sync and train.tf32, which change it, only
+when autopilot.allow lists them), and the rest of the run trains with the fastest. Every measured step is a real step of
 the run. A step's time is the slowest rank's (an all-reduce max), rank 0 decides and broadcasts, a candidate that
 fails on any rank (out of memory, compile error) is dropped on all, and the choice is kept in Progress: a checkpoint
 carries it and a resume applies it without searching."""
@@ -38,6 +38,9 @@ HOPELESS = 1.5  # a candidate this many times slower than the best is dropped af
 MARGIN = (0.02, 0.10)  # bounds of the noise margin a candidate must beat the best by (twice the start's spread)
 # What torch.compile is assumed to cost before it is measured: tried only when the budget left covers it.
 COMPILE_GUESS_S = 30.0
+# Settings torch.compile's guards read (process-wide state: threads, TF32, the autocast around the model): a compiled
+# model stepped under a new value of one recompiles, so such a candidate costs a compile too.
+RECOMPILES = frozenset({"torch_threads", "tf32", "precision"})
 # What rank 0 decides after each search step (bits of one broadcast integer).
 GO_ON, END, ADOPT, STOP = 0, 1, 2, 4
 
@@ -327,12 +330,14 @@ class Autopilot:
         return sorted(o for o in options if o > best), sorted((o for o in options if o < best), reverse=True)
 
     def _worth(self, key: str) -> bool:
-        """Whether a candidate of `key` is measured now, from the best so far: compile only when the budget left
-        covers a compile, TF32 only while the best trains in fp32 (bf16 and fp16 autocast already narrow the matrix
-        products it would change)."""
-        if key == "compile":
-            return self.charged + COMPILE_GUESS_S <= self.budget_s
-        return key != "tf32" or self.best.settings.precision == "fp32"  # type: ignore[union-attr]
+        """Whether a candidate of `key` is measured now, from the best so far: compile, and a setting that recompiles
+        a compiled best, only when the budget left covers a compile; TF32 only while the best trains in fp32 (bf16
+        and fp16 autocast already narrow the matrix products it would change)."""
+        best = self.best.settings  # type: ignore[union-attr]
+        if key == "compile" or (key in RECOMPILES and best.compile):
+            if self.charged + COMPILE_GUESS_S > self.budget_s:
+                return False
+        return key != "tf32" or best.precision == "fp32"
 
     def _other_options(self) -> list[tuple[str, list[Any]]]:
         s, cpu = self.start, self.knobs.device.type == "cpu"
@@ -349,10 +354,11 @@ class Autopilot:
             options.append(("tf32", [not s.tf32]))
         if not sharded:
             options.append(("compile", [not s.compile]))
-        cpus = max(1, int(self.cfg.scaling.cpus_per_worker))
-        if hasattr(os, "sched_getaffinity"):
-            cpus = min(cpus, len(os.sched_getaffinity(0)))
-        options.append(("torch_threads", sorted({1, max(1, cpus // 2), cpus, s.torch_threads}, reverse=True)))
+        if cpu:  # a GPU step's kernels run on the device: the host's thread count measures only noise there
+            cpus = max(1, int(self.cfg.scaling.cpus_per_worker))
+            if hasattr(os, "sched_getaffinity"):
+                cpus = min(cpus, len(os.sched_getaffinity(0)))
+            options.append(("torch_threads", sorted({1, max(1, cpus // 2), cpus, s.torch_threads}, reverse=True)))
         if cpu and self.flush_ok and not s.flush_denormal:
             # Only towards on: subnormals appear late in training, so the first steps cannot see what flushing
             # saves then (4x a step in bench/overhead.py), and turning it off on their figures could cost that.

@@ -15,7 +15,8 @@ import yaml
 from orchestrator.config import load_config
 from orchestrator.run.plan import plan_run
 
-ALWAYS = ["train.micro_batch_size (at the global batch)", "train.compile", "train.torch_threads"]
+ALWAYS = ["train.micro_batch_size (at the global batch)", "train.compile"]
+CPU = [*ALWAYS, "train.torch_threads"]  # a CPU run's: threads measure noise on a GPU
 
 
 def _planned(tmp_path: Path, digits_dir: str, *sets: str) -> dict[str, Any]:
@@ -33,7 +34,7 @@ def test_the_plan_lists_train_sync_only_where_the_autopilot_measures_it(
     shown = _planned(tmp_path, digits_dir, f"scaling.num_workers={workers}", "autopilot.allow=[sync]",
                      "train.precision=fp32", "train.flush_denormal=false")
     # One worker has no gradient sync to trade: local SGD is never measured there (an elastic run may grow to 2).
-    assert shown["searches"] == [*ALWAYS, "train.flush_denormal", *(["train.sync (allowed)"] if listed else [])]
+    assert shown["searches"] == [*CPU, "train.flush_denormal", *(["train.sync (allowed)"] if listed else [])]
     # Not opted in: never a candidate, at any size.
     assert "train.sync (allowed)" not in _planned(tmp_path, digits_dir, f"scaling.num_workers={workers}")["searches"]
 
@@ -42,11 +43,12 @@ def test_the_plan_lists_precision_only_when_left_auto(tmp_path: Path, digits_dir
     assert "train.precision" in _planned(tmp_path, digits_dir, "train.precision=auto")["searches"]
     for fixed in ("fp32", "bf16"):
         searches = _planned(tmp_path, digits_dir, f"train.precision={fixed}")["searches"]
-        assert "train.precision" not in searches and searches[:3] == ALWAYS
+        assert "train.precision" not in searches and searches[:3] == CPU
 
 
-def test_the_plan_of_a_gpu_run_leaves_flush_denormal_out(tmp_path: Path, digits_dir: str) -> None:
-    """Subnormal flushing is a CPU setting: GPU kernels ignore it, the autopilot never measures it there."""
+def test_the_plan_of_a_gpu_run_leaves_threads_and_flush_denormal_out(tmp_path: Path, digits_dir: str) -> None:
+    """Torch threads and subnormal flushing are CPU settings: a GPU step's kernels run on the device, and the
+    autopilot never measures either there."""
     assert _planned(tmp_path, digits_dir, "scaling.use_gpu=true", "train.precision=bf16")["searches"] == ALWAYS
     assert "train.flush_denormal" in _planned(tmp_path, digits_dir, "train.precision=bf16",
                                               "train.flush_denormal=false")["searches"]
