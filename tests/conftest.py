@@ -34,7 +34,9 @@ SLOW_MODULES = {
     "tests/integration/pipelines/test_streaming.py": 53,
     "tests/integration/pipelines/test_s3_train.py": 49,
     # Unit modules with real processes (gloo ranks, a Ray start): ahead of the second-long ones.
+    "tests/unit/test_gpu_check.py": 50,
     "tests/unit/training/test_efficiency.py": 39,
+    "tests/unit/training/test_bare_imports.py": 30,
     "tests/unit/training/test_replica_groups.py": 35,
     "tests/unit/training/test_fsdp_checkpoint.py": 31,
     "tests/unit/training/test_fsdp.py": 18,
