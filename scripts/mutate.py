@@ -462,7 +462,7 @@ MUTANTS = (
            '["train.precision"] if c.train.precision == "auto" else []', '["train.precision"]',
            ("tests/unit/test_plan_autopilot.py",)),
     Mutant("the plan lists flush_denormal for a GPU run", "orchestrator/run/plan.py",
-           'searches += [] if c.scaling.use_gpu else ["train.flush_denormal"]',
+           'searches += [] if c.scaling.use_gpu else ["train.torch_threads", "train.flush_denormal"]',
            'searches += ["train.flush_denormal"]', ("tests/unit/test_plan_autopilot.py",)),
     Mutant("doctor's blocked-reports advice doubles checkpoint.every=auto", "orchestrator/doctor/rules/run_health.py",
            'changes = [] if every == "auto" else [f"checkpoint.every={2 * int(every)}"]',

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import re
+import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -115,7 +117,8 @@ def check_model_build(model: ModelConfig, in_features: int | None, num_classes: 
     # Any error of the builder blames it or its options, and every worker would raise it again; but not one about
     # the meta device this check builds on, a GPU the driver may lack, or the network (the workers may reach it).
     except Exception as exc:  # noqa: BLE001 - see above
-        if isinstance(exc, (ConnectionError, TimeoutError)) or re.search(r"meta|cuda|device", str(exc), re.I):
+        if isinstance(exc, (ConnectionError, TimeoutError)) or re.search(r"meta|cuda|device", str(exc), re.I) \
+                or _calls_ray(exc):
             return None
         raise ConfigError(_cannot_build(model, exc)) from None
     if model.pretrained is None:
@@ -130,6 +133,11 @@ def check_model_build(model: ModelConfig, in_features: int | None, num_classes: 
         raise
     except Exception:  # noqa: BLE001 - a saved config only from_pretrained understands: the workers will tell
         return None
+
+
+def _calls_ray(exc: Exception) -> bool:
+    """Whether the builder raised inside Ray (ray.train.get_context(), say): an API of the workers, not the driver's."""
+    return any(f"{os.sep}ray{os.sep}" in frame.filename for frame in traceback.extract_tb(exc.__traceback__))
 
 
 def _cannot_build(model: ModelConfig, exc: Exception) -> str:

@@ -50,6 +50,10 @@ def my_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]
         "    return torch.nn.Linear(in_features, int(width * scale))\n"
         "def needs_file(in_features, num_classes):\n"
         "    return torch.load('/nonexistent/weights.pt')\n"
+        "def in_a_worker(in_features, num_classes):\n"
+        "    import ray.train\n"
+        "    ray.train.get_context().get_world_rank()  # only a Ray Train worker can answer this\n"
+        "    return torch.nn.Linear(in_features, num_classes)\n"
         "def gpu_only(in_features, num_classes, width=8):\n"
         "    torch.cuda.current_device()  # a driver without a GPU cannot run this; the workers can\n"
         "    return torch.nn.Linear(in_features, num_classes)\n"
@@ -95,7 +99,7 @@ def _line(folder: Path, text: str) -> str:
     resolve_for_data(load_config(None, ["model.entrypoint=my_models:picky", "model.depth=3"]), DIGITS)
 
 
-@pytest.mark.parametrize("builder", ["data_dependent", "gpu_only"])
+@pytest.mark.parametrize("builder", ["data_dependent", "gpu_only", "in_a_worker"])
 def test_a_builder_the_driver_cannot_run_is_left_to_the_workers(my_models: Path, builder: str) -> None:
     config = load_config(None, [f"model.entrypoint=my_models:{builder}"])
     assert check_model_build(config.model, 64, 10) is None
