@@ -18,17 +18,15 @@ class StopWatch:
 
     def __init__(self, storage: Storage, path: str, every_s: float = 1.0) -> None:
         self.storage, self.path, self.every_s = storage, path, every_s
-        self.seen, self.closed = threading.Event(), threading.Event()
+        self.seen = threading.Event()
+        # A daemon: it ends with the worker process, which ends with its run.
         threading.Thread(target=self._watch, name="orchestrator-stop-watch", daemon=True).start()
 
     def __call__(self) -> bool:
         return self.seen.is_set()
 
-    def close(self) -> None:
-        self.closed.set()
-
     def _watch(self) -> None:
-        while not self.closed.wait(self.every_s):
+        while not self.seen.wait(self.every_s):
             try:
                 if self.storage.filesystem().get_file_info(self.path).type != pafs.FileType.NotFound:
                     self.seen.set()

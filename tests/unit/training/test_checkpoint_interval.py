@@ -5,6 +5,8 @@ carried in the progress across a restart."""
 from __future__ import annotations
 
 import math
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,3 +120,18 @@ def test_a_users_stop_saves_at_the_next_report_and_a_resume_from_it_is_no_interr
     progress.step = 40  # ...whose later checkpoint a failure resumes: that restart counts
     Cadence(cfg, False, None, torch.device("cpu"), progress, clock)
     assert progress.interruptions == 1
+
+
+def test_rank_0_sees_the_drivers_stop_request_in_the_runs_storage(tmp_path: Path) -> None:
+    """The driver's Ctrl+C writes the request file beside the run's checkpoints (run/interrupts.py); rank 0's
+    watcher reads it from the run's storage within a poll, and only once it is there."""
+    from orchestrator.training.stop import STOP_FILE, StopWatch
+    from pipelines.storage import open_storage
+
+    storage = open_storage(str(tmp_path))
+    watch = StopWatch(storage, storage.join("run", STOP_FILE), every_s=0.02)
+    time.sleep(0.1)
+    assert not watch()  # nothing asked
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / STOP_FILE).write_text("1\n")
+    assert watch.seen.wait(5.0) and watch()
