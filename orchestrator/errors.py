@@ -26,7 +26,7 @@ _AROUND = (str(_PRODUCT) + "/", str(_PRODUCT.parent / "pipelines") + "/")
 _MODELS = str(_PRODUCT / "models") + "/"
 
 
-RAISED_AT = "orchestrator_raised_at"  # where_raised's answer, kept on an exception that leaves a worker
+RAISED_AT = "orchestrator_raised_at"  # raised_in_model_code's answer, kept on an exception that leaves a worker
 
 
 def mark_where_raised(exc: BaseException) -> None:

@@ -20,8 +20,7 @@ class Doomed(Exception):
     """A worker raised an error that a restart would raise again, before the run's first report."""
 
 
-def fit_interruptibly(trainer: Any, doomed: list[str], opening: Alongside,
-                       stop: Callable[[], float] | None = None) -> Any:
+def fit_interruptibly(trainer: Any, doomed: list[str], opening: Alongside, stop: Callable[[], float]) -> Any:
     """`trainer.fit()` in a thread, so that Ctrl+C reaches this (main) thread as KeyboardInterrupt, and so that a
     run whose first attempt failed in the user's code or config (`doomed`, filled by the report handler) stops now
     instead of after every restart Ray Train would make; so does a run whose MLflow run could not be opened
@@ -50,7 +49,7 @@ def fit_interruptibly(trainer: Any, doomed: list[str], opening: Alongside,
         try:
             ended.wait(timeout=0.2)
         except KeyboardInterrupt:
-            if deadline is not None or stop is None:  # a second Ctrl+C: stop now, without that checkpoint
+            if deadline is not None:  # a second Ctrl+C: stop now, without that checkpoint
                 raise
             deadline = time.monotonic() + stop()
             continue
