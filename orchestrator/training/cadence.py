@@ -34,7 +34,6 @@ class Due:
     checkpoint: bool
     drain: bool = False
     last: bool = False  # the run's last step
-    stop: bool = False  # the user asked the run to stop (Ctrl+C): this report saves, and the driver ends the run
 
 
 class Cadence:
@@ -48,7 +47,7 @@ class Cadence:
         self.t, self.ckpt, self.mtbf_minutes = cfg.train, cfg.checkpoint, cfg.failure.mtbf_minutes
         notices = notices or Notices()
         self.has_val, self.preempted, self.stop_requested = has_val, notices.preempted, notices.stop_requested
-        self.device, self.stopped = device, False
+        self.device, self.stopped = device, False  # stopped: the user's stop saved at a report; the loop ends there
         self.progress, self.clock = progress, clock
         self.drain_saved = False
         self.began = self.last_saved = clock()  # for checkpoint.every_minutes and auto
@@ -79,7 +78,7 @@ class Cadence:
             # interval (Ray resumes from the newest). The first is marked as the drain's.
             due.checkpoint, due.drain, self.drain_saved = True, not self.drain_saved, True
         if self.stop_requested is not None and ranks.rank0_says(self.stop_requested(), self.device):
-            due.checkpoint, due.stop, self.stopped = True, True, True
+            due.checkpoint, self.stopped = True, True
             self.progress.stopped_at = step  # saved with the checkpoint: a resume from it is no interruption
         if not due.checkpoint and (self.auto or self.ckpt.every_minutes is not None):
             due.checkpoint = ranks.rank0_says(self._time_to_save(), self.device)

@@ -113,7 +113,7 @@ def test_a_users_stop_saves_at_the_next_report_and_a_resume_from_it_is_no_interr
     asked[0] = True
     assert cadence.at(25) is None  # still only at report steps
     due = cadence.at(30)
-    assert due is not None and due.checkpoint and due.stop
+    assert due is not None and due.checkpoint and cadence.stopped
     progress.step = 30
     Cadence(cfg, False, None, torch.device("cpu"), progress, clock)  # `--resume` from the step-30 checkpoint
     assert progress.interruptions == 0
