@@ -4,6 +4,7 @@
 Layout under the cache directory (shared by every process on the node):
     objects/<hash of URI>.<hash of size+ETag>.parquet   complete copies; a changed object gets a new name
     tmp/                                                downloads in progress (renamed into objects/ when done)
+    tmp/<hash of URI>.lock                              held while that object downloads (one download per node)
     stats.json                                          hits / misses / bytes, for tests and `orchestrator` users
 Least recently used copies (by mtime, refreshed on every hit) are evicted past the size cap. Processes coordinate
 with an flock; a download happens outside the lock and lands by atomic rename, so a reader never sees half a file.
@@ -62,9 +63,9 @@ class DiskCache:
         return path
 
     @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
+    def _locked(self, name: str = ".lock") -> Iterator[None]:
         self._objects()
-        lock = open_lock(os.path.join(self.directory, ".lock"))
+        lock = open_lock(os.path.join(self.directory, name))
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
             yield
@@ -98,20 +99,18 @@ class DiskCache:
         objects = self._objects()
         key, name = self._names(storage, obj)
         path = objects / name
-        try:
-            handle = pa.memory_map(str(path))  # stays readable even if evicted while open
-            with self._locked():
-                with contextlib.suppress(FileNotFoundError):
-                    os.utime(path)  # LRU: the mtime is the last use
-                self._count(hits=1, bytes_from_cache=obj.size)
+        if (handle := self._hit(obj, path)) is not None:
             return handle
-        except FileNotFoundError:
-            pass
         if obj.size > self.max_bytes:
             with self._locked():
                 self._count(bypassed=1)
             return storage.filesystem().open_input_file(obj.path)
-        self._download(storage, obj, path)
+        # One download per object per node: readers that miss at once (the ranks of a node reading the validation
+        # shards together) queue on the object's own lock, and all but the first find its copy there.
+        with self._locked(f"tmp/{key}.lock"):
+            if (handle := self._hit(obj, path)) is not None:
+                return handle
+            self._download(storage, obj, path)
         with self._locked():
             self._count(misses=1, bytes_downloaded=obj.size)
             # Older versions of this object are dead weight: drop them now rather than wait for LRU.
@@ -120,6 +119,18 @@ class DiskCache:
                     stale.unlink(missing_ok=True)
             self._evict(keep=path)
         return pa.memory_map(str(path))
+
+    def _hit(self, obj: ObjectInfo, path: Path) -> pa.NativeFile | None:
+        """The local copy, counted as a hit (None if there is none)."""
+        try:
+            handle = pa.memory_map(str(path))  # stays readable even if evicted while open
+        except FileNotFoundError:
+            return None
+        with self._locked():
+            with contextlib.suppress(FileNotFoundError):
+                os.utime(path)  # LRU: the mtime is the last use
+            self._count(hits=1, bytes_from_cache=obj.size)
+        return handle
 
     def _download(self, storage: Storage, obj: ObjectInfo, path: Path) -> None:
         fd, tmp = tempfile.mkstemp(dir=Path(self.directory, "tmp"), suffix=".part")

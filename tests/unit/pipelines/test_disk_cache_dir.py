@@ -124,3 +124,42 @@ def test_the_driver_refuses_a_cache_directory_before_ray_starts(tmp_path: Path) 
     cfg = DataConfig(train="s3://bucket/train", val=None, cache=str(shared))
     with pytest.raises(DataError, match=f"cache directory {shared} is owned by uid {OTHER_UID}"):
         inspect_datasets(cfg)  # refused before the bucket is listed (there is no S3 here)
+
+
+class SlowSource:
+    """The shard's filesystem, with each download slowed enough that concurrent first reads overlap."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.fs, self.downloads = storage.filesystem(), 0
+
+    def open_input_stream(self, path: str) -> pa.NativeFile:
+        import time
+
+        self.downloads += 1
+        time.sleep(0.3)
+        return self.fs.open_input_stream(path)
+
+
+def test_concurrent_first_reads_of_one_shard_download_it_once(tmp_path: Path) -> None:
+    # Two ranks on a node read the same validation shard at the same moment: one downloads, the other waits for that
+    # copy and reads it as a hit (the module's promise: once per node), rather than both downloading it.
+    import threading
+
+    storage, obj = source(tmp_path)
+    slow = SlowSource(storage)
+    storage._fs = slow  # type: ignore[assignment]
+    cache = DiskCache(str(tmp_path / "cache"))
+    start, tables = threading.Barrier(4), []
+
+    def read() -> None:
+        start.wait()
+        tables.append(pq.read_table(cache.open(storage, obj)).column("x").to_pylist())
+
+    threads = [threading.Thread(target=read) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert tables == [list(range(100))] * 4
+    assert slow.downloads == 1
+    assert (cache.stats().misses, cache.stats().hits) == (1, 3)
