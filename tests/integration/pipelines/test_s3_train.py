@@ -39,8 +39,9 @@ def test_two_epochs_from_s3_with_disk_cache(ray_cluster: None, moto: MotoServer,
     assert result.metrics["val_accuracy"] > 0.5  # it learned from the S3 data
 
     stats = cache_stats(str(cache))
-    # 4 train + 2 val shards downloaded once (the ranks read validation together: one downloads, one waits); epoch 2 served all 4 train shards from local disk, and the second rank's
-    # read of the 2 val shards too (each rank reads the validation data whole and scores its own rows of it).
+    # 4 train + 2 val shards downloaded once; epoch 2 served all 4 train shards from local disk, and the second rank's
+    # read of the 2 val shards too (each rank reads the validation data whole; the ranks read it at once: one
+    # downloads each shard, the other waits for that copy).
     assert (stats.misses, stats.hits) == (6, 6)
     train_gets_during_run = len(moto.requests("GET", train_gets)) - before - footer_gets
     # The driver's footer check again, then exactly one download per train shard: none in epoch 2.
