@@ -2,7 +2,8 @@
 that lets `orchestrator train --resume` continue it (same Ray Train run, same MLflow run), and finding the latest.
 
 A run has one name (`run_name`): its directory in storage.path, its MLflow run's name and what the terminal calls it,
-`<experiment>[-<model>][-<what the command changed>]-<YYYYmmdd-HHMMSS>`. Ray Train resumes a run when it is launched
+`[<what the command changed>-]<experiment>[-<model>]-<YYYYmmdd-HHMMSS>` (what differs first: MLflow's runs table
+cuts a name at about 24 characters). Ray Train resumes a run when it is launched
 again with the same RunConfig name and storage; so the name is chosen once and a resumed driver finds it again in
 storage (the newest of its experiment, by the time in its name; its saved config says whose it is).
 """
@@ -193,10 +194,10 @@ _STAMP = r"\d{8}-\d{6}"
 
 
 def run_name(config: Config, changed: Sequence[str] = (), started: float | None = None) -> str:
-    """The run's one name: the experiment, the model unless the experiment names it, what the command's `--set`
-    keys (`changed`) set that changes what is trained (the first ones, as many as CHANGED_MAX characters hold:
-    `lr1e-3-seed2`), and the start time to the second (`digits-mlp-lr1e-3-20261206-051238`); new_run adds `-2` to
-    a name already taken."""
+    """The run's one name: what the command's `--set` keys (`changed`) set that changes what is trained (the first
+    ones, as many as CHANGED_MAX characters hold: `lr1e-3-seed2`), leading where the runs table shows it; then the
+    experiment, the model unless the experiment names it, and the start time to the second
+    (`lr1e-3-digits-mlp-20261206-051238`); new_run adds `-2` to a name already taken."""
     model = model_label(config)
     parts = [config.experiment]
     if f"-{_words(model)}-" not in f"-{_words(config.experiment)}-":
@@ -209,7 +210,7 @@ def run_name(config: Config, changed: Sequence[str] = (), started: float | None 
             break  # the first changes, in the command's order
         tokens += [token] if token else []
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() if started is None else started))
-    return "-".join([*parts, *tokens, stamp])
+    return "-".join([*tokens, *parts, stamp])
 
 
 def model_label(config: Config) -> str:
@@ -258,8 +259,8 @@ def compact_number(value: float) -> str:
 
 def _run_names(storage: Storage, experiment: str) -> list[str]:
     """The directories named like a run of `experiment`, oldest first by the start time in their names (an
-    experiment whose name starts with this one's, `exp-other`, may match: latest_run tells them apart)."""
-    pattern = re.compile(rf"^{re.escape(experiment)}-(?:.+-)?({_STAMP})(?:-(\d+))?$")
+    experiment whose name holds this one's, `exp-other` or `lr0.1-my-exp`, may match: latest_run tells them apart)."""
+    pattern = re.compile(rf"^(?:.+-)?{re.escape(experiment)}-(?:.+-)?({_STAMP})(?:-(\d+))?$")
     infos = storage.filesystem().get_file_info(pafs.FileSelector(storage.root, allow_not_found=True))
     found = [(m, i.base_name) for i in infos
              if i.type == pafs.FileType.Directory and (m := pattern.match(i.base_name))]

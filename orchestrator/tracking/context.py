@@ -20,11 +20,7 @@ from orchestrator.tracking.uri import mask_password
 if TYPE_CHECKING:
     from orchestrator.config import Config, ModelConfig
 
-# MLflow's UI shows a source as its text after the last "/" (a script's file name): `orchestrator train --config
-# examples/digits.yaml --set storage.path=/tmp/runs` would show as `runs`. The command's slashes are shown as this
-# look-alike (U+2215, division slash) so that the runs table's Source column shows the command; the exact command
-# is the run's `orchestrator.command` tag.
-SHOWN_SLASH = "\u2215"
+# The command, exact (a password masked): what `orchestrator doctor` completes. MLflow's Source holds it too.
 COMMAND_TAG = "orchestrator.command"
 
 
@@ -68,11 +64,14 @@ def changed_keys(argv: list[str] | None = None) -> list[str]:
     return [value.split("=", 1)[0].strip() for value in values if "=" in value]
 
 
-def source_type(environ: Mapping[str, str] | None = None) -> str:
-    """JOB for a Ray job's entrypoint (`ray job submit`, a KubeRay RayJob: Ray gives it its job config), else
-    LOCAL."""
+def source_type(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> str:
+    """JOB for an `orchestrator` command (it runs a Ray Train job) and for any Ray job's entrypoint (`ray job
+    submit`, a KubeRay RayJob: Ray gives it its job config); LOCAL for a script run by hand. MLflow's UI shows a
+    JOB's source whole and a LOCAL one as its text after the last "/" (a script's file name): the command's Source
+    would read `runs` for `... --set storage.path=/tmp/runs`."""
+    argv = sys.argv if argv is None else argv
     environ = os.environ if environ is None else environ
-    return "JOB" if "RAY_JOB_CONFIG_JSON_ENV_VAR" in environ else "LOCAL"
+    return "JOB" if _is_orchestrator(argv) or "RAY_JOB_CONFIG_JSON_ENV_VAR" in environ else "LOCAL"
 
 
 def current_user() -> str:
@@ -96,11 +95,11 @@ def git_commit(directory: str | None = None) -> str | None:
 
 def context_tags() -> dict[str, str]:
     """`mlflow.source.name`, `mlflow.source.type`, `mlflow.user`, in a git checkout `mlflow.source.git.commit`, and
-    for an `orchestrator` command the command itself (COMMAND_TAG; the source shows it with SHOWN_SLASH)."""
+    for an `orchestrator` command the command itself (COMMAND_TAG)."""
     source = source_name()
     tags = {"mlflow.source.name": source, "mlflow.source.type": source_type(), "mlflow.user": current_user()}
     if _is_orchestrator(sys.argv):
-        tags |= {"mlflow.source.name": source.replace("/", SHOWN_SLASH), COMMAND_TAG: source}
+        tags[COMMAND_TAG] = source
     commit = git_commit(os.getcwd())
     if commit:
         tags["mlflow.source.git.commit"] = commit

@@ -46,7 +46,7 @@ def test_a_healthy_run_prints_only_the_products_lines(tmp_path: Path, digits_dir
         _check_the_autopilot(lines, tmp_path)
     else:
         assert not [line for line in lines if "autopilot" in line]
-    (log,) = (tmp_path / "runs").glob("digits-mlp-*/orchestrator.log")
+    (log,) = (tmp_path / "runs").glob("*digits-mlp-*/orchestrator.log")
     assert lines[0] == f"Ray and MLflow logs: {log} (--verbose shows them here)"
     text = log.read_text()
     # What used to reach the terminal is in the log: MLflow's store set-up. Ray Data ran nothing: the driver read
@@ -77,7 +77,7 @@ def _check_the_start_up_against_a_stopwatch(lines: list[str], seen: list[float],
     batch; the line's arrival less that is when the first step began, by this test's stopwatch."""
     (at,) = [i for i, line in enumerate(lines) if line.startswith("start-up ")]
     printed = float(lines[at].split()[1])
-    (record,) = (tmp_path / "runs").glob("digits-mlp-*/attempts/*.json")
+    (record,) = (tmp_path / "runs").glob("*digits-mlp-*/attempts/*.json")
     first = json.loads(record.read_text())["reports"][0]
     outside = seen[at] - first["interval_s"]
     assert first["step"] == 25 and abs(printed - outside) <= 1.0, (printed, seen[at], first["interval_s"])
@@ -109,7 +109,7 @@ def _check_the_autopilot(lines: list[str], tmp_path: Path) -> None:
         "over the training's wall clock also counts data waits, evaluation and checkpoints); search " in gained, gained
     assert not [line for line in lines if "achieved" in line]
     # It trained, under its one name: what the command's --set flags changed in what is trained, then its start.
-    assert any(re.match(r"finished digits-mlp-steps100-autopilot-\d{8}-\d{6}: step 100", line) for line in lines)
+    assert any(re.match(r"finished steps100-autopilot-digits-mlp-\d{8}-\d{6}: step 100", line) for line in lines)
     run_id = next(line for line in lines if line.startswith("MLflow run id: ")).split(": ")[1]
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlruns.db")
     params = client.get_run(run_id).data.params

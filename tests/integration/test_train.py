@@ -110,14 +110,14 @@ def test_two_workers_learn_digits_and_mlflow_has_the_run(digits_ddp: TrainResult
     assert datasets == {f"{Path(digits_dir).name}/train", f"{Path(digits_dir).name}/val"}
     # One name: the run's folder, its MLflow run, the summary's `finished` line (what --set changed, when it began).
     assert mlrun.info.run_name == Path(result.run_dir).name == result.run_name
-    assert re.fullmatch(r"digits-mlp-workers2-steps150-\d{8}-\d{6}", result.run_name), result.run_name
-    # Where it came from (the command; whole in the runs table's Source column, which shows a source's text after
-    # its last slash: its slashes are shown as U+2215), and the experiment the UI opens on its training-runs table.
+    assert re.fullmatch(r"workers2-steps150-digits-mlp-\d{8}-\d{6}", result.run_name), result.run_name
+    # Where it came from (the command, exact: a JOB's source is shown whole in the runs table's Source column, a
+    # LOCAL one's text after its last slash), and the experiment the UI opens on its training-runs table.
     tags = mlrun.data.tags
     command = shlex.join(["orchestrator", "train", *(p for s in sets(Path(result.run_dir).parents[1], digits_dir,
                                                                        *DIGITS_DDP) for p in ("--set", s))])
-    assert tags["orchestrator.command"] == command and tags["mlflow.source.name"] == command.replace("/", "\u2215")
-    assert tags["mlflow.source.type"] == "LOCAL" and tags["mlflow.user"]
+    assert tags["orchestrator.command"] == command and tags["mlflow.source.name"] == command
+    assert tags["mlflow.source.type"] == "JOB" and tags["mlflow.user"]
     assert tags.get("mlflow.source.git.commit") == git_commit(os.getcwd())  # absent outside a checkout
     experiment = client.get_experiment(mlrun.info.experiment_id)
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"

@@ -198,8 +198,8 @@ def test_findings_are_sorted_by_severity_then_strength_and_printed_as_set_flags(
     memory = text.splitlines().index("     orchestrator train --config examples/digits.yaml --set train.seed=1 --set "
                                      "train.micro_batch_size=auto --set train.grad_accum_steps=null")
     assert text.splitlines()[memory + 1] == "       (the largest micro-batch that fits, measured on the device)"
-    # A run of today: MLflow's Source shows the command with its slashes as U+2215 (the UI shows a source's text
-    # after its last slash); the command completed is the exact one, its `orchestrator.command`.
+    # A run of an earlier version, whose Source showed the command's slashes as U+2215: the command completed is the
+    # exact one, its `orchestrator.command`.
     run.tags["mlflow.source.name"] = "orchestrator train --config examples\u2215digits.yaml --set train.seed=1"
     run.tags["orchestrator.command"] = "orchestrator train --config examples/digits.yaml --set train.seed=1"
     assert ("     orchestrator train --config examples/digits.yaml --set train.seed=1 --set train.precision=bf16"

@@ -69,15 +69,15 @@ def test_one_name_for_the_runs_folder_its_mlflow_run_and_its_summary(tmp_path: P
     monkeypatch.setattr(sys, "argv", argv)
     plan = plan_run(_config(tmp_path, digits_dir, "optim.lr=1e-3"), verbose=False)
     assert plan.run_name == plan.place.name == yaml.safe_load(plan.to_yaml())["run"]["mlflow_run_name"]
-    assert re.fullmatch(r"planned-mlp-lr1e-3-\d{8}-\d{6}", plan.run_name), plan.run_name
+    assert re.fullmatch(r"lr1e-3-planned-mlp-\d{8}-\d{6}", plan.run_name), plan.run_name
     plan.place.write_config(plan.config)  # as the run opens
     assert plan_run(_config(tmp_path, digits_dir, "optim.lr=1e-3"), resume=True, verbose=False).run_name == (
         plan.run_name)  # --resume finds it by that name
     command = (f"orchestrator train --config examples/digits.yaml --set optim.lr=1e-3 --set storage.path={tmp_path}"
                "/runs --set tracking.uri=http://me:***@mlflow.internal:5000")
     assert plan.context["orchestrator.command"] == command  # exact, its password masked: what doctor re-runs
-    shown = plan.context["mlflow.source.name"]
-    assert "/" not in shown and shown.replace("\u2215", "/") == command
+    # MLflow's Source, which the UI shows whole for a JOB (a LOCAL source: its text after the last slash only).
+    assert plan.context["mlflow.source.name"] == command and plan.context["mlflow.source.type"] == "JOB"
     result = TrainResult(plan.config, {"step": 40, "train_loss": 0.5}, None, plan.place.uri, None, None)
     assert summary(result).splitlines()[0] == f"finished {plan.run_name}: step 40, train loss 0.5000"
 

@@ -18,25 +18,26 @@ STARTED = time.mktime((2026, 12, 6, 5, 12, 38, 0, 0, -1))  # 2026-12-06 05:12:38
 
 
 def test_a_runs_name_tells_it_apart_at_a_glance() -> None:
-    """The experiment, the model unless the experiment names it, what the command's --set flags changed in what is
-    trained (short), and when it started: two runs of one config differ by their start."""
+    """What the command's --set flags changed in what is trained (short) first, where the runs table shows it
+    (MLflow cuts a name at about 24 characters, and the experiment is the page's title), then the experiment, the
+    model unless the experiment names it, and when it started: two runs of one config differ by their start."""
     sets = ["experiment=digits-mlp", "optim.lr=1e-3", "storage.path=/tmp/x", "tracking.uri=http://u:pw@h:5000",
             "train.log_every=5"]
     config = load_config(None, sets)
     keys = [s.split("=")[0] for s in sets]
-    assert run_name(config, keys, STARTED) == "digits-mlp-lr1e-3-20261206-051238"  # not where it lives, or the URI
+    assert run_name(config, keys, STARTED) == "lr1e-3-digits-mlp-20261206-051238"  # not where it lives, or the URI
     assert run_name(config, [], STARTED) == "digits-mlp-20261206-051238"
     assert run_name(config, [], STARTED + 1) == "digits-mlp-20261206-051239"  # the next second: another name
     assert run_name(load_config(None, ["experiment=digits"]), [], STARTED) == "digits-mlp-20261206-051238"
     cnn = load_config(None, ["experiment=digits-mlp", "model.name=cnn", "model.channels=[8, 16]"])
-    assert run_name(cnn, ["model.name", "model.channels"], STARTED) == "digits-mlp-cnn-channels8x16-20261206-051238"
+    assert run_name(cnn, ["model.name", "model.channels"], STARTED) == "channels8x16-digits-mlp-cnn-20261206-051238"
     many = load_config(None, ["train.seed=1", "scaling.num_workers=4", "train.precision=fp32",
                               "optim.warmup_steps=50", "autopilot.enabled=true", "train.compile=false"])
     name = run_name(many, ["train.seed", "scaling.num_workers", "train.precision", "optim.warmup_steps",
                            "autopilot.enabled", "train.compile"], STARTED)
-    assert name == "digits-mlp-seed1-workers4-fp32-20261206-051238"  # the first changes, as many as fit at a glance
+    assert name == "seed1-workers4-fp32-digits-mlp-20261206-051238"  # the first changes, as many as fit at a glance
     name = run_name(many, ["autopilot.enabled", "train.compile"], STARTED)
-    assert name == "digits-mlp-autopilot-no-compile-20261206-051238" and re.fullmatch(r"[A-Za-z0-9._-]+", name)
+    assert name == "autopilot-no-compile-digits-mlp-20261206-051238" and re.fullmatch(r"[A-Za-z0-9._-]+", name)
     # A model built by `model.entrypoint` is named by its function, or by its module when that says more.
     own = load_config(None, ["experiment=tabular", "model.entrypoint=my_models:build"])
     assert run_name(own, ["model.entrypoint"], STARTED) == "tabular-my_models-20261206-051238"
@@ -72,7 +73,7 @@ def test_resume_finds_the_newest_run_of_the_experiment_only(tmp_path: Path) -> N
     # Named by what it trains: its saved config says whose run it is (`exp-other` may be an experiment of its own).
     mine = new_run(storage, run_name(load_config(None, ["experiment=exp", "optim.lr=0.1"]), ["optim.lr"], STARTED))
     mine.write_config(load_config(None, ["experiment=exp", "optim.lr=0.1"]))
-    assert re.fullmatch(r"exp-mlp-lr0\.1-\d{8}-\d{6}", mine.name) and latest_run(storage, "exp") == mine
+    assert re.fullmatch(r"lr0\.1-exp-mlp-\d{8}-\d{6}", mine.name) and latest_run(storage, "exp") == mine
     theirs = new_run(storage, run_name(load_config(None, ["experiment=exp-mlp"]), [], STARTED + 60))
     theirs.write_config(load_config(None, ["experiment=exp-mlp"]))
     assert latest_run(storage, "exp") == mine and latest_run(storage, "exp-mlp") == theirs

@@ -162,8 +162,11 @@ def test_source_tags_and_the_run_url() -> None:
             "--set=model.hidden=[8]", "-sscaling.num_workers=1", "--autopilot"]
     assert changed_keys(argv) == ["optim.lr", "train.seed", "model.hidden", "scaling.num_workers", "autopilot.enabled"]
     assert changed_keys(["/home/me/train_script.py", "--set", "optim.lr=1"]) == []  # not the orchestrator's flags
-    assert source_type({}) == "LOCAL"
-    assert source_type({"RAY_JOB_CONFIG_JSON_ENV_VAR": "{}"}) == "JOB"  # a dict: no Ray variable is set
+    # A JOB (an orchestrator command: a Ray Train job; or any Ray job), whose Source the UI shows whole; a script
+    # run by hand is LOCAL, which the UI shows by its file name.
+    assert source_type(["/x/.venv/bin/orchestrator", "train"], {}) == "JOB"
+    assert source_type(["/home/me/train_script.py"], {}) == "LOCAL"
+    assert source_type(["/home/me/train_script.py"], {"RAY_JOB_CONFIG_JSON_ENV_VAR": "{}"}) == "JOB"  # a dict
     assert run_url("http://mlflow.internal:5000/", "abc", "7", tab="overview") == (
         "http://mlflow.internal:5000/#/experiments/7/runs/abc?workflowType=machine_learning")
     assert run_url("sqlite:////tmp/m.db", "abc", "7") == (
