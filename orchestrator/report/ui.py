@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from orchestrator.errors import UserError
-from orchestrator.tracking.links import TRAINING_VIEW, UI_PORT, experiment_url, ui_base
+from orchestrator.tracking.links import RUNS_VIEW_TAG, TRAINING_VIEW, UI_PORT, experiment_url, ui_base
 from orchestrator.tracking.uri import mask_password, resolve_uri
 
 JOB_EXECUTION = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"
@@ -45,21 +45,14 @@ def store_check(uri: str) -> None:
                         "--tracking-uri (the URI `orchestrator train` printed)")
 
 
-def experiment_id(uri: str, name: str | None) -> str | None:
-    """The id of experiment `name` in the store at `uri`; None when it is not there (or no name was given)."""
-    if not name:
-        return None
+def landing_url(uri: str, name: str | None, port: int) -> str:
+    """The experiment's runs list in the training view (in the product's runs view where it holds one), or the
+    experiments list when it is not known."""
     from mlflow.tracking import MlflowClient
 
-    found = MlflowClient(tracking_uri=uri).get_experiment_by_name(name)
-    return found.experiment_id if found is not None else None
-
-
-def landing_url(uri: str, name: str | None, port: int) -> str:
-    """The experiment's runs list in the training view, or the experiments list when it is not known."""
-    found = experiment_id(uri, name)
+    found = MlflowClient(tracking_uri=uri).get_experiment_by_name(name) if name else None
     if found is not None:
-        return experiment_url(uri, found, port)
+        return experiment_url(uri, found.experiment_id, port, view=RUNS_VIEW_TAG in found.tags)
     return f"{ui_base(uri, port)}/#/experiments?{TRAINING_VIEW}"
 
 

@@ -93,9 +93,10 @@ def parallel_line(history: list[dict[str, Any]]) -> str | None:
 
 
 def checkpoint_interval_line(config: Config, history: list[dict[str, Any]]) -> str | None:
-    """'checkpoint interval: auto, 38 s (about 120 steps) at the end: sqrt(...); 0.2 s: ...; 3,600 s: ...':
-    checkpoint.every=auto's interval from the last report's figures, and where each of its numbers came from; None
-    for a fixed interval or before any checkpoint cost was measured."""
+    """'checkpoint interval: auto, 7.2 s (about 720 steps): sqrt(2 x 0.0072 s a checkpoint x 3,600 s between
+    interruptions); 3,600 s assumed ...': checkpoint.every=auto's interval from the last report's figures (C: the
+    last checkpoint's measured blocking time), and where the time between interruptions came from; None for a
+    fixed interval or before any checkpoint cost was measured."""
     last = next((r for r in reversed(history) if "checkpoint/interval_s" in r), None)
     if config.checkpoint.every != "auto" or last is None:
         return None
@@ -103,9 +104,9 @@ def checkpoint_interval_line(config: Config, history: list[dict[str, Any]]) -> s
     rate = last.get("samples_per_s")
     steps = f" (about {interval.seconds * rate / config.train.global_batch_size:,.0f} steps)" if rate else ""
     origin = mtbf_origin(interval.mtbf_s, int(last.get("checkpoint/interruptions", 0)), config.failure.mtbf_minutes)
-    return (f"checkpoint interval: auto, {interval.seconds:,.1f} s{steps} at the end: {interval.why()}; "
-            f"{interval.cost_s:.2g} s: the last checkpoint's measured blocking time; "
-            f"{interval.mtbf_s:,.0f} s: {origin}")
+    separator = " " if origin.startswith("assumed") else ": "
+    return f"checkpoint interval: auto, {interval.seconds:,.1f} s{steps}: {interval.why()}; " \
+           f"{interval.mtbf_s:,.0f} s{separator}{origin}"
 
 
 def _bytes(n: float) -> str:

@@ -22,10 +22,11 @@ from typing import Any
 from orchestrator.config import TrackingConfig
 from orchestrator.tracking.context import context_tags
 from orchestrator.tracking.lineage import Lineage
-from orchestrator.tracking.links import _EXPERIMENT_OF
+from orchestrator.tracking.links import _EXPERIMENT_OF, RUNS_VIEW_TAG, runs_view
 from orchestrator.tracking.store import is_outage, unavailable
 from orchestrator.tracking.uri import mask_password, resolve_uri
 from orchestrator.tracking.view import (
+    HEADLINE,
     NOTE_TAG,
     SUMMARY_TABLE,
     canonical_key,
@@ -105,11 +106,17 @@ class MlflowTracker(Lineage):
         experiment = self._client.get_experiment_by_name(experiment_name)
         if experiment is None:
             self.experiment_id = self._client.create_experiment(experiment_name, tags=EXPERIMENT_TAGS)
+            tags: dict[str, str] = dict(EXPERIMENT_TAGS)
         else:
-            self.experiment_id = experiment.experiment_id
+            self.experiment_id, tags = experiment.experiment_id, experiment.tags
             for key, value in EXPERIMENT_TAGS.items():  # one made before the tag existed; never another kind
-                if key not in experiment.tags:
+                if key not in tags:
                     self._client.set_experiment_tag(self.experiment_id, key, value)
+        # The runs table's columns: the headline, the validation metric first (what runs are compared by).
+        headline = sorted(self._headline.values(), key=lambda key: not key.startswith(f"{HEADLINE}val_"))
+        view = runs_view(headline, tags.get(RUNS_VIEW_TAG))
+        if view != tags.get(RUNS_VIEW_TAG):
+            self._client.set_experiment_tag(self.experiment_id, RUNS_VIEW_TAG, view)
         if run_id is not None:
             self.run_id = run_id  # first: a Ctrl+C right after the update still ends it KILLED
             self._client.update_run(run_id, status="RUNNING")

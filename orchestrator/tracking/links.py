@@ -4,8 +4,11 @@ experiments of the runs this process tracked are remembered here (the tracker re
 
 from __future__ import annotations
 
+import json
 import shlex
 import sys
+import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from orchestrator.tracking.uri import mask_password, without_userinfo
@@ -15,6 +18,17 @@ _EXPERIMENT_OF: dict[str, str] = {}  # run id -> experiment id, for the runs thi
 # MLflow 3 opens an experiment on its GenAI views unless asked for the training ones (the experiment's
 # `mlflow.experimentKind` tag does not change that in 3.17): every URL the product prints asks.
 TRAINING_VIEW = "workflowType=machine_learning"
+# The runs table as the product opens it: MLflow shows no metric column until the user picks one. A saved view (an
+# experiment tag `mlflow.sharedViewState.<key>`, listed under the table's Views, applied when the runs page's URL
+# names its key) is MLflow's way to open it with some. Every experiment the product tracks into holds this one; the
+# experiment URLs it prints name it.
+RUNS_VIEW_KEY = "orchestrator-runs"
+RUNS_VIEW_TAG = f"mlflow.sharedViewState.{RUNS_VIEW_KEY}"
+RUNS_VIEW_NAME = "Training runs"
+_SOURCE = "attributes.`Source`"
+_AFTER = ("attributes.`Duration`", "attributes.`Dataset`", "attributes.`Models`")
+# Pixels: a command whole (MLflow's default width shows `orchestr...`), a metric's key (`headline/val_accuracy`).
+_WIDTHS = {"source": 480, "metric": 170}
 
 
 def ui_base(uri: str, port: int = UI_PORT) -> str:
@@ -47,9 +61,33 @@ def orchestrator_program() -> str:
         return str(program)
 
 
-def experiment_url(uri: str, experiment_id: str, port: int = UI_PORT) -> str:
-    """The experiment's runs list in the UI, in its training view."""
-    return f"{ui_base(uri, port)}/#/experiments/{experiment_id}?{TRAINING_VIEW}"
+def experiment_url(uri: str, experiment_id: str, port: int = UI_PORT, view: bool = True) -> str:
+    """The experiment's runs list in the UI, in its training view, opened in the product's runs view (`view`: the
+    experiment holds RUNS_VIEW_TAG, as every experiment the product tracked into does)."""
+    shared = f"&viewStateShareKey={RUNS_VIEW_KEY}" if view else ""
+    return f"{ui_base(uri, port)}/#/experiments/{experiment_id}/runs?{TRAINING_VIEW}{shared}"
+
+
+def runs_view(metrics: Iterable[str], saved: str | None = None) -> str:
+    """The runs view (RUNS_VIEW_TAG's value: MLflow's saved-view envelope around the table's state) with the
+    metric keys `metrics` as columns after those of the view `saved` (a run of another task in the same experiment
+    keeps its metric's column), right after the name and start, then the Source widened to show the command;
+    `saved` itself when that is what it holds already."""
+    try:
+        envelope = json.loads(saved) if saved else {}
+        before = [c for c in json.loads(envelope["state"])["selectedColumns"] if c.startswith("metrics.")]
+    except (ValueError, KeyError, TypeError):  # none yet, or a view edited by hand: made again
+        envelope, before = {}, []
+    columns = list(dict.fromkeys([*before, *(f"metrics.`{key}`" for key in metrics)]))
+    state = json.dumps({
+        "selectedColumns": [*columns, _SOURCE, *_AFTER],
+        "columnOrder": ["attributes.`Run Name`", "attributes.`Created`", *columns, _SOURCE, *_AFTER],
+        "columnWidths": {_SOURCE: _WIDTHS["source"], **dict.fromkeys(columns, _WIDTHS["metric"])}})
+    if saved and envelope.get("state") == state:
+        return saved
+    now = int(time.time() * 1000)
+    return json.dumps({"name": RUNS_VIEW_NAME, "createdAt": envelope.get("createdAt", now), "updatedAt": now,
+                       "state": state})
 
 
 def run_url(uri: str, run_id: str, experiment_id: str | None = None, tab: str = "model-metrics",

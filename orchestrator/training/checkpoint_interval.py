@@ -57,10 +57,9 @@ def mtbf_origin(mtbf: float, interruptions: int, mtbf_minutes: float | None) -> 
     if mtbf_minutes is not None:
         return f"failure.mtbf_minutes={mtbf_minutes:g}"
     if interruptions == 0:
-        return (f"no interruption yet, so {STAND_IN_MTBF_MINUTES:g} minutes stand in for the time between them "
-                "(failure.mtbf_minutes sets yours)")
-    return (f"the run's {mtbf * (interruptions + 1):,.0f} s of training over its {interruptions} "
-            f"interruption{'s' * (interruptions != 1)} and the next, counted as due now")
+        return "assumed (none yet): set failure.mtbf_minutes"
+    return (f"the run's {mtbf * (interruptions + 1):,.0f} s of training / ({interruptions} "
+            f"interruption{'s' * (interruptions != 1)} + the next)")
 
 
 def auto_interval(cost_s: float, mtbf: float, cap_minutes: float | None) -> AutoInterval:

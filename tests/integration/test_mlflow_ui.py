@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -143,13 +144,23 @@ def test_the_printed_urls_open_the_training_views(browser: str, trained: tuple[T
     run = MlflowClient(result.tracking_uri).get_run(result.run_id)
 
     # The experiment: the "Model training" runs list with this run and its dataset, not the GenAI overview.
-    assert experiment_url.endswith(f"/#/experiments/{run.info.experiment_id}?workflowType=machine_learning")
+    assert experiment_url.endswith(f"/#/experiments/{run.info.experiment_id}/runs?workflowType=machine_learning"
+                                   "&viewStateShareKey=orchestrator-runs")
     page = browse(browser, experiment_url, "experiment", tmp_path)
-    assert "Runs" in page and run.info.run_name in page and "Dataset" in page, page[:80]
-    # Its Source: the command, whole (the UI shows a source's text after its last slash: none is left in it).
-    assert run.data.tags["mlflow.source.name"] in page and "/" not in run.data.tags["mlflow.source.name"], page[:80]
-    assert run.data.tags["mlflow.source.name"].startswith("orchestrator train --config examples")
+    assert "Runs" in page and "Training runs" in page, page[:80]  # the product's view, by its name
     assert not {"Detect Issues", "Token Usage", "Usage"} & set(page), page[:80]
+    # The table's first row as it opens: the name (what the command changed first), the headline metrics as
+    # columns holding the run's values, and the Source: the command whole, which runs when pasted. (The grid's DOM
+    # order is not its visual order: the columns' order is the view's, tests/unit/test_mlflow_view.py.)
+    headline = ["headline/val_accuracy", "headline/train_loss", "headline/train_samples_per_s"]
+    header, row = page.index("Run Name"), page.index(run.info.run_name)
+    assert {"Created", "Metrics", "Source", *headline} <= set(page[header:row]), page[header:row]
+    assert run.info.run_name.startswith("steps60-"), run.info.run_name
+    cells = page[row + 1:row + 8]
+    assert {repr(run.data.metrics[key]) for key in headline} <= set(cells), cells
+    command = run.data.tags["orchestrator.command"]
+    assert command in cells and shlex.split(command)[:4] == ["orchestrator", "train", "--config",
+                                                             "examples/digits.yaml"], cells
 
     # The run, at the URL `orchestrator train` printed: its charts, the headline section first.
     run_line = next(line for line in printed.splitlines() if line.startswith("this run in the MLflow UI: "))

@@ -127,7 +127,8 @@ def test_urls_open_the_training_view_on_the_ui_the_product_starts(tmp_path: Path
     url = run_url(uri, "abc", "7")
     assert url is not None and ":5000" not in url
     assert url.endswith("/#/experiments/7/runs/abc/model-metrics?workflowType=machine_learning")
-    assert experiment_url(uri, "7").endswith("/#/experiments/7?workflowType=machine_learning")
+    assert experiment_url(uri, "7").endswith(
+        "/#/experiments/7/runs?workflowType=machine_learning&viewStateShareKey=orchestrator-runs")
     assert run_url("http://mlflow.internal:5000/", "abc", "7") == (
         "http://mlflow.internal:5000/#/experiments/7/runs/abc/model-metrics?workflowType=machine_learning")
     # A command that works in a new shell: the venv's own `orchestrator ui`, not `mlflow` from PATH.
@@ -167,3 +168,39 @@ def test_the_ui_starts_without_mlflows_job_runner_unless_the_user_asked(monkeypa
     assert env["MLFLOW_BACKEND_STORE_URI"] == "sqlite:///served.db"  # the store asked for, over an exported one
     monkeypatch.setenv("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "true")  # exported: the user's choice stands
     assert ui_environment("sqlite:///served.db")["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "true"
+
+
+def test_the_runs_table_opens_with_the_headline_metrics_as_columns(store: str) -> None:
+    """MLflow shows no metric column until the user picks one; its shared views (an experiment tag the UI reads when
+    the URL names its key) are how a table opens with some. Every tracked run's experiment holds the product's view:
+    its task's validation metric, the loss and samples/s as columns ahead of the Source (widened: the command whole),
+    and a second task's metric joins the first's rather than replacing it."""
+    from mlflow.tracking import MlflowClient
+
+    from orchestrator.tracking.links import RUNS_VIEW_KEY, RUNS_VIEW_TAG
+
+    MlflowTracker(load_config(None, [f"tracking.uri={store}"]).tracking, "a", headline="val_accuracy").finish(
+        "FINISHED")
+    client = MlflowClient(store)
+    experiment = client.get_experiment_by_name(load_config(None, []).tracking.experiment)
+    saved = json.loads(experiment.tags[RUNS_VIEW_TAG])  # MLflow's envelope: the Views menu lists it by name
+    assert saved["name"] == "Training runs" and isinstance(saved["createdAt"], int)
+    view = json.loads(saved["state"])
+    metrics = ["metrics.`headline/val_accuracy`", "metrics.`headline/train_loss`",
+               "metrics.`headline/train_samples_per_s`"]
+    assert view["selectedColumns"][:3] == metrics
+    assert {"attributes.`Source`", "attributes.`Dataset`"} <= set(view["selectedColumns"])
+    assert view["columnOrder"][:5] == ["attributes.`Run Name`", "attributes.`Created`", *metrics]
+    assert view["columnWidths"]["attributes.`Source`"] >= 400
+    url = experiment_url(store, experiment.experiment_id)
+    assert url.endswith(f"/runs?workflowType=machine_learning&viewStateShareKey={RUNS_VIEW_KEY}")
+    # A regression run in the same experiment: its metric is added, the classifier's kept.
+    MlflowTracker(load_config(None, [f"tracking.uri={store}"]).tracking, "b", headline="val_rmse").finish("FINISHED")
+    view = json.loads(json.loads(client.get_experiment(experiment.experiment_id).tags[RUNS_VIEW_TAG])["state"])
+    assert view["selectedColumns"][:4] == [*metrics, "metrics.`headline/val_rmse`"]
+    again = client.get_experiment(experiment.experiment_id).tags[RUNS_VIEW_TAG]
+    MlflowTracker(load_config(None, [f"tracking.uri={store}"]).tracking, "c", headline="val_rmse").finish("FINISHED")
+    assert client.get_experiment(experiment.experiment_id).tags[RUNS_VIEW_TAG] == again  # unchanged: not rewritten
+    # An experiment the product never tracked into has no view: its URL does not name one (the UI would say
+    # "share key does not exist").
+    assert experiment_url(store, "0", view=False).endswith("/runs?workflowType=machine_learning")
