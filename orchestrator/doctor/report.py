@@ -25,15 +25,16 @@ def format_findings(run_id: str, run: RunRecord, findings: list[Finding]) -> str
     for i, f in enumerate(findings, 1):
         lines.append(f"{i}. [{_SEVERITY[f.severity]}] {f.rule}: {f.title}")
         for change in f.changes:
+            # A command on a line of its own, as the shell takes it; anything else (its why on the next line, a
+            # check to make, a search-space edit of the study's YAML) a shell comment: the block pastes whole.
             values = settings(change)
-            if values is None:  # a check to make, or a search-space edit of the study's YAML
-                lines.append(f"     {change}")
+            if values is None:
+                lines.append(f"     # {change}")
                 continue
-            # The whole command on a line of its own, as the shell takes it; why on the next one.
             argv = _command(run, values) or [part for value in values for part in ("--set", value)]
             lines.append(f"     {shlex.join(argv)}")
             if (why := reason(change)) is not None:
-                lines.append(f"       ({why})")
+                lines.append(f"       # {why}")
     return "\n".join(lines)
 
 

@@ -27,8 +27,10 @@ RUNS_VIEW_TAG = f"mlflow.sharedViewState.{RUNS_VIEW_KEY}"
 RUNS_VIEW_NAME = "Training runs"
 _SOURCE = "attributes.`Source`"
 _AFTER = ("attributes.`Duration`", "attributes.`Dataset`", "attributes.`Models`")
-# Pixels: a command whole (MLflow's default width shows `orchestr...`), a metric's key (`headline/val_accuracy`).
-_WIDTHS = {"source": 480, "metric": 170}
+# Pixels: a run's name and a command whole (MLflow's default widths show `steps60-digits-mlp-20...`, `orchestr...`),
+# a metric's key (`headline/val_accuracy`).
+_NAME = "attributes.`Run Name`"
+_WIDTHS = {"name": 280, "source": 480, "metric": 170}
 
 
 def ui_base(uri: str, port: int = UI_PORT) -> str:
@@ -81,8 +83,9 @@ def runs_view(metrics: Iterable[str], saved: str | None = None) -> str:
     columns = list(dict.fromkeys([*before, *(f"metrics.`{key}`" for key in metrics)]))
     state = json.dumps({
         "selectedColumns": [*columns, _SOURCE, *_AFTER],
-        "columnOrder": ["attributes.`Run Name`", "attributes.`Created`", *columns, _SOURCE, *_AFTER],
-        "columnWidths": {_SOURCE: _WIDTHS["source"], **dict.fromkeys(columns, _WIDTHS["metric"])}})
+        "columnOrder": [_NAME, "attributes.`Created`", *columns, _SOURCE, *_AFTER],
+        "columnWidths": {_NAME: _WIDTHS["name"], _SOURCE: _WIDTHS["source"],
+                         **dict.fromkeys(columns, _WIDTHS["metric"])}})
     if saved and envelope.get("state") == state:
         return saved
     now = int(time.time() * 1000)

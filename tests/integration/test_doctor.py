@@ -121,8 +121,8 @@ def test_doctor_on_a_study_counts_trials_and_names_the_study_rules(
     rules = [f.split("] ")[1].split(":")[0] for f in findings]
     # Per trial: start-up 43% of the wall clock; of the training, eval 30% and other 59% (from the ledger).
     assert {"start-up", "search space", "study size", "evaluation", "other overhead"} <= set(rules), out
-    assert "     tune.space.optim.warmup_steps: {choice: [0, 50, 200, 800]}" in out
-    assert "     --set tune.num_samples=8\n       (ASHA" in out  # the command's line, then why
+    assert "     # tune.space.optim.warmup_steps: {choice: [0, 50, 200, 800]}" in out
+    assert "     --set tune.num_samples=8\n       # ASHA" in out  # the command's line, then why
     # ASHA compares trials at every report: each report validates, so the two cadences move together.
     assert "--set train.log_every=200 --set train.eval_every=200" in out
     assert not [line for line in out.splitlines() if line.strip().startswith("--set train.eval_every=")], out

@@ -197,7 +197,15 @@ def test_findings_are_sorted_by_severity_then_strength_and_printed_as_set_flags(
             "'data.cache=~/.cache/orchestrator/shards'" not in text)  # local data: the memory cache
     memory = text.splitlines().index("     orchestrator train --config examples/digits.yaml --set train.seed=1 --set "
                                      "train.micro_batch_size=auto --set train.grad_accum_steps=null")
-    assert text.splitlines()[memory + 1] == "       (the largest micro-batch that fits, measured on the device)"
+    assert text.splitlines()[memory + 1] == "       # the largest micro-batch that fits, measured on the device"
+    # Under a finding, a line is a command that runs as printed or a shell comment (advice that is not a command, a
+    # command's why): a block pasted whole runs the commands and nothing else.
+    advice = Finding("evaluation", MEDIUM, 1.0, "evaluation took 52% of the training time",
+                     ("train.eval_every=20", "a smaller validation split: each pass reads all of data.val"))
+    text = format_findings("r1", run, [advice])
+    assert text.splitlines()[2:] == [
+        "     orchestrator train --config examples/digits.yaml --set train.seed=1 --set train.eval_every=20",
+        "     # a smaller validation split: each pass reads all of data.val"], text
     # A run of an earlier version, whose Source showed the command's slashes as U+2215: the command completed is the
     # exact one, its `orchestrator.command`.
     run.tags["mlflow.source.name"] = "orchestrator train --config examples\u2215digits.yaml --set train.seed=1"
@@ -300,7 +308,7 @@ def test_the_issues_run_gets_a_finding_for_each_of_its_overheads() -> None:
                                           "uneven workers"}
     text = format_findings("r1", run, findings)
     assert "no findings" not in text
-    assert "     --set train.sync=local_sgd\n       (each worker steps alone and the workers average" in text
+    assert "     --set train.sync=local_sgd\n       # each worker steps alone and the workers average" in text
     assert "worker 0 ran at 86,517 samples/s, 2.7x the others (26,000-39,000)" in text
 
 
@@ -416,13 +424,13 @@ def test_a_study_names_its_trials_not_steps_in_the_header() -> None:
     text = format_findings("p1", run, diagnose(run))
     assert text.splitlines()[0] == "doctor: run digits-mlp-study (p1), study of 4 trials (3 completed, 1 stopped early)"
     assert "0 steps" not in text
-    assert "     --set tune.num_samples=8\n       (ASHA" in text  # tune.num_samples is a --set; a space edit is YAML
+    assert "     --set tune.num_samples=8\n       # ASHA" in text  # tune.num_samples is a --set; a space edit is YAML
     run.tags["mlflow.source.name"] = "orchestrator tune --config examples/digits-tune.yaml"
     # A changed study is a new one (the saved one refuses another config): --fresh; its trials stay in MLflow.
     assert ("     orchestrator tune --config examples/digits-tune.yaml --fresh --set tune.num_samples=8"
             in format_findings("p1", run, diagnose(run)).splitlines())
     edge = study(LR_WARMUP, {"optim.lr": 0.09, "optim.warmup_steps": 50}, {"completed": 8})
-    assert "     tune.space.optim.lr: {loguniform: [0.0001, 1]}" in format_findings("p2", edge, diagnose(edge))
+    assert "     # tune.space.optim.lr: {loguniform: [0.0001, 1]}" in format_findings("p2", edge, diagnose(edge))
 
 
 def test_best_value_at_the_end_of_a_choice_list_suggests_one_more_value() -> None:
