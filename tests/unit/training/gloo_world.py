@@ -17,13 +17,13 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessExitedException
 
 
-def _rank_main(rank: int, fn: Callable[[int, Path], Any], out: str, world: int) -> None:
+def _rank_main(rank: int, fn: Callable[[int, Path], Any], out: str, world: int, backend: str) -> None:
     # This rank's stderr (C++ included) to a file the caller can show.
     os.dup2(os.open(f"{out}/rank{rank}.err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     # A short timeout: a collective mismatch that hangs instead of failing must not stall the suite.
-    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=world,
+    dist.init_process_group(backend, init_method=f"file://{out}/store", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     result = fn(rank, Path(out))
     torch.save(result, f"{out}/rank{rank}.pt")
@@ -39,13 +39,14 @@ def _rank_main(rank: int, fn: Callable[[int, Path], Any], out: str, world: int) 
     os._exit(0)
 
 
-def run_ranks(fn: Callable[[int, Path], Any], tmp: Path, world: int) -> list[Any]:
+def run_ranks(fn: Callable[[int, Path], Any], tmp: Path, world: int, backend: str = "gloo") -> list[Any]:
     """`fn(rank, shared_dir)` on every rank of one gloo group of `world` processes; returns their results by rank.
+    `backend="cuda:gloo"`: the group serves `cuda` tensors only, as NCCL does (gloo.py).
     A rank that dies fails the test with every rank's stderr (C++ aborts included)."""
     out = tmp / f"ranks{world}"
     out.mkdir(parents=True)
     try:
-        mp.spawn(_rank_main, args=(fn, str(out), world), nprocs=world, join=True)
+        mp.spawn(_rank_main, args=(fn, str(out), world, backend), nprocs=world, join=True)
     except ProcessExitedException as e:
         tails = {r: (out / f"rank{r}.err").read_text(errors="replace")[-2000:] for r in range(world)
                  if (out / f"rank{r}.err").exists()}

@@ -51,8 +51,10 @@ def test_fp16_uses_a_grad_scaler_and_counts_skipped_steps() -> None:
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_a_gpt_trains_between_reports_without_a_single_device_sync(precision: str) -> None:
-    """torch raises on any synchronisation in the steps between reports (set_sync_debug_mode("error")), and every
-    value read back from the device is counted: none in the steps, a few at each report."""
+    """torch raises on any synchronisation in the steps between reports (set_sync_debug_mode("error")), every value
+    read back from the device is counted, and so is every blocking CUDA runtime call the profiler records (what the
+    sync debug mode misses: torch.cuda.synchronize, Event.synchronize, a synchronous cudaMemcpy): none in the steps,
+    a few at each report. The CPU twin: test_step_waits.py's first test."""
     cfg = load_config(None, [
         "scaling.num_workers=1", "scaling.use_gpu=true", "model.name=gpt", "model.d_model=64", "model.n_layer=2",
         "model.n_head=2", "data.label=null", "task.name=causal_lm", "model.num_classes=128",
@@ -63,11 +65,14 @@ def test_a_gpt_trains_between_reports_without_a_single_device_sync(precision: st
     tokens = torch.randint(0, 128, (640, 33))
     x, y = tokens[:, :-1].contiguous().pin_memory(), tokens[:, 1:].contiguous().pin_memory()  # as RankBatches
     report = Recorder()
-    with HostReads(sync_debug=True).around_loop() as reads:
+    with HostReads(sync_debug=True, profile=True).around_loop() as reads:
         run(cfg, parts, lambda epoch: [{"x": x[i:i + 8], "labels": y[i:i + 8]} for i in range(0, 640, 8)], None,
             report)
     assert reads.steps == 40 and len(report.reports) == 4
     assert reads.counts.get("step", 0) == 0 and reads.syncs.get("step", 0) == 0, (reads.counts, reads.syncs)
+    assert not {k: n for k, n in reads.waits.items() if k[0] == "step"}, reads.waits
+    assert sum(n for (where, name), n in reads.waits.items() if where == "report" and name.startswith("cuda")), \
+        reads.waits  # the reports' reads wait for the device: the counter sees CUDA's waits
     assert all(math.isfinite(m["train_loss"]) for m, _ in report.reports)
     assert report.reports[-1][0]["time/compute_frac"] > 0  # the phases, timed by events read at the report
 

@@ -91,12 +91,13 @@ class ShardedRecorder(Recorder):
             super().checkpoint(metrics, pending)
 
 
-def _counted(cfg: Config, parts: Parts, source: Any, root: Path | None = None) -> dict[str, Any]:
+def _counted(cfg: Config, parts: Parts, source: Any, root: Path | None = None, profile: bool = False
+             ) -> dict[str, Any]:
     report = ShardedRecorder(root) if root is not None else Recorder()
-    with HostReads().around_loop() as reads:
+    with HostReads(profile=profile).around_loop() as reads:
         run(cfg, parts, source, None, report)
     return {"reads": dict(reads.counts), "syncs": dict(reads.syncs), "steps": reads.steps,
-            "reports": len(report.reports)}
+            "reports": len(report.reports), "waits": dict(reads.waits)}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -105,11 +106,16 @@ def test_no_host_read_in_the_steps_between_reports_and_a_bounded_few_at_each(pre
     for log_every in (4, 12):
         cfg = _config(f"train.precision={precision}", "train.global_batch_size=32", "train.micro_batch_size=16",
                       "train.max_steps=24", f"train.log_every={log_every}")
-        counted[log_every] = _counted(cfg, build_parts(cfg, FEATURES, CPU), _source(0, 16))
+        counted[log_every] = _counted(cfg, build_parts(cfg, FEATURES, CPU), _source(0, 16), profile=True)
     for log_every, result in counted.items():
         assert result["steps"] == 24 and result["reports"] == 24 // log_every
         assert result["reads"].get("step", 0) == 0, result
         assert result["syncs"] == {}, result
+        # The profiler's count (the GPU test's, which also sees CUDA's blocking calls) agrees: none in the steps,
+        # and it sees the reads the reports make.
+        waits = result["waits"]
+        assert not {k: n for k, n in waits.items() if k[0] == "step"}, waits
+        assert waits.get(("report", "aten::_local_scalar_dense"), 0) >= result["reports"], waits
     # A report's reads do not grow with the steps it covers (a checkpoint's report reads a few more: the first and
     # the last report of these runs save one under checkpoint.every=auto).
     per_report = {n: r["reads"]["report"] / r["reports"] for n, r in counted.items()}
