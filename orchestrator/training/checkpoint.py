@@ -26,6 +26,7 @@ from orchestrator.errors import ConfigError
 from orchestrator.training import fsdp
 from orchestrator.training.parts import Parts
 from orchestrator.training.ranks import gather_to_rank0, world
+from orchestrator.training.unpickle import load_state_file
 
 if TYPE_CHECKING:
     import pyarrow.fs as pafs  # the run's storage; imported where used: a torch-only machine has no Arrow
@@ -149,8 +150,8 @@ def manifest_cache_decision(filesystem: Any, path: str) -> str | None:
 
 
 def load_state(directory: str | Path) -> dict[str, Any]:
-    # weights_only=False: the state holds RNG tuples and numpy arrays, and the file is our own.
-    return torch.load(Path(directory) / STATE_FILE, map_location="cpu", weights_only=False)
+    path = Path(directory) / STATE_FILE
+    return load_state_file(str(path), str(path))
 
 
 def checkpoint_state(parts: Parts, progress: Progress, micro_batch_size: int) -> dict[str, Any] | None:
@@ -394,18 +395,15 @@ def read_sharded_state(filesystem: pafs.FileSystem, path: str) -> dict[str, Any]
     """The shared state of the sharded checkpoint at `path` (what `checkpoint_state` gives for DDP, less model and
     optimizer), read by one rank without any collective (its micro-batch and world size are known before the model
     is restored), with the checkpoint's location under SHARDS for `restore` to load the shards from."""
-    reader = storage_reader(filesystem, path)
-    metadata = reader.read_metadata()
-    where = next((info for index, info in metadata.storage_data.items() if index.fqn == fsdp.EXTRA_KEY), None)
-    if where is None:
-        raise ValueError(f"checkpoint {path} has no training state beside its shards: not written by this product")
+    where = fsdp.stored_in(storage_reader(filesystem, path).read_metadata(), fsdp.EXTRA_KEY)
     with filesystem.open_input_file(f"{path}/{where.relative_path}") as f:
         f.seek(where.offset)
         blob = f.read(where.length)
     # As DCP's loader reads it (torch.load of the stored bytes gives the buffer fsdp._to_save wrote), then the state.
-    buffer = torch.load(io.BytesIO(blob), weights_only=False)
+    name = f"{path}/{where.relative_path}"
+    buffer = load_state_file(io.BytesIO(blob), name)
     buffer.seek(0)
-    return torch.load(buffer, map_location="cpu", weights_only=False) | {SHARDS: (filesystem, path)}
+    return load_state_file(buffer, name) | {SHARDS: (filesystem, path)}
 
 
 def restore_sharded(parts: Parts, state: dict[str, Any], cache_decision: str | None = None) -> Progress:

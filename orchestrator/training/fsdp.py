@@ -25,6 +25,7 @@ from torch import nn
 
 from orchestrator.errors import ConfigError
 from orchestrator.training.precision import Mode
+from orchestrator.training.unpickle import load_state_file
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint import StorageReader, StorageWriter
@@ -254,14 +255,23 @@ def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Opti
     model_state, optim_state = state_dicts(model, optimizer)
     state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
     reader = storage or dcp.FileSystemReader(str(path))
-    if EXTRA_KEY in reader.read_metadata().state_dict_metadata:
+    metadata = reader.read_metadata()
+    if EXTRA_KEY in metadata.state_dict_metadata:
         state[EXTRA_KEY] = io.BytesIO()
     dcp.load(state, storage_reader=reader)
     load_state_dicts(model, optimizer, state["model"], state["optimizer"])
     if EXTRA_KEY not in state:
         return None
     state[EXTRA_KEY].seek(0)
-    return torch.load(state[EXTRA_KEY], weights_only=False)
+    return load_state_file(state[EXTRA_KEY], f"{path}/{stored_in(metadata, EXTRA_KEY).relative_path}")
+
+
+def stored_in(metadata: Any, key: str) -> Any:
+    """Where DCP stored the item `key` of a checkpoint (its metadata's storage data: file, offset, length)."""
+    found = next((info for index, info in metadata.storage_data.items() if index.fqn == key), None)
+    if found is None:
+        raise ValueError(f"the checkpoint has no {key!r} beside its shards: not written by this product")
+    return found
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
