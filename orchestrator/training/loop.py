@@ -22,7 +22,7 @@ from orchestrator.training import autopilot, fsdp, ranks
 from orchestrator.training.cadence import Cadence, Due, Notices
 from orchestrator.training.checkpoint import Progress, checkpoint_state, save_state, unwrap
 from orchestrator.training.fsdp import is_sharded
-from orchestrator.training.memory import cuda_memory_stats, device_facts, release_cached_memory
+from orchestrator.training.memory import cuda_memory_stats, device_facts, release_if_pressed
 from orchestrator.training.parts import Parts, rank_bytes
 from orchestrator.training.step import StepResult, first_compiled_step, flops_per_sample, train_step
 from orchestrator.training.sync import average_tensors
@@ -111,7 +111,7 @@ def evaluate(parts: Parts, batches: Iterable[Batch]) -> dict[str, float]:
     keys = sorted(ranks.gather_keys(list(totals)))
     sums = dict(zip(keys, ranks.all_reduce_sum([float(totals.get(k, 0.0)) for k in keys], parts.device),
                     strict=True))
-    release_cached_memory(parts.device)
+    release_if_pressed(parts.device)  # the cache stays unless the device is short
     if not sums.get("count"):
         raise UserError("the validation split gave no rows to any worker: add rows or set data.val to null")
     return parts.task.metrics(sums)

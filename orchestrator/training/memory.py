@@ -16,11 +16,38 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
+# Free device memory below this share of the total counts as pressure: after an evaluation the cache is handed back.
+PRESSURE_SHARE = 0.10
+
+
 def release_cached_memory(device: torch.device) -> None:
-    """Hand cached blocks back to the driver at phase changes (after probing, after eval)."""
+    """Hand cached blocks back to the driver: after an out-of-memory error (the step is retried smaller), after
+    probing. Collects garbage first, so blocks that only reference cycles held are cached (then freed) too."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def under_pressure(free: int, total: int, share: float = PRESSURE_SHARE) -> bool:
+    """Whether a device with `free` of its `total` bytes free (cudaMemGetInfo's figures: other processes and
+    memory outside torch's allocator count) is short of memory."""
+    return free < share * total
+
+
+def release_if_pressed(device: torch.device, share: float = PRESSURE_SHARE) -> bool:
+    """After an evaluation: hand cached blocks back only when the device is short of memory (`under_pressure`), for
+    what allocates outside torch's cache (NCCL, another process). Otherwise the cache stays: emptying it waits for
+    the device and makes the next steps cudaMalloc the same blocks again, and the collection before it costs tens
+    of milliseconds on a big model's Python heap; torch's allocator itself frees cached blocks and retries before
+    it reports out of memory. On the CPU there is no cache: nothing. The figures are the driver's (cudaMemGetInfo,
+    a host-side query that queues nothing and waits for no kernel). Returns whether it released."""
+    if device.type != "cuda":
+        return False
+    free, total = torch.cuda.mem_get_info(device)
+    if not under_pressure(free, total, share):
+        return False
+    release_cached_memory(device)
+    return True
 
 
 def device_facts(device: torch.device) -> dict[str, float]:

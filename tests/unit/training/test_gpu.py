@@ -14,8 +14,8 @@ from test_loop import Recorder, xy
 from orchestrator.config import load_config
 from orchestrator.models.tasks import CausalLM
 from orchestrator.models.zoo import GPT, mlp
-from orchestrator.training.loop import run
-from orchestrator.training.memory import cuda_memory_stats, fit_micro_batch_cuda
+from orchestrator.training.loop import evaluate, run
+from orchestrator.training.memory import cuda_memory_stats, fit_micro_batch_cuda, under_pressure
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts, build_parts
 from orchestrator.training.precision import Precision, resolve_precision
@@ -96,6 +96,35 @@ def test_an_out_of_memory_error_from_a_real_allocation_is_retried_with_smaller_p
     with pytest.warns(UserWarning, match="out of memory: retrying the step"):
         result = train_step(parts, [xy(x, y)])
     assert (parts.split, parts.oom_retries) == (2, 1) and torch.isfinite(result.loss_sum)
+
+
+def test_an_evaluation_keeps_the_cache_and_an_out_of_memory_step_still_empties_it() -> None:
+    """With plenty of the device free, the blocks cached before an evaluation are still cached after it (the next
+    steps reuse them, no cudaMalloc); after an out-of-memory error the step hands the cache back before retrying.
+    The error is raised by the model, not by the allocator, whose own retry would empty the cache first."""
+    parts = cuda_parts(mlp(16, 4, hidden=[32]), "bf16")
+    x, y = torch.randn(64, 16, device=CUDA), torch.randint(0, 4, (64,), device=CUDA)
+    train_step(parts, [xy(x, y)])
+    evaluate(parts, [xy(x, y)])  # its own blocks cached once
+    cached = 256 * 1024**2
+    torch.empty(cached, dtype=torch.uint8, device=CUDA)  # freed at once: 256 MiB cached, unused
+    reserved = torch.cuda.memory_reserved(CUDA)
+    assert not under_pressure(*torch.cuda.mem_get_info(CUDA)), "the test needs a device mostly free"
+    evaluate(parts, [xy(x, y)])
+    assert torch.cuda.memory_reserved(CUDA) >= reserved
+
+    forward, failed = parts.model.forward, []
+
+    def fails_once(batch: torch.Tensor) -> torch.Tensor:
+        if len(batch) > 8 and not failed:
+            failed.append(1)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return forward(batch)
+
+    parts.model.forward = fails_once  # type: ignore[method-assign]
+    with pytest.warns(UserWarning, match="out of memory: retrying the step"):
+        train_step(parts, [xy(x, y)])
+    assert parts.oom_retries == 1 and torch.cuda.memory_reserved(CUDA) < reserved - cached // 2
 
 
 def test_auto_precision_prefers_bf16_on_cuda() -> None:
