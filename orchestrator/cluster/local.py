@@ -18,6 +18,7 @@ from typing import Any, Literal
 from orchestrator.cluster.warm import LISTENS, WarmUse, answers, fingerprint, stop_cluster, take, warm_dir
 from orchestrator.config import Config, TrackingConfig
 from orchestrator.errors import ConfigError, UserError
+from orchestrator.ray_internals import ensure_token, local_only, token_auth_by_default
 from orchestrator.tracking.uri import sqlite_file
 from pipelines.storage import private_dir, user_cache_dir
 
@@ -150,29 +151,12 @@ def _join_warm(minutes: float, num_cpus: int, needed: int, logging_config: Any) 
     return True
 
 
-@contextmanager
-def local_only() -> Iterator[None]:
-    """Ray's local-only mode (its default on macOS and Windows) in this process while it starts its private cluster
-    or joins the warm one, both on loopback only (start_private, warm_cluster.start): Ray on Linux otherwise replaces
-    the loopback address it is given with the machine's own. Once joined, this process keeps the node IP it joined
-    with, and the cluster's processes the one they were started with."""
-    from ray._private import ray_constants
-
-    saved, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
-    try:
-        yield
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = saved
-
-
 def own_token() -> None:
     """As Ray's own local cluster (`ray.init()` without an address) does: token auth unless RAY_AUTH_MODE says
     otherwise, a token made if missing; but the token is this user's alone (private_token). Set in this process's
     environment, for the cluster it starts and the join."""
-    from ray._private.authentication.authentication_token_setup import enable_token_auth_by_default
-
     if "RAY_AUTH_MODE" not in os.environ:
-        enable_token_auth_by_default()
+        token_auth_by_default()
     private_token()
 
 
@@ -180,15 +164,12 @@ def private_token() -> None:
     """With token auth, the token (~/.ray/auth_token) that joins this user's clusters: made when missing, as Ray's own
     local cluster makes it, but this user's alone. Ray writes it with the process's umask (0644 on most systems: any
     local user could read it and join the warm cluster as this user); one written so before is made 0600 too."""
-    from ray._private.authentication import authentication_token_setup as tokens
-
     before = os.umask(0o077)  # the file 0600, a missing ~/.ray 0700; process-wide, so for this short call only
     try:
-        tokens.ensure_token_if_auth_enabled(create_token_if_missing=True)
+        token = ensure_token()
     finally:
         os.umask(before)
-    token = tokens._get_default_token_path()
-    if token.is_file() and token.stat().st_mode & 0o077:
+    if token is not None and token.is_file() and token.stat().st_mode & 0o077:
         token.chmod(0o600)
 
 

@@ -268,8 +268,8 @@ def start(directory: Path, minutes: float, num_cpus: int, wanted: dict[str, Any]
     # joins in that mode too (cluster.local_only).
     env = dict(os.environ, RAY_API_SERVER_ADDRESS=f"http://127.0.0.1:{dashboard}",
                RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
-    if own_ray_data_config():  # this run's file goes with the run: the cluster's workers get a lasting copy
-        env[RAY_DATA_CONFIG] = str(ray_data_config(directory))
+    if own_ray_data_config() and (config := ray_data_config(directory)) is not None:
+        env[RAY_DATA_CONFIG] = str(config)  # this run's file goes with the run: the cluster's workers get a copy
     command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--port", str(gcs),
                "--node-ip-address", LISTENS, "--num-cpus", str(num_cpus), "--include-dashboard", "true",
                "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard),

@@ -13,6 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from orchestrator.ray_internals import autoscaler_events, ray_data_logging_config, worker_output
+
 # Loggers of the libraries the driver runs; a logger below these names goes where its parent goes.
 LIBRARIES = ("ray", "mlflow", "alembic", "sqlalchemy", "urllib3", "filelock", "transformers", "huggingface_hub",
              "torch", "py.warnings")
@@ -95,14 +97,17 @@ class RayDataConsole(logging.Handler):
             self.handleError(record)
 
 
-def ray_data_config(directory: Path) -> Path:
-    """Ray Data's own logging config with its console handler replaced by RayDataConsole."""
+def ray_data_config(directory: Path) -> Path | None:
+    """Ray Data's own logging config with its console handler replaced by RayDataConsole (None where Ray's config
+    moved: Ray Data then logs as it would)."""
     import copy
 
     import yaml
-    from ray.data._internal.logging import DEFAULT_CONFIG
 
-    config = copy.deepcopy(DEFAULT_CONFIG)
+    found = ray_data_logging_config()
+    if found is None:
+        return None
+    config = copy.deepcopy(found)
     config["handlers"]["console"] = {"class": f"{__name__}.RayDataConsole", "formatter": "ray", "level": "INFO",
                                      "filters": ["console_filter"]}
     from pipelines.storage import owner_only
@@ -148,7 +153,8 @@ class RunLog:
         self._saved["ray_data"] = os.environ.get(RAY_DATA_CONFIG)
         if self._saved["ray_data"] is None:
             self._saved["ray_data_dir"] = tempfile.mkdtemp(prefix="orchestrator-")
-            os.environ[RAY_DATA_CONFIG] = str(ray_data_config(Path(self._saved["ray_data_dir"])))
+            if (config := ray_data_config(Path(self._saved["ray_data_dir"]))) is not None:
+                os.environ[RAY_DATA_CONFIG] = str(config)
         _ACTIVE.append(self)
         self.divert()
         return self
@@ -175,10 +181,9 @@ class RunLog:
     def attach_ray(self) -> None:
         """Route what Ray forwards from workers and raylets: every line to the log, the product's to the terminal
         (all of it with --verbose, as Ray prints it)."""
-        from ray._private import worker as ray_worker
-        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
-
-        if "ray_printer" not in self._saved:
+        printer = worker_output()
+        if printer is not None and "ray_printer" not in self._saved:
+            ray_worker, dispatcher = printer
             self._saved["ray_printer"] = [(n, h) for n, h in dispatcher.handlers if n == "ray_print_logs"]
             dispatcher.remove_handler("ray_print_logs")
             dispatcher.add_handler("orchestrator", self._worker_lines)
@@ -201,9 +206,7 @@ class RunLog:
         who = data.get("actor_name") or data.get("task_name") or data.get("pid")
         lines = data.get("lines", [])
         if who == "autoscaler":  # its periodic status table; Ray's own printer keeps only the events too
-            from ray._private.worker import filter_autoscaler_events
-
-            lines = list(filter_autoscaler_events(lines))
+            lines = autoscaler_events(lines)
         for line in lines:
             log.handle(logging.makeLogRecord({"name": f"ray.worker.{who}", "msg": f"pid={data.get('pid')} {line}",
                                               "levelname": "stderr" if data.get("is_err") else "stdout"}))
@@ -221,9 +224,7 @@ class RunLog:
         logging.lastResort = self._saved["last_resort"]
         logging.captureWarnings(False)
         if "ray_printer" in self._saved:  # Ray prints what it forwards itself again, as before the run
-            from ray._private import worker as ray_worker
-            from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
-
+            ray_worker, dispatcher = worker_output()  # type: ignore[misc]  # found when the printer was saved
             dispatcher.remove_handler("orchestrator")
             for name, handler in self._saved["ray_printer"]:
                 dispatcher.add_handler(name, handler)

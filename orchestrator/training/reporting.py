@@ -8,7 +8,6 @@ training. A checkpoint must still go through it: that is what registers it for r
 
 from __future__ import annotations
 
-import logging
 import os
 import queue
 import sys
@@ -118,11 +117,3 @@ class RayReporter:
                          checkpoint_upload_fn=commit, delete_local_checkpoint_after_upload=False)  # the one in storage
 
 
-def quiet_report_log() -> None:
-    """Ray 2.60 logs every report at INFO under a logger named by file path, which RunConfig's logging_config
-    does not reach (it filters 'ray.train*' names); silence just that logger so progress stays readable."""
-    try:
-        from ray.train.v2._internal.execution import context
-    except ImportError:  # another Ray version: nothing to work around
-        return
-    logging.getLogger(context.__file__).setLevel(logging.WARNING)

@@ -14,6 +14,7 @@ import torch
 
 from orchestrator.config import Config, config_from_dict
 from orchestrator.errors import mark_where_raised
+from orchestrator.ray_internals import quiet_train_report_log
 from orchestrator.training import ranks
 from orchestrator.training.autopilot import kept_config
 from orchestrator.training.cadence import Notices
@@ -22,7 +23,7 @@ from orchestrator.training.loop import Reporter, run
 from orchestrator.training.micro_batch import for_world_size, with_auto_micro_batch
 from orchestrator.training.parts import Parts, build_parts, compile_model
 from orchestrator.training.precision import flush_denormals
-from orchestrator.training.reporting import RayReporter, quiet_report_log
+from orchestrator.training.reporting import RayReporter
 from orchestrator.training.resume import loadable_checkpoint, read_checkpoint
 from orchestrator.training.stop import StopWatch
 from pipelines.batches import RankBatches, collate_sample
@@ -39,7 +40,7 @@ def train_worker(spec: dict[str, Any], entered: float) -> dict[str, Any]:
     position), "metrics_queue": Ray queue or None, "sample": the first rows of the training data (an Arrow table),
     "held": {name: HeldRows} of small data the ranks split themselves, instead of Ray Train's dataset shards}.
     `entered`: when Ray Train ran the training function (training/warm.py)."""
-    quiet_report_log()
+    quiet_train_report_log()
     context = ray.train.get_context()
     world, rank = context.get_world_size(), context.get_world_rank()
     cfg = rank_config(spec, world)

@@ -62,6 +62,10 @@ def test_two_workers_learn_digits_and_mlflow_has_the_run(digits_ddp: TrainResult
     assert result.metrics["val_accuracy"] >= 0.90
     assert result.metrics["world_size"] == 2 and result.metrics["step"] == 150
     assert [r["step"] for r in result.history] == [25, 50, 75, 100, 125, 150]
+    # Every checkpoint it reported lies inside storage_path/name, where Ray Train (from a later release) requires it.
+    saved = sorted(Path(result.run_dir).glob("checkpoint_*"))
+    assert saved and result.checkpoint_path is not None and Path(result.checkpoint_path) in saved
+    assert all(path.parent == Path(result.config.storage.path) / result.run_name for path in saved), saved
 
     client = MlflowClient(tracking_uri=result.tracking_uri)
     mlrun = client.get_run(result.run_id)
