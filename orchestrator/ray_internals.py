@@ -84,6 +84,18 @@ def ensure_token() -> Path | None:
     return Path(tokens._get_default_token_path())
 
 
+def system_temp_dir() -> str:
+    """The temp directory Ray picks for its sessions (RAY_TMPDIR, TMPDIR on Linux, else /tmp: short enough for its
+    Unix sockets); Python's where Ray's helper moved."""
+    try:
+        from ray._common.utils import get_default_system_temp_dir
+    except ImportError:
+        import tempfile
+
+        return tempfile.gettempdir()
+    return get_default_system_temp_dir()
+
+
 def quiet_train_report_log() -> None:
     """Ray 2.60 logs every `ray.train.report` at INFO under a logger named by its file's path, which RunConfig's
     logging_config does not reach (it filters 'ray.train*' names): that logger to WARNING. Where it moved: nothing

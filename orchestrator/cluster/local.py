@@ -18,7 +18,7 @@ from typing import Any, Literal
 from orchestrator.cluster.warm import LISTENS, WarmUse, answers, fingerprint, stop_cluster, take, warm_dir
 from orchestrator.config import Config, TrackingConfig
 from orchestrator.errors import ConfigError, UserError
-from orchestrator.ray_internals import ensure_token, local_only, token_auth_by_default
+from orchestrator.ray_internals import ensure_token, local_only, system_temp_dir, token_auth_by_default
 from orchestrator.tracking.uri import sqlite_file
 from pipelines.storage import private_dir, user_cache_dir
 
@@ -105,9 +105,7 @@ def private_temp_dir() -> str:
     system's temp dir as Ray picks it (RAY_TMPDIR, TMPDIR on Linux, else /tmp: short enough for its Unix sockets),
     kept between commands as Ray's default <tmp>/ray is (each session's logs). Ray makes its temp dir and every
     directory in it 0777 (sockets, logs, runtime envs): behind the 0700 one, no other user reaches them."""
-    from ray._common.utils import get_default_system_temp_dir
-
-    mine = os.path.join(get_default_system_temp_dir(), f"orchestrator-{os.getuid()}")
+    mine = os.path.join(system_temp_dir(), f"orchestrator-{os.getuid()}")
     return os.path.join(private_dir(mine, instead="set RAY_TMPDIR to a directory of your own"), "ray")
 
 

@@ -8,6 +8,7 @@ import ast
 import importlib
 import logging
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,11 +16,9 @@ import pytest
 from orchestrator import ray_internals
 
 ROOT = Path(__file__).resolve().parents[2]
-INTERNAL = ("ray._private", "ray._raylet")
-
-
 def internal(name: str) -> bool:
-    return name.startswith(INTERNAL) or "._internal" in name
+    """A module of Ray's that its name marks private (`ray._private`, `ray._common`, `ray.data._internal` ...)."""
+    return name.split(".")[0] == "ray" and any(part.startswith("_") for part in name.split(".")[1:])
 
 
 def test_only_the_one_module_imports_rays_internals() -> None:
@@ -53,13 +52,14 @@ def test_each_use_works_today_and_falls_back_where_the_internal_moved(monkeypatc
     assert ray_constants.ENABLE_RAY_CLUSTER is True
     moved(monkeypatch, "ray.data._internal.logging", "ray._private.worker", "ray._private.ray_logging",
           "ray._private.ray_constants", "ray._private.authentication.authentication_token_setup",
-          "ray.train.v2._internal.execution")
+          "ray.train.v2._internal.execution", "ray._common.utils")
     assert ray_internals.ray_data_logging_config() is None  # Ray Data logs as it would
     assert ray_internals.worker_output() is None  # Ray prints its workers' lines itself
     assert ray_internals.autoscaler_events(["a status line"]) == ["a status line"]
     with ray_internals.local_only():  # nothing changed
         pass
     assert ray_internals.token_auth_by_default() is None and ray_internals.ensure_token() is None
+    assert ray_internals.system_temp_dir() == tempfile.gettempdir()
     before = {name: logging.getLogger(name).level for name in logging.root.manager.loggerDict}
     ray_internals.quiet_train_report_log()
     assert {name: logging.getLogger(name).level for name in before} == before
