@@ -19,7 +19,7 @@ from orchestrator.cluster.warm import LISTENS, WarmUse, answers, fingerprint, st
 from orchestrator.config import Config, TrackingConfig
 from orchestrator.errors import ConfigError, UserError
 from orchestrator.ray_internals import ensure_token, local_only, system_temp_dir, token_auth_by_default
-from orchestrator.tracking.uri import sqlite_file
+from orchestrator.tracking.uri import is_loopback, sqlite_file
 from pipelines.storage import private_dir, user_cache_dir
 
 # The warm cluster this process is joined to (cluster.keep_warm_minutes), held until shutdown_local_ray.
@@ -123,6 +123,21 @@ def join_cluster(address: str, logging_config: Any) -> None:
         hint = ("; if it runs with token auth (`ray start` turns it on where ~/.ray/auth_token exists), export "
                 "RAY_AUTH_MODE=token here too (cluster/README.md)" if "RAY_AUTH_MODE" not in os.environ else "")
         raise UserError(f"could not join the Ray cluster at {address}: {exc}{hint}") from None
+    if (warning := open_cluster(ray.get_runtime_context().gcs_address, dict(os.environ))) is not None:
+        print(warning, file=sys.stderr, flush=True)
+
+
+def open_cluster(gcs_address: str, environ: dict[str, str]) -> str | None:
+    """One warning line when the cluster this command joined takes work from its network without token auth: Ray's
+    security statement is that whoever reaches its GCS, dashboard or Ray Client port runs code as its user. Joined
+    without a token (RAY_AUTH_MODE is not `token` here, as it must be to join a cluster that asks for one), at an
+    address other than loopback. None for a cluster that asks for a token or listens on loopback only."""
+    host = gcs_address.rpartition(":")[0] or gcs_address
+    if environ.get("RAY_AUTH_MODE") == "token" or is_loopback(host):
+        return None
+    return (f"warning: the Ray cluster at {gcs_address} runs without token auth: whoever reaches its ports (GCS, "
+            "dashboard, Ray Client) runs code as its user; start it with RAY_AUTH_MODE=token and export that here "
+            "too (cluster/README.md)")
 
 
 def _join_warm(minutes: float, num_cpus: int, needed: int, logging_config: Any) -> bool:

@@ -24,7 +24,7 @@ from orchestrator.tracking.context import context_tags
 from orchestrator.tracking.lineage import Lineage
 from orchestrator.tracking.links import _EXPERIMENT_OF, RUNS_VIEW_TAG, runs_view
 from orchestrator.tracking.store import is_outage, unavailable
-from orchestrator.tracking.uri import mask_password, resolve_uri
+from orchestrator.tracking.uri import credentials_in_clear, mask_password, resolve_uri
 from orchestrator.tracking.view import (
     HEADLINE,
     NOTE_TAG,
@@ -47,6 +47,7 @@ PROCESS_SETTINGS = {**_HTTP_DEFAULTS, "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": 
 # Once the store stops answering, calls are skipped (not each charged those retries) and one is tried again after
 # this long: a dead server costs one warning and a few seconds, not a stalled driver and a warning per report.
 OUTAGE_RETRY_S = 30.0
+_WARNED: set[str] = set()  # the exposure warnings this process printed
 # A param the config of a resumed run changed (MLflow keeps a param's first value): tagged `<prefix><key>: old -> new`.
 PARAM_CHANGED = "orchestrator.param_changed."
 
@@ -69,6 +70,9 @@ class MlflowTracker(Lineage):
         from mlflow.tracking import MlflowClient
 
         self.uri = resolve_uri(cfg.uri)  # what connects; `mask_password(self.uri)` is what is shown
+        if (warning := credentials_in_clear(self.uri)) is not None and warning not in _WARNED:
+            _WARNED.add(warning)  # once per command, not once per trial
+            print(warning, file=sys.stderr, flush=True)
         self._client = MlflowClient(tracking_uri=self.uri)
         self._failed: set[str] = set()
         self._lock = threading.Lock()  # calls come from the report thread and the driver's main thread

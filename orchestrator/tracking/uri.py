@@ -58,3 +58,30 @@ def sqlite_file(uri: str | None) -> str | None:
     written (relative or absolute); None for any other store."""
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
     return uri.removeprefix("sqlite:///") if uri.startswith("sqlite:///") else None
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether `host` (a name or an address) is this machine's loopback: nothing sent there crosses a network."""
+    import ipaddress
+
+    if not host or host == "localhost":
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def credentials_in_clear(uri: str, environ: dict[str, str] | None = None) -> str | None:
+    """One warning line when the tracking store's credentials (a password in the URI, or MLflow's
+    MLFLOW_TRACKING_PASSWORD / MLFLOW_TRACKING_TOKEN) go unencrypted, over plain http://, to another machine; None
+    otherwise."""
+    from urllib.parse import urlsplit
+
+    environ = dict(os.environ) if environ is None else environ
+    parts = urlsplit(uri)
+    sent = parts.password or environ.get("MLFLOW_TRACKING_PASSWORD") or environ.get("MLFLOW_TRACKING_TOKEN")
+    if parts.scheme != "http" or not sent or is_loopback(parts.hostname):
+        return None
+    return (f"warning: the MLflow credentials go unencrypted (http://) to {parts.hostname}: anyone on the network "
+            "path can read them; serve MLflow behind https:// and use that URI")

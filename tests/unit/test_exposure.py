@@ -1,0 +1,42 @@
+"""A launch that checks its own exposure: one warning line when the tracking store's credentials would cross the
+network unencrypted (plain http:// to another machine), and when the Ray cluster a command joins takes work from its
+network without token auth (Ray's security statement: whoever reaches its ports runs code). Quiet where nothing is
+exposed: https, loopback, a cluster that asks for a token."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.cluster.local import open_cluster
+from orchestrator.tracking.uri import credentials_in_clear
+
+
+@pytest.mark.parametrize("uri, environ, host", [
+    ("http://me:secret@mlflow.internal:5000", {}, "mlflow.internal"),
+    ("http://10.1.2.3:5000", {"MLFLOW_TRACKING_PASSWORD": "secret"}, "10.1.2.3"),  # MLflow's basic auth
+    ("http://mlflow.internal", {"MLFLOW_TRACKING_TOKEN": "t"}, "mlflow.internal"),
+])
+def test_credentials_sent_in_clear_to_another_machine_are_warned_about(uri: str, environ: dict[str, str],
+                                                                        host: str) -> None:
+    warning = credentials_in_clear(uri, environ)
+    assert warning is not None and warning.startswith(f"warning: the MLflow credentials go unencrypted (http://) to "
+                                                      f"{host}:") and "https://" in warning and "secret" not in warning
+
+
+@pytest.mark.parametrize("uri, environ", [
+    ("https://me:secret@mlflow.internal", {}),  # encrypted
+    ("http://me:secret@127.0.0.1:5000", {}), ("http://me:secret@localhost:5000", {}),  # never leaves the machine
+    ("http://me:secret@[::1]:5000", {}),
+    ("http://mlflow.internal:5000", {}),  # nothing secret to send
+    ("sqlite:////tmp/mlruns.db", {"MLFLOW_TRACKING_PASSWORD": "secret"}), ("postgresql://me:pw@db/m", {}),
+])
+def test_nothing_exposed_nothing_said(uri: str, environ: dict[str, str]) -> None:
+    assert credentials_in_clear(uri, environ) is None
+
+
+def test_joining_a_cluster_without_token_auth_off_loopback_is_warned_about() -> None:
+    warning = open_cluster("10.0.0.5:6379", {})
+    assert warning is not None and warning.startswith("warning: the Ray cluster at 10.0.0.5:6379 runs without token "
+                                                      "auth") and "RAY_AUTH_MODE=token" in warning
+    assert open_cluster("10.0.0.5:6379", {"RAY_AUTH_MODE": "token"}) is None  # it asked for (and got) a token
+    assert open_cluster("127.0.0.1:6379", {}) is None  # on loopback: only this machine's users reach it
