@@ -19,6 +19,7 @@ from pipelines.tensors import (
     LABELS,
     Batch,
     Epoch,
+    EpochBuffers,
     Padded,
     Padding,
     cat_rows,
@@ -246,7 +247,8 @@ class EpochReplay:
     streamed), so the rows an epoch left out are drawn into later ones like any other, as streaming in a new shard
     order would. An epoch's order depends only on the pass and the seed, so a worker that starts inside a later
     epoch (a restart) reads the pass first and then hands out exactly the batches an uninterrupted worker would
-    have. A later epoch is gathered once and handed out as views, with no per-micro-batch gather. The rows stay in
+    have. A later epoch is gathered once, into host buffers reused from epoch to epoch (EpochBuffers: two at most
+    while nothing holds older batches), and handed out as views, with no per-micro-batch gather. The rows stay in
     host memory, never a second copy of the pass on the device. With `pin` (a GPU rank) the kept rows are pinned and
     every batch is handed out pinned and contiguous, which the loop's copy to the device takes without waiting: a
     view of pinned rows as it is, a trimmed (strided) view or one joined across two chunks copied into pinned
@@ -259,6 +261,7 @@ class EpochReplay:
         self.micro = micro
         self.padding = padding
         self.rows: Batch | None = None  # the kept pass, in one batch
+        self.buffers = EpochBuffers(pin)  # a later epoch's order of it
         self.size = micro  # rows per batch handed out: `micro`, else the first streamed batch's
 
     def __call__(self, stream: Callable[[], Iterable[Batch]], epoch: int = 0, start: int = 0) -> Iterator[Batch]:
@@ -302,8 +305,7 @@ class EpochReplay:
         if self.reshuffle is None or epoch == 0:
             return self.rows
         order = torch.randperm(rows(self.rows), generator=torch.Generator().manual_seed(self.reshuffle(epoch)))
-        gathered = take(self.rows, order)
-        return pinned(gathered) if self.pin else gathered
+        return self.buffers.gather(self.rows, order)  # pinned like the kept rows
 
     def _serve(self, epoch_rows: Batch, start: int) -> Iterator[Batch]:
         """Views of `epoch_rows`, each `size` rows (read before each), from row `start` on; without `micro` the short

@@ -54,6 +54,75 @@ def pinned(batch: Batch) -> Batch:
             for key, value in batch.items()}
 
 
+class EpochBuffers:
+    """Host buffers that a replayed pass is gathered into in each later epoch's order (`gather`), reused from epoch
+    to epoch: one gather straight into them, instead of a new copy of the pass per epoch (and, pinned, a second one
+    to pin it). Two of them: the loop still holds the last epoch's final micro-batch when it asks for the next
+    epoch, so each epoch is written into the buffer of the one before the last. A buffer is rewritten only when
+    nothing reads it any more: no tensor views it (its storage's use count: a step may hold micro-batches of several
+    short epochs, and on the CPU they are the very tensors it computes on), and, pinned (a GPU rank), no copy from
+    it to the device is still queued (an event recorded on the current stream, the rank's device's, when the next
+    epoch is asked for: by then the loop has queued the copy of every batch it was handed; usually long passed when
+    the buffer's turn comes again). A buffer still viewed is replaced by a new one, never written."""
+
+    KEPT = 2
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.kept: list[_Buffer] = []  # least recently gathered into first
+
+    def gather(self, batch: Batch, order: torch.Tensor) -> Batch:
+        """`batch`'s rows in `order` (a permutation of them), in a buffer of these; handed out as views of it, so
+        the epoch's own hand-out counts as a use of the buffer until it ends."""
+        if self.pin and self.kept and torch.cuda.is_available():
+            self.kept[-1].copied = torch.cuda.Event()
+            self.kept[-1].copied.record()
+        buffer = self._free(batch)
+        for key, value in batch.items():
+            torch.index_select(value, 0, order, out=buffer.rows[key])
+        self.kept.append(buffer)
+        return {key: value[:] for key, value in buffer.rows.items()}
+
+    def _free(self, batch: Batch) -> _Buffer:
+        """A buffer nothing reads, the least recently used first; the last epoch's only once there are two (copies
+        from its last batches may still be queued); else a new one, in place of the oldest when both are viewed."""
+        for buffer in self.kept:
+            if (buffer is not self.kept[-1] or len(self.kept) == self.KEPT) and buffer.unviewed():
+                self.kept.remove(buffer)
+                if buffer.copied is not None and not buffer.copied.query():
+                    buffer.copied.synchronize()  # a copy from it has yet to run
+                return buffer
+        if len(self.kept) == self.KEPT:
+            self.kept.pop(0)  # its viewers keep its memory until they are done with it
+        return _Buffer.like(batch, self.pin)
+
+
+@dataclass
+class _Buffer:
+    rows: Batch
+    alone: dict[str, int]  # each tensor's storage use count with nothing viewing it
+    copied: torch.cuda.Event | None = None  # pinned: recorded once every copy from it was queued
+
+    @classmethod
+    def like(cls, batch: Batch, pin: bool) -> _Buffer:
+        rows = {key: torch.empty(value.shape, dtype=value.dtype) for key, value in batch.items()}
+        if pin:  # once per buffer; Tensor.pin_memory, which a CPU torch's tests stand in for
+            rows = {key: value.pin_memory() for key, value in rows.items()}
+        return cls(rows, {key: _uses(value) for key, value in rows.items()})
+
+    def unviewed(self) -> bool:
+        return _USE_COUNT is not None and all(_uses(value) <= self.alone[key] for key, value in self.rows.items())
+
+
+# How many tensors hold a storage (a tensor and each of its views): torch's own count, private. A torch without it
+# takes no buffer for unviewed: each epoch then gathers into a new one, as a gather per epoch did.
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _uses(tensor: torch.Tensor) -> int:
+    return _USE_COUNT(tensor.untyped_storage()._cdata) if _USE_COUNT is not None else 0
+
+
 def chunk(batch: Batch, pieces: int) -> list[Batch]:
     """`pieces` row-wise parts (fewer when there are fewer rows), as torch.chunk cuts."""
     parts = {key: value.chunk(pieces) for key, value in batch.items()}

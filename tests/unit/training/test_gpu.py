@@ -210,3 +210,27 @@ def test_every_host_micro_batch_is_pinned_and_its_copy_does_not_wait_for_the_dev
     assert not slept.query()  # the host queued every copy while the kernel still ran
     torch.cuda.synchronize()
     assert all(torch.equal(c[k].cpu(), b[k]) for b, c in zip(handed, copies, strict=True) for k in b)
+
+
+def test_a_reshuffled_replay_never_rewrites_rows_a_queued_copy_has_yet_to_read() -> None:
+    """Epochs of two micro-batches, each copy queued behind a busy kernel: the host runs epochs ahead of the device,
+    and a pinned buffer's turn comes again (two epochs on) while copies from it may still be queued. The replay
+    waits for them (the event it recorded when they were all queued): every copy holds the rows its batch held
+    when it was handed out."""
+    from pipelines.batches import EpochReplay
+    from pipelines.tensors import pinned, to_device
+
+    rows = pinned({"x": torch.arange(8.0).unsqueeze(1), "labels": torch.arange(8)})
+    replay = EpochReplay(keep=True, reshuffle=lambda epoch: epoch, micro=4, pin=True)
+    handed, copies = [], []
+    torch.cuda.synchronize()
+    for epoch in range(8):
+        for batch in replay(lambda: [rows], epoch):
+            assert all(value.is_pinned() for value in batch.values())
+            torch.cuda._sleep(20_000_000)  # about 10 ms of one busy kernel before each copy
+            handed.append({key: value.clone() for key, value in batch.items()})
+            copies.append(to_device(batch, CUDA))
+    torch.cuda.synchronize()
+    orders = [torch.cat([h["labels"] for h in handed[i:i + 2]]).tolist() for i in range(0, len(handed), 2)]
+    assert all(sorted(order) == list(range(8)) for order in orders) and orders[1] != orders[2]  # reshuffled
+    assert all(torch.equal(c[k].cpu(), h[k]) for h, c in zip(handed, copies, strict=True) for k in h)
