@@ -24,7 +24,7 @@ from orchestrator.models.tasks import step_loss_sum
 from orchestrator.training import fsdp, ranks
 from orchestrator.training.checkpoint import Progress, unwrap
 from orchestrator.training.knobs import Knobs, Settings, flush_switchable
-from orchestrator.training.memory import GIB, is_oom, release_cached_memory
+from orchestrator.training.memory import GIB, is_oom, release_cached_memory, restart_peak
 from orchestrator.training.micro_batch import for_world_size
 from orchestrator.training.parts import Parts
 from orchestrator.training.precision import flush_denormals
@@ -203,8 +203,8 @@ class Autopilot:
         self.knobs.apply(parts, trial.settings)
         if parts.eager_model is not None:
             trial.warmup += 1  # the compiling step
-        if parts.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(parts.device)
+        if parts.device.type == "cuda":  # the candidate's own peak; the report's interval keeps the whole one
+            restart_peak(parts.device)
         first = cut(parts, batch)[0]
         trial.piece_rows = rows(first)
         fits = self.fits.get(trial.settings.precision, 0)

@@ -60,19 +60,33 @@ def device_facts(device: torch.device) -> dict[str, float]:
             "device/memory_total_gb": torch.cuda.get_device_properties(device).total_memory / GIB}
 
 
+# The allocator keeps one peak counter per device, and two windows read it: a report's interval (cuda_memory_stats)
+# and an autopilot candidate (restart_peak). A candidate's restart keeps the interval's peak so far here.
+_interval_peaks: dict[torch.device, int] = {}
+
+
 def cuda_memory_stats(device: torch.device) -> dict[str, float]:
-    """Allocated / reserved / peak GiB and the reserved-minus-allocated gap (cached but unused: fragmentation)."""
+    """Allocated / reserved GiB now, the interval's peak allocated (since the last report: every candidate the
+    autopilot measured in it included), and the reserved-minus-allocated gap (cached but unused: fragmentation)."""
     if device.type != "cuda":
         return {}
     allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+    peak = max(torch.cuda.max_memory_allocated(device), _interval_peaks.pop(device, 0))
     stats = {
         "memory/allocated_gb": allocated / GIB,
         "memory/reserved_gb": reserved / GIB,
-        "memory/peak_allocated_gb": torch.cuda.max_memory_allocated(device) / GIB,
+        "memory/peak_allocated_gb": peak / GIB,
         "memory/reserved_unused_gb": (reserved - allocated) / GIB,
     }
     torch.cuda.reset_peak_memory_stats(device)
     return stats
+
+
+def restart_peak(device: torch.device) -> None:
+    """Start torch.cuda.max_memory_allocated afresh (an autopilot candidate's own peak), the peak so far kept for
+    the report's interval."""
+    _interval_peaks[device] = max(_interval_peaks.get(device, 0), torch.cuda.max_memory_allocated(device))
+    torch.cuda.reset_peak_memory_stats(device)
 
 
 def divisors_descending(n: int) -> list[int]:

@@ -15,7 +15,7 @@ from orchestrator.config import load_config
 from orchestrator.models.tasks import CausalLM
 from orchestrator.models.zoo import GPT, mlp
 from orchestrator.training.loop import evaluate, run
-from orchestrator.training.memory import cuda_memory_stats, fit_micro_batch_cuda, under_pressure
+from orchestrator.training.memory import GIB, cuda_memory_stats, fit_micro_batch_cuda, restart_peak, under_pressure
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts, build_parts
 from orchestrator.training.precision import Precision, resolve_precision
@@ -147,6 +147,18 @@ def test_probe_finds_a_micro_batch_and_memory_stats_are_logged() -> None:
     assert stats["memory/reserved_gb"] >= stats["memory/allocated_gb"] >= 0
     assert stats["memory/reserved_unused_gb"] == pytest.approx(
         stats["memory/reserved_gb"] - stats["memory/allocated_gb"])
+
+
+def test_a_reports_peak_covers_a_candidate_the_autopilot_measured_in_its_interval() -> None:
+    """The autopilot starts each candidate's peak afresh (restart_peak, as Autopilot._open does): the candidate
+    reads its own, and the report's memory/peak_allocated_gb still covers the interval's earlier candidates."""
+    cuda_memory_stats(CUDA)  # a report: the interval starts
+    big = 512 * 1024**2
+    torch.empty(big, dtype=torch.uint8, device=CUDA)  # a candidate's step: allocated, then freed
+    restart_peak(CUDA)
+    torch.empty(1024**2, dtype=torch.uint8, device=CUDA)  # the next candidate's
+    assert torch.cuda.max_memory_allocated(CUDA) < torch.cuda.memory_allocated(CUDA) + big // 2
+    assert cuda_memory_stats(CUDA)["memory/peak_allocated_gb"] * GIB >= big
 
 
 def test_a_search_steps_clock_starts_once_the_device_has_passed_the_ranks_meeting(
