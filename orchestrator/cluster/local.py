@@ -91,13 +91,28 @@ def start_private(num_cpus: int, logging_config: Any) -> None:
     that Ray binds every server there (by default the GCS, raylet and workers listen on every interface, the
     dashboard agent on 0.0.0.0), Ray's token this user's alone, and its temp dir out of other users' reach. The
     dashboard serves the state API that Ray Train's controller polls (pin_state_api)."""
-    import ray
 
     own_token()
     with local_only():
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host=LISTENS,
-                 dashboard_port=pin_state_api(), _node_ip_address=LISTENS, _temp_dir=private_temp_dir(),
-                 logging_config=logging_config)
+        init_local(num_cpus=num_cpus, dashboard_host=LISTENS, _node_ip_address=LISTENS,
+                   _temp_dir=private_temp_dir(), logging_config=logging_config)
+
+
+def init_local(tries: int = 3, **options: Any) -> None:
+    """`ray.init(address="local", ...)` with the dashboard on a port of pin_state_api's. Between picking a free port
+    and the dashboard binding it, another process may take it (a second Ray starting on the machine opens dozens of
+    ports): Ray then fails at once ("Failed to find a valid port for dashboard after 0 retries"); so it is tried
+    again on another free port, after the half-started cluster is shut down."""
+    import ray
+
+    for attempt in range(1, tries + 1):
+        try:
+            ray.init(address="local", include_dashboard=True, dashboard_port=pin_state_api(), **options)
+            return
+        except Exception as exc:
+            if "valid port for dashboard" not in str(exc) or attempt == tries:
+                raise
+            ray.shutdown()
 
 
 def private_temp_dir() -> str:

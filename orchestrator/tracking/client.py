@@ -110,16 +110,16 @@ class MlflowTracker(Lineage):
         experiment = self._client.get_experiment_by_name(experiment_name)
         if experiment is None:
             self.experiment_id = self._client.create_experiment(experiment_name, tags=EXPERIMENT_TAGS)
-            tags: dict[str, str] = dict(EXPERIMENT_TAGS)
+            kept: dict[str, str] = dict(EXPERIMENT_TAGS)
         else:
-            self.experiment_id, tags = experiment.experiment_id, experiment.tags
+            self.experiment_id, kept = experiment.experiment_id, experiment.tags
             for key, value in EXPERIMENT_TAGS.items():  # one made before the tag existed; never another kind
-                if key not in tags:
+                if key not in kept:
                     self._client.set_experiment_tag(self.experiment_id, key, value)
         # The runs table's columns: the headline, the validation metric first (what runs are compared by).
         headline = sorted(self._headline.values(), key=lambda key: not key.startswith(f"{HEADLINE}val_"))
-        view = runs_view(headline, tags.get(RUNS_VIEW_TAG))
-        if view != tags.get(RUNS_VIEW_TAG):
+        view = runs_view(headline, kept.get(RUNS_VIEW_TAG))
+        if view != kept.get(RUNS_VIEW_TAG):
             self._client.set_experiment_tag(self.experiment_id, RUNS_VIEW_TAG, view)
         if run_id is not None:
             self.run_id = run_id  # first: a Ctrl+C right after the update still ends it KILLED

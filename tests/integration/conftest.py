@@ -20,21 +20,19 @@ from s3_server import FAKE_ENV, MotoServer  # noqa: E402
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
     """One real local Ray instance per test module (ray.init costs ~5 s), always shut down."""
-    import ray
 
     here = str(Path(__file__).parent)
     # Workers inherit the environment: they can import the test's own model modules and the examples', like a
     # user's run from the checkout.
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [here, str(ROOT), os.environ.get("PYTHONPATH")] if p)
-    from orchestrator.cluster.local import pin_state_api
+    from orchestrator.cluster.local import init_local
 
     # Ray's processes resolve S3 credentials from their own standard chain, like a user's nodes: they inherit
     # the fake ones from the environment Ray starts in; the test process itself gets them per test (aws_env).
     with pytest.MonkeyPatch.context() as env:
         for key, value in FAKE_ENV.items():
             env.setenv(key, value)
-        ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
-                 dashboard_port=pin_state_api())  # see pin_state_api: other Ray instances on this machine
+        init_local(num_cpus=4, dashboard_host="127.0.0.1")  # see pin_state_api: other Ray instances here
     try:
         yield
     finally:

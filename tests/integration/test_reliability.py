@@ -303,7 +303,7 @@ def test_ctrl_c_and_a_killed_driver_each_resume_the_same_run_and_mlflow_run(ray_
         wait_for(lambda: held_after(2, 10), "both workers held after step 10's checkpoint registered", timeout=240)
         os.killpg(first.pid, signal.SIGINT)
         sent = time.monotonic()
-        (run_dir,) = (tmp_path / "runs").glob("resume-me-*")
+        (run_dir,) = (tmp_path / "runs").glob("*resume-me-*")  # named by what its --set changed first
         wait_for(lambda: (run_dir / "stop-requested").exists(), "the driver asking its workers to save")
         time.sleep(2.5)  # rank 0 looks for the request every second: it has seen it before the workers go on
         for held in hold.glob("held-*"):  # this attempt's workers only: the next attempt's hold again

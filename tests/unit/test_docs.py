@@ -142,12 +142,18 @@ def _is_mapping(annotation: Any) -> bool:
 def model_options() -> frozenset[str]:
     """Options a `model:` section may carry besides ModelConfig's fields: the keyword arguments of the built-in
     models (orchestrator/models/zoo.py) and of the example builders (examples/models.py)."""
-    import examples.models
+    import importlib.util
+
     from orchestrator.models.zoo import MODELS
 
+    # By its path: this test needs no particular working directory or sys.path.
+    spec = importlib.util.spec_from_file_location("example_models", ROOT / "examples" / "models.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
     builders = [MODELS.get(name) for name in MODELS.names()]
-    builders += [f for _, f in inspect.getmembers(examples.models, inspect.isfunction)
-                 if f.__module__ == examples.models.__name__ and not f.__name__.startswith("_")]
+    builders += [f for _, f in inspect.getmembers(example, inspect.isfunction)
+                 if f.__module__ == example.__name__ and not f.__name__.startswith("_")]
     return frozenset(p for b in builders for p in inspect.signature(b).parameters
                      if p not in ("self", "in_features", "num_classes"))
 

@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-# The loose modules of orchestrator/: the API (__init__), `python -m orchestrator`, the one CLI entry, the errors.
-LOOSE = {"__init__", "__main__", "cli", "errors"}
+# The loose modules of orchestrator/: the API (__init__), `python -m orchestrator`, the one CLI entry, the errors,
+# Ray's internals (leaves both sides import).
+LOOSE = {"__init__", "__main__", "cli", "errors", "ray_internals"}
 MAX_LOOSE = 6
 # What the walk from orchestrator.run.launch.train counted after issue 51 (docs/layout.md has both walks).
 MAX_CLIMBS, MAX_RETURNS, MAX_ENTRIES = 12, 18, 3

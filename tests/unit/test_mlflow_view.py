@@ -195,7 +195,10 @@ def test_the_runs_table_opens_with_the_headline_metrics_as_columns(store: str) -
     url = experiment_url(store, experiment.experiment_id)
     assert url.endswith(f"/runs?workflowType=machine_learning&viewStateShareKey={RUNS_VIEW_KEY}")
     # A regression run in the same experiment: its metric is added, the classifier's kept.
-    MlflowTracker(load_config(None, [f"tracking.uri={store}"]).tracking, "b", headline="val_rmse").finish("FINISHED")
+    second = MlflowTracker(load_config(None, [f"tracking.uri={store}"]).tracking, "b", headline="val_rmse",
+                           tags={"orchestrator.role": "trial"})
+    second.finish("FINISHED")
+    assert client.get_run(second.run_id).data.tags["orchestrator.role"] == "trial"  # the run's tags, not the view's
     view = json.loads(json.loads(client.get_experiment(experiment.experiment_id).tags[RUNS_VIEW_TAG])["state"])
     assert view["selectedColumns"][:4] == [*metrics, "metrics.`headline/val_rmse`"]
     again = client.get_experiment(experiment.experiment_id).tags[RUNS_VIEW_TAG]

@@ -33,14 +33,11 @@ OBJECT_STORE = 128 * 1024**2
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
     """This module's local Ray instance: ../conftest.py's, with a small object store."""
-    import ray
-
-    from orchestrator.cluster.local import pin_state_api, shutdown_local_ray
+    from orchestrator.cluster.local import init_local, shutdown_local_ray
 
     here = str(Path(__file__).parents[1])  # the test model modules must import in the workers
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [here, os.environ.get("PYTHONPATH")] if p)
-    ray.init(address="local", num_cpus=4, object_store_memory=OBJECT_STORE, include_dashboard=True,
-             dashboard_host="127.0.0.1", dashboard_port=pin_state_api())
+    init_local(num_cpus=4, object_store_memory=OBJECT_STORE, dashboard_host="127.0.0.1")
     try:
         yield
     finally:

@@ -43,7 +43,15 @@ def own_state() -> dict[str, Any]:
     optimizer.step()
     scheduler.step()
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "rng": capture_rng(), "progress": {"step": 1, "epoch": 0, "cache_decision": "memory", "rows": [1, 2]}}
+            "rng": capture_rng(), "progress": {"step": 1, "epoch": 0, "cache_decision": "memory", "rows": [1, 2]},
+            "extra": {"built": AsDict(), "names": {"a", "b"}, "frozen": frozenset({1})}}
+
+
+class AsDict:
+    """A model's extra state as some pickle it: Python's own `dict` called by name (a container, no code)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return dict, ((("k", 1),),)
 
 
 def test_a_ddp_checkpoint_with_a_planted_payload_is_refused_without_running_it(tmp_path: Path) -> None:
@@ -55,6 +63,7 @@ def test_a_ddp_checkpoint_with_a_planted_payload_is_refused_without_running_it(t
     loaded = load_state(good)
     assert loaded["progress"] == saved["progress"] and loaded["rng"]["python"] == saved["rng"]["python"]
     assert (loaded["rng"]["numpy"][1] == saved["rng"]["numpy"][1]).all()
+    assert loaded["extra"] == {"built": {"k": 1}, "names": {"a", "b"}, "frozen": frozenset({1})}
     bad = tmp_path / "bad"
     bad.mkdir()
     save_state(bad, {**saved, "progress": {**saved["progress"], "note": Planted(marker)}})
