@@ -13,37 +13,44 @@ os.environ.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
-# Serial seconds per module as measured on a 2-core machine (rounded). `make test` runs the modules on two pytest-xdist
-# workers, one module per worker at a time (`--dist loadfile`, so a module's Ray cluster stays one); the longest go
-# first so that the two workers finish together, with the short unit modules filling in at the end.
+# Serial seconds per module as measured on a 2-core machine (rounded, from a full run's --junitxml). `make test` runs
+# the modules on two pytest-xdist workers, one module per worker at a time (`--dist loadfile`, so a module's Ray
+# cluster stays one); the longest go first so that the two workers finish together, with the short unit modules
+# filling in at the end.
 SLOW_MODULES = {
-    "tests/integration/test_reliability.py": 390,
-    "tests/integration/test_multinode.py": 300,
+    "tests/integration/test_reliability.py": 395,
+    "tests/integration/test_multinode.py": 385,
     "tests/integration/pipelines/test_data_order.py": 290,
-    "tests/integration/test_tasks.py": 260,
-    "tests/integration/test_fsdp_runs.py": 185,
-    "tests/integration/test_train.py": 155,
-    "tests/integration/test_tune.py": 145,
-    "tests/integration/test_cluster_jobs.py": 160,
-    "tests/integration/test_tracking.py": 100,
-    "tests/integration/test_warm_cluster.py": 175,
-    "tests/integration/test_replicas.py": 155,
+    "tests/integration/test_warm_cluster.py": 270,
+    "tests/integration/test_tasks.py": 230,
+    "tests/integration/test_train.py": 200,
+    "tests/integration/test_fsdp_runs.py": 200,
+    "tests/integration/test_tune.py": 195,
+    "tests/integration/test_cluster_jobs.py": 120,
+    "tests/integration/test_console.py": 115,
+    "tests/integration/test_doctor.py": 115,
+    "tests/integration/test_replicas.py": 115,
     "tests/integration/test_mlflow_ui.py": 115,
-    "tests/integration/test_console.py": 60,
-    "tests/integration/test_doctor.py": 55,
-    "tests/integration/pipelines/test_streaming.py": 53,
-    "tests/integration/pipelines/test_s3_train.py": 49,
-    # Unit modules with real processes (gloo ranks, a Ray start): ahead of the second-long ones.
-    "tests/unit/test_gpu_check.py": 50,
-    "tests/unit/training/test_efficiency.py": 39,
-    "tests/unit/training/test_bare_imports.py": 30,
-    "tests/unit/training/test_replica_groups.py": 35,
+    "tests/integration/test_tracking.py": 100,
+    "tests/integration/pipelines/test_s3_train.py": 80,
+    "tests/integration/pipelines/test_streaming.py": 65,
+    # Unit modules with real processes (gloo ranks, a Ray start, subprocesses): ahead of the second-long ones.
+    "tests/unit/test_cli.py": 55,
+    "tests/unit/training/test_replica_groups.py": 45,
+    "tests/unit/training/test_step_waits.py": 32,
     "tests/unit/training/test_fsdp_checkpoint.py": 31,
-    "tests/unit/training/test_fsdp.py": 18,
-    "tests/unit/training/test_held_validation.py": 17,
-    "tests/unit/test_cli.py": 9,
-    "tests/unit/training/test_fsdp_training.py": 9,
-    "tests/unit/training/test_rank_agreement.py": 8,
+    "tests/unit/training/test_efficiency.py": 28,
+    "tests/unit/training/test_fsdp.py": 26,
+    "tests/unit/training/test_held_validation.py": 26,
+    "tests/unit/training/test_autopilot.py": 24,
+    "tests/unit/training/test_rank_agreement.py": 23,
+    "tests/unit/test_gpu_check.py": 20,
+    "tests/unit/test_benches.py": 19,
+    "tests/unit/training/test_sharded_devices.py": 18,
+    "tests/unit/training/test_fsdp_training.py": 16,
+    "tests/unit/training/test_rank_figures.py": 14,
+    "tests/integration/pipelines/test_s3_data.py": 14,
+    "tests/unit/training/test_checkpoint_loads.py": 11,
 }
 
 

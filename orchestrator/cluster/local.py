@@ -304,11 +304,19 @@ def pin_state_api() -> int:
     ASHA stops) keeps its CPUs for good. Ray processes inherit this environment, so they find this cluster."""
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        # Not a port Ray gives another of its components by default: it refuses to start with one port twice (the
+        # dashboard agent's 52365 is in Linux's ephemeral range, and a cluster that just ended has freed it).
+        if port not in RAY_DEFAULT_PORTS:
+            break
     os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
     return port
+
+
+RAY_DEFAULT_PORTS = {6379, 8265, 10001, 52365}  # GCS, dashboard, Ray Client, dashboard agent (Ray 2.60's defaults)
 
 
 def shutdown_local_ray() -> None:

@@ -40,3 +40,17 @@ def test_joining_a_cluster_without_token_auth_off_loopback_is_warned_about() -> 
                                                       "auth") and "RAY_AUTH_MODE=token" in warning
     assert open_cluster("10.0.0.5:6379", {"RAY_AUTH_MODE": "token"}) is None  # it asked for (and got) a token
     assert open_cluster("127.0.0.1:6379", {}) is None  # on loopback: only this machine's users reach it
+
+
+def test_the_state_api_port_is_never_one_ray_gives_another_component(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A free port the OS hands out may be Ray's dashboard agent's default (52365, inside Linux's ephemeral range, and
+    freed by a cluster that just ended): Ray then refuses to start. The OS is asked again."""
+    import socket
+
+    from orchestrator.cluster import local
+
+    handed = iter([52365, 6379, 41234])  # what the OS says it bound, in turn
+    monkeypatch.setattr(socket.socket, "getsockname", lambda sock: ("127.0.0.1", next(handed)))
+    monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
+    assert local.pin_state_api() == 41234
+    assert local.os.environ["RAY_API_SERVER_ADDRESS"] == "http://127.0.0.1:41234"
