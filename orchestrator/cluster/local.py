@@ -1,5 +1,5 @@
 """The Ray cluster a driver runs on: join the one given (or $RAY_ADDRESS), or start a private local one sized for
-the run (or, with cluster.keep_warm_minutes, join the warm one a previous command left: warm_cluster.py), and stop
+the run (or, with cluster.keep_warm_minutes, join the warm one a previous command left: cluster/warm.py), and stop
 only what was started here. A local one is its user's alone on a shared machine: every port on loopback, Ray's token
 and temp dir out of other users' reach."""
 

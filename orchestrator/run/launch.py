@@ -1,5 +1,5 @@
 """`orchestrator train` on the driver: plan the run once (plan.py: the config checked against the data, the model,
-prices and storage), then run that plan: join or start Ray (cluster.py), build and fit the run (trainer.py), show
+prices and storage), then run that plan: join or start Ray (cluster/local.py), build and fit the run (trainer.py), show
 progress, track it in MLflow and bill it. Nothing here reads the config's raw form or the data's files again."""
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from pipelines.storage import user_cache_dir
 
 def _log_final_artifacts(tracker: Tracker, config: Config, checkpoint_path: str | None,
                          history: list[dict[str, Any]], info: DatasetInfo, checkpoint: Any = None) -> None:
-    """The resolved config, the final weights as an MLflow Model named "model" (model_logging.py; `info`: the
+    """The resolved config, the final weights as an MLflow Model named "model" (models/flavour.py; `info`: the
     training data, whose sample rows give its input example and signature) and the learning curves (top level:
     the first file the run's Artifacts tab lists after the model)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -249,7 +249,7 @@ class _Reports:
         self.history, self.private_cluster, self.attempt = history, private_cluster, attempt
         self.failures: list[float] = []
         self.doomed: list[str] = []  # an error in the user's code or config before the first report
-        self.autopilot: dict[str, Any] | None = None  # the autopilot's report (autopilot_report.py), once it came
+        self.autopilot: dict[str, Any] | None = None  # the autopilot's report (report/autopilot.py), once it came
         t = plan.config.train
         self.lines = ProgressLines(t.max_steps or 0, t.global_batch_size,
                                    t.eval_every if plan.config.data.val is not None else None,
@@ -346,7 +346,7 @@ def _fit(plan: RunPlan, inputs: _Inputs, opening: Alongside, verbose: bool, cloc
         raise RunFailedError(f"training failed before its first report: {exc}; not retried, as every restart would "
                              f"fail the same way (traceback in {log.path}; run directory: {place.uri})") from None
     _remove_unregistered_checkpoints(result)
-    # The checkpoints retention kept, each a LoggedModel of the run (checkpoint_models.py); the others' models go.
+    # The checkpoints retention kept, each a LoggedModel of the run (models/checkpoints.py); the others' models go.
     kept = {_checkpoint_uri(config, c.path): m.get("step") for c, m in result.best_checkpoints or []}
     if result.checkpoint:
         kept.setdefault(_checkpoint_uri(config, result.checkpoint.path), (result.metrics or {}).get("step"))

@@ -29,7 +29,7 @@ class TrainResult:
     startup_alongside: dict[str, float] = field(default_factory=dict)  # stages run at once with one of those parts
     run_cost: Any = None  # a resumed run's Ledger over all its attempts (cost.ledger_across_attempts); else None
     attempts: int = 1  # driver attempts of this run: the first command and each `--resume`
-    autopilot: dict[str, Any] | None = None  # the autopilot's report (autopilot_report.py); None without it
+    autopilot: dict[str, Any] | None = None  # the autopilot's report (report/autopilot.py); None without it
     already_finished: bool = False  # a `--resume` of a run that had finished: nothing trained, its result as it was
 
     @property

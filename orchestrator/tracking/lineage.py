@@ -1,5 +1,5 @@
 """What a tracked run's figures are linked to: the datasets they are measured on (the run's inputs, the UI's Dataset
-column) and the models of the checkpoints Ray Train commits (external LoggedModels, see checkpoint_models.py). The
+column) and the models of the checkpoints Ray Train commits (external LoggedModels, see models/checkpoints.py). The
 validation figures and the training loss of a step are linked to that step's checkpoint model and dataset, whichever
 of the report and the checkpoint's commit reaches the driver first. MlflowTracker (client.py) takes these methods
 from `Lineage`."""

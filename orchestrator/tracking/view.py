@@ -46,12 +46,12 @@ _FACTS = {"train/step", "train/epoch", "train/samples_seen", "train/skipped_step
           "perf/compile_s", "train/parallel", "train/param_bytes_per_rank", "train/optimizer_bytes_per_rank",
           "train/interruptions"}
 # Sections of whole-run figures, of a study's (`study/`) and of the autopilot's search (`autopilot/`, its predicted
-# and achieved speed-up: autopilot_report.py): rows of the summary table, never charted.
+# and achieved speed-up: report/autopilot.py): rows of the summary table, never charted.
 _SUMMARY_SECTIONS = ("final/", "cost/", "startup/", "device/", "study/", "autopilot/")
 # The summary table's groups, in the order a reader wants them; a figure of another section comes after.
 _SUMMARY_ORDER = ("final", "autopilot", "study", "cost", "startup", "train", "val", "perf", "device")
 # What only the driver uses: when a report arrived, the worker's start-up marks, which rank reported, events, the
-# autopilot's report (a table, never a metric: autopilot_report.py takes it out of the report).
+# autopilot's report (a table, never a metric: report/autopilot.py takes it out of the report).
 _DROPPED = {"elapsed_s", "world_rank", "drain_checkpoint", "autopilot"}
 SUMMARY_TABLE = "summary.json"
 # The section that holds the training loss, the task's validation metric and samples/s: MLflow 3's run page sorts

@@ -48,3 +48,14 @@ def test_the_walk_of_config_stays_as_flat_as_the_plan_made_it() -> None:
     assert max(entries.values()) <= MAX_ENTRIES, entries
     # The data layer is entered for the plan's one inspection, the model's entrypoint and a pretrained config only.
     assert entries["pipelines"] <= 3 and "orchestrator.run" in entries, entries
+
+
+def test_every_module_file_a_product_comment_names_exists() -> None:
+    """A comment that points at `trainer.py` or `models/checkpoints.py` leads the reader to a file that is there (a
+    module renamed without its mentions leaves them pointing nowhere)."""
+    names = {p.name for p in ROOT.rglob("*.py") if ".venv" not in p.parts}
+    missing = [f"{path.relative_to(ROOT)}:{number}: {found}"
+               for path in [*(ROOT / "orchestrator").rglob("*.py"), *(ROOT / "pipelines").rglob("*.py")]
+               for number, line in enumerate(path.read_text().splitlines(), 1)
+               for found in re.findall(r"\b([a-z_]+\.py)\b", line) if found not in names]
+    assert not missing, missing
