@@ -104,9 +104,7 @@ def checkpoint_interval_line(config: Config, history: list[dict[str, Any]]) -> s
     rate = last.get("samples_per_s")
     steps = f" (about {interval.seconds * rate / config.train.global_batch_size:,.0f} steps)" if rate else ""
     origin = mtbf_origin(interval.mtbf_s, int(last.get("checkpoint/interruptions", 0)), config.failure.mtbf_minutes)
-    separator = " " if origin.startswith("assumed") else ": "
-    return f"checkpoint interval: auto, {interval.seconds:,.1f} s{steps}: {interval.why()}; " \
-           f"{interval.mtbf_s:,.0f} s{separator}{origin}"
+    return f"checkpoint interval: auto, {interval.seconds:,.1f} s{steps}: {interval.why()}; {origin}"
 
 
 def _bytes(n: float) -> str:

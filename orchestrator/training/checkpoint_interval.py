@@ -53,12 +53,12 @@ def mtbf_s(run_s: float, interruptions: int, mtbf_minutes: float | None) -> floa
 
 
 def mtbf_origin(mtbf: float, interruptions: int, mtbf_minutes: float | None) -> str:
-    """Where `mtbf` (mtbf_s's answer) came from, in the user's terms."""
+    """`mtbf` (mtbf_s's answer) and where it came from, in the user's terms: `1,800 s: failure.mtbf_minutes=30`."""
     if mtbf_minutes is not None:
-        return f"failure.mtbf_minutes={mtbf_minutes:g}"
+        return f"{mtbf:,.0f} s: failure.mtbf_minutes={mtbf_minutes:g}"
     if interruptions == 0:
-        return "assumed (none yet): set failure.mtbf_minutes"
-    return (f"the run's {mtbf * (interruptions + 1):,.0f} s of training / ({interruptions} "
+        return f"{mtbf:,.0f} s assumed (none yet): set failure.mtbf_minutes"
+    return (f"{mtbf:,.0f} s: the run's {mtbf * (interruptions + 1):,.0f} s of training / ({interruptions} "
             f"interruption{'s' * (interruptions != 1)} + the next)")
 
 
