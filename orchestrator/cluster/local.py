@@ -10,7 +10,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -138,11 +138,11 @@ def join_cluster(address: str, logging_config: Any) -> None:
         hint = ("; if it runs with token auth (`ray start` turns it on where ~/.ray/auth_token exists), export "
                 "RAY_AUTH_MODE=token here too (cluster/README.md)" if "RAY_AUTH_MODE" not in os.environ else "")
         raise UserError(f"could not join the Ray cluster at {address}: {exc}{hint}") from None
-    if (warning := open_cluster(ray.get_runtime_context().gcs_address, dict(os.environ))) is not None:
+    if (warning := open_cluster(ray.get_runtime_context().gcs_address, os.environ)) is not None:
         print(warning, file=sys.stderr, flush=True)
 
 
-def open_cluster(gcs_address: str, environ: dict[str, str]) -> str | None:
+def open_cluster(gcs_address: str, environ: Mapping[str, str]) -> str | None:
     """One warning line when the cluster this command joined takes work from its network without token auth: Ray's
     security statement is that whoever reaches its GCS, dashboard or Ray Client port runs code as its user. Joined
     without a token (RAY_AUTH_MODE is not `token` here, as it must be to join a cluster that asks for one), at an

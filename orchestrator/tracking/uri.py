@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from typing import Any
 
 DEFAULT_URI = "sqlite:///mlruns.db"
@@ -64,21 +65,23 @@ def is_loopback(host: str | None) -> bool:
     """Whether `host` (a name or an address) is this machine's loopback: nothing sent there crosses a network."""
     import ipaddress
 
-    if not host or host == "localhost":
-        return host == "localhost"
+    if host == "localhost":
+        return True
+    if not host:
+        return False
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
 
 
-def credentials_in_clear(uri: str, environ: dict[str, str] | None = None) -> str | None:
+def credentials_in_clear(uri: str, environ: Mapping[str, str] | None = None) -> str | None:
     """One warning line when the tracking store's credentials (a password in the URI, or MLflow's
     MLFLOW_TRACKING_PASSWORD / MLFLOW_TRACKING_TOKEN) go unencrypted, over plain http://, to another machine; None
     otherwise."""
     from urllib.parse import urlsplit
 
-    environ = dict(os.environ) if environ is None else environ
+    environ = os.environ if environ is None else environ
     parts = urlsplit(uri)
     sent = parts.password or environ.get("MLFLOW_TRACKING_PASSWORD") or environ.get("MLFLOW_TRACKING_TOKEN")
     if parts.scheme != "http" or not sent or is_loopback(parts.hostname):
