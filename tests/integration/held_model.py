@@ -3,7 +3,9 @@ so a test acts on a run at that point instead of racing it (however slow or fast
 - `hold_call`: the n-th training forward of every worker waits there (0: never). The loop counts FLOPs with one
   extra forward at its first step, so call n is in step n-1 or n: a test asserts report steps around it;
 - `marker`: a directory; each held worker writes `held-<pid>` there as it starts waiting (the test's sign that the
-  run is at that point);
+  run is at that point). A file `<marker>/hold_call` there, read as the model is built, moves the hold for the
+  workers built from then on (a `--resume` must keep the run's config, and so `hold_call`; a test stops each attempt
+  at its own point);
 - `release`: what ends the hold: "file" (the test creates <marker>/release, or <marker>/release-<pid> for one
   process only) or "drain" (Ray Train has a drain
   notice for the run: `ray.train.get_preemption_info`, a barrier every worker calls in step, each the same number
@@ -58,4 +60,6 @@ def build(in_features: int, num_classes: int, hold_call: int = 0, marker: str = 
           timeout_s: float = 240.0) -> torch.nn.Module:
     if release not in ("file", "drain"):
         raise ValueError(f"release={release!r}: use 'file' or 'drain'")
+    if marker and Path(marker, "hold_call").exists():
+        hold_call = int(Path(marker, "hold_call").read_text())
     return Held(in_features, num_classes, hold_call, marker, release, timeout_s)
