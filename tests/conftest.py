@@ -9,7 +9,8 @@ import pytest
 # No Ray Train setting here: tests run what users run (the product sets its own, cluster.TRAIN_DEFAULTS).
 # Nodes the tests start with `ray start --block` stop at once when the test ends (no 30 s drain).
 os.environ.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
-# One auth mode for every Ray process the tests start (see README: token auth is off for local clusters).
+# One auth mode for every Ray process the tests start (cluster/README.md), but for the job-submission cluster of
+# test_cluster_jobs.py: it runs with token auth, its nodes and clients in a HOME of their own.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 

@@ -126,20 +126,41 @@ def private_temp_dir() -> str:
 
 def join_cluster(address: str, logging_config: Any) -> None:
     """ray.init on the cluster at `address` (--address or RAY_ADDRESS). A host:port where nothing listens is named
-    at once (Ray itself retries for minutes), and a refused join says what usually refuses it."""
+    at once (Ray itself retries for minutes), and a refused join says what usually refuses it (join_refused)."""
     import ray
+    from ray.exceptions import AuthenticationError
 
     if re.fullmatch(r"[\w.-]+:\d+", address) and not answers(address):
         raise UserError(f"no Ray cluster answers at {address} (--address or RAY_ADDRESS): start it (`ray start "
                         "--head`) or give the address `ray status` shows on its head node")
     try:
         ray.init(address=address, logging_config=logging_config)
-    except ConnectionError as exc:
-        hint = ("; if it runs with token auth (`ray start` turns it on where ~/.ray/auth_token exists), export "
-                "RAY_AUTH_MODE=token here too (cluster/README.md)" if "RAY_AUTH_MODE" not in os.environ else "")
-        raise UserError(f"could not join the Ray cluster at {address}: {exc}{hint}") from None
+    except (ConnectionError, AuthenticationError) as exc:
+        raise UserError(join_refused(address, exc, os.environ)) from None
     if (warning := open_cluster(ray.get_runtime_context().gcs_address, os.environ)) is not None:
         print(warning, file=sys.stderr, flush=True)
+
+
+def join_refused(address: str, exc: BaseException, environ: Mapping[str, str]) -> str:
+    """The one line for a join Ray refused. A cluster with token auth refuses a process without its token: Ray
+    raises at once where RAY_AUTH_MODE=token here finds no token, and after about 20 s of retries where the mode is
+    unset or `disabled` (the cause, deep in its chain of exceptions, is an `InvalidAuthToken` from the GCS); the
+    line then names the fix instead of that chain."""
+    chain: list[BaseException] = []
+    cause: BaseException | None = exc
+    while cause is not None and cause not in chain:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    if any(type(e).__name__ == "AuthenticationError" or "InvalidAuthToken" in str(e) for e in chain):
+        mode = "" if environ.get("RAY_AUTH_MODE") == "token" else "export RAY_AUTH_MODE=token and "
+        return (f"could not join the Ray cluster at {address}: it runs with token auth and refused this command's "
+                f"token (none found, or another): {mode}set RAY_AUTH_TOKEN to the cluster's token, or put it in the "
+                "file ~/.ray/auth_token (or the file RAY_AUTH_TOKEN_PATH names); `ray get-auth-token` on its head "
+                "prints it (cluster/README.md)")
+    hint = ("; if it runs with token auth (`ray start` turns it on where ~/.ray/auth_token exists), export "
+            "RAY_AUTH_MODE=token here too (cluster/README.md)" if "RAY_AUTH_MODE" not in environ else "")
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return f"could not join the Ray cluster at {address}: {first}{hint}"
 
 
 def open_cluster(gcs_address: str, environ: Mapping[str, str]) -> str | None:

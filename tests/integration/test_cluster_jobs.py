@@ -18,6 +18,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,15 +61,31 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield uri
 
 
+@dataclass(frozen=True)
+class Nodes:
+    """The cluster: its dashboard (job server, state API), its GCS, the environment its processes run with (the
+    clients' too), and its token."""
+
+    dashboard: str
+    gcs: str
+    env: dict[str, str]
+    token: str
+
+
 @pytest.fixture(scope="module")
-def ray_nodes() -> Iterator[tuple[str, dict[str, str]]]:
-    """A head node (with dashboard + job server) and one worker node, as `ray start --block` processes."""
+def ray_nodes() -> Iterator[Nodes]:
+    """A head node (with dashboard + job server) and one worker node, as `ray start --block` processes, with token
+    auth set up as cluster/README.md sets it up: `ray get-auth-token --generate` writes the token into
+    ~/.ray/auth_token (here a private HOME of this module's, never the user's) and every process, nodes and
+    clients, runs with RAY_AUTH_MODE=token."""
     temp_dir = tempfile.mkdtemp(prefix="rayjt", dir="/tmp")  # short: Ray's unix socket paths have a length limit
+    home = tempfile.mkdtemp(prefix="rayhome")
     gcs, dashboard = free_port(), free_port()
     env = {
         **os.environ,
         "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",  # the job's driver finds `orchestrator` here
-        "RAY_AUTH_MODE": "disabled",  # the suite's one mode, for every process (see README)
+        "HOME": home,
+        "RAY_AUTH_MODE": "token",  # this cluster's mode, for every process of it and every client
         "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
         # This cluster's state API, for Train's placement-group cleaner in the job (other Ray instances may run).
         "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{dashboard}",
@@ -76,6 +93,9 @@ def ray_nodes() -> Iterator[tuple[str, dict[str, str]]]:
         "AWS_SECRET_ACCESS_KEY": SECRET,
         "AWS_DEFAULT_REGION": "us-east-1",
     }
+    subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=env, check=True, capture_output=True,
+                   timeout=120)
+    token = Path(home, ".ray", "auth_token").read_text().strip()
     common = ["--block", "--disable-usage-stats", "--min-worker-port", "0", "--max-worker-port", "0"]
     head = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--port", str(gcs), "--dashboard-port", str(dashboard),
@@ -85,24 +105,32 @@ def ray_nodes() -> Iterator[tuple[str, dict[str, str]]]:
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     worker = None
-    address = f"http://127.0.0.1:{dashboard}"
+    nodes = Nodes(f"http://127.0.0.1:{dashboard}", f"127.0.0.1:{gcs}", env, token)
     try:
-        wait_for(lambda: urllib.request.urlopen(f"{address}/api/version", timeout=5).status == 200, "Ray head")
+        wait_for(lambda: alive_nodes(nodes) == 1, "Ray head")
         worker = subprocess.Popen(
-            [str(BIN / "ray"), "start", "--address", f"127.0.0.1:{gcs}", "--num-cpus", "2",
+            [str(BIN / "ray"), "start", "--address", nodes.gcs, "--num-cpus", "2",
              "--dashboard-agent-listen-port", str(free_port()), "--metrics-export-port", str(free_port()), *common],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        wait_for(lambda: alive_nodes(address) == 2, "worker node")
-        yield address, env
+        wait_for(lambda: alive_nodes(nodes) == 2, "worker node")
+        yield nodes
     finally:
         stop([p for p in (worker, head) if p is not None])
         shutil.rmtree(temp_dir, ignore_errors=True)
+        shutil.rmtree(home, ignore_errors=True)
 
 
-def alive_nodes(address: str) -> int:
-    nodes = http_json(f"{address}/nodes?view=summary")["data"]["summary"]
-    return sum(1 for n in nodes if n["raylet"]["state"] == "ALIVE")
+def ray_json(nodes: Nodes, path: str) -> dict[str, Any]:
+    """GET from the cluster's dashboard, with its token (without it: 401, "Missing authentication token")."""
+    request = urllib.request.Request(f"{nodes.dashboard}{path}", headers={"Authorization": f"Bearer {nodes.token}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def alive_nodes(nodes: Nodes) -> int:
+    summary = ray_json(nodes, "/nodes?view=summary")["data"]["summary"]
+    return sum(1 for n in summary if n["raylet"]["state"] == "ALIVE")
 
 
 def job_runtime_env(tmp_path: Path, tracking_uri: str) -> Path:
@@ -118,9 +146,9 @@ def job_runtime_env(tmp_path: Path, tracking_uri: str) -> Path:
 
 
 def test_job_submit_trains_on_two_nodes_and_tracks_to_mlflow_server(
-    ray_nodes: tuple[str, dict[str, str]], mlflow_server: str, digits_dir: str, tmp_path: Path
+    ray_nodes: Nodes, mlflow_server: str, digits_dir: str, tmp_path: Path
 ) -> None:
-    address, env = ray_nodes
+    address, env = ray_nodes.dashboard, ray_nodes.env
     submission_id = f"orchestrator-test-{int(time.time())}"
     command = [
         str(BIN / "ray"), "job", "submit", "--address", address, "--submission-id", submission_id,
@@ -136,9 +164,10 @@ def test_job_submit_trains_on_two_nodes_and_tracks_to_mlflow_server(
                           capture_output=True, text=True, timeout=60).stdout
     # Ray's own echo of the submitted command holds what the user typed; everything else is the product's.
     submit.stdout, logs = without_ray_echo(submit.stdout), without_ray_echo(logs)
-    status = http_json(f"{address}/api/jobs/{submission_id}")["status"]
+    status = ray_json(ray_nodes, f"/api/jobs/{submission_id}")["status"]
     assert status == "SUCCEEDED", f"{submit.stdout[-3000:]}\n{submit.stderr[-3000:]}"
     assert "final validation accuracy" in logs and "MLflow run id" in logs
+    assert "without token auth" not in logs  # the job's driver joined with the token (no exposure warning)
 
     # Read the run back through the REST API the MLflow UI uses.
     experiment = http_json(f"{mlflow_server}/api/2.0/mlflow/experiments/get-by-name?experiment_name=jobs")
@@ -192,14 +221,14 @@ def without_ray_echo(text: str) -> str:
 
 
 def test_job_submit_tracks_to_a_sqlite_store_with_a_relative_config(
-    ray_nodes: tuple[str, dict[str, str]], digits_dir: str, tmp_path: Path
+    ray_nodes: Nodes, digits_dir: str, tmp_path: Path
 ) -> None:
     """What a new user runs: no tracking server, the store a SQLite file (given through the runtime env's
     MLFLOW_TRACKING_URI, as cluster/runtime_env.yaml does for a server), the config named relative to the job's
     working directory. The job's own `ray.init` sets off every node's runtime-env agent installing the job's
     working_dir: an agent sharing this host's session directory (the second node here) deletes and re-extracts it,
     under the driver, which must not need its working directory from then on (MLflow's SQLite store reads it)."""
-    address, env = ray_nodes
+    address, env = ray_nodes.dashboard, ray_nodes.env
     store = tmp_path / "tracking" / "mlflow.db"
     store.parent.mkdir()
     submission_id = f"orchestrator-sqlite-{int(time.time())}"
@@ -212,7 +241,7 @@ def test_job_submit_tracks_to_a_sqlite_store_with_a_relative_config(
         "--set", f"storage.path={tmp_path}/runs", "--set", "scaling.num_workers=2",
     ]
     submit = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    status = http_json(f"{address}/api/jobs/{submission_id}")["status"]
+    status = ray_json(ray_nodes, f"/api/jobs/{submission_id}")["status"]
     assert status == "SUCCEEDED", f"{submit.stdout[-3000:]}\n{submit.stderr[-3000:]}"
     run_id = re.search(r"MLflow run id: (\w+)", submit.stdout)[1]
 
@@ -229,3 +258,34 @@ def test_job_submit_tracks_to_a_sqlite_store_with_a_relative_config(
     artifacts = Path(artifact_uri.removeprefix("file://"))
     assert artifacts.is_relative_to(store.parent / "mlruns"), artifact_uri
     assert {"config.yaml", "learning_curves.png", "summary.json"} <= {p.name for p in artifacts.iterdir()}
+
+
+def test_a_driver_on_the_host_joins_with_the_token_and_is_refused_without_it_in_one_line(
+    ray_nodes: Nodes, digits_dir: str, tmp_path: Path
+) -> None:
+    """`orchestrator train --address <gcs>` from a shell on this machine. Without the token (the same command from a
+    HOME that has none, RAY_AUTH_MODE=token exported as cluster/README.md says): refused at once, one line naming the
+    fix. With it: the driver joins and trains on the cluster, and no exposure warning (the cluster asked for a token
+    and got it)."""
+    command = [
+        str(BIN / "orchestrator"), "train", "--address", ray_nodes.gcs, "--config", "examples/digits.yaml",
+        "--set", f"data.train={digits_dir}/train", "--set", f"data.val={digits_dir}/val",
+        "--set", "train.max_steps=30", "--set", "train.log_every=10", "--set", "train.eval_every=30",
+        "--set", f"storage.path={tmp_path}/runs", "--set", "tracking.enabled=false", "--set", "scaling.num_workers=2",
+    ]
+    elsewhere = tmp_path / "home"
+    elsewhere.mkdir()
+    refused = subprocess.run(command, env={**ray_nodes.env, "HOME": str(elsewhere)}, cwd=ROOT, capture_output=True,
+                             text=True, timeout=300)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"error: could not join the Ray cluster at {ray_nodes.gcs}: it runs with token auth and refused this "
+        "command's token"), refused.stderr[-3000:]
+    assert "set RAY_AUTH_TOKEN" in lines[0] and "~/.ray/auth_token" in lines[0] and ray_nodes.token not in lines[0]
+    assert not list(tmp_path.rglob("checkpoint_*"))  # refused before anything trained
+
+    joined = subprocess.run(command, env=ray_nodes.env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert joined.returncode == 0, joined.stdout[-3000:] + joined.stderr[-3000:]
+    assert "final validation accuracy" in joined.stdout and re.search(r"^step 30/30", joined.stdout, re.MULTILINE)
+    assert "without token auth" not in joined.stderr

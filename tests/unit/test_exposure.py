@@ -54,3 +54,32 @@ def test_the_state_api_port_is_never_one_ray_gives_another_component(monkeypatch
     monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
     assert local.pin_state_api() == 41234
     assert local.os.environ["RAY_API_SERVER_ADDRESS"] == "http://127.0.0.1:41234"
+
+
+def test_a_join_refused_for_its_token_says_so_in_one_line_naming_the_fix() -> None:
+    """Ray's own refusals: at once where RAY_AUTH_MODE=token finds no token (AuthenticationError), after its retries
+    where the mode is unset (a ConnectionError whose cause's text holds the GCS's InvalidAuthToken). Both read the same
+    line; any other refusal keeps Ray's first line and, with the mode unset, the hint to export it."""
+    from ray.exceptions import AuthenticationError
+
+    from orchestrator.cluster.local import join_refused
+
+    no_token = AuthenticationError("Token authentication is enabled but no authentication token was found")
+    try:
+        try:
+            raise RuntimeError("Failed to connect to GCS. Last connection error: Traceback (most recent call last):\n"
+                               "ray.exceptions.AuthenticationError: RPC error: InvalidAuthToken: Authentication token "
+                               "is missing or incorrect")
+        except RuntimeError as cause:
+            raise ConnectionError("Failed to connect to Ray cluster at 10.0.0.5:6379") from cause
+    except ConnectionError as exc:
+        retried = exc
+    for exc, environ in ((no_token, {"RAY_AUTH_MODE": "token"}), (retried, {})):
+        line = join_refused("10.0.0.5:6379", exc, environ)
+        assert line.startswith("could not join the Ray cluster at 10.0.0.5:6379: it runs with token auth and refused "
+                               "this command's token") and "\n" not in line, line
+        assert "set RAY_AUTH_TOKEN" in line and "~/.ray/auth_token" in line and "RAY_AUTH_TOKEN_PATH" in line
+        assert ("export RAY_AUTH_MODE=token" in line) == (environ.get("RAY_AUTH_MODE") != "token")
+    other = join_refused("10.0.0.5:6379", ConnectionError("Failed to connect to Ray cluster at 10.0.0.5:6379"), {})
+    assert other.startswith("could not join the Ray cluster at 10.0.0.5:6379: Failed to connect") and \
+        "export RAY_AUTH_MODE=token here too" in other
