@@ -14,6 +14,7 @@ import torch
 from pipelines.config import DataConfig
 from pipelines.errors import DataError
 from pipelines.order import local_shuffle_seed, set_epoch
+from pipelines.rest import ROW_ID, rest_of_epoch
 from pipelines.tensors import (
     IGNORE_INDEX,
     LABELS,
@@ -184,7 +185,10 @@ class FeatureCollate(ArrowBatchCollateFn):
         self.padding = padding
 
     def __call__(self, batch: pa.Table) -> Batch:
-        return collate_arrow(batch, self.features, self.label, self.named, self.padding)
+        out = collate_arrow(batch, self.features, self.label, self.named, self.padding)
+        if ROW_ID in batch.column_names:  # the rows' ids travel with them as far as the loop (pipelines/rest.py)
+            out[ROW_ID] = torch.from_numpy(batch.column(ROW_ID).to_numpy())
+        return out
 
 
 # Ray Data costs about 2.5 ms per batch handed to a worker, whatever its size (measured: 0.35-0.48M rows/s at
@@ -374,6 +378,12 @@ class RankBatches:
                                         micro=micro_batch_size, padding=self.padding, pin=pin_memory)
         self.replay_val = EpochReplay(keep=replay, pin=pin_memory)
         self.ahead: _Ahead | None = None  # the first batches, fetched while the model is built (prefetch)
+        self.rest: tuple[int, np.ndarray, Any, int] | None = None  # see finish
+
+    def finish(self, epoch: int, seen: np.ndarray, whole: Any, world: int) -> None:
+        """Train `epoch` as the rest of an epoch that a group of another size began (pipelines/rest.py): the rows of
+        `whole` (the training data unsplit) whose ids are not in `seen`, cut in rounds over the `world` ranks."""
+        self.rest = (epoch, seen, whole, world)
 
     def train(self, epoch: int) -> Epoch:
         """`epoch`'s micro-batches, from the row its `start` is set to (the loop sets it on a resume)."""
@@ -383,8 +393,7 @@ class RankBatches:
         """Start fetching `epoch`'s first `count` micro-batches from row `start` in a thread of its own, while the
         worker builds its model: the pipeline's first read (Ray Data's first execution, the split's epoch barrier)
         then overlaps the set-up instead of following it. The loop's `train(epoch)` from that row begins with them."""
-        batches = self.replay_train(lambda: self._stream_train(epoch), epoch, start)
-        ahead = _Ahead(epoch, start, batches)
+        ahead = _Ahead(epoch, start, self._pass(epoch, start))
         ahead.thread = threading.Thread(target=ahead.fetch, args=(count,), name="first batches", daemon=True)
         ahead.thread.start()
         self.ahead = ahead
@@ -392,11 +401,21 @@ class RankBatches:
     def _epoch(self, epoch: int, start: int) -> Iterator[Batch]:
         ahead, self.ahead = self.ahead, None
         if ahead is None:
-            return self.replay_train(lambda: self._stream_train(epoch), epoch, start)
+            return self._pass(epoch, start)
         if (ahead.epoch, ahead.start) != (epoch, start):  # the position comes from the same checkpoint: a bug
             raise RuntimeError(f"the first batches were fetched from epoch {ahead.epoch}, row {ahead.start}, but "
                                f"training starts at epoch {epoch}, row {start}")
         return ahead.rest()
+
+    def _pass(self, epoch: int, start: int) -> Iterator[Batch]:
+        if self.rest is None or self.rest[0] != epoch:
+            return self.replay_train(lambda: self._stream_train(epoch), epoch, start)
+        _, seen, whole, world = self.rest
+        assert start == 0, "the rest of an epoch is counted from its own start"
+        if self.epoch_clock:  # the whole data read in the interrupted epoch's shard order
+            set_epoch(self.epoch_clock, epoch)
+        batches = rest_of_epoch(self._chunks(whole), seen, self.rank, world, lambda: self.micro, self.padding.trim)
+        return map(pinned, batches) if self.pin_memory else batches
 
     def resize(self, micro: int) -> None:
         """Cut the training micro-batches at `micro` rows from the next one on, in this pass and every later one

@@ -175,6 +175,11 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+# The name Ray Train is handed the training dataset by a second time, unsplit: every rank reads it whole to finish an
+# epoch that a group of another size began (pipelines/rest.py). An iterator nobody reads costs nothing.
+WHOLE_TRAIN = "train_whole"
+
+
 # Small data to replay under this many bytes of files is read by the process that builds the datasets, not by Ray
 # Data's read tasks: a new driver's first Ray Data execution starts worker processes of its own (2-4 s on 2 cores)
 # to read what takes milliseconds here.
@@ -202,7 +207,7 @@ def _read_here(source: Any, cfg: DataConfig, hold: bool) -> ray.data.Dataset | H
 
 def build_datasets(
     cfg: DataConfig, infos: dict[str, DatasetInfo], object_store_bytes: float, *, seed: int = 0,
-    epoch_clock: str | None = None, decision: str | None = None, hold: bool = False,
+    epoch_clock: str | None = None, decision: str | None = None, hold: bool = False, row_ids: bool = False,
 ) -> dict[str, ray.data.Dataset | HeldRows]:
     """Streaming readers over the already-checked shards (nothing is read until a worker iterates), with the
     configured transforms in `map_batches`. The train shards are read in (seed, epoch) order when `cfg.shuffle`
@@ -212,7 +217,8 @@ def build_datasets(
     block in (seed, epoch) order (`reorders_memory_blocks`).
     `decision` (a resumed run's, from its checkpoint, one of CACHE_DECISIONS: the driver refuses others as it
     reads them) replaces what `cache_decision` would decide now. `hold`: small data read here is returned as
-    HeldRows for the ranks to split themselves (the caller knows no shuffle buffer or replica reads it)."""
+    HeldRows for the ranks to split themselves (the caller knows no shuffle buffer or replica reads it).
+    `row_ids`: each training row carries its id (pipelines/rest.py)."""
     import ray.data
 
     from pipelines.reader import ShardDatasource
@@ -232,7 +238,7 @@ def build_datasets(
         source = ShardDatasource(
             info.storage, info.objects, info.file_rows, columns, seed=seed,
             shuffle=shuffled, epoch_clock=epoch_clock if shuffled else None,
-            cache=cache if info.storage.remote else None,
+            cache=cache if info.storage.remote else None, row_ids=row_ids and name == "train",
         )
         if read_here:
             datasets[name] = _read_here(source, cfg, hold)

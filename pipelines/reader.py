@@ -12,6 +12,7 @@ import functools
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from ray.data.block import BlockMetadata
@@ -20,19 +21,24 @@ from ray.data.datasource import Datasource, ReadTask
 from pipelines.cache import DiskCache
 from pipelines.errors import DataError, corrupt_parquet
 from pipelines.order import current_epoch, shard_order
+from pipelines.rest import with_row_ids
 from pipelines.storage import ObjectInfo, Storage, storage_error
 
 
 def read_shard(storage: Storage, obj: ObjectInfo, cache: DiskCache | None, columns: list[str],
-               batch_rows: int) -> Iterator[pa.Table]:
-    """Decode one shard batch by batch (the read task body)."""
+               batch_rows: int, first_row: int | None = None) -> Iterator[pa.Table]:
+    """Decode one shard batch by batch (the read task body); with `first_row` (the shard's first row's index in
+    the dataset) each row carries its id (rest.ROW_ID)."""
     try:
         source = cache.open(storage, obj) if cache else storage.filesystem().open_input_file(obj.path)
         with source:
             # pre_buffer coalesces the column-chunk reads: fewer round trips to an object store.
             parquet = pq.ParquetFile(source, pre_buffer=storage.remote)
             for batch in parquet.iter_batches(batch_size=batch_rows, columns=columns, use_threads=False):
-                yield pa.Table.from_batches([batch])
+                table = pa.Table.from_batches([batch])
+                if first_row is not None:
+                    table, first_row = with_row_ids(table, first_row), first_row + table.num_rows
+                yield table
     except pa.ArrowInvalid as exc:
         raise corrupt_parquet(storage.uri_of(obj.path), exc) from None
     except OSError as exc:
@@ -43,11 +49,12 @@ def read_shard(storage: Storage, obj: ObjectInfo, cache: DiskCache | None, colum
 
 class ShardDatasource(Datasource):
     """Parquet shards in (seed, epoch) order; re-lists remote objects each epoch when caching, so a shard whose
-    size/ETag changed is re-fetched rather than served stale."""
+    size/ETag changed is re-fetched rather than served stale. `row_ids`: each row carries its index in the shards
+    in their given (name) order (rest.ROW_ID), whatever the epoch's order."""
 
     def __init__(self, storage: Storage, objects: list[ObjectInfo], file_rows: list[int], columns: list[str], *,
                  seed: int = 0, shuffle: bool = False, epoch_clock: str | None = None,
-                 cache: DiskCache | None = None, block_bytes: int = 16 << 20) -> None:
+                 cache: DiskCache | None = None, block_bytes: int = 16 << 20, row_ids: bool = False) -> None:
         self.storage = storage
         self.objects = objects
         self.rows = dict(zip([o.path for o in objects], file_rows, strict=True))
@@ -55,6 +62,8 @@ class ShardDatasource(Datasource):
         self.seed, self.shuffle, self.epoch_clock = seed, shuffle, epoch_clock
         self.cache = cache
         self.block_bytes = block_bytes
+        starts = np.cumsum([0, *file_rows])[:-1].tolist() if row_ids else [None] * len(objects)
+        self.first_rows = dict(zip([o.path for o in objects], starts, strict=True))
 
     def estimate_inmemory_data_size(self) -> int | None:
         return sum(o.size for o in self.objects)
@@ -78,7 +87,8 @@ class ShardDatasource(Datasource):
             rows = self.rows.get(obj.path, 0)
             # Yield blocks near the target block size: small blocks keep memory bounded while streaming.
             batch_rows = max(256, min(65536, target * max(rows, 1) // max(obj.size * 2, 1)))
-            read = functools.partial(read_shard, self.storage, obj, self.cache, self.columns, batch_rows)
+            read = functools.partial(read_shard, self.storage, obj, self.cache, self.columns, batch_rows,
+                                     self.first_rows.get(obj.path))
             meta = BlockMetadata(num_rows=rows, size_bytes=obj.size, input_files=(self.storage.uri_of(obj.path),),
                                  exec_stats=None)
             tasks.append(ReadTask(read, meta, per_task_row_limit=per_task_row_limit))

@@ -11,6 +11,7 @@ import pyarrow.compute as pc
 
 from pipelines.entrypoints import load_function
 from pipelines.errors import DataError
+from pipelines.rest import ROW_ID
 
 _DTYPES = {"float16": pa.float16(), "float32": pa.float32(), "float64": pa.float64()}
 
@@ -53,8 +54,11 @@ def apply_transforms(table: pa.Table, transforms: list[dict[str, Any]], features
 
 
 def _call(table: pa.Table, spec: str, kwargs: dict[str, Any]) -> pa.Table:
-    out = load_function(spec)(table, **kwargs)
+    # The user's function sees only the data's own columns. The rows keep their ids (rest.ROW_ID) when it keeps
+    # their number (and so, by the contract of a map, their order); a function that filters loses them.
+    ids = table.column(ROW_ID) if ROW_ID in table.column_names else None
+    out = load_function(spec)(table.drop_columns([ROW_ID]) if ids is not None else table, **kwargs)
     if not isinstance(out, pa.Table):
         raise DataError(f"transform {spec} returned {type(out).__name__}, not a pyarrow.Table: return the batch "
                         "it was given, transformed")
-    return out
+    return out.append_column(ROW_ID, ids) if ids is not None and out.num_rows == table.num_rows else out

@@ -14,7 +14,7 @@ from orchestrator.errors import ConfigError, UserError
 from orchestrator.models.checks import in_features
 from orchestrator.run.place import RunPlace
 from pipelines.config import DataConfig
-from pipelines.datasets import CACHE_DECISIONS, REPLAY, build_datasets, cache_decision
+from pipelines.datasets import CACHE_DECISIONS, REPLAY, WHOLE_TRAIN, build_datasets, cache_decision
 from pipelines.held import HeldRows
 from pipelines.order import create_epoch_clock, release_epoch_clock
 from pipelines.sources import DatasetInfo
@@ -178,13 +178,14 @@ def build_inputs(config: Config, infos: dict[str, DatasetInfo], name: str, saved
     hold = not config.data.shuffle_buffer and config.failure.mode != "replicas"
     try:
         datasets = build_datasets(config.data, infos, store_bytes, seed=config.train.seed, epoch_clock=clock,
-                                  decision=decision, hold=hold)
+                                  decision=decision, hold=hold, row_ids=config.failure.mode != "replicas")
     except BaseException:
         if clock:  # no run to end it with (a Tune trial's process outlives the trial)
             release_epoch_clock(clock)
         raise
     spec["held"] = {name: ds for name, ds in datasets.items() if isinstance(ds, HeldRows)}
-    return spec, {name: ds for name, ds in datasets.items() if name not in spec["held"]}
+    datasets = {name: ds for name, ds in datasets.items() if name not in spec["held"]}
+    return spec, datasets | ({WHOLE_TRAIN: datasets["train"]} if "train" in datasets else {})
 
 
 def storage_args(storage: Storage) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import json
 import os
 import random
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,8 +25,10 @@ import torch.distributed as dist
 from orchestrator.errors import ConfigError
 from orchestrator.training import fsdp
 from orchestrator.training.parts import Parts
+from orchestrator.training.position import SEEN, Progress, data_position, holds, rest_of_epoch
 from orchestrator.training.ranks import gather_to_rank0, world
 from orchestrator.training.unpickle import load_state_file
+from pipelines.rest import union_packed
 
 if TYPE_CHECKING:
     import pyarrow.fs as pafs  # the run's storage; imported where used: a torch-only machine has no Arrow
@@ -36,28 +38,6 @@ STATE_FILE = "state.pt"
 # Written last, listing every other file and its size: a checkpoint without it, or whose files do not match it, is
 # incomplete (a crash while writing or copying it) and is never loaded.
 MANIFEST = "manifest.json"
-
-
-@dataclass
-class Progress:
-    """Where training stands. `rows_in_epoch` counts this rank's rows already trained on in `epoch`, in the epoch
-    order of `cache_decision` (pipelines.datasets: stream, memory or replay; None when unknown), which a resumed
-    run keeps: under another decision the same count names other rows."""
-
-    step: int = 0
-    samples_seen: int = 0
-    epoch: int = 0
-    rows_in_epoch: int = 0
-    nonfinite_skipped: int = 0  # steps skipped for a NaN/inf loss or gradient (budget: train.max_nonfinite_steps)
-    cache_decision: str | None = None
-    # The autopilot's choice once its search ended (training/autopilot.py `saved`): a resume applies it unsearched.
-    autopilot: dict[str, Any] | None = None
-    # For checkpoint.every=auto (checkpoint_interval.py), carried across restarts and `--resume`: rank 0's seconds of
-    # training up to this checkpoint, the restarts from a checkpoint so far, and the last checkpoint's blocking seconds.
-    run_s: float = 0.0
-    interruptions: int = 0
-    checkpoint_cost_s: float | None = None
-    stopped_at: int | None = None  # the step the user's stop (Ctrl+C) saved at
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -158,16 +138,18 @@ def checkpoint_state(parts: Parts, progress: Progress, micro_batch_size: int) ->
     """Everything for an exact resume, on rank 0 (None on the others). A collective: every rank calls it, and
     gives what differs per rank (`rank_state`). `micro_batch_size` lets an auto-sized run resume with the
     micro-batch it ran with (the same rounding)."""
-    ranks = gather_to_rank0(rank_state(parts))
+    ranks = gather_to_rank0(rank_state(parts, progress))
     if not ranks:
         return None
     state = {
         "model": unwrap(parts.model).state_dict(),
         "scheduler": parts.scheduler.state_dict(),
-        "progress": asdict(progress),
+        "progress": progress.saved(),
         "rng": [r["rng"] for r in ranks],  # one entry per rank
         "micro_batch_size": micro_batch_size,
     }
+    if (seen := union_packed([r["seen"] for r in ranks])) is not None:
+        state[SEEN] = seen
     if parts.local_sgd is None:  # DDP: one optimizer state, the same on every rank
         return state | {"optimizer": parts.optimizer.state_dict(), "precision": parts.precision.state_dict()}
     # Local SGD: each rank's optimizer moments (and fp16 loss scale) follow its own data; keep them all.
@@ -175,10 +157,11 @@ def checkpoint_state(parts: Parts, progress: Progress, micro_batch_size: int) ->
                     "local_sgd": parts.local_sgd.state_dict()}
 
 
-def rank_state(parts: Parts) -> dict[str, Any]:
-    """What this rank contributes to a checkpoint beyond the shared model: its RNG streams, and under local SGD its
-    own optimizer and precision state (on the CPU, so any rank can load it)."""
-    state: dict[str, Any] = {"rng": capture_rng(parts.device)}
+def rank_state(parts: Parts, progress: Progress) -> dict[str, Any]:
+    """What this rank contributes to a checkpoint beyond the shared model: its RNG streams, the ids of the rows it
+    trained on in the epoch, and under local SGD its own optimizer and precision state (on the CPU, so any rank
+    can load it)."""
+    state: dict[str, Any] = {"rng": capture_rng(parts.device), "seen": progress.seen.ids()}
     if parts.local_sgd is not None:
         state |= {"optimizer": _to_cpu(parts.optimizer.state_dict()), "precision": parts.precision.state_dict()}
     return state
@@ -227,34 +210,19 @@ def _position(state: dict[str, Any], cache_decision: str | None, device: torch.d
     saved, progress.cache_decision = progress.cache_decision, cache_decision or progress.cache_decision
     if len(state["rng"]) == size:
         restore_rng(state["rng"][rank], device)
-        if rank == 0 and progress.rows_in_epoch and not _same_order(saved, cache_decision):
-            print(f"the checkpoint's data position counts rows in the '{saved}' epoch order, but the data comes "
-                  f"'{cache_decision}': finishing epoch {progress.epoch} early", flush=True)
-    else:
-        # Resized: Ray Data splits an epoch's rows into one stream per rank, so the old ranks' positions describe a
-        # different split. New RNG streams, drawn per (step, rank).
+    else:  # resized: new RNG streams, drawn per (step, rank)
         torch.manual_seed(int(np.random.default_rng([progress.step, rank]).integers(2**62)))
+    seen = rest_of_epoch(state, cache_decision, size)
+    if rank == 0 and progress.rows_in_epoch and not holds(state, cache_decision, size):
+        done = f"its {len(seen)} rows trained on are left out" if seen is not None else "finishing it early"
+        print(f"the checkpoint's data position in epoch {progress.epoch} was counted by {len(state['rng'])} "
+              f"worker(s) in the '{saved}' epoch order; {size} worker(s) in the '{progress.cache_decision}' order "
+              f"finish the epoch: {done}", flush=True)
     progress.epoch, progress.rows_in_epoch = data_position(state, cache_decision, size)
+    progress.rest = seen is not None
+    if seen is not None:
+        progress.seen.add(seen)
     return progress
-
-
-def data_position(state: dict[str, Any] | None, cache_decision: str | None, world_size: int) -> tuple[int, int]:
-    """(epoch, rows into it) where a rank of a `world_size` group resumes the data from a checkpoint's `state` ((0, 0)
-    without one): the checkpoint's position at the same world size and epoch order. A position that describes
-    another split or order would miss some rows and repeat others: the interrupted epoch is finished early instead
-    (none of its rows is seen twice) and the next one starts."""
-    if state is None:
-        return 0, 0
-    progress = state["progress"]
-    epoch, rows = progress["epoch"], progress["rows_in_epoch"]
-    same = len(state["rng"]) == world_size and _same_order(progress.get("cache_decision"), cache_decision)
-    return (epoch, rows) if same or not rows else (epoch + 1, 0)
-
-
-def _same_order(saved: str | None, cache_decision: str | None) -> bool:
-    # The driver keeps the checkpoint's decision on resume; another one here means it could not read it. A
-    # checkpoint that records none (written before the decision was saved) keeps its position, as it always did.
-    return saved is None or cache_decision is None or saved == cache_decision
 
 
 # ---- sharded checkpoints (train.parallel=fsdp) -----------------------------------------------------------------
@@ -297,13 +265,17 @@ def _arrow_fs(filesystem: pafs.FileSystem) -> Any:
 def shared_state(parts: Parts, progress: Progress, micro_batch_size: int | str | None) -> dict[str, Any]:
     """What a sharded checkpoint keeps beside the model and optimizer shards, the same on every rank (DCP keeps one
     copy): schedule, loss scale, progress and every rank's RNG streams. A collective."""
-    rngs: list[Any] = [None] * world()[1]
+    mine = (capture_rng(parts.device), progress.seen.ids())
+    ranks: list[Any] = [None] * world()[1]
     if world()[1] > 1:
-        dist.all_gather_object(rngs, capture_rng(parts.device))
+        dist.all_gather_object(ranks, mine)
     else:
-        rngs = [capture_rng(parts.device)]
-    return {"scheduler": parts.scheduler.state_dict(), "precision": parts.precision.state_dict(),
-            "progress": asdict(progress), "rng": rngs, "micro_batch_size": micro_batch_size}
+        ranks = [mine]
+    state = {"scheduler": parts.scheduler.state_dict(), "precision": parts.precision.state_dict(),
+             "progress": progress.saved(), "rng": [r[0] for r in ranks], "micro_batch_size": micro_batch_size}
+    if (seen := union_packed([r[1] for r in ranks])) is not None:
+        state[SEEN] = seen
+    return state
 
 
 @dataclass

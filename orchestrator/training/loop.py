@@ -24,11 +24,12 @@ from orchestrator.training.checkpoint import Progress, checkpoint_state, save_st
 from orchestrator.training.fsdp import is_sharded
 from orchestrator.training.memory import cuda_memory_stats, device_facts, release_if_pressed
 from orchestrator.training.parts import Parts, rank_bytes
+from orchestrator.training.position import micro_batches
 from orchestrator.training.step import StepResult, first_compiled_step, flops_per_sample, train_step
 from orchestrator.training.sync import average_tensors
 from orchestrator.training.system import node_stats
 from orchestrator.training.timing import PhaseTimer, peak_flops
-from pipelines.tensors import Batch, Epoch, rows, take, to_device
+from pipelines.tensors import Batch, rows, to_device
 
 if TYPE_CHECKING:  # torchft is an optional extra (`replicas`): only failure.mode=replicas imports it
     from orchestrator.training.replicas import Replicas
@@ -141,35 +142,6 @@ def _empty_like_others(batch: Batch | None, device: torch.device) -> Batch:
     dist.all_gather_object(shapes, mine)
     first = next(s for s in shapes if s is not None)
     return {k: torch.empty((0, *shape), dtype=dtype, device=device) for k, (shape, dtype) in first.items()}
-
-
-def micro_batches(
-    train_batches: Callable[[int], Iterable[Batch]], progress: Progress, device: torch.device
-) -> Iterator[Batch]:
-    """Endless stream over epochs that keeps `progress` at the data position. On resume the rows already trained on
-    are not trained again: a source that seeks (pipelines' `Epoch`, as RankBatches gives) starts cutting at the
-    position, exactly as the interrupted run cut (a mid-epoch autopilot re-cut included); any other is re-read
-    from the epoch's start and skipped here. The position counts rows, not micro-batches: a resumed run may cut
-    micro-batches of another size (auto, or a changed train.micro_batch_size) and still sees every row once."""
-    while True:
-        produced, skip = False, progress.rows_in_epoch
-        batches = train_batches(progress.epoch)
-        if isinstance(batches, Epoch):
-            batches.start, skip = skip, 0
-        for batch in batches:
-            produced = True
-            if skip >= rows(batch):
-                skip -= rows(batch)
-                continue
-            if skip:  # straddling the position: only its untrained rows
-                batch, skip = take(batch, slice(skip, None)), 0
-            progress.rows_in_epoch += rows(batch)
-            yield to_device(batch, device)
-        if not produced and progress.rows_in_epoch == 0:
-            raise UserError("the training split is smaller than one micro-batch per worker: "
-                            "add rows, or lower train.global_batch_size / scaling.num_workers")
-        progress.epoch += 1
-        progress.rows_in_epoch = 0
 
 
 def _check_finite_weights(parts: Parts, step: int) -> None:

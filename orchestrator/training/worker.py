@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import ray.train
 import ray.train.torch
 import torch
@@ -18,16 +19,17 @@ from orchestrator.ray_internals import quiet_train_report_log
 from orchestrator.training import ranks
 from orchestrator.training.autopilot import kept_config
 from orchestrator.training.cadence import Notices
-from orchestrator.training.checkpoint import Progress, data_position, restore, unwrap
+from orchestrator.training.checkpoint import Progress, restore, unwrap
 from orchestrator.training.loop import Reporter, run
 from orchestrator.training.micro_batch import for_world_size, with_auto_micro_batch
 from orchestrator.training.parts import Parts, build_parts, compile_model
+from orchestrator.training.position import data_position, rest_of_epoch
 from orchestrator.training.precision import flush_denormals
 from orchestrator.training.reporting import RayReporter
 from orchestrator.training.resume import loadable_checkpoint, read_checkpoint
 from orchestrator.training.stop import StopWatch
 from pipelines.batches import RankBatches, collate_sample
-from pipelines.datasets import REPLAY
+from pipelines.datasets import REPLAY, WHOLE_TRAIN
 from pipelines.shards import StridedShard
 from pipelines.storage import Storage, fetch_prefix
 
@@ -56,7 +58,8 @@ def train_worker(spec: dict[str, Any], entered: float) -> dict[str, Any]:
     try:
         return train_rank(spec, cfg, seat, checkpoint_to_resume, train_shard, val_shard, reporter,
                           Notices(preempted if cfg.checkpoint.on_preemption else None,
-                                  stop_asked(spec.get("stop_request"), rank)), announce=reporter.publish)
+                                  stop_asked(spec.get("stop_request"), rank)),
+                          announce=reporter.publish, whole_train=lambda: whole_train(spec, seat))
     except Exception as exc:
         mark_where_raised(exc)  # the driver decides from it whether a restart would fail the same way
         raise
@@ -102,22 +105,29 @@ def rank_config(spec: dict[str, Any], world: int) -> Config:
 def train_rank(spec: dict[str, Any], cfg: Config, seat: Seat, load_state: Callable[[], dict[str, Any] | None],
                train_shard: Any, val_shard: Any | None, reporter: Reporter,
                notices: Notices | None,
-               announce: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+               announce: Callable[[dict[str, Any]], None] | None = None,
+               whole_train: Callable[[], Any] | None = None) -> dict[str, Any]:
     """One rank from its device on: model, optimizer and data wired from `spec` (see train_worker), the checkpoint
     `load_state` returns restored, then `loop.run`. Shared by Ray Train's workers and a one-worker Tune trial that
     trains in its own process (tuning/trial.py): same seed, same set-up, same loop, same figures. `announce` gets
-    `what_runs` before the first step (rank 0's goes to the driver's terminal)."""
+    `what_runs` before the first step (rank 0's goes to the driver's terminal). `whole_train`: the training data
+    unsplit, read when an epoch that a group of another size began is finished here (pipelines/rest.py)."""
     device = seat.device
     pretrained = fetch_pretrained(cfg.model.pretrained, cfg.data.s3) if cfg.model.pretrained else None
     state = load_state()
     read_at = time.time()
     cfg = kept_config(cfg, state, seat.world)  # the autopilot's choice of sync and (at this size) micro-batch
     decision = spec.get("cache_decision")
+    epoch, start = data_position(state, decision, seat.world)
+    rest = None
+    if (seen := rest_of_epoch(state, decision, seat.world)) is not None:
+        if whole_train is None:
+            raise RuntimeError(f"epoch {epoch} was begun by another group: this rank cannot read its rest")
+        rest = (epoch, seen, whole_train)
     data = None
     if isinstance(cfg.train.micro_batch_size, int) and cfg.failure.mode != "replicas":
         # The micro-batch is known before the model: the first step's data is fetched while the model is built.
-        data = rank_batches(spec, cfg, seat, train_shard, val_shard)
-        epoch, start = data_position(state, decision, seat.world)
+        data = rank_batches(spec, cfg, seat, train_shard, val_shard, rest)
         if (state or {}).get("progress", {}).get("step", 0) < cfg.train.max_steps:  # type: ignore[operator]
             data.prefetch(epoch, start, cfg.train.grad_accum_steps)  # type: ignore[arg-type]
     parts = build_parts(cfg, spec["in_features"], device, pretrained)
@@ -137,7 +147,7 @@ def train_rank(spec: dict[str, Any], cfg: Config, seat: Seat, load_state: Callab
     del state  # the model and optimizer hold their copies now
 
     t = cfg.train
-    data = data or rank_batches(spec, cfg, seat, train_shard, val_shard)
+    data = data or rank_batches(spec, cfg, seat, train_shard, val_shard, rest)
     # Facts only a worker knows, sent with the first report of every (re)start.
     facts = {"precision": parts.precision.mode, "grad_accum_steps": t.grad_accum_steps,
              "global_batch": t.micro_batch_size * t.grad_accum_steps * seat.world,  # type: ignore[operator]
@@ -165,17 +175,29 @@ def what_runs(parts: Parts, cfg: Config, seat: Seat, step: int) -> dict[str, Any
             "max_steps": t.max_steps, "from_step": step}
 
 
-def rank_batches(spec: dict[str, Any], cfg: Config, seat: Seat, train_shard: Any, val_shard: Any | None
-                 ) -> RankBatches:
-    """The rank's micro-batches, cut at the config's (resolved) micro-batch size."""
+def rank_batches(spec: dict[str, Any], cfg: Config, seat: Seat, train_shard: Any, val_shard: Any | None,
+                 rest: tuple[int, np.ndarray, Callable[[], Any]] | None = None) -> RankBatches:
+    """The rank's micro-batches, cut at the config's (resolved) micro-batch size. `rest`: (epoch, the ids it has
+    trained on, the training data unsplit) of an epoch that a group of another size began, finished here."""
     t = cfg.train
     # Under failure.mode=replicas every replica reads the same sequence (training/replicas.py: StepRows): rank 0's.
     rank = 0 if cfg.failure.mode == "replicas" else seat.rank
-    return RankBatches(cfg.data, train_shard, val_shard,
+    data = RankBatches(cfg.data, train_shard, val_shard,
                        t.micro_batch_size, t.seed, rank, spec.get("epoch_clock"),  # type: ignore[arg-type]
                        replay=spec.get("cache_decision") == REPLAY, named=cfg.model.inputs is not None,
                        schema=getattr(spec.get("sample"), "schema", None),  # decides the padded columns
                        pin_memory=seat.device.type == "cuda")
+    if rest is not None:
+        epoch, seen, whole = rest
+        data.finish(epoch, seen, whole(), seat.world)
+    return data
+
+
+def whole_train(spec: dict[str, Any], seat: Seat) -> Any:
+    """The training data unsplit, as every rank of a Ray Train group reads it for a rest pass: held small data
+    whole, else Ray Train's unsplit iterator of it (trainer.WHOLE_TRAIN)."""
+    held = (spec.get("held") or {}).get("train")
+    return held.shard(0, 1, seat.device) if held is not None else ray.train.get_dataset_shard(WHOLE_TRAIN)
 
 
 def run_replica(cfg: Config, parts: Any, data: RankBatches, reporter: Reporter, progress: Progress,

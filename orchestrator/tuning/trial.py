@@ -119,8 +119,9 @@ def train_in_trial(config: Config, infos: dict[str, DatasetInfo], name: str, nod
             return datasets[name].iterator()
 
         val = rank_shard(spec, "val", seat, whole) if cfg.data.val is not None else None
-        train_rank(spec, cfg, seat, lambda: state_of(checkpoint), rank_shard(spec, "train", seat, whole), val,
-                   TrialReporter(on_report), notices=None)
+        train = rank_shard(spec, "train", seat, whole)  # one rank: its shard is the whole data
+        train_rank(spec, cfg, seat, lambda: state_of(checkpoint), train, val, TrialReporter(on_report),
+                   notices=None, whole_train=lambda: train)
     finally:  # Tune stops a trial in a reused actor by raising SystemExit in its thread at a report
         if spec["epoch_clock"]:
             release_epoch_clock(spec["epoch_clock"])

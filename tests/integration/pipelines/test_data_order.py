@@ -4,6 +4,7 @@ across ranks, shard order reshuffled per (seed, epoch), and a crash mid-epoch re
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -187,53 +188,42 @@ def one_worker_order(data: str, epoch: int) -> list[int]:
             for v in pq.read_table(Path(data, Path(obj.path).name), columns=["id"])["id"].to_pylist()]
 
 
-def test_resize_mid_epoch_trains_no_row_twice_and_starts_the_next_epoch(ray_cluster: None, tmp_path: Path,
-                                                                       id_data: str) -> None:
-    """2 workers, one killed in the middle of epoch 1 with no restart left (the run fails), resumed with `--resume`
-    at 1 worker (scaling.* may change on resume): the new group continues from the last registered checkpoint at
-    the start of the next epoch (the rest of the checkpoint's epoch is not trained on), and trains every row of
-    each later epoch once."""
-    fixed = ("data.shuffle_buffer=null", "train.log_every=2", "checkpoint.every=2", "failure.max_failures=0",
-             f"model.marker={tmp_path}/marker", "model.after_calls=23")
-    with pytest.raises(RunFailedError):
-        run(tmp_path, id_data, "resize", *fixed)  # rank 0 dies before its micro-batch of step 22
-    assert (tmp_path / "marker").exists()
-    resumed = run(tmp_path, id_data, "resize", *fixed, "scaling.num_workers=1", resume=True)
-    assert {r["world_size"] for r in resumed.history} == {1}
-    (old0, new), (old1,) = read_runs(str(tmp_path / "resize"), 0), read_runs(str(tmp_path / "resize"), 1)
-    # Which checkpoint the new group loads is timing: Ray Train registers one at the controller's polls, and a
-    # worker killed soon after a report loses that report's checkpoint and perhaps the one before (step 20's,
-    # else 18's or 16's, all mid-epoch 1 with a checkpoint every 2 steps; with every 4, a slow machine lost both 20
-    # and 16 and resumed at 12, epoch 1's start). So the step is read from what the new group trained on (from there
-    # to step 36, two micro-batches of 50 a step: the global batch of 100 on 1 worker) and only has to be one the
-    # old group checkpointed; everything below is exact from that step.
-    assert len(new) % 2 == 0, len(new)
-    step = 3 * STEPS_PER_EPOCH - len(new) // 2
-    assert step % 2 == 0 and 0 <= step <= min(len(old0), len(old1)), (step, len(old0), len(old1))
-    # The resize finishes the checkpoint's epoch early and starts the next one (epoch 0 without a checkpoint).
-    first = -(-step // STEPS_PER_EPOCH)
-    new_ids = flat(new)
-    order = [i for e in range(first, 4) for i in one_worker_order(id_data, e)]
-    assert new_ids == order[:len(new_ids)], f"the new group did not train epoch {first} onwards from its start"
-    if first:
-        assert order[:ROWS] != one_worker_order(id_data, first - 1)  # so the order tells it from a restarted epoch
-    # What the final model has trained on, per epoch: the old group's micro-batches up to `step` (one per step and
-    # rank), then the new group's.
-    epochs = {e: flat(old0[e * STEPS_PER_EPOCH:min(step, (e + 1) * STEPS_PER_EPOCH)])
-              + flat(old1[e * STEPS_PER_EPOCH:min(step, (e + 1) * STEPS_PER_EPOCH)]) for e in range(first)}
-    epochs.update({first + i // ROWS: new_ids[i:i + ROWS] for i in range(0, len(new_ids), ROWS)})
-    cut = {first - 1} if step % STEPS_PER_EPOCH else set()  # the checkpoint's epoch, finished early
-    cut |= {max(epochs)} if len(new_ids) % ROWS else set()  # the epoch in progress at step 36
-    for e, ids in epochs.items():
-        assert len(set(ids)) == len(ids), f"epoch {e}: a row trained on twice"
-        if e not in cut:
-            assert sorted(ids) == list(range(ROWS)), f"epoch {e}: not every row once"
-    if step % STEPS_PER_EPOCH:
-        assert len(epochs[first - 1]) == 2 * MICRO * (step % STEPS_PER_EPOCH) < ROWS
-    # The final checkpoint's data position: every row the new group trained on, counted from its first epoch.
-    progress = load_state(resumed.checkpoint_path)["progress"]  # type: ignore[arg-type]
-    assert progress["rows_in_epoch"] <= ROWS
-    assert progress["epoch"] * ROWS + progress["rows_in_epoch"] == first * ROWS + len(new_ids), progress
+def test_resizes_4_2_3_mid_epoch_train_every_row_of_every_epoch_once(ray_cluster: None, tmp_path: Path,
+                                                                    id_data: str) -> None:
+    """4 workers, one killed in the middle of epoch 1 with no restart left (the run fails); `--resume` at 2 workers
+    (scaling.* may change on resume), killed again in the rest of that epoch; `--resume` at 3 to the end. The global
+    batch stays 120 rows (10 steps an epoch at every size): what the final model trained on is, in each of the 3
+    epochs, every row exactly once (pipelines/rest.py)."""
+    fixed = ("data.shuffle_buffer=null", "train.global_batch_size=120", "train.micro_batch_size=10", "model.rows=10",
+             "train.max_steps=30", "train.log_every=1", "checkpoint.every=1", "failure.max_failures=0",
+             "scaling.cpus_per_worker=0.5",  # 4 workers leave 2 of the 4 CPUs to Ray Data's read tasks
+             f"model.marker={tmp_path}/marker", "model.kill_at={4: 43, 2: 19}")
+    runs, resumed_from = tmp_path / "runs", []
+    for workers in (4, 2):
+        with pytest.raises(RunFailedError):
+            run(tmp_path, id_data, "resize", *fixed, f"scaling.num_workers={workers}", resume=workers == 2)
+        assert (tmp_path / f"marker-{workers}").exists()
+        # Which checkpoint the next group loads: the newest Ray Train registered (it registers at the controller's
+        # polls, and a worker killed soon after a report can take that report's checkpoint with it).
+        snapshot = "".join(p.read_text() for p in runs.glob("*/checkpoint_manager_snapshot.json"))
+        resumed_from.append(max(int(s) for s in re.findall(r"checkpoint_(\d{8})_", snapshot)))
+    last = run(tmp_path, id_data, "resize", *fixed, "scaling.num_workers=3", resume=True)
+    assert {r["world_size"] for r in last.history} == {3} and last.history[-1]["step"] == 30
+    s2, s3 = resumed_from
+    assert 10 < s2 < 20 and s2 <= s3 < 20, resumed_from  # both resumed inside epoch 1
+    # Each group's micro-batches as the steps they trained (accumulation 3, 6, 4), up to the step the next resumed
+    # from: what the final model has trained on. Epoch e is steps [10e, 10e + 10) at every size.
+    trained: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    sizes = (4, 2, 3)
+    for group, (first, upto) in enumerate(((0, s2), (s2, s3), (s3, 30))):
+        accum = 120 // (10 * sizes[group])
+        for rank in range(sizes[group]):
+            # This rank's record has one list per group it was in: the earlier groups that had a rank `rank`.
+            calls = read_runs(str(tmp_path / "resize"), rank)[sum(rank < size for size in sizes[:group])]
+            for i, batch in enumerate(calls[:(upto - first) * accum]):
+                trained[(first + i // accum) // 10] += batch
+    for epoch, ids in trained.items():
+        assert sorted(ids) == list(range(ROWS)), f"epoch {epoch}: not every row exactly once"
 
 
 def test_memory_cache_of_small_data_replays_exactly_once_per_epoch_with_remainder_rows(

@@ -27,10 +27,10 @@ from orchestrator.training.checkpoint import (
     restore,
     save_state,
 )
-from orchestrator.training.loop import micro_batches
 from orchestrator.training.loop import run as run_loop
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts
+from orchestrator.training.position import micro_batches
 from orchestrator.training.precision import Precision
 from pipelines.batches import EpochReplay, split_batches
 from pipelines.config import DataConfig
@@ -87,7 +87,7 @@ def test_old_behaviour_a_position_resumed_in_the_other_order_trains_rows_twice_a
     # 40 rows of epoch 1 replayed (small data in a large object store), then a checkpoint.
     before = train_rows(epochs_under(replay_epochs(auto, INFOS, LARGE_STORE)), progress, count=10)
     # A driver that decides afresh on resume, in a smaller object store: streamed.
-    after = train_rows(epochs_under(replay_epochs(auto, INFOS, SMALL_STORE)), Progress(**asdict(progress)))
+    after = train_rows(epochs_under(replay_epochs(auto, INFOS, SMALL_STORE)), Progress(**progress.saved()))
     counts = Counter(before + after)
     twice = sorted(i for i in range(ROWS) if counts[i] == 2)
     never = sorted(i for i in range(ROWS) if counts[i] == 0)
@@ -124,7 +124,7 @@ def test_resume_keeps_the_checkpoints_cache_decision_and_trains_every_row_once(
     run = Path(place.path)
     for step, directory in ((5, "checkpoint_00000005_aaaaaa"), (10, "checkpoint_00000010_bbbbbb")):
         (run / directory).mkdir(parents=True)
-        save_state(run / directory, {"progress": asdict(progress) | {"step": step}})
+        save_state(run / directory, {"progress": progress.saved() | {"step": step}})
 
     # The resumed driver: the current setting alone would stream.
     store = SMALL_STORE if resumed == first else LARGE_STORE

@@ -11,7 +11,6 @@ import math
 import os
 import signal
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +76,7 @@ def step(p: Parts, progress: Progress) -> float:
     progress.step += 1
     progress.samples_seen += ROWS
     progress.rows_in_epoch += share
+    progress.seen.add(torch.arange(rank * share, (rank + 1) * share) + ROWS * (progress.step - 1))  # the rows' ids
     return float(total) / ROWS
 
 
@@ -100,7 +100,7 @@ def _uninterrupted(rank: int, shared: Path) -> dict[str, Any]:
     dist.broadcast_object_list(name)
     saver = ShardedSaver(asynchronous=True)
     pending = saver.save(LOCAL, str(run_dir(shared) / name[0]), p, progress, micro_batch_size=ROWS // 2)
-    saved = {"weights": fsdp.full_state_dict(p.model), "progress": asdict(progress),
+    saved = {"weights": fsdp.full_state_dict(p.model), "progress": progress.saved(),
              "lr": p.optimizer.param_groups[0]["lr"]}
     losses += train_to(p, progress, STEPS)
     pending.commit()
@@ -143,8 +143,8 @@ def _resumed(rank: int, shared: Path) -> dict[str, Any]:
     state = read_checkpoint(chosen)
     read = {"micro_batch_size": state["micro_batch_size"], "ranks": len(state["rng"])}
     progress = restore(p, state, DECISION)
-    restored = {"progress": asdict(progress), "weights": fsdp.full_state_dict(p.model), "read": read,
-                "lr": p.optimizer.param_groups[0]["lr"]}
+    restored = {"progress": progress.saved(), "weights": fsdp.full_state_dict(p.model), "read": read,
+                "lr": p.optimizer.param_groups[0]["lr"], "seen": progress.seen.ids().tolist()}
     losses = train_to(p, progress, STEPS)
     return {"chosen": chosen.path, "restored": restored, "losses": losses, "final": fsdp.full_state_dict(p.model),
             "final_optimizer": fsdp.full_optimizer_state_dict(p.model, p.optimizer)}
@@ -220,8 +220,10 @@ def test_resume_at_another_world_size_reshards_and_continues(groups: dict[str, A
     saved = ahead["saved"]
     assert _equal(resumed[0]["restored"]["weights"], saved["weights"])  # every shard cut anew, nothing lost
     progress = resumed[0]["restored"]["progress"]
-    # The old ranks' data positions describe another split: the interrupted epoch ends early, none of its rows twice.
-    assert progress == saved["progress"] | {"epoch": 1, "rows_in_epoch": 0}
+    # The old ranks' data positions describe another split: the interrupted epoch is finished as a rest pass, from
+    # the ids of the rows every rank trained on, which the sharded checkpoint's shared state keeps.
+    assert progress == saved["progress"] | {"epoch": 0, "rows_in_epoch": 0, "rest": True}
+    assert sorted(resumed[0]["restored"]["seen"]) == list(range(ROWS * SAVED_AT))
     assert resumed[0]["restored"]["lr"] == saved["lr"]
     # New RNG streams (the noise differs) and another reduction order: close, not bitwise.
     assert resumed[0]["losses"] == pytest.approx(ahead["losses"][SAVED_AT:], rel=1e-3)

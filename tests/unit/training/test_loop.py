@@ -15,9 +15,10 @@ from orchestrator.config import Config, load_config
 from orchestrator.errors import ConfigError
 from orchestrator.models.zoo import build_model
 from orchestrator.training.checkpoint import Progress, load_state, restore
-from orchestrator.training.loop import NonFiniteLossError, micro_batches, run
+from orchestrator.training.loop import NonFiniteLossError, run
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts
+from orchestrator.training.position import micro_batches
 from orchestrator.training.precision import Precision, resolve_precision
 from orchestrator.training.step import train_step
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from orchestrator.training.checkpoint import Progress
-from orchestrator.training.loop import micro_batches
+from orchestrator.training.position import micro_batches
 from pipelines.batches import RankBatches
 from pipelines.config import DataConfig
 

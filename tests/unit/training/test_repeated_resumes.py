@@ -16,9 +16,10 @@ from test_loop import Recorder, batches, config, dataset
 from orchestrator.models.zoo import build_model
 from orchestrator.training.cadence import Notices
 from orchestrator.training.checkpoint import Progress, restore
-from orchestrator.training.loop import micro_batches, run
+from orchestrator.training.loop import run
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts
+from orchestrator.training.position import micro_batches
 from orchestrator.training.precision import Precision
 
 CPU = torch.device("cpu")
