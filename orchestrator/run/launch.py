@@ -35,14 +35,16 @@ from orchestrator.report.progress import (
 )
 from orchestrator.report.startup import StartupClock
 from orchestrator.run.alongside import Alongside, ended_on_error
+from orchestrator.run.fencing import claim_run, refuse_if_newer
 from orchestrator.run.interrupts import Doomed, fit_interruptibly, interrupted, stop_at_next_report
 from orchestrator.run.place import AttemptLog, RunPlace
 from orchestrator.run.plan import RunPlan, plan_run
 from orchestrator.run.result import TrainResult, finished_result, run_summary
 from orchestrator.run.trainer import RunFailedError, build_inputs, build_trainer, root_cause
 from orchestrator.tracking.context import config_params
-from orchestrator.tracking.tracker import Tracker, closed_on_error, start_tracker
+from orchestrator.tracking.tracker import FencedTracker, Tracker, closed_on_error, direct, start_tracker
 from orchestrator.tracking.uri import mask_password
+from orchestrator.training.fence import Fence
 from orchestrator.training.resume import unregistered_checkpoints
 from orchestrator.training.stop import STOP_FILE
 from pipelines.config import is_remote
@@ -68,7 +70,7 @@ def _log_final_artifacts(tracker: Tracker, config: Config, checkpoint_path: str 
                 with final.as_directory() as directory:
                     return checkpoint_weights(directory)  # DDP's state.pt, or FSDP's shards put together
 
-            log_final_model(tracker, config, info, final_weights)
+            log_final_model(direct(tracker), config, info, final_weights)
         if history:
             metric = config.tune.metric if (config.tune.metric or "").startswith("val_") else "val_loss"
             tracker.log_artifact(plot_history(history, Path(tmp) / "learning_curves.png", metric))
@@ -90,16 +92,20 @@ def train(config: Config, address: str | None = None, verbose: bool = True, resu
     if plan.resume is not None and plan.resume.finished:  # nothing to train: no Ray, no MLflow write, no bill
         return finished_result(plan.config, plan.place.uri, plan.resume.record,
                                plan.tracking_uri if plan.reopen_run_id else None)
+    # One writer per run: this command's attempt number, before anything of the run is written (run/fencing.py).
+    fence = claim_run(plan.place)
     with outside_job_package(plan.config.tracking):  # a Ray job's driver leaves the package `ray.init` may delete
         clock.mark("data inspection")
         with RunLog(show_logs) as log:
-            return _train(plan, address, verbose, clock, log)
+            return _train(plan, address, verbose, clock, log, fence)
 
 
-def _open_tracking(plan: RunPlan, log: RunLog, verbose: bool) -> Tracker:
+def _open_tracking(plan: RunPlan, log: RunLog, verbose: bool, fence: Fence | None = None) -> Tracker:
     """The MLflow run opened with its params, plan, datasets and tags, the run's directory, log file and record
-    written. A run it opened and could not finish setting up ends FAILED (KILLED on KeyboardInterrupt)."""
+    written. A run it opened and could not finish setting up ends FAILED (KILLED on KeyboardInterrupt). Its writes
+    stop once a newer attempt of the run claimed it (`fence`): none at all if one already has."""
     config, place = plan.config, plan.place
+    refuse_if_newer(fence, place, now=True)
     if config.tracking.enabled:
         import mlflow  # noqa: F401 - its loggers exist from here on: diverted before the store logs its set-up
 
@@ -124,7 +130,7 @@ def _open_tracking(plan: RunPlan, log: RunLog, verbose: bool) -> Tracker:
                   flush=True)
         place.write_record({"run_name": plan.run_name, "mlflow_run_id": tracker.run_id,
                             "tracking_uri": mask_password(getattr(tracker, "uri", None) or "") or None})
-    return tracker
+    return tracker if fence is None else FencedTracker(tracker, fence)
 
 
 def _log_path(config: Config, place: RunPlace) -> Path:
@@ -182,20 +188,21 @@ def _build_inputs(plan: RunPlan, started_ray: bool, log: RunLog) -> _Inputs:
     return _Inputs(queue, spec, datasets)
 
 
-def _train(plan: RunPlan, address: str | None, verbose: bool, clock: StartupClock, log: RunLog) -> TrainResult:
+def _train(plan: RunPlan, address: str | None, verbose: bool, clock: StartupClock, log: RunLog,
+           fence: Fence) -> TrainResult:
     config, place = plan.config, plan.place
     history: list[dict[str, Any]] = []
-    attempt = AttemptLog(place, clock.started_at)
+    attempt = AttemptLog(place, clock.started_at, fence.mine.number)
     started_ray, inputs = _start(plan, address, clock, log, history)
     # MLflow's run is opened while Ray Train starts the worker group (the driver only waits then); the reports wait
     # for it, the workers do not. From then on Ctrl+C ends it KILLED (an error FAILED), never leaving it RUNNING.
-    opening = Alongside(lambda: _open_tracking(plan, log, verbose))
+    opening = Alongside(lambda: _open_tracking(plan, log, verbose, fence))
     with ended_on_error(opening), interrupted(place, history):
         stopping: threading.Thread | None = None
         try:
             with train_environment(config, private_cluster=started_ray):
                 result, failures, checkpoint = _fit(plan, inputs, opening, verbose, clock, log, history,
-                                                    started_ray, attempt)
+                                                    started_ray, attempt, fence)
             tracker = opening.result()
             if started_ray:
                 # Ray's shutdown mostly waits for its processes to exit: let them, while the artifacts are logged.
@@ -212,6 +219,7 @@ def _train(plan: RunPlan, address: str | None, verbose: bool, clock: StartupCloc
         _bill(plan, result, clock.since_start(), failures)  # to now, Ray's shutdown included: the user's stopwatch
         logged = (result.run_cost or result.cost).metrics() | {"cost/attempts": float(result.attempts)}
         tracker.log_metrics(logged, step=result.history[-1]["step"] if result.history else 0)
+        refuse_if_newer(fence, place, now=True)  # the run's end is its newest attempt's to say
     tracker.finish("FINISHED")
     place.mark_finished(result.finished_record())
     return result
@@ -322,7 +330,8 @@ class _Reports:
 
 
 def _fit(plan: RunPlan, inputs: _Inputs, opening: Alongside, verbose: bool, clock: StartupClock, log: RunLog,
-         history: list[dict[str, Any]], private_cluster: bool, attempt: AttemptLog) -> tuple[TrainResult, int, Any]:
+         history: list[dict[str, Any]], private_cluster: bool, attempt: AttemptLog, fence: Fence
+         ) -> tuple[TrainResult, int, Any]:
     """Fit the run while a driver thread shows and tracks its metrics (appended to `history` as they come), and
     MLflow's run is `opening` in another: a failure to open it ends the run.
     Returns the result, how many worker failures Ray Train restarted from, and the final Ray Checkpoint. On a
@@ -333,7 +342,8 @@ def _fit(plan: RunPlan, inputs: _Inputs, opening: Alongside, verbose: bool, cloc
     config, place = plan.config, plan.place
     handle = _Reports(plan, opening, verbose, clock, history, private_cluster, attempt)
     queue = inputs.queue
-    trainer = build_trainer(config, inputs.spec, inputs.datasets, place,
+    spec = inputs.spec | {"attempt": (place.storage, place.path, fence.mine)}  # rank 0 watches for a newer claim
+    trainer = build_trainer(config, spec, inputs.datasets, place,
                             [ForwardFailures(queue), ForwardCheckpoints(queue)])
     log.divert()  # Ray Train sets up its loggers on first use
     try:
@@ -345,6 +355,9 @@ def _fit(plan: RunPlan, inputs: _Inputs, opening: Alongside, verbose: bool, cloc
     except Doomed as exc:
         raise RunFailedError(f"training failed before its first report: {exc}; not retried, as every restart would "
                              f"fail the same way (traceback in {log.path}; run directory: {place.uri})") from None
+    # A newer attempt claimed the run: its workers stopped at their next report (Cadence); what is in storage now,
+    # the newer attempt's checkpoints included, is not this attempt's to tidy, nor its MLflow run this one's to end.
+    refuse_if_newer(fence, place, now=True)
     _remove_unregistered_checkpoints(result)
     # The checkpoints retention kept, each a LoggedModel of the run (models/checkpoints.py); the others' models go.
     kept = {_checkpoint_uri(config, c.path): m.get("step") for c, m in result.best_checkpoints or []}

@@ -167,8 +167,9 @@ class AttemptLog:
     run. Rewritten with every report, at most every `every_s` seconds: a driver killed by SIGKILL loses at most that
     much of its record, and the time is still billed (as recovery) by the attempt after it."""
 
-    def __init__(self, place: RunPlace, began: float, every_s: float = 5.0) -> None:
+    def __init__(self, place: RunPlace, began: float, number: int | None = None, every_s: float = 5.0) -> None:
         self.place, self.began, self.every_s = place, began, every_s
+        self.number = number  # the attempt's number (training/fence.py): recorded with it
         self._saved_at = 0.0
 
     def save(self, history: list[dict[str, Any]], ended: float | None = None, force: bool = False) -> None:
@@ -177,7 +178,8 @@ class AttemptLog:
             return
         self._saved_at = now
         try:
-            self.place.write_attempt(attempt_record(self.began, history, ended or now))
+            record = attempt_record(self.began, history, ended or now)
+            self.place.write_attempt(record | ({"attempt": self.number} if self.number else {}))
         except OSError as exc:  # the record is for billing: it must not fail a run that trains
             print(f"warning: could not write the run's attempt record in {self.place.uri}: {exc}", file=sys.stderr)
 

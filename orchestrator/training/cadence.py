@@ -19,11 +19,17 @@ from orchestrator.training.checkpoint_interval import AutoInterval, auto_interva
 @dataclass(frozen=True)
 class Notices:
     """What may cut a run short, asked at report steps (rank 0's answer counts): Ray draining a node of the run
-    (`preempted`, a barrier: every report until its deadline saves) and the user's stop (`stop_requested`, Ctrl+C on
-    the driver: the next report saves, and the loop ends there)."""
+    (`preempted`, a barrier: every report until its deadline saves), the user's stop (`stop_requested`, Ctrl+C on
+    the driver: the next report saves, and the loop ends there) and a newer attempt of the run (`superseded`)."""
 
     preempted: Callable[[], bool] | None = None
     stop_requested: Callable[[], bool] | None = None
+    # A newer attempt of the run claimed it (training/fence.py): this one saves and reports nothing more, and its
+    # loop ends. Asked with now=True at a step that saves: a look in storage right before the checkpoint.
+    superseded: Callable[..., bool] | None = None
+
+
+STOP, SUPERSEDED = 1, 2  # rank 0's answer to both, in one broadcast
 
 
 @dataclass
@@ -47,7 +53,9 @@ class Cadence:
         self.t, self.ckpt, self.mtbf_minutes = cfg.train, cfg.checkpoint, cfg.failure.mtbf_minutes
         notices = notices or Notices()
         self.has_val, self.preempted, self.stop_requested = has_val, notices.preempted, notices.stop_requested
-        self.device, self.stopped = device, False  # stopped: the user's stop saved at a report; the loop ends there
+        self.superseded = notices.superseded
+        # stopped: the user's stop saved at a report, or a newer attempt claimed the run; the loop ends there.
+        self.device, self.stopped = device, False
         self.progress, self.clock = progress, clock
         self.drain_saved = False
         self.began = self.last_saved = clock()  # for checkpoint.every_minutes and auto
@@ -77,16 +85,28 @@ class Cadence:
             # A node is going away: every report until its deadline saves, so its loss costs at most one report
             # interval (Ray resumes from the newest). The first is marked as the drain's.
             due.checkpoint, due.drain, self.drain_saved = True, not self.drain_saved, True
-        if self.stop_requested is not None and ranks.rank0_says(self.stop_requested(), self.device):
-            due.checkpoint, self.stopped = True, True
-            self.progress.stopped_at = step  # saved with the checkpoint: a resume from it is no interruption
         if not due.checkpoint and (self.auto or self.ckpt.every_minutes is not None):
             due.checkpoint = ranks.rank0_says(self._time_to_save(), self.device)
+        if self.stop_requested is not None or self.superseded is not None:
+            stops = ranks.rank0_int(self._stops(due.checkpoint), self.device)
+            if stops & SUPERSEDED:  # nothing more of this attempt lands: no report, no checkpoint
+                self.stopped = True
+                return None
+            if stops & STOP:
+                due.checkpoint, self.stopped = True, True
+                self.progress.stopped_at = step  # saved with the checkpoint: a resume from it is no interruption
         if due.checkpoint:
             self.last_saved = self.clock()
             if self.auto:
                 self.progress.run_s = self.run_s + self.last_saved - self.began
         return due
+
+    def _stops(self, saving: bool) -> int:
+        """This rank's answer to the user's stop and a newer attempt (STOP, SUPERSEDED bits): rank 0's counts. About
+        to save (`saving`, or the stop makes it save), a newer claim is looked up in storage now."""
+        stop = self.stop_requested is not None and bool(self.stop_requested())
+        superseded = self.superseded is not None and self.superseded(now=saving or stop)
+        return STOP * stop + SUPERSEDED * superseded
 
     def _time_to_save(self) -> bool:
         since = self.clock() - self.last_saved

@@ -20,6 +20,7 @@ from orchestrator.training import ranks
 from orchestrator.training.autopilot import kept_config
 from orchestrator.training.cadence import Notices
 from orchestrator.training.checkpoint import Progress, restore, unwrap
+from orchestrator.training.fence import rank_fence
 from orchestrator.training.loop import Reporter, run
 from orchestrator.training.micro_batch import for_world_size, with_auto_micro_batch
 from orchestrator.training.parts import Parts, build_parts, compile_model
@@ -40,7 +41,8 @@ def train_worker(spec: dict[str, Any], entered: float) -> dict[str, Any]:
     "epoch_clock": name or None, "cache_decision": how the driver feeds the train data (pipelines.datasets:
     stream, memory or replay: the workers replay their first pass under replay; saved with every checkpoint's data
     position), "metrics_queue": Ray queue or None, "sample": the first rows of the training data (an Arrow table),
-    "held": {name: HeldRows} of small data the ranks split themselves, instead of Ray Train's dataset shards}.
+    "held": {name: HeldRows} of small data the ranks split themselves, instead of Ray Train's dataset shards,
+    "stop_request": the user's stop (training/stop.py), "attempt": this attempt's claim on the run (training/fence.py)}.
     `entered`: when Ray Train ran the training function (training/warm.py)."""
     quiet_train_report_log()
     context = ray.train.get_context()
@@ -58,7 +60,7 @@ def train_worker(spec: dict[str, Any], entered: float) -> dict[str, Any]:
     try:
         return train_rank(spec, cfg, seat, checkpoint_to_resume, train_shard, val_shard, reporter,
                           Notices(preempted if cfg.checkpoint.on_preemption else None,
-                                  stop_asked(spec.get("stop_request"), rank)),
+                                  stop_asked(spec.get("stop_request"), rank), rank_fence(spec.get("attempt"), rank)),
                           announce=reporter.publish, whole_train=lambda: whole_train(spec, seat))
     except Exception as exc:
         mark_where_raised(exc)  # the driver decides from it whether a restart would fail the same way
