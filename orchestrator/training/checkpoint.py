@@ -87,7 +87,8 @@ def save_state(directory: str | Path, state: dict[str, Any]) -> Path:
     tmp = manifest.with_name(f".{MANIFEST}.tmp")
     # The cache decision too: the driver reads it (manifest_cache_decision) before it builds the datasets.
     tmp.write_text(json.dumps({"format": 1, "step": state["progress"]["step"],
-                               "cache_decision": state["progress"].get("cache_decision"), "files": files}))
+                               "cache_decision": state["progress"].get("cache_decision"),
+                               "attempt": state["progress"].get("attempt"), "files": files}))
     os.replace(tmp, manifest)
     return path
 
@@ -116,6 +117,17 @@ def manifest_step(filesystem: Any, path: str) -> int | None:
             return int(json.loads(f.read())["step"])
     except (OSError, ValueError, KeyError):
         return None
+
+
+def manifest_attempt(filesystem: Any, path: str) -> str | None:
+    """The claim of the attempt that wrote a checkpoint (training/fence.py); None if it records none (written before
+    attempts were claimed, or by a Tune trial) or the manifest is unreadable."""
+    try:
+        with filesystem.open_input_stream(f"{path}/{MANIFEST}") as f:
+            attempt = json.loads(f.read()).get("attempt")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return attempt if isinstance(attempt, str) else None
 
 
 def manifest_cache_decision(filesystem: Any, path: str) -> str | None:
@@ -288,6 +300,7 @@ class PendingCheckpoint:
     step: int
     cache_decision: str | None
     written: Future | None
+    attempt: str | None = None  # the claim of the attempt that writes it (training/fence.py)
 
     def wait(self) -> None:
         """Called from two threads (the loop's next save, Ray's upload thread): read the future once."""
@@ -301,7 +314,7 @@ class PendingCheckpoint:
         the checkpoint is in storage and the manifest may name it."""
         self.wait()
         if world()[0] == 0:
-            write_manifest(self.filesystem, self.path, self.step, self.cache_decision)
+            write_manifest(self.filesystem, self.path, self.step, self.cache_decision, self.attempt)
 
 
 class ShardedSaver:
@@ -329,7 +342,8 @@ class ShardedSaver:
                                               storage=writer)
         else:
             fsdp.save_sharded(path, parts.model, parts.optimizer, extra, storage=writer)
-        self.last = PendingCheckpoint(filesystem, path, progress.step, progress.cache_decision, written)
+        self.last = PendingCheckpoint(filesystem, path, progress.step, progress.cache_decision, written,
+                                      progress.attempt)
         return self.last
 
     def close(self) -> None:
@@ -338,7 +352,8 @@ class ShardedSaver:
             self.last.wait()
 
 
-def write_manifest(filesystem: pafs.FileSystem, path: str, step: int, cache_decision: str | None) -> None:
+def write_manifest(filesystem: pafs.FileSystem, path: str, step: int, cache_decision: str | None,
+                   attempt: str | None = None) -> None:
     """The manifest of the checkpoint directory `path` in storage: every file in it (DCP's `.metadata` included)
     with its size. Written under a temporary name and moved, so it appears whole or not at all."""
     import pyarrow.fs as pafs
@@ -349,7 +364,7 @@ def write_manifest(filesystem: pafs.FileSystem, path: str, step: int, cache_deci
     tmp = f"{path}/.{MANIFEST}.tmp"
     with filesystem.open_output_stream(tmp) as f:
         f.write(json.dumps({"format": 2, "step": step, "cache_decision": cache_decision, "sharded": True,
-                            "files": files}).encode())
+                            "attempt": attempt, "files": files}).encode())
     filesystem.move(tmp, f"{path}/{MANIFEST}")
 
 

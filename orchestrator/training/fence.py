@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import pyarrow.fs as pafs
+
     from pipelines.storage import Storage
 
 CLAIMS_DIR = "claims"  # in the run's directory, beside attempts/ (each attempt's record)
@@ -51,9 +53,14 @@ class Claim:
 
 def read_claims(storage: Storage, run_path: str) -> list[Claim]:
     """Every attempt's claim on the run at `run_path` (in `storage`'s filesystem), oldest first: one listing."""
+    return claims_in(storage.filesystem(), run_path)
+
+
+def claims_in(filesystem: pafs.FileSystem, run_path: str) -> list[Claim]:
+    """read_claims on a pyarrow filesystem."""
     import pyarrow.fs as pafs
 
-    infos = storage.filesystem().get_file_info(pafs.FileSelector(f"{run_path}/{CLAIMS_DIR}", allow_not_found=True))
+    infos = filesystem.get_file_info(pafs.FileSelector(f"{run_path}/{CLAIMS_DIR}", allow_not_found=True))
     found = [Claim.parse(i.base_name, i.mtime.timestamp() if i.mtime else 0.0) for i in infos
              if i.type == pafs.FileType.File]
     return sorted(c for c in found if c is not None)

@@ -40,6 +40,7 @@ class Progress:
     interruptions: int = 0
     checkpoint_cost_s: float | None = None
     stopped_at: int | None = None  # the step the user's stop (Ctrl+C) saved at
+    attempt: str | None = None  # the claim of the attempt training now (training/fence.py), named in its manifests
     # `epoch` is finished as the rest of an epoch that a group of another size (or epoch order) began
     # (pipelines/rest.py): `rows_in_epoch` then counts rows of that pass, and only `seen` tells which rows are done.
     rest: bool = False

@@ -17,13 +17,16 @@ import pyarrow.fs as pafs
 import ray.train
 
 from orchestrator.training.checkpoint import (
+    MANIFEST,
     check_complete,
     is_sharded_checkpoint,
     load_state,
+    manifest_attempt,
     manifest_cache_decision,
     manifest_step,
     read_sharded_state,
 )
+from orchestrator.training.fence import Claim, claims_in
 
 _NAME = re.compile(r"^checkpoint_(\d+)_")
 _OURS = re.compile(r"^checkpoint_\d{8}_[0-9a-f]{6}$")  # exactly what checkpoint_dir_name makes
@@ -63,17 +66,18 @@ def checkpointed_cache_decision(filesystem: Any, run_path: str, registered_step:
     if registered_step is not None:
         ours = [p for p in ours if (_step(filesystem, p) or 0) <= registered_step]
     for path in sorted(ours, key=lambda p: p.rsplit("/", 1)[-1], reverse=True):  # names sort by step
-        if check_complete(filesystem, path) is None:
+        if unloadable(filesystem, path) is None:
             return manifest_cache_decision(filesystem, path)
     return None
 
 
 def loadable_checkpoint(checkpoint: ray.train.Checkpoint | None) -> ray.train.Checkpoint | None:
-    """`checkpoint` if complete, else the newest complete checkpoint of the same run that is older; None if none."""
+    """`checkpoint` if complete and its attempt's own, else the newest such checkpoint of the same run that is older;
+    None if none."""
     if checkpoint is None:
         return None
     fs, path = checkpoint.filesystem, checkpoint.path.rstrip("/")
-    reason = check_complete(fs, path)
+    reason = unloadable(fs, path)
     if reason is None:
         return checkpoint
     limit = _step(fs, path)
@@ -84,13 +88,28 @@ def loadable_checkpoint(checkpoint: ray.train.Checkpoint | None) -> ray.train.Ch
         if step is not None and (limit is None or step < limit):
             candidates.append((step, info.path))
     for step, candidate in sorted(candidates, reverse=True):
-        if check_complete(fs, candidate) is None:
-            warnings.warn(f"checkpoint {path} is incomplete ({reason}); resuming from step {step} ({candidate})",
-                          stacklevel=2)
+        if unloadable(fs, candidate) is None:
+            warnings.warn(f"checkpoint {path} {reason}; resuming from step {step} ({candidate})", stacklevel=2)
             return ray.train.Checkpoint(candidate, filesystem=fs)
-    warnings.warn(f"checkpoint {path} is incomplete ({reason}) and no complete one precedes it: starting over",
-                  stacklevel=2)
+    warnings.warn(f"checkpoint {path} {reason} and no loadable one precedes it: starting over", stacklevel=2)
     return None
+
+
+def unloadable(filesystem: Any, path: str) -> str | None:
+    """Why the checkpoint at `path` is never loaded, None if it may be: incomplete (a crash while writing or
+    copying it), or committed by an attempt of the run after a newer attempt had claimed the run (training/fence.py:
+    a driver that lived on beside its successor). Times are the storage's own: the manifest's (written last) and
+    the claims' modification times."""
+    reason = check_complete(filesystem, path)
+    if reason is not None:
+        return f"is incomplete ({reason})"
+    writer = Claim.parse(manifest_attempt(filesystem, path) or "")
+    committed = filesystem.get_file_info(f"{path}/{MANIFEST}").mtime
+    if writer is None or committed is None:
+        return None
+    newer = [c for c in claims_in(filesystem, path.rsplit("/", 1)[0]) if c > writer and c.at < committed.timestamp()]
+    return (f"was committed by attempt {writer.number} after attempt {newer[0].number} of the run had claimed it"
+            if newer else None)
 
 
 def read_checkpoint(checkpoint: ray.train.Checkpoint) -> dict[str, Any]:

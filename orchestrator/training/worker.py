@@ -144,6 +144,8 @@ def train_rank(spec: dict[str, Any], cfg: Config, seat: Seat, load_state: Callab
     if cfg.train.compile:
         compile_model(parts)
     progress = restore(parts, state, decision) if state is not None else Progress(cache_decision=decision)
+    attempt = spec.get("attempt")  # this attempt's claim, which its checkpoints' manifests name (resume.unloadable)
+    progress.attempt = attempt[2].name if attempt else None
     # A restart's recovery stages: the checkpoint read, then the model built and the checkpoint restored into it.
     restored = {"at/checkpoint_read": read_at, "at/checkpoint_loaded": time.time()} if state is not None else {}
     del state  # the model and optimizer hold their copies now

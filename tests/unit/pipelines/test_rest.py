@@ -4,6 +4,7 @@ an autopilot re-cut included; where a checkpoint's position holds and where a re
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -11,12 +12,15 @@ import pyarrow as pa
 import pytest
 import torch
 
-from orchestrator.training.position import SEEN, data_position, rest_of_epoch
+from orchestrator.training.position import SEEN, Progress, data_position, micro_batches, rest_of_epoch
+from pipelines.batches import RankBatches
+from pipelines.config import DataConfig
 from pipelines.rest import ROW_ID, SeenRows, pack_ids, union_packed, unpack_ids, with_row_ids
 from pipelines.rest import rest_of_epoch as rest_pass
 from pipelines.transforms import apply_transforms
 
 ROWS = 1200
+CPU = torch.device("cpu")
 
 
 def chunks(order: np.ndarray, size: int = 64) -> list[dict[str, torch.Tensor]]:
@@ -109,3 +113,57 @@ def test_rows_keep_their_ids_through_a_call_transform_unless_it_drops_rows(tmp_p
     assert rebuilt.column(ROW_ID).to_pylist() == [10, 11, 12] and rebuilt.column("x").to_pylist() == [0, 0.5, 1]
     filtered = apply_transforms(table, [{"call": {"fn": "user_transforms:positive", "kwargs": {}}}], ["x"])
     assert filtered.column_names == ["x"]  # which rows survived is not known: the rows go on without ids
+
+
+class HeldPart:
+    """A rank's contiguous part of a small dataset, handed out as held data is (pipelines/held.py), each chunk with
+    its rows' ids; world 1 is the data whole, what a rest pass reads."""
+
+    def __init__(self, rank: int, world: int, rows: int = 360) -> None:
+        each = rows // world
+        self.ids = torch.arange(rank * each, (rank + 1) * each)
+
+    def iter_torch_batches(self, *, batch_size: int, **_: object) -> Iterator[dict[str, torch.Tensor]]:
+        for start in range(0, len(self.ids), batch_size):
+            ids = self.ids[start:start + batch_size]
+            yield {"x": ids[:, None].float(), "labels": ids % 3, ROW_ID: ids}
+
+
+def test_a_replayed_epoch_interrupted_at_2_workers_is_finished_and_replayed_at_3_with_every_row_once() -> None:
+    """Small data replayed (and reshuffled) by the workers, through RankBatches and the loop's micro_batches: 2 ranks
+    train epoch 0 and 2 steps of epoch 1 (a global batch of 60); 3 ranks resume from the checkpoint those steps
+    left (its state as checkpoint_state writes it), finish epoch 1 as a rest pass and replay epoch 2 from their own
+    parts. Each epoch is every one of the 360 rows once."""
+    data = DataConfig(train="unused", val=None, features=["x"], label="labels", shuffle=True)
+
+    def ranks(world: int, progress: list[Progress], rest: tuple[int, np.ndarray] | None = None) -> list[Iterator]:
+        streams = []
+        for rank in range(world):
+            batches = RankBatches(data, HeldPart(rank, world), None, 60 // world, seed=3, rank=rank,
+                                  epoch_clock=None, replay=True)
+            if rest is not None:
+                batches.finish(rest[0], rest[1], HeldPart(0, 1), world)
+            streams.append(micro_batches(batches.train, progress[rank], CPU))
+        return streams
+
+    trained: dict[int, list[int]] = {0: [], 1: [], 2: []}
+
+    def steps(streams: list[Iterator], progress: list[Progress], count: int) -> None:
+        for _ in range(count):
+            step = [next(s)["x"][:, 0].long().tolist() for s in streams]  # the feature is the row's id
+            trained[progress[0].epoch] += [i for ids in step for i in ids]  # every step lies in one epoch here
+
+    old = [Progress(cache_decision="replay") for _ in range(2)]
+    steps(ranks(2, old), old, 6 + 2)
+    state = {"progress": old[0].saved(), "rng": [None, None],
+             SEEN: union_packed([p.seen.ids() for p in old])}
+    assert data_position(state, "replay", 3) == (1, 0)
+    seen = rest_of_epoch(state, "replay", 3)
+    assert seen is not None and len(seen) == 120
+    new = [Progress(epoch=1, rest=True, cache_decision="replay") for _ in range(3)]
+    for p in new:
+        p.seen.add(seen)
+    steps(ranks(3, new, (1, seen)), new, 4 + 6)  # the rest: 240 rows, 4 rounds of 3 x 20; then epoch 2
+    assert new[0].epoch == 2 and not new[0].rest
+    for epoch, ids in trained.items():
+        assert sorted(ids) == list(range(360)), epoch

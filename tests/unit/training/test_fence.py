@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from test_loop import Recorder, batches, config, dataset, make_parts
 
 from orchestrator.training.cadence import Notices
@@ -86,3 +87,43 @@ def test_a_superseded_loop_saves_and_reports_nothing_more(tmp_path: Path) -> Non
     assert [m["step"] for m, _ in report.reports] == [2] and report.saved is None
     assert final["step"] == 2
     assert asked == [False, True]  # step 2: the flag; step 4, about to save: storage
+
+
+def test_a_checkpoint_committed_after_a_newer_claim_is_never_resumed_from(tmp_path: Path) -> None:
+    """The window the workers' look cannot close: attempt 1 began writing and copying a checkpoint before attempt 2
+    claimed the run and committed it after (its manifest, written last, is newer than the claim), and Ray Train's
+    record names it as the latest. A resume passes it over for the newest one before it; attempt 2's own later
+    checkpoints, and attempt 1's from before the claim, load. Times are the storage's (files' modification times)."""
+    import os
+
+    import pyarrow.fs as pafs
+    import ray.train
+    import torch
+
+    from orchestrator.training.checkpoint import save_state
+    from orchestrator.training.resume import checkpointed_cache_decision, loadable_checkpoint
+
+    storage, run_path = open_storage(str(tmp_path)), f"{tmp_path}/run"
+    first = claim_attempt(storage, run_path)
+    second = claim_attempt(storage, run_path)
+    claimed = second.at
+
+    def checkpoint(step: int, attempt: Claim, committed: float) -> str:
+        path = tmp_path / "run" / f"checkpoint_{step:08d}_{step:06x}"
+        path.mkdir()
+        save_state(path, {"progress": {"step": step, "cache_decision": f"from-{step}", "attempt": attempt.name},
+                          "weights": torch.zeros(1)})
+        os.utime(path / "manifest.json", (committed, committed))
+        return str(path)
+
+    before = checkpoint(20, first, claimed - 5)
+    late = checkpoint(25, first, claimed + 5)  # attempt 1's commit, after attempt 2's claim
+    fs = pafs.LocalFileSystem()
+    with pytest.warns(UserWarning, match="was committed by attempt 1 after attempt 2 of the run had claimed it; "
+                                         "resuming from step 20"):
+        chosen = loadable_checkpoint(ray.train.Checkpoint(late, filesystem=fs))
+    assert chosen is not None and chosen.path == before
+    assert checkpointed_cache_decision(fs, run_path) == "from-20"
+    own = checkpoint(30, second, claimed + 10)  # the newer attempt's own, later still: loaded as it is
+    assert loadable_checkpoint(ray.train.Checkpoint(own, filesystem=fs)).path == own  # type: ignore[union-attr]
+    assert checkpointed_cache_decision(fs, run_path) == "from-30"
