@@ -6,16 +6,16 @@ naming the key and the fix. The plan (orchestrator/run/checks.py) calls it once,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
 from orchestrator.config import Config
 from orchestrator.errors import ConfigError
-from orchestrator.models.tasks import check_forward, task_parts
-from orchestrator.models.zoo import check_model_build, position_limit
-from pipelines.batches import Sample
 from pipelines.sources import DatasetInfo
+
+if TYPE_CHECKING:
+    from pipelines.batches import Sample
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,10 @@ def check_model(config: Config, info: DatasetInfo, sample: Sample | None) -> Mod
     with named inputs also: the sample rows convert to tensors, hold every input the model is given, and the
     model's forward takes them by name. `sample`: the train sample collated as the workers collate it, where the
     plan's data inspection did (pipelines.datasets.inspect_run)."""
+    # The model's modules (torch) when the plan checks it: `in_features` is read without them.
+    from orchestrator.models.tasks import check_forward, task_parts
+    from orchestrator.models.zoo import check_model_build
+
     call, named = None, config.model.inputs is not None
     if named and sample is not None and sample.error is not None:
         raise ConfigError(f"data in {info.path}: {sample.error}")
@@ -68,6 +72,8 @@ def check_positions(config: Config, info: DatasetInfo, model: Any, batch: dict[s
     max_position_embeddings), padded as the workers pad them (data.pad_to_multiple_of): past it every worker fails
     with 'IndexError: index out of range in self', which Ray does not retry. ConfigError naming the longest real
     row, the table and the fix. `masks`: {token column: its mask's batch key} (named inputs)."""
+    from orchestrator.models.zoo import position_limit
+
     found = position_limit(model)
     if found is None:
         return

@@ -22,11 +22,8 @@ from typing import Any
 
 from orchestrator.config import Config
 from orchestrator.models.checks import in_features
-from orchestrator.models.tasks import logits_of
-from orchestrator.models.zoo import build_model, pretrained_config, with_saved_architecture
 from orchestrator.tracking.client import MlflowTracker
 from orchestrator.tracking.tracker import Tracker
-from pipelines.batches import collate_sample
 from pipelines.sources import DatasetInfo
 
 MODEL_NAME = "model"  # runs:/<run_id>/model
@@ -109,8 +106,12 @@ def _rebuild(config: Config, info: DatasetInfo, weights: dict[str, Any]) -> tupl
     """The model on the CPU with `weights`, in eval mode; its input on the sample rows (the `x` array, or a dict
     of arrays by forward argument) and its logits there, as numpy. With model.pretrained, in the architecture of
     its saved config.json (what the workers' from_pretrained built), not the builder's default."""
+    # torch and the model's modules at the run's end, where the model is rebuilt: not with the command's start.
     import torch
 
+    from orchestrator.models.tasks import logits_of
+    from orchestrator.models.zoo import build_model, pretrained_config, with_saved_architecture
+    from pipelines.batches import collate_sample
 
     pretrained = config.model.pretrained
     # With model.pretrained only the builder's class is needed: its default build on the meta device (no memory),

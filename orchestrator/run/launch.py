@@ -26,13 +26,7 @@ from orchestrator.report.autopilot import achieved_figures, record_autopilot, ta
 from orchestrator.report.console import LOG_FILE, RunLog
 from orchestrator.report.cost import build_ledger, ledger_across_attempts, resolve_pricing
 from orchestrator.report.plots import plot_history
-from orchestrator.report.progress import (
-    ForwardCheckpoints,
-    ForwardFailures,
-    ProgressLines,
-    ReportConsumer,
-    setup_line,
-)
+from orchestrator.report.progress import ProgressLines, ReportConsumer, setup_line
 from orchestrator.report.startup import StartupClock
 from orchestrator.run.alongside import Alongside, ended_on_error
 from orchestrator.run.fencing import claim_run, refuse_if_newer
@@ -45,7 +39,6 @@ from orchestrator.tracking.context import config_params
 from orchestrator.tracking.tracker import FencedTracker, Tracker, closed_on_error, direct, start_tracker
 from orchestrator.tracking.uri import mask_password
 from orchestrator.training.fence import Fence
-from orchestrator.training.resume import unregistered_checkpoints
 from orchestrator.training.stop import STOP_FILE
 from pipelines.config import is_remote
 from pipelines.sources import DatasetInfo
@@ -339,6 +332,8 @@ def _fit(plan: RunPlan, inputs: _Inputs, opening: Alongside, verbose: bool, cloc
     Train's restarts too)."""
     import ray.train
 
+    from orchestrator.report.callbacks import ForwardCheckpoints, ForwardFailures
+
     config, place = plan.config, plan.place
     handle = _Reports(plan, opening, verbose, clock, history, private_cluster, attempt)
     queue = inputs.queue
@@ -378,6 +373,8 @@ def _fit(plan: RunPlan, inputs: _Inputs, opening: Alongside, verbose: bool, cloc
 def _remove_unregistered_checkpoints(result: Any) -> None:
     """Delete what a worker killed mid-checkpoint left in storage: Ray never registered it, so its retention
     (`checkpoint.keep`) would never delete it and it would stay forever. Only after a run that finished."""
+    from orchestrator.training.resume import unregistered_checkpoints  # torch and Ray Train: not at the start
+
     registered = [c.path for c, _ in result.best_checkpoints or []]
     registered += [result.checkpoint.path] if result.checkpoint else []
     try:

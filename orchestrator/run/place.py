@@ -24,7 +24,6 @@ from orchestrator.config import Config, flatten, to_yaml
 from orchestrator.errors import ConfigError
 from orchestrator.report.cost import attempt_record
 from orchestrator.tracking.uri import mask_password, mask_passwords
-from orchestrator.training.resume import checkpointed_cache_decision
 from pipelines.storage import Storage, open_storage
 
 RUN_RECORD = "orchestrator-run.json"
@@ -145,6 +144,9 @@ class RunPlace:
 
     def cache_decision(self) -> str | None:
         """The cache decision of the checkpoint a resume of this run loads (training.resume); None without one."""
+        # Imported on a resume only: the checkpoint module brings torch and Ray Train, no part of the command's start.
+        from orchestrator.training.resume import checkpointed_cache_decision
+
         return checkpointed_cache_decision(self.storage.filesystem(), self.path, self.registered_step())
 
     def remove(self, name: str) -> None:

@@ -17,7 +17,6 @@ import yaml
 from orchestrator.cluster.local import ClusterChoice, choose_cluster
 from orchestrator.config import Config
 from orchestrator.report.cost import Pricing, resolve_pricing
-from orchestrator.run.checks import check_inspected
 from orchestrator.run.place import RunPlace, place_in, resume_target
 from orchestrator.tracking.context import changed_keys, context_tags
 from orchestrator.tracking.store import check_server_listens
@@ -139,6 +138,9 @@ def plan_run(config: Config, resume: bool | str = False, verbose: bool = True, a
     directory's path or s3:// URI); raises UserError subclasses on bad input. Prints the memory advice and where a
     resume continues from when `verbose`. `address`: the Ray cluster to join (--address; else $RAY_ADDRESS, else a
     local one)."""
+    # The model's checks build it with torch: imported by the plan, not with the command (the `command` stage).
+    from orchestrator.run.checks import check_inspected
+
     config, resume = resume_target(config, resume)  # a run directory's path: its parent is storage.path
     # Every file the plan reads, once: the data's facts, the sample rows collated, the run's storage opened.
     data = inspect_run(config.data, config.model.inputs is not None, config.storage.path)

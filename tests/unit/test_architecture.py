@@ -173,6 +173,24 @@ def test_config_is_light() -> None:
     assert out.stdout.strip() == ""
 
 
+def test_the_train_command_reaches_its_plan_without_torch_mlflow_or_ray() -> None:
+    # The start-up line's `command` stage: `orchestrator train` up to its plan (the CLI, the config read, the run's
+    # modules). torch is imported by the plan's model checks, Ray as it starts, Ray Data and Ray Train with the
+    # datasets and the trainer, MLflow beside the worker group: each here would add its seconds to every command.
+    heavy = ("torch", "mlflow", "ray", "ray.data", "ray.train", "ray.tune", "pandas")
+    code = ("import sys\n"
+            "import orchestrator.run.launch as launch\n"
+            "def reached(*args, **kwargs):\n"
+            f"    print(','.join(m for m in {heavy!r} if m in sys.modules))\n"
+            "    raise SystemExit(0)\n"
+            "launch.plan_run = reached\n"
+            "from orchestrator.cli import main\n"
+            "main(['train', '--set', 'train.max_steps=50'])\n"
+            "print('the plan was not reached')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "", out.stdout + out.stderr
+
+
 def test_workers_and_the_driver_import_fsdp_only_for_a_sharded_run() -> None:
     # torch's FSDP, DTensor and DCP modules cost each worker process (and the driver) about half a second of its
     # start; a DDP run never uses them. Deciding whether a model is sharded must not import them either.

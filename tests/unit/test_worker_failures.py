@@ -9,7 +9,7 @@ def test_a_worker_error_that_would_repeat_is_told_apart_from_one_a_restart_may_c
     from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
 
     from orchestrator.errors import ConfigError
-    from orchestrator.report.progress import ForwardFailures
+    from orchestrator.report.callbacks import ForwardFailures
 
     forwarded: Queue = Queue()
     failures = ForwardFailures(forwarded)  # type: ignore[arg-type]
@@ -48,7 +48,7 @@ def test_a_bug_in_the_models_own_code_is_not_retried_and_names_its_file_and_line
 
     import orchestrator
     from orchestrator.errors import mark_where_raised
-    from orchestrator.report.progress import ForwardFailures
+    from orchestrator.report.callbacks import ForwardFailures
 
     def as_ray_hands_it_over(call, *args):  # noqa: ANN001, ANN202 - the worker's exception, as the controller gets it
         try:
