@@ -1,5 +1,7 @@
 """MLflow on the driver: one run per `orchestrator train`. A failing tracking call warns and never stops training;
-a store that stops answering mid-run is warned about once, then skipped (tried again every OUTAGE_RETRY_S).
+a store that stops answering mid-run is warned about once, then skipped (tried again every OUTAGE_RETRY_S). The
+run's metric points, tags and checkpoint models are written off the report path by one thread (writer.py): kept
+while the store is down, all written before the run's end status.
 
 MlflowTracker logs a run's params, metrics (charted or summarised as view.py names them), summary table, tags,
 artifacts and final status through an MlflowClient with explicit run ids; its checkpoint and dataset logging is in
@@ -36,6 +38,7 @@ from orchestrator.tracking.view import (
     mlflow_key,
     summary_rows,
 )
+from orchestrator.tracking.writer import Writer
 
 # A dead tracking server would otherwise stall training for minutes (7 retries, 120 s timeout by default).
 _HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15",
@@ -94,7 +97,11 @@ class MlflowTracker(Lineage):
         self._models: dict[int, str] = {}
         self._sent: dict[int, list[tuple[str, str, float, int]]] = {}
         self._datasets: dict[str, tuple[str, str]] = {}
+        self._tags: dict[str, str] = {}  # the tags this process set: one set again to its value is not rewritten
+        self._dropped_warned = False  # the writer's one line for points dropped during an outage
         self.run_id: str | None = None  # from when the run exists
+        self.writer = Writer(lambda **batch: self._client.log_batch(self.run_id, **batch), self._attempt,
+                             self._dropping)
         try:
             self._open(cfg.experiment, run_name, tags, run_id, context)
         except KeyboardInterrupt:  # Ctrl+C once the run is RUNNING: it ends KILLED, as after the set-up
@@ -148,6 +155,37 @@ class MlflowTracker(Lineage):
         if message:  # the product's own line: on the terminal even while the libraries' go to the run log
             print(f"warning: {message}", file=sys.stderr, flush=True)
 
+    def _attempt(self, what: str, call: Any, force: bool) -> str:
+        """The writer's call (writer.py): "done", "refused" (the store answered no: warned once per kind of call) or
+        "down" (the store does not answer, or did not lately: not tried until OUTAGE_RETRY_S has passed, unless
+        `force`), which the writer keeps for the next try."""
+        with self._lock:
+            if not force and self._down_until is not None and time.monotonic() < self._down_until:
+                return "down"
+        try:
+            call()
+        except Exception as exc:
+            message, outcome = self._failure(what, exc), "down" if is_outage(exc) else "refused"
+        else:
+            message, outcome = self._answered(), "done"
+        if message:
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+        return outcome
+
+    def _dropping(self, count: int) -> None:
+        """The writer dropped the oldest `count` points a store that does not answer left waiting: said once."""
+        with self._lock:
+            if self._dropped_warned:
+                return
+            self._dropped_warned = True
+        print(f"warning: MLflow tracking at '{mask_password(self.uri)}' has not taken this run's points for a while: "
+              f"the oldest beyond the last {self.writer.limit:,} are dropped (the run's end says how many)",
+              file=sys.stderr, flush=True)
+
+    def flush(self) -> None:
+        """Write what the writer holds now and wait for it (kept if the store is down)."""
+        self.writer.flush()
+
     def _failure(self, what: str, exc: Exception) -> str | None:
         """The warning to show for a failed call, or None when this failure was already reported."""
         detail = mask_password(f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}")
@@ -171,8 +209,9 @@ class MlflowTracker(Lineage):
             if self._down_until is None:
                 return None
             skipped, self._down_until, self._skipped = self._skipped, None, 0
-        return (f"MLflow tracking at '{mask_password(self.uri)}' answers again; {skipped} tracking calls were "
-                "skipped while it was down")
+        skipped_line = f"; {skipped} other tracking calls were skipped while it was down" if skipped else ""
+        return (f"MLflow tracking at '{mask_password(self.uri)}' answers again: the points and tags kept meanwhile "
+                f"are written{skipped_line}")
 
     def log_params(self, params: dict[str, Any]) -> None:
         """Params not logged yet. MLflow refuses to change a param's value (a resumed run's config may: a resize),
@@ -224,8 +263,8 @@ class MlflowTracker(Lineage):
                 for v, t, s in self._points(key, float(value), now, step):
                     batch.append(Metric(chart, v, t, s, **self._link(key, s)))
                     self._remember(key, chart, v, t, s)
-        if batch:
-            self._safe("log_metrics", self._client.log_batch, self.run_id, metrics=batch)
+        if batch:  # off the report path: written by the writer's thread
+            self.writer.put(*(("metric", metric) for metric in batch))
 
     def _points(self, key: str, value: float, now: int, step: int) -> list[tuple[float, int, int]]:
         """The (value, timestamp, step) points of series `key` to log now: none while it has kept one value."""
@@ -260,8 +299,7 @@ class MlflowTracker(Lineage):
                     single += [(key, value, t, s) for t, s in points]
             self._held.clear()
         once = [Metric(self._headline.get(key, key), value, t, s, **self._link(key, s)) for key, value, t, s in single]
-        if once:
-            self._safe("log_metrics", self._client.log_batch, self.run_id, metrics=once)
+        self.writer.put(*(("metric", metric) for metric in once))
         figures = self.summary()
         if not figures:
             return
@@ -292,14 +330,23 @@ class MlflowTracker(Lineage):
         from mlflow.entities import RunTag
 
         self._noted = self._noted or NOTE_TAG in tags
-        self._safe("set_tags", self._client.log_batch, self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        with self._lock:  # a tag set again to the value it has (the precision with every report) is not rewritten
+            new = {k: str(v) for k, v in tags.items() if self._tags.get(k) != str(v)}
+            self._tags |= new
+        self.writer.put(*(("tag", RunTag(k, v)) for k, v in new.items()))
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         self._safe("log_artifact", self._client.log_artifact, self.run_id, str(path), artifact_path)
 
     def finish(self, status: str) -> None:
-        """Write the summary table, then end the run with `status` (tried even while the store is down)."""
+        """Write what the writer holds and the summary table, then end the run with `status` (tried even while the
+        store is down): the end status last. What a store still down did not take is said in one line."""
         self._log_summary()
+        left = self.writer.flush(end=True)
+        if self.writer.lost:
+            why = f"{left:,} of them as the run ended: it did not answer" if left else "dropped while it did not answer"
+            print(f"warning: {self.writer.lost:,} metric points and tags of this run were not written to MLflow at "
+                  f"'{mask_password(self.uri)}' ({why})", file=sys.stderr, flush=True)
         self._safe("set_terminated", self._client.set_terminated, self.run_id, status, force=True)
 
     def find_run(self, tags: dict[str, str]) -> str | None:

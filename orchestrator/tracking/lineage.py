@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from orchestrator.tracking.view import canonical_key, mlflow_key
 
 if TYPE_CHECKING:
+    from orchestrator.tracking.writer import Writer
     from pipelines.sources import DatasetInfo
 
 
@@ -22,6 +23,7 @@ class Lineage:
     """MlflowTracker's checkpoint and dataset logging: the state it uses is set up by MlflowTracker.__init__."""
 
     _client: Any
+    writer: Writer
     _lock: threading.Lock
     _safe: Callable[..., None]
     _models: dict[int, str]
@@ -32,23 +34,21 @@ class Lineage:
 
     def log_checkpoint(self, step: int, uri: str) -> None:
         """A checkpoint Ray Train committed (at `uri`, of `step`) as an external LoggedModel of the run, with the
-        metrics of its step linked to it: those already logged now (the same points again: the store keeps one),
-        the others as they are logged."""
+        metrics of its step linked to it: those already logged (the same points again: the store keeps one), the
+        others as they are logged. Made by the writer's thread, after the points queued before it."""
+        self.writer.put(("call", "log_checkpoint", lambda: self._create_checkpoint(step, uri)))
+
+    def _create_checkpoint(self, step: int, uri: str) -> None:
         from mlflow.entities import Metric
 
         from orchestrator.models.checkpoints import create_checkpoint_model
 
-        created: list[str] = []
-        self._safe("log_checkpoint", lambda: created.append(
-            create_checkpoint_model(self._client, self.experiment_id, self.run_id, step, uri)))
-        if not created:
-            return
+        model = create_checkpoint_model(self._client, self.experiment_id, self.run_id, step, uri)
         with self._lock:
-            self._models[step] = created[0]
+            self._models[step] = model
             sent = list(self._sent.get(step, []))
         linked = [Metric(chart, v, t, step, **self._link(key, step)) for key, chart, v, t in sent]
-        if linked:
-            self._safe("log_metrics", self._client.log_batch, self.run_id, metrics=linked)
+        self.writer.put(*(("metric", metric) for metric in linked))
 
     def keep_checkpoints(self, kept: Mapping[str, int | None]) -> None:
         """The checkpoints in storage at the run's end ({URI: step}): the models of the others (deleted by
@@ -57,6 +57,7 @@ class Lineage:
         points of its step."""
         from orchestrator.models.checkpoints import delete_dropped
 
+        self.writer.flush()  # the checkpoints' models queued so far exist in the store
         modelled: list[dict[str, Any]] = []
         self._safe("log_checkpoint", lambda: modelled.append(
             delete_dropped(self._client, self.experiment_id, self.run_id, set(kept))))
@@ -67,7 +68,7 @@ class Lineage:
             if step is None or (model is not None and model.metrics):
                 continue
             if model is None:
-                self.log_checkpoint(step, uri)
+                self._safe("log_checkpoint", self._create_checkpoint, step, uri)
             else:
                 with self._lock:
                     self._models[step] = model.model_id

@@ -48,10 +48,13 @@ class NullTracker:
 
 class FencedTracker:
     """`inner`, whose writes are dropped once `refused()` (a flag: a newer attempt of the run claimed it, see
-    run/fencing.py), so that an attempt that lives on writes nothing into the run its successor continues."""
+    run/fencing.py), so that an attempt that lives on writes nothing into the run its successor continues: what its
+    writer still holds included (the writer asks before each write, and drops it all once refused)."""
 
     def __init__(self, inner: Tracker, refused: Callable[[], bool]) -> None:
         self.inner, self.refused = inner, refused
+        if isinstance(inner, MlflowTracker):
+            inner.writer.refused = refused
         self.run_id = inner.run_id
         self.uri = getattr(inner, "uri", None)
 

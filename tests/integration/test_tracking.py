@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -116,8 +117,11 @@ def test_tracking_server_dying_mid_run_warns_once_and_training_finishes(
     assert [r["step"] for r in result.history] == list(range(5, 151, 5))
     assert killed["logged"] == 10, killed
     tracking = [line for line in stderr if "MLflow" in line]
-    assert len(tracking) == 1, tracking  # one line for the outage, not one per report or per kind of call
+    # One line for the outage, not one per report or per kind of call; and one at the end for the points the writer
+    # kept for it that it never took (tracking/writer.py: nothing is dropped silently).
+    assert len(tracking) == 2, tracking
     assert tracking[0].startswith("warning: ") and uri in tracking[0] and "training continues" in tracking[0]
+    assert tracking[1].startswith("warning: ") and "were not written to MLflow" in tracking[1] and uri in tracking[1]
     # The client's own retries and warnings went to the run's log, not to the terminal.
     assert not [line for line in stderr if "urllib3" in line or "Retrying" in line or "Warning:" in line], stderr
     after_kill = time.monotonic() - killed["at"]
@@ -133,6 +137,55 @@ def test_tracking_server_dying_mid_run_warns_once_and_training_finishes(
     training = max(0.0, Path(result.checkpoint_path, "state.pt").stat().st_mtime - killed["wall"])
     assert after_kill - training < 45, \
         f"{after_kill:.0f} s after the server died, {training:.0f} s of it training: tracking calls stalled the run"
+
+
+def test_a_server_that_stops_answering_and_comes_back_gets_every_point_in_order(
+        mlflow_server: tuple[str, subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The writer (tracking/writer.py) against a real server paused with SIGSTOP (it takes connections and answers
+    none): the reports go on without waiting for it, what it did not take is kept, and once it answers again every
+    point lands, in order, before the run's end status."""
+    from mlflow.tracking import MlflowClient
+
+    from orchestrator.config import TrackingConfig
+    from orchestrator.tracking import client as client_module
+    from orchestrator.tracking.client import MlflowTracker
+    from orchestrator.tracking.view import chart_key, mlflow_key
+
+    uri, server = mlflow_server
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")  # a paused server is found down after one short wait
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setattr(client_module, "OUTAGE_RETRY_S", 1.0)
+    tracker = MlflowTracker(TrackingConfig(uri=uri, experiment="paused"), "paused-run")
+    begun = []
+    log_batch = tracker._client.log_batch
+    tracker._client.log_batch = lambda *a, **k: (begun.append(1), log_batch(*a, **k))[1]
+
+    def reports(steps: range) -> None:
+        for step in steps:
+            tracker.log_metrics({"step": step, "train_loss": 1.0 / step}, step=step)
+
+    reports(range(1, 11))
+    tracker.flush()
+    calls = len(begun)
+    os.killpg(server.pid, signal.SIGSTOP)
+    try:
+        reports(range(11, 61))
+        wait_for(lambda: tracker._down_until is not None, "the writer finding the server down", timeout=120)
+        reports(range(61, 101))  # while it is known to be down
+        assert len(begun) - calls <= 2  # the reports made no call of their own: the writer's one try (or two)
+        assert tracker.writer.pending() >= 90  # kept for it
+    finally:
+        os.killpg(server.pid, signal.SIGCONT)
+    tracker.finish("FINISHED")
+    client = MlflowClient(uri)
+    loss = chart_key(mlflow_key("train_loss"), None)
+    assert [(m.step, m.value) for m in client.get_metric_history(tracker.run_id, loss)] == \
+        [(step, 1.0 / step) for step in range(1, 101)]
+    assert client.get_run(tracker.run_id).info.status == "FINISHED"
+    lines = [line for line in capsys.readouterr().err.splitlines() if "MLflow" in line]
+    assert len(lines) == 2, lines
+    assert "training continues" in lines[0] and "answers again: the points and tags kept meanwhile" in lines[1]
 
 
 # The final model as an MLflow Model (orchestrator/models/flavour.py): loadable and registrable from the run.

@@ -88,6 +88,7 @@ def test_the_headline_is_charted_from_its_first_report_even_if_the_driver_dies(s
     config = load_config(None, [f"tracking.uri={store}", "tracking.experiment=killed"])
     tracker = MlflowTracker(config.tracking, "killed", headline=config.tune.metric)
     tracker.log_metrics(_reports(1)[0], step=10)  # no finish(): the driver died here
+    tracker.flush()  # what the writer's thread does within a second: only what was queued, nothing held back
     client = MlflowClient(store)
     for name in ("train_loss", "val_accuracy", "train_samples_per_s"):
         key = chart_key(mlflow_key(name), "val_accuracy")

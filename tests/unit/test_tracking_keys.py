@@ -130,6 +130,7 @@ def test_a_run_holds_short_metrics_a_summary_table_params_and_tags(tmp_path: Pat
     # Reopened (a resume): the table is replaced, not appended to; an experiment made elsewhere gets its kind.
     again = MlflowTracker(config.tracking, "keys-run", run_id=tracker.run_id, headline=config.tune.metric)
     again.log_metrics({"startup/total_s": 7.0, "train_loss": 1.0, "step": 90}, step=90)
+    again.flush()  # the writer's thread writes a second later: now, to read the run mid-way
     assert read_metrics(client, tracker.run_id)[mlflow_key("step")] == [75]  # until the run ends: the last table's
     assert read_metrics(client, tracker.run_id)["train/loss"][-1] == 1.0  # charted before: charted at once
     again.finish("FINISHED")
@@ -137,6 +138,7 @@ def test_a_run_holds_short_metrics_a_summary_table_params_and_tags(tmp_path: Pat
     going = MlflowTracker(config.tracking, "still-going")
     going.log_metrics({"train_loss": 1.0, "step": 30, "flops_per_sample": 1.0}, step=30)
     going.log_metrics({"train_loss": 0.9, "step": 40}, step=40)
+    going.flush()
     assert read_metrics(client, going.run_id) == {"train/loss": [1.0, 0.9], "train/step": [40.0]}  # no table yet
     other = client.create_experiment("made-elsewhere")
     MlflowTracker(TrackingConfig(uri=uri, experiment="made-elsewhere"), "x").finish("FINISHED")
