@@ -14,6 +14,11 @@ the floor that running beside Ray's processes on this machine sets for any loop.
     end to end   = bare command's wall / orchestrated command's wall, for the same steps (start-up, Ray's
                    teardown and MLflow included)
 
+Beside each orchestrated line, the CPU share (of one core) of each kind of process between the second and the last
+progress line: the driver (the `orchestrator` command: reports, progress, MLflow), Ray Train's controller, the
+product's report queue actor, Ray's other processes (GCS, raylet, dashboard, Ray Train's synchronization actor, idle
+workers...) and the training workers; `at rest` sums the driver, the controller and the queue actor (target <= 3%).
+
 The bare command runs before and after each round of the orchestrated ones, so drift on a shared machine hits both
 sides. Single runs of the same variant differed by up to 0.25 here: `--repeat 3` gives each line the mean of 3
 rounds and their range.
@@ -162,18 +167,81 @@ def overrides(args: argparse.Namespace, data: Path) -> list[str]:
             f"train.precision={args.precision}", f"train.log_every={log_every(args)}", "optim.warmup_steps=10"]
 
 
-def timed(command: list[str]) -> tuple[float, list[tuple[float, str]]]:
-    """The command's wall seconds and its stdout lines, each with when it arrived (seconds since the start)."""
+KINDS = {"TrainController": "controller", "_QueueActor": "queue actor", "RayTrainWorker": "workers"}
+SHOWN = ("driver", "controller", "queue actor", "Ray", "workers")
+
+
+def kind_of(process: psutil.Process, command_pid: int) -> str:  # noqa: F821 - psutil comes with Ray
+    """A process of the command's tree by what it runs: Ray names an actor's process `ray::<Class>.<method>`."""
+    if process.pid == command_pid:
+        return "driver"
+    title = (process.cmdline() or [""])[0]
+    if title.startswith("ray::"):
+        return KINDS.get(title[5:].split(".")[0].split("(")[0].strip(), "Ray")
+    return "Ray"
+
+
+def cpu_snapshot(command_pid: int) -> tuple[float, dict[int, tuple[str, float]]]:
+    """(now, {pid: (kind, CPU seconds so far)}) for the command's process and every process under it (a local Ray
+    cluster's processes are the driver's children)."""
+    import psutil
+
+    now = time.perf_counter()
+    seen = {}
+    try:
+        root = psutil.Process(command_pid)
+        for process in [root, *root.children(recursive=True)]:
+            try:
+                times = process.cpu_times()
+                seen[process.pid] = (kind_of(process, command_pid), times.user + times.system)
+            except psutil.Error:  # gone meanwhile
+                continue
+    except psutil.Error:
+        pass
+    return now, seen
+
+
+def cpu_shares(first: tuple[float, dict[int, tuple[str, float]]], last: tuple[float, dict[int, tuple[str, float]]]
+               ) -> dict[str, float]:
+    """Each kind's CPU share of one core between two snapshots (processes in both; the latest kind of a pid: an
+    idle worker that became an actor counts as that actor)."""
+    wall = last[0] - first[0]
+    shares = dict.fromkeys(SHOWN, 0.0)
+    for pid, (kind, cpu) in last[1].items():
+        if pid in first[1] and wall > 0:
+            shares[kind] = shares.get(kind, 0.0) + (cpu - first[1][pid][1]) / wall
+    return shares
+
+
+def cpu_line(rounds: list[dict[str, float]]) -> str:
+    """`driver 1.2 | controller 0.8 | ... | at rest 2.6`: each kind's median share over the rounds, in % of a core."""
+    rounds = [shares for shares in rounds if shares]
+    if not rounds:
+        return "not measured (fewer than two progress lines)"
+    median = {kind: 100 * statistics.median(r.get(kind, 0.0) for r in rounds) for kind in SHOWN}
+    rest = 100 * statistics.median(sum(r.get(k, 0.0) for k in ("driver", "controller", "queue actor")) for r in rounds)
+    return " | ".join(f"{kind} {share:.1f}" for kind, share in median.items()) + f" | at rest {rest:.1f} (target <= 3)"
+
+
+def timed(command: list[str]) -> tuple[float, list[tuple[float, str]], dict[str, float]]:
+    """The command's wall seconds, its stdout lines, each with when it arrived (seconds since the start), and the CPU
+    share of each kind of its processes between its second and last progress lines."""
     started = time.perf_counter()
     lines = []
+    marks: list[tuple[float, dict[int, tuple[str, float]]]] = []  # at the second progress line, and the latest
+    progress = 0
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) as proc:
         for line in proc.stdout:  # type: ignore[union-attr]
             lines.append((time.perf_counter() - started, line.rstrip("\n")))
+            if re.match(r"step \d+/\d+ \|", line):
+                progress += 1
+                if progress >= 2:
+                    marks = [*marks[:1], cpu_snapshot(proc.pid)]
         err = proc.stderr.read()  # type: ignore[union-attr]
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         sys.exit(f"{' '.join(command[:3])} ... failed:\n" + "\n".join(t for _, t in lines) + f"\n{err}")
-    return wall, lines
+    return wall, lines, (cpu_shares(marks[0], marks[1]) if len(marks) == 2 else {})
 
 
 def progress_marks(lines: list[tuple[float, str]]) -> list[tuple[int, float]]:
@@ -214,13 +282,15 @@ def main() -> None:
         settings = [*overrides(args, data), "tracking.enabled=true", f"tracking.uri=sqlite:///{tmp}/mlflow.db"]
         variants = {"product defaults": [],
                     "with data.cache=memory": ["data.cache=memory"],
-                    f"with checkpoint.every={args.steps} (only the last)": [f"checkpoint.every={args.steps}"]}
+                    f"with checkpoint.every={args.steps} (only the last)": [f"checkpoint.every={args.steps}"],
+                    "with tracking.enabled=false": ["tracking.enabled=false"]}
         for_loop_command = [*bare_command, "--kernel", "for-loop"]
         bare_walls, bare, floor, for_loop = [], [], [], []
-        runs: dict[str, list[tuple[float, list[tuple[float, str]]]]] = {label: [] for label in variants}
+        runs: dict[str, list[tuple[float, list[tuple[float, str]], dict[str, float]]]] = {
+            label: [] for label in variants}
 
         def run_bare() -> None:
-            wall, out = timed(bare_command)
+            wall, out, _ = timed(bare_command)
             bare_walls.append(wall)
             bare.append(steady(json.loads(out[-1][1]), args.batch))
 
@@ -248,12 +318,13 @@ def main() -> None:
     print(f"host reads (the product's loop in-process, same model and data): {per_step:.2f} per step between "
           f"reports (target 0), {per_report:.1f} per report")
     for label, rounds in runs.items():
-        rates = [steady(progress_marks(lines), args.batch) for _, lines in rounds]
-        rate, orch_wall = statistics.fmean(rates), statistics.fmean(wall for wall, _ in rounds)
+        rates = [steady(progress_marks(lines), args.batch) for _, lines, _ in rounds]
+        rate, orch_wall = statistics.fmean(rates), statistics.fmean(wall for wall, _, _ in rounds)
         spread = f" (runs {min(rates) / bare_rate:.3f} to {max(rates) / bare_rate:.3f})" if len(rates) > 1 else ""
         print(f"orchestrated, {label:<40}: {rate:10,.0f} samples/s, command {orch_wall:.1f} s | steady state "
               f"{rate / bare_rate:.3f}{spread} (target >= 0.85), {rate / floor_rate:.3f} of the floor "
               f"(target >= 0.97) | end to end {bare_wall / orch_wall:.3f}")
+        print(f"    CPU between reports, % of one core (median of {len(rounds)}): {cpu_line([r[2] for r in rounds])}")
         for _, text in rounds[-1][1]:
             if text.startswith(("start-up ", "time: ", "cost: ")):
                 print(f"    {text}")
