@@ -173,7 +173,7 @@ def rank_state(parts: Parts, progress: Progress) -> dict[str, Any]:
     """What this rank contributes to a checkpoint beyond the shared model: its RNG streams, the ids of the rows it
     trained on in the epoch, and under local SGD its own optimizer and precision state (on the CPU, so any rank
     can load it)."""
-    state: dict[str, Any] = {"rng": capture_rng(parts.device), "seen": progress.seen.ids()}
+    state: dict[str, Any] = {"rng": capture_rng(parts.device), "seen": progress.seen.packed()}
     if parts.local_sgd is not None:
         state |= {"optimizer": _to_cpu(parts.optimizer.state_dict()), "precision": parts.precision.state_dict()}
     return state
@@ -277,7 +277,7 @@ def _arrow_fs(filesystem: pafs.FileSystem) -> Any:
 def shared_state(parts: Parts, progress: Progress, micro_batch_size: int | str | None) -> dict[str, Any]:
     """What a sharded checkpoint keeps beside the model and optimizer shards, the same on every rank (DCP keeps one
     copy): schedule, loss scale, progress and every rank's RNG streams. A collective."""
-    mine = (capture_rng(parts.device), progress.seen.ids())
+    mine = (capture_rng(parts.device), progress.seen.packed())
     ranks: list[Any] = [None] * world()[1]
     if world()[1] > 1:
         dist.all_gather_object(ranks, mine)

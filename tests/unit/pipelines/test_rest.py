@@ -37,11 +37,16 @@ def test_ids_pack_and_unpack_exactly() -> None:
     assert len(pack_ids(np.arange(10**6))) < 2000  # a contiguous run compresses to almost nothing
     seen = SeenRows()
     seen.add(torch.tensor([3, 1]))
-    seen.add(np.array([7]))
-    assert np.array_equal(np.sort(seen.ids()), [1, 3, 7])  # type: ignore[arg-type]
-    assert np.array_equal(unpack_ids(union_packed([seen.ids(), np.array([2, 3])])), [1, 2, 3, 7])  # type: ignore[arg-type]
+    seen.add(np.array([7, 3]))
+    seen.add(torch.tensor([100_000]))  # the bitmap grows with the largest id
+    assert seen.ids().tolist() == [1, 3, 7, 100_000]  # type: ignore[union-attr]
+    union = union_packed([seen.packed(), pack_ids(np.array([2, 3]))])
+    assert unpack_ids(union).tolist() == [1, 2, 3, 7, 100_000]  # type: ignore[arg-type]
+    seen.clear()
+    assert seen.ids().tolist() == []  # type: ignore[union-attr]
     seen.add(None)  # a batch without ids: this rank's set is not known any more, and no union is kept
-    assert seen.ids() is None and union_packed([np.array([1]), seen.ids()]) is None
+    seen.add(np.array([5]))
+    assert seen.ids() is None and union_packed([pack_ids(np.array([1])), seen.packed()]) is None
 
 
 def test_the_rest_of_an_epoch_trains_each_untrained_row_once_on_any_world_size() -> None:
@@ -156,7 +161,7 @@ def test_a_replayed_epoch_interrupted_at_2_workers_is_finished_and_replayed_at_3
     old = [Progress(cache_decision="replay") for _ in range(2)]
     steps(ranks(2, old), old, 6 + 2)
     state = {"progress": old[0].saved(), "rng": [None, None],
-             SEEN: union_packed([p.seen.ids() for p in old])}
+             SEEN: union_packed([p.seen.packed() for p in old])}
     assert data_position(state, "replay", 3) == (1, 0)
     seen = rest_of_epoch(state, "replay", 3)
     assert seen is not None and len(seen) == 120
