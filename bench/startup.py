@@ -1,13 +1,16 @@
-"""Start-up to the first step beside Ray's own floor, measured side by side in one run (issue 37's targets).
+"""Start-up to the first step, and the end, beside Ray's own floor, measured side by side in one run (issue 37's and
+issue 59's targets).
 
 Every figure is a stopwatch the bench takes from outside (its own time.time() just before it starts a process),
 printed next to what the product printed:
 
 1. Ray's floor with its own cluster: a plain Ray Train script (`import ray`, `ray.init()` of a new local cluster,
    an empty 2-worker `TorchTrainer.fit()` whose function writes time.time() to a file), from the start of its
-   process to the function running on both workers; median of 2.
+   process to the function running on both workers; median of 2. Its end: its `ray.shutdown()` after fit()
+   returned, and from fit() returning to the process's exit.
 2. `orchestrator train --config examples/digits.yaml` (2 workers), starting its own local cluster: its printed
-   start-up against floor 1 (target <= floor + 3 s) and against the stopwatch (target: within 1 s).
+   start-up against floor 1 (target <= floor + 3 s) and against the stopwatch (target: within 1 s); its end, from
+   the last progress line to the process's exit (the prompt; target <= 1 s), split at the summary's first line.
 3. A running cluster, started as a user starts one (`ray start --head`, 4 logical CPUs: the README's
    `num_workers x cpus_per_worker + 2`, so Ray Data's read tasks never starve on a 2-core machine). Ray 2.60 starts
    it with token auth wherever ~/.ray/auth_token exists, and joins an explicit address with a token only under
@@ -76,6 +79,9 @@ trainer = TorchTrainer(function, scaling_config=ray.train.ScalingConfig(num_work
                        run_config=ray.train.RunConfig(storage_path=out + ".runs", name="floor"))
 marks["fit"] = time.time()
 trainer.fit()
+marks["fit returned"] = time.time()
+ray.shutdown()
+marks["ray.shutdown"] = time.time()
 with open(out + ".function") as f:
     marks["function"] = max(float(t) for t in f.read().split())  # running on both workers
 with open(out, "w") as f:
@@ -88,6 +94,8 @@ FLOOR_STAGES = ("python", "import ray", "ray.init", "fit", "function")
 class Floor:
     seconds: float  # Popen -> the function running on both workers
     parts: dict[str, float]  # Popen -> python, -> import ray done, ... (each since the previous mark)
+    shutdown: float = 0.0  # its `ray.shutdown()` after fit() returned
+    exit: float = 0.0  # from fit() returning to the process's exit (the bench's stopwatch), ray.shutdown() included
 
 
 @dataclass
@@ -102,6 +110,13 @@ class Command:
     notes: list[str] = field(default_factory=list)  # what it said about the warm cluster
     error: str = ""
     wall: float = 0.0  # Popen -> its exit
+    last_step_seen: float | None = None  # stopwatch: Popen -> the bench reads the last progress line
+    summary_seen: float | None = None  # stopwatch: Popen -> the bench reads the summary's first line ("finished ")
+
+    @property
+    def end(self) -> float | None:
+        """The end as the user waits for it: from the last progress line to the process's exit (the prompt)."""
+        return None if self.last_step_seen is None else self.wall - self.last_step_seen
 
     @property
     def first_step_seen(self) -> float | None:
@@ -124,6 +139,7 @@ def plain_ray_train(tmp: Path, address: str, label: str) -> Floor:
         started = time.time()
         done = subprocess.run([sys.executable, "-c", FLOOR_SCRIPT, str(out), address], cwd=tmp, stdout=log,
                               stderr=subprocess.STDOUT, timeout=COMMAND_TIMEOUT_S)
+        exited = time.time()
     if done.returncode != 0 or not out.exists():
         raise SystemExit(f"the floor script failed (rc {done.returncode}):\n"
                          f"{(tmp / f'floor-{label}.log').read_text()[-3000:]}")
@@ -131,13 +147,15 @@ def plain_ray_train(tmp: Path, address: str, label: str) -> Floor:
     parts, previous = {}, started
     for stage in FLOOR_STAGES:
         parts[stage], previous = marks[stage] - previous, marks[stage]
-    return Floor(marks["function"] - started, parts)
+    return Floor(marks["function"] - started, parts, marks["ray.shutdown"] - marks["fit returned"],
+                 exited - marks["fit returned"])
 
 
 def floor_line(floor: Floor) -> str:
     p = floor.parts
     return (f"{floor.seconds:5.1f} s = python start {p['python']:.1f} | import ray {p['import ray']:.1f} | "
-            f"ray.init {p['ray.init']:.1f} | trainer built {p['fit']:.1f} | fit() -> function {p['function']:.1f}")
+            f"ray.init {p['ray.init']:.1f} | trainer built {p['fit']:.1f} | fit() -> function {p['function']:.1f}"
+            f"; end: ray.shutdown() {floor.shutdown:.1f} s, fit() returned -> exit {floor.exit:.1f} s")
 
 
 def measure_floor(tmp: Path, address: str, label: str, runs: int = 2) -> Floor:
@@ -147,7 +165,8 @@ def measure_floor(tmp: Path, address: str, label: str, runs: int = 2) -> Floor:
         floors.append(plain_ray_train(tmp, address, f"{label}-{n}"))
         print(f"   run {n + 1}: {floor_line(floors[-1])}", flush=True)
     median = Floor(statistics.median(f.seconds for f in floors),
-                   {stage: statistics.median(f.parts[stage] for f in floors) for stage in FLOOR_STAGES})
+                   {stage: statistics.median(f.parts[stage] for f in floors) for stage in FLOOR_STAGES},
+                   statistics.median(f.shutdown for f in floors), statistics.median(f.exit for f in floors))
     print(f"   floor: {median.seconds:.1f} s (median of {runs})", flush=True)
     return median
 
@@ -170,6 +189,10 @@ def orchestrator_train(tmp: Path, label: str, extra: list[str]) -> Command:
             seen = time.time() - started
             if line.startswith("start-up ") and result.line_seen is None:
                 result.line_seen, result.line = seen, line.strip()
+            if line.startswith("step "):
+                result.last_step_seen = seen
+            if line.startswith("finished ") and result.summary_seen is None:
+                result.summary_seen = seen
             if "warm Ray cluster" in line:
                 result.notes.append(line.strip())
         rc = process.wait()
@@ -226,6 +249,11 @@ def show(command: Command) -> None:
           "report)" + ("" if seen is None else f", to the first step {seen:.1f} s | |stopwatch - printed| "
                                                f"{command.gap:.1f} s"), flush=True)
     print(f"   run's records: {'; '.join(records) or 'none'}", flush=True)
+    if command.end is not None and command.last_step_seen is not None:
+        summary = "" if command.summary_seen is None else (
+            f" (to the summary {command.summary_seen - command.last_step_seen:.1f} s, summary -> exit "
+            f"{command.wall - command.summary_seen:.1f} s)")
+        print(f"   end: last progress line -> exit {command.end:.1f} s{summary}", flush=True)
 
 
 def stages(line: str) -> dict[str, float]:
@@ -376,6 +404,8 @@ def main() -> None:
     print(f"{'target':<44} {'measured':>9}  {'limit':<10} {'result'}")
     print(verdict("own cluster: printed start-up <= floor 1 + 3", own.printed, floor1.seconds + 3,
                   f"(floor 1 {floor1.seconds:.1f} s)"))
+    print(verdict("own cluster: end, last progress line -> exit", own.end, 1.0,
+                  f"(floor 1: ray.shutdown() {floor1.shutdown:.1f} s, fit() returned -> exit {floor1.exit:.1f} s)"))
     print(verdict("--address: printed start-up <= floor 3 + 2", joined.printed, floor3.seconds + 2,
                   f"(floor 3 {floor3.seconds:.1f} s)"))
     print(verdict("warm, second command: printed start-up", second.printed if rejoined else None, 5.0,

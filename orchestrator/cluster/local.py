@@ -15,10 +15,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from orchestrator.cluster.processes import end_processes, running, started_processes
 from orchestrator.cluster.warm import LISTENS, WarmUse, answers, fingerprint, stop_cluster, take, warm_dir
 from orchestrator.config import Config, TrackingConfig
 from orchestrator.errors import ConfigError, UserError
-from orchestrator.ray_internals import ensure_token, local_only, system_temp_dir, token_auth_by_default
+from orchestrator.ray_internals import (
+    ensure_token,
+    local_only,
+    shutdown_leaving_processes,
+    system_temp_dir,
+    token_auth_by_default,
+)
 from orchestrator.tracking.uri import is_loopback, sqlite_file
 from pipelines.storage import private_dir, user_cache_dir
 
@@ -345,10 +352,11 @@ def shutdown_local_ray() -> None:
     this process (or inherited by its children) looks for a cluster that is gone. A warm cluster is left (this
     driver's job ends, and its actors and CPUs with it), its idle time starting now, and the command says so."""
     global _warm
-    import ray
-
-    ray.shutdown()
+    started = started_processes()
+    if not shutdown_leaving_processes():
+        started = [p for p in started if running(p)]  # what Ray's own stop left: its workers, still exiting
     os.environ.pop("RAY_API_SERVER_ADDRESS", None)
     if _warm is not None:
         use, _warm = _warm, None
         use.release()
+    end_processes(started)

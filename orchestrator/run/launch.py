@@ -29,6 +29,7 @@ from orchestrator.report.plots import plot_history
 from orchestrator.report.progress import ProgressLines, ReportConsumer, setup_line
 from orchestrator.report.startup import StartupClock
 from orchestrator.run.alongside import Alongside, ended_on_error
+from orchestrator.run.ending import EndWarmUp
 from orchestrator.run.fencing import claim_run, refuse_if_newer
 from orchestrator.run.interrupts import Doomed, fit_interruptibly, interrupted, stop_at_next_report
 from orchestrator.run.place import AttemptLog, RunPlace
@@ -190,17 +191,19 @@ def _train(plan: RunPlan, address: str | None, verbose: bool, clock: StartupCloc
     # MLflow's run is opened while Ray Train starts the worker group (the driver only waits then); the reports wait
     # for it, the workers do not. From then on Ctrl+C ends it KILLED (an error FAILED), never leaving it RUNNING.
     opening = Alongside(lambda: _open_tracking(plan, log, verbose, fence))
+    warm_up = EndWarmUp(config)  # what the end loads, loaded while the run trains (run/ending.py)
     with ended_on_error(opening), interrupted(place, history):
         stopping: threading.Thread | None = None
         try:
             with train_environment(config, private_cluster=started_ray):
                 result, failures, checkpoint = _fit(plan, inputs, opening, verbose, clock, log, history,
-                                                    started_ray, attempt, fence)
+                                                    started_ray, attempt, fence, warm_up)
             tracker = opening.result()
             if started_ray:
-                # Ray's shutdown mostly waits for its processes to exit: let them, while the artifacts are logged.
+                # The cluster's processes stopped (all of them, cluster/processes.py) while the artifacts are logged.
                 stopping = threading.Thread(target=shutdown_local_ray, name="ray-shutdown")
                 stopping.start()
+            warm_up.wait()
             _log_final_artifacts(tracker, config, result.checkpoint_path, history, plan.datasets["train"],
                                  checkpoint)
         finally:
@@ -245,8 +248,9 @@ class _Reports:
     thread then stops the run)."""
 
     def __init__(self, plan: RunPlan, opening: Alongside, verbose: bool, clock: StartupClock,
-                 history: list[dict[str, Any]], private_cluster: bool, attempt: AttemptLog) -> None:
-        self.plan, self.opening, self.verbose, self.clock = plan, opening, verbose, clock
+                 history: list[dict[str, Any]], private_cluster: bool, attempt: AttemptLog,
+                 warm_up: EndWarmUp | None = None) -> None:
+        self.plan, self.opening, self.verbose, self.clock, self.warm_up = plan, opening, verbose, clock, warm_up
         self.history, self.private_cluster, self.attempt = history, private_cluster, attempt
         self.failures: list[float] = []
         self.doomed: list[str] = []  # an error in the user's code or config before the first report
@@ -299,6 +303,8 @@ class _Reports:
             tracker.set_tags({"orchestrator.precision": report["precision"]})
         if self.verbose:
             print(self.lines(report), flush=True)
+        if self.warm_up is not None:  # from the first step on: the driver only waits
+            self.warm_up.start()
 
     def _autopilot(self, autopilot: dict[str, Any], step: int) -> None:
         """The search's table shown and tracked. A restarted worker group sends its choice again, kept from the
@@ -323,8 +329,8 @@ class _Reports:
 
 
 def _fit(plan: RunPlan, inputs: _Inputs, opening: Alongside, verbose: bool, clock: StartupClock, log: RunLog,
-         history: list[dict[str, Any]], private_cluster: bool, attempt: AttemptLog, fence: Fence
-         ) -> tuple[TrainResult, int, Any]:
+         history: list[dict[str, Any]], private_cluster: bool, attempt: AttemptLog, fence: Fence,
+         warm_up: EndWarmUp) -> tuple[TrainResult, int, Any]:
     """Fit the run while a driver thread shows and tracks its metrics (appended to `history` as they come), and
     MLflow's run is `opening` in another: a failure to open it ends the run.
     Returns the result, how many worker failures Ray Train restarted from, and the final Ray Checkpoint. On a
@@ -335,7 +341,7 @@ def _fit(plan: RunPlan, inputs: _Inputs, opening: Alongside, verbose: bool, cloc
     from orchestrator.report.callbacks import ForwardCheckpoints, ForwardFailures
 
     config, place = plan.config, plan.place
-    handle = _Reports(plan, opening, verbose, clock, history, private_cluster, attempt)
+    handle = _Reports(plan, opening, verbose, clock, history, private_cluster, attempt, warm_up)
     queue = inputs.queue
     spec = inputs.spec | {"attempt": (place.storage, place.path, fence.mine)}  # rank 0 watches for a newer claim
     trainer = build_trainer(config, spec, inputs.datasets, place,

@@ -1,6 +1,7 @@
 """What a user's terminal shows for a healthy `orchestrator train` on a local cluster it starts, with the product's
 defaults and with `--autopilot`: the product's own lines only (the autopilot's table among them); Ray's and MLflow's
-go to the run's log file. The autopilot's record in MLflow is read back too."""
+go to the run's log file. The autopilot's record in MLflow is read back too. When the command exits, no process it
+started (its private cluster's, the workers) is left."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -32,9 +35,10 @@ def test_a_healthy_run_prints_only_the_products_lines(tmp_path: Path, digits_dir
                "--set", "train.max_steps=100", "--set", "train.eval_every=50", "--set", "checkpoint.every=50"]
     if autopilot:  # with a budget a 100-step run can pay a search with (the default 5% is too short: skipped)
         command += ["--autopilot", "--set", "autopilot.budget=0.5"]
-    done, seen = run_timed(command, tmp_path)
+    done, seen, started = run_timed(command, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
+    _check_no_process_is_left(started, lines, seen)
     _check_the_start_up_against_a_stopwatch(lines, seen, tmp_path)
     assert [line for line in lines if not PRODUCT.match(line)] == []
     assert done.stderr.strip() == "", done.stderr  # no library warning, deprecation or worker noise
@@ -55,20 +59,64 @@ def test_a_healthy_run_prints_only_the_products_lines(tmp_path: Path, digits_dir
     assert "execution finished" not in text and "SplitCoordinator" not in text
 
 
-def run_timed(command: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess[str], list[float]]:
-    """The command run to its end, and when each of its stdout lines arrived, in seconds after the stopwatch started
-    (just before the process did)."""
+def run_timed(command: list[str], cwd: Path
+              ) -> tuple[subprocess.CompletedProcess[str], list[float], dict[int, tuple[psutil.Process, str]]]:
+    """The command run to its end, when each of its stdout lines arrived, in seconds after the stopwatch started
+    (just before the process did), and the processes it started (its descendants, looked at every 0.2 s while it
+    ran), by id; the last entry of the times is its exit."""
     with (cwd / "stderr.txt").open("w+") as err:
         began = time.time()
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True, cwd=cwd)
+        started: dict[int, tuple[psutil.Process, str]] = {}
+        watching = threading.Thread(target=_watch_descendants, args=(process, started), daemon=True)
+        watching.start()
         out, seen = [], []
         assert process.stdout is not None
         for line in process.stdout:
             seen.append(time.time() - began)
             out.append(line)
         process.wait(timeout=300)
+        seen.append(time.time() - began)
+        watching.join()
         err.seek(0)
-        return subprocess.CompletedProcess(command, process.returncode, "".join(out), err.read()), seen
+        return subprocess.CompletedProcess(command, process.returncode, "".join(out), err.read()), seen, started
+
+
+def _watch_descendants(process: subprocess.Popen[str], started: dict[int, tuple[psutil.Process, str]]) -> None:
+    """Every process below `process` (Ray's, which reparent when their parent ends, and the workers below them)
+    kept in `started` with its name, as psutil sees it (its start time with it: a reused id is not taken for it)."""
+    try:
+        parent = psutil.Process(process.pid)
+        while process.poll() is None:
+            for child in parent.children(recursive=True):
+                if child.pid not in started:
+                    try:
+                        started[child.pid] = (child, child.name())
+                    except psutil.NoSuchProcess:
+                        continue
+            time.sleep(0.2)
+    except psutil.NoSuchProcess:
+        pass
+
+
+def _check_no_process_is_left(started: dict[int, tuple[psutil.Process, str]], lines: list[str],
+                              seen: list[float]) -> None:
+    """When the command has exited, every process it started has ended (none running, none left a zombie), and
+    the processes seen include its private cluster's (a raylet and a GCS) and the workers'."""
+    kinds = {name for _, name in started.values()}
+    left = [f"{p.pid} {name}" for p, name in started.values() if _alive(p)]
+    last_step = max(i for i, line in enumerate(lines) if line.startswith("step "))
+    print(f"processes the command started: {len(started)} ({', '.join(sorted(kinds - {''}))}); left after its exit: "
+          f"{len(left)}; from the last progress line to its exit {seen[-1] - seen[last_step]:.1f} s")
+    assert {"raylet", "gcs_server"} <= kinds and len(started) >= 5, kinds
+    assert left == [], left
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _check_the_start_up_against_a_stopwatch(lines: list[str], seen: list[float], tmp_path: Path) -> None:

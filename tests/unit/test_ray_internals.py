@@ -50,6 +50,8 @@ def test_each_use_works_today_and_falls_back_where_the_internal_moved(monkeypatc
 
         assert ray_constants.ENABLE_RAY_CLUSTER is False
     assert ray_constants.ENABLE_RAY_CLUSTER is True
+    # No Ray started in this process: nothing of a node's to stop, a plain ray.shutdown() (integration tests: a node's).
+    assert ray_internals.started_process_ids() == [] and ray_internals.shutdown_leaving_processes() is False
     moved(monkeypatch, "ray.data._internal.logging", "ray._private.worker", "ray._private.ray_logging",
           "ray._private.ray_constants", "ray._private.authentication.authentication_token_setup",
           "ray.train.v2._internal.execution", "ray._common.utils")
@@ -60,6 +62,7 @@ def test_each_use_works_today_and_falls_back_where_the_internal_moved(monkeypatc
         pass
     assert ray_internals.token_auth_by_default() is None and ray_internals.ensure_token() is None
     assert ray_internals.system_temp_dir() == tempfile.gettempdir()
+    assert ray_internals.started_process_ids() == []  # nothing to stop: Ray's shutdown stops its processes
     before = {name: logging.getLogger(name).level for name in logging.root.manager.loggerDict}
     ray_internals.quiet_train_report_log()
     assert {name: logging.getLogger(name).level for name in before} == before
