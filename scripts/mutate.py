@@ -33,6 +33,7 @@ class Mutant:
 LOOP = "orchestrator/training/loop.py"
 STEP = "orchestrator/training/step.py"
 CHECKPOINT = "orchestrator/training/checkpoint.py"
+POSITION = "orchestrator/training/position.py"
 FSDP = "orchestrator/training/fsdp.py"
 UNIT = "tests/unit/training"
 AUTOPILOT = "orchestrator/training/autopilot.py"
@@ -53,7 +54,7 @@ MUTANTS = (
            "        release_cached_memory(parts.device)", (f"{UNIT}/test_rank_agreement.py",)),
     Mutant("an OOM retry redoes the step at the same micro-batch", STEP,
            "        parts.split *= 2\n", "        parts.split *= 1\n", (f"{UNIT}/test_rank_agreement.py",)),
-    Mutant("data position counted in micro-batches", LOOP,
+    Mutant("data position counted in micro-batches", POSITION,
            "if skip >= rows(batch):\n                skip -= rows(batch)", "if skip >= 1:\n                skip -= 1",
            (f"{UNIT}/test_loop.py",)),
     Mutant("local SGD resumes every rank from rank 0's optimizer", CHECKPOINT,
@@ -69,8 +70,8 @@ MUTANTS = (
            "if step is not None and (limit is None or step < limit):", "if step is not None:",
            (f"{UNIT}/test_fault_handling.py",)),
     Mutant("sharded checkpoint keeps rank 0's RNG streams for every rank", CHECKPOINT,
-           "        dist.all_gather_object(rngs, capture_rng(parts.device))\n",
-           "        rngs = [capture_rng(parts.device)] * len(rngs)\n",
+           "        dist.all_gather_object(ranks, mine)\n",
+           "        ranks = [mine] * len(ranks)\n",
            (f"{UNIT}/test_fsdp_checkpoint.py",)),
     Mutant("sharded manifest leaves out DCP's metadata file", CHECKPOINT,
            'and not i.base_name.endswith(".tmp")}', 'and not i.base_name.startswith(".")}',
@@ -321,7 +322,7 @@ MUTANTS = (
            "orchestrator/training/precision.py", "    yield False\n    for p in fresh:",
            "    yield False\n    for p in []:",
            (f"{UNIT}/test_optim.py",)),
-    Mutant("a resumed epoch re-cut from its start instead of its position", LOOP,
+    Mutant("a resumed epoch re-cut from its start instead of its position", POSITION,
            "            batches.start, skip = skip, 0\n", "            pass\n", (f"{UNIT}/test_recut.py",)),
     Mutant("a restarted trial billed on Tune's rewound clock", "orchestrator/tuning/trials.py",
            "            return float(row[REPORTED_AT]) - started\n",
