@@ -122,23 +122,22 @@ def manifest_step(filesystem: Any, path: str) -> int | None:
 def manifest_attempt(filesystem: Any, path: str) -> str | None:
     """The claim of the attempt that wrote a checkpoint (training/fence.py); None if it records none (written before
     attempts were claimed, or by a Tune trial) or the manifest is unreadable."""
-    try:
-        with filesystem.open_input_stream(f"{path}/{MANIFEST}") as f:
-            attempt = json.loads(f.read()).get("attempt")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return attempt if isinstance(attempt, str) else None
+    return _manifest_text(filesystem, path, "attempt")
 
 
 def manifest_cache_decision(filesystem: Any, path: str) -> str | None:
     """The cache decision a checkpoint's data position counts rows under; None if it records none (written before
     it was saved) or the manifest is unreadable."""
+    return _manifest_text(filesystem, path, "cache_decision")
+
+
+def _manifest_text(filesystem: Any, path: str, key: str) -> str | None:
     try:
         with filesystem.open_input_stream(f"{path}/{MANIFEST}") as f:
-            decision = json.loads(f.read()).get("cache_decision")
+            value = json.loads(f.read()).get(key)
     except (OSError, ValueError, AttributeError):
         return None
-    return decision if isinstance(decision, str) else None
+    return value if isinstance(value, str) else None
 
 
 def load_state(directory: str | Path) -> dict[str, Any]:
