@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_reliability import BIN, overrides, registered_snapshot, wait_for
+from test_reliability import held_command, registered_snapshot, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -34,21 +34,11 @@ def test_an_older_attempt_alive_beside_a_newer_one_lands_nothing(ray_cluster: No
     the same run, starts meanwhile and trains it to the end from that checkpoint. Then attempt 1 is let go, as a
     zombie driver would go on: it commits no checkpoint (nor Ray Train's record of the latest) and logs no metric
     into the MLflow run; it says so in one line and exits non-zero. Attempt 2's checkpoints stay the run's latest."""
-    import ray
     from mlflow.tracking import MlflowClient
 
     from orchestrator.tracking.view import chart_key, mlflow_key
 
-    hold = tmp_path / "hold"
-    hold.mkdir()
-    config = tmp_path / "exp.yaml"
-    config.write_text("experiment: fenced\n")
-    sets = [a for o in overrides(tmp_path, digits_dir, "train.max_steps=40", "model.entrypoint=held_model:build",
-                                 "model.hold_call=22", f"model.marker={hold}", "checkpoint.keep=10",
-                                 "tracking.enabled=true", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db")
-            for a in ("--set", o)]
-    command = [str(BIN / "orchestrator"), "train", "--config", str(config),
-               "--address", ray.get_runtime_context().gcs_address, *sets]
+    hold, command = held_command(tmp_path, digits_dir, "fenced", 40)
     runs = tmp_path / "runs"
     first, _, first_err = started(command)
     second = None

@@ -78,6 +78,24 @@ def wait_for(check: Any, what: str, timeout: float = 60.0) -> Any:
     raise TimeoutError(f"{what} not seen within {timeout:.0f} s")
 
 
+def held_command(tmp_path: Path, digits_dir: str, experiment: str, steps: int) -> tuple[Path, list[str]]:
+    """`orchestrator train` of experiment `experiment` on this module's cluster, tracked to a SQLite store in
+    `tmp_path`, whose workers hold in their 22nd forward (held_model) until the test releases them; and the
+    directory where the holds are marked."""
+    import ray
+
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    config = tmp_path / "exp.yaml"
+    config.write_text(f"experiment: {experiment}\n")
+    sets = [a for o in overrides(tmp_path, digits_dir, f"train.max_steps={steps}", "model.entrypoint=held_model:build",
+                                 "model.hold_call=22", f"model.marker={hold}", "checkpoint.keep=10",
+                                 "tracking.enabled=true", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db")
+            for a in ("--set", o)]
+    return hold, [str(BIN / "orchestrator"), "train", "--config", str(config),
+                  "--address", ray.get_runtime_context().gcs_address, *sets]
+
+
 def registered_snapshot(runs: Path) -> str:
     """Ray's own record of the checkpoints it registered (empty until the first one is)."""
     try:
@@ -266,7 +284,6 @@ def test_ctrl_c_and_a_killed_driver_each_resume_the_same_run_and_mlflow_run(
     bit for bit the uninterrupted run's."""
     import shlex
 
-    import ray
     from mlflow.tracking import MlflowClient
 
     from orchestrator.tracking.read import read_summary
@@ -276,16 +293,7 @@ def test_ctrl_c_and_a_killed_driver_each_resume_the_same_run_and_mlflow_run(
     # later attempt's where <hold>/hold_call says, counted from the checkpoint it resumed from), so each stop reaches
     # a run still training, at a known point, however slow or fast the machine is. The test releases the holds
     # before the last resume.
-    hold = tmp_path / "hold"
-    hold.mkdir()
-    config = tmp_path / "exp.yaml"
-    config.write_text("experiment: resume-me\n")
-    sets = [a for o in overrides(tmp_path, digits_dir, "train.max_steps=60", "model.entrypoint=held_model:build",
-                                 "model.hold_call=22", f"model.marker={hold}", "checkpoint.keep=10",
-                                 "tracking.enabled=true", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db")
-            for a in ("--set", o)]
-    command = [str(BIN / "orchestrator"), "train", "--config", str(config),
-               "--address", ray.get_runtime_context().gcs_address, *sets]
+    hold, command = held_command(tmp_path, digits_dir, "resume-me", 60)
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     spans: list[float] = []  # each attempt's own seconds, from its command's start to its end
 
