@@ -84,16 +84,19 @@ def run_timed(command: list[str], cwd: Path
 
 def _watch_descendants(process: subprocess.Popen[str], started: dict[int, tuple[psutil.Process, str]]) -> None:
     """Every process below `process` (Ray's, which reparent when their parent ends, and the workers below them)
-    kept in `started` with its name, as psutil sees it (its start time with it: a reused id is not taken for it)."""
+    kept in `started` with its last name seen, as psutil sees it (its start time with it: a reused id is not taken for
+    it)."""
     try:
         parent = psutil.Process(process.pid)
         while process.poll() is None:
             for child in parent.children(recursive=True):
-                if child.pid not in started:
-                    try:
-                        started[child.pid] = (child, child.name())
-                    except psutil.NoSuchProcess:
-                        continue
+                # A child seen between its fork and its exec still has its parent's name: the name is read again
+                # each time round, so the last one kept is the program it runs (a GCS forked from the driver).
+                known = started.get(child.pid, (child, ""))[0]
+                try:
+                    started[child.pid] = (known, known.name())
+                except psutil.NoSuchProcess:
+                    continue
             time.sleep(0.2)
     except psutil.NoSuchProcess:
         pass
