@@ -162,7 +162,8 @@ class Fault:
 
 
 def reports_since(runs: Path, since: float) -> list[dict[str, Any]]:
-    """The run's reports that reached the driver after `since`, from its attempt record in storage (runs.py)."""
+    """The run's reports that reached the driver after `since`, from its attempt record in storage
+    (orchestrator/run/place.py)."""
     reports = []
     for record in runs.glob("*/attempts/*.json"):
         try:
