@@ -11,7 +11,7 @@ printed next to what the product printed:
 2. `orchestrator train --config examples/digits.yaml` (2 workers), starting its own local cluster: its printed
    start-up against floor 1 (target <= floor + 3 s) and against the stopwatch (target: within 1 s); its end, from
    the last progress line to the process's exit (the prompt; target <= 1 s), split at the summary's first line.
-3. A running cluster, started as a user starts one (`ray start --head`, 4 logical CPUs: the README's
+3. A running cluster, started as a user starts one (`ray start --head`, 4 logical CPUs: docs/ray-cluster.md's
    `num_workers x cpus_per_worker + 2`, so Ray Data's read tasks never starve on a 2-core machine). Ray 2.60 starts
    it with token auth wherever ~/.ray/auth_token exists, and joins an explicit address with a token only under
    RAY_AUTH_MODE=token, which the bench does not set: the command with `--address host:port` shows what a user
