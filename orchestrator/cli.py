@@ -257,7 +257,7 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _show_config(args: argparse.Namespace, config: Config) -> int:
-    from orchestrator.models.zoo import check_model_options
+    from orchestrator.run.model_checks import check_model_options
     from orchestrator.run.plan import plan_run
 
     if args.plan:  # the config resolved for the data, and what the run would be

@@ -4,7 +4,7 @@
 `base.py` what they are built on; `load.py` reads YAML and overrides and words validation errors; `space.py` parses
 Tune's search space; `batching.py` holds the batch arithmetic; `reference.py` the meaning of every key."""
 
-from orchestrator.config.base import flatten
+from orchestrator.config.base import flatten, suggest
 from orchestrator.config.load import (
     config_from_dict,
     either,
@@ -46,6 +46,6 @@ __all__ = [
     "CostConfig", "FailureConfig",
     "ModelConfig", "OptimConfig", "Precision", "ScalingConfig", "StorageConfig", "TaskConfig", "TaskKind",
     "TrackingConfig", "TrainConfig", "TuneConfig", "config_from_dict", "either", "flatten", "format_validation_error",
-    "keys_elsewhere", "load_config", "parse_override", "read_yaml_mapping", "to_dict", "to_yaml",
+    "keys_elsewhere", "load_config", "parse_override", "read_yaml_mapping", "suggest", "to_dict", "to_yaml",
     "with_values",
 ]

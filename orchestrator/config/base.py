@@ -1,8 +1,10 @@
-"""What every config section is built on: a section refuses unknown keys and inf/nan, and a cross-field error
-names the key to change."""
+"""What every config section is built on: a section refuses unknown keys and inf/nan, a cross-field error
+names the key to change, and a name that is not known suggests the close match."""
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -38,3 +40,9 @@ def _key_error(loc: tuple[str, ...], message: str, value: Any) -> ValidationErro
     details = InitErrorDetails(type=PydanticCustomError("value_error", "{message}", {"message": message}),
                                loc=loc, input=value)
     return ValidationError.from_exception_data("Config", [details])
+
+
+def suggest(name: str, candidates: Iterable[str], prefix: str = "") -> str:
+    """' (did you mean 'x'?)' for the closest candidate, or ''."""
+    close = difflib.get_close_matches(name, list(candidates), n=1)
+    return f" (did you mean '{prefix}{close[0]}'?)" if close else ""

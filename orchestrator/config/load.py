@@ -12,9 +12,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from orchestrator.config.base import suggest
 from orchestrator.config.schema import Config
 from orchestrator.errors import ConfigError
-from orchestrator.models.registry import suggest
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

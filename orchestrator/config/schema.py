@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from orchestrator.config.base import _key_error, _Section
+from orchestrator.config.base import _key_error, _Section, suggest
 from orchestrator.config.batching import common_micro_batch, replica_micro_batches, split_batch
 from orchestrator.config.run_sections import (
     AutopilotConfig,
@@ -22,7 +22,6 @@ from orchestrator.config.run_sections import (
     TrackingConfig,
 )
 from orchestrator.config.space import parse_space
-from orchestrator.models.registry import suggest
 from pipelines.config import DataConfig
 
 Precision = Literal["auto", "bf16", "fp16", "fp32"]

@@ -1,5 +1,5 @@
 """The search-space grammar of `tune.space` (`optim.lr: {loguniform: [1e-4, 1e-1]}` over dotted config keys):
-parsing and checking a space against the config's own schema. Pure Python and a leaf below the config, which uses
+parsing and checking a space against the config's own schema. Pure Python below the config's sections, which use
 it to validate the tune section (search.py turns a Domain into Ray Tune's)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel
 
-from orchestrator.models.registry import suggest
+from orchestrator.config.base import suggest
 
 RANGES = ("loguniform", "uniform", "randint")  # [low, high]; randint includes high
 LISTS = ("choice", "grid")  # grid: every value once per sample (random searcher only)

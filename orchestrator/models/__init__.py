@@ -1,8 +1,7 @@
-"""The model side: zoo.py (the built-in models and the driver's build checks), tasks.py (what a task means: loss,
-metrics, counts), registry.py (names -> builders), and, driver side only, checks.py (the model checked against the
-data's sample rows before Ray starts), flavour.py (the final MLflow Model), pyfunc.py (its `python_function`
-flavour) and checkpoints.py (each checkpoint as an MLflow LoggedModel). The worker side imports zoo, tasks and
-registry only, never an MLflow module.
+"""The model side, imported by the workers: zoo.py (the built-in models), tasks.py (what a task means: loss,
+metrics, counts), registry.py (names -> builders) and inputs.py (the width of the model's classic input). No MLflow
+module: the final MLflow Model and the checkpoints' models are tracking's (orchestrator/tracking/flavour.py,
+pyfunc.py, checkpoint_models.py), the driver's checks of a model the plan's (orchestrator/run/model_checks.py).
 
 Nothing is imported here until asked: the zoo's classes keep `orchestrator.models` as their home (their
 `__module__`), the path a pickled model logged before the zoo moved into this package names, so such a model still

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import difflib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from orchestrator.config import suggest
 from orchestrator.errors import ConfigError
 from pipelines.entrypoints import load_function
 
@@ -35,12 +35,6 @@ class Registry(Generic[T]):
 
     def names(self) -> list[str]:
         return sorted(self._items)
-
-
-def suggest(name: str, candidates: Iterable[str], prefix: str = "") -> str:
-    """' (did you mean 'x'?)' for the closest candidate, or ''."""
-    close = difflib.get_close_matches(name, list(candidates), n=1)
-    return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
 
 
 def load_entrypoint(spec: str) -> Callable[..., object]:

@@ -1,23 +1,19 @@
 """Built-in models and the model registry. A builder takes its own options and, where its signature names them,
-`in_features` (the width of the classic concatenated feature vector) and `num_classes` (outputs)."""
+`in_features` (the width of the classic concatenated feature vector) and `num_classes` (outputs). The driver checks
+a config's model against them before Ray starts (orchestrator/run/model_checks.py)."""
 
 from __future__ import annotations
 
 import inspect
 import math
-import os
-import re
-import traceback
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from orchestrator.config import ModelConfig, either, keys_elsewhere
-from orchestrator.errors import ConfigError, raised_in_model_code
-from orchestrator.models.registry import Registry, load_entrypoint, suggest
+from orchestrator.errors import ConfigError
+from orchestrator.models.registry import Registry, load_entrypoint
 
 ModelBuilder = Callable[..., nn.Module]
 MODELS: Registry[ModelBuilder] = Registry("model")
@@ -66,96 +62,6 @@ def model_builder(name: str, entrypoint: str | None) -> ModelBuilder:
     return load_entrypoint(entrypoint) if entrypoint else MODELS.get(name)  # type: ignore[return-value]
 
 
-def check_model_options(model: ModelConfig) -> None:
-    """The keys under `model:` beside name/entrypoint against the builder's signature; a typo fails on the driver,
-    before any resource is taken. Raises ConfigError naming the keys, the close match and, for a config from
-    load_config, where each key came from (a file's options for another model survive a --set model.entrypoint)."""
-    key = "model.entrypoint" if model.entrypoint else "model.name"
-    try:
-        builder = model_builder(model.name, model.entrypoint)
-    except ConfigError as exc:
-        raise ConfigError(f"config key '{key}': {exc}") from None
-    params = inspect.signature(builder).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return
-    allowed = [p for p in params if p not in ("in_features", "num_classes", "self")]
-    unknown = [key for key in model.kwargs if key not in allowed]
-    if not unknown:
-        return
-    origins = model.origins
-    files = [key for key in unknown if origins.get(key, "--set") != "--set"]
-
-    def described(key: str) -> str:
-        elsewhere = keys_elsewhere(key, "model")  # model.lr -> optim.lr
-        hint = suggest(key, allowed) or (f" (did you mean {either(elsewhere)}?)" if elsewhere else "")
-        where = f" (from {origins[key]})" if key in origins else ""
-        return f"'{key}'{hint}{where}"
-
-    s = "s" if len(unknown) > 1 else ""
-    keys = ", ".join(f"'model.{key}'" for key in unknown)
-    message = (f"config key{s} {keys}: model '{model.entrypoint or model.name}' takes no option{s} "
-               f"{', '.join(described(key) for key in unknown)}; its options: {allowed}")
-    if files:
-        message += (f"; remove {'them' if len(files) > 1 else 'it'} from {origins[files[0]]} or with "
-                    + " ".join(f"--set model.{k}=null" for k in files))
-    raise ConfigError(message)
-
-
-def check_model_build(model: ModelConfig, in_features: int | None, num_classes: int | None,
-                      s3: Any = None) -> nn.Module | None:
-    """Build the model once on the driver, on the meta device (shapes only: no memory, no weights, about a
-    millisecond for the examples), so that options the builder cannot take fail before any resource is taken
-    instead of in every worker. With model.pretrained (on S3: through `s3`, the data's S3Config), in the
-    architecture of its config.json, which the workers' from_pretrained builds. Returns the model, or None where
-    this check cannot tell (the workers will)."""
-    try:
-        with torch.device("meta"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # a builder's warnings are the workers' to show
-            built = build_model(model.name, model.entrypoint, in_features, num_classes, model.kwargs)
-    except ConfigError:
-        raise
-    # Any error of the builder blames it or its options, and every worker would raise it again; but not one about
-    # the meta device this check builds on, a GPU the driver may lack, or the network (the workers may reach it).
-    except Exception as exc:  # noqa: BLE001 - see above
-        if isinstance(exc, (ConnectionError, TimeoutError)) or re.search(r"meta|cuda|device", str(exc), re.I) \
-                or _calls_ray(exc):
-            return None
-        raise ConfigError(_cannot_build(model, exc)) from None
-    if model.pretrained is None:
-        return built
-    _check_pretrainable(built, model.entrypoint or model.name)
-    saved = pretrained_config(model.pretrained, s3)
-    try:
-        with torch.device("meta"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return with_saved_architecture(built, saved, model.entrypoint or model.name)
-    except ConfigError:
-        raise
-    except Exception:  # noqa: BLE001 - a saved config only from_pretrained understands: the workers will tell
-        return None
-
-
-def _calls_ray(exc: Exception) -> bool:
-    """Whether the builder raised inside Ray (ray.train.get_context(), say): an API of the workers, not the driver's."""
-    return any(f"{os.sep}ray{os.sep}" in frame.filename for frame in traceback.extract_tb(exc.__traceback__))
-
-
-def _cannot_build(model: ModelConfig, exc: Exception) -> str:
-    """'config key 'model.hidden': model 'mlp' cannot be built with hidden=512 (TypeError: ...)': the options the
-    user gave (every one: which of them is at fault only the builder knows) and the builder's own first line."""
-    name, given = model.entrypoint or model.name, model.kwargs
-    lines = str(exc).strip().splitlines()
-    reason = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-    where = raised_in_model_code(exc, users_only=True)  # the line in the user's own builder
-    reason += f" at {where}" if where else ""
-    if not given:
-        return f"config key '{'model.entrypoint' if model.entrypoint else 'model.name'}': model '{name}' cannot be " \
-               f"built ({reason})"
-    keys = ", ".join(f"'model.{key}'" for key in given)
-    options = ", ".join(f"{key}={value!r}" for key, value in given.items())
-    return f"config key{'s' if len(given) > 1 else ''} {keys}: model '{name}' cannot be built with {options} ({reason})"
-
-
 def build_model(name: str, entrypoint: str | None, in_features: int | None, num_classes: int | None, kwargs: dict,
                 pretrained: str | None = None) -> nn.Module:
     """The user's model. `pretrained`: a local directory written by save_pretrained, whose weights (and config)
@@ -169,12 +75,12 @@ def build_model(name: str, entrypoint: str | None, in_features: int | None, num_
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model builder '{entrypoint or name}' returned {type(model).__name__}, not a torch Module")
     if pretrained is not None:
-        _check_pretrainable(model, entrypoint or name)
+        check_pretrainable(model, entrypoint or name)
         model = type(model).from_pretrained(pretrained)
     return model
 
 
-def _check_pretrainable(model: nn.Module, name: str) -> None:
+def check_pretrainable(model: nn.Module, name: str) -> None:
     if not hasattr(model, "from_pretrained"):
         raise ConfigError(f"model.pretrained is set, but model '{name}' ({type(model).__name__}) has no "
                           "from_pretrained: build a Hugging Face model, or load weights in the builder")
@@ -204,9 +110,10 @@ def pretrained_config(uri: str, s3: Any = None) -> dict[str, Any]:
 
 
 def with_saved_architecture(model: nn.Module, saved: dict[str, Any], name: str) -> nn.Module:
-    """A new model of `model`'s class with the architecture of `saved` (a save_pretrained config.json) and fresh
-    weights, on the current default device: what the workers' from_pretrained builds, without reading weights.
-    That `model` has from_pretrained at all is check_model_build's to say, before config.json is read."""
+    """A new model of `model`'s class with the architecture of `saved` (a save_pretrained config.json) and
+    fresh weights, on the current default device: what the workers' from_pretrained builds, without reading
+    weights. That `model` has from_pretrained at all is check_model_build's to say (run/model_checks.py),
+    before config.json is read."""
     config_class = getattr(type(model), "config_class", None)
     if config_class is None or not hasattr(config_class, "from_dict"):
         raise ConfigError(f"model.pretrained is set, but model '{name}' ({type(model).__name__}) has no "

@@ -51,7 +51,7 @@ class ForwardFailures(UserCallback):
 
 class ForwardCheckpoints(UserCallback):
     """Runs in the controller: puts each checkpoint it committed (registered after every rank's report) on the
-    queue, with its step and path in run storage, for the driver to track (models/checkpoints.py)."""
+    queue, with its step and path in run storage, for the driver to track (tracking/checkpoint_models.py)."""
 
     def __init__(self, queue: Queue) -> None:
         self.queue = queue

@@ -1,6 +1,6 @@
 """The driver's checks of the data and the model against the config, before Ray starts: the model's options, what
 the data decide (classes, steps for epochs), the label's type for the task, the model's build, call and positions on
-the sample rows (orchestrator/models/checks.py), and whether ddp fits a worker. Each failure is one ConfigError
+the sample rows (model_checks.py), and whether ddp fits a worker. Each failure is one ConfigError
 naming the key and the fix. The plan runs them once, on its data inspection."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import pyarrow as pa
 
 from orchestrator.config import Config, with_values
 from orchestrator.errors import ConfigError
-from orchestrator.models.checks import check_model, in_features
-from orchestrator.models.zoo import check_model_build, check_model_options
+from orchestrator.models.inputs import in_features
 from orchestrator.run.memory_plan import GIB, estimate_bytes_per_rank, fsdp_advice
+from orchestrator.run.model_checks import check_model, check_model_build, check_model_options
 from pipelines.batches import Sample, inspect_sample
 from pipelines.sources import DatasetInfo
 
@@ -59,7 +59,7 @@ def _sample(config: Config, infos: Mapping[str, DatasetInfo]) -> Sample | None:
 
 
 def _resolve(config: Config, infos: Mapping[str, DatasetInfo], sample: Sample | None) -> tuple[Config, Any]:
-    """resolve_for_data's config, and the model's facts from the check (models.checks.check_model)."""
+    """resolve_for_data's config, and the model's facts from the check (model_checks.check_model)."""
     check_model_options(config.model)
     train = infos["train"]
     if "val" in infos and infos["val"].feature_dim != train.feature_dim:

@@ -50,11 +50,11 @@ class EndWarmUp:
 
 
 def _export_once() -> None:
-    """models/flavour.py's save of the final model, on a throwaway one-layer model into a temporary directory (no
+    """tracking/flavour.py's save of the final model, on a throwaway one-layer model into a temporary directory (no
     working-directory change: other driver threads run meanwhile)."""
     import torch
 
-    from orchestrator.models.flavour import _save
+    from orchestrator.tracking.flavour import _save
 
     model = torch.nn.Linear(2, 2).eval()
     x = torch.zeros(2, 2)

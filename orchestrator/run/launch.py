@@ -21,7 +21,6 @@ from orchestrator.cluster.local import (
 )
 from orchestrator.config import Config, to_yaml
 from orchestrator.errors import ConfigError
-from orchestrator.models.flavour import checkpoint_weights, log_final_model
 from orchestrator.report.autopilot import achieved_figures, record_autopilot, take_autopilot
 from orchestrator.report.console import LOG_FILE, RunLog
 from orchestrator.report.cost import build_ledger, ledger_across_attempts, resolve_pricing
@@ -37,6 +36,7 @@ from orchestrator.run.plan import RunPlan, plan_run
 from orchestrator.run.result import TrainResult, finished_result, run_summary
 from orchestrator.run.trainer import RunFailedError, build_inputs, build_trainer, root_cause
 from orchestrator.tracking.context import config_params
+from orchestrator.tracking.flavour import checkpoint_weights, log_final_model
 from orchestrator.tracking.tracker import FencedTracker, Tracker, closed_on_error, direct, start_tracker
 from orchestrator.tracking.uri import mask_password
 from orchestrator.training.fence import Fence
@@ -48,7 +48,7 @@ from pipelines.storage import user_cache_dir
 
 def _log_final_artifacts(tracker: Tracker, config: Config, checkpoint_path: str | None,
                          history: list[dict[str, Any]], info: DatasetInfo, checkpoint: Any = None) -> None:
-    """The resolved config, the final weights as an MLflow Model named "model" (models/flavour.py; `info`: the
+    """The resolved config, the final weights as an MLflow Model named "model" (tracking/flavour.py; `info`: the
     training data, whose sample rows give its input example and signature) and the learning curves (top level:
     the first file the run's Artifacts tab lists after the model)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -360,7 +360,8 @@ def _fit(plan: RunPlan, inputs: _Inputs, opening: Alongside, verbose: bool, cloc
     # the newer attempt's checkpoints included, is not this attempt's to tidy, nor its MLflow run this one's to end.
     refuse_if_newer(fence, place, now=True)
     _remove_unregistered_checkpoints(result)
-    # The checkpoints retention kept, each a LoggedModel of the run (models/checkpoints.py); the others' models go.
+    # The checkpoints retention kept, each a LoggedModel of the run (tracking/checkpoint_models.py); the others'
+    # models go.
     kept = {_checkpoint_uri(config, c.path): m.get("step") for c, m in result.best_checkpoints or []}
     if result.checkpoint:
         kept.setdefault(_checkpoint_uri(config, result.checkpoint.path), (result.metrics or {}).get("step"))

@@ -43,7 +43,7 @@ class RunPlan:
 
     config: Config  # resolved for the data: the number of classes and, for epochs, the step count filled in
     datasets: Mapping[str, DatasetInfo]  # each split's rows, bytes, files, columns and classes
-    in_features: int | None  # the width of the classic model input the workers build with (models.checks)
+    in_features: int | None  # the width of the classic model input the workers build with (models.inputs)
     memory_budget: tuple[float, str] | None  # bytes one worker may use, and where that figure comes from
     advice: str | None  # ddp would not fit a worker while fsdp would (checks.model_state_advice)
     pricing: Pricing

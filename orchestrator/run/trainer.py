@@ -11,7 +11,7 @@ from typing import Any
 
 from orchestrator.config import Config, to_dict
 from orchestrator.errors import ConfigError, UserError
-from orchestrator.models.checks import in_features
+from orchestrator.models.inputs import in_features
 from orchestrator.run.place import RunPlace
 from pipelines.config import DataConfig
 from pipelines.datasets import CACHE_DECISIONS, REPLAY, WHOLE_TRAIN, build_datasets, cache_decision

@@ -12,4 +12,7 @@
 - `links.py`: the MLflow UI: the command that opens it and the URLs of an experiment and a run.
 - `context.py`: the run's name, its context tags (source, user, git commit) and its params (the resolved config).
 - `read.py`: reading a run back (doctor, tests): its summary table and its metrics by MLflow key.
+- `flavour.py`: the final weights as the run's MLflow Model "model", rebuilt on the driver from the final checkpoint.
+- `pyfunc.py`: that model's `python_function` flavour, shipped inside the saved model (its code/ folder).
+- `checkpoint_models.py`: each checkpoint Ray Train commits as an MLflow LoggedModel of the run.
 """

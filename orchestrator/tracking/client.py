@@ -91,7 +91,7 @@ class MlflowTracker(Lineage):
         self._held: dict[str, tuple[float, list[tuple[int, int]]]] = {}
         self._noted = False  # a description set by the caller is kept
         self._reopened = run_id is not None  # its params and tags may be there already
-        # Checkpoint models (models/checkpoints.py) by step, the points of linked series sent per step, and the
+        # Checkpoint models (checkpoint_models.py) by step, the points of linked series sent per step, and the
         # (name, digest) of the datasets they are measured on: a step's metrics are linked to its checkpoint's
         # model whichever of the report and the checkpoint's commit reaches the driver first.
         self._models: dict[int, str] = {}

@@ -1,5 +1,5 @@
 """What a tracked run's figures are linked to: the datasets they are measured on (the run's inputs, the UI's Dataset
-column) and the models of the checkpoints Ray Train commits (external LoggedModels, see models/checkpoints.py). The
+column) and the models of the checkpoints Ray Train commits (external LoggedModels, see checkpoint_models.py). The
 validation figures and the training loss of a step are linked to that step's checkpoint model and dataset, whichever
 of the report and the checkpoint's commit reaches the driver first. MlflowTracker (client.py) takes these methods
 from `Lineage`."""
@@ -41,7 +41,7 @@ class Lineage:
     def _create_checkpoint(self, step: int, uri: str) -> None:
         from mlflow.entities import Metric
 
-        from orchestrator.models.checkpoints import create_checkpoint_model
+        from orchestrator.tracking.checkpoint_models import create_checkpoint_model
 
         model = create_checkpoint_model(self._client, self.experiment_id, self.run_id, step, uri)
         with self._lock:
@@ -55,7 +55,7 @@ class Lineage:
         retention) are deleted; one the driver never heard of (committed while an earlier attempt's driver was going
         away) is made now, and one an earlier driver made but was killed before linking gets its links: the run's
         points of its step."""
-        from orchestrator.models.checkpoints import delete_dropped
+        from orchestrator.tracking.checkpoint_models import delete_dropped
 
         self.writer.flush()  # the checkpoints' models queued so far exist in the store
         modelled: list[dict[str, Any]] = []

@@ -11,11 +11,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.config import USER_TASK, Config, config_from_dict
+from orchestrator.config import USER_TASK, Config, config_from_dict, suggest
 from orchestrator.config.space import Domain, parse_domain
 from orchestrator.errors import ConfigError
-from orchestrator.models.registry import suggest
-from orchestrator.models.zoo import check_model_options
+from orchestrator.run.model_checks import check_model_options
 
 # What training/loop.py reports (`_interval_metrics` every log_every steps, `evaluate` at eval steps);
 # tests/unit/test_search.py runs the loop and fails if this drifts.

@@ -188,7 +188,7 @@ def test_a_server_that_stops_answering_and_comes_back_gets_every_point_in_order(
     assert "training continues" in lines[0] and "answers again: the points and tags kept meanwhile" in lines[1]
 
 
-# The final model as an MLflow Model (orchestrator/models/flavour.py): loadable and registrable from the run.
+# The final model as an MLflow Model (orchestrator/tracking/flavour.py): loadable and registrable from the run.
 
 
 def named_mlp(in_features: int, num_classes: int) -> torch.nn.Module:
@@ -341,9 +341,9 @@ def test_named_inputs_are_logged_with_a_dict_signature(tmp_path: Path, digits_di
     """Without a training run: the logging itself, for a model called by keyword (`model.inputs`)."""
     import mlflow
 
-    from orchestrator.models.flavour import log_final_model
     from orchestrator.run.checks import resolve_for_data
     from orchestrator.tracking.client import MlflowTracker
+    from orchestrator.tracking.flavour import log_final_model
     from pipelines.datasets import inspect_datasets
 
     config = load_config(None, [
@@ -377,9 +377,9 @@ def test_a_model_that_cannot_be_logged_warns_one_line_and_tracking_goes_on(
         tmp_path: Path, digits_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
     from mlflow.tracking import MlflowClient
 
-    from orchestrator.models.flavour import log_final_model
     from orchestrator.run.checks import resolve_for_data
     from orchestrator.tracking.client import MlflowTracker
+    from orchestrator.tracking.flavour import log_final_model
     from orchestrator.tracking.tracker import NullTracker
     from pipelines.datasets import inspect_datasets
 

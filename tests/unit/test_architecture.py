@@ -30,10 +30,8 @@ def _under(name: str, prefixes: tuple[str, ...]) -> bool:
 
 
 # Each rule: which files it covers (first match wins), the product modules they may import, the SDKs they may not.
-LEAF = ("orchestrator.config", "orchestrator.errors", "orchestrator.models.registry", "pipelines.config",
-        "pipelines.entrypoints")
-WORKER = (*LEAF, "orchestrator.models.tasks", "orchestrator.models.zoo", "orchestrator.training", "pipelines",
-          "orchestrator.ray_internals")
+LEAF = ("orchestrator.config", "orchestrator.errors", "pipelines.config", "pipelines.entrypoints")
+WORKER = (*LEAF, "orchestrator.models", "orchestrator.training", "pipelines", "orchestrator.ray_internals")
 DRIVER_SDKS_ONLY = ("mlflow", "ray.tune", "boto3")
 RULES: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
     # (files: a folder or a file under ROOT, allowed product imports, banned third-party imports)
@@ -42,27 +40,25 @@ RULES: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
     ("orchestrator/errors.py", (), ("torch", "ray", "mlflow")),
     ("orchestrator/ray_internals.py", (), ("torch", "mlflow")),  # Ray's internals, and nothing else
     ("orchestrator/models/registry.py", LEAF, ("torch", "ray", "mlflow")),
-    # Worker side: what Ray Train workers import. No driver module, no tracking or tuning SDK. Of the model package
-    # the workers import zoo, tasks and registry (and so its __init__.py): never its MLflow modules (flavour, pyfunc,
-    # checkpoints).
+    # Worker side: what Ray Train workers import. No driver module, no tracking or tuning SDK. The model package is
+    # the workers' whole: its MLflow modules are tracking's (flavour, pyfunc, checkpoint_models), its driver checks
+    # the plan's (run/model_checks.py).
     ("orchestrator/training", WORKER, DRIVER_SDKS_ONLY),
-    ("orchestrator/models/tasks.py", WORKER, DRIVER_SDKS_ONLY),
-    ("orchestrator/models/zoo.py", WORKER, DRIVER_SDKS_ONLY),
-    ("orchestrator/models/__init__.py", WORKER, DRIVER_SDKS_ONLY),
+    ("orchestrator/models", WORKER, DRIVER_SDKS_ONLY),
     # Entry points: the CLI and the package's lazy attributes reach everything.
     ("orchestrator/cli.py", PRODUCT, ()),
     ("orchestrator/__init__.py", PRODUCT, ()),
     ("orchestrator/__main__.py", PRODUCT, ()),
     # The study is built on the driver's modules; they never reach back into it.
-    ("orchestrator/tuning", ("orchestrator.config", "orchestrator.errors", "orchestrator.models.registry",
-                             "orchestrator.models.tasks", "orchestrator.models.zoo", "orchestrator.training",
-                             "orchestrator.tuning", "orchestrator.run.checks", "orchestrator.cluster.local",
+    ("orchestrator/tuning", ("orchestrator.config", "orchestrator.errors", "orchestrator.models.tasks",
+                             "orchestrator.training", "orchestrator.tuning", "orchestrator.run.checks",
+                             "orchestrator.run.model_checks", "orchestrator.cluster.local",
                              "orchestrator.report.console", "orchestrator.report.cost", "orchestrator.report.plots",
                              "orchestrator.run.place",
                              "orchestrator.tracking", "orchestrator.run.trainer", "orchestrator.report.autopilot",
                              "pipelines"), ()),
     # Every other module of orchestrator/ is driver side, a driver package's (run/, report/, cluster/, doctor/,
-    # tracking/, and models/ but for its worker modules above) too: anything but
+    # tracking/) too: anything but
     # the entry points and the study.
     ("orchestrator", tuple(f"orchestrator.{p.stem}" for p in (ROOT / "orchestrator").glob("*.py")
                            if p.stem not in ("cli", "__init__", "__main__"))
@@ -106,7 +102,10 @@ def test_a_module_added_to_a_folder_is_held_to_its_rule() -> None:
     assert rule_of(ROOT / "orchestrator/doctor/rules/new_rule.py")[0] == "orchestrator"
     assert _under("orchestrator.doctor.rules.speed", rule_of(ROOT / "orchestrator/new_driver.py")[1])
     assert not _under("orchestrator.tuning.study", rule_of(ROOT / "orchestrator/doctor/new.py")[1])
-    assert not _under("orchestrator.models.zoo", rule_of(ROOT / "orchestrator/config/new.py")[1])
+    assert not _under("orchestrator.models", rule_of(ROOT / "orchestrator/config/new.py")[1])
+    # The model package is worker side whole: a module added to it reaches neither tracking nor the plan.
+    assert not _under("orchestrator.tracking.flavour", rule_of(ROOT / "orchestrator/models/new.py")[1])
+    assert not _under("orchestrator.run.model_checks", rule_of(ROOT / "orchestrator/models/new.py")[1])
 
 
 def _module_name(path: Path) -> str:

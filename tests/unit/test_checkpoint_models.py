@@ -1,4 +1,4 @@
-"""Committed checkpoints as MLflow 3 LoggedModels of their run (orchestrator/models/checkpoints.py, through the
+"""Committed checkpoints as MLflow 3 LoggedModels of their run (orchestrator/tracking/checkpoint_models.py, through the
 tracker), against a real SQLite store and without Ray: the driver's side of what a training run does when Ray
 Train commits a checkpoint (tests/integration/test_tracking.py checks it on a real run)."""
 
@@ -131,7 +131,7 @@ def test_a_model_made_by_a_driver_killed_before_it_linked_its_step_is_linked_by_
     without metrics beside the run's points of that step: the attempt that finishes the run links them."""
     from mlflow.tracking import MlflowClient
 
-    from orchestrator.models.checkpoints import create_checkpoint_model
+    from orchestrator.tracking.checkpoint_models import create_checkpoint_model
     from orchestrator.tracking.lineage import dataset_entity
 
     tracker = MlflowTracker(TrackingConfig(uri=store, experiment="checkpoints-killed"), "killed-run",

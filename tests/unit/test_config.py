@@ -6,7 +6,7 @@ import pytest
 
 from orchestrator.config import flatten, load_config, parse_override, to_dict
 from orchestrator.errors import ConfigError
-from orchestrator.models.zoo import check_model_options
+from orchestrator.run.model_checks import check_model_options
 
 
 def write(tmp_path: Path, text: str) -> Path:

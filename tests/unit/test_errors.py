@@ -11,8 +11,8 @@ import pytest
 
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError
-from orchestrator.models.zoo import check_model_build, check_model_options
 from orchestrator.run.checks import resolve_for_data
+from orchestrator.run.model_checks import check_model_build, check_model_options
 from pipelines.sources import DatasetInfo
 
 ROOT = Path(__file__).resolve().parents[2]

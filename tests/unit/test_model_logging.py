@@ -53,8 +53,8 @@ def mlp_from_file(in_features: int, num_classes: int) -> torch.nn.Module:
 
 
 def _log(config: Config, info: Any, weights: dict[str, Any]) -> str:
-    from orchestrator.models.flavour import log_final_model
     from orchestrator.tracking.client import MlflowTracker
+    from orchestrator.tracking.flavour import log_final_model
 
     tracker = MlflowTracker(config.tracking, "model-logging")
     log_final_model(tracker, config, info, lambda: weights)
@@ -148,7 +148,7 @@ def test_a_builder_reading_a_relative_file_is_logged(tmp_path: Path, digits_dir:
         torch.testing.assert_close(loaded(x), trained(x))
 
 
-# The pyfunc flavour: feature columns by name, answers in the task's terms (orchestrator/models/pyfunc.py).
+# The pyfunc flavour: feature columns by name, answers in the task's terms (orchestrator/tracking/pyfunc.py).
 
 
 def tiny_mlp(in_features: int, num_classes: int) -> torch.nn.Module:
@@ -265,7 +265,7 @@ def test_the_built_in_gpt_is_logged_and_its_pyfunc_predicts_the_next_token_of_it
     # model's positions end there, so the input example and what pyfunc is given are windows of that length.
     import mlflow
 
-    from orchestrator.models.checks import in_features
+    from orchestrator.models.inputs import in_features
     from orchestrator.models.zoo import build_model
     from orchestrator.run.checks import resolve_for_data
     from pipelines.batches import collate_sample

@@ -270,7 +270,7 @@ def test_compile_and_auto_micro_batch_are_refused_under_fsdp_naming_the_keys(ran
 
 
 def test_final_weights_are_put_together_from_the_shards_on_one_process(ranks: list[dict[str, Any]]) -> None:
-    from orchestrator.models.flavour import checkpoint_weights
+    from orchestrator.tracking.flavour import checkpoint_weights
 
     gathered = ranks[0]["export"]["weights"]
     weights = checkpoint_weights(ranks[0]["export"]["path"])

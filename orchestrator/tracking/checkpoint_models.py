@@ -5,7 +5,7 @@ A checkpoint model is external (MLflow's `mlflow.model.isExternal` tag): its fil
 wrote them, and nothing is uploaded; its `checkpoint` param and tag hold their URI. Its step is a param and the
 step of the run's output that names it; the metrics of that step are linked to it by the tracker (tracking/lineage.py,
 `log_metric(..., model_id=...)` with the dataset they were measured on). The run's final weights stay the loadable
-MLflow Model `model` (models/flavour.py). Only the driver calls this; the tracker makes every call best-effort."""
+MLflow Model `model` (tracking/flavour.py). Only the driver calls this; the tracker makes every call best-effort."""
 
 from __future__ import annotations
 

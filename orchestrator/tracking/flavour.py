@@ -1,6 +1,6 @@
 """The final weights as an MLflow Model in the run: `mlflow.pytorch.load_model("runs:/<run_id>/model")` gives the
 trained module back, `mlflow.pyfunc.load_model(...).predict(frame)` takes the feature columns by name and answers
-in the task's terms (models/pyfunc.py), and `mlflow.register_model("runs:/<run_id>/model", name)` registers it.
+in the task's terms (tracking/pyfunc.py), and `mlflow.register_model("runs:/<run_id>/model", name)` registers it.
 
 The model is rebuilt on the driver's CPU from the resolved config, given the final checkpoint's weights, and saved
 with an input example and a signature from real rows (the training data's sample) run through it. Logging is
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.config import Config
-from orchestrator.models.checks import in_features
+from orchestrator.models.inputs import in_features
 from orchestrator.tracking.client import MlflowTracker
 from orchestrator.tracking.tracker import Tracker
 from pipelines.sources import DatasetInfo
@@ -147,7 +147,7 @@ def _rebuild(config: Config, info: DatasetInfo, weights: dict[str, Any]) -> tupl
 
 
 def _pyfunc_settings(config: Config, info: DatasetInfo) -> tuple[dict[str, Any], Any] | None:
-    """models/pyfunc.py's settings for this model and an input example (the sample rows' feature columns as a
+    """pyfunc.py's settings for this model and an input example (the sample rows' feature columns as a
     DataFrame); None where a row's columns cannot be stacked as they come (a variable-length list, whose padding
     and mask training's collate makes): then MLflow's own pytorch pyfunc (one array in, the raw output out)."""
     import pyarrow as pa
@@ -170,12 +170,12 @@ def _pyfunc_settings(config: Config, info: DatasetInfo) -> tuple[dict[str, Any],
 
 
 def _add_task_pyfunc(model: Any, path: Path, settings: dict[str, Any], frame: Any) -> None:
-    """Make the saved model's `python_function` flavour models/pyfunc.py's (shipped in the model's code/ folder):
+    """Make the saved model's `python_function` flavour pyfunc.py's (shipped in the model's code/ folder):
     its signature names the feature columns and the task's outputs, from the example run through it here."""
     from mlflow.models import Model, infer_signature
     from mlflow.models.utils import _save_example
 
-    from orchestrator.models.pyfunc import LOADER_MODULE, SETTINGS_FILE, TaskPredictor
+    from orchestrator.tracking.pyfunc import LOADER_MODULE, SETTINGS_FILE, TaskPredictor
 
     mlmodel = Model.load(str(path))
     flavor = mlmodel.flavors.get("python_function")
