@@ -1,10 +1,13 @@
 """The one typed config tree: defaults < YAML file < `--set dotted.key=value`, validated before Ray starts.
 
-`schema.py` holds `Config` and the sections of what is trained and searched, `run_sections.py` the others,
-`base.py` what they are built on; `load.py` reads YAML and overrides and words validation errors; `space.py` parses
-Tune's search space; `batching.py` holds the batch arithmetic; `reference.py` the meaning of every key."""
+The sections sit in files named for their role: `model.py`, `task.py`, `train.py` (train, optim, autopilot),
+`cluster.py` (scaling, cluster), `resilience.py` (checkpoint, storage, failure), `tracking.py` (tracking, cost);
+`tree.py` holds `Config`, the whole tree with its cross-section checks, and the tune section; `base.py` what the
+sections are built on; `load.py` reads YAML and overrides and words validation errors; `space.py` parses Tune's
+search space; `batching.py` holds the batch arithmetic; `reference.py` the meaning of every key."""
 
 from orchestrator.config.base import flatten, suggest
+from orchestrator.config.cluster import ClusterConfig, ScalingConfig
 from orchestrator.config.load import (
     config_from_dict,
     either,
@@ -17,29 +20,12 @@ from orchestrator.config.load import (
     to_yaml,
     with_values,
 )
-from orchestrator.config.run_sections import (
-    AutopilotConfig,
-    CheckpointConfig,
-    ClusterConfig,
-    CostConfig,
-    FailureConfig,
-    ScalingConfig,
-    StorageConfig,
-    TrackingConfig,
-)
-from orchestrator.config.schema import (
-    MAX_SEED,
-    TASK_KINDS,
-    USER_TASK,
-    Config,
-    ModelConfig,
-    OptimConfig,
-    Precision,
-    TaskConfig,
-    TaskKind,
-    TrainConfig,
-    TuneConfig,
-)
+from orchestrator.config.model import ModelConfig
+from orchestrator.config.resilience import CheckpointConfig, FailureConfig, StorageConfig
+from orchestrator.config.task import TASK_KINDS, USER_TASK, TaskConfig, TaskKind
+from orchestrator.config.tracking import CostConfig, TrackingConfig
+from orchestrator.config.train import MAX_SEED, AutopilotConfig, OptimConfig, Precision, TrainConfig
+from orchestrator.config.tree import Config, TuneConfig
 
 __all__ = [
     "MAX_SEED", "TASK_KINDS", "USER_TASK", "AutopilotConfig", "CheckpointConfig", "ClusterConfig", "Config",

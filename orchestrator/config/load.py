@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from orchestrator.config.base import suggest
-from orchestrator.config.schema import Config
+from orchestrator.config.tree import Config
 from orchestrator.errors import ConfigError
 
 

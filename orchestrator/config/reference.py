@@ -1,8 +1,9 @@
-"""The config reference, generated from the schema's field descriptions (schema.py and pipelines/config.py), so
-that the meaning of a key is written once, next to its type and default: `markdown()` is docs/config.md (a test
-keeps the page current; regenerate it with `python -m orchestrator.config.reference > docs/config.md`), and
-`explain(config)` is a resolved config as YAML with each key's meaning as a `#` comment above it, which loads back
-to the same config. A leaf like the rest of orchestrator/config: pydantic and YAML only."""
+"""The config reference, generated from the sections' field descriptions (the files of orchestrator/config/ and
+pipelines/config.py), so that the meaning of a key is written once, next to its type and default: `markdown()` is
+docs/config.md (a test keeps the page current; regenerate it with `python -m orchestrator.config.reference >
+docs/config.md`), and `explain(config)` is a resolved config as YAML with each key's meaning as a `#` comment
+above it, which loads back to the same config. A leaf like the rest of orchestrator/config: pydantic and YAML
+only."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from orchestrator.config.load import to_dict
-from orchestrator.config.schema import Config, ModelConfig
+from orchestrator.config.model import ModelConfig
+from orchestrator.config.tree import Config
 
 REGENERATE = "python -m orchestrator.config.reference > docs/config.md"
 # A `model:` key that is not a field of ModelConfig is an option of the model's builder.

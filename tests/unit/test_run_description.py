@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config import load_config
-from orchestrator.config.schema import TASK_KINDS
+from orchestrator.config.task import TASK_KINDS
 from orchestrator.tracking.client import MlflowTracker
 from orchestrator.tracking.view import headline_note
 

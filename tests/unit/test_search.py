@@ -161,7 +161,7 @@ def test_best_yaml_loads_unchanged_with_the_best_values(tmp_path: Path) -> None:
 def test_best_yaml_trains_at_an_ordinary_runs_cadence_not_the_studys(tmp_path: Path) -> None:
     """A study reports and evaluates often (ASHA compares trials at every report); retraining the winner at that
     cadence would spend most of its time evaluating. What the study searched stays as the best trial had it."""
-    from orchestrator.config.schema import TrainConfig
+    from orchestrator.config.train import TrainConfig
     from orchestrator.tuning.results import best_yaml
 
     base = study(LR, "train.log_every=10", "train.eval_every=10", "train.max_steps=40", "checkpoint.every=20")
