@@ -1,5 +1,5 @@
-"""Reading a config: YAML files, `--set dotted.key=value` overrides, and the one-line wording of a validation
-error that names the key and what it accepts."""
+"""Reading a config: YAML files, `--set dotted.key=value` overrides, and the one-line wording of
+a validation error that names the key and what it accepts."""
 
 from __future__ import annotations
 
@@ -23,13 +23,15 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     for depth, key in enumerate(keys[:-1]):
         child = node.setdefault(key, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"--set {dotted}: '{'.'.join(keys[: depth + 1])}' is a value, not a section")
+            raise ConfigError(f"--set {dotted}: '{'.'.join(keys[: depth + 1])}' is a value, not a "
+                              "section")
         node = child
     node[keys[-1]] = value
 
 
 def parse_override(item: str) -> tuple[str, Any]:
-    """'optim.lr=1e-3' -> ('optim.lr', 0.001); the value is parsed as YAML (numbers, lists, null)."""
+    """'optim.lr=1e-3' -> ('optim.lr', 0.001); the value is parsed as YAML (numbers, lists,
+    null)."""
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set '{item}' must look like section.key=value")
@@ -51,11 +53,13 @@ def _section_model(annotation: Any) -> Any:
     members = [m for m in typing.get_args(annotation) if m is not type(None)]
     if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(members) == 1:
         annotation = members[0]
-    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    is_section = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+    return annotation if is_section else None
 
 
 def _is_union(annotation: Any) -> bool:
-    """A union whose members pydantic tries one by one, reporting an error per member (`X | None` is not one)."""
+    """A union whose members pydantic tries one by one, reporting an error per member (`X | None`
+    is not one)."""
     members = [m for m in typing.get_args(annotation) if m is not type(None)]
     return typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(members) > 1
 
@@ -73,7 +77,8 @@ def _field_names(loc: tuple[Any, ...]) -> list[str]:
 
 @functools.cache
 def _keys_by_leaf() -> dict[str, list[str]]:
-    """Every dotted key of the tree, sections included, by its last part: {'lr': ['optim.lr'], ...}."""
+    """Every dotted key of the tree, sections included, by its last part: {'lr': ['optim.lr'],
+    ...}."""
     found: dict[str, list[str]] = {}
 
     def walk(model: type[BaseModel], prefix: str) -> None:
@@ -98,16 +103,17 @@ def keys_elsewhere(name: str, section: str) -> list[str]:
     return [key for key in _keys_by_leaf().get(name, []) if key.rpartition(".")[0] != section]
 
 
-# Names other libraries (transformers, Lightning, timm) give keys of ours, too unlike ours for a spelling match.
+# Names other libraries (transformers, Lightning, timm) give keys of ours, too unlike ours for a
+# spelling match.
 _SYNONYMS = {"learning_rate": ("lr",), "batch_size": ("global_batch_size", "micro_batch_size"),
              "clip_grad_norm": ("max_grad_norm",), "gradient_clip_val": ("max_grad_norm",),
              "warmup": ("warmup_steps",), "gradient_accumulation_steps": ("grad_accum_steps",)}
 
 
 def _unknown_key_hint(loc: tuple[str, ...]) -> str:
-    """' (did you mean ...?)': a synonym's key in any section (optim.learning_rate -> optim.lr), the same name in
-    another section (lr -> optim.lr, train.lr -> optim.lr), else the closest key of its own section
-    (optim.lrr -> optim.lr), else ''."""
+    """' (did you mean ...?)': a synonym's key in any section (optim.learning_rate -> optim.lr),
+    the same name in another section (lr -> optim.lr, train.lr -> optim.lr), else the closest key
+    of its own section (optim.lrr -> optim.lr), else ''."""
     synonyms = _SYNONYMS.get(loc[-1], ())
     elsewhere = ([key for leaf in synonyms for key in _keys_by_leaf().get(leaf, [])] if synonyms
                  else keys_elsewhere(loc[-1], ".".join(loc[:-1])))
@@ -117,9 +123,10 @@ def _unknown_key_hint(loc: tuple[str, ...]) -> str:
 
 
 def _locate(loc: tuple[Any, ...]) -> tuple[tuple[str, ...], tuple[str, ...] | None, Any]:
-    """An error location as (dotted key parts, the key of the union field the error is one member's error of, that
-    field): pydantic puts a tag per union member into the location (num_workers.int, num_workers.list[int]) and
-    list indices, neither of which is a key the user can set."""
+    """An error location as (dotted key parts, the key of the union field the error is one
+    member's error of, that field): pydantic puts a tag per union member into the location
+    (num_workers.int, num_workers.list[int]) and list indices, neither of which is a key the user
+    can set."""
     key: list[str] = []
     model: Any = Config
     field: Any = None
@@ -131,19 +138,21 @@ def _locate(loc: tuple[Any, ...]) -> tuple[tuple[str, ...], tuple[str, ...] | No
             model = _section_model(field.annotation)
             key.append(part)
         elif field is not None and model is None and _is_union(field.annotation):
-            return tuple(key), tuple(key), field  # `part` is the member's tag; what follows is inside the member
+            # `part` is the member's tag; what follows is inside the member
+            return tuple(key), tuple(key), field
         else:
             model, field = None, None
             key.append(part)
     return tuple(key), None, None
 
 
-_NOUNS = {int: ("a whole number", "whole numbers"), float: ("a number", "numbers"), str: ("a string", "strings"),
-          bool: ("true or false", "booleans")}
+_NOUNS = {int: ("a whole number", "whole numbers"), float: ("a number", "numbers"),
+          str: ("a string", "strings"), bool: ("true or false", "booleans")}
 
 
 def _accepts(field: Any) -> str:
-    """What a union field takes, in words: its `accepts` note (json_schema_extra), else read off its members."""
+    """What a union field takes, in words: its `accepts` note (json_schema_extra), else read off
+    its members."""
     extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
     if extra.get("accepts"):
         return str(extra["accepts"])
@@ -155,11 +164,13 @@ def _accepts(field: Any) -> str:
         if origin is Literal:
             words += [str(arg) for arg in args]
         elif origin is list:
-            words.append(f"a list of {_NOUNS[args[0]][1]}" if args and args[0] in _NOUNS else "a list")
+            words.append(f"a list of {_NOUNS[args[0]][1]}" if args and args[0] in _NOUNS
+                         else "a list")
         elif origin is dict:
             words.append("a mapping")
         else:
-            words.append(_NOUNS[member][0] if member in _NOUNS else getattr(member, "__name__", str(member)))
+            words.append(_NOUNS[member][0] if member in _NOUNS
+                         else getattr(member, "__name__", str(member)))
     if type(None) in typing.get_args(field.annotation):
         words.append("null")
     return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
@@ -173,9 +184,11 @@ def _shown(value: Any) -> str:
 
 
 def format_validation_error(exc: ValidationError) -> str:
-    """One line, one clause per problem, naming the dotted key; for typos, the closest valid key; for a value that
-    fits no member of a union, the key once and what it takes (not one clause per member, tagged with its type)."""
-    clauses: list[str | tuple[str, ...]] = []  # a union's clause is written once all its members' errors are in
+    """One line, one clause per problem, naming the dotted key; for typos, the closest valid key;
+    for a value that fits no member of a union, the key once and what it takes (not one clause
+    per member, tagged with its type)."""
+    # A union's clause is written once all its members' errors are in.
+    clauses: list[str | tuple[str, ...]] = []
     members: dict[tuple[str, ...], list[Any]] = {}
     fields: dict[tuple[str, ...], Any] = {}
     for err in exc.errors():
@@ -193,10 +206,13 @@ def format_validation_error(exc: ValidationError) -> str:
             clauses.append(f"config key '{key}': {msg}" if loc else f"config: {msg}")
 
     def union_clause(union: tuple[str, ...]) -> str:
-        value = min(members[union], key=lambda err: len(err["loc"]))["input"]  # the field's value, not an item's
-        return f"config key '{'.'.join(union)}': give {_accepts(fields[union])}, got {_shown(value)}"
+        # The field's value, not an item's.
+        value = min(members[union], key=lambda err: len(err["loc"]))["input"]
+        key = ".".join(union)
+        return f"config key '{key}': give {_accepts(fields[union])}, got {_shown(value)}"
 
-    return "; ".join(clause if isinstance(clause, str) else union_clause(clause) for clause in clauses)
+    return "; ".join(clause if isinstance(clause, str) else union_clause(clause)
+                     for clause in clauses)
 
 
 def config_from_dict(tree: dict[str, Any]) -> Config:
@@ -208,7 +224,8 @@ def config_from_dict(tree: dict[str, Any]) -> Config:
 
 
 def _closest_file(file: Path) -> str:
-    """' (did you mean 'examples/digits.yaml'?)': the most similar file name in the directory `file` names."""
+    """' (did you mean 'examples/digits.yaml'?)': the most similar file name in the directory
+    `file` names."""
     try:
         names = [entry.name for entry in file.parent.iterdir() if entry.is_file()]
     except OSError:
@@ -217,19 +234,22 @@ def _closest_file(file: Path) -> str:
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:
-    """' at line L, column C: problem' from PyYAML's several-line report (which quotes the file around the mark)."""
+    """' at line L, column C: problem' from PyYAML's several-line report (which quotes the file
+    around the mark)."""
     mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
     if mark is None or not problem:
         return ": " + " ".join(str(exc).split())
     text = f"{problem}"
     context, start = getattr(exc, "context", None), getattr(exc, "context_mark", None)
-    if context and start is not None and start.line != mark.line:  # e.g. the line where an unclosed [ opened
+    # e.g. the line where an unclosed [ opened
+    if context and start is not None and start.line != mark.line:
         text += f" ({context} that starts at line {start.line + 1}, column {start.column + 1})"
     return f" at line {mark.line + 1}, column {mark.column + 1}: {' '.join(text.split())}"
 
 
 def read_yaml_mapping(path: str | Path, what: str, missing_hint: str = "") -> dict[str, Any]:
-    """A YAML file holding a mapping (empty: {}); ConfigError naming `what` and the file otherwise."""
+    """A YAML file holding a mapping (empty: {}); ConfigError naming `what` and the file
+    otherwise."""
     file = Path(path)
     if file.is_dir():
         raise ConfigError(f"{what} '{path}' is a directory, not a YAML file")
@@ -251,8 +271,10 @@ def read_yaml_mapping(path: str | Path, what: str, missing_hint: str = "") -> di
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults < YAML file < overrides; raises ConfigError with one clear line."""
     tree = read_yaml_mapping(path, "config file") if path is not None else {}
-    # Where each model option came from, for the message that refuses one (models.check_model_options).
-    origins = {key: str(path) for key in tree["model"]} if isinstance(tree.get("model"), dict) else {}
+    # Where each model option came from, for the message that refuses one
+    # (models.check_model_options).
+    model = tree.get("model")
+    origins = {key: str(path) for key in model} if isinstance(model, dict) else {}
     for item in overrides or []:
         key, value = parse_override(item)
         _set_dotted(tree, key, value)
@@ -261,7 +283,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         elif key.startswith("model.") and key.count(".") == 1:
             origins[key.removeprefix("model.")] = "--set"
     config = config_from_dict(tree)
-    config.model._origins = {key: origin for key, origin in origins.items() if key in config.model.kwargs}
+    config.model._origins = {key: origin for key, origin in origins.items()
+                             if key in config.model.kwargs}
     return config
 
 

@@ -1,9 +1,10 @@
-"""The config reference, generated from the sections' field descriptions (the files of orchestrator/config/ and
-pipelines/config.py), so that the meaning of a key is written once, next to its type and default: `markdown()` is
-docs/config.md (a test keeps the page current; regenerate it with `python -m orchestrator.config.reference >
-docs/config.md`), and `explain(config)` is a resolved config as YAML with each key's meaning as a `#` comment
-above it, which loads back to the same config. A leaf like the rest of orchestrator/config: pydantic and YAML
-only."""
+"""The config reference, generated from the sections' field descriptions (the files of
+orchestrator/config/ and pipelines/config.py), so that the meaning of a key is written once, next
+to its type and default: `markdown()` is docs/config.md (a test keeps the page current;
+regenerate it with `python -m orchestrator.config.reference > docs/config.md`), and
+`explain(config)` is a resolved config as YAML with each key's meaning as a `#` comment above it,
+which loads back to the same config. A leaf like the rest of orchestrator/config: pydantic and
+YAML only."""
 
 from __future__ import annotations
 
@@ -26,13 +27,15 @@ from orchestrator.config.tree import Config
 
 REGENERATE = "python -m orchestrator.config.reference > docs/config.md"
 # A `model:` key that is not a field of ModelConfig is an option of the model's builder.
-MODEL_OPTION = "An option of the model's builder, passed as a keyword argument (null: left out, the builder's default)."
+MODEL_OPTION = ("An option of the model's builder, passed as a keyword argument (null: left out, "
+                "the builder's default).")
 WIDTH = 116  # comment lines of explain() wrap here
 
 
 @dataclass(frozen=True)
 class Key:
-    """One key of the config tree: its dotted name, its field, and the section model it opens (None for a value)."""
+    """One key of the config tree: its dotted name, its field, and the section model it opens
+    (None for a value)."""
 
     name: str
     field: FieldInfo
@@ -41,7 +44,8 @@ class Key:
 
 def _section_of(annotation: Any) -> type[BaseModel] | None:
     """The model a field holds when it is a section (`data`, `data.s3`), else None."""
-    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    is_section = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+    return annotation if is_section else None
 
 
 def keys(model: type[BaseModel] = Config, prefix: str = "") -> Iterator[Key]:
@@ -54,7 +58,8 @@ def keys(model: type[BaseModel] = Config, prefix: str = "") -> Iterator[Key]:
 
 
 def description(key: str) -> str:
-    """The meaning of a dotted key (`model.<option>` included); KeyError for a key the tree does not have."""
+    """The meaning of a dotted key (`model.<option>` included); KeyError for a key the tree does
+    not have."""
     found = {k.name: k.field.description for k in keys()}
     if key not in found and key.startswith("model.") and key.count(".") == 1:
         return MODEL_OPTION
@@ -71,7 +76,8 @@ _NOUNS = {int: "integer", float: "number", str: "string", bool: "true/false"}
 
 
 def takes(field: FieldInfo) -> str:
-    """What a key takes, in a few words: its `accepts` note (json_schema_extra), else read off its type."""
+    """What a key takes, in a few words: its `accepts` note (json_schema_extra), else read off
+    its type."""
     extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
     if extra.get("accepts"):
         return str(extra["accepts"])
@@ -83,7 +89,8 @@ def takes(field: FieldInfo) -> str:
         if origin is Literal:
             words += [str(arg) for arg in args]
         elif origin is list:
-            words.append(f"list of {_NOUNS.get(args[0], 'values')}s" if args and args[0] in _NOUNS else "list")
+            words.append(f"list of {_NOUNS.get(args[0], 'values')}s" if args and args[0] in _NOUNS
+                         else "list")
         elif origin is dict:
             words.append("mapping")
         else:
@@ -101,7 +108,9 @@ def _default(field: FieldInfo) -> str:
         return "(required)"
     else:
         value = field.default
-    return json.dumps(value) if isinstance(value, (list, dict)) else yaml.safe_dump(value).split("\n")[0]
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)
+    return yaml.safe_dump(value).split("\n")[0]
 
 
 def _cell(text: str) -> str:
@@ -115,22 +124,24 @@ def _row(key: Key) -> str:
 
 
 def markdown() -> str:
-    """docs/config.md: every section with its description, every key with its default, what it takes, its meaning."""
+    """docs/config.md: every section with its description, every key with its default, what it
+    takes, its meaning."""
     sections = [k for k in keys() if k.section is not None]
     out = [
         "# Config reference",
         "",
-        "<!-- Generated from the schema's field descriptions (orchestrator/config/, pipelines/config.py) "
-        f"by `{REGENERATE}`: edit those, then regenerate. tests/unit/test_config_reference.py checks it is "
-        "current. -->",
+        "<!-- Generated from the schema's field descriptions (orchestrator/config/, "
+        f"pipelines/config.py) by `{REGENERATE}`: edit those, then regenerate. "
+        "tests/unit/test_config_reference.py checks it is current. -->",
         "",
-        "Every key of the config, with its default and meaning. Precedence: the defaults below < `--config FILE.yaml` "
-        "< repeated `--set dotted.key=value` (values parse as YAML). Every key is validated before Ray starts; a "
-        "typo or a bad value exits with status 2 and one line naming the key. "
-        "`orchestrator show-config --config FILE.yaml` prints the resolved config (derived values filled in), and "
-        "with `--explain` each key's meaning from this page as a comment above it; with `--plan` the config "
-        "resolved for the data and the run's plan (data, model, memory, price, place, resume), checked as `train` "
-        "checks it before Ray starts.",
+        "Every key of the config, with its default and meaning. Precedence: the defaults below < "
+        "`--config FILE.yaml` < repeated `--set dotted.key=value` (values parse as YAML). Every "
+        "key is validated before Ray starts; a typo or a bad value exits with status 2 and one "
+        "line naming the key. `orchestrator show-config --config FILE.yaml` prints the resolved "
+        "config (derived values filled in), and with `--explain` each key's meaning from this page "
+        "as a comment above it; with `--plan` the config resolved for the data and the run's plan "
+        "(data, model, memory, price, place, resume), checked as `train` checks it before Ray "
+        "starts.",
         "",
         "Sections: " + ", ".join(f"[{k.name}](#{k.name.replace('.', '')})" for k in sections) + ".",
         "",
@@ -147,29 +158,36 @@ def markdown() -> str:
         for k in keys():
             if k.name.startswith(prefix) and "." not in k.name[len(prefix):] and k.section is None:
                 out.append(_row(k))
-        nested = [k for k in sections if k.name.startswith(prefix) and "." not in k.name[len(prefix):]]
+        nested = [k for k in sections
+                  if k.name.startswith(prefix) and "." not in k.name[len(prefix):]]
         if nested:
-            out += ["", "Sub-sections: " + ", ".join(f"[{k.name}](#{k.name.replace('.', '')})" for k in nested) + "."]
+            links = ", ".join(f"[{k.name}](#{k.name.replace('.', '')})" for k in nested)
+            out += ["", f"Sub-sections: {links}."]
         if section.section is ModelConfig:
-            out += ["", f"Any other key under `model`: {MODEL_OPTION[0].lower()}{MODEL_OPTION[1:-1]}; e.g. "
-                    "`model.hidden` and `model.dropout` for `mlp`."]
+            out += ["", "Any other key under `model`: "
+                    f"{MODEL_OPTION[0].lower()}{MODEL_OPTION[1:-1]}; e.g. `model.hidden` and "
+                    "`model.dropout` for `mlp`."]
     return "\n".join(out) + "\n"
 
 
 def _comment(text: str, indent: str) -> list[str]:
-    return textwrap.wrap(" ".join(text.split()), width=WIDTH - len(indent), initial_indent=f"{indent}# ",
-                         subsequent_indent=f"{indent}# ", break_on_hyphens=False, break_long_words=False)
+    return textwrap.wrap(" ".join(text.split()), width=WIDTH - len(indent),
+                         initial_indent=f"{indent}# ", subsequent_indent=f"{indent}# ",
+                         break_on_hyphens=False, break_long_words=False)
 
 
 def _value_lines(name: str, value: Any, indent: str) -> list[str]:
-    """`name: value` as YAML at this indent (a list or a mapping in flow style where it holds only scalars)."""
-    flow = None if isinstance(value, (list, dict)) else False  # None would write a scalar's pair as {name: value}
+    """`name: value` as YAML at this indent (a list or a mapping in flow style where it holds
+    only scalars)."""
+    # None would write a scalar's pair as {name: value}
+    flow = None if isinstance(value, (list, dict)) else False
     text = yaml.safe_dump({name: value}, sort_keys=False, default_flow_style=flow, width=10**6)
     return [indent + line for line in text.splitlines()]
 
 
 def explain(config: Config) -> str:
-    """The resolved config as YAML (what `show-config` prints), each key's meaning as a `#` comment above it."""
+    """The resolved config as YAML (what `show-config` prints), each key's meaning as a `#`
+    comment above it."""
     sections = {k.name for k in keys() if k.section is not None}
     lines = ["# The resolved config; each key's meaning above it (all of them: docs/config.md)."]
 
