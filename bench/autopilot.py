@@ -36,7 +36,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +48,9 @@ from _common import scratch_run
 
 from orchestrator.config import Config, load_config, to_dict
 from orchestrator.run.checks import check_run
+from orchestrator.training.handoff import WorkerSpec
 from orchestrator.training.precision import resolve_precision
-from orchestrator.training.worker import Seat, rank_config, train_rank
+from orchestrator.training.worker import Seat, Shards, rank_config, train_rank
 from orchestrator.tuning.trial import start_as_fresh_process
 from pipelines.datasets import cache_decision, inspect_datasets
 from pipelines.prepare import prepare_synthetic, prepare_text
@@ -79,9 +80,8 @@ class Experiment:
         # What the driver hands a worker (trainer.build_inputs), with the cache decision a local cluster's default
         # object store (30% of the memory) makes for this data; no epoch clock (no Ray).
         store = 0.3 * psutil.virtual_memory().total
-        self.spec = {"in_features": checked.in_features, "epoch_clock": None, "metrics_queue": None,
-                     "cache_decision": cache_decision(cfg.data, infos, store), "sample": infos["train"].sample,
-                     "node_ranks": None}
+        self.spec = WorkerSpec({}, checked.in_features, cache_decision=cache_decision(cfg.data, infos, store),
+                               sample=infos["train"].sample)
         columns = [*cfg.data.features, *([cfg.data.label] if cfg.data.label else [])]
         self.table = pq.read_table(cfg.data.train, columns=columns)  # the shards in path order, as the run reads
 
@@ -148,7 +148,7 @@ class Marks:
 def train_here(exp: Experiment, settings: list[str], done: Callable[[Marks], bool]) -> Marks:
     """One run of `exp` with `settings`, trained in a thread of its own until `done`; returns its reports."""
     cfg = load_config(None, [*exp.overrides, *settings])
-    spec = {**exp.spec, "config": to_dict(cfg.model_copy(update={"model": exp.cfg.model}))}  # num_classes resolved
+    spec = replace(exp.spec, config=to_dict(cfg.model_copy(update={"model": exp.cfg.model})))  # num_classes resolved
     marks, failure = Marks(done), []
 
     def rank() -> None:
@@ -156,8 +156,8 @@ def train_here(exp: Experiment, settings: list[str], done: Callable[[Marks], boo
             start_as_fresh_process()
             torch.set_num_threads(exp.cpus)  # what Ray's OMP_NUM_THREADS gives a worker of cpus_per_worker
             rank_cfg = rank_config(spec, world=1)
-            train_rank(spec, rank_cfg, Seat(1, 0, CPU, time.time()), lambda: None, TableShard(exp.table), None,
-                       marks, notices=None)
+            train_rank(spec, rank_cfg, Seat(1, 0, CPU, time.time()), lambda: None,
+                       Shards(TableShard(exp.table), None), marks, notices=None)
         except Enough:
             pass
         except BaseException as exc:  # noqa: BLE001  (reported by the caller's thread)
@@ -186,7 +186,7 @@ def measured_enough(window_steps: int, window_s: float, after: Callable[[Marks],
     return done
 
 
-# The grid: the candidates of the autopilot's search (AUTOPILOT.md), every combination.
+# The grid: the candidates of the autopilot's search (docs/autopilot.md), every combination.
 
 @dataclass(frozen=True)
 class Point:
@@ -290,7 +290,7 @@ def run_grid(exp: Experiment, points: list[Point], starts: list[Point], args: ar
 class AutopilotRun:
     rate: float  # steady state after the search: the median over the readings
     steps: int  # steps in that steady window
-    table: dict[str, Any]  # the autopilot's report (AUTOPILOT.md's contract)
+    table: dict[str, Any]  # the autopilot's report (docs/autopilot.md's contract)
     wall_3000: float  # the search's seconds plus the rest of a RUN_STEPS run at `rate`
     rates: list[float] = field(default_factory=list)  # every reading's steady state, this run's first
 

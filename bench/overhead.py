@@ -126,7 +126,7 @@ def host_reads(args: argparse.Namespace, data: Path) -> tuple[float, float]:
     from reads import HostReads
 
     from orchestrator.config import load_config
-    from orchestrator.training.loop import run
+    from orchestrator.training.loop import Data, run
     from orchestrator.training.parts import build_parts
     from pipelines.batches import collate_arrow
 
@@ -145,7 +145,7 @@ def host_reads(args: argparse.Namespace, data: Path) -> tuple[float, float]:
         def checkpoint(self, metrics: dict, checkpoint_dir: str | None) -> None: ...
 
     with HostReads().around_loop() as reads:
-        run(cfg, parts, source, None, Reports())
+        run(cfg, parts, Data(source), Reports())
     return reads.counts["step"] / (steps - 1), reads.counts["report"] / (steps // 50)
 
 

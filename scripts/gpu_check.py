@@ -167,6 +167,7 @@ def probe() -> int:
     from reads import HostReads
 
     from orchestrator.config import load_config
+    from orchestrator.training.loop import Data
     from orchestrator.training.loop import run as run_loop
     from orchestrator.training.parts import build_parts
 
@@ -198,8 +199,8 @@ def probe() -> int:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     with HostReads(sync_debug=True).around_loop() as reads:
-        run_loop(cfg, parts, lambda epoch: [{"x": x[i:i + 16], "labels": y[i:i + 16]} for i in range(0, len(x), 16)],
-                 None, reports)
+        run_loop(cfg, parts, Data(lambda epoch: [{"x": x[i:i + 16], "labels": y[i:i + 16]}
+                                                 for i in range(0, len(x), 16)]), reports)
     last = reports.metrics[-1]
     waits = reads.counts.get("step", 0) + reads.syncs.get("step", 0)
     finite = all(math.isfinite(m["train_loss"]) for m in reports.metrics)

@@ -256,7 +256,7 @@ MUTANTS = (
            "if accum and accum % 2 == 0:", "if micro:", ("tests/unit/test_doctor_rules.py",)),
     # A real two-trial study on local Ray (about 40 s): the trials share one reused actor.
     Mutant("a Tune trial's epoch clock outlives it in its reused actor", "orchestrator/tuning/trial.py",
-           '            release_epoch_clock(spec["epoch_clock"])\n', "            pass\n",
+           '            release_epoch_clock(spec.epoch_clock)\n', "            pass\n",
            ("tests/integration/test_tune.py::test_a_second_trial_in_the_same_actor_starts_as_a_fresh_process_would",)),
     Mutant("a study's CPU memory budget ignores its other trials at once", "orchestrator/tuning/search.py",
            "    at_once = trials_at_once * workers\n", "    at_once = workers\n",

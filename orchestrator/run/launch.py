@@ -8,7 +8,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from orchestrator.tracking.flavour import checkpoint_weights, log_final_model
 from orchestrator.tracking.tracker import FencedTracker, Tracker, closed_on_error, direct, start_tracker
 from orchestrator.tracking.uri import mask_password
 from orchestrator.training.fence import Fence
+from orchestrator.training.handoff import WorkerSpec
 from orchestrator.training.stop import STOP_FILE
 from pipelines.config import is_remote
 from pipelines.sources import DatasetInfo
@@ -140,7 +141,7 @@ class _Inputs:
     """What a run's TorchTrainer is built from: its report queue, the ranks' spec and its datasets."""
 
     queue: Any
-    spec: dict[str, Any]
+    spec: WorkerSpec
     datasets: dict[str, Any]
 
 
@@ -177,7 +178,7 @@ def _build_inputs(plan: RunPlan, started_ray: bool, log: RunLog) -> _Inputs:
     spec, datasets = build_inputs(config, plan.datasets, plan.place.name,
                                   plan.resume.cache_decision if plan.resume else None, queue)
     plan.place.remove(STOP_FILE)  # a stop asked of an earlier attempt (Ctrl+C, then --resume) is not this one's
-    spec["stop_request"] = (plan.place.storage, f"{plan.place.path}/{STOP_FILE}")
+    spec = replace(spec, stop_request=(plan.place.storage, f"{plan.place.path}/{STOP_FILE}"))
     log.divert()  # Ray Data sets up its loggers on first use
     return _Inputs(queue, spec, datasets)
 
@@ -343,7 +344,7 @@ def _fit(plan: RunPlan, inputs: _Inputs, opening: Alongside, verbose: bool, cloc
     config, place = plan.config, plan.place
     handle = _Reports(plan, opening, verbose, clock, history, private_cluster, attempt, warm_up)
     queue = inputs.queue
-    spec = inputs.spec | {"attempt": (place.storage, place.path, fence.mine)}  # rank 0 watches for a newer claim
+    spec = replace(inputs.spec, attempt=(place.storage, place.path, fence.mine))  # rank 0 watches for a newer claim
     trainer = build_trainer(config, spec, inputs.datasets, place,
                             [ForwardFailures(queue), ForwardCheckpoints(queue)])
     log.divert()  # Ray Train sets up its loggers on first use

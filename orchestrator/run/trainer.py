@@ -7,12 +7,14 @@ import os
 import sys
 import uuid
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from orchestrator.config import Config, to_dict
 from orchestrator.errors import ConfigError, UserError
 from orchestrator.models.inputs import in_features
 from orchestrator.run.place import RunPlace
+from orchestrator.training.handoff import WorkerSpec
 from pipelines.config import DataConfig
 from pipelines.datasets import CACHE_DECISIONS, REPLAY, WHOLE_TRAIN, build_datasets, cache_decision
 from pipelines.held import HeldRows
@@ -36,23 +38,23 @@ def ingest_options() -> Any:
                             verbose_progress=current.verbose_progress)
 
 
-def build_trainer(config: Config, spec: dict[str, Any], datasets: dict[str, Any], place: RunPlace,
+def build_trainer(config: Config, spec: WorkerSpec, datasets: dict[str, Any], place: RunPlace,
                   callbacks: list[Any]) -> Any:
     import ray
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from orchestrator.training.warm import WarmTorchConfig, train_entry
+    from orchestrator.training.warm import WarmTorchConfig, loop_config, train_entry
 
     options = ingest_options()
     s = config.scaling
     if config.failure.mode == "replicas":
         # Ray Train 2.60 hands a replaced replica group a dataset manager of its own (of size 1), whose sharded
         # iterator waits forever for a rank 0 that never asks: each replica reads the datasets itself, unsplit.
-        spec, datasets = spec | {"replica_datasets": datasets}, {}
+        spec, datasets = replace(spec, replica_datasets=datasets), {}
     return TorchTrainer(
         train_entry,
-        train_loop_config=spec,
+        train_loop_config=loop_config(spec),
         scaling_config=ray.train.ScalingConfig(
             num_workers=(s.min_workers, s.max_workers) if s.elastic else s.num_workers, use_gpu=s.use_gpu,
             resources_per_worker={"CPU": s.cpus_per_worker}, accelerator_type=s.accelerator_type,
@@ -147,8 +149,8 @@ def build_run(config: Config, infos: Mapping[str, DatasetInfo], place: RunPlace,
 
 
 def build_inputs(config: Config, infos: dict[str, DatasetInfo], name: str, saved: str | None,
-                 metrics_queue: Any, node_ranks: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """What the ranks of run `name` are handed (train_worker's spec) and its datasets, fed under the cache decision
+                 metrics_queue: Any, node_ranks: int | None = None) -> tuple[WorkerSpec, dict[str, Any]]:
+    """What the ranks of run `name` are handed (a WorkerSpec) and its datasets, fed under the cache decision
     of the checkpoint it resumes from (`saved`), else the one data.cache and the object store make now.
     `node_ranks`: in a study, the ranks of all its trials that may share a node's memory (memory_plan.ranks_per_node),
     which a CPU rank's `micro_batch_size=auto` divides the node's memory by; else the run's own ranks on the node."""
@@ -166,9 +168,9 @@ def build_inputs(config: Config, infos: dict[str, DatasetInfo], name: str, saved
              if config.data.shuffle and decision != REPLAY and config.failure.mode != "replicas" else None)
     if clock:
         create_epoch_clock(clock)
-    spec = {"config": to_dict(config), "in_features": in_features(config, infos["train"]), "epoch_clock": clock,
-            "cache_decision": decision, "metrics_queue": metrics_queue, "sample": infos["train"].sample,
-            "node_ranks": node_ranks, "train_rows": _rows_known(config, infos["train"])}
+    spec = WorkerSpec(to_dict(config), in_features(config, infos["train"]), epoch_clock=clock, cache_decision=decision,
+                      metrics_queue=metrics_queue, sample=infos["train"].sample, node_ranks=node_ranks,
+                      train_rows=_rows_known(config, infos["train"]))
     context = DataContext.get_current()
     context.execution_options.preserve_order = True
     context.print_on_execution_start = False  # one log line per epoch per dataset otherwise
@@ -183,8 +185,9 @@ def build_inputs(config: Config, infos: dict[str, DatasetInfo], name: str, saved
         if clock:  # no run to end it with (a Tune trial's process outlives the trial)
             release_epoch_clock(clock)
         raise
-    spec["held"] = {name: ds for name, ds in datasets.items() if isinstance(ds, HeldRows)}
-    datasets = {name: ds for name, ds in datasets.items() if name not in spec["held"]}
+    held = {name: ds for name, ds in datasets.items() if isinstance(ds, HeldRows)}
+    spec = replace(spec, held=held)
+    datasets = {name: ds for name, ds in datasets.items() if name not in held}
     return spec, datasets | ({WHOLE_TRAIN: datasets["train"]} if "train" in datasets else {})
 
 

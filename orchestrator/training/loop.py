@@ -55,6 +55,31 @@ class NonFiniteLossError(UserError):
     """The loss became NaN/inf; continuing would only write a broken model."""
 
 
+@dataclass(frozen=True)
+class Data:
+    """Where the loop's rows come from: `train(epoch)`, that epoch's training micro-batches; `val()`, the validation
+    batches (None: no evaluation); `resize(micro)`, the training data cut at another micro-batch from the next one
+    on (RankBatches.resize; None where the data cannot be re-cut)."""
+
+    train: Callable[[int], Iterable[Batch]]
+    val: Callable[[], Iterable[Batch]] | None = None
+    resize: Callable[[int], None] | None = None
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What one run's reports read besides their interval: the config, the built parts, the data, where reports go,
+    where the run stands (`progress`, which the steps move on) and, under failure.mode=replicas, this worker's
+    replica."""
+
+    cfg: Config
+    parts: Parts
+    data: Data
+    reporter: Reporter
+    progress: Progress
+    replicas: Replicas | None
+
+
 @dataclass
 class Interval:
     """The steps since the last report. Their results stay on the device, kept as they came: adding them up is left
@@ -158,25 +183,24 @@ def _check_finite_weights(parts: Parts, step: int) -> None:
 def run(
     cfg: Config,
     parts: Parts,
-    train_batches: Callable[[int], Iterable[Batch]],
-    val_batches: Callable[[], Iterable[Batch]] | None,
+    data: Data,
     reporter: Reporter,
     progress: Progress | None = None,
     notices: Notices | None = None,
     facts: dict[str, Any] | None = None,
-    resize: Callable[[int], None] | None = None,
     replicas: Replicas | None = None,
 ) -> dict[str, Any]:
-    """Train to `cfg.train.max_steps`, publishing metrics every `log_every` steps; returns the last metrics.
-    `notices` (a drained node, the user's stop) make the next reports save; a stop ends the loop there. `facts` go
-    out once, with the first report of this (re)start, together with when (`at/*`, epoch seconds) the loop started,
-    had its first batch, ended its first step: start-up's breakdown.
-    `resize` cuts the data at another micro-batch (RankBatches.resize); `replicas`: see training/replicas.py."""
+    """Train to `cfg.train.max_steps` on `data`, publishing metrics every `log_every` steps; returns the last
+    metrics. `notices` (a drained node, the user's stop) make the next reports save; a stop ends the loop there.
+    `facts` go out once, with the first report of this (re)start, together with when (`at/*`, epoch seconds) the
+    loop started, had its first batch, ended its first step: start-up's breakdown. `replicas`: see
+    training/replicas.py."""
     t = cfg.train
     assert t.max_steps is not None and isinstance(t.grad_accum_steps, int)  # resolved before the loop
     progress = progress or Progress()
-    stream = micro_batches(train_batches, progress, parts.device)
-    cadence = Cadence(cfg, val_batches is not None, notices, parts.device, progress)
+    this = _Run(cfg, parts, data, reporter, progress, replicas)
+    stream = micro_batches(data.train, progress, parts.device)
+    cadence = Cadence(cfg, data.val is not None, notices, parts.device, progress)
     metrics: dict[str, Any] = {}
     once = dict(facts or {}) | device_facts(parts.device) | {"at/loop": time.time()}
     flops: float | None = None  # counted on this process's first step
@@ -194,7 +218,7 @@ def run(
             if flops is None:  # this process's first step, also after a resume
                 flops, result, interval = _first_step(parts, batch, interval, once)
             elif pilot is not None:
-                result, pilot, pieces = _search_step(pilot, parts, batch, interval.timer, once, resize, pieces)
+                result, pilot, pieces = _search_step(pilot, parts, batch, interval.timer, once, data.resize, pieces)
             else:
                 result = train_step(parts, batch, interval.timer)
             if replicas is not None and not replicas.step_done(result, t.global_batch_size):
@@ -209,10 +233,7 @@ def run(
                 parts.comm_bytes += parts.local_sgd.average(unwrap(parts.model))
         if due is None:
             continue
-        metrics, interval = _report(due, interval, progress, parts, reporter, val_batches,
-                                    once | cadence.figures() | {"flops_per_sample": flops},
-                                    _group_peak(parts, t.peak_tflops, replicas), t.micro_batch_size,
-                                    t.max_nonfinite_steps)
+        metrics, interval = _report(this, due, interval, once | cadence.figures() | {"flops_per_sample": flops})
         once = {}
     return metrics
 
@@ -311,13 +332,13 @@ def _one_model(parts: Parts, step: int, last: bool, timer: PhaseTimer) -> Iterat
                 tensor.copy_(mine)
 
 
-def _report(due: Due, interval: Interval, progress: Progress, parts: Parts, reporter: Reporter,
-            val_batches: Callable[[], Iterable[Batch]] | None, once: dict[str, Any], peak: float | None,
-            micro_batch_size: int | str | None, max_nonfinite: int) -> tuple[dict[str, Any], Interval]:
-    """A report step: the interval's figures summed over ranks, evaluation and a checkpoint when due, then the
-    report. Returns its metrics and the next interval, which starts before the report so that time blocked in
-    registering the checkpoint is billed to it as "report". `once`: figures sent with this report only."""
-    world = ranks.world()[1]
+def _report(this: _Run, due: Due, interval: Interval, once: dict[str, Any]) -> tuple[dict[str, Any], Interval]:
+    """A report step of run `this`: the interval's figures summed over ranks, evaluation and a checkpoint when due,
+    then the report. Returns its metrics and the next interval, which starts before the report so that time blocked
+    in registering the checkpoint is billed to it as "report". `once`: figures sent with this report only."""
+    parts, progress, reporter, t = this.parts, this.progress, this.reporter, this.cfg.train
+    world, peak = ranks.world()[1], _group_peak(parts, t.peak_tflops, this.replicas)
+    max_nonfinite, micro_batch_size = t.max_nonfinite_steps, t.micro_batch_size
     # Raises on a non-finite loss before anything is evaluated or saved: a broken model is never persisted.
     metrics, samples, targets = _interval_metrics(interval, progress, parts, world, max_nonfinite)
     if due.drain:
@@ -326,7 +347,7 @@ def _report(due: Due, interval: Interval, progress: Progress, parts: Parts, repo
     with _one_model(parts, progress.step, due.last, interval.timer) if due.eval or due.checkpoint else nullcontext():
         if due.eval:
             with interval.timer.phase("eval"):
-                metrics |= evaluate(parts, val_batches())  # type: ignore[misc]
+                metrics |= evaluate(parts, this.data.val())  # type: ignore[misc]
         with interval.timer.phase("checkpoint"):
             if due.checkpoint:
                 _check_finite_weights(parts, progress.step)

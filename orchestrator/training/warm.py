@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray.train.torch import TorchConfig
 from ray.train.torch.config import _TorchBackend
+
+if TYPE_CHECKING:
+    from orchestrator.training.handoff import WorkerSpec
 
 _imports: threading.Thread | None = None
 
@@ -31,15 +34,22 @@ def _import_training() -> None:
     import orchestrator.training.worker  # noqa: F401
 
 
-def train_entry(spec: dict[str, Any]) -> dict[str, Any]:
-    """The function Ray Train runs on every worker (see orchestrator.training.worker.train_worker). The wait for
-    the imports is worker set-up in the start-up breakdown: what of them Ray's own start did not hide."""
+def loop_config(spec: WorkerSpec) -> dict[str, Any]:
+    """TorchTrainer's `train_loop_config` for `spec`: Ray Train keeps its run settings as a dict, so the spec
+    crosses inside one, under one key that `train_entry` reads."""
+    return {"spec": spec}
+
+
+def train_entry(config: dict[str, Any]) -> dict[str, Any]:
+    """The function Ray Train runs on every worker (see orchestrator.training.worker.train_worker), given
+    `loop_config`'s dict. The wait for the imports is worker set-up in the start-up breakdown: what of them Ray's
+    own start did not hide."""
     entered = time.time()
     if _imports is not None:
         _imports.join()
     from orchestrator.training.worker import train_worker
 
-    return train_worker(spec, entered)
+    return train_worker(config["spec"], entered)
 
 
 class _WarmBackend(_TorchBackend):

@@ -21,7 +21,8 @@ from orchestrator.training.autopilot import kept_config
 from orchestrator.training.cadence import Notices
 from orchestrator.training.checkpoint import Progress, restore, unwrap
 from orchestrator.training.fence import rank_fence
-from orchestrator.training.loop import Reporter, run
+from orchestrator.training.handoff import WorkerSpec
+from orchestrator.training.loop import Data, Reporter, run
 from orchestrator.training.micro_batch import for_world_size, with_auto_micro_batch
 from orchestrator.training.parts import Parts, build_parts, compile_model
 from orchestrator.training.position import data_position, rest_of_epoch
@@ -29,39 +30,35 @@ from orchestrator.training.precision import flush_denormals
 from orchestrator.training.reporting import RayReporter
 from orchestrator.training.resume import loadable_checkpoint, read_checkpoint
 from orchestrator.training.stop import StopWatch
-from pipelines.batches import RankBatches, collate_sample
+from pipelines.batches import collate_sample
 from pipelines.datasets import REPLAY, WHOLE_TRAIN
+from pipelines.feed import RankBatches, RankOrder
 from pipelines.shards import StridedShard
 from pipelines.storage import Storage, fetch_prefix
 
 
-def train_worker(spec: dict[str, Any], entered: float) -> dict[str, Any]:
-    """A rank's training, from training/warm.py's `train_entry` (the function TorchTrainer runs).
-    `spec` = {"config": resolved config dict, "in_features": int or None,
-    "epoch_clock": name or None, "cache_decision": how the driver feeds the train data (pipelines.datasets:
-    stream, memory or replay: the workers replay their first pass under replay; saved with every checkpoint's data
-    position), "metrics_queue": Ray queue or None, "sample": the first rows of the training data (an Arrow table),
-    "held": {name: HeldRows} of small data the ranks split themselves, instead of Ray Train's dataset shards,
-    "stop_request": the user's stop (training/stop.py), "attempt": this attempt's claim on the run (training/fence.py)}.
-    `entered`: when Ray Train ran the training function (training/warm.py)."""
+def train_worker(spec: WorkerSpec, entered: float) -> dict[str, Any]:
+    """A rank's training, from training/warm.py's `train_entry` (the function TorchTrainer runs), handed `spec`
+    (training/handoff.py). `entered`: when Ray Train ran the training function (training/warm.py)."""
     quiet_train_report_log()
     context = ray.train.get_context()
     world, rank = context.get_world_size(), context.get_world_rank()
     cfg = rank_config(spec, world)
     seat = Seat(world, rank, ray.train.torch.get_device(), entered)
-    reporter = RayReporter(spec.get("metrics_queue"), cfg.checkpoint.upload)
+    reporter = RayReporter(spec.metrics_queue, cfg.checkpoint.upload)
     if cfg.failure.mode == "replicas":  # each replica reads the datasets whole (trainer.build_trainer says why)
-        datasets = spec["replica_datasets"]
+        datasets = spec.replica_datasets or {}
         train_shard: Any = datasets["train"].iterator()
         val_shard = datasets["val"].iterator() if cfg.data.val is not None else None
     else:
         train_shard = rank_shard(spec, "train", seat, ray.train.get_dataset_shard)
         val_shard = rank_shard(spec, "val", seat, ray.train.get_dataset_shard) if cfg.data.val is not None else None
     try:
-        return train_rank(spec, cfg, seat, checkpoint_to_resume, train_shard, val_shard, reporter,
+        return train_rank(spec, cfg, seat, checkpoint_to_resume,
+                          Shards(train_shard, val_shard, lambda: whole_train(spec, seat)), reporter,
                           Notices(preempted if cfg.checkpoint.on_preemption else None,
-                                  stop_asked(spec.get("stop_request"), rank), rank_fence(spec.get("attempt"), rank)),
-                          announce=reporter.publish, whole_train=lambda: whole_train(spec, seat))
+                                  stop_asked(spec.stop_request, rank), rank_fence(spec.attempt, rank)),
+                          announce=reporter.publish)
     except Exception as exc:
         mark_where_raised(exc)  # the driver decides from it whether a restart would fail the same way
         raise
@@ -79,23 +76,34 @@ class Seat:
     entered: float
 
 
-def rank_shard(spec: dict[str, Any], name: str, seat: Seat, otherwise: Callable[[str], Any]) -> Any:
+@dataclass(frozen=True)
+class Shards:
+    """The rank's data as Ray Train (or a Tune trial) hands it over: its training shard, its validation shard
+    (None without data.val) and `whole_train`, the training data unsplit, read when an epoch that a group of another
+    size began is finished here (pipelines/rest.py); None where no such epoch can come."""
+
+    train: Any
+    val: Any | None
+    whole_train: Callable[[], Any] | None = None
+
+
+def rank_shard(spec: WorkerSpec, name: str, seat: Seat, otherwise: Callable[[str], Any]) -> Any:
     """The rank's shard of dataset `name`: its part of held small data (pipelines/held.py), else `otherwise(name)`
     (Ray Train's split of the training data, its whole iterator of the validation data, of which the rank keeps its
     stride; in a Tune trial the whole iterator). Training takes equal parts (the ranks' steps stay aligned);
     validation takes every row once, so its figures do not depend on the world size."""
-    held = (spec.get("held") or {}).get(name)
+    held = spec.held.get(name)
     if held is not None:
         return held.shard(seat.rank, seat.world, seat.device, equal=name == "train")
     shard = otherwise(name)
     return StridedShard(shard, seat.rank, seat.world) if name != "train" and seat.world > 1 else shard
 
 
-def rank_config(spec: dict[str, Any], world: int) -> Config:
+def rank_config(spec: WorkerSpec, world: int) -> Config:
     """The run's config for a rank of a `world`-rank group, with this thread's denormal setting and torch's thread
     count applied (before its first parallel op, see flush_denormals): the first thing a rank does, under Ray Train
     or in a Tune trial."""
-    cfg = for_world_size(config_from_dict(spec["config"]), world)
+    cfg = for_world_size(config_from_dict(spec.config), world)
     if cfg.train.torch_threads is not None:  # None: Ray's OMP_NUM_THREADS, the worker's CPUs
         torch.set_num_threads(cfg.train.torch_threads)
     flush_denormals(cfg.train.flush_denormal)
@@ -104,54 +112,51 @@ def rank_config(spec: dict[str, Any], world: int) -> Config:
     return cfg
 
 
-def train_rank(spec: dict[str, Any], cfg: Config, seat: Seat, load_state: Callable[[], dict[str, Any] | None],
-               train_shard: Any, val_shard: Any | None, reporter: Reporter,
-               notices: Notices | None,
-               announce: Callable[[dict[str, Any]], None] | None = None,
-               whole_train: Callable[[], Any] | None = None) -> dict[str, Any]:
-    """One rank from its device on: model, optimizer and data wired from `spec` (see train_worker), the checkpoint
+def train_rank(spec: WorkerSpec, cfg: Config, seat: Seat, load_state: Callable[[], dict[str, Any] | None],
+               shards: Shards, reporter: Reporter, notices: Notices | None,
+               announce: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """One rank from its device on: model, optimizer and data (`shards`) wired from `spec`, the checkpoint
     `load_state` returns restored, then `loop.run`. Shared by Ray Train's workers and a one-worker Tune trial that
     trains in its own process (tuning/trial.py): same seed, same set-up, same loop, same figures. `announce` gets
-    `what_runs` before the first step (rank 0's goes to the driver's terminal). `whole_train`: the training data
-    unsplit, read when an epoch that a group of another size began is finished here (pipelines/rest.py)."""
+    `what_runs` before the first step (rank 0's goes to the driver's terminal)."""
     device = seat.device
     pretrained = fetch_pretrained(cfg.model.pretrained, cfg.data.s3) if cfg.model.pretrained else None
     state = load_state()
     read_at = time.time()
     cfg = kept_config(cfg, state, seat.world)  # the autopilot's choice of sync and (at this size) micro-batch
-    decision = spec.get("cache_decision")
+    decision = spec.cache_decision
     epoch, start = data_position(state, decision, seat.world)
     rest = None
     if (seen := rest_of_epoch(state, decision, seat.world)) is not None:
-        if whole_train is None:
+        if shards.whole_train is None:
             raise RuntimeError(f"epoch {epoch} was begun by another group: this rank cannot read its rest")
-        rest = (epoch, seen, whole_train)
+        rest = (epoch, seen, shards.whole_train)
     data = None
     if isinstance(cfg.train.micro_batch_size, int) and cfg.failure.mode != "replicas":
         # The micro-batch is known before the model: the first step's data is fetched while the model is built.
-        data = rank_batches(spec, cfg, seat, train_shard, val_shard, rest)
+        data = rank_batches(spec, cfg, seat, shards.train, shards.val, rest)
         if (state or {}).get("progress", {}).get("step", 0) < cfg.train.max_steps:  # type: ignore[operator]
             data.prefetch(epoch, start, cfg.train.grad_accum_steps)  # type: ignore[arg-type]
-    parts = build_parts(cfg, spec["in_features"], device, pretrained)
+    parts = build_parts(cfg, spec.in_features, device, pretrained)
     # When the group's last worker entered (the ranks have met in the model's first broadcast by now, so this waits
     # for none): a restart's stages then tell a late worker's start (on a replacement node) from rank 0's set-up.
     last_in = ranks.all_reduce_max([seat.entered], device)[0]
     named = cfg.model.inputs is not None
     if cfg.train.micro_batch_size == "auto":
         # Before the checkpoint is restored: probing touches weights and optimizer state, then puts them back.
-        cfg = with_auto_micro_batch(cfg, parts, state, collate_sample(spec["sample"], cfg.data, named),
-                                    spec.get("node_ranks"))
+        cfg = with_auto_micro_batch(cfg, parts, state, collate_sample(spec.sample, cfg.data, named),
+                                    spec.node_ranks)
     if cfg.train.compile:
         compile_model(parts)
     progress = restore(parts, state, decision) if state is not None else Progress(cache_decision=decision)
-    attempt = spec.get("attempt")  # this attempt's claim, which its checkpoints' manifests name (resume.unloadable)
+    attempt = spec.attempt  # this attempt's claim, which its checkpoints' manifests name (resume.unloadable)
     progress.attempt = attempt[2].name if attempt else None
     # A restart's recovery stages: the checkpoint read, then the model built and the checkpoint restored into it.
     restored = {"at/checkpoint_read": read_at, "at/checkpoint_loaded": time.time()} if state is not None else {}
     del state  # the model and optimizer hold their copies now
 
     t = cfg.train
-    data = data or rank_batches(spec, cfg, seat, train_shard, val_shard, rest)
+    data = data or rank_batches(spec, cfg, seat, shards.train, shards.val, rest)
     # Facts only a worker knows, sent with the first report of every (re)start.
     facts = {"precision": parts.precision.mode, "grad_accum_steps": t.grad_accum_steps,
              "global_batch": t.micro_batch_size * t.grad_accum_steps * seat.world,  # type: ignore[operator]
@@ -160,9 +165,9 @@ def train_rank(spec: dict[str, Any], cfg: Config, seat: Seat, load_state: Callab
     if announce is not None:
         announce(what_runs(parts, cfg, seat, progress.step))
     if cfg.failure.mode == "replicas":
-        return run_replica(cfg, parts, data, reporter, progress, facts, seat, spec.get("train_rows"))
-    return run(cfg, parts, data.train, data.val if cfg.data.val is not None else None, reporter, progress,
-               notices, facts, resize=data.resize)
+        return run_replica(cfg, parts, data, reporter, progress, facts, seat, spec.train_rows)
+    return run(cfg, parts, Data(data.train, data.val if cfg.data.val is not None else None, data.resize), reporter,
+               progress, notices, facts)
 
 
 def what_runs(parts: Parts, cfg: Config, seat: Seat, step: int) -> dict[str, Any]:
@@ -179,17 +184,17 @@ def what_runs(parts: Parts, cfg: Config, seat: Seat, step: int) -> dict[str, Any
             "max_steps": t.max_steps, "from_step": step}
 
 
-def rank_batches(spec: dict[str, Any], cfg: Config, seat: Seat, train_shard: Any, val_shard: Any | None,
+def rank_batches(spec: WorkerSpec, cfg: Config, seat: Seat, train_shard: Any, val_shard: Any | None,
                  rest: tuple[int, np.ndarray, Callable[[], Any]] | None = None) -> RankBatches:
     """The rank's micro-batches, cut at the config's (resolved) micro-batch size. `rest`: (epoch, the ids it has
     trained on, the training data unsplit) of an epoch that a group of another size began, finished here."""
     t = cfg.train
     # Under failure.mode=replicas every replica reads the same sequence (training/replicas.py: StepRows): rank 0's.
     rank = 0 if cfg.failure.mode == "replicas" else seat.rank
-    data = RankBatches(cfg.data, train_shard, val_shard,
-                       t.micro_batch_size, t.seed, rank, spec.get("epoch_clock"),  # type: ignore[arg-type]
-                       replay=spec.get("cache_decision") == REPLAY, named=cfg.model.inputs is not None,
-                       schema=getattr(spec.get("sample"), "schema", None),  # decides the padded columns
+    order = RankOrder(t.seed, rank, spec.epoch_clock, replay=spec.cache_decision == REPLAY)
+    data = RankBatches(cfg.data, train_shard, val_shard, t.micro_batch_size, order,  # type: ignore[arg-type]
+                       named=cfg.model.inputs is not None,
+                       schema=getattr(spec.sample, "schema", None),  # decides the padded columns
                        pin_memory=seat.device.type == "cuda")
     if rest is not None:
         epoch, seen, whole = rest
@@ -197,10 +202,10 @@ def rank_batches(spec: dict[str, Any], cfg: Config, seat: Seat, train_shard: Any
     return data
 
 
-def whole_train(spec: dict[str, Any], seat: Seat) -> Any:
+def whole_train(spec: WorkerSpec, seat: Seat) -> Any:
     """The training data unsplit, as every rank of a Ray Train group reads it for a rest pass: held small data
     whole, else Ray Train's unsplit iterator of it (trainer.WHOLE_TRAIN)."""
-    held = (spec.get("held") or {}).get("train")
+    held = spec.held.get("train")
     return held.shard(0, 1, seat.device) if held is not None else ray.train.get_dataset_shard(WHOLE_TRAIN)
 
 
@@ -219,7 +224,7 @@ def run_replica(cfg: Config, parts: Any, data: RankBatches, reporter: Reporter, 
                     seat.device)
     replicas = join_replicas(parts, progress, seat.rank, cfg.scaling.max_workers, rows)
     try:
-        metrics = run(cfg, parts, data.train, data.val if cfg.data.val is not None else None,
+        metrics = run(cfg, parts, Data(data.train, data.val if cfg.data.val is not None else None),
                       ReplicaReporter(reporter, replicas), progress, None, facts, replicas=replicas)
         replicas.finish()
         return metrics

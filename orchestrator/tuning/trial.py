@@ -26,7 +26,7 @@ from orchestrator.run.place import RunPlace
 from orchestrator.run.trainer import RunFailedError, build_inputs, build_run, root_cause
 from orchestrator.training.checkpoint import manifest_cache_decision
 from orchestrator.training.resume import loadable_checkpoint
-from orchestrator.training.worker import Seat, rank_config, rank_shard, state_of, train_rank
+from orchestrator.training.worker import Seat, Shards, rank_config, rank_shard, state_of, train_rank
 from orchestrator.tuning.autopilot import find_board, post_choice, trial_config_with_choice
 from orchestrator.tuning.search import trial_config
 from pipelines.order import release_epoch_clock
@@ -120,11 +120,11 @@ def train_in_trial(config: Config, infos: dict[str, DatasetInfo], name: str, nod
 
         val = rank_shard(spec, "val", seat, whole) if cfg.data.val is not None else None
         train = rank_shard(spec, "train", seat, whole)  # one rank: its shard is the whole data
-        train_rank(spec, cfg, seat, lambda: state_of(checkpoint), train, val, TrialReporter(on_report),
-                   notices=None, whole_train=lambda: train)
+        train_rank(spec, cfg, seat, lambda: state_of(checkpoint), Shards(train, val, lambda: train),
+                   TrialReporter(on_report), notices=None)
     finally:  # Tune stops a trial in a reused actor by raising SystemExit in its thread at a report
-        if spec["epoch_clock"]:
-            release_epoch_clock(spec["epoch_clock"])
+        if spec.epoch_clock:
+            release_epoch_clock(spec.epoch_clock)
 
 
 _FRESH: dict[str, Any] = {}  # the process-global torch settings this process started with

@@ -251,7 +251,7 @@ def test_trials_at_once_are_bounded_by_the_gpus_too(overrides: list[str], resour
 def test_metric_list_matches_what_the_loop_reports() -> None:
     """tune.metric may only name what loop.py reports: fails if the loop stops reporting a listed key."""
     from orchestrator.models.zoo import build_model
-    from orchestrator.training.loop import run
+    from orchestrator.training.loop import Data, run
     from orchestrator.training.optim import build_optimizer
     from orchestrator.training.parts import Parts
     from orchestrator.training.precision import Precision
@@ -277,7 +277,7 @@ def test_metric_list_matches_what_the_loop_reports() -> None:
     data = [{"x": x[i:i + 16], "labels": y[i:i + 16]} for i in range(0, 64, 16)]
     VAL_METRICS = val_metrics(cfg)  # noqa: N806
     recorder = Recorder()
-    run(cfg, parts, lambda epoch: data, lambda: data, recorder)
+    run(cfg, parts, Data(lambda epoch: data, lambda: data), recorder)
     reports = [metrics for metrics, _ in recorder.reports]
     # Subsets: a new loop metric is only searchable once listed; a listed metric must really be reported.
     assert set(TRAIN_METRICS) <= set(reports[0]) and not set(VAL_METRICS) & set(reports[0])

@@ -18,7 +18,7 @@ from orchestrator.report.cost import Pricing, build_ledger
 from orchestrator.report.startup import STAGES, StartupClock
 from orchestrator.run.result import run_summary
 from orchestrator.tracking.view import chart_key, headline_keys, logged_as, mlflow_key
-from orchestrator.training.loop import run
+from orchestrator.training.loop import Data, run
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts
 from orchestrator.training.precision import Precision
@@ -138,7 +138,7 @@ def reported() -> set[str]:
     x = torch.randn(64, 4)
     rows = [{"x": x[i:i + 16], "labels": x[i:i + 16, :3].argmax(1)} for i in range(0, 64, 16)]
     reports = _Reports()
-    run(cfg, parts, lambda epoch: rows, lambda: rows[:1], reports)
+    run(cfg, parts, Data(lambda epoch: rows, lambda: rows[:1]), reports)
     for report in reports.history:
         report["elapsed_s"] = 1.0  # the driver stamps each report's arrival (launch.py)
     clock = StartupClock(0.0, dict.fromkeys(STAGES, 1.0))

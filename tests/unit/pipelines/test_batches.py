@@ -222,7 +222,7 @@ def test_every_micro_batch_handed_to_the_copy_is_pinned_and_contiguous(
     Trimmed micro-batches (views of their padded chunk), a micro-batch across two chunks, a replayed pass and a
     reshuffled one, and the validation batches alike."""
     from orchestrator.config import load_config
-    from pipelines.batches import RankBatches
+    from pipelines.feed import RankBatches, RankOrder
 
     pins = FakePins()
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda tensor, device=None: pins.pin_memory(tensor))
@@ -230,7 +230,7 @@ def test_every_micro_batch_handed_to_the_copy_is_pinned_and_contiguous(
     columns = ["data.features=[tokens]", "data.label=null"] if padded else ["data.features=[features]"]
     data = load_config(None, [*columns, f"data.shuffle={str(shuffle).lower()}"]).data
     train, val = RowShard(300, 0, padded), RowShard(101, 1, padded)
-    batches = RankBatches(data, train, val, 8, seed=0, rank=0, epoch_clock=None, replay=replay, named=padded,
+    batches = RankBatches(data, train, val, 8, RankOrder(seed=0, rank=0, replay=replay), named=padded,
                           schema=train.table.schema, pin_memory=True)
     handed = [b for epoch in range(3) for b in batches.train(epoch)] + list(batches.val()) + list(batches.val())
     assert sum(len(b["labels"]) for b in handed) == 3 * 296 + 2 * 101  # every micro-batch looked at

@@ -12,6 +12,7 @@ import pytest
 import ray
 import torch
 
+from orchestrator.training.handoff import WorkerSpec
 from orchestrator.training.worker import Seat, rank_shard
 from pipelines.batches import FeatureCollate
 from pipelines.held import HeldRows
@@ -30,7 +31,7 @@ def blocks(monkeypatch: pytest.MonkeyPatch) -> list[pa.Table]:
 
 def _ids(held: HeldRows, name: str, rank: int, world: int) -> list[int]:
     """The ids rank `rank` of `world` iterates of split `name`, its shard built as the worker builds it."""
-    shard = rank_shard({"held": {name: held}}, name, Seat(world, rank, CPU, 0.0), lambda _: None)
+    shard = rank_shard(WorkerSpec(config={}, held={name: held}), name, Seat(world, rank, CPU, 0.0), lambda _: None)
     batches = shard.iter_torch_batches(batch_size=2, collate_fn=FeatureCollate(["id"], "label"))
     return [int(v) for batch in batches for v in batch["x"][:, 0].tolist()]
 

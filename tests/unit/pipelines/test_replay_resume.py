@@ -27,6 +27,7 @@ from orchestrator.training.checkpoint import (
     restore,
     save_state,
 )
+from orchestrator.training.loop import Data
 from orchestrator.training.loop import run as run_loop
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts
@@ -238,5 +239,5 @@ def test_the_loop_saves_the_decision_the_worker_runs_under_in_every_checkpoint()
     x = torch.randn(32, 4)
     data = [{"x": x[i:i + 8], "labels": x[i:i + 8, :2].argmax(dim=1)} for i in range(0, 32, 8)]
     reporter = _Manifests()
-    run_loop(cfg, parts, lambda epoch: iter(data), None, reporter, Progress(cache_decision=MEMORY))
+    run_loop(cfg, parts, Data(lambda epoch: iter(data)), reporter, Progress(cache_decision=MEMORY))
     assert reporter.decisions == [MEMORY, MEMORY]

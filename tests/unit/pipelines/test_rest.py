@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from orchestrator.training.position import SEEN, Progress, data_position, micro_batches, rest_of_epoch
-from pipelines.batches import RankBatches
 from pipelines.config import DataConfig
+from pipelines.feed import RankBatches, RankOrder
 from pipelines.rest import ROW_ID, SeenRows, pack_ids, union_packed, unpack_ids, with_row_ids
 from pipelines.rest import rest_of_epoch as rest_pass
 from pipelines.transforms import apply_transforms
@@ -144,8 +144,8 @@ def test_a_replayed_epoch_interrupted_at_2_workers_is_finished_and_replayed_at_3
     def ranks(world: int, progress: list[Progress], rest: tuple[int, np.ndarray] | None = None) -> list[Iterator]:
         streams = []
         for rank in range(world):
-            batches = RankBatches(data, HeldPart(rank, world), None, 60 // world, seed=3, rank=rank,
-                                  epoch_clock=None, replay=True)
+            batches = RankBatches(data, HeldPart(rank, world), None, 60 // world,
+                                  RankOrder(seed=3, rank=rank, replay=True))
             if rest is not None:
                 batches.finish(rest[0], rest[1], HeldPart(0, 1), world)
             streams.append(micro_batches(batches.train, progress[rank], CPU))

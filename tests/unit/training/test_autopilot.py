@@ -30,7 +30,7 @@ from orchestrator.config import Config, load_config
 from orchestrator.training import autopilot
 from orchestrator.training.checkpoint import Progress, load_state, restore
 from orchestrator.training.knobs import Knobs
-from orchestrator.training.loop import run
+from orchestrator.training.loop import Data, run
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts
 from orchestrator.training.precision import Precision, cpu_supports_bf16
@@ -212,7 +212,7 @@ def _train(cfg: Config, model: torch.nn.Module, rank: int = 0, progress: Progres
         torch.set_num_threads(cfg.train.torch_threads)
     torch.set_flush_denormal(cfg.train.flush_denormal)
     source = data or _source(rank, cfg.train.micro_batch_size)  # type: ignore[arg-type]
-    run(cfg, parts, source, None, recorder, progress, resize=getattr(data, "resize", None))
+    run(cfg, parts, Data(source, resize=getattr(data, "resize", None)), recorder, progress)
     return parts, recorder
 
 
@@ -315,7 +315,7 @@ def test_a_resume_applies_the_saved_choice_without_searching(tmp_path: Path, mon
     resumed_parts = _parts(cfg, Net())
     progress = restore(resumed_parts, state)
     resumed = Recorder()
-    run(cfg, resumed_parts, _source(0, 4), None, resumed, progress)
+    run(cfg, resumed_parts, Data(_source(0, 4)), resumed, progress)
     table = _table(resumed)
     assert table["from_checkpoint"] is True and table["rows"] == [] and table["chosen"] == saved
     assert torch.get_num_threads() == saved["torch_threads"]
@@ -503,7 +503,7 @@ def _fp32_runs_out_timed(rank: int) -> dict[str, Any]:
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.train.max_steps or 1)
     parts = Parts(model, optimizer, scheduler, Precision("bf16", CPU), CPU, cfg.optim.max_grad_norm)
     recorder, progress, data = Recorder(), Progress(), Resizable(rank, 4)
-    run(cfg, parts, data, None, recorder, progress, resize=data.resize)
+    run(cfg, parts, Data(data, resize=data.resize), recorder, progress)
     return {"saved": progress.autopilot, "table": _table(recorder) if rank == 0 else None}
 
 

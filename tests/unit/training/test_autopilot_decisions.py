@@ -18,7 +18,7 @@ from test_loop import Recorder
 
 from orchestrator.training import autopilot
 from orchestrator.training.checkpoint import Progress
-from orchestrator.training.loop import run
+from orchestrator.training.loop import Data, run
 
 MICRO = 4  # the configured micro-batch: a step's micro-batch under a candidate is 4 x parts.join / parts.split
 
@@ -56,7 +56,7 @@ def _run(cfg: Any, clock: VirtualClock, monkeypatch: pytest.MonkeyPatch, progres
          recorder: Recorder | None = None) -> tuple[Progress, Recorder]:
     clock.install(monkeypatch)
     progress, recorder = progress or Progress(), recorder or Recorder()
-    run(cfg, _parts(cfg, Net()), _source(0, MICRO), None, recorder, progress)
+    run(cfg, _parts(cfg, Net()), Data(_source(0, MICRO)), recorder, progress)
     return progress, recorder
 
 

@@ -18,7 +18,8 @@ WORKER = ("orchestrator.training.step", "orchestrator.training.loop", "orchestra
           "orchestrator.training.precision", "orchestrator.training.optim", "orchestrator.training.autopilot",
           "orchestrator.training.knobs", "orchestrator.training.micro_batch", "orchestrator.training.memory",
           "orchestrator.training.timing", "orchestrator.training.fsdp", "orchestrator.training.checkpoint",
-          "orchestrator.models.zoo", "orchestrator.models.tasks", "pipelines.tensors", "pipelines.batches")
+          "orchestrator.models.zoo", "orchestrator.models.tasks", "pipelines.tensors", "pipelines.batches",
+          "pipelines.feed")
 
 BARE_RUN = """
 import importlib, json, os, sys
@@ -29,7 +30,7 @@ for module in {worker!r}:
 
 import torch
 from orchestrator.config import load_config
-from orchestrator.training.loop import run
+from orchestrator.training.loop import Data, run
 from orchestrator.training.parts import build_parts
 
 cfg = load_config(None, ["scaling.num_workers=1", "model.hidden=[32]", "model.num_classes=4",
@@ -48,7 +49,7 @@ class Reporter:
     def checkpoint(self, metrics, checkpoint_dir):  # the last step's: a state.pt written without Arrow or Ray
         saved.append(sorted(os.listdir(checkpoint_dir)))
 
-run(cfg, parts, lambda epoch: [{{"x": x[i:i + 8], "labels": y[i:i + 8]}} for i in range(0, 96, 8)], None, Reporter())
+run(cfg, parts, Data(lambda epoch: [{{"x": x[i:i + 8], "labels": y[i:i + 8]}} for i in range(0, 96, 8)]), Reporter())
 loaded = sorted(name for name in {blocked!r} if sys.modules.get(name) is not None)
 print(json.dumps({{"steps": [m["step"] for m in published], "losses": [m["train_loss"] for m in published],
                   "saved": saved, "loaded": loaded}}))

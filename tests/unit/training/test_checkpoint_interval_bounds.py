@@ -70,7 +70,7 @@ def _costs(monkeypatch: pytest.MonkeyPatch, write_s: float, register_s: float) -
                  "train.eval_every=null", "data.val=null")
     x, y = dataset(256)
     recorder = Registering()
-    loop.run(cfg, make_parts(cfg), lambda epoch: batches(x, y, cfg.train.micro_batch_size), None, recorder)
+    loop.run(cfg, make_parts(cfg), loop.Data(lambda epoch: batches(x, y, cfg.train.micro_batch_size)), recorder)
     return [m for m, _ in recorder.reports if "checkpoint/cost_s" in m]
 
 

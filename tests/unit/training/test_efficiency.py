@@ -13,7 +13,7 @@ from orchestrator.config import load_config
 from orchestrator.errors import ConfigError, UserError
 from orchestrator.models.tasks import CausalLM, Classification
 from orchestrator.models.zoo import GPT
-from orchestrator.training.loop import run
+from orchestrator.training.loop import Data, run
 from orchestrator.training.memory import (
     activation_bytes_per_sample,
     divisors_descending,
@@ -149,7 +149,7 @@ def run_digits_like(*overrides: str, delay: float = 0.0, model: torch.nn.Module 
             yield xy(x[i:i + 32], y[i:i + 32])
 
     recorder = Recorder()
-    run(cfg, parts, batches, lambda: [xy(x, y)], recorder)
+    run(cfg, parts, Data(batches, lambda: [xy(x, y)]), recorder)
     return [metrics for metrics, _ in recorder.reports]
 
 

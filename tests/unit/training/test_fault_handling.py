@@ -16,7 +16,7 @@ from orchestrator.config import load_config
 from orchestrator.errors import ConfigError
 from orchestrator.training.cadence import Notices
 from orchestrator.training.checkpoint import MANIFEST, STATE_FILE, check_complete, load_state, restore, save_state
-from orchestrator.training.loop import NonFiniteLossError, run
+from orchestrator.training.loop import Data, NonFiniteLossError, run
 from orchestrator.training.optim import lr_factor
 from orchestrator.training.step import train_step
 
@@ -48,7 +48,7 @@ def test_a_nan_batch_is_skipped_counted_and_never_reaches_the_weights() -> None:
     before = copy.deepcopy(parts.model.state_dict())
     report = Recorder()
     x, y = dataset(64)
-    run(cfg, parts, lambda epoch: batches(x, y, 32), None, report)
+    run(cfg, parts, Data(lambda epoch: batches(x, y, 32)), report)
     metrics = [m for m, _ in report.reports]
     assert [m["nonfinite_skipped"] for m in metrics] == [1, 1]
     assert all(torch.isfinite(torch.tensor(m["train_loss"])) for m in metrics)
@@ -64,7 +64,7 @@ def test_the_non_finite_budget_stops_the_run_with_a_clear_error() -> None:
     x, y = dataset(64)
     x[0, 0] = float("nan")  # in the first batch of every epoch: steps 1, 3, 5
     with pytest.raises(NonFiniteLossError, match=r"3 steps .* more than train.max_nonfinite_steps=2"):
-        run(cfg, parts, lambda epoch: batches(x, y, 32), None, Recorder())
+        run(cfg, parts, Data(lambda epoch: batches(x, y, 32)), Recorder())
 
 
 def test_non_finite_weights_are_never_checkpointed() -> None:
@@ -75,7 +75,7 @@ def test_non_finite_weights_are_never_checkpointed() -> None:
     report = Recorder()
     x, y = dataset(64)
     with pytest.raises(NonFiniteLossError):
-        run(cfg, parts, lambda epoch: batches(x, y, 32), None, report)
+        run(cfg, parts, Data(lambda epoch: batches(x, y, 32)), report)
     assert all(ckpt is None for _, ckpt in report.reports)
 
 
@@ -136,7 +136,7 @@ def test_resume_after_a_resize_continues_at_the_next_epoch_boundary() -> None:
     short = cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_steps": 3})})
     report = Recorder()
     x, y = dataset(256)
-    run(short, make_parts(cfg), lambda epoch: batches(x, y, 32), None, report)
+    run(short, make_parts(cfg), Data(lambda epoch: batches(x, y, 32)), report)
     state = report.reports[-1][1]
     assert state is not None
     same = restore(make_parts(cfg), copy.deepcopy(state))
@@ -164,7 +164,7 @@ def test_a_drain_notice_checkpoints_every_report_until_its_deadline() -> None:
 
     report = Recorder()
     x, y = dataset(384)
-    run(cfg, make_parts(cfg), lambda epoch: batches(x, y, 32), None, report, notices=Notices(preempted))
+    run(cfg, make_parts(cfg), Data(lambda epoch: batches(x, y, 32)), report, notices=Notices(preempted))
     saved = [(m["step"], m.get("drain_checkpoint")) for m, ckpt in report.reports if ckpt is not None]
     assert saved == [(4, 1), (6, None), (8, None), (12, None)]
     assert len(calls) == 6  # asked at every report step
@@ -202,7 +202,7 @@ def test_a_time_cadence_adds_checkpoints_at_report_steps_only() -> None:
     def saved_steps(*overrides: str) -> list[int]:
         cfg = config("train.max_steps=8", "train.log_every=2", "checkpoint.every=8", *overrides)
         report = Recorder()
-        run(cfg, make_parts(cfg), lambda epoch: batches(x, y, 32), None, report)
+        run(cfg, make_parts(cfg), Data(lambda epoch: batches(x, y, 32)), report)
         return [m["step"] for m, ckpt in report.reports if ckpt is not None]
 
     assert saved_steps() == [8]

@@ -13,7 +13,7 @@ from test_loop import Recorder, batches, config, dataset, make_parts
 
 from orchestrator.training.cadence import Notices
 from orchestrator.training.fence import CLAIMS_DIR, Claim, Fence, claim_attempt, read_claims
-from orchestrator.training.loop import run
+from orchestrator.training.loop import Data, run
 from pipelines.storage import open_storage
 
 
@@ -82,7 +82,7 @@ def test_a_superseded_loop_saves_and_reports_nothing_more(tmp_path: Path) -> Non
     cfg = config("train.max_steps=8", "train.log_every=2", "checkpoint.every=4", "data.val=null")
     x, y = dataset(256)
     report = NewerAfterFirstReport()
-    final = run(cfg, make_parts(cfg), lambda epoch: batches(x, y, cfg.train.micro_batch_size), None, report,
+    final = run(cfg, make_parts(cfg), Data(lambda epoch: batches(x, y, cfg.train.micro_batch_size)), report,
                 notices=Notices(superseded=superseded))
     assert [m["step"] for m, _ in report.reports] == [2] and report.saved is None
     assert final["step"] == 2

@@ -283,14 +283,14 @@ def test_final_weights_are_put_together_from_the_shards_on_one_process(ranks: li
 def test_ddp_facts_are_the_whole_model_and_its_adamw_moments() -> None:
     from test_loop import Recorder, batches, config, dataset, make_parts
 
-    from orchestrator.training.loop import run
+    from orchestrator.training.loop import Data, run
 
     cfg = config("train.max_steps=2", "train.log_every=2", "train.eval_every=null", "checkpoint.every=2",
                  "optim.warmup_steps=0")
     parts = make_parts(cfg)
     report = Recorder()
     x, y = dataset(64)
-    run(cfg, parts, lambda epoch: batches(x, y, 32), None, report)
+    run(cfg, parts, Data(lambda epoch: batches(x, y, 32)), report)
     first = report.reports[0][0]
     params = list(parts.model.parameters())
     full = sum(p.numel() * p.element_size() for p in params)

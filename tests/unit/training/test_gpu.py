@@ -14,7 +14,7 @@ from test_loop import Recorder, xy
 from orchestrator.config import load_config
 from orchestrator.models.tasks import CausalLM
 from orchestrator.models.zoo import GPT, mlp
-from orchestrator.training.loop import evaluate, run
+from orchestrator.training.loop import Data, evaluate, run
 from orchestrator.training.memory import GIB, cuda_memory_stats, fit_micro_batch_cuda, restart_peak, under_pressure
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts, build_parts
@@ -66,7 +66,7 @@ def test_a_gpt_trains_between_reports_without_a_single_device_sync(precision: st
     x, y = tokens[:, :-1].contiguous().pin_memory(), tokens[:, 1:].contiguous().pin_memory()  # as RankBatches
     report = Recorder()
     with HostReads(sync_debug=True, profile=True).around_loop() as reads:
-        run(cfg, parts, lambda epoch: [{"x": x[i:i + 8], "labels": y[i:i + 8]} for i in range(0, 640, 8)], None,
+        run(cfg, parts, Data(lambda epoch: [{"x": x[i:i + 8], "labels": y[i:i + 8]} for i in range(0, 640, 8)]),
             report)
     assert reads.steps == 40 and len(report.reports) == 4
     assert reads.counts.get("step", 0) == 0 and reads.syncs.get("step", 0) == 0, (reads.counts, reads.syncs)
@@ -177,7 +177,7 @@ def test_a_search_steps_clock_starts_once_the_device_has_passed_the_ranks_meetin
                              "autopilot.enabled=true", "autopilot.budget=0.2", "optim.warmup_steps=2"])
     parts = build_parts(cfg, 16, CUDA)
     x, y = torch.randn(512, 16).pin_memory(), torch.randint(0, 4, (512,)).pin_memory()
-    run(cfg, parts, lambda epoch: [xy(x[i:i + 8], y[i:i + 8]) for i in range(0, 512, 8)], None, Recorder())
+    run(cfg, parts, Data(lambda epoch: [xy(x[i:i + 8], y[i:i + 8]) for i in range(0, 512, 8)]), Recorder())
     meetings = [i for i, what in enumerate(order) if what == "meet"]
     assert meetings and all(order[i + 1] == "sync" for i in meetings), order[:20]
 
@@ -190,7 +190,7 @@ def test_every_host_micro_batch_is_pinned_and_its_copy_does_not_wait_for_the_dev
     import numpy as np
 
     pa = pytest.importorskip("pyarrow", reason="a bare GPU machine has no Arrow: run under the full .venv")
-    from pipelines.batches import RankBatches
+    from pipelines.feed import RankBatches, RankOrder
     from pipelines.tensors import pinned, to_device
 
     rng = np.random.default_rng(0)
@@ -210,7 +210,7 @@ def test_every_host_micro_batch_is_pinned_and_its_copy_does_not_wait_for_the_dev
                 yield pinned(chunk) if pin_memory else chunk
 
     data = load_config(None, columns).data
-    batches = RankBatches(data, Shard(), Shard(), 8, seed=0, rank=0, epoch_clock=None, replay=True, named=padded,
+    batches = RankBatches(data, Shard(), Shard(), 8, RankOrder(seed=0, rank=0, replay=True), named=padded,
                           schema=table.schema, pin_memory=True)
     handed = [b for epoch in range(2) for b in batches.train(epoch)] + list(batches.val())
     assert all(v.is_pinned() and v.is_contiguous() for b in handed for v in b.values())

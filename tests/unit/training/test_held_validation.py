@@ -14,6 +14,7 @@ import torch
 from gloo_world import run_ranks
 
 from orchestrator.config import load_config
+from orchestrator.training.handoff import WorkerSpec
 from orchestrator.training.loop import evaluate
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts
@@ -44,7 +45,7 @@ def _rank_metrics(rank: int, shared: Path) -> dict[str, float]:
     table = pa.table({"f": pa.FixedSizeListArray.from_arrays(x.reshape(-1), FEATURES), "label": y})
     held = HeldRows([table.slice(0, 4), table.slice(4)])  # two blocks, as the driver holds them
     world = torch.distributed.get_world_size()
-    shard = rank_shard({"held": {"val": held}}, "val", Seat(world, rank, CPU, 0.0), lambda _: None)
+    shard = rank_shard(WorkerSpec(config={}, held={"val": held}), "val", Seat(world, rank, CPU, 0.0), lambda _: None)
     model = _model()
     optimizer, scheduler = build_optimizer(model, load_config(None, []).optim, 1)
     parts = Parts(model, optimizer, scheduler, Precision("fp32", CPU), CPU)

@@ -14,7 +14,7 @@ from gloo import run_two_ranks
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError
 from orchestrator.models.zoo import build_model
-from orchestrator.training.loop import run
+from orchestrator.training.loop import Data, run
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts
 from orchestrator.training.precision import Precision
@@ -63,7 +63,7 @@ def _train(rank: int, *overrides: str) -> list[dict[str, Any]]:
         def checkpoint(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
             pass  # nothing to register in-process
 
-    run(cfg, parts, lambda epoch: [{"x": x[i:i + 16], "labels": y[i:i + 16]} for i in range(0, 512, 16)], None, Watch())
+    run(cfg, parts, Data(lambda epoch: [{"x": x[i:i + 16], "labels": y[i:i + 16]} for i in range(0, 512, 16)]), Watch())
     return reports
 
 

@@ -15,7 +15,7 @@ from orchestrator.config import Config, load_config
 from orchestrator.errors import ConfigError
 from orchestrator.models.zoo import build_model
 from orchestrator.training.checkpoint import Progress, load_state, restore
-from orchestrator.training.loop import NonFiniteLossError, run
+from orchestrator.training.loop import Data, NonFiniteLossError, run
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts
 from orchestrator.training.position import micro_batches
@@ -139,8 +139,8 @@ def test_run_reports_on_schedule_evaluates_and_learns() -> None:
     parts = make_parts(cfg)
     x, y = dataset(256)
     report = Recorder()
-    final = run(cfg, parts, lambda epoch: batches(x, y, cfg.train.micro_batch_size),
-                lambda: batches(x, y, 64), report)
+    final = run(cfg, parts, Data(lambda epoch: batches(x, y, cfg.train.micro_batch_size), lambda: batches(x, y, 64)),
+                report)
     steps = [m["step"] for m, _ in report.reports]
     assert steps == [10, 20, 30, 40]
     assert [ckpt is not None for _, ckpt in report.reports] == [False, True, False, True]
@@ -159,12 +159,12 @@ def test_resume_from_mid_epoch_checkpoint_is_bitwise_exact() -> None:
     source = lambda epoch: batches(x, y, cfg.train.micro_batch_size)  # noqa: E731
 
     straight = make_parts(cfg)
-    run(cfg, straight, source, None, Recorder())
+    run(cfg, straight, Data(source), Recorder())
 
     first = make_parts(cfg)
     short = cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_steps": 4})})
     recorder = Recorder()
-    run(short, first, source, None, recorder)
+    run(short, first, Data(source), recorder)
     state = copy.deepcopy(recorder.reports[-1][1])
     assert state is not None and state["progress"]["rows_in_epoch"] == 128
 
@@ -172,7 +172,7 @@ def test_resume_from_mid_epoch_checkpoint_is_bitwise_exact() -> None:
     resumed = make_parts(cfg, seed=99)
     progress = restore(resumed, state)
     assert progress == Progress(step=4, samples_seen=128, epoch=0, rows_in_epoch=128)
-    run(cfg, resumed, source, None, Recorder(), progress)
+    run(cfg, resumed, Data(source), Recorder(), progress)
     for a, b in zip(straight.model.parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(a, b)
 
@@ -184,7 +184,7 @@ def test_non_finite_loss_stops_with_a_clear_error_and_no_checkpoint() -> None:
     x[3, 0] = float("nan")
     report = Recorder()
     with pytest.raises(NonFiniteLossError, match="lower optim.lr"):
-        run(cfg, parts, lambda epoch: batches(x, y, 32), None, report)
+        run(cfg, parts, Data(lambda epoch: batches(x, y, 32)), report)
     assert report.reports == []
 
 
@@ -192,7 +192,7 @@ def test_checkpoint_holds_everything_for_resume(tmp_path: Path) -> None:
     cfg = config("train.max_steps=4")
     report = Recorder()
     x, y = dataset(128)
-    run(cfg, make_parts(cfg), lambda epoch: batches(x, y, 32), None, report)
+    run(cfg, make_parts(cfg), Data(lambda epoch: batches(x, y, 32)), report)
     state = report.reports[-1][1]
     assert state is not None
     assert set(state) == {"model", "optimizer", "scheduler", "precision", "progress", "rng", "micro_batch_size"}
@@ -206,7 +206,7 @@ def test_tiny_training_split_is_a_clear_error() -> None:
 
     cfg = config()
     with pytest.raises(UserError, match="smaller than one micro-batch"):
-        run(cfg, make_parts(cfg), lambda epoch: [], None, Recorder())
+        run(cfg, make_parts(cfg), Data(lambda epoch: []), Recorder())
 
 
 @pytest.mark.parametrize("new_micro", [4, 16])
@@ -226,7 +226,7 @@ def test_resume_with_another_micro_batch_trains_every_row_once(new_micro: int) -
     torch.manual_seed(0)
     model = torch.nn.Linear(17, 4)
     optimizer, scheduler = build_optimizer(model, old.optim, 3)
-    run(old, Parts(model, optimizer, scheduler, Precision("fp32", CPU), CPU), source(8), None, report)
+    run(old, Parts(model, optimizer, scheduler, Precision("fp32", CPU), CPU), Data(source(8)), report)
     state = report.reports[-1][1]
     assert state is not None
 
@@ -241,7 +241,7 @@ def test_compile_failing_after_a_resume_falls_back_to_eager_once() -> None:
     x, y = dataset(256)
     short = cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_steps": 4})})
     report = Recorder()
-    run(short, make_parts(cfg), lambda epoch: batches(x, y, 32), None, report)
+    run(short, make_parts(cfg), Data(lambda epoch: batches(x, y, 32)), report)
     state = report.reports[-1][1]
     assert state is not None
 
@@ -252,7 +252,7 @@ def test_compile_failing_after_a_resume_falls_back_to_eager_once() -> None:
     resumed = Recorder()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        run(cfg, parts, lambda epoch: batches(x, y, 32), None, resumed, progress)
+        run(cfg, parts, Data(lambda epoch: batches(x, y, 32)), resumed, progress)
     assert [m["step"] for m, _ in resumed.reports] == [6, 8]
     assert sum("torch.compile failed" in str(w.message) for w in caught) == 1
     assert parts.eager_model is None and not hasattr(parts.model, "_orig_mod")
@@ -276,7 +276,7 @@ def test_time_blocked_in_report_is_billed_to_an_interval() -> None:
             calls.append((time.perf_counter(), metrics))
             time.sleep(0.3)
 
-    run(cfg, make_parts(cfg), lambda epoch: batches(x, y, 32), None, SlowRegistry())
+    run(cfg, make_parts(cfg), Data(lambda epoch: batches(x, y, 32)), SlowRegistry())
     for (before, _), (at, metrics) in zip(calls, calls[1:], strict=False):
         assert metrics["interval_s"] == pytest.approx(at - before, abs=0.02)
         assert metrics["time/report_frac"] == pytest.approx(0.3 / metrics["interval_s"], abs=0.05)
@@ -302,7 +302,7 @@ def test_metrics_are_published_at_every_report_step_and_only_checkpoints_wait() 
             super().publish(metrics)
 
     log = Log()
-    run(cfg, make_parts(cfg), lambda epoch: batches(x, y, 32), None, log)
+    run(cfg, make_parts(cfg), Data(lambda epoch: batches(x, y, 32)), log)
     assert events == [("publish", 2), ("publish", 4), ("checkpoint", 6), ("publish", 6), ("publish", 8),
                       ("publish", 10), ("checkpoint", 12), ("publish", 12)]
     assert [m["step"] for m, ckpt in log.reports if ckpt is not None] == [6, 12]
@@ -336,7 +336,7 @@ def test_fp16_grad_norm_averages_the_applied_steps_and_the_scalers_skips_are_cou
                                                                       strict=True)))
         assert 0 < applied.count(False) < 8, applied  # some steps skipped, some applied
         report = Recorder()
-        run(cfg, fp16_parts(), lambda epoch: batches(x, y, 32), None, report)
+        run(cfg, fp16_parts(), Data(lambda epoch: batches(x, y, 32)), report)
     metrics = report.reports[-1][0]
     assert metrics["grad_norm"] == pytest.approx(sum(n for n, a in zip(norms, applied, strict=True) if a)
                                                  / applied.count(True), rel=1e-6)

@@ -9,6 +9,7 @@ import torch
 
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError
+from orchestrator.training.handoff import WorkerSpec
 from orchestrator.training.timing import peak_flops
 from orchestrator.training.worker import rank_config
 
@@ -43,7 +44,7 @@ def test_the_peak_is_the_precisions_the_run_uses() -> None:
 @pytest.mark.usefixtures("tf32_flags")
 def test_tf32_is_off_unless_asked_and_refused_without_a_gpu() -> None:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # cuDNN's is torch's default
-    spec = {"config": load_config(None, ["scaling.num_workers=1"]).model_dump(mode="json")}
+    spec = WorkerSpec(config=load_config(None, ["scaling.num_workers=1"]).model_dump(mode="json"))
     rank_config(spec, 1)
     assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
     with pytest.raises(ConfigError, match="train.tf32=true needs a GPU"):

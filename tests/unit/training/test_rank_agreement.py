@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from orchestrator.config import Config, load_config
 from orchestrator.models.zoo import build_model
 from orchestrator.training.checkpoint import load_state, restore
-from orchestrator.training.loop import run
+from orchestrator.training.loop import Data, run
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts
 from orchestrator.training.precision import Precision
@@ -116,7 +116,7 @@ def _resume(rank: int, shared: Path, *overrides: str) -> dict[str, Any]:
         return parts
 
     straight = fresh(0)
-    run(cfg, straight, source, None, Recorder())
+    run(cfg, straight, Data(source), Recorder())
 
     where = shared / "-".join(["checkpoint", *overrides])
 
@@ -126,13 +126,13 @@ def _resume(rank: int, shared: Path, *overrides: str) -> dict[str, Any]:
                 shutil.copytree(checkpoint_dir, where)
 
     first = fresh(0)
-    run(cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_steps": 8})}), first, source, None, Keep())
+    run(cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_steps": 8})}), first, Data(source), Keep())
     dist.barrier()
     resumed = fresh(99)
     torch.manual_seed(123 + rank)  # a restarted worker starts from other RNG state
     progress = restore(resumed, load_state(where))
     restored_at = progress.step
-    run(cfg, resumed, source, None, Recorder(), progress)
+    run(cfg, resumed, Data(source), Recorder(), progress)
     return {"straight": [p.detach().clone() for p in straight.model.parameters()],
             "resumed": [p.detach().clone() for p in resumed.model.parameters()], "step": restored_at}
 

@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator.config import Config, load_config
 from orchestrator.models.tasks import CausalLM
-from orchestrator.training.loop import evaluate, run
+from orchestrator.training.loop import Data, evaluate, run
 from orchestrator.training.parts import Parts
 from orchestrator.training.precision import Precision
 from pipelines.tensors import IGNORE_INDEX
@@ -73,8 +73,8 @@ def _train(rank: int, shared: Path) -> dict[str, Any]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     parts = Parts(model, optimizer, scheduler, Precision("fp32", CPU), CPU, None, task=CausalLM())
     recorder = Recorder()
-    run(cfg, parts, lambda epoch: [{"x": x[i:i + MICRO], "labels": y[i:i + MICRO]} for i in range(0, ROWS, MICRO)],
-        None, recorder)
+    run(cfg, parts, Data(lambda epoch: [{"x": x[i:i + MICRO], "labels": y[i:i + MICRO]}
+                                        for i in range(0, ROWS, MICRO)]), recorder)
     # Each rank evaluates its own validation shard (rank 0 in two batches, rank 1 in one): the figures must be the
     # whole split's.
     val = [{"x": x[:ROWS // 2], "labels": y[:ROWS // 2]}, {"x": x[ROWS // 2:], "labels": y[ROWS // 2:]}]
@@ -183,7 +183,7 @@ def _slow_reader(rank: int, shared: Path) -> dict[str, Any]:
             yield {"x": x[i:i + MICRO], "labels": y[i:i + MICRO]}
 
     recorder = Recorder()
-    run(cfg, parts, batches, None, recorder)
+    run(cfg, parts, Data(batches), recorder)
     return {"reports": [metrics for metrics, _ in recorder.reports]}
 
 

@@ -29,7 +29,7 @@ from orchestrator.models.zoo import build_model
 from orchestrator.training import fsdp
 from orchestrator.training.cadence import Notices
 from orchestrator.training.checkpoint import MANIFEST, Progress, ShardedSaver, check_complete
-from orchestrator.training.loop import evaluate, run
+from orchestrator.training.loop import Data, evaluate, run
 from orchestrator.training.memory import GIB, activation_bytes_per_sample, state_bytes
 from orchestrator.training.micro_batch import choose_micro_batch, with_auto_micro_batch
 from orchestrator.training.optim import build_optimizer
@@ -225,7 +225,7 @@ def _overflow_in_one_shard(rank: int, shared: Path) -> dict[str, Any]:
 
     reporter = _Reporter(shared / "finite")
     try:
-        run(cfg, parts, train_batches, None, reporter, notices=Notices(plant))
+        run(cfg, parts, Data(train_batches), reporter, notices=Notices(plant))
         error = "none"
     except Exception as exc:  # noqa: BLE001 - whatever each rank met is the result
         error = f"{type(exc).__name__}: {exc}"

@@ -14,8 +14,8 @@ import torch
 
 from orchestrator.training.checkpoint import Progress
 from orchestrator.training.position import micro_batches
-from pipelines.batches import RankBatches
 from pipelines.config import DataConfig
+from pipelines.feed import RankBatches, RankOrder
 
 CPU = torch.device("cpu")
 ROWS = 100  # not a multiple of the per-worker batch (8): steps straddle epochs, positions are not multiples of 8
@@ -35,7 +35,7 @@ class Shard:
 
 def _rank(replay: bool, shuffle: bool, micro: int) -> RankBatches:
     data = DataConfig(train="unused", val=None, features=["x"], label="labels", shuffle=shuffle)
-    return RankBatches(data, Shard(), None, micro, seed=7, rank=0, epoch_clock=None, replay=replay)
+    return RankBatches(data, Shard(), None, micro, RankOrder(seed=7, rank=0, replay=replay))
 
 
 def _steps(data: RankBatches, progress: Progress, steps: int, recut_at: int | None = None
@@ -122,8 +122,7 @@ def test_the_pass_is_fetched_and_kept_on_the_host_pinned_for_a_gpu(monkeypatch: 
 
     data = DataConfig(train="unused", val=None, features=["x"], label="labels", shuffle=True)
     for pin in (False, True):
-        rank = RankBatches(data, Recording(), None, 4, seed=7, rank=0, epoch_clock=None, replay=True,
-                           pin_memory=pin)
+        rank = RankBatches(data, Recording(), None, 4, RankOrder(seed=7, rank=0, replay=True), pin_memory=pin)
         assert rank.replay_train.pin is pin  # a later epoch's gathered rows are pinned too
         assert all(b["x"].device.type == "cpu" for b in rank.train(0))  # epoch 0, as fetched
     assert [(a["device"], a["pin_memory"]) for a in asked] == [("cpu", False), ("cpu", True)]
@@ -133,10 +132,11 @@ def test_a_gpu_rank_pins_every_batch_it_hands_out_and_a_cpu_rank_none() -> None:
     """The worker's decision: a rank on a GPU has its training and validation batches pinned (test_batches.py:
     each is then pinned and contiguous); on the CPU no copy is made for a device."""
     from orchestrator.config import load_config
+    from orchestrator.training.handoff import WorkerSpec
     from orchestrator.training.worker import Seat, rank_batches
 
     cfg = load_config(None, ["train.micro_batch_size=4", "train.global_batch_size=8", "scaling.num_workers=2"])
-    spec = {"cache_decision": "replay", "epoch_clock": None, "sample": None}
+    spec = WorkerSpec(config={}, cache_decision="replay")
     for device, pin in (("cuda", True), ("cpu", False)):
         data = rank_batches(spec, cfg, Seat(2, 1, torch.device(device), 0.0), Shard(), Shard())
         assert (data.pin_memory, data.replay_train.pin, data.replay_val.pin) == (pin, pin, pin)

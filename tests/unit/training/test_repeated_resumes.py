@@ -16,7 +16,7 @@ from test_loop import Recorder, batches, config, dataset
 from orchestrator.models.zoo import build_model
 from orchestrator.training.cadence import Notices
 from orchestrator.training.checkpoint import Progress, restore
-from orchestrator.training.loop import run
+from orchestrator.training.loop import Data, run
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts
 from orchestrator.training.position import micro_batches
@@ -74,7 +74,7 @@ def command(state: dict[str, Any] | None, seed: int, notices: Notices | None = N
     resumed = copy.deepcopy(progress)  # the loop moves `progress` on as it trains
     recorder = Recorder()
     try:
-        run(CFG, parts, train_source, None, recorder, progress, notices)
+        run(CFG, parts, Data(train_source), recorder, progress, notices)
     except Killed:
         pass
     saved = [s for _, s in recorder.reports if s is not None]

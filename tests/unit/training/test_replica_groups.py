@@ -122,7 +122,7 @@ def _replica(rank: int, lighthouse: str, out: str, die_at: int | None, steps: in
     import torch.distributed as dist
 
     from orchestrator.training.checkpoint import Progress
-    from orchestrator.training.loop import run
+    from orchestrator.training.loop import Data, run
     from orchestrator.training.micro_batch import for_world_size
     from orchestrator.training.parts import build_parts
     from orchestrator.training.replicas import ReplicaReporter, StepRows, join_replicas
@@ -176,7 +176,7 @@ def _replica(rank: int, lighthouse: str, out: str, die_at: int | None, steps: in
         def checkpoint(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
             pass
 
-    run(cfg, parts, stream, None, ReplicaReporter(Recorder(), replicas), progress, replicas=replicas)
+    run(cfg, parts, Data(stream), ReplicaReporter(Recorder(), replicas), progress, replicas=replicas)
     write({"finished": rank, "step": progress.step})
     replicas.finish()
     torch.save({k: v.clone() for k, v in parts.model.module.state_dict().items()}, f"{out}/final{rank}.pt")
@@ -365,7 +365,7 @@ def test_mfu_under_replicas_is_over_the_devices_that_trained_the_counted_rows(li
     from types import SimpleNamespace
 
     from orchestrator.training.checkpoint import Progress
-    from orchestrator.training.loop import run
+    from orchestrator.training.loop import Data, run
     from orchestrator.training.micro_batch import for_world_size
     from orchestrator.training.parts import build_parts
     from orchestrator.training.replicas import Replicas, StepRows
@@ -399,7 +399,7 @@ def test_mfu_under_replicas_is_over_the_devices_that_trained_the_counted_rows(li
             pass
 
     recorder = Recorder()
-    run(cfg, parts, _epoch, None, recorder, progress, replicas=replicas)
+    run(cfg, parts, Data(_epoch), recorder, progress, replicas=replicas)
     assert len(recorder.reports) == steps // log_every and trained == [GLOBAL // live] * steps
     for index, report in enumerate(recorder.reports):
         assert report["samples_per_s"] * report["interval_s"] == pytest.approx(GLOBAL * log_every)  # all replicas'

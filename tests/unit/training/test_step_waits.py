@@ -26,14 +26,14 @@ from orchestrator.config import Config, load_config
 from orchestrator.models.tasks import task_parts
 from orchestrator.models.zoo import build_model
 from orchestrator.training.checkpoint import ShardedSaver
-from orchestrator.training.loop import run
+from orchestrator.training.loop import Data, run
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts, build_parts
 from orchestrator.training.precision import Precision, resolve_precision
 from orchestrator.training.step import train_step
 from orchestrator.training.sync import build_local_sgd
 from orchestrator.training.timing import PhaseTimer
-from pipelines.batches import RankBatches
+from pipelines.feed import RankBatches, RankOrder
 
 CPU = torch.device("cpu")
 FEATURES, CLASSES, ROWS = 16, 4, 512
@@ -95,7 +95,7 @@ def _counted(cfg: Config, parts: Parts, source: Any, root: Path | None = None, p
              ) -> dict[str, Any]:
     report = ShardedRecorder(root) if root is not None else Recorder()
     with HostReads(profile=profile).around_loop() as reads:
-        run(cfg, parts, source, None, report)
+        run(cfg, parts, Data(source), report)
     return {"reads": dict(reads.counts), "syncs": dict(reads.syncs), "steps": reads.steps,
             "reports": len(report.reports), "waits": dict(reads.waits)}
 
@@ -157,7 +157,7 @@ def test_variable_length_tokens_are_trimmed_without_a_read_in_the_steps() -> Non
                   "data.label=null", "task.name=causal_lm", "train.global_batch_size=16", "train.micro_batch_size=8",
                   "train.max_steps=24", "train.log_every=8", "optim.warmup_steps=2")
     tokens = Tokens()
-    data = RankBatches(cfg.data, tokens, None, 8, seed=0, rank=0, epoch_clock=None, replay=True, named=True,
+    data = RankBatches(cfg.data, tokens, None, 8, RankOrder(seed=0, rank=0, replay=True), named=True,
                        schema=tokens.table.schema)
     counted = _counted(cfg, build_parts(cfg, None, CPU), data.train)
     assert counted["steps"] == 24 and counted["reads"].get("step", 0) == 0, counted
@@ -202,7 +202,7 @@ def _token_shares(rank: int) -> dict[str, float]:
             yield batch
 
     report = Recorder()
-    run(cfg, parts, source, None, report)
+    run(cfg, parts, Data(source), report)
     metrics = report.reports[-1][0]
     return {key: metrics[key] for key in metrics if key.startswith("time/")} | {"wall": metrics["interval_s"]}
 
@@ -218,11 +218,11 @@ def _skips_together(rank: int, momentum: str, nan_step: int) -> dict[str, Any]:
     parts = _built(cfg)
     source = _source(rank, 8, nan_at=nan_step - 1 if rank == 1 else None)  # one micro-batch per step and rank
     report = Recorder()
-    run(cfg, parts, source, None, report)
+    run(cfg, parts, Data(source), report)
     shorter = cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_steps": 7})})
     without = _built(shorter)
     run(shorter, without,
-        lambda epoch: [b for i, b in enumerate(_source(rank, 8)(epoch)) if i != nan_step - 1], None, Recorder())
+        Data(lambda epoch: [b for i, b in enumerate(_source(rank, 8)(epoch)) if i != nan_step - 1]), Recorder())
     return {"skipped": [m["nonfinite_skipped"] for m, _ in report.reports],
             "weights": [p.detach().clone() for p in parts.model.parameters()],
             "without": [p.detach().clone() for p in without.model.parameters()]}

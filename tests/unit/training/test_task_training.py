@@ -28,7 +28,7 @@ from orchestrator.models.tasks import (
     logits_of,
 )
 from orchestrator.training.checkpoint import Progress, restore
-from orchestrator.training.loop import evaluate, run
+from orchestrator.training.loop import Data, evaluate, run
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts
 from orchestrator.training.precision import Precision
@@ -215,7 +215,7 @@ def test_regression_trains_reports_its_metrics_and_resumes_bitwise() -> None:
     rows = regression_rows(256)
     source = lambda epoch: micro(rows, 32)  # noqa: E731
     recorder = Recorder()
-    run(cfg, straight, source, None, recorder)
+    run(cfg, straight, Data(source), recorder)
     assert recorder.reports[-1][0]["train_loss"] < recorder.reports[0][0]["train_loss"]
     metrics = evaluate(straight, micro(rows, 64))
     assert set(metrics) == {"val_loss", "val_mse", "val_rmse", "val_mae", "val_r2"} and metrics["val_r2"] > 0
@@ -223,14 +223,14 @@ def test_regression_trains_reports_its_metrics_and_resumes_bitwise() -> None:
     _, first = regression_parts("train.max_steps=12", "data.val=null", "optim.lr=0.03")
     short = cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_steps": 4})})  # the same schedule
     recorder = Recorder()
-    run(short, first, source, None, recorder)
+    run(short, first, Data(source), recorder)
     state = copy.deepcopy(recorder.reports[-1][1])
     assert state is not None
     torch.manual_seed(123)
     _, resumed = regression_parts("train.max_steps=12", "data.val=null", "optim.lr=0.03", seed=99)
     progress = restore(resumed, state)
     assert progress == Progress(step=4, samples_seen=128, epoch=0, rows_in_epoch=128)
-    run(cfg, resumed, source, None, Recorder(), progress)
+    run(cfg, resumed, Data(source), Recorder(), progress)
     for a, b in zip(straight.model.parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(a, b)
 
@@ -273,5 +273,5 @@ def test_tokens_per_second_is_reported_for_token_counts_only() -> None:
     optimizer, scheduler = build_optimizer(model, cfg.optim, 2)
     parts = Parts(model, optimizer, scheduler, Precision("fp32", CPU), CPU, None, task=Regression())
     recorder = Recorder()
-    run(cfg, parts, lambda epoch: micro(rows, 16), None, recorder)
+    run(cfg, parts, Data(lambda epoch: micro(rows, 16)), recorder)
     assert "samples_per_s" in recorder.reports[-1][0] and "tokens_per_s" not in recorder.reports[-1][0]

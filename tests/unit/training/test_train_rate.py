@@ -38,7 +38,7 @@ def run_on_a_stepped_clock(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, An
         yield xy(x[:64], y[:64])
 
     recorder = Recorder()
-    loop.run(cfg, make_parts(cfg), train, val, recorder)
+    loop.run(cfg, make_parts(cfg), loop.Data(train, val), recorder)
     return [metrics for metrics, _ in recorder.reports]
 
 
