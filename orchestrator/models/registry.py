@@ -30,7 +30,8 @@ class Registry(Generic[T]):
 
     def get(self, name: str) -> T:
         if name not in self._items:
-            raise ConfigError(f"unknown {self.kind} '{name}'{suggest(name, self._items)}; valid: {sorted(self._items)}")
+            raise ConfigError(f"unknown {self.kind} '{name}'{suggest(name, self._items)}; valid: "
+                              f"{sorted(self._items)}")
         return self._items[name]
 
     def names(self) -> list[str]:

@@ -1,5 +1,6 @@
-"""The `python_function` flavour of the logged model: `mlflow.pyfunc.load_model(uri).predict(frame)` takes a pandas
-DataFrame with the training data's feature columns, by name and in any order, and returns what the task means:
+"""The `python_function` flavour of the logged model:
+`mlflow.pyfunc.load_model(uri).predict(frame)` takes a pandas DataFrame with the training data's
+feature columns, by name and in any order, and returns what the task means:
 
 - classification: `class` (the argmax) and `probabilities` (softmax over the classes);
 - multilabel: `labels` (0/1 per label, logit > 0) and `probabilities` (sigmoid per label);
@@ -7,10 +8,10 @@ DataFrame with the training data's feature columns, by name and in any order, an
 - causal_lm: `next_token` (the argmax at the last position);
 - a user's own task: `output` (the model's raw output).
 
-This file is copied into every logged model (its `code/` folder, as `orchestrator_pyfunc.py`, the flavour's loader
-module) and imports only numpy, pandas, torch and mlflow: the model loads where the orchestrator is not installed.
-The torch module itself is loaded by `mlflow.pytorch` (pt2 or pickle), so `mlflow.pytorch.load_model` is unchanged.
-"""
+This file is copied into every logged model (its `code/` folder, as `orchestrator_pyfunc.py`, the
+flavour's loader module) and imports only numpy, pandas, torch and mlflow: the model loads where
+the orchestrator is not installed. The torch module itself is loaded by `mlflow.pytorch` (pt2 or
+pickle), so `mlflow.pytorch.load_model` is unchanged."""
 
 from __future__ import annotations
 
@@ -22,11 +23,13 @@ from typing import Any
 import numpy as np
 
 LOADER_MODULE = "orchestrator_pyfunc"  # the name this file has inside the model
-SETTINGS_FILE = "orchestrator_pyfunc.json"  # beside MLmodel: how the model is called and what its task is
+# beside MLmodel: how the model is called and what its task is
+SETTINGS_FILE = "orchestrator_pyfunc.json"
 
 
 def _load_pyfunc(data_path: str, model_config: dict[str, Any] | None = None) -> TaskPredictor:
-    """pyfunc's loader hook: the torch module as mlflow.pytorch loads it (device choice included), wrapped."""
+    """pyfunc's loader hook: the torch module as mlflow.pytorch loads it (device choice
+    included), wrapped."""
     import mlflow.pytorch
 
     torch_wrapper = mlflow.pytorch._load_pyfunc(data_path, model_config)
@@ -36,9 +39,10 @@ def _load_pyfunc(data_path: str, model_config: dict[str, Any] | None = None) -> 
 
 
 class TaskPredictor:
-    """`settings`: `task` (a built-in task name, else raw output), `columns` (the feature columns in the order the
-    model takes them), `inputs` (None: the columns concatenated into one float tensor, as training's collate does;
-    else {forward argument: column}), `tokens` (the single column holds token ids: kept as integers)."""
+    """`settings`: `task` (a built-in task name, else raw output), `columns` (the feature columns
+    in the order the model takes them), `inputs` (None: the columns concatenated into one float
+    tensor, as training's collate does; else {forward argument: column}), `tokens` (the single
+    column holds token ids: kept as integers)."""
 
     def __init__(self, model: Any, settings: dict[str, Any], device: str = "cpu") -> None:
         self.model, self.settings, self.device = model, settings, device
@@ -58,8 +62,8 @@ class TaskPredictor:
                             f"{type(data).__name__}")
         missing = [name for name in columns if name not in data.columns]
         if missing:
-            raise ValueError(f"the input lacks the columns {missing}: this model takes {columns} (by name, in any "
-                             "order)")
+            raise ValueError(f"the input lacks the columns {missing}: this model takes {columns} "
+                             "(by name, in any order)")
         with torch.no_grad():
             output = self._call(data)
         return self._meaning(_logits(output).detach().to("cpu"), len(data))
@@ -71,18 +75,22 @@ class TaskPredictor:
             array = column_values(data[name], name)
             if dtype is not None:
                 array = array.astype(dtype, copy=False)
-            elif array.dtype == np.float64:  # pandas widens float32 columns: train-time tensors are float32
+            # pandas widens float32 columns: train-time tensors are float32
+            elif array.dtype == np.float64:
                 array = array.astype(np.float32)
-            elif array.dtype.kind in "iub":  # token ids and flags: torch's embeddings index with int64
+            # token ids and flags: torch's embeddings index with int64
+            elif array.dtype.kind in "iub":
                 array = array.astype(np.int64)
-            return torch.tensor(array, device=self.device)  # a copy: frames may hold read-only arrays
+            # a copy: frames may hold read-only arrays
+            return torch.tensor(array, device=self.device)
 
         inputs = self.settings.get("inputs")
         if inputs:
             return self.model(**{argument: tensor(column) for argument, column in inputs.items()})
         if self.settings.get("tokens"):
             return self.model(tensor(self.settings["columns"][0], np.int64))
-        parts = [tensor(name, np.float32).reshape(len(data), -1) for name in self.settings["columns"]]
+        parts = [tensor(name, np.float32).reshape(len(data), -1)
+                 for name in self.settings["columns"]]
         return self.model(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
 
     def _meaning(self, logits: Any, rows: int) -> Any:
@@ -91,12 +99,15 @@ class TaskPredictor:
 
         task, logits = self.settings.get("task"), logits.float()
         if task == "classification":
-            return pd.DataFrame({"class": _rows(logits.argmax(-1)), "probabilities": _rows(logits.softmax(-1))})
+            return pd.DataFrame({"class": _rows(logits.argmax(-1)),
+                                 "probabilities": _rows(logits.softmax(-1))})
         if task == "multilabel":
-            return pd.DataFrame({"labels": _rows((logits > 0).long()), "probabilities": _rows(torch.sigmoid(logits))})
+            return pd.DataFrame({"labels": _rows((logits > 0).long()),
+                                 "probabilities": _rows(torch.sigmoid(logits))})
         if task == "regression":
             values = logits.reshape(rows, -1)
-            return pd.DataFrame({"prediction": _rows(values[:, 0] if values.shape[1] == 1 else values)})
+            prediction = values[:, 0] if values.shape[1] == 1 else values
+            return pd.DataFrame({"prediction": _rows(prediction)})
         if task == "causal_lm":
             last = logits[:, -1] if logits.dim() == 3 else logits
             return pd.DataFrame({"next_token": _rows(last.argmax(-1))})
@@ -104,25 +115,28 @@ class TaskPredictor:
 
 
 def column_values(column: Any, name: str) -> np.ndarray:
-    """A DataFrame column as one array, rows first: list-valued cells (a fixed-size list, an image) stacked."""
+    """A DataFrame column as one array, rows first: list-valued cells (a fixed-size list, an
+    image) stacked."""
     values = column.to_numpy()
     if values.dtype != object:
         return values
     try:
         return np.stack([np.asarray(cell) for cell in values])
     except ValueError:
-        raise ValueError(f"column '{name}' holds lists of different lengths: give every row the same length, "
-                         "as in the training data") from None
+        raise ValueError(f"column '{name}' holds lists of different lengths: give every row the "
+                         "same length, as in the training data") from None
 
 
 def _logits(output: Any) -> Any:
-    """The prediction in a model's output: a tensor, `logits` of a dict/ModelOutput, or a tuple's first element
-    (tasks.logits_of's rule, written again: this file loads where the orchestrator is not installed)."""
+    """The prediction in a model's output: a tensor, `logits` of a dict/ModelOutput, or a tuple's
+    first element (tasks.logits_of's rule, written again: this file loads where the orchestrator
+    is not installed)."""
     import torch
 
     if isinstance(output, torch.Tensor):
         return output
-    logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
+    logits = (output.get("logits") if isinstance(output, Mapping)
+              else getattr(output, "logits", None))
     if isinstance(logits, torch.Tensor):
         return logits
     if isinstance(output, tuple | list) and output and isinstance(output[0], torch.Tensor):
