@@ -51,7 +51,7 @@ def test_the_walk_of_config_stays_as_flat_as_the_plan_made_it() -> None:
 
 
 def test_every_module_file_a_product_comment_names_exists() -> None:
-    """A comment that points at `trainer.py` or `models/checkpoints.py` leads the reader to a file that is there (a
+    """A comment that points at `trainer.py` or `tracking/flavour.py` leads the reader to a file that is there (a
     module renamed without its mentions leaves them pointing nowhere)."""
     names = {p.name for p in ROOT.rglob("*.py") if ".venv" not in p.parts}
     missing = [f"{path.relative_to(ROOT)}:{number}: {found}"
