@@ -24,7 +24,8 @@ def test_docs_config_md_is_current() -> None:
 
 def test_every_key_has_a_description() -> None:
     missing = [k.name for k in keys() if not (k.field.description or "").strip()]
-    assert missing == [], f"add description= to these config fields (orchestrator/config/, pipelines/config.py): {missing}"
+    assert missing == [], ("add description= to these config fields (orchestrator/config/, "
+                           f"pipelines/config.py): {missing}")
 
 
 def test_the_page_lists_every_key_and_section() -> None:
