@@ -243,9 +243,9 @@ def _prepare(args: argparse.Namespace) -> int:
     elif args.dataset == "diabetes":
         counts = prepare_diabetes(args.out, shards=args.shards, val_fraction=args.val_fraction, seed=args.seed)
     elif args.dataset == "sequences":
-        counts = prepare_sequences(args.out, rows=args.rows, vocab=args.vocab, min_len=args.min_len,
-                                   max_len=args.max_len, shards=args.shards, val_fraction=args.val_fraction,
-                                   seed=args.seed)
+        counts = prepare_sequences(args.out, rows=args.rows, vocab=args.vocab,
+                                   lengths=(args.min_len, args.max_len), shards=args.shards,
+                                   val_fraction=args.val_fraction, seed=args.seed)
     elif args.dataset == "text":
         counts = prepare_text(args.input, args.out, seq_len=args.seq_len, shards=args.shards,
                               val_fraction=args.val_fraction)

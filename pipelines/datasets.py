@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from pipelines.cache import DiskCache
 from pipelines.config import DataConfig
 from pipelines.held import HeldRows
-from pipelines.order import current_epoch, shard_order
+from pipelines.order import ShardOrder, current_epoch, shard_order
 from pipelines.sources import DatasetInfo, inspect_parquet
 from pipelines.storage import Storage, open_storage
 
@@ -236,8 +236,8 @@ def build_datasets(
         # Reordered blocks are decoded in name order once; the epoch's permutation is applied to the blocks.
         shuffled = cfg.shuffle and name == "train" and not reorder
         source = ShardDatasource(
-            info.storage, info.objects, info.file_rows, columns, seed=seed,
-            shuffle=shuffled, epoch_clock=epoch_clock if shuffled else None,
+            info.storage, info.objects, info.file_rows, columns,
+            order=ShardOrder(seed, shuffle=shuffled, epoch_clock=epoch_clock if shuffled else None),
             cache=cache if info.storage.remote else None, row_ids=row_ids and name == "train",
         )
         if read_here:

@@ -10,11 +10,22 @@ restarted run gets the permutation of the epoch in its checkpoint, not of a hidd
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ShardOrder:
+    """Which shard order each execution of a dataset reads: permuted by (`seed`, epoch) when `shuffle`, the epoch
+    read from the `epoch_clock` actor (None: epoch 0's order every time); the shards' own order otherwise."""
+
+    seed: int = 0
+    shuffle: bool = False
+    epoch_clock: str | None = None
 
 
 def shard_order(items: list[T], seed: int, epoch: int, shuffle: bool = True) -> list[T]:

@@ -238,11 +238,13 @@ def _sequence_table(rng: np.random.Generator, rows: int, vocab: int, min_len: in
     return table.replace_schema_metadata({"vocab_size": str(vocab)})
 
 
-def prepare_sequences(out: str, rows: int = 2000, vocab: int = 64, min_len: int = 4, max_len: int = 24,
+def prepare_sequences(out: str, rows: int = 2000, vocab: int = 64, lengths: tuple[int, int] = (4, 24),
                       shards: int = 2, val_fraction: float = 0.2, seed: int = 0,
                       s3: S3Config | None = None) -> dict[str, int]:
     """A learnable synthetic sequence-classification set: variable-length token lists (list<int64>, each starting
-    with the [CLS]-like id 1; 0 is left for padding) and a binary label, split train/val."""
+    with the [CLS]-like id 1; 0 is left for padding; each row's length drawn from `lengths`, (min, max) tokens)
+    and a binary label, split train/val."""
+    min_len, max_len = lengths
     if vocab < 4:
         raise DataError(f"--vocab must be at least 4 (ids 0 and 1 are reserved, 2 and 3 decide the label), got {vocab}")
     if not 2 <= min_len <= max_len:

@@ -20,7 +20,7 @@ from ray.data.datasource import Datasource, ReadTask
 
 from pipelines.cache import DiskCache
 from pipelines.errors import DataError, corrupt_parquet
-from pipelines.order import current_epoch, shard_order
+from pipelines.order import ShardOrder, current_epoch, shard_order
 from pipelines.rest import with_row_ids
 from pipelines.storage import ObjectInfo, Storage, storage_error
 
@@ -53,13 +53,13 @@ class ShardDatasource(Datasource):
     in their given (name) order (rest.ROW_ID), whatever the epoch's order."""
 
     def __init__(self, storage: Storage, objects: list[ObjectInfo], file_rows: list[int], columns: list[str], *,
-                 seed: int = 0, shuffle: bool = False, epoch_clock: str | None = None,
-                 cache: DiskCache | None = None, block_bytes: int = 16 << 20, row_ids: bool = False) -> None:
+                 order: ShardOrder | None = None, cache: DiskCache | None = None, block_bytes: int = 16 << 20,
+                 row_ids: bool = False) -> None:
         self.storage = storage
         self.objects = objects
         self.rows = dict(zip([o.path for o in objects], file_rows, strict=True))
         self.columns = columns
-        self.seed, self.shuffle, self.epoch_clock = seed, shuffle, epoch_clock
+        self.order = order or ShardOrder()  # None: the shards' own order
         self.cache = cache
         self.block_bytes = block_bytes
         starts = np.cumsum([0, *file_rows])[:-1].tolist() if row_ids else [None] * len(objects)
@@ -80,10 +80,11 @@ class ShardDatasource(Datasource):
 
     def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
                        data_context: Any = None) -> list[ReadTask]:
-        epoch = current_epoch(self.epoch_clock) if self.shuffle else 0
+        order = self.order
+        epoch = current_epoch(order.epoch_clock) if order.shuffle else 0
         target = min(self.block_bytes, getattr(data_context, "target_max_block_size", None) or self.block_bytes)
         tasks = []
-        for obj in shard_order(self._current_objects(), self.seed, epoch, self.shuffle):
+        for obj in shard_order(self._current_objects(), order.seed, epoch, order.shuffle):
             rows = self.rows.get(obj.path, 0)
             # Yield blocks near the target block size: small blocks keep memory bounded while streaming.
             batch_rows = max(256, min(65536, target * max(rows, 1) // max(obj.size * 2, 1)))

@@ -59,6 +59,22 @@ def study_name(config: Config) -> str:
     return f"{config.experiment}-tune"
 
 
+@dataclass(frozen=True)
+class _Study:
+    """One study as `tune` checked it: its config as given and resolved for the data (`base`), the user's tree of
+    it (each trial's config is rebuilt from it), the data's inspection and where the study is stored; and how this
+    command runs it: `verbose`, on a cluster it started itself (`private_cluster`), since `began` (epoch seconds)."""
+
+    config: Config
+    base: Config
+    tree: dict[str, Any]
+    infos: dict[str, DatasetInfo]
+    place: RunPlace
+    verbose: bool
+    private_cluster: bool
+    began: float
+
+
 def _trials(study: RunPlace) -> Storage:
     """Where the trials' Train runs live: beside the Tune experiment, on the same storage."""
     return study.storage.below(f"{study.name}-trials")
@@ -203,10 +219,12 @@ def _node_ranks(base: Config, concurrency: int) -> int:
     return ranks_per_node(concurrency, widest.max_workers, widest.cpus_per_worker, node_cpus)
 
 
-def _fit(config: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo], max_steps: int, place: RunPlace,
-         resume: bool, callback: StudyCallback, concurrency: int, private_cluster: bool, node_ranks: int,
+def _fit(this: _Study, resume: bool, callback: StudyCallback, concurrency: int, node_ranks: int,
          shared_search: bool) -> Any:
     from ray import tune as ray_tune
+
+    config, tree, infos, place = this.config, this.tree, this.infos, this.place
+    max_steps, private_cluster = this.base.train.max_steps or 0, this.private_cluster
 
     sizes = {split: replace(info, files=[], storage=None, objects=[], file_rows=[]) for split, info in infos.items()}
     trainable = ray_tune.with_resources(
@@ -302,19 +320,19 @@ def tune(config: Config, address: str | None = None, fresh: bool = False, verbos
     with outside_job_package(config.tracking), RunLog(show_logs) as log:  # a Ray job's package can go at ray.init
         started_ray = connect_ray(address, widest_trial(base))
         try:
-            return _start_study(config, base, tree, infos, place, fresh, verbose, started_ray, log, began)
+            return _start_study(_Study(config, base, tree, infos, place, verbose, started_ray, began), fresh, log)
         finally:
             if started_ray:
                 shutdown_local_ray()
 
 
-def _start_study(config: Config, base: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo],
-                 place: RunPlace, fresh: bool, verbose: bool, started_ray: bool, log: RunLog, began: float
-                 ) -> TuneResult:
+def _start_study(this: _Study, fresh: bool, log: RunLog) -> TuneResult:
     """On the cluster: the checks that need it, the study's state (new, or the saved one to continue), its parent
     MLflow run, then the study itself."""
     import ray
     from ray import tune as ray_tune
+
+    config, infos, place, verbose = this.config, this.infos, this.place, this.verbose
 
     if config.tracking.enabled:
         import mlflow  # noqa: F401 - its loggers exist from here on, so the run log diverts them too
@@ -352,28 +370,26 @@ def _start_study(config: Config, base: Config, tree: dict[str, Any], infos: dict
         print(f"Ray and MLflow logs: {log_path}", flush=True)
     board = study_board(config, place.name, (state or {}).get("autopilot"), verbose)
     try:
-        return _run_study(config, base, tree, infos, place, state is not None, tracker, concurrency, verbose,
-                          private_cluster=started_ray, log_path=log_path, began=began, board=board)
+        return _run_study(this, state is not None, tracker, concurrency, log_path, board)
     finally:
         if board is not None:  # its name is the study's: a study run again in this process opens its own
             ray.kill(board)
 
 
-def _run_study(config: Config, base: Config, tree: dict[str, Any], infos: dict[str, DatasetInfo], place: RunPlace,
-               resumed: bool, tracker: Tracker, concurrency: int, verbose: bool, private_cluster: bool,
-               log_path: Path, began: float, board: Any | None) -> TuneResult:
-
+def _run_study(this: _Study, resumed: bool, tracker: Tracker, concurrency: int, log_path: Path,
+               board: Any | None) -> TuneResult:
+    config, base, tree, infos, place = this.config, this.base, this.tree, this.infos, this.place
     metric, mode = config.tune.metric, resolved_mode(config)
     max_steps = base.train.max_steps or 0
     study, study_path = place.name, place.uri
     callback = StudyCallback(study, tree, list(config.tune.space), metric, max_steps,
-                             config.tracking if config.tracking.enabled else None, tracker.run_id, verbose,
+                             config.tracking if config.tracking.enabled else None, tracker.run_id, this.verbose,
                              infos=infos, shared_search=board is not None)
     with closed_on_error(tracker):
-        grid = _fit(config, tree, infos, max_steps, place, resumed, callback, concurrency, private_cluster,
-                    _node_ranks(base, concurrency), shared_search=board is not None)
+        grid = _fit(this, resumed, callback, concurrency, _node_ranks(base, concurrency),
+                    shared_search=board is not None)
         if board is not None:
-            record_study_choice(board, place, STATE_FILE, tracker, verbose)
+            record_study_choice(board, place, STATE_FILE, tracker, this.verbose)
         trials = summaries(grid, tree, infos, metric, TrialNamer.for_config(config))
     if any(t.status == "running" for t in trials):  # Tune caught Ctrl+C and saved the study
         tracker.finish("KILLED")
@@ -386,7 +402,7 @@ def _run_study(config: Config, base: Config, tree: dict[str, Any], infos: dict[s
         raise UserError(f"no trial of study {study} reported {metric}"
                         + (f" ({len(errors)} distinct errors; the first: {errors[0]})" if errors else "")
                         + f": see {log_path} and the trials' error files under {study_path}")
-    result = record(config, tree, trials, best, metric, mode, place, tracker, resumed, began)
+    result = record(config, tree, trials, best, place, tracker, resumed, this.began)
     tracker.finish("FINISHED")
     return result
 

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from pipelines.cache import DiskCache
 from pipelines.config import DataConfig
 from pipelines.errors import DataError
-from pipelines.order import local_shuffle_seed, shard_order
+from pipelines.order import ShardOrder, local_shuffle_seed, shard_order
 from pipelines.prepare import prepare_synthetic
 from pipelines.reader import ShardDatasource
 from pipelines.sources import inspect_parquet
@@ -108,7 +108,7 @@ def test_reader_follows_the_epoch_order_and_streams_batches(tmp_path: Path, monk
     epoch = {"now": 0}
     monkeypatch.setattr("pipelines.reader.current_epoch", lambda name: epoch["now"])
     source = ShardDatasource(info.storage, info.objects, info.file_rows, ["features", "label"],  # type: ignore[arg-type]
-                             seed=7, shuffle=True, epoch_clock="clock", block_bytes=1024)
+                             order=ShardOrder(seed=7, shuffle=True, epoch_clock="clock"), block_bytes=1024)
     for e in range(3):
         epoch["now"] = e
         tasks = source.get_read_tasks(1)

@@ -104,7 +104,7 @@ def test_sequences_columns_lengths_and_balanced_learnable_labels(tmp_path: Path)
 
 
 def test_sequences_options_and_determinism(tmp_path: Path) -> None:
-    args = {"rows": 300, "vocab": 10, "min_len": 2, "max_len": 5, "shards": 3, "val_fraction": 0.1}
+    args = {"rows": 300, "vocab": 10, "lengths": (2, 5), "shards": 3, "val_fraction": 0.1}
     assert prepare_sequences(str(tmp_path / "a"), seed=1, **args) == {"train": 270, "val": 30}
     prepare_sequences(str(tmp_path / "b"), seed=1, **args)
     prepare_sequences(str(tmp_path / "c"), seed=2, **args)
@@ -119,7 +119,7 @@ def test_sequences_options_and_determinism(tmp_path: Path) -> None:
     (lambda out: prepare_diabetes(out, val_fraction=1.0), "--val-fraction must be between 0 and 1"),
     (lambda out: prepare_diabetes(out, shards=0), "--shards must be at least 1"),
     (lambda out: prepare_sequences(out, vocab=3), "--vocab must be at least 4"),
-    (lambda out: prepare_sequences(out, min_len=8, max_len=4), "need 2 <= --min-len <= --max-len"),
+    (lambda out: prepare_sequences(out, lengths=(8, 4)), "need 2 <= --min-len <= --max-len"),
     (lambda out: prepare_sequences(out, rows=2, val_fraction=0.1), "leaves an empty train or val split"),
 ])
 def test_bad_options_are_data_errors(tmp_path: Path, call: Callable[[str], object], message: str) -> None:
