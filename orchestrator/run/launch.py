@@ -21,11 +21,12 @@ from orchestrator.cluster.local import (
 )
 from orchestrator.config import Config, to_yaml
 from orchestrator.errors import ConfigError
-from orchestrator.report.autopilot import achieved_figures, record_autopilot, take_autopilot
+from orchestrator.report.autopilot import achieved_figures
 from orchestrator.report.console import LOG_FILE, RunLog
 from orchestrator.report.cost import build_ledger, ledger_across_attempts, resolve_pricing
+from orchestrator.report.handlers import AutopilotTable, Console, FailureCounter, RunReports, checkpoint_uri
 from orchestrator.report.plots import plot_history
-from orchestrator.report.progress import ProgressLines, ReportConsumer, setup_line
+from orchestrator.report.progress import ProgressLines, ReportConsumer
 from orchestrator.report.startup import StartupClock
 from orchestrator.run.alongside import Alongside, ended_on_error
 from orchestrator.run.ending import EndWarmUp
@@ -222,111 +223,25 @@ def _train(plan: RunPlan, address: str | None, verbose: bool, clock: StartupCloc
     return result
 
 
-def _checkpoint_uri(config: Config, path: str) -> str:
-    """Ray's checkpoint path as the user names it: s3://... for S3 storage (Ray keeps it without the scheme)."""
-    return f"s3://{path}" if config.storage.path.startswith("s3://") and "://" not in path else path
+def _reports(plan: RunPlan, opening: Alongside, verbose: bool, clock: StartupClock, history: list[dict[str, Any]],
+             private_cluster: bool, attempt: AttemptLog, warm_up: EndWarmUp) -> RunReports:
+    """The driver's handlers of the run's queue (report/handlers.py), composed for this run."""
+    config, t = plan.config, plan.config.train
 
-
-def _events(previous: dict[str, Any] | None, report: dict[str, Any], n: int) -> list[tuple[dict[str, str], str]]:
-    """MLflow tags (and a printed line) for what a report reveals: a resized worker group, a drain checkpoint."""
-    events = []
-    world = report.get("world_size")
-    if previous is not None and world is not None and previous.get("world_size") not in (None, world):
-        text = f"step {report['step']}: {previous['world_size']} -> {world} workers"
-        if "global_batch" in report:
-            text += f", global batch {report['global_batch']} (accumulation {report.get('grad_accum_steps')})"
-        events.append(({f"orchestrator.resize.{n}": text}, f"worker group resized at {text}"))
-    if report.get("drain_checkpoint"):
-        text = f"step {report['step']}: a node is being drained; checkpoint saved"
-        events.append(({f"orchestrator.drain.{n}": text}, text))
-    return events
-
-
-class _Reports:
-    """The driver's handler of what rank 0 and the controller put on the run's queue: each report shown, tracked and
-    kept in `history` (and the attempt's record), checkpoints logged as LoggedModels, worker failures counted; an
-    error a restart would repeat before the first report is kept in `doomed` on a `private_cluster` (the main
-    thread then stops the run)."""
-
-    def __init__(self, plan: RunPlan, opening: Alongside, verbose: bool, clock: StartupClock,
-                 history: list[dict[str, Any]], private_cluster: bool, attempt: AttemptLog,
-                 warm_up: EndWarmUp | None = None) -> None:
-        self.plan, self.opening, self.verbose, self.clock, self.warm_up = plan, opening, verbose, clock, warm_up
-        self.history, self.private_cluster, self.attempt = history, private_cluster, attempt
-        self.failures: list[float] = []
-        self.doomed: list[str] = []  # an error in the user's code or config before the first report
-        self.autopilot: dict[str, Any] | None = None  # the autopilot's report (report/autopilot.py), once it came
-        t = plan.config.train
-        self.lines = ProgressLines(t.max_steps or 0, t.global_batch_size,
-                                   t.eval_every if plan.config.data.val is not None else None,
-                                   plan.config.tune.metric or "")
-        self.setup: dict[str, Any] | None = None  # what the workers said they run, as last printed
-
-    @property
-    def tracker(self) -> Tracker:
+    def tracker() -> Tracker:
         """The run's tracker, once MLflow's run is open (the first report waits for it; a failed opening is raised
         by the main thread)."""
-        tracker = self.opening.result()
-        if "tracking" not in self.clock.spans:
-            self.clock.mark_beside("tracking", self.opening.began, self.opening.ended or time.time())
+        tracker = opening.result()
+        if "tracking" not in clock.spans:
+            clock.mark_beside("tracking", opening.began, opening.ended or time.time())
         return tracker
 
-    def __call__(self, report: dict[str, Any]) -> None:
-        if self.opening.failed():  # the main thread ends the run with its error
-            return
-        config, tracker, history, clock = self.plan.config, self.tracker, self.history, self.clock
-        if report.get("event") == "checkpoint":  # committed by Ray Train: a LoggedModel of the run
-            tracker.log_checkpoint(report["step"], _checkpoint_uri(config, report["path"]))
-            return
-        if report.get("event") == "worker_failure":
-            self._failed(report)
-            return
-        if report.get("event") == "setup":  # before the first step of each (re)start: said once, and when it changed
-            if self.verbose and report != self.setup:
-                print(setup_line(report, self.plan.datasets["train"].num_rows), flush=True)
-            self.setup = report
-            return
-        autopilot = take_autopilot(report)  # a dict, never a metric
-        if clock.take_worker_marks(report):
-            tracker.log_metrics(clock.metrics(), step=report["step"])
-            if self.verbose:
-                print(clock.line(), flush=True)
-        if autopilot is not None:  # its table after the start-up line: the search ran after the first step
-            self._autopilot(autopilot, report["step"])
-        for tag, line in _events(history[-1] if history else None, report, len(history)):
-            tracker.set_tags(tag)
-            print(line, file=sys.stderr)
-        report["elapsed_s"] = clock.since_start()  # when it arrived: the cost ledger's timeline
-        history.append(report)
-        self.attempt.save(history)
-        tracker.log_metrics(report, step=report["step"])
-        if "precision" in report:
-            tracker.set_tags({"orchestrator.precision": report["precision"]})
-        if self.verbose:
-            print(self.lines(report), flush=True)
-        if self.warm_up is not None:  # from the first step on: the driver only waits
-            self.warm_up.start()
-
-    def _autopilot(self, autopilot: dict[str, Any], step: int) -> None:
-        """The search's table shown and tracked. A restarted worker group sends its choice again, kept from the
-        checkpoint: one line then, and the search this driver saw stays the one the summary speaks of."""
-        if self.autopilot is not None and autopilot.get("from_checkpoint"):
-            if self.verbose:
-                print("autopilot: the restarted workers kept its choice", flush=True)
-            return
-        self.autopilot = autopilot
-        record_autopilot(self.tracker, autopilot, step, self.verbose)
-
-    def _failed(self, report: dict[str, Any]) -> None:
-        self.failures.append(self.clock.since_start())
-        step = self.history[-1]["step"] if self.history else 0
-        self.tracker.set_tags({f"orchestrator.failure.{len(self.failures)}": f"after step {step}: {report['error']}"})
-        if report.get("repeats") and not self.history and self.private_cluster:
-            # The main thread stops the run: a restart would fail the same way.
-            self.doomed.append(report["error"] + (f" (at {report['at']})" if report.get("at") else ""))
-            return
-        print(f"worker {report['rank']} failed: {report['error']} (restarting from the last checkpoint)",
-              file=sys.stderr)
+    lines = ProgressLines(t.max_steps or 0, t.global_batch_size, t.eval_every if config.data.val is not None else None,
+                          config.tune.metric or "")
+    return RunReports(tracker, opening.failed, clock, history, attempt,
+                      Console(verbose, lines, plan.datasets["train"].num_rows), config.storage.path,
+                      first_step=warm_up.start, failures=FailureCounter(private_cluster),
+                      autopilot=AutopilotTable(verbose))
 
 
 def _fit(plan: RunPlan, inputs: _Inputs, opening: Alongside, verbose: bool, clock: StartupClock, log: RunLog,
@@ -342,7 +257,7 @@ def _fit(plan: RunPlan, inputs: _Inputs, opening: Alongside, verbose: bool, cloc
     from orchestrator.report.callbacks import ForwardCheckpoints, ForwardFailures
 
     config, place = plan.config, plan.place
-    handle = _Reports(plan, opening, verbose, clock, history, private_cluster, attempt, warm_up)
+    handle = _reports(plan, opening, verbose, clock, history, private_cluster, attempt, warm_up)
     queue = inputs.queue
     spec = replace(inputs.spec, attempt=(place.storage, place.path, fence.mine))  # rank 0 watches for a newer claim
     trainer = build_trainer(config, spec, inputs.datasets, place,
@@ -350,8 +265,9 @@ def _fit(plan: RunPlan, inputs: _Inputs, opening: Alongside, verbose: bool, cloc
     log.divert()  # Ray Train sets up its loggers on first use
     try:
         with ReportConsumer(queue, handle):
-            result = fit_interruptibly(trainer, handle.doomed, opening, lambda: stop_at_next_report(place, history))
-        tracker = handle.tracker  # the reports logged: MLflow's run is open
+            result = fit_interruptibly(trainer, handle.failures.doomed, opening,
+                                       lambda: stop_at_next_report(place, history))
+        tracker = handle.tracker()  # the reports logged: MLflow's run is open
     except ray.train.TrainingFailedError as exc:
         raise RunFailedError(f"training failed: {root_cause(exc)} (run directory: {place.uri})") from None
     except Doomed as exc:
@@ -363,19 +279,20 @@ def _fit(plan: RunPlan, inputs: _Inputs, opening: Alongside, verbose: bool, cloc
     _remove_unregistered_checkpoints(result)
     # The checkpoints retention kept, each a LoggedModel of the run (tracking/checkpoint_models.py); the others'
     # models go.
-    kept = {_checkpoint_uri(config, c.path): m.get("step") for c, m in result.best_checkpoints or []}
+    storage = config.storage.path
+    kept = {checkpoint_uri(storage, c.path): m.get("step") for c, m in result.best_checkpoints or []}
     if result.checkpoint:
-        kept.setdefault(_checkpoint_uri(config, result.checkpoint.path), (result.metrics or {}).get("step"))
+        kept.setdefault(checkpoint_uri(storage, result.checkpoint.path), (result.metrics or {}).get("step"))
     tracker.keep_checkpoints(kept)
-    checkpoint_path = _checkpoint_uri(config, result.checkpoint.path) if result.checkpoint else None
+    checkpoint_path = checkpoint_uri(storage, result.checkpoint.path) if result.checkpoint else None
     if history:
-        figures = run_summary(history) | achieved_figures(handle.autopilot, history)
+        figures = run_summary(history) | achieved_figures(handle.autopilot.found, history)
         tracker.log_metrics(figures, step=history[-1]["step"])
     return TrainResult(
         config=config, metrics=dict(result.metrics or {}), checkpoint_path=checkpoint_path, run_dir=place.uri,
         run_id=tracker.run_id, tracking_uri=getattr(tracker, "uri", None), history=history, startup=clock.seconds(),
-        startup_alongside=clock.alongside(), autopilot=handle.autopilot,
-    ), len(handle.failures), result.checkpoint
+        startup_alongside=clock.alongside(), autopilot=handle.autopilot.found,
+    ), len(handle.failures.times), result.checkpoint
 
 
 def _remove_unregistered_checkpoints(result: Any) -> None:

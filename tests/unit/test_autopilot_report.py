@@ -1,5 +1,5 @@
-"""The autopilot on the driver (orchestrator/report/autopilot.py, launch.py's report handler, result.py's summary,
-the plan and `train --autopilot`), from hand-made reports that follow the contract of docs/autopilot.md: the
+"""The autopilot on the driver (orchestrator/report/autopilot.py, report/handlers.py's `RunReports`, result.py's
+summary, the plan and `train --autopilot`), from hand-made reports that follow the contract of docs/autopilot.md: the
 terminal's table, the MLflow params, table artifact and summary rows (one real SQLite store, read back through
 MlflowClient), never a charted metric, and the predicted and achieved speed-up, each checked against figures
 computed here. No Ray."""
@@ -19,9 +19,9 @@ import yaml
 from orchestrator.cli import build_parser, main
 from orchestrator.config import TrackingConfig, load_config
 from orchestrator.report import autopilot as autopilot_report
+from orchestrator.report.handlers import AutopilotTable, Console, RunReports
+from orchestrator.report.progress import ProgressLines
 from orchestrator.report.startup import StartupClock
-from orchestrator.run.alongside import Alongside
-from orchestrator.run.launch import _Reports
 from orchestrator.run.result import TrainResult, summary
 from orchestrator.tracking.client import MlflowTracker
 from orchestrator.tracking.context import config_params
@@ -267,9 +267,9 @@ def test_the_report_handler_prints_tracks_and_keeps_it_out_of_the_history(capsys
     config = load_config(None, ["autopilot.enabled=true", "train.max_steps=80"])
     tracker, history = _RecordingTracker(), []
     attempt = SimpleNamespace(save=lambda history, **kw: None)
-    opened = Alongside(lambda: tracker)  # MLflow's run, opened beside the worker group's start
-    handle = _Reports(SimpleNamespace(config=config), opened, True, StartupClock(time.time()),  # type: ignore[arg-type]
-                      history, False, attempt)  # type: ignore[arg-type]
+    console = Console(True, ProgressLines(80, config.train.global_batch_size, None, ""), None)
+    handle = RunReports(lambda: tracker, lambda: False, StartupClock(time.time()), history, attempt,  # type: ignore[arg-type]
+                        console, config.storage.path, autopilot=AutopilotTable(True))
     handle(_report(20, 900.0))
     handle(_report(40, 1100.0) | {"autopilot": copy.deepcopy(REPORT)})
     out = capsys.readouterr().out
@@ -281,11 +281,11 @@ def test_the_report_handler_prints_tracks_and_keeps_it_out_of_the_history(capsys
     assert columns == autopilot_report.COLUMNS and len(rows) == 4
     assert rows[3][columns.index("status")] == "failed: out of memory on rank 1"
     assert autopilot_report.search_figures(REPORT) in tracker.metrics  # its figures, logged once
-    assert handle.autopilot is not None and handle.autopilot[autopilot_report.AT_STEP] == 40
+    assert handle.autopilot.found is not None and handle.autopilot.found[autopilot_report.AT_STEP] == 40
     # A restarted worker group sends the choice again, kept from the checkpoint: the search seen here stays.
     handle(_report(60, 1200.0) | {"autopilot": REPORT | {"rows": [], "from_checkpoint": True}})
     assert "the restarted workers kept its choice" in capsys.readouterr().out
-    assert handle.autopilot["rows"] and not handle.autopilot["from_checkpoint"]
+    assert handle.autopilot.found["rows"] and not handle.autopilot.found["from_checkpoint"]
 
 
 def test_mlflow_holds_the_table_the_params_and_the_summary_rows_never_a_chart(tmp_path: Path) -> None:
