@@ -56,7 +56,7 @@ SLOW_MODULES = {
     "tests/integration/pipelines/test_s3_data.py": 14,
     "tests/unit/training/test_rank_guarantees.py": 13,
     "tests/unit/training/test_devices.py": 12,
-    "tests/unit/test_tracking_writer.py": 12,
+    "tests/unit/tracking/test_writer.py": 12,
     "tests/unit/training/test_local_sgd.py": 11,
     "tests/unit/test_errors.py": 10,
     "tests/unit/training/test_fsdp_training.py": 9,

@@ -132,7 +132,7 @@ def markdown() -> str:
         "",
         "<!-- Generated from the schema's field descriptions (orchestrator/config/, "
         f"pipelines/config.py) by `{REGENERATE}`: edit those, then regenerate. "
-        "tests/unit/test_config_reference.py checks it is current. -->",
+        "tests/unit/config/test_reference.py checks it is current. -->",
         "",
         "Every key of the config, with its default and meaning. Precedence: the defaults below < "
         "`--config FILE.yaml` < repeated `--set dotted.key=value` (values parse as YAML). Every "

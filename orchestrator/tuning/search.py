@@ -17,7 +17,7 @@ from orchestrator.errors import ConfigError
 from orchestrator.run.model_checks import check_model_options
 
 # What training/loop.py reports (`_interval_metrics` every log_every steps, `evaluate` at eval steps);
-# tests/unit/test_search.py runs the loop and fails if this drifts.
+# tests/unit/tuning/test_search.py runs the loop and fails if this drifts.
 TRAIN_METRICS = ("step", "epoch", "samples_seen", "train_loss", "lr", "grad_norm", "samples_per_s",
                  "train_samples_per_s", "data_wait_frac", "skipped_steps", "world_size")
 _HIGHER_IS_BETTER = ("val_accuracy", "val_top5_accuracy", "val_f1", "val_r2", "samples_per_s")

@@ -151,7 +151,7 @@ def test_the_printed_urls_open_the_training_views(browser: str, trained: tuple[T
     assert not {"Detect Issues", "Token Usage", "Usage"} & set(page), page[:80]
     # The table's first row as it opens: the name (what the command changed first), the headline metrics as
     # columns holding the run's values, and the Source: the command whole, which runs when pasted. (The grid's DOM
-    # order is not its visual order: the columns' order is the view's, tests/unit/test_mlflow_view.py.)
+    # order is not its visual order: the columns' order is the view's, tests/unit/report/test_ui.py.)
     headline = ["headline/val_accuracy", "headline/train_loss", "headline/train_samples_per_s"]
     header, row = page.index("Run Name"), page.index(run.info.run_name)
     assert {"Created", "Metrics", "Source", *headline} <= set(page[header:row]), page[header:row]

@@ -268,12 +268,12 @@ def test_the_readmes_laptop_check_of_the_gpu_recipe_is_not_priced_as_gpu_nodes()
     # laptop's CPUs with scaling.use_gpu=false. Its node-hours are a CPU's, never the GPU node type's price.
     import shlex
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
     start = readme.index("orchestrator train --config examples/cluster-gpu.yaml --set scaling.use_gpu=false")
     command = shlex.split(readme[start:readme.index("```", start)].replace("\\\n", " "))
     config, overrides = command[command.index("--config") + 1], [
         command[i + 1] for i, word in enumerate(command) if word == "--set"]
-    laptop = load_config(Path(__file__).resolve().parents[2] / config, overrides)
+    laptop = load_config(Path(__file__).resolve().parents[3] / config, overrides)
     assert laptop.cost.node_type == "gpu_spot" and not laptop.scaling.use_gpu
     pricing = resolve_pricing(laptop)
     assert pricing.usd_per_node_hour is None, pricing
@@ -281,8 +281,8 @@ def test_the_readmes_laptop_check_of_the_gpu_recipe_is_not_priced_as_gpu_nodes()
     line = build_ledger([report(5, 12.0)], wall_s=20.0, pricing=pricing).line()
     assert line.startswith("cost: unpriced") and "0.485" not in line, line
     # On the cluster (the recipe as written) it is the GPU node's spot price; a price the user gives always counts.
-    assert resolve_pricing(load_config(Path(__file__).resolve().parents[2] / config)).usd_per_node_hour == 0.485
-    given = resolve_pricing(load_config(Path(__file__).resolve().parents[2] / config,
+    assert resolve_pricing(load_config(Path(__file__).resolve().parents[3] / config)).usd_per_node_hour == 0.485
+    given = resolve_pricing(load_config(Path(__file__).resolve().parents[3] / config,
                                         [*overrides, "cost.price_per_hour=0.1"]))
     assert given.usd_per_node_hour == 0.1
 

@@ -13,7 +13,7 @@ import torch
 from orchestrator import load_config
 from orchestrator.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def gpt2(num_classes: int = 256, positions: int = 64) -> Any:
@@ -71,34 +71,34 @@ def test_windows_longer_than_the_models_positions_are_refused_naming_both_and_th
     with pytest.raises(IndexError, match="index out of range"):  # what the workers hit without the check
         run_past_the_table(text, gpt2(positions=64))
     with pytest.raises(ConfigError) as refused:
-        resolve(text, "model.entrypoint=test_model_positions:gpt2", "model.positions=64")
+        resolve(text, "model.entrypoint=test_model_checks:gpt2", "model.positions=64")
     message = str(refused.value)
     assert "\n" not in message
     assert "65 tokens" in message and "64 positions" in message and "n_positions" in message
     assert "orchestrator prepare text --seq-len 63" in message and "'tokens'" in message
-    resolve(text, "model.entrypoint=test_model_positions:gpt2", "model.positions=65")  # room for all 65: accepted
+    resolve(text, "model.entrypoint=test_model_checks:gpt2", "model.positions=65")  # room for all 65: accepted
 
 
 def test_forward_x_takes_the_window_less_its_last_token(text: Path) -> None:
     # model.inputs unset: forward(x) with x = the window's first 64 tokens, the targets shifted by one.
-    resolve(text, "model.entrypoint=test_model_positions:gpt2", "model.positions=64", named=False)
+    resolve(text, "model.entrypoint=test_model_checks:gpt2", "model.positions=64", named=False)
     with pytest.raises(ConfigError, match=r"64 tokens,.* 32 positions .*--seq-len 32\b"):
-        resolve(text, "model.entrypoint=test_model_positions:gpt2", "model.positions=32", named=False)
+        resolve(text, "model.entrypoint=test_model_checks:gpt2", "model.positions=32", named=False)
 
 
 def test_the_positions_of_a_pretrained_model_are_its_saved_configs(text: Path, tmp_path: Path) -> None:
     # The builder's default has 1024 positions; the saved model has 64, which is what the workers build.
     gpt2(positions=64).save_pretrained(tmp_path / "base")
     with pytest.raises(ConfigError, match=r"65 tokens,.* 64 positions \(n_positions in .*base/config.json\)"):
-        resolve(text, "model.entrypoint=test_model_positions:gpt2", "model.positions=1024",
+        resolve(text, "model.entrypoint=test_model_checks:gpt2", "model.positions=1024",
                 f"model.pretrained={tmp_path}/base")
     with pytest.raises(ConfigError, match=r"'model.pretrained': .*missing holds no config.json: .*save_pretrained"):
-        resolve(text, "model.entrypoint=test_model_positions:gpt2", f"model.pretrained={tmp_path}/missing")
+        resolve(text, "model.entrypoint=test_model_checks:gpt2", f"model.pretrained={tmp_path}/missing")
 
 
 def test_rotary_positions_have_no_table_and_are_not_refused(text: Path) -> None:
     run_past_the_table(text, llama(positions=32))  # runs: nothing to refuse
-    resolve(text, "model.entrypoint=test_model_positions:llama", "model.positions=32")
+    resolve(text, "model.entrypoint=test_model_checks:llama", "model.positions=32")
 
 
 def roberta(num_classes: int = 64, positions: int = 34) -> Any:
@@ -159,19 +159,19 @@ def test_rounding_alone_past_the_table_names_pad_to_multiple_of_and_the_real_len
     with pytest.raises(IndexError, match="index out of range"):
         forward_sample(ragged, gpt2(positions=60), "data.pad_to_multiple_of=16")
     with pytest.raises(ConfigError) as refused:
-        resolve(ragged, "model.entrypoint=test_model_positions:gpt2", "model.positions=60",
+        resolve(ragged, "model.entrypoint=test_model_checks:gpt2", "model.positions=60",
                 "data.pad_to_multiple_of=16")
     message = str(refused.value)
     assert "\n" not in message
     assert "58 tokens" in message and "64 tokens" in message and "60 positions" in message
     assert "data.pad_to_multiple_of" in message
-    resolve(ragged, "model.entrypoint=test_model_positions:gpt2", "model.positions=60")  # unrounded: accepted
-    resolve(ragged, "model.entrypoint=test_model_positions:gpt2", "model.positions=60", "data.pad_to_multiple_of=4")
+    resolve(ragged, "model.entrypoint=test_model_checks:gpt2", "model.positions=60")  # unrounded: accepted
+    resolve(ragged, "model.entrypoint=test_model_checks:gpt2", "model.positions=60", "data.pad_to_multiple_of=4")
 
 
 def test_rows_past_the_table_report_the_longest_real_row_not_the_padded_width(ragged: Path) -> None:
     with pytest.raises(ConfigError) as refused:  # 58 real tokens, padded to 64, 32 positions
-        resolve(ragged, "model.entrypoint=test_model_positions:gpt2", "model.positions=32",
+        resolve(ragged, "model.entrypoint=test_model_checks:gpt2", "model.positions=32",
                 "data.pad_to_multiple_of=16")
     message = str(refused.value)
     assert "sequences of 58 tokens" in message and "32 positions" in message

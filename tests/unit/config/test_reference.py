@@ -13,7 +13,7 @@ import yaml
 from orchestrator.config import config_from_dict, load_config, to_dict
 from orchestrator.config.reference import REGENERATE, description, explain, keys, markdown
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 
 

@@ -69,7 +69,7 @@ def _text_config(*overrides: str):  # type: ignore[no-untyped-def]
     return load_config(ROOT / "examples/text-gpt.yaml", ["model.num_classes=256", *overrides])
 
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[3]
 TOKENS = __import__("pipelines.sources", fromlist=["DatasetInfo"]).DatasetInfo(
     "train", [], num_rows=10_000, num_bytes=0, feature_dim=129, num_classes=256)
 

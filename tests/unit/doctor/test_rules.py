@@ -652,7 +652,7 @@ def test_the_readmes_doctor_example_prints_only_advice_that_applies() -> None:
     from orchestrator.cli import build_parser
     from orchestrator.config import load_config
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     readme = (root / "README.md").read_text()
     example = readme[readme.index("# doctor: run "):]
     example = example[:example.index("```")]
@@ -735,7 +735,7 @@ def test_a_finding_the_autopilot_measured_on_the_run_is_settled() -> None:
 
 # --------------------------------------------------------------------------- advice runs as printed, on the examples
 
-EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+EXAMPLES = sorted((Path(__file__).resolve().parents[3] / "examples").glob("*.yaml"))
 FAILED = {f"orchestrator.failure.{i}": f"after step {100 * i}: boom" for i in (1, 2, 3, 4)}
 # (what the run recorded, the --set flags it was started with, its tags, its other flags): between them, runs that
 # make every rule fire, each started from an example as a user starts one.

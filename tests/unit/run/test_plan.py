@@ -19,7 +19,7 @@ import yaml
 from orchestrator.config import load_config
 from orchestrator.run.plan import plan_run
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _config(tmp_path: Path, digits_dir: str, *sets: str):  # noqa: ANN202 - a Config

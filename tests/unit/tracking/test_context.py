@@ -177,7 +177,7 @@ def test_source_tags_and_the_run_url() -> None:
 
 
 def test_the_commit_is_the_checkouts_head() -> None:
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
     expected = head.stdout.strip() if head.returncode == 0 else None
     assert git_commit(str(root)) == expected

@@ -16,7 +16,7 @@ import torch
 from orchestrator import load_config
 from orchestrator.config import Config
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_a_fine_tuned_pretrained_model_is_logged_with_the_saved_architecture(
                                eos_token_id=None)).save_pretrained(tmp_path / "base")
     config = load_config(None, [
         f"data.train={tmp_path}/text/train", "data.val=null", "data.features=[tokens]", "data.label=null",
-        "task.name=causal_lm", "task.loss=model", "model.entrypoint=test_model_logging:gpt2_default",
+        "task.name=causal_lm", "task.loss=model", "model.entrypoint=test_flavour:gpt2_default",
         "model.inputs={input_ids: tokens}", f"model.pretrained={tmp_path}/base",
         f"tracking.uri={store}", "tracking.experiment=fine-tune"])
     infos = inspect_datasets(config.data, named=True)
@@ -130,7 +130,7 @@ def test_a_builder_reading_a_relative_file_is_logged(tmp_path: Path, digits_dir:
     monkeypatch.chdir(tmp_path)  # where the user runs `orchestrator train`, beside the builder's file
     Path("arch.json").write_text(json.dumps({"width": 12}))
     config = load_config(None, [
-        f"data.train={digits_dir}/train", "data.val=null", "model.entrypoint=test_model_logging:mlp_from_file",
+        f"data.train={digits_dir}/train", "data.val=null", "model.entrypoint=test_flavour:mlp_from_file",
         f"tracking.uri={store}", "tracking.experiment=relative"])
     infos = inspect_datasets(config.data)
     config = resolve_for_data(config, infos)
@@ -196,7 +196,7 @@ def _log_tiny(task: str, path: str, store: str, extra: list[str]) -> tuple[str, 
 
     config = load_config(None, [
         f"data.train={path}", "data.val=null", "data.features=[pixels, age, count]", f"task.name={task}",
-        "model.entrypoint=test_model_logging:tiny_mlp", f"tracking.uri={store}", f"tracking.experiment={task}",
+        "model.entrypoint=test_flavour:tiny_mlp", f"tracking.uri={store}", f"tracking.experiment={task}",
         *extra])
     infos = inspect_datasets(config.data)
     config = resolve_for_data(config, infos)

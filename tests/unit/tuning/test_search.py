@@ -299,7 +299,7 @@ def test_trial_status_and_table() -> None:
 def test_only_driver_modules_import_ray_tune() -> None:
     import ast
 
-    root = Path(__file__).resolve().parents[2] / "orchestrator"
+    root = Path(__file__).resolve().parents[3] / "orchestrator"
     found = set()
     for path in root.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -314,7 +314,7 @@ def test_cli_tune_refuses_bad_input_with_one_line() -> None:
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     out = subprocess.run([sys.executable, "-m", "orchestrator", "tune", "--config", "examples/digits-tune.yaml",
                           "--set", "tune.metric=val_acc"], capture_output=True, text=True, cwd=root, timeout=120)
     assert out.returncode == 2
