@@ -91,6 +91,11 @@ def resolve_pricing(config: Config, world_size: int | None = None) -> Pricing:
     return Pricing(nodes, float(price), f"{nodes} x {cost.node_type} ({cost.cloud}, {market_name}, ${price:g}/h)")
 
 
+def largest_world(history: list[dict[str, Any]]) -> int | None:
+    """The largest worker group the reports saw: an elastic run is billed at it (None before the first report)."""
+    return max((int(r["world_size"]) for r in history if "world_size" in r), default=None)
+
+
 def _nodes_for(workers: int, use_gpu: bool, cpus_per_worker: float, entry: dict[str, Any]) -> int:
     if use_gpu and entry.get("gpus"):
         return max(1, math.ceil(workers / entry["gpus"]))  # one GPU per worker

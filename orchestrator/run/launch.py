@@ -23,7 +23,7 @@ from orchestrator.config import Config, to_yaml
 from orchestrator.errors import ConfigError
 from orchestrator.report.autopilot import achieved_figures
 from orchestrator.report.console import LOG_FILE, RunLog
-from orchestrator.report.cost import build_ledger, ledger_across_attempts, resolve_pricing
+from orchestrator.report.cost import build_ledger, largest_world, ledger_across_attempts
 from orchestrator.report.handlers import AutopilotTable, Console, FailureCounter, RunReports, checkpoint_uri
 from orchestrator.report.plots import plot_history
 from orchestrator.report.progress import ProgressLines, ReportConsumer
@@ -314,13 +314,7 @@ def _remove_unregistered_checkpoints(result: Any) -> None:
 def _bill(plan: RunPlan, result: TrainResult, wall_s: float, failures: int) -> None:
     """The run's cost ledger over `wall_s`, billed at the largest size an elastic group reached; for a resumed run,
     also over every attempt (MLflow's run spans them all, so its cost figures do too)."""
-    result.cost = _cost(plan.config, result.history, wall_s, failures)
+    result.cost = build_ledger(result.history, wall_s, plan.pricing_at(largest_world(result.history)), failures)
     attempts = plan.place.read_attempts() if plan.resume is not None else []
     if len(attempts) > 1:
         result.attempts, result.run_cost = len(attempts), ledger_across_attempts(attempts, result.cost.pricing)
-
-
-def _cost(config: Config, history: list[dict[str, Any]], wall_s: float, failures: int) -> Any:
-    # An elastic group is billed at the largest size it reached.
-    world = max((int(r["world_size"]) for r in history if "world_size" in r), default=None)
-    return build_ledger(history, wall_s, resolve_pricing(config, world), failures)

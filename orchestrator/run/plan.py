@@ -46,7 +46,8 @@ class RunPlan:
     in_features: int | None  # the width of the classic model input the workers build with (models.inputs)
     memory_budget: tuple[float, str] | None  # bytes one worker may use, and where that figure comes from
     advice: str | None  # ddp would not fit a worker while fsdp would (checks.model_state_advice)
-    pricing: Pricing
+    pricing: Pricing  # at the planned group size (an elastic group's smallest)
+    elastic_prices: Mapping[int, Pricing]  # an elastic group's price at each size it may reach (billed at the largest)
     place: RunPlace  # where the run lives in storage: a new one, or the one resumed
     resume: ResumePoint | None
     run_name: str  # the run's one name (runs.run_name): its directory in storage, its MLflow run's name
@@ -55,6 +56,10 @@ class RunPlan:
     context: Mapping[str, str]  # the run's context tags (git commit, user, source), taken where the command started
     autopilot: Mapping[str, Any]  # the autopilot's setting: on or off, its budget and the keys it measures (_autopilot)
     cluster: ClusterChoice  # the Ray cluster the run joins or starts (connect_ray carries it out)
+
+    def pricing_at(self, world: int | None) -> Pricing:
+        """The price of the run at the largest group size it reached (`world`: None before its first report)."""
+        return self.elastic_prices.get(world, self.pricing) if world else self.pricing
 
     def describe(self) -> dict[str, Any]:
         """The plan as plain data: what `show-config --plan` prints and `plan.yaml` in MLflow holds."""
@@ -147,6 +152,9 @@ def plan_run(config: Config, resume: bool | str = False, verbose: bool = True, a
     checked = check_inspected(config, data.datasets, data.sample)  # the model built once, on the meta device
     config = checked.config
     pricing = resolve_pricing(config)  # an unknown node type fails now, not after training
+    # An elastic group is billed at the largest size it reaches: its price at each size, decided now.
+    low, high = config.scaling.num_workers if isinstance(config.scaling.num_workers, list) else (1, 0)
+    elastic_prices = {world: resolve_pricing(config, world) for world in range(low, high + 1)}
     check_server_listens(config.tracking)  # the run is opened once Ray runs: a dead server must stop us first
     if checked.advice and verbose:  # ddp would not fit a worker, fsdp would
         print(checked.advice, file=sys.stderr, flush=True)
@@ -158,7 +166,8 @@ def plan_run(config: Config, resume: bool | str = False, verbose: bool = True, a
                               record.get("finished")))
     # The context is read where the command started (its commit): a Ray job's driver then leaves that directory.
     return RunPlan(config=config, datasets=MappingProxyType(data.datasets), in_features=checked.in_features,
-                   memory_budget=checked.memory_budget, advice=checked.advice, pricing=pricing, place=place,
+                   memory_budget=checked.memory_budget, advice=checked.advice, pricing=pricing,
+                   elastic_prices=MappingProxyType(elastic_prices), place=place,
                    resume=point, run_name=place.name, tracking_uri=uri,
                    reopen_run_id=_reopen_id(uri, record), context=MappingProxyType(context_tags() if uri else {}),
                    autopilot=MappingProxyType(_autopilot(config)), cluster=choose_cluster(address, config))

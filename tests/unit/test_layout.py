@@ -22,7 +22,7 @@ MAX_LOOSE = 6
 # function as `train` (issue 60: <= 12, 18 and 3 each). A walk may only go down.
 WALKS = {
     "train": ("orchestrator.run.launch.train", "config", (12, 18, 3)),
-    "launch": ("orchestrator.run.launch._train", "plan", (16, 26, 4)),
+    "launch": ("orchestrator.run.launch._train", "plan", (14, 22, 4)),
     "tune": ("orchestrator.tuning.study.tune", "config", (26, 45, 8)),
 }
 

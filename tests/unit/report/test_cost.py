@@ -10,7 +10,7 @@ import pytest
 
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError
-from orchestrator.report.cost import PARTS, Ledger, Pricing, build_ledger, resolve_pricing, study_metrics
+from orchestrator.report.cost import PARTS, Ledger, Pricing, build_ledger, largest_world, resolve_pricing, study_metrics
 
 PRICED = Pricing(nodes=2, usd_per_node_hour=3.6, description="2 x test")
 
@@ -186,8 +186,6 @@ def test_time_blocked_in_reports_is_its_own_part_not_recovery() -> None:
 
 
 def test_elastic_run_is_billed_at_the_largest_world_size_it_reached() -> None:
-    from orchestrator.run.launch import _cost
-
     # gpu_spot nodes hold one GPU each, so nodes = workers; 120 divides by every size from 2 to 6.
     cfg = load_config(None, ["scaling.num_workers=[2, 6]", "train.global_batch_size=120", "scaling.use_gpu=true",
                              "cost.node_type=gpu_spot"])
@@ -198,7 +196,7 @@ def test_elastic_run_is_billed_at_the_largest_world_size_it_reached() -> None:
     # The driver takes the largest world size among the reports, not the first or the last.
     history = [{**report(step, elapsed=10.0 * step), "world_size": world}
                for step, world in ((10, 2), (20, 4), (30, 3))]
-    assert _cost(cfg, history, 400.0, failures=0).pricing.nodes == 4
+    assert largest_world(history) == 4 and largest_world([report(10, elapsed=100.0)]) is None
     # An explicit node count is what the user said the run holds, whatever the world size.
     pinned = load_config(None, ["scaling.num_workers=[2, 6]", "train.global_batch_size=120", "scaling.use_gpu=true",
                                 "cost.node_type=gpu_spot", "cost.nodes=3"])

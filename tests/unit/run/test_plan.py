@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from orchestrator.config import load_config
+from orchestrator.report.cost import resolve_pricing
 from orchestrator.run.plan import plan_run
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -50,6 +51,7 @@ def test_the_plan_holds_what_the_data_and_the_price_table_decide(tmp_path: Path,
     assert described["training"]["steps"] == steps and described["data"]["train"]["rows"] == rows.num_rows
     assert described["cost"]["usd_per_node_hour"] == plan.pricing.usd_per_node_hour
     assert described["run"]["resume"] is None
+    assert plan.pricing_at(None) == plan.pricing_at(2) == plan.pricing and dict(plan.elastic_prices) == {}
     # Decided once: the plan and what it holds cannot be changed by what runs it.
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.advice = "changed"  # type: ignore[misc]
@@ -125,3 +127,15 @@ def test_the_driver_reads_the_config_in_one_place() -> None:
     assert not [line for line in trace if line[2] in stage], trace
     entries = dict(re.findall(r"([\w.]+) (\d+)", out[-1].removeprefix("entries per module: ")))
     assert max(map(int, entries.values())) <= 6, out[-1]
+
+
+def test_an_elastic_plan_prices_every_size_its_group_may_reach(tmp_path: Path, digits_dir: str) -> None:
+    """Billed at the largest size the group reached, priced by the plan: gpu_spot nodes hold one GPU each, so a group
+    of 4 is 4 nodes (the price table's figure), not the planned minimum's 2."""
+    config = _config(tmp_path, digits_dir, "scaling.num_workers=[2, 6]", "train.global_batch_size=120",
+                     "scaling.use_gpu=true", "cost.node_type=gpu_spot")
+    plan = plan_run(config, verbose=False)
+    spot = yaml.safe_load((ROOT / "cluster" / "prices.yaml").read_text())["aws"]["gpu_spot"]["spot"]
+    assert sorted(plan.elastic_prices) == [2, 3, 4, 5, 6]
+    assert (plan.pricing.nodes, plan.pricing_at(None).nodes, plan.pricing_at(4).nodes) == (2, 2, 4)
+    assert plan.pricing_at(4).usd_per_node_hour == spot and plan.pricing_at(4) == resolve_pricing(plan.config, 4)
