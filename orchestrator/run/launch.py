@@ -198,8 +198,8 @@ def _train(plan: RunPlan, address: str | None, verbose: bool, clock: StartupCloc
         stopping: threading.Thread | None = None
         try:
             with train_environment(config, private_cluster=started_ray):
-                result, failures, checkpoint = _fit(plan, inputs, opening, verbose, clock, log, history,
-                                                    started_ray, attempt, fence, warm_up)
+                handle = _reports(plan, opening, verbose, clock, history, started_ray, attempt, warm_up)
+                result, failures, checkpoint = _fit(plan, inputs, handle, opening, log, fence)
             tracker = opening.result()
             if started_ray:
                 # The cluster's processes stopped (all of them, cluster/processes.py) while the artifacts are logged.
@@ -244,20 +244,18 @@ def _reports(plan: RunPlan, opening: Alongside, verbose: bool, clock: StartupClo
                       autopilot=AutopilotTable(verbose))
 
 
-def _fit(plan: RunPlan, inputs: _Inputs, opening: Alongside, verbose: bool, clock: StartupClock, log: RunLog,
-         history: list[dict[str, Any]], private_cluster: bool, attempt: AttemptLog, fence: Fence,
-         warm_up: EndWarmUp) -> tuple[TrainResult, int, Any]:
-    """Fit the run while a driver thread shows and tracks its metrics (appended to `history` as they come), and
-    MLflow's run is `opening` in another: a failure to open it ends the run.
+def _fit(plan: RunPlan, inputs: _Inputs, handle: RunReports, opening: Alongside, log: RunLog, fence: Fence
+         ) -> tuple[TrainResult, int, Any]:
+    """Fit the run while a driver thread hands each entry of its queue to `handle` (the reports appended to its
+    `history` as they come), and MLflow's run is `opening` in another: a failure to open it ends the run.
     Returns the result, how many worker failures Ray Train restarted from, and the final Ray Checkpoint. On a
-    `private_cluster` an error every restart would repeat ends the run at once (shutting the cluster down ends Ray
+    private cluster an error every restart would repeat ends the run at once (shutting the cluster down ends Ray
     Train's restarts too)."""
     import ray.train
 
     from orchestrator.report.callbacks import ForwardCheckpoints, ForwardFailures
 
-    config, place = plan.config, plan.place
-    handle = _reports(plan, opening, verbose, clock, history, private_cluster, attempt, warm_up)
+    config, place, history, clock = plan.config, plan.place, handle.history, handle.clock
     queue = inputs.queue
     spec = replace(inputs.spec, attempt=(place.storage, place.path, fence.mine))  # rank 0 watches for a newer claim
     trainer = build_trainer(config, spec, inputs.datasets, place,
