@@ -78,10 +78,9 @@ def test_ctrl_c_during_training_exits_130_and_says_how_to_continue(
     monkeypatch.setattr(launch, "connect_ray", lambda address, config: False)  # no cluster: a joined one, say
     monkeypatch.setattr(launch, "_build_inputs", lambda plan, started_ray, log: None)  # no datasets without it
 
-    def fit_until_ctrl_c(plan: RunPlan, *args: Any) -> Any:
+    def fit_until_ctrl_c(plan: RunPlan, inputs: Any, handle: Any, *args: Any) -> Any:
         # Steps reported, a checkpoint registered by Ray Train, then Ctrl+C.
-        history = next(a for a in args if isinstance(a, list))  # the reports so far
-        history.append({"step": reported})
+        handle.history.append({"step": reported})  # the reports so far
         plan.place.write_text(RAY_CHECKPOINTS, f'{{"checkpoints": ["checkpoint_{registered:08d}_d41d8cd9"]}}')
         raise KeyboardInterrupt
 
@@ -123,9 +122,9 @@ def test_the_mlflow_run_is_opened_while_the_worker_group_starts_and_ctrl_c_then_
 
     clocks: list[Any] = []
 
-    def fit(plan: RunPlan, inputs: Any, opening: Any, verbose: bool, clock: Any, *args: Any) -> Any:
+    def fit(plan: RunPlan, inputs: Any, handle: Any, opening: Any, *args: Any) -> Any:
         times["fit"] = time.time()  # Ray Train starts the worker group: the driver only waits meanwhile
-        clocks.append(clock)
+        clocks.append(handle.clock)
         opening.result()
         times["opened"] = opening.ended
         raise KeyboardInterrupt
