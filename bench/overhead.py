@@ -167,8 +167,8 @@ def overrides(args: argparse.Namespace, data: Path) -> list[str]:
             f"train.precision={args.precision}", f"train.log_every={log_every(args)}", "optim.warmup_steps=10"]
 
 
-KINDS = {"TrainController": "controller", "_QueueActor": "queue actor", "RayTrainWorker": "workers"}
-SHOWN = ("driver", "controller", "queue actor", "Ray", "workers")
+KINDS = {"TrainController": "controller", "RayTrainWorker": "workers"}
+SHOWN = ("driver", "controller", "Ray", "workers")
 
 
 def kind_of(process: psutil.Process, command_pid: int) -> str:  # noqa: F821 - psutil comes with Ray
@@ -219,7 +219,7 @@ def cpu_line(rounds: list[dict[str, float]]) -> str:
     if not rounds:
         return "not measured (fewer than two progress lines)"
     median = {kind: 100 * statistics.median(r.get(kind, 0.0) for r in rounds) for kind in SHOWN}
-    rest = 100 * statistics.median(sum(r.get(k, 0.0) for k in ("driver", "controller", "queue actor")) for r in rounds)
+    rest = 100 * statistics.median(sum(r.get(k, 0.0) for k in ("driver", "controller")) for r in rounds)
     return " | ".join(f"{kind} {share:.1f}" for kind, share in median.items()) + f" | at rest {rest:.1f} (target <= 3)"
 
 

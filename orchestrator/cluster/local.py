@@ -27,6 +27,7 @@ from orchestrator.ray_internals import (
     token_auth_by_default,
 )
 from orchestrator.tracking.uri import is_loopback, sqlite_file
+from orchestrator.training.channel import ReportChannel
 from pipelines.storage import private_dir, user_cache_dir
 
 # The warm cluster this process is joined to (cluster.keep_warm_minutes), held until shutdown_local_ray.
@@ -312,16 +313,12 @@ def train_environment(config: Config, private_cluster: bool) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def report_queue() -> Any:
-    """The run's report queue, on this process's node (the driver's, or a Tune trial actor's), where Ray Train keeps
-    the run's controller too. On another node it would go with that node, and the run with it: a spot reclaim of a
-    worker node ended runs so (bench/chaos.py, ControllerError)."""
+def report_channel() -> ReportChannel:
+    """The run's report channel, held by this process (the driver, or a Tune trial's actor) on the address its Ray
+    node has: the one the run's workers reach it by (a private cluster's is the loopback)."""
     import ray
-    from ray.util.queue import Queue
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    return Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
+    return ReportChannel(ray.util.get_node_ip_address())
 
 
 def pin_state_api() -> int:

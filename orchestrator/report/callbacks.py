@@ -1,5 +1,5 @@
-"""Ray Train's user callbacks: what only the controller sees, a worker's failure and a committed checkpoint, put on
-the run's report queue beside rank 0's metrics (progress.py drains it). Train V2 runs them in the controller actor,
+"""Ray Train's user callbacks: what only the controller sees, a worker's failure and a committed checkpoint, sent to
+the run's report channel beside rank 0's metrics (progress.py drains it). Train V2 runs them in the controller actor,
 so they only forward. Imported where the trainer is built: Ray Train is no part of the command's own start."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from ray.train import UserCallback
-from ray.util.queue import Queue
 
 from orchestrator.errors import UserError, raised_in_model_code
+from orchestrator.training.channel import ChannelSender
 
 # Errors in the user's code or config that every restart would raise again (a missing key, a bad option, a
 # non-finite loss): not worth a restart when they come before the run's first report. A crash, a network error or a
@@ -31,11 +31,11 @@ def repeats(raised: BaseException, where: str | None) -> bool:
 
 
 class ForwardFailures(UserCallback):
-    """Runs in the controller: puts each worker failure (the lowest failed rank, its error and whether it is one
-    that would repeat) on the queue."""
+    """Runs in the controller: sends each worker failure (the lowest failed rank, its error and whether it is one
+    that would repeat) to the driver."""
 
-    def __init__(self, queue: Queue) -> None:
-        self.queue = queue
+    def __init__(self, reports: ChannelSender) -> None:
+        self.reports = reports
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
         rank, exc = next(iter(sorted(worker_exceptions.items())))
@@ -45,18 +45,18 @@ class ForwardFailures(UserCallback):
         name = type(raised).__name__
         error = text if text.startswith(name) else f"{name}: {text}"  # a traceback's last line names it already
         where = raised_in_model_code(raised) or raised_in_model_code(exc)  # marked by the worker, or in Ray's text
-        self.queue.put({"event": "worker_failure", "rank": rank, "error": error[:300], "at": where,
-                        "repeats": repeats(raised, where)})
+        self.reports.put({"event": "worker_failure", "rank": rank, "error": error[:300], "at": where,
+                          "repeats": repeats(raised, where)})
 
 
 class ForwardCheckpoints(UserCallback):
-    """Runs in the controller: puts each checkpoint it committed (registered after every rank's report) on the
-    queue, with its step and path in run storage, for the driver to track (tracking/checkpoint_models.py)."""
+    """Runs in the controller: sends each checkpoint it committed (registered after every rank's report), with its
+    step and path in run storage, to the driver to track (tracking/checkpoint_models.py)."""
 
-    def __init__(self, queue: Queue) -> None:
-        self.queue = queue
+    def __init__(self, reports: ChannelSender) -> None:
+        self.reports = reports
 
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
         step = metrics[0].get("step") if metrics and metrics[0] else None
         if checkpoint is not None and isinstance(step, int):
-            self.queue.put({"event": "checkpoint", "step": step, "path": checkpoint.path})
+            self.reports.put({"event": "checkpoint", "step": step, "path": checkpoint.path})

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ray.util.queue import Queue
+    from orchestrator.training.channel import ReportChannel
 
 SMOOTHING = 0.3  # the newest interval's weight in the progress line's averages (tqdm's default)
 
@@ -107,12 +107,12 @@ def setup_line(facts: dict[str, Any], train_rows: int | None) -> str:
 
 
 class ReportConsumer:
-    """Driver thread: drains the queue while `fit()` blocks, calling `handle` for every report."""
+    """Driver thread: hands every item of the run's channel to `handle` while `fit()` blocks. It waits on the
+    channel without polling; leaving closes the channel, whose end mark comes after every item sent until then."""
 
-    def __init__(self, queue: Queue, handle: Callable[[dict[str, Any]], None]) -> None:
-        self.queue = queue
+    def __init__(self, channel: ReportChannel, handle: Callable[[dict[str, Any]], None]) -> None:
+        self.channel = channel
         self.handle = handle
-        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="orchestrator-reports", daemon=True)
 
     def __enter__(self) -> ReportConsumer:
@@ -120,23 +120,12 @@ class ReportConsumer:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        self._stop.set()
-        # After fit() returned, the last reports are drained; after Ctrl+C or an error the command must end now.
+        self.channel.close()
+        # After fit() returned, the last reports are handled; after Ctrl+C or an error the command must end now.
         self._thread.join(timeout=30 if exc_type is None else 2)
 
     def _loop(self) -> None:
-        from ray.util.queue import Empty  # Ray is imported as it starts, not with the command (the `command` stage)
-
-        # After stop, keep draining: the last reports may still be in the queue.
-        while True:
-            try:
-                item = self.queue.get(timeout=0.5)
-            except Empty:
-                if self._stop.is_set():
-                    return
-                continue
-            except Exception:  # queue actor gone (Ray shutting down)
-                return
+        while (item := self.channel.get()) is not self.channel.END:
             try:
                 self.handle(item)
             except Exception as exc:  # never let display or tracking kill the run

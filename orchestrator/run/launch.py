@@ -15,7 +15,7 @@ from typing import Any
 from orchestrator.cluster.local import (
     connect_ray,
     outside_job_package,
-    report_queue,
+    report_channel,
     shutdown_local_ray,
     train_environment,
 )
@@ -40,6 +40,7 @@ from orchestrator.tracking.context import config_params
 from orchestrator.tracking.flavour import checkpoint_weights, log_final_model
 from orchestrator.tracking.tracker import FencedTracker, Tracker, closed_on_error, direct, start_tracker
 from orchestrator.tracking.uri import mask_password
+from orchestrator.training.channel import ReportChannel
 from orchestrator.training.fence import Fence
 from orchestrator.training.handoff import WorkerSpec
 from orchestrator.training.stop import STOP_FILE
@@ -139,9 +140,9 @@ def _log_path(config: Config, place: RunPlace) -> Path:
 
 @dataclass
 class _Inputs:
-    """What a run's TorchTrainer is built from: its report queue, the ranks' spec and its datasets."""
+    """What a run's TorchTrainer is built from: its report channel, the ranks' spec and its datasets."""
 
-    queue: Any
+    channel: ReportChannel
     spec: WorkerSpec
     datasets: dict[str, Any]
 
@@ -166,7 +167,7 @@ def _start(plan: RunPlan, address: str | None, clock: StartupClock, log: RunLog,
 
 
 def _build_inputs(plan: RunPlan, started_ray: bool, log: RunLog) -> _Inputs:
-    """The run's report queue, spec and datasets (Ray Data's pipelines; small data cached in the object store)."""
+    """The run's report channel, spec and datasets (Ray Data's pipelines; small data cached in the object store)."""
     import ray
 
     config = plan.config
@@ -174,14 +175,14 @@ def _build_inputs(plan: RunPlan, started_ray: bool, log: RunLog) -> _Inputs:
     missing = config.scaling.shortfall(ray.cluster_resources()) if started_ray else None
     if missing:
         raise ConfigError(f"this run needs {missing}")
-    # Rank 0 puts its metrics on this queue itself (no barrier); the controller adds worker failures.
-    queue = report_queue()
+    # Rank 0 sends its metrics to the driver itself (no barrier); the controller adds worker failures.
+    channel = report_channel()
     spec, datasets = build_inputs(config, plan.datasets, plan.place.name,
-                                  plan.resume.cache_decision if plan.resume else None, queue)
+                                  plan.resume.cache_decision if plan.resume else None, channel.sender)
     plan.place.remove(STOP_FILE)  # a stop asked of an earlier attempt (Ctrl+C, then --resume) is not this one's
     spec = replace(spec, stop_request=(plan.place.storage, f"{plan.place.path}/{STOP_FILE}"))
     log.divert()  # Ray Data sets up its loggers on first use
-    return _Inputs(queue, spec, datasets)
+    return _Inputs(channel, spec, datasets)
 
 
 def _train(plan: RunPlan, address: str | None, verbose: bool, clock: StartupClock, log: RunLog,
@@ -225,7 +226,7 @@ def _train(plan: RunPlan, address: str | None, verbose: bool, clock: StartupCloc
 
 def _reports(plan: RunPlan, opening: Alongside, verbose: bool, clock: StartupClock, history: list[dict[str, Any]],
              private_cluster: bool, attempt: AttemptLog, warm_up: EndWarmUp) -> RunReports:
-    """The driver's handlers of the run's queue (report/handlers.py), composed for this run."""
+    """The driver's handlers of the run's reports (report/handlers.py), composed for this run."""
     config, t = plan.config, plan.config.train
 
     def tracker() -> Tracker:
@@ -246,7 +247,7 @@ def _reports(plan: RunPlan, opening: Alongside, verbose: bool, clock: StartupClo
 
 def _fit(plan: RunPlan, inputs: _Inputs, handle: RunReports, opening: Alongside, log: RunLog, fence: Fence
          ) -> tuple[TrainResult, int, Any]:
-    """Fit the run while a driver thread hands each entry of its queue to `handle` (the reports appended to its
+    """Fit the run while a driver thread hands each entry of its report channel to `handle` (the reports appended to its
     `history` as they come), and MLflow's run is `opening` in another: a failure to open it ends the run.
     Returns the result, how many worker failures Ray Train restarted from, and the final Ray Checkpoint. On a
     private cluster an error every restart would repeat ends the run at once (shutting the cluster down ends Ray
@@ -256,13 +257,13 @@ def _fit(plan: RunPlan, inputs: _Inputs, handle: RunReports, opening: Alongside,
     from orchestrator.report.callbacks import ForwardCheckpoints, ForwardFailures
 
     config, place, history, clock = plan.config, plan.place, handle.history, handle.clock
-    queue = inputs.queue
+    reports = inputs.channel.sender
     spec = replace(inputs.spec, attempt=(place.storage, place.path, fence.mine))  # rank 0 watches for a newer claim
     trainer = build_trainer(config, spec, inputs.datasets, place,
-                            [ForwardFailures(queue), ForwardCheckpoints(queue)])
+                            [ForwardFailures(reports), ForwardCheckpoints(reports)])
     log.divert()  # Ray Train sets up its loggers on first use
     try:
-        with ReportConsumer(queue, handle):
+        with ReportConsumer(inputs.channel, handle):
             result = fit_interruptibly(trainer, handle.failures.doomed, opening,
                                        lambda: stop_at_next_report(place, history))
         tracker = handle.tracker()  # the reports logged: MLflow's run is open

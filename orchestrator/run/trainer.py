@@ -14,6 +14,7 @@ from orchestrator.config import Config, to_dict
 from orchestrator.errors import ConfigError, UserError
 from orchestrator.models.inputs import in_features
 from orchestrator.run.place import RunPlace
+from orchestrator.training.channel import ChannelSender
 from orchestrator.training.handoff import WorkerSpec
 from pipelines.config import DataConfig
 from pipelines.datasets import CACHE_DECISIONS, REPLAY, WHOLE_TRAIN, build_datasets, cache_decision
@@ -139,17 +140,17 @@ def resumed_cache_decision(data: DataConfig, infos: dict[str, DatasetInfo], stor
 
 
 def build_run(config: Config, infos: Mapping[str, DatasetInfo], place: RunPlace, callbacks: list[Any],
-              metrics_queue: Any, node_ranks: int | None = None, *, saved: str | None) -> Any:
+              reports: ChannelSender | None, node_ranks: int | None = None, *, saved: str | None) -> Any:
     """Datasets and TorchTrainer for one run, in this process's Ray Data context (the driver for `train`, the
-    trial actor for each Tune trial). Rank 0 puts its metrics on `metrics_queue` (a ray.util.queue.Queue).
+    trial actor for each Tune trial). Rank 0 sends its metrics to `reports` (the run's channel).
     `saved`: the cache decision of the checkpoint a resumed run loads (RunPlace.cache_decision): it is fed as its
     checkpoints were; None: a new run, decided now."""
-    spec, datasets = build_inputs(config, infos, place.name, saved, metrics_queue, node_ranks)
+    spec, datasets = build_inputs(config, infos, place.name, saved, reports, node_ranks)
     return build_trainer(config, spec, datasets, place, callbacks)
 
 
 def build_inputs(config: Config, infos: dict[str, DatasetInfo], name: str, saved: str | None,
-                 metrics_queue: Any, node_ranks: int | None = None) -> tuple[WorkerSpec, dict[str, Any]]:
+                 reports: ChannelSender | None, node_ranks: int | None = None) -> tuple[WorkerSpec, dict[str, Any]]:
     """What the ranks of run `name` are handed (a WorkerSpec) and its datasets, fed under the cache decision
     of the checkpoint it resumes from (`saved`), else the one data.cache and the object store make now.
     `node_ranks`: in a study, the ranks of all its trials that may share a node's memory (memory_plan.ranks_per_node),
@@ -169,7 +170,7 @@ def build_inputs(config: Config, infos: dict[str, DatasetInfo], name: str, saved
     if clock:
         create_epoch_clock(clock)
     spec = WorkerSpec(to_dict(config), in_features(config, infos["train"]), epoch_clock=clock, cache_decision=decision,
-                      metrics_queue=metrics_queue, sample=infos["train"].sample, node_ranks=node_ranks,
+                      reports=reports, sample=infos["train"].sample, node_ranks=node_ranks,
                       train_rows=_rows_known(config, infos["train"]))
     context = DataContext.get_current()
     context.execution_options.preserve_order = True

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import pyarrow as pa
 
+    from orchestrator.training.channel import ChannelSender
     from orchestrator.training.fence import Claim
     from pipelines.held import HeldRows
     from pipelines.storage import Storage
@@ -27,7 +28,7 @@ class WorkerSpec:
     # How the driver feeds the train data (pipelines.datasets: stream, memory or replay; under replay the workers
     # replay their first pass), saved with every checkpoint's data position.
     cache_decision: str | None = None
-    metrics_queue: Any = field(default=None, repr=False)  # where rank 0 puts its reports (a Ray queue), if any
+    reports: ChannelSender | None = None  # where rank 0 sends its reports (the driver's channel), if anywhere
     sample: pa.Table | None = field(default=None, repr=False)  # the first rows of the training data
     node_ranks: int | None = None  # ranks that may share a node's memory (micro_batch_size=auto divides by them)
     train_rows: int | None = None  # failure.mode=replicas: the training split's rows, when known

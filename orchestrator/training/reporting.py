@@ -1,5 +1,5 @@
-"""The loop's reports under Ray Train: metrics go from rank 0 straight to a Ray queue (the driver's, or the Tune
-trial's) without any barrier; `ray.train.report` carries only checkpoints.
+"""The loop's reports under Ray Train: metrics go from rank 0 straight to the run's report channel (the driver's, or
+the Tune trial's: training/channel.py) without any barrier; `ray.train.report` carries only checkpoints.
 
 Why not report every interval through Ray Train: its report is a barrier, and Ray 2.60 blocks every report after
 the second until the controller's next poll of the workers. Metrics every few steps would then set the pace of
@@ -17,17 +17,18 @@ from typing import Any
 import ray.train
 import torch.distributed as dist
 
+from orchestrator.training.channel import ChannelSender
 from orchestrator.training.checkpoint import PendingCheckpoint, Progress, ShardedSaver
 from orchestrator.training.parts import Parts
 from orchestrator.training.resume import checkpoint_dir_name
 
 
 class Outbox:
-    """Rank 0's metrics to a Ray queue, sent by a background thread in order: the loop hands an item over and
-    goes on, whatever the queue's actor is doing."""
+    """Rank 0's metrics to the driver, sent by a background thread in order: the loop hands an item over and
+    goes on, whatever the driver is doing."""
 
-    def __init__(self, destination: Any) -> None:
-        self.destination = destination  # ray.util.queue.Queue
+    def __init__(self, destination: ChannelSender) -> None:
+        self.destination = destination
         self.items: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
         self.failed = False
         self.thread = threading.Thread(target=self._send, name="orchestrator-outbox", daemon=True)
@@ -43,6 +44,12 @@ class Outbox:
         self.thread.join(timeout_s)
 
     def _send(self) -> None:
+        try:
+            self._send_all()
+        finally:
+            self.destination.close()  # the driver's reader of this connection ends with it
+
+    def _send_all(self) -> None:
         while (item := self.items.get()) is not None:
             try:
                 self.destination.put(item)
@@ -56,7 +63,7 @@ class Outbox:
 class RayReporter:
     """The loop's `Reporter` in a Ray Train worker."""
 
-    def __init__(self, destination: Any, upload: str) -> None:
+    def __init__(self, destination: ChannelSender | None, upload: str) -> None:
         self.upload = upload
         rank = ray.train.get_context().get_world_rank()
         self.outbox = Outbox(destination) if rank == 0 and destination is not None else None

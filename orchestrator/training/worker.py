@@ -45,7 +45,7 @@ def train_worker(spec: WorkerSpec, entered: float) -> dict[str, Any]:
     world, rank = context.get_world_size(), context.get_world_rank()
     cfg = rank_config(spec, world)
     seat = Seat(world, rank, ray.train.torch.get_device(), entered)
-    reporter = RayReporter(spec.metrics_queue, cfg.checkpoint.upload)
+    reporter = RayReporter(spec.reports, cfg.checkpoint.upload)
     if cfg.failure.mode == "replicas":  # each replica reads the datasets whole (trainer.build_trainer says why)
         datasets = spec.replica_datasets or {}
         train_shard: Any = datasets["train"].iterator()

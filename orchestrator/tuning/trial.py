@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from orchestrator.cluster.local import report_queue, train_environment
+from orchestrator.cluster.local import report_channel, train_environment
 from orchestrator.config import Config
 from orchestrator.report.cost import REPORTED_AT
 from orchestrator.run.checks import resolve_for_data
@@ -110,7 +110,7 @@ def train_in_trial(config: Config, infos: dict[str, DatasetInfo], name: str, nod
     checkpoint = loadable_checkpoint(tune.get_checkpoint())
     # A resumed trial is fed as its checkpoint counted its data position (trainer.resumed_cache_decision).
     saved = manifest_cache_decision(checkpoint.filesystem, checkpoint.path) if checkpoint is not None else None
-    spec, datasets = build_inputs(config, infos, name, saved, metrics_queue=None, node_ranks=node_ranks)
+    spec, datasets = build_inputs(config, infos, name, saved, reports=None, node_ranks=node_ranks)
     try:
         cfg = rank_config(spec, world=1)
         seat = Seat(1, 0, trial_device(cfg), entered)
@@ -186,31 +186,28 @@ def _train_trial(config: Config, infos: dict[str, DatasetInfo], trial_id: str, p
 
     import ray.train
     from ray import tune as ray_tune
-    from ray.util.queue import Empty
 
     if in_trial_process(config):  # one worker: trained right here, without a worker group of its own
         train_in_trial(config, infos, trial_id, node_ranks, on_report)
         return
-    queue = report_queue()
+    channel = report_channel()
     failed: list[BaseException] = []
 
     def fit() -> None:
         try:
             place = RunPlace(trials, trial_id)  # a restarted trial is fed as its checkpoints were
-            build_run(config, infos, place, [], queue, node_ranks, saved=place.cache_decision()).fit()
+            build_run(config, infos, place, [], channel.sender, node_ranks, saved=place.cache_decision()).fit()
         except BaseException as exc:  # handed to the trial's thread, which raises it
             failed.append(exc)
+        finally:
+            channel.close()  # after the workers' last metrics (each was in the channel before they returned)
 
     # This actor fits the trial's TorchTrainer: Ray passes the settings on from here.
     with train_environment(config, private_cluster):
         thread = threading.Thread(target=fit, name="orchestrator-trial-fit", daemon=True)
         thread.start()
         # Until fit() is done and its last metrics are in (the workers send theirs before they return).
-        while thread.is_alive() or not queue.empty():
-            try:
-                metrics = queue.get(timeout=0.5)
-            except Empty:
-                continue
+        while (metrics := channel.get()) is not channel.END:
             if on_report is not None:
                 on_report(metrics)
             ray_tune.report(metrics)

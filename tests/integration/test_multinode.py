@@ -137,26 +137,39 @@ def test_elastic_group_grows_and_shrinks_across_nodes_with_a_constant_global_bat
     assert any(k.startswith("orchestrator.failure.") for k in tags)
 
 
-def test_the_runs_report_queue_lives_on_the_drivers_node(cluster: Any, tmp_path: Path, digits_dir: str) -> None:
-    """Rank 0 and Ray Train's controller put the run's reports on a queue actor. On another node it would go with
-    that node: a drained (spot-reclaimed) worker node took it away and the run ended in a ControllerError
-    (bench/chaos.py). It lives on the driver's node, as the controller does, for as long as the driver."""
+def test_the_runs_reports_reach_the_driver_without_an_actor(cluster: Any, tmp_path: Path, digits_dir: str) -> None:
+    """Rank 0 and Ray Train's controller send the run's reports straight to the driver (training/channel.py): no
+    actor of the product's holds them, so no node takes them away when it goes (a queue actor on a drained worker
+    node once ended runs in a ControllerError, bench/chaos.py), and nothing of the product's runs between reports.
+    Every report of the run, from whichever node its rank 0 was on, is in the driver's history."""
     import ray
     from ray.util.state import list_actors
 
-    cluster.add_node(**NODE)  # three nodes: more places for the queue to be put elsewhere
+    cluster.add_node(**NODE)  # three nodes: rank 0 may be on any of them
     cluster.wait_for_nodes()
-    thread, outcome = train_in_background(elastic_config(tmp_path, digits_dir, "queue", 100), cluster.address)
+    thread, outcome = train_in_background(elastic_config(tmp_path, digits_dir, "reports", 100), cluster.address)
     try:
-        queues = wait_for(lambda: [a for a in list_actors(filters=[("state", "=", "ALIVE")])
-                                   if a.class_name == "_QueueActor"], "the run's report queue")
-        assert [q.node_id for q in queues] == [ray.get_runtime_context().get_node_id()]
+        workers = wait_for(lambda: [a for a in list_actors(filters=[("state", "=", "ALIVE")])
+                                    if a.class_name == "RayTrainWorker"], "the run's workers")
+        alive = {a.class_name for a in list_actors(filters=[("state", "=", "ALIVE")])}
+        assert "_QueueActor" not in alive, alive
     finally:
         thread.join(timeout=480)
         # Back to one worker node: one the driver is not attached to (all share one IP: Ray may pick any of them).
         driver = ray.get_runtime_context().get_node_id()
         cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id != driver))
     assert "error" not in outcome, outcome.get("error")
+    result: TrainResult = outcome["result"]
+    steps = {r["step"] for r in result.history if "loss" in r}
+    assert set(range(5, 301, 5)) <= steps, sorted(set(range(5, 301, 5)) - steps)
+    # The controller's events too: each checkpoint it committed is a checkpoint model of the run.
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(result.tracking_uri)
+    experiment = client.get_run(result.run_id).info.experiment_id
+    models = [m for m in client.search_logged_models([experiment]) if m.source_run_id == result.run_id]
+    assert any(m.model_type == "checkpoint" for m in models), [(m.name, m.model_type) for m in models]
+    print("rank 0's node was the driver's:", any(w.node_id == driver for w in workers))
 
 
 def test_a_drained_node_triggers_a_checkpoint_before_it_goes(cluster: Any, tmp_path: Path, digits_dir: str) -> None:
