@@ -9,8 +9,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
-from typing import Any
+from functools import cached_property
+from types import EllipsisType, MappingProxyType
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -24,6 +25,9 @@ from orchestrator.tracking.uri import mask_password, mask_passwords, resolve_uri
 from pipelines.datasets import inspect_run
 from pipelines.sources import DatasetInfo
 
+if TYPE_CHECKING:
+    from pipelines.batches import Sample
+
 
 @dataclass(frozen=True)
 class ResumePoint:
@@ -35,6 +39,45 @@ class ResumePoint:
     step: int | None
     cache_decision: str | None
     finished: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class ConfigPlan:
+    """One config decided against the data's facts (`plan_config`): what `train`'s plan holds of its config, and
+    what a study plans for each of its trials (tuning/plan.py)."""
+
+    config: Config  # resolved for the data: the number of classes and, for epochs, the step count filled in
+    in_features: int | None  # the width of the classic model input the workers build with (models.inputs)
+    memory_budget: tuple[float, str] | None  # bytes one worker may use, and where that figure comes from
+    advice: str | None  # ddp would not fit a worker while fsdp would (checks.model_state_advice)
+
+    # The price is read from the price table when first asked: `train`'s plan asks at once (an unknown node type
+    # fails before Ray starts), a study's driver for each trial it prices, a trial's own actor never.
+    @cached_property
+    def pricing(self) -> Pricing:
+        """At the planned group size (an elastic group's smallest)."""
+        return resolve_pricing(self.config)
+
+    @cached_property
+    def elastic_prices(self) -> Mapping[int, Pricing]:
+        """An elastic group's price at each size it may reach (it is billed at the largest it reached)."""
+        workers = self.config.scaling.num_workers
+        low, high = workers if isinstance(workers, list) else (1, 0)
+        return MappingProxyType({world: resolve_pricing(self.config, world) for world in range(low, high + 1)})
+
+
+def plan_config(config: Config, datasets: Mapping[str, DatasetInfo],
+                sample: Sample | None | EllipsisType = ...) -> ConfigPlan:
+    """Check `config` against the data's facts and the model (built once, on the meta device) and resolve it for
+    them; raises ConfigError naming the key and the fix. `sample`: the train sample as the data's inspection
+    collated it (pipelines.datasets.inspect_run); `...`: collated here from the facts' sample rows, as the config
+    reads them (a trial's searched data.* keys may read them otherwise)."""
+    # The model's checks build it with torch: imported by the plan, not with the command (the `command` stage).
+    from orchestrator.run.checks import check_inspected, check_run
+
+    checked = (check_run(config, datasets) if isinstance(sample, EllipsisType)
+               else check_inspected(config, datasets, sample))
+    return ConfigPlan(checked.config, checked.in_features, checked.memory_budget, checked.advice)
 
 
 @dataclass(frozen=True)
@@ -143,18 +186,14 @@ def plan_run(config: Config, resume: bool | str = False, verbose: bool = True, a
     directory's path or s3:// URI); raises UserError subclasses on bad input. Prints the memory advice and where a
     resume continues from when `verbose`. `address`: the Ray cluster to join (--address; else $RAY_ADDRESS, else a
     local one)."""
-    # The model's checks build it with torch: imported by the plan, not with the command (the `command` stage).
-    from orchestrator.run.checks import check_inspected
-
     config, resume = resume_target(config, resume)  # a run directory's path: its parent is storage.path
     # Every file the plan reads, once: the data's facts, the sample rows collated, the run's storage opened.
     data = inspect_run(config.data, config.model.inputs is not None, config.storage.path)
-    checked = check_inspected(config, data.datasets, data.sample)  # the model built once, on the meta device
+    checked = plan_config(config, data.datasets, data.sample)  # the model built once, on the meta device
     config = checked.config
-    pricing = resolve_pricing(config)  # an unknown node type fails now, not after training
+    pricing = checked.pricing  # an unknown node type fails now, not after training
     # An elastic group is billed at the largest size it reaches: its price at each size, decided now.
-    low, high = config.scaling.num_workers if isinstance(config.scaling.num_workers, list) else (1, 0)
-    elastic_prices = {world: resolve_pricing(config, world) for world in range(low, high + 1)}
+    elastic_prices = checked.elastic_prices
     check_server_listens(config.tracking)  # the run is opened once Ray runs: a dead server must stop us first
     if checked.advice and verbose:  # ddp would not fit a worker, fsdp would
         print(checked.advice, file=sys.stderr, flush=True)
@@ -167,7 +206,7 @@ def plan_run(config: Config, resume: bool | str = False, verbose: bool = True, a
     # The context is read where the command started (its commit): a Ray job's driver then leaves that directory.
     return RunPlan(config=config, datasets=MappingProxyType(data.datasets), in_features=checked.in_features,
                    memory_budget=checked.memory_budget, advice=checked.advice, pricing=pricing,
-                   elastic_prices=MappingProxyType(elastic_prices), place=place,
+                   elastic_prices=elastic_prices, place=place,
                    resume=point, run_name=place.name, tracking_uri=uri,
                    reopen_run_id=_reopen_id(uri, record), context=MappingProxyType(context_tags() if uri else {}),
                    autopilot=MappingProxyType(_autopilot(config)), cluster=choose_cluster(address, config))

@@ -13,14 +13,14 @@ from typing import Any
 import yaml
 
 from orchestrator.config import Config, to_dict, to_yaml
-from orchestrator.report.cost import PARTS, PRODUCTIVE, resolve_pricing, study_metrics
+from orchestrator.report.cost import PARTS, PRODUCTIVE, study_metrics
 from orchestrator.report.plots import plot_lr_sweep, plot_trial_curves
-from orchestrator.run.checks import resolve_for_data
 from orchestrator.run.place import RunPlace
 from orchestrator.tracking.links import experiment_of, experiment_url, run_url, ui_command
 from orchestrator.tracking.tracker import Tracker
 from orchestrator.tracking.uri import mask_password, mask_passwords
 from orchestrator.tracking.view import NOTE_TAG
+from orchestrator.tuning.plan import TrialPlanner, plan_trial
 from orchestrator.tuning.search import (
     TrialNamer,
     domains,
@@ -30,7 +30,6 @@ from orchestrator.tuning.search import (
     trial_config,
 )
 from orchestrator.tuning.trials import format_table, trial_ledger, trial_status
-from pipelines.sources import DatasetInfo
 
 
 @dataclass
@@ -120,16 +119,17 @@ def _error_line(error: BaseException | None) -> str | None:
     return line if len(line) <= 200 else line[:197] + "..."
 
 
-def summaries(grid: Any, tree: dict[str, Any], infos: dict[str, DatasetInfo], metric: str,
-               namer: TrialNamer | None = None) -> list[TrialSummary]:
-    """One TrialSummary per trial of the ResultGrid; `namer` names them (default: by their params' keys)."""
+def summaries(grid: Any, trials_plan: TrialPlanner, metric: str, namer: TrialNamer | None = None
+              ) -> list[TrialSummary]:
+    """One TrialSummary per trial of the ResultGrid, each by its own plan (`trials_plan`: what the study plans its
+    trials from); `namer` names them (default: by their params' keys)."""
     tune_trials = _tune_trials(grid)
     trials = []
     for result in grid:
         last = dict(result.metrics or {})
         params = dict(result.config or {})
-        resolved = resolve_for_data(trial_config(tree, params), infos)
-        max_steps = resolved.train.max_steps or 0
+        plan = plan_trial(trials_plan, params)
+        max_steps = plan.config.train.max_steps or 0
         frame = result.metrics_dataframe
         history: list[dict[str, Any]] = []
         ledger = None
@@ -138,7 +138,7 @@ def summaries(grid: Any, tree: dict[str, Any], infos: dict[str, DatasetInfo], me
         if frame is not None and "step" in frame:
             # Priced from the trial's own config: a searched num_workers changes the nodes it held.
             rows = [{k: v for k, v in row.items() if v == v} for row in frame.to_dict("records")]
-            ledger = trial_ledger(rows, started, ended, resolve_pricing(resolved))
+            ledger = trial_ledger(rows, started, ended, plan.pricing)
         if frame is not None and "step" in frame:
             keep = [c for c in ("step", "train_loss", "val_loss", "val_accuracy", metric, "samples_per_s",
                                 "train_samples_per_s") if c in frame]

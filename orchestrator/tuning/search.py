@@ -105,17 +105,17 @@ def check_study(config: Config) -> None:
                               f"{config.train.max_steps}: ASHA could never stop a trial early; lower it or set "
                               "tune.scheduler=fifo")
 
-    check_extremes(config, lambda trial: check_model_options(trial.model))
-
-
-def check_extremes(config: Config, check: Callable[[Config], object]) -> None:
-    """`check` on the config of a trial at each end of every searched range (at every listed value); a ConfigError
-    from it, or from building that config, names the searched key and value."""
     tree = user_tree(config)
+    check_extremes(config, lambda params: check_model_options(trial_config(tree, params).model))
+
+
+def check_extremes(config: Config, check: Callable[[dict[str, Any]], object]) -> None:
+    """`check` on the sampled values of a trial at each end of every searched range (at every listed value); a
+    ConfigError from it (building that trial's config, planning it) names the searched key and value."""
     for key, domain in domains(config).items():
         for value in domain.extremes():
             try:
-                check(trial_config(tree, {key: value}))
+                check({key: value})
             except ConfigError as exc:
                 raise ConfigError(f"tune.space.{key}: a trial with {key}={value!r} would be invalid ({exc}); "
                                   "narrow the range") from None

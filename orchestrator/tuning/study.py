@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,53 +23,28 @@ from orchestrator.cluster.local import connect_ray, outside_job_package, shutdow
 from orchestrator.config import Config
 from orchestrator.errors import ConfigError, UserError
 from orchestrator.report.console import LOG_FILE, RunLog
-from orchestrator.report.cost import resolve_pricing
-from orchestrator.run.checks import resolve_for_data
-from orchestrator.run.place import RunPlace, open_run_storage
+from orchestrator.run.place import RunPlace
 from orchestrator.run.trainer import storage_args
 from orchestrator.tracking.context import config_params
 from orchestrator.tracking.tracker import Tracker, closed_on_error, start_tracker
 from orchestrator.tracking.uri import mask_passwords
 from orchestrator.tuning.autopilot import record_study_choice, study_board
+from orchestrator.tuning.plan import StudyPlan, TrialPlanner, plan_study, plan_trial
 from orchestrator.tuning.results import TuneResult, local_dir, pick_best, record, summaries
-from orchestrator.tuning.search import (
-    TrialNamer,
-    check_capacity,
-    check_extremes,
-    check_study,
-    domains,
-    max_concurrent,
-    ranks_per_node,
-    resolved_mode,
-    to_tune,
-    trial_config,
-    user_tree,
-    widest_trial,
-)
+from orchestrator.tuning.search import TrialNamer, check_capacity, domains, max_concurrent, ranks_per_node, to_tune
 from orchestrator.tuning.trial import in_trial_process, run_trial, trial_resources
-from orchestrator.tuning.trials import StudyCallback, restored_as
-from pipelines.datasets import inspect_datasets
-from pipelines.sources import DatasetInfo
+from orchestrator.tuning.trials import ParentRun, StudyCallback, StudyFacts, restored_as
 from pipelines.storage import Storage
 
 STATE_FILE = "orchestrator-study.json"
 
 
-def study_name(config: Config) -> str:
-    return f"{config.experiment}-tune"
-
-
 @dataclass(frozen=True)
 class _Study:
-    """One study as `tune` checked it: its config as given and resolved for the data (`base`), the user's tree of
-    it (each trial's config is rebuilt from it), the data's inspection and where the study is stored; and how this
-    command runs it: `verbose`, on a cluster it started itself (`private_cluster`), since `began` (epoch seconds)."""
+    """One study: its plan (plan.py), and how this command carries it out: `verbose`, on a cluster it started
+    itself (`private_cluster`), since `began` (epoch seconds)."""
 
-    config: Config
-    base: Config
-    tree: dict[str, Any]
-    infos: dict[str, DatasetInfo]
-    place: RunPlace
+    plan: StudyPlan
     verbose: bool
     private_cluster: bool
     began: float
@@ -147,16 +122,15 @@ def _searcher(config: Config, concurrency: int) -> Any:
 
 @dataclass(frozen=True)
 class _TrialResources:
-    """Tune's resource request for a trial, from its own config (a searched scaling.* changes it): see
-    trial.trial_resources. `infos`: the data's sizes only, all that resolving a config needs."""
+    """Tune's resource request for a trial, from its own plan (a searched scaling.* changes it): see
+    trial.trial_resources. `trials`: with the data's sizes only, all that planning a trial needs."""
 
-    tree: dict[str, Any]
-    infos: dict[str, DatasetInfo]
+    trials: TrialPlanner
 
     def __call__(self, params: dict[str, Any]) -> Any:
         from ray.tune import PlacementGroupFactory
 
-        return PlacementGroupFactory([trial_resources(resolve_for_data(trial_config(self.tree, params), self.infos))])
+        return PlacementGroupFactory([trial_resources(plan_trial(self.trials, params).config)])
 
 
 @dataclass(frozen=True)
@@ -210,11 +184,11 @@ def _credentials_stay_home() -> Iterator[None]:
         propagated.update(credentials)
 
 
-def _node_ranks(base: Config, concurrency: int) -> int:
+def _node_ranks(plan: StudyPlan, concurrency: int) -> int:
     """memory_plan.ranks_per_node for this study on this cluster: its widest trial on its largest node."""
     import ray
 
-    widest = widest_trial(base).scaling
+    widest = plan.widest.scaling
     node_cpus = max((n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")), default=0.0)
     return ranks_per_node(concurrency, widest.max_workers, widest.cpus_per_worker, node_cpus)
 
@@ -223,15 +197,14 @@ def _fit(this: _Study, resume: bool, callback: StudyCallback, concurrency: int, 
          shared_search: bool) -> Any:
     from ray import tune as ray_tune
 
-    config, tree, infos, place = this.config, this.tree, this.infos, this.place
-    max_steps, private_cluster = this.base.train.max_steps or 0, this.private_cluster
+    plan = this.plan
+    config, place = plan.config, plan.place
 
-    sizes = {split: replace(info, files=[], storage=None, objects=[], file_rows=[]) for split, info in infos.items()}
     trainable = ray_tune.with_resources(
-        ray_tune.with_parameters(run_trial, tree=tree, infos=infos, trials=_trials(place),
-                                 private_cluster=private_cluster, node_ranks=node_ranks,
+        ray_tune.with_parameters(run_trial, planner=plan.trials, trials=_trials(place),
+                                 private_cluster=this.private_cluster, node_ranks=node_ranks,
                                  shared_search=place.name if shared_search else None),
-        _TrialResources(tree, sizes),
+        _TrialResources(plan.trials.sizes()),
     )
     storage = storage_args(place.storage)
     if resume:
@@ -244,18 +217,18 @@ def _fit(this: _Study, resume: bool, callback: StudyCallback, concurrency: int, 
         with _credentials_stay_home(), _quiet_tune():
             return restored.fit()
     t = config.tune
-    namer = TrialNamer.for_config(config)
+    namer, in_process = plan.namer, in_trial_process(plan.widest)
     tuner = ray_tune.Tuner(
         trainable,
         param_space={key: to_tune(domain) for key, domain in domains(config).items()},
         tune_config=ray_tune.TuneConfig(
-            metric=t.metric, mode=resolved_mode(config), num_samples=t.num_samples,
-            scheduler=_scheduler(config, max_steps), search_alg=_searcher(config, concurrency),
+            metric=t.metric, mode=plan.mode, num_samples=t.num_samples,
+            scheduler=_scheduler(config, plan.max_steps), search_alg=_searcher(config, concurrency),
             trial_name_creator=_TrialName(namer), trial_dirname_creator=_TrialName(namer, directory=True),
             # Trials that train in their own process start the next trial in the same one when theirs ends:
             # imports and Ray Data's start paid once per actor, not per trial. A trial stopped mid-interval whose
             # thread does not reach its next report within Tune's 2 s gets a fresh actor instead.
-            reuse_actors=in_trial_process(widest_trial(config)),
+            reuse_actors=in_process,
         ),
         run_config=ray_tune.RunConfig(
             name=place.name, **storage, callbacks=[callback],
@@ -263,36 +236,11 @@ def _fit(this: _Study, resume: bool, callback: StudyCallback, concurrency: int, 
             # What Ray Train's run config holds for a wider trial, for the trials that train in their own process.
             checkpoint_config=ray_tune.CheckpointConfig(num_to_keep=config.checkpoint.keep),
             failure_config=ray_tune.FailureConfig(
-                max_failures=config.failure.max_failures if in_trial_process(widest_trial(config)) else 0),
+                max_failures=config.failure.max_failures if in_process else 0),
         ),
     )
     with _credentials_stay_home(), _quiet_tune():
         return tuner.fit()
-
-
-def check_rank_by(config: Config) -> None:
-    """metric_per_dollar needs prices and a metric where more is better; raises ConfigError otherwise."""
-    if config.tune.rank_by != "metric_per_dollar":
-        return
-    if resolve_pricing(config).usd_per_node_hour is None:  # e.g. CPU trials on a GPU node type
-        raise ConfigError("tune.rank_by=metric_per_dollar needs prices: set cost.node_type (see "
-                          "cluster/prices.yaml) or cost.price_per_hour")
-    if resolved_mode(config) != "max":
-        raise ConfigError(f"tune.rank_by=metric_per_dollar divides {config.tune.metric} by dollars, which only "
-                          "makes sense for a metric to maximise: use a metric such as val_accuracy, or rank_by=metric")
-
-
-def check_trials(config: Config, base: Config, infos: dict[str, DatasetInfo]) -> None:
-    """What only the data decides (epochs -> steps; the warmup and ASHA's grace period against them) and each
-    trial's own nodes and price, for every searched value at its extremes: fails here, not in a trial or after
-    the study. `base` is `config` resolved for the data."""
-    steps, grace = base.train.max_steps or 0, config.tune.asha[0]
-    # check_study compares a given train.max_steps; epochs make theirs here. Ray's ASHAScheduler would assert.
-    if config.train.epochs is not None and config.tune.scheduler == "asha" and grace >= steps:
-        raise ConfigError(f"tune.grace_period={grace} is not below the run's {steps} optimizer steps (train.epochs="
-                          f"{config.train.epochs:g}): ASHA could never stop a trial early; lower it, train longer, "
-                          "or set tune.scheduler=fifo")
-    check_extremes(config, lambda trial: resolve_pricing(resolve_for_data(trial, infos)))
 
 
 def tune(config: Config, address: str | None = None, fresh: bool = False, verbose: bool = True,
@@ -303,24 +251,16 @@ def tune(config: Config, address: str | None = None, fresh: bool = False, verbos
     the terminal too with `show_logs`. `started_at` (epoch seconds, the CLI passes its process start) is where the
     study's wall clock begins (its goodput)."""
     began = started_at or time.time()
-    check_study(config)
-    check_rank_by(config)
-    infos = inspect_datasets(config.data, named=config.model.inputs is not None)
-    base = resolve_for_data(config, infos)
-    resolve_pricing(base)  # before any trial: an unknown node type is a config error
-    tree = user_tree(config)
-    check_trials(config, base, infos)
-    study = study_name(config)
-    place = RunPlace(open_run_storage(config), study)
+    plan = plan_study(config)  # the study checked, its data inspected, where it lives
     # Validation metrics arrive only at eval steps; Tune would otherwise fail every report without one.
     # check_study has already made sure the loop reports the metric.
     os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
 
     # The run log's file opens once the study may write (_start_study): a study refused before then writes none.
-    with outside_job_package(config.tracking), RunLog(show_logs) as log:  # a Ray job's package can go at ray.init
-        started_ray = connect_ray(address, widest_trial(base))
+    with outside_job_package(plan.config.tracking), RunLog(show_logs) as log:  # a Ray job's package: at ray.init
+        started_ray = connect_ray(address, plan.widest)
         try:
-            return _start_study(_Study(config, base, tree, infos, place, verbose, started_ray, began), fresh, log)
+            return _start_study(_Study(plan, verbose, started_ray, began), fresh, log)
         finally:
             if started_ray:
                 shutdown_local_ray()
@@ -332,7 +272,7 @@ def _start_study(this: _Study, fresh: bool, log: RunLog) -> TuneResult:
     import ray
     from ray import tune as ray_tune
 
-    config, infos, place, verbose = this.config, this.infos, this.place, this.verbose
+    config, place, verbose = this.plan.config, this.plan.place, this.verbose
 
     if config.tracking.enabled:
         import mlflow  # noqa: F401 - its loggers exist from here on, so the run log diverts them too
@@ -357,7 +297,7 @@ def _start_study(this: _Study, fresh: bool, log: RunLog) -> TuneResult:
     if state is None:
         with closed_on_error(tracker):  # Ctrl+C or an error while the parent run is set up: never left RUNNING
             tracker.log_params(config_params(config, study=True))
-            tracker.log_datasets(infos)
+            tracker.log_datasets(this.plan.trials.datasets or {})
             tracker.set_tags({"orchestrator.scheduler": config.tune.scheduler,
                               "orchestrator.searcher": config.tune.searcher,
                               "orchestrator.search_space": json.dumps(config.tune.space)})
@@ -378,19 +318,21 @@ def _start_study(this: _Study, fresh: bool, log: RunLog) -> TuneResult:
 
 def _run_study(this: _Study, resumed: bool, tracker: Tracker, concurrency: int, log_path: Path,
                board: Any | None) -> TuneResult:
-    config, base, tree, infos, place = this.config, this.base, this.tree, this.infos, this.place
-    metric, mode = config.tune.metric, resolved_mode(config)
-    max_steps = base.train.max_steps or 0
+    plan = this.plan
+    config, place = plan.config, plan.place
+    metric, mode = config.tune.metric, plan.mode
     study, study_path = place.name, place.uri
-    callback = StudyCallback(study, tree, list(config.tune.space), metric, max_steps,
-                             config.tracking if config.tracking.enabled else None, tracker.run_id, this.verbose,
-                             infos=infos, shared_search=board is not None)
+    facts = StudyFacts(study, plan.trials.sizes(), tuple(config.tune.space), metric, plan.max_steps,
+                       shared_search=board is not None)
+    parent = (ParentRun(config.tracking, tracker.run_id)
+              if config.tracking.enabled and tracker.run_id is not None else None)
+    callback = StudyCallback(facts, parent, this.verbose)
     with closed_on_error(tracker):
-        grid = _fit(this, resumed, callback, concurrency, _node_ranks(base, concurrency),
+        grid = _fit(this, resumed, callback, concurrency, _node_ranks(plan, concurrency),
                     shared_search=board is not None)
         if board is not None:
             record_study_choice(board, place, STATE_FILE, tracker, this.verbose)
-        trials = summaries(grid, tree, infos, metric, TrialNamer.for_config(config))
+        trials = summaries(grid, plan.trials, metric, plan.namer)
     if any(t.status == "running" for t in trials):  # Tune caught Ctrl+C and saved the study
         tracker.finish("KILLED")
         print(f"study {study} interrupted: run the same command again to continue it", file=sys.stderr)
@@ -402,7 +344,7 @@ def _run_study(this: _Study, resumed: bool, tracker: Tracker, concurrency: int, 
         raise UserError(f"no trial of study {study} reported {metric}"
                         + (f" ({len(errors)} distinct errors; the first: {errors[0]})" if errors else "")
                         + f": see {log_path} and the trials' error files under {study_path}")
-    result = record(config, tree, trials, best, place, tracker, resumed, this.began)
+    result = record(config, plan.trials.tree, trials, best, place, tracker, resumed, this.began)
     tracker.finish("FINISHED")
     return result
 

@@ -21,14 +21,13 @@ import torch
 from orchestrator.cluster.local import report_channel, train_environment
 from orchestrator.config import Config
 from orchestrator.report.cost import REPORTED_AT
-from orchestrator.run.checks import resolve_for_data
 from orchestrator.run.place import RunPlace
 from orchestrator.run.trainer import RunFailedError, build_inputs, build_run, root_cause
 from orchestrator.training.checkpoint import manifest_cache_decision
 from orchestrator.training.resume import loadable_checkpoint
 from orchestrator.training.worker import Seat, Shards, rank_config, rank_shard, state_of, train_rank
 from orchestrator.tuning.autopilot import find_board, post_choice, trial_config_with_choice
-from orchestrator.tuning.search import trial_config
+from orchestrator.tuning.plan import TrialPlanner, plan_trial
 from pipelines.order import release_epoch_clock
 from pipelines.sources import DatasetInfo
 from pipelines.storage import Storage
@@ -150,12 +149,12 @@ def start_as_fresh_process() -> None:
         torch._dynamo.reset()
 
 
-def run_trial(params: dict[str, Any], *, tree: dict[str, Any], infos: dict[str, DatasetInfo],
-               trials: Storage, private_cluster: bool, node_ranks: int | None = None,
-               shared_search: str | None = None) -> None:
+def run_trial(params: dict[str, Any], *, planner: TrialPlanner, trials: Storage, private_cluster: bool,
+              node_ranks: int | None = None, shared_search: str | None = None) -> None:
     """The Tune trainable, run in the trial's actor. A one-worker trial trains right here (trial.py). A wider one
     fits its own TorchTrainer in a thread while this one hands rank 0's metrics to Tune as they arrive (they come
-    straight from rank 0, not through Ray Train's report).
+    straight from rank 0, not through Ray Train's report). `planner`: what the study plans its trials from, the
+    data's full facts included (the trial trains on them).
 
     Its Train run is named by the trial id under `trials`, so a trial restarted by a resumed study continues
     from its own latest checkpoint. `node_ranks`: how many ranks of the study's trials may share a node's memory
@@ -163,7 +162,8 @@ def run_trial(params: dict[str, Any], *, tree: dict[str, Any], infos: dict[str, 
     autopilot search this trial runs or applies (tuning/autopilot.py)."""
     from ray import tune as ray_tune
 
-    config = resolve_for_data(trial_config(tree, {**params, "storage.path": trials.uri}), infos)
+    config = plan_trial(planner, {**params, "storage.path": trials.uri}).config
+    infos = dict(planner.datasets or {})
     trial_id = ray_tune.get_context().get_trial_id()
     board = find_board(shared_search) if shared_search else None
     if board is None:

@@ -11,21 +11,20 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ray.tune import Callback
 
 from orchestrator.config import TrackingConfig
 from orchestrator.errors import ConfigError
-from orchestrator.report.cost import REPORTED_AT, RESTART_MARK, Ledger, Pricing, build_ledger, resolve_pricing
-from orchestrator.run.checks import resolve_for_data
+from orchestrator.report.cost import REPORTED_AT, RESTART_MARK, Ledger, Pricing, build_ledger
 from orchestrator.tracking.client import MlflowTracker
 from orchestrator.tracking.context import config_params
-from orchestrator.tracking.uri import mask_password, mask_passwords
+from orchestrator.tracking.uri import mask_password
 from orchestrator.tuning.autopilot import find_board
+from orchestrator.tuning.plan import TrialPlanner, plan_trial
 from orchestrator.tuning.search import TRAIN_METRICS, trial_config
-from pipelines.sources import DatasetInfo
 
 _METRICS = set(TRAIN_METRICS)  # and every val_* metric of the trial's task
 _LEDGER_KEYS = {"step", "interval_s", "time_total_s", "world_size", RESTART_MARK, REPORTED_AT}
@@ -38,12 +37,6 @@ def trial_status(last: dict[str, Any], max_steps: int, errored: bool = False) ->
     if not last.get("done"):
         return "running"
     return "completed" if last.get("step", 0) >= max_steps else "stopped"
-
-
-def trial_pricing(tree: dict[str, Any], params: dict[str, Any], infos: dict[str, DatasetInfo]) -> Pricing:
-    """One trial's nodes and price, from its own resolved config: a searched scaling.num_workers (or cost key)
-    changes what the trial holds, so the study's base config cannot price it."""
-    return resolve_pricing(resolve_for_data(trial_config(tree, params), infos))
 
 
 def trial_ledger(rows: list[dict[str, Any]], started: float | None, ended: float | None,
@@ -85,6 +78,28 @@ def _short(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+@dataclass(frozen=True)
+class StudyFacts:
+    """What the study's callback knows of its study: its name, what its trials are planned from (the user's tree,
+    the data's sizes: None, no cost ledger), the searched keys (the table's columns), its metric and step count, and
+    whether its trials share one autopilot search (tuning/autopilot.py)."""
+
+    name: str
+    trials: TrialPlanner
+    keys: tuple[str, ...]
+    metric: str
+    max_steps: int
+    shared_search: bool = False
+
+
+@dataclass(frozen=True)
+class ParentRun:
+    """The study's parent MLflow run, under which each trial's child run goes, and the store it is in."""
+
+    tracking: TrackingConfig
+    run_id: str
+
+
 # The resuming command's callback of each study while Tuner.restore unpickles the saved one (`restored_as`).
 _RESTORING: dict[str, StudyCallback] = {}
 
@@ -93,11 +108,11 @@ _RESTORING: dict[str, StudyCallback] = {}
 def restored_as(callback: StudyCallback) -> Iterator[None]:
     """While Tune restores a study (Tuner.restore unpickles its tuner.pkl, in this process): its saved callback
     becomes `callback`, the resuming command's, whose URIs carry the passwords the saved one has masked."""
-    _RESTORING[callback.study] = callback
+    _RESTORING[callback.study.name] = callback
     try:
         yield
     finally:
-        _RESTORING.pop(callback.study, None)
+        _RESTORING.pop(callback.study.name, None)
 
 
 class StudyCallback(Callback):
@@ -105,19 +120,15 @@ class StudyCallback(Callback):
     metrics (under the tracker's MLflow keys; the trial's cost and other facts in its summary table), closed with a
     terminal status and an `orchestrator.stop_reason` tag. On a terminal, one table of the trials (named by their
     values) redrawn in place on every status change and at most every `table_every_s`; on a pipe or a log (`live`
-    false), one line per trial that ends. The study's summary prints the final table once."""
+    false), one line per trial that ends. The study's summary prints the final table once. `parent`: None, tracking
+    off."""
 
-    def __init__(self, study: str, tree: dict[str, Any], keys: list[str], metric: str, max_steps: int,
-                 tracking: TrackingConfig | None, parent_run_id: str | None, verbose: bool = True,
-                 table_every_s: float = 2.0, infos: dict[str, DatasetInfo] | None = None,
-                 live: bool | None = None, shared_search: bool = False) -> None:
-        self.study, self.tree, self.keys, self.metric, self.max_steps = study, tree, keys, metric, max_steps
-        self.shared_search = shared_search  # the study's one autopilot search (tuning/autopilot.py)
-        # What pricing a trial needs of the data (None: no cost ledger). Only the sizes: the callback is pickled
-        # into the study's saved state, which has no use for shard lists or storage handles.
-        self.infos = None if infos is None else {
-            split: replace(info, files=[], storage=None, objects=[], file_rows=[]) for split, info in infos.items()}
-        self.tracking, self.parent_run_id = tracking, parent_run_id
+    def __init__(self, study: StudyFacts, parent: ParentRun | None = None, verbose: bool = True,
+                 table_every_s: float = 2.0, live: bool | None = None) -> None:
+        # What planning a trial needs of the data: only the sizes. The callback is pickled into the study's saved
+        # state, which has no use for shard lists or storage handles.
+        self.study = replace(study, trials=study.trials.sizes())
+        self.parent = parent
         self.verbose, self.table_every_s, self.live = verbose, table_every_s, live
         self._runtime()
 
@@ -137,33 +148,35 @@ class StudyCallback(Callback):
     # only, with no password of any URI (the config tree's, the tracking store's). Restored, the callback takes the
     # resuming command's own settings (`restored_as`), real passwords included, a rotated one too.
     def __getstate__(self) -> dict[str, Any]:
-        state = self.settings() | {"tree": mask_passwords(self.tree)}
-        if self.tracking is not None and self.tracking.uri is not None:
-            state["tracking"] = self.tracking.model_copy(update={"uri": mask_password(self.tracking.uri)})
+        state = self.settings() | {"study": replace(self.study, trials=self.study.trials.masked())}
+        if self.parent is not None and self.parent.tracking.uri is not None:
+            tracking = self.parent.tracking.model_copy(update={"uri": mask_password(self.parent.tracking.uri)})
+            state["parent"] = replace(self.parent, tracking=tracking)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        live = _RESTORING.get(state["study"])
+        study = state["study"]  # a study saved before StudyFacts kept its name alone
+        live = _RESTORING.get(study if isinstance(study, str) else study.name)
         self.__dict__.update(state if live is None else live.settings())
         self._runtime()
 
     def _run(self, trial: Any) -> MlflowTracker | None:
-        if self.tracking is None or self.parent_run_id is None:
+        if self.parent is None:
             return None
         if trial.trial_id in self._runs:
             return self._runs[trial.trial_id]
+        study, parent = self.study.name, self.parent
         try:
             if self._parent is None:  # reopening the parent only to search it; its status is the driver's
-                self._parent = MlflowTracker(self.tracking, self.study, run_id=self.parent_run_id)
-            tags = {"mlflow.parentRunId": self.parent_run_id, "orchestrator.study": self.study,
+                self._parent = MlflowTracker(parent.tracking, study, run_id=parent.run_id)
+            tags = {"mlflow.parentRunId": parent.run_id, "orchestrator.study": study,
                     "orchestrator.trial_id": trial.trial_id}
-            existing = self._parent.find_run({"orchestrator.trial_id": trial.trial_id,
-                                              "orchestrator.study": self.study})
+            existing = self._parent.find_run({"orchestrator.trial_id": trial.trial_id, "orchestrator.study": study})
             # Named by its searched values (study.py's trial names); the trial id is a tag.
-            run = MlflowTracker(self.tracking, str(trial), tags=tags, run_id=existing, headline=self.metric)
+            run = MlflowTracker(parent.tracking, str(trial), tags=tags, run_id=existing, headline=self.study.metric)
             if existing is None:  # the trial's resolved config, model defaults included; the study's tune.* not
-                run.log_params(config_params(trial_config(self.tree, trial.config)))
-                run.log_datasets(self.infos or {})
+                run.log_params(config_params(trial_config(self.study.trials.tree, trial.config)))
+                run.log_datasets(dict(self.study.trials.datasets or {}))
         except Exception as exc:  # tracking never stops the study
             print(f"warning: no MLflow run for trial {trial.trial_id}: {exc}", file=sys.stderr)
             return None
@@ -174,7 +187,7 @@ class StudyCallback(Callback):
         run = self._runs.pop(trial.trial_id, None) or self._run(trial)
         if run is None:
             return
-        status = trial_status(trial.last_result or {}, self.max_steps, errored)
+        status = trial_status(trial.last_result or {}, self.study.max_steps, errored)
         reason = {"completed": "max_steps", "stopped": "asha", "error": "error", "running": "interrupted"}[status]
         tags = {"orchestrator.stop_reason": reason}
         timeline = self._timeline.pop(trial.trial_id, [])
@@ -189,10 +202,12 @@ class StudyCallback(Callback):
         run.finish({"completed": "FINISHED", "stopped": "FINISHED", "error": "FAILED"}.get(status, "KILLED"))
 
     def _pricing(self, trial: Any) -> Pricing | None:
-        if self.infos is None:
+        """The trial's nodes and price, from its own plan: a searched scaling.num_workers (or cost key) changes what
+        the trial holds, so the study's base config cannot price it."""
+        if self.study.trials.datasets is None:
             return None
         try:
-            return trial_pricing(self.tree, trial.config, self.infos)
+            return plan_trial(self.study.trials, trial.config).pricing
         except ConfigError:  # a trial whose config is invalid has already failed; tracking never stops the study
             return None
 
@@ -216,7 +231,7 @@ class StudyCallback(Callback):
     def _release(self, trial: Any) -> None:
         """A trial that ended while it ran the study's autopilot search (ASHA stops a trial by killing its actor):
         a waiting trial searches instead."""
-        board = find_board(self.study) if self.shared_search else None
+        board = find_board(self.study.name) if self.study.shared_search else None
         if board is not None:
             board.release.remote(trial.trial_id)
 
@@ -244,9 +259,9 @@ class StudyCallback(Callback):
         for trial in trials:
             last = trial.last_result or {}
             status = ("pending" if trial.status == "PENDING" else
-                      trial_status(last, self.max_steps, errored=trial.status == "ERROR"))
+                      trial_status(last, self.study.max_steps, errored=trial.status == "ERROR"))
             rows.append({"trial_id": str(trial), "status": status, "params": trial.config,
-                         "step": last.get("step"), "metric": last.get(self.metric)})
+                         "step": last.get("step"), "metric": last.get(self.study.metric)})
         return rows
 
     def _live(self) -> bool:
@@ -257,9 +272,10 @@ class StudyCallback(Callback):
         if not self.verbose or self._live():
             return
         last = trial.last_result or {}
-        status = trial_status(last, self.max_steps, errored)
-        value = last.get(self.metric)
-        figure = f", {self.metric} {value:.4f}" if isinstance(value, int | float) else ""
+        status = trial_status(last, self.study.max_steps, errored)
+        metric = self.study.metric
+        value = last.get(metric)
+        figure = f", {metric} {value:.4f}" if isinstance(value, int | float) else ""
         print(f"trial {trial} {status} at step {last.get('step', 0)}{figure}", flush=True)
 
     def _table(self, trials: list[Any], force: bool = False) -> None:
@@ -271,8 +287,9 @@ class StudyCallback(Callback):
         rows = self.rows(trials)
         counts = {s: sum(r["status"] == s for r in rows) for s in ("running", "completed", "stopped", "error")}
         elapsed = int(now - self._started)
-        text = (f"[{elapsed // 60}:{elapsed % 60:02d}] {self.study}: "
-                + ", ".join(f"{n} {s}" for s, n in counts.items()) + "\n" + format_table(rows, self.keys, self.metric))
+        text = (f"[{elapsed // 60}:{elapsed % 60:02d}] {self.study.name}: "
+                + ", ".join(f"{n} {s}" for s, n in counts.items()) + "\n"
+                + format_table(rows, list(self.study.keys), self.study.metric))
         over = f"\x1b[{self._drawn}F\x1b[J" if self._drawn else ""
         print(over + text, flush=True)
         self._drawn = text.count("\n") + 1

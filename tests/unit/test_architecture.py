@@ -51,7 +51,7 @@ RULES: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
     ("orchestrator/__main__.py", PRODUCT, ()),
     # The study is built on the driver's modules; they never reach back into it.
     ("orchestrator/tuning", ("orchestrator.config", "orchestrator.errors", "orchestrator.models.tasks",
-                             "orchestrator.training", "orchestrator.tuning", "orchestrator.run.checks",
+                             "orchestrator.training", "orchestrator.tuning", "orchestrator.run.plan",
                              "orchestrator.run.model_checks", "orchestrator.cluster.local",
                              "orchestrator.report.console", "orchestrator.report.cost", "orchestrator.report.plots",
                              "orchestrator.run.place",

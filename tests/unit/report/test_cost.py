@@ -136,6 +136,7 @@ def _tune_reports(wall: float) -> list[dict[str, Any]]:
 def test_study_bills_each_trial_for_its_own_searched_worker_count() -> None:
     import pandas as pd
 
+    from orchestrator.tuning.plan import TrialPlanner
     from orchestrator.tuning.results import pick_best, summaries
 
     tree, infos = _trial_study()
@@ -146,7 +147,7 @@ def test_study_bills_each_trial_for_its_own_searched_worker_count() -> None:
             metrics={**rows[-1], "trial_id": trial_id, "done": True, "val_accuracy": accuracy},
             config={"scaling.num_workers": workers}, metrics_dataframe=pd.DataFrame(rows), error=None,
             path=f"/tmp/{trial_id}"))
-    small, large = summaries(results, tree, infos, "val_accuracy")
+    small, large = summaries(results, TrialPlanner(tree, infos), "val_accuracy")
     assert (small.cost.pricing.nodes, large.cost.pricing.nodes) == (2, 8)
     assert large.usd == pytest.approx(4 * small.usd)  # same wall time, four times the nodes
     # 0.92 per 8 node-hours is a worse buy than 0.90 per 2: billed at the base size, "large" would win.
@@ -154,11 +155,12 @@ def test_study_bills_each_trial_for_its_own_searched_worker_count() -> None:
 
 
 def test_study_callback_logs_each_trial_ledger_at_its_own_size() -> None:
-    from orchestrator.tuning.trials import StudyCallback
+    from orchestrator.tuning.plan import TrialPlanner
+    from orchestrator.tuning.trials import StudyCallback, StudyFacts
 
     tree, infos = _trial_study()
-    callback = StudyCallback("s", tree, ["scaling.num_workers"], "val_accuracy", 100, None, None, verbose=False,
-                             infos=infos)
+    study = StudyFacts("s", TrialPlanner(tree, infos), ("scaling.num_workers",), "val_accuracy", 100)
+    callback = StudyCallback(study, verbose=False)
     logged: dict[str, dict[str, float]] = {}
     for trial_id, workers in (("small", 2), ("large", 8)):
         trial = SimpleNamespace(trial_id=trial_id, config={"scaling.num_workers": workers}, status="RUNNING",
@@ -287,7 +289,7 @@ def test_the_readmes_laptop_check_of_the_gpu_recipe_is_not_priced_as_gpu_nodes()
 
 def test_metric_per_dollar_is_refused_for_a_study_its_pricing_leaves_unpriced() -> None:
     # CPU trials on a GPU node type are unpriced (above): ranking them by dollars would divide by nothing.
-    from orchestrator.tuning.study import check_rank_by
+    from orchestrator.tuning.plan import check_rank_by
 
     ranked = ["tune.metric=val_accuracy", "tune.rank_by=metric_per_dollar", "cost.node_type=gpu_spot"]
     check_rank_by(load_config(None, [*ranked, "scaling.use_gpu=true"]))  # priced: accepted

@@ -49,8 +49,11 @@ def _study(callback: StudyCallback) -> list[FakeTrial]:
 
 
 def _callback(live: bool) -> StudyCallback:
-    return StudyCallback("digits-tune", {}, ["optim.lr"], "val_accuracy", 30, None, None, verbose=True,
-                         table_every_s=0.0, live=live)
+    from orchestrator.tuning.plan import TrialPlanner
+    from orchestrator.tuning.trials import StudyFacts
+
+    study = StudyFacts("digits-tune", TrialPlanner({}), ("optim.lr",), "val_accuracy", 30)
+    return StudyCallback(study, verbose=True, table_every_s=0.0, live=live)
 
 
 def test_a_terminal_gets_one_table_redrawn_in_place(capsys: pytest.CaptureFixture[str]) -> None:

@@ -131,17 +131,17 @@ def test_what_the_data_decides_is_checked_for_every_trial_before_any_starts(over
                                                                             message: str) -> None:
     """With epochs, steps are known only with the data: each searched extreme is resolved and priced up front."""
     from orchestrator.run.checks import resolve_for_data
-    from orchestrator.tuning.study import check_trials
+    from orchestrator.tuning.plan import TrialPlanner, check_trials
     from pipelines.sources import DatasetInfo
 
     infos = {"train": DatasetInfo("train", [], num_rows=1438, num_bytes=0, feature_dim=64, num_classes=10)}
     cfg = load_config(None, ["train.epochs=1", "optim.warmup_steps=5", "scaling.use_gpu=true", *overrides])
     check_study(cfg)  # nothing to see without the data
     with pytest.raises(ConfigError) as info:
-        check_trials(cfg, resolve_for_data(cfg, infos), infos)
+        check_trials(cfg, resolve_for_data(cfg, infos), TrialPlanner(user_tree(cfg), infos))
     assert message in str(info.value)
     fine = load_config(None, ["train.epochs=1", "optim.warmup_steps=5", "tune.grace_period=4", LR])
-    check_trials(fine, resolve_for_data(fine, infos), infos)
+    check_trials(fine, resolve_for_data(fine, infos), TrialPlanner(user_tree(fine), infos))
 
 
 def test_best_yaml_loads_unchanged_with_the_best_values(tmp_path: Path) -> None:

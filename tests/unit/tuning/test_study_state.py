@@ -54,8 +54,9 @@ def test_the_saved_study_callback_holds_no_password_and_a_resumed_study_tracks_w
     from ray import tune
 
     from orchestrator.tracking.client import MlflowTracker
+    from orchestrator.tuning.plan import TrialPlanner
     from orchestrator.tuning.search import user_tree
-    from orchestrator.tuning.trials import StudyCallback, restored_as
+    from orchestrator.tuning.trials import ParentRun, StudyCallback, StudyFacts, restored_as
 
     store = tmp_path / "mlruns.db"
 
@@ -64,8 +65,8 @@ def test_the_saved_study_callback_holds_no_password_and_a_resumed_study_tracks_w
                                   f"data.s3.endpoint=http://minio:{password}@127.0.0.1:9000"])
 
     def callback(cfg: Config, parent: str) -> StudyCallback:
-        return StudyCallback("s", user_tree(cfg), ["optim.lr"], "val_accuracy", 30, cfg.tracking, parent,
-                             verbose=False)
+        study = StudyFacts("s", TrialPlanner(user_tree(cfg)), ("optim.lr",), "val_accuracy", 30)
+        return StudyCallback(study, ParentRun(cfg.tracking, parent), verbose=False)
 
     first = config("SECRET")
     parent = MlflowTracker(first.tracking, "s", tags={"orchestrator.study": "s"})
@@ -77,7 +78,7 @@ def test_the_saved_study_callback_holds_no_password_and_a_resumed_study_tracks_w
 
     # Unpickled without the resuming command's callback (the study never restores it so): masked, no password.
     alone = ray.cloudpickle.loads(saved)["_run_config"].callbacks[0]
-    assert alone.tracking.uri == f"sqlite:///{store}?password=***"
+    assert alone.parent.tracking.uri == f"sqlite:///{store}?password=***"
 
     for password in ("SECRET", "ROTATED"):  # the study resumed with its password, or a new one
         resuming = config(password)
@@ -85,7 +86,8 @@ def test_the_saved_study_callback_holds_no_password_and_a_resumed_study_tracks_w
             restored = tune.Tuner.restore(str(tmp_path / "studies" / "s"), _trainable)
         # The callback Tune will call (Ray has no public accessor for a restored Tuner's run config).
         study = restored._local_tuner.get_run_config().callbacks[0]
-        assert study.tracking.uri == resuming.tracking.uri and study.tree == user_tree(resuming)
+        assert study.parent.tracking.uri == resuming.tracking.uri
+        assert study.study.trials.tree == user_tree(resuming)
         trial = _Trial(f"t_{password}", {"optim.lr": 0.01})
         study.on_trial_start(0, [trial], trial)  # opens the trial's child run in the store
         study.on_experiment_end([trial])
