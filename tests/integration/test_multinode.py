@@ -160,7 +160,7 @@ def test_the_runs_reports_reach_the_driver_without_an_actor(cluster: Any, tmp_pa
         cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id != driver))
     assert "error" not in outcome, outcome.get("error")
     result: TrainResult = outcome["result"]
-    steps = {r["step"] for r in result.history if "loss" in r}
+    steps = {r["step"] for r in result.history if "train_loss" in r}
     assert set(range(5, 301, 5)) <= steps, sorted(set(range(5, 301, 5)) - steps)
     # The controller's events too: each checkpoint it committed is a checkpoint model of the run.
     from mlflow.tracking import MlflowClient

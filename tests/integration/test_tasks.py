@@ -199,7 +199,7 @@ def test_a_study_over_the_regression_example_ranks_by_val_rmse(ray_cluster: None
 
     cfg = example("diabetes-regression.yaml", tmp_path, f"data.train={diabetes_dir}/train",
                   f"data.val={diabetes_dir}/val", "train.max_steps=40", "train.log_every=20", "train.eval_every=20",
-                  "scaling.num_workers=1", "tune.num_samples=2", "tune.scheduler=fifo", "tune.grace_period=null",
+                  "scaling.num_workers=2", "tune.num_samples=2", "tune.scheduler=fifo", "tune.grace_period=null",
                   "tune.reduction_factor=null", "tune.seed=1", "tune.max_concurrent_trials=1",
                   f"tracking.uri=sqlite:///{tmp_path}/mlruns.db", "tracking.enabled=true")
     result = tune(cfg, verbose=False)
@@ -207,6 +207,10 @@ def test_a_study_over_the_regression_example_ranks_by_val_rmse(ray_cluster: None
     scored = [t.metric for t in result.trials]
     assert len(scored) == 2 and all(m is not None for m in scored)
     assert result.best.metric == min(scored)  # type: ignore[type-var]
+    # Two-worker trials train through their own Ray Train run, whose rank 0 sends every report to the trial's
+    # actor (training/channel.py), which hands it to Tune: each evaluation is in the trial's history.
+    for trial in result.trials:
+        assert [h["step"] for h in trial.history if "val_rmse" in h] == [20, 40], (trial.trial_id, trial.history)
 
 
 @pytest.fixture(scope="module")
