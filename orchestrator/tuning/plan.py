@@ -75,7 +75,7 @@ class StudyPlan:
     base: ConfigPlan
     trials: TrialPlanner  # the data's full facts: a trial's actor trains on them
     place: RunPlace
-    widest: Config
+    widest: Config  # search.widest_trial
     namer: TrialNamer
     mode: str  # max | min
 
@@ -120,5 +120,7 @@ def plan_study(config: Config) -> StudyPlan:
     base.pricing  # noqa: B018 - before any trial: an unknown node type is a config error
     trials = TrialPlanner(user_tree(config), data.datasets)
     check_trials(config, base.config, trials)
-    return StudyPlan(config, base, trials, RunPlace(data.run_storage, study_name(config)), widest_trial(base.config),
+    # The widest trial from the user's tree, not the resolved one's: that one holds the micro-batch the study's own
+    # worker count derived, which a searched scaling.num_workers would contradict.
+    return StudyPlan(config, base, trials, RunPlace(data.run_storage, study_name(config)), widest_trial(config),
                      TrialNamer.for_config(config), resolved_mode(config))

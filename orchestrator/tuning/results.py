@@ -20,12 +20,11 @@ from orchestrator.tracking.links import experiment_of, experiment_url, run_url, 
 from orchestrator.tracking.tracker import Tracker
 from orchestrator.tracking.uri import mask_password, mask_passwords
 from orchestrator.tracking.view import NOTE_TAG
-from orchestrator.tuning.plan import TrialPlanner, plan_trial
+from orchestrator.tuning.plan import StudyPlan, TrialPlanner, plan_trial
 from orchestrator.tuning.search import (
     TrialNamer,
     domains,
     peak_concurrency,
-    resolved_mode,
     short_keys,
     trial_config,
 )
@@ -174,12 +173,13 @@ def local_dir(place: RunPlace) -> Path:
     return Path(place.path) if "://" not in place.uri else Path.cwd() / place.name
 
 
-def record(config: Config, tree: dict[str, Any], trials: list[TrialSummary], best: TrialSummary, place: RunPlace,
-           tracker: Tracker, resumed: bool, began: float | None = None) -> TuneResult:
+def record(plan: StudyPlan, trials: list[TrialSummary], best: TrialSummary, tracker: Tracker, resumed: bool,
+           began: float | None = None) -> TuneResult:
     """best.yaml, plots and the best trial (by tune.metric, in its resolved mode) on the parent run. `began`: when
     the command started (epoch seconds): the study's goodput is over its wall clock since then, and the trials it
     started (a resumed study's earlier trials ran in another command)."""
-    metric, mode = config.tune.metric, resolved_mode(config)
+    config, tree, place = plan.config, plan.trials.tree, plan.place
+    metric, mode = config.tune.metric, plan.mode
     study, study_path = place.name, place.uri
     values = ", ".join(f"{k}={v}" for k, v in best.params.items())
     header = (f"# Best of study {study}: trial {best.trial_id} ({best.label}), {metric}={best.metric:.4f} with "

@@ -136,13 +136,14 @@ class Concurrency:
     bound: str
 
 
-def max_concurrent(config: Config, resources: dict[str, float]) -> Concurrency:
+def max_concurrent(widest_config: Config, resources: dict[str, float]) -> Concurrency:
     """As many trials as the cluster's `resources` (ray.cluster_resources()) hold at once, at most
     tune.max_concurrent_trials: a trial started beyond that waits for its workers inside its own (billed) time.
     CPUs keep one for Ray Data's read tasks (ingest waits forever when workers hold every CPU); with
     scaling.use_gpu every worker takes one GPU (Ray's ScalingConfig). Sized, like check_capacity, for the widest
-    trial's largest group, so an elastic trial has room to grow."""
-    widest = widest_trial(config).scaling
+    trial's largest group (`widest_config`: the study's widest trial, widest_trial), so an elastic trial has room
+    to grow."""
+    config, widest = widest_config, widest_config.scaling
     per_trial = widest.max_workers * widest.cpus_per_worker
     cpus, gpus = resources.get("CPU", 0.0), resources.get("GPU", 0.0)
     limits = []  # (trials, what bounds them), in the order a tie names them
@@ -226,8 +227,9 @@ def peak_concurrency(spans: Iterable[tuple[float, float]]) -> int:
     return peak
 
 
-def check_capacity(config: Config, resources: dict[str, float]) -> None:
-    """Refuse a study whose trials could never be scheduled on this cluster."""
-    missing = widest_trial(config).scaling.shortfall(resources)
+def check_capacity(widest: Config, resources: dict[str, float]) -> None:
+    """Refuse a study whose trials could never be scheduled on this cluster (`widest`: its widest trial,
+    widest_trial)."""
+    missing = widest.scaling.shortfall(resources)
     if missing:
         raise ConfigError(f"a trial needs {missing}")

@@ -279,8 +279,8 @@ def _start_study(this: _Study, fresh: bool, log: RunLog) -> TuneResult:
     log.attach_ray()
     study = place.name
     resources = ray.cluster_resources()
-    check_capacity(config, resources)
-    at_once = max_concurrent(config, resources)
+    check_capacity(this.plan.widest, resources)
+    at_once = max_concurrent(this.plan.widest, resources)
     concurrency = at_once.trials
     if fresh:
         _delete(place.storage, place.path)
@@ -344,7 +344,7 @@ def _run_study(this: _Study, resumed: bool, tracker: Tracker, concurrency: int, 
         raise UserError(f"no trial of study {study} reported {metric}"
                         + (f" ({len(errors)} distinct errors; the first: {errors[0]})" if errors else "")
                         + f": see {log_path} and the trials' error files under {study_path}")
-    result = record(config, plan.trials.tree, trials, best, place, tracker, resumed, this.began)
+    result = record(plan, trials, best, tracker, resumed, this.began)
     tracker.finish("FINISHED")
     return result
 

@@ -155,7 +155,7 @@ class StudyCallback(Callback):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        study = state["study"]  # a study saved before StudyFacts kept its name alone
+        study = state["study"]  # a study saved by an earlier version kept its name alone here
         live = _RESTORING.get(study if isinstance(study, str) else study.name)
         self.__dict__.update(state if live is None else live.settings())
         self._runtime()

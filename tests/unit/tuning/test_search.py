@@ -21,6 +21,7 @@ from orchestrator.tuning.search import (
     trial_config,
     user_tree,
     val_metrics,
+    widest_trial,
 )
 from orchestrator.tuning.trial import in_trial_process, trial_resources
 from orchestrator.tuning.trials import format_table, trial_status
@@ -183,10 +184,10 @@ def test_concurrency_and_capacity_follow_the_widest_trial() -> None:
     assert max_concurrent(cfg, {"CPU": 2.0}).trials == 1
     assert max_concurrent(study(LR, "tune.max_concurrent_trials=3"), {"CPU": 64.0}).trials == 3
     wide = study(LR, "tune.space.scaling.num_workers.choice=[1, 8]", "train.global_batch_size=128")
-    assert max_concurrent(wide, {"CPU": 17.0}).trials == 2
-    check_capacity(wide, {"CPU": 8.0})
+    assert max_concurrent(widest_trial(wide), {"CPU": 17.0}).trials == 2
+    check_capacity(widest_trial(wide), {"CPU": 8.0})
     with pytest.raises(ConfigError, match=r"a trial needs 8 CPUs .* the Ray cluster has 4"):
-        check_capacity(wide, {"CPU": 4.0})
+        check_capacity(widest_trial(wide), {"CPU": 4.0})
     with pytest.raises(ConfigError, match="needs 2 GPUs"):
         check_capacity(study(LR, "scaling.num_workers=2", "scaling.use_gpu=true"), {"CPU": 16.0, "GPU": 1.0})
     typed = study(LR, "scaling.num_workers=2", "scaling.use_gpu=true", "scaling.accelerator_type=H100")
@@ -219,7 +220,7 @@ def test_a_trial_that_trains_in_its_own_process_holds_its_one_workers_share(over
 
 
 def at_once(overrides: list[str], resources: dict[str, float]) -> tuple[int, str]:
-    found = max_concurrent(study(LR, "train.global_batch_size=128", *overrides), resources)
+    found = max_concurrent(widest_trial(study(LR, "train.global_batch_size=128", *overrides)), resources)
     return found.trials, found.bound
 
 

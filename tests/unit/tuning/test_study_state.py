@@ -111,3 +111,24 @@ def test_the_study_state_masks_the_password_of_every_uri_in_the_config() -> None
     assert state["config"]["data.s3.endpoint"] == "http://minio:***@127.0.0.1:9000"
     assert state["config"]["tracking.uri"] == "postgresql://db/mlflow?user=u&password=***"
     _check_same_study(state, config("ROTATED"), "s", "p")
+
+
+def test_a_callback_an_earlier_version_saved_takes_the_resuming_commands_settings() -> None:
+    """A study whose tuner.pkl holds the callback as the version before StudyFacts pickled it (its attributes one by
+    one, the study by its name): resumed, the callback is the resuming command's."""
+    from orchestrator.tuning.plan import TrialPlanner
+    from orchestrator.tuning.trials import ParentRun, StudyCallback, StudyFacts, restored_as
+
+    config = load_config(None, ["tracking.uri=http://user:SECRET@mlflow.internal:5000"])
+    saved = {"study": "s", "tree": {}, "keys": ["optim.lr"], "metric": "val_accuracy", "max_steps": 30,
+             "tracking": None, "parent_run_id": "p", "verbose": True, "table_every_s": 2.0, "infos": None,
+             "live": None, "shared_search": False}
+    resuming = StudyCallback(StudyFacts("s", TrialPlanner({"optim": {"lr": 0.1}}), ("optim.lr",), "val_accuracy", 30),
+                             ParentRun(config.tracking, "p"), verbose=False)
+    restored = StudyCallback.__new__(StudyCallback)
+    with restored_as(resuming):
+        restored.__setstate__(saved)
+    assert restored.settings() == resuming.settings() and restored._runs == {}
+    assert restored.parent is not None and "SECRET" in str(restored.parent.tracking.uri)
+    masked = restored.__getstate__()  # saved again, in this version's form: no password
+    assert "SECRET" not in str(masked["parent"].tracking.uri) and masked["study"].name == "s"
