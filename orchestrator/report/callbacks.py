@@ -30,6 +30,15 @@ def repeats(raised: BaseException, where: str | None) -> bool:
     return where is not None and isinstance(raised, IN_MODEL_CODE) and not transient
 
 
+def forward(reports: ChannelSender, event: dict[str, Any]) -> None:
+    """Send `event` to the driver. A driver that is gone (Ctrl+C, a lost node) is not the controller's failure:
+    an error raised in a callback would end the run that the checkpoints still serve."""
+    try:
+        reports.put(event)
+    except (OSError, EOFError):
+        pass
+
+
 class ForwardFailures(UserCallback):
     """Runs in the controller: sends each worker failure (the lowest failed rank, its error and whether it is one
     that would repeat) to the driver."""
@@ -45,8 +54,8 @@ class ForwardFailures(UserCallback):
         name = type(raised).__name__
         error = text if text.startswith(name) else f"{name}: {text}"  # a traceback's last line names it already
         where = raised_in_model_code(raised) or raised_in_model_code(exc)  # marked by the worker, or in Ray's text
-        self.reports.put({"event": "worker_failure", "rank": rank, "error": error[:300], "at": where,
-                          "repeats": repeats(raised, where)})
+        forward(self.reports, {"event": "worker_failure", "rank": rank, "error": error[:300], "at": where,
+                               "repeats": repeats(raised, where)})
 
 
 class ForwardCheckpoints(UserCallback):
@@ -59,4 +68,4 @@ class ForwardCheckpoints(UserCallback):
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
         step = metrics[0].get("step") if metrics and metrics[0] else None
         if checkpoint is not None and isinstance(step, int):
-            self.reports.put({"event": "checkpoint", "step": step, "path": checkpoint.path})
+            forward(self.reports, {"event": "checkpoint", "step": step, "path": checkpoint.path})

@@ -55,8 +55,10 @@ class Outbox:
                 self.destination.put(item)
             except Exception as exc:  # the driver went away: training and its checkpoints go on without it
                 if not self.failed:
-                    print(f"warning: metrics no longer reach the driver ({type(exc).__name__}: {exc})",
-                          file=sys.stderr, flush=True)
+                    host, port = self.destination.address
+                    print(f"warning: metrics no longer reach the driver at {host}:{port} ({type(exc).__name__}: "
+                          f"{exc}); training and checkpoints go on (the workers' nodes must reach the driver's node on "
+                          "its ephemeral ports: docs/ray-notes.md)", file=sys.stderr, flush=True)
                 self.failed = True
 
 
