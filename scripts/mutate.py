@@ -53,7 +53,7 @@ MUTANTS = (
            "        parts.optimizer.zero_grad(set_to_none=True)\n        release_cached_memory(parts.device)",
            "        release_cached_memory(parts.device)", (f"{UNIT}/test_rank_agreement.py",)),
     Mutant("an OOM retry redoes the step at the same micro-batch", STEP,
-           "        parts.split *= 2\n", "        parts.split *= 1\n", (f"{UNIT}/test_rank_agreement.py",)),
+           "        parts.state.split *= 2\n", "        parts.state.split *= 1\n", (f"{UNIT}/test_rank_agreement.py",)),
     Mutant("data position counted in micro-batches", POSITION,
            "if skip >= rows(batch):\n                skip -= rows(batch)", "if skip >= 1:\n                skip -= 1",
            (f"{UNIT}/test_loop.py",)),
@@ -276,11 +276,12 @@ MUTANTS = (
            'resized = saved is not None and saved.get("world") != world', "resized = saved is not None",
            (f"{UNIT}/test_autopilot.py::test_a_resume_applies_the_saved_choice_without_searching",)),
     Mutant("the autopilot's larger micro-batch not applied", "orchestrator/training/knobs.py",
-           "parts.join, parts.split = s.micro_batch_size // self.micro, 1", "parts.join, parts.split = 1, 1",
+           "parts.state.join, parts.state.split = s.micro_batch_size // self.micro, 1",
+           "parts.state.join, parts.state.split = 1, 1",
            (f"{UNIT}/test_autopilot.py::"
             "test_an_autopilot_run_ends_with_the_weights_of_its_choice_configured_from_the_start",)),
     Mutant("back to DDP after local SGD with each rank's own optimizer state", "orchestrator/training/knobs.py",
-           "            parts.comm_bytes += average_optimizer_state(parts.optimizer)\n", "",
+           "            parts.state.comm_bytes += average_optimizer_state(parts.optimizer)\n", "",
            (f"{UNIT}/test_autopilot.py::"
             "test_back_to_ddp_after_local_sgd_the_ranks_share_one_model_and_one_optimizer_state",)),
     # A study's one autopilot search: one trial searches, the others wait and apply its choice.
@@ -440,7 +441,7 @@ MUTANTS = (
            "orchestrator/training/replicas.py", "        if self.took_final:\n            return\n",
            "        return\n", ("tests/unit/training/test_replica_groups.py",)),
     Mutant("each replica normalises the token loss by its own tokens", "orchestrator/training/step.py",
-           "        quorum = parts.replicas\n", "        quorum = None\n",
+           "        quorum = parts.state.replicas\n", "        quorum = None\n",
            ("tests/unit/training/test_replica_groups.py",)),
     Mutant("a fresh run's first step starts without waiting for every replica", "orchestrator/training/replicas.py",
            "lambda: self.manager.current_step() == 0)", "lambda: False)",

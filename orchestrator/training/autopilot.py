@@ -168,13 +168,13 @@ class Autopilot:
         ranks.meet(parts.device)
         if parts.device.type == "cuda":
             torch.cuda.synchronize(parts.device)
-        retries, started = parts.oom_retries, time.perf_counter()
+        retries, started = parts.state.oom_retries, time.perf_counter()
         result, compiled = self._run(parts, batch, timer, trial)
         if parts.device.type == "cuda":
             torch.cuda.synchronize(parts.device)
         peak = torch.cuda.max_memory_allocated(parts.device) / GIB if parts.device.type == "cuda" else 0.0
         seconds, ran_out, peak = ranks.all_reduce_max(
-            [time.perf_counter() - started, float(parts.oom_retries > retries), peak], parts.device)
+            [time.perf_counter() - started, float(parts.state.oom_retries > retries), peak], parts.device)
         self.spent, self.steps = self.spent + seconds, self.steps + 1
         self.charged += seconds if self.best is not None else 0.0
         trial.peak_gb = max(trial.peak_gb, peak)
@@ -277,7 +277,7 @@ class Autopilot:
         if resize is None or micro == self.knobs.micro:
             return None
         resize(micro)
-        self.knobs.micro, parts.join, parts.split = micro, 1, 1
+        self.knobs.micro, parts.state.join, parts.state.split = micro, 1, 1
         return self.per_worker // micro
 
     def _next(self) -> Settings | None:

@@ -53,16 +53,16 @@ class Knobs:
 
     def read(self, parts: Parts, per_worker: int) -> Settings:
         """The settings `parts` runs with now."""
-        micro = self.micro * parts.join // parts.split
+        micro = self.micro * parts.state.join // parts.state.split
         return Settings(micro, per_worker // micro, self.compiled is not None and parts.model is self.compiled,
                         torch.get_num_threads(), self.flush, parts.precision.mode,
                         "local_sgd" if parts.local_sgd is not None else "ddp", torch.backends.cuda.matmul.allow_tf32)
 
     def apply(self, parts: Parts, s: Settings) -> None:
         if s.micro_batch_size >= self.micro:
-            parts.join, parts.split = s.micro_batch_size // self.micro, 1
+            parts.state.join, parts.state.split = s.micro_batch_size // self.micro, 1
         else:
-            parts.join, parts.split = 1, self.micro // s.micro_batch_size
+            parts.state.join, parts.state.split = 1, self.micro // s.micro_batch_size
         self._compile(parts, s.compile)
         if s.precision != parts.precision.mode:
             skipped = parts.precision.skipped_steps
@@ -87,8 +87,8 @@ class Knobs:
             parts.local_sgd = build_local_sgd("local_sgd", *self.local_sgd)
             parts.local_sgd.start(model)  # the replicas are one model now
         else:  # the replicas and their optimizer states drifted apart: averaged once, then DDP keeps them one
-            parts.comm_bytes += parts.local_sgd.average(model)  # type: ignore[union-attr]
-            parts.comm_bytes += average_optimizer_state(parts.optimizer)
+            parts.state.comm_bytes += parts.local_sgd.average(model)  # type: ignore[union-attr]
+            parts.state.comm_bytes += average_optimizer_state(parts.optimizer)
             parts.local_sgd = None
 
     def _compile(self, parts: Parts, on: bool) -> None:

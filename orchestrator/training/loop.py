@@ -89,7 +89,7 @@ class Interval:
     results: list[StepResult] = field(default_factory=list)
     samples: int = 0
     micro: int = 0  # micro-batch size actually run (smaller after an out-of-memory retry)
-    comm_start: int = 0  # Parts.comm_bytes when the interval began
+    comm_start: int = 0  # StepState.comm_bytes when the interval began
 
     def add(self, result: StepResult, micro: int) -> None:
         self.results.append(result)
@@ -225,12 +225,12 @@ def run(
                 continue  # the quorum dropped the step (a peer failed in it): the same step again, the same rows
             progress.step += 1
             progress.samples_seen += t.global_batch_size
-            interval.add(result, micro=-(-rows(batch[0]) * parts.join // parts.split))
+            interval.add(result, micro=-(-rows(batch[0]) * parts.state.join // parts.state.split))
         due = cadence.at(progress.step)
         if parts.local_sgd is not None and (parts.local_sgd.due(progress.step) or progress.step == t.max_steps):
             # The configured period (and the run's end, which leaves one model): never where a clock decides.
             with interval.timer.phase("sync"):
-                parts.comm_bytes += parts.local_sgd.average(unwrap(parts.model))
+                parts.state.comm_bytes += parts.local_sgd.average(unwrap(parts.model))
         if due is None:
             continue
         metrics, interval = _report(this, due, interval, once | cadence.figures() | {"flops_per_sample": flops})
@@ -267,7 +267,7 @@ def _first_step(parts: Parts, batch: list[Batch], interval: Interval, once: dict
     flops = flops_per_sample(parts, batch[0])
     if parts.eager_model is not None:  # a compiled model: this step compiles it
         result, once["compile_s"] = first_compiled_step(parts, batch)
-        interval = Interval(PhaseTimer(parts.device), comm_start=parts.comm_bytes)  # compiling isn't training
+        interval = Interval(PhaseTimer(parts.device), comm_start=parts.state.comm_bytes)  # compiling isn't training
     else:
         result = train_step(parts, batch, interval.timer)
     once["at/first_step"] = time.time()  # where a restart's recovery ends (bench/chaos.py)
@@ -323,7 +323,7 @@ def _one_model(parts: Parts, step: int, last: bool, timer: PhaseTimer) -> Iterat
     tensors = [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
     own = [t.detach().clone() for t in tensors]
     with timer.phase("sync"):
-        parts.comm_bytes += average_tensors(tensors)
+        parts.state.comm_bytes += average_tensors(tensors)
     try:
         yield
     finally:
@@ -375,7 +375,7 @@ def _report(this: _Run, due: Due, interval: Interval, once: dict[str, Any]) -> t
     if peak and flops:  # model FLOPs utilisation of the devices (`peak`: all of theirs) over the wall clock
         metrics["mfu"] = flops * metrics["samples_per_s"] / peak
     metrics |= once
-    following = Interval(PhaseTimer(parts.device), comm_start=parts.comm_bytes)
+    following = Interval(PhaseTimer(parts.device), comm_start=parts.state.comm_bytes)
     with following.timer.phase("report"):
         try:
             if due.checkpoint:
@@ -430,12 +430,12 @@ def _interval_metrics(interval: Interval, progress: Progress, parts: Parts, worl
         "grad_norm": norm_sum / norms if norms else math.nan,
         "skipped_steps": parts.precision.skipped_steps,
         "nonfinite_skipped": progress.nonfinite_skipped,
-        "oom_retries": parts.oom_retries,
+        "oom_retries": parts.state.oom_retries,
         "micro_batch_size": interval.micro,
         "world_size": world,
         # What DDP vs local SGD costs the network: bytes one rank put into all-reduces since it started, and in
         # this interval per sample of the global batch (the eval/checkpoint average of this report included).
-        "comm_bytes": parts.comm_bytes,
-        "comm_bytes_per_sample": (parts.comm_bytes - interval.comm_start) / max(samples, 1),
+        "comm_bytes": parts.state.comm_bytes,
+        "comm_bytes_per_sample": (parts.state.comm_bytes - interval.comm_start) / max(samples, 1),
     }
     return metrics, samples, targets

@@ -144,6 +144,6 @@ def with_auto_micro_batch(cfg: Config, parts: Parts, state: dict[str, Any] | Non
         print(f"auto micro-batch: {micro} per worker, as in the checkpoint", flush=True)
     # What the size was measured on, per row (the sample's, padded to its longest row): the step cuts a micro-batch
     # padded longer into pieces no larger (step.wider), as the checkpoint's size was measured on the same rows.
-    parts.probed = {key: value.numel() // rows(sample) for key, value in sample.items() if value.numel()}
+    parts.state.probed = {key: value.numel() // rows(sample) for key, value in sample.items() if value.numel()}
     release_cached_memory(parts.device)
     return for_world_size(cfg, world, micro)

@@ -1,10 +1,11 @@
-"""What a training step needs (`Parts`) and how a worker builds it from the config."""
+"""What a training step needs: the built components (`Parts`), with the state its steps change as the run goes
+(`StepState`), and how a worker builds them from the config."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -19,10 +20,34 @@ from orchestrator.training.precision import Mode, Precision, resolve_precision
 from orchestrator.training.sync import LocalSGD, build_local_sgd
 
 
+class Quorum(Protocol):
+    """failure.mode=replicas: this worker's replica (training/replicas.py `Replicas`) as a step sees it."""
+
+    participants: int  # live replicas in the current step's quorum
+
+    def count_sum(self, count: torch.Tensor) -> Any:
+        """Start summing a step's target count over the quorum (the token normaliser): a Work to wait on."""
+
+
+@dataclass
+class StepState:
+    """What this rank's steps change as the run goes (the loop, the autopilot and an out-of-memory retry), beside
+    the built components."""
+
+    split: int = 1  # each micro-batch is cut in this many pieces (doubled after an out-of-memory error)
+    join: int = 1  # the autopilot's larger micro-batch: this many consecutive micro-batches run as one piece
+    oom_retries: int = 0  # steps redone with smaller pieces after an out-of-memory error
+    comm_bytes: int = 0  # bytes this rank has put into all-reduces of gradients, parameters and normalisers
+    probed: dict[str, int] | None = None  # micro_batch_size=auto: values per row of what it measured (step.wider)
+    replicas: Quorum | None = None  # failure.mode=replicas: this worker's replica, over whose quorum the token
+    # normaliser sums
+
+
 @dataclass
 class Parts:
-    """What a step needs. `model` may be DDP-wrapped (`unwrap(model)` is the bare module) or, under
-    train.parallel=fsdp, sharded in place (`fsdp.is_sharded(model)`)."""
+    """What a step needs: the built components, and in `state` what the steps change (`StepState`). `model` may be
+    DDP-wrapped (`unwrap(model)` is the bare module) or, under train.parallel=fsdp, sharded in place
+    (`fsdp.is_sharded(model)`)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -30,19 +55,13 @@ class Parts:
     precision: Precision
     device: torch.device
     max_grad_norm: float | None = None
-    split: int = 1  # each micro-batch is cut in this many pieces (doubled after an out-of-memory error)
-    join: int = 1  # the autopilot's larger micro-batch: this many consecutive micro-batches run as one piece
-    oom_retries: int = 0
     eager_model: torch.nn.Module | None = None  # set when `model` is compiled: the fallback if compiling fails
     local_sgd: LocalSGD | None = None  # set for train.sync=local_sgd: no gradient all-reduce, periodic averaging
-    comm_bytes: int = 0  # bytes this rank has put into all-reduces of gradients, parameters and normalisers
     task: Task = field(default_factory=Classification)  # the loss as a sum with its target count, the metrics
     call: ModelCall = field(default_factory=ModelCall)  # how the model takes a batch: forward(x) or by name
     model_loss: bool = False  # task.loss=model: the model's own loss (given labels), not the task's
-    probed: dict[str, int] | None = None  # micro_batch_size=auto: values per row of what it measured (step.wider)
-    replicas: Any = None  # failure.mode=replicas: this worker's replica (training/replicas.py), over whose quorum
-    # the token normaliser sums
     defer_sync: bool = False  # fsdp: one reduce-scatter per step (train.fsdp.defer_sync), not one per micro-batch
+    state: StepState = field(default_factory=StepState)
 
 
 def seed_everything(seed: int) -> None:

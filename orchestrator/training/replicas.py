@@ -295,5 +295,5 @@ def join_replicas(parts: Parts, progress: Progress, rank: int, workers: int, row
     parts.optimizer = optimizer  # type: ignore[assignment]
     parts.scheduler = _CommitSchedule(schedule, optimizer)  # type: ignore[assignment]
     holder.append(Replicas(manager, optimizer, workers, rows, progress))
-    parts.replicas = holder[0]
+    parts.state.replicas = holder[0]
     return holder[0]

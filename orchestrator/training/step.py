@@ -46,8 +46,8 @@ def train_step(parts: Parts, micro_batches: list[Batch], timer: PhaseTimer | Non
             break
         parts.optimizer.zero_grad(set_to_none=True)
         release_cached_memory(parts.device)
-        parts.split *= 2
-        parts.oom_retries += 1
+        parts.state.split *= 2
+        parts.state.oom_retries += 1
     samples = sum(rows(batch) for batch in micro_batches)
     with timer.phase("compute"):
         parts.precision.unscale_(parts.optimizer)
@@ -85,7 +85,7 @@ class Normaliser:
         self.local = sum(parts.task.count(batch) for batch in micro_batches).to(torch.float32)
         # Local SGD: each rank's step is its own (no gradient mean), so the normaliser is its own targets too.
         # failure.mode=replicas: the gradient mean is over the step's quorum of replicas (each a group of one).
-        quorum = parts.replicas
+        quorum = parts.state.replicas
         self.world = quorum.participants if quorum is not None else ranks.world()[1] if parts.local_sgd is None else 1
         self.work: Any = None
         self._scale: torch.Tensor | None = None
@@ -93,7 +93,7 @@ class Normaliser:
             self.total = self.local.clone()
             self.work = quorum.count_sum(self.total) if quorum is not None else dist.all_reduce(self.total,
                                                                                                  async_op=True)
-            parts.comm_bytes += self.total.element_size()
+            parts.state.comm_bytes += self.total.element_size()
         else:
             self.total = self.local * self.world
 
@@ -110,15 +110,16 @@ class Normaliser:
 
 
 def cut(parts: Parts, micro_batches: list[Batch]) -> list[Batch]:
-    """The pieces a step runs forward: the data's micro-batches joined `parts.join` at a time (the autopilot's larger
+    """The pieces a step runs forward: the data's micro-batches joined `state.join` at a time (the autopilot's larger
     micro-batch; the step's normaliser is the whole step's, so only the summation order changes), each cut in
-    `parts.split` (a smaller one, or after an out-of-memory error), and in as many more as it is wider than the
+    `state.split` (a smaller one, or after an out-of-memory error), and in as many more as it is wider than the
     batch train.micro_batch_size=auto measured (`wider`)."""
-    if parts.join > 1:
-        micro_batches = [cat_rows(micro_batches[i:i + parts.join]) for i in range(0, len(micro_batches), parts.join)]
-    if parts.split == 1 and parts.probed is None:
+    state = parts.state
+    if state.join > 1:
+        micro_batches = [cat_rows(micro_batches[i:i + state.join]) for i in range(0, len(micro_batches), state.join)]
+    if state.split == 1 and state.probed is None:
         return micro_batches
-    return [piece for batch in micro_batches for piece in chunk(batch, parts.split * wider(parts.probed, batch))]
+    return [piece for batch in micro_batches for piece in chunk(batch, state.split * wider(state.probed, batch))]
 
 
 def wider(probed: dict[str, int] | None, batch: Batch) -> int:
@@ -195,7 +196,7 @@ def _forward_backward(parts: Parts, pieces: list[Batch], norm: Normaliser,
         # the redone forward must not broadcast again, which the other ranks would not match.
         if hasattr(model, "require_forward_param_sync"):
             model.require_forward_param_sync = False
-        warnings.warn(f"out of memory: retrying the step with micro-batches cut in {parts.split * 2} "
+        warnings.warn(f"out of memory: retrying the step with micro-batches cut in {parts.state.split * 2} "
                       "(same global batch, more accumulation)", stacklevel=3)
         return None
     if ddp:  # an OOM in here is not retried: it may strike inside the all-reduce, which one rank cannot undo
@@ -229,7 +230,7 @@ def _piece(parts: Parts, batch: Batch, norm: Normaliser, synced: bool, sharded: 
         parts.precision.backward(loss * norm.scale)
     # FSDP without defer_sync reduce-scatters every piece's gradients (a world share of them, for all ranks).
     if (synced or (sharded and not parts.defer_sync)) and ranks.world()[1] > 1:
-        parts.comm_bytes += grad_bytes(model)
+        parts.state.comm_bytes += grad_bytes(model)
     total += loss.detach()
     marks.append((started, forwarded, timer.mark()))
 
@@ -305,7 +306,7 @@ def _compile_failure(parts: Parts, batch: Batch) -> str | None:
     model = parts.model
     buffers = {name: value.clone() for name, value in unwrap(model).named_buffers()}
     model.train()
-    pieces = chunk(batch, parts.split)
+    pieces = chunk(batch, parts.state.split)
     try:
         while True:
             try:

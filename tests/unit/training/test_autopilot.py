@@ -274,7 +274,7 @@ def test_the_budget_is_kept_against_a_slow_candidate(monkeypatch: pytest.MonkeyP
 
     def slow_from_8(parts: Parts, batch: list[Any], timer: Any = None) -> Any:
         result = real(parts, batch, timer)
-        if 4 * parts.join // parts.split >= 8:
+        if 4 * parts.state.join // parts.state.split >= 8:
             _spend(slow_s)
         return result
 
@@ -380,7 +380,7 @@ def _two_rank_runs_timed(rank: int) -> dict[str, Any]:
 
     def slow_on_rank_1(parts: Parts, batch: list[Any], timer: Any = None) -> Any:
         result = real(parts, batch, timer)  # after its gradient all-reduce: rank 0 does not wait for this
-        if rank == 1 and 4 * parts.join // parts.split >= 8:
+        if rank == 1 and 4 * parts.state.join // parts.state.split >= 8:
             _spend(LAG_S)
         return result
 

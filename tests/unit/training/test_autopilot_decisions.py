@@ -20,7 +20,7 @@ from orchestrator.training import autopilot
 from orchestrator.training.checkpoint import Progress
 from orchestrator.training.loop import Data, run
 
-MICRO = 4  # the configured micro-batch: a step's micro-batch under a candidate is 4 x parts.join / parts.split
+MICRO = 4  # the configured micro-batch: a step's micro-batch under a candidate is 4 x join / split (parts.state)
 
 
 class VirtualClock:
@@ -43,7 +43,7 @@ class VirtualClock:
 
         def timed(parts: Any, batch: list[Any], timer: Any = None) -> Any:
             result = real(parts, batch, timer)
-            micro = MICRO * parts.join // parts.split
+            micro = MICRO * parts.state.join // parts.state.split
             self.micros.append(micro)
             self.now += next(self.seconds[micro])
             return result

@@ -109,7 +109,7 @@ def _steps(rank: int, device: torch.device, default: str | None) -> dict[str, An
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 result = train_step(parts, [{"x": x[:8], "labels": y[:8]}, {"x": x[8:], "labels": y[8:]}])
-            out[name] = {"loss": float(result.loss_sum), "retries": parts.oom_retries,
+            out[name] = {"loss": float(result.loss_sum), "retries": parts.state.oom_retries,
                          "weights": [p.detach().cpu() for p in model.parameters()]}
         except Exception as exc:  # shown in the assertion: the line a GPU user would have seen
             out[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}

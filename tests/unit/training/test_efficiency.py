@@ -96,7 +96,7 @@ def test_oom_retry_gives_the_same_weights_as_an_uninterrupted_step() -> None:
     train_step(reference, micro)
     with pytest.warns(UserWarning, match="out of memory: retrying"):
         train_step(retried, micro)
-    assert (retried.split, retried.oom_retries) == (2, 1)
+    assert (retried.state.split, retried.state.oom_retries) == (2, 1)
     for a, b in zip(reference.model.parameters(), retried.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
@@ -126,7 +126,7 @@ def test_an_oom_with_one_row_pieces_fails_in_one_line_instead_of_retrying_foreve
     assert "a micro-batch of 1 row" in message and "\n" not in message
     assert "train.precision" in message  # what to change
     # 4-row micro-batches: retried at 2 rows and at 1 row, then no smaller piece exists.
-    assert (parts.split, parts.oom_retries) == (4, 2)
+    assert (parts.state.split, parts.state.oom_retries) == (4, 2)
 
 
 def run_digits_like(*overrides: str, delay: float = 0.0, model: torch.nn.Module | None = None,

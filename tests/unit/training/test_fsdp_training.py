@@ -129,9 +129,9 @@ def _oom(rank: int) -> dict[str, Any]:
         parts.model[0].register_forward_pre_hook(full)  # type: ignore[index]
         try:
             train_step(parts, _micro_batches("mlp", 0, rank, 4))
-            out[where] = {"error": "none", "split": parts.split}
+            out[where] = {"error": "none", "split": parts.state.split}
         except DeviceMemoryError as exc:
-            out[where] = {"error": str(exc), "split": parts.split}
+            out[where] = {"error": str(exc), "split": parts.state.split}
     return out
 
 

@@ -95,7 +95,7 @@ def test_an_out_of_memory_error_from_a_real_allocation_is_retried_with_smaller_p
     x, y = torch.randn(8, 16, device=CUDA), torch.randint(0, 4, (8,), device=CUDA)
     with pytest.warns(UserWarning, match="out of memory: retrying the step"):
         result = train_step(parts, [xy(x, y)])
-    assert (parts.split, parts.oom_retries) == (2, 1) and torch.isfinite(result.loss_sum)
+    assert (parts.state.split, parts.state.oom_retries) == (2, 1) and torch.isfinite(result.loss_sum)
 
 
 def test_an_evaluation_keeps_the_cache_and_an_out_of_memory_step_still_empties_it() -> None:
@@ -124,7 +124,7 @@ def test_an_evaluation_keeps_the_cache_and_an_out_of_memory_step_still_empties_i
     parts.model.forward = fails_once  # type: ignore[method-assign]
     with pytest.warns(UserWarning, match="out of memory: retrying the step"):
         train_step(parts, [xy(x, y)])
-    assert parts.oom_retries == 1 and torch.cuda.memory_reserved(CUDA) < reserved - cached // 2
+    assert parts.state.oom_retries == 1 and torch.cuda.memory_reserved(CUDA) < reserved - cached // 2
 
 
 def test_auto_precision_prefers_bf16_on_cuda() -> None:

@@ -57,7 +57,7 @@ def test_an_out_of_memory_step_still_releases_on_the_cpu(collections: list[int])
     x, y = dataset(16)
     with pytest.warns(UserWarning, match="out of memory"):
         train_step(parts, [xy(x, y)])
-    assert parts.oom_retries == 1 and len(collections) >= 1
+    assert parts.state.oom_retries == 1 and len(collections) >= 1
 
 
 @pytest.mark.parametrize(("free_gib", "pressed"), [(0.0, True), (7.9, True), (8.0, False), (40.0, False),

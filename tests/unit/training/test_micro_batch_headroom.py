@@ -86,7 +86,7 @@ def test_a_batch_padded_longer_than_the_probes_trains_instead_of_ending_a_one_pi
     long = collate_arrow(_rows([20, 3, 22, 7, 1, 16, 9, 2], seed=2), ["input_ids"], None, named=True)
     assert long["input_ids"].shape[1] == 22  # 3.7 times the probe's 6: cut in 4 pieces of 2 rows (3 would not fit)
     train_step(parts, [long])  # out of memory in the one, synced, piece: the run would end here
-    assert parts.oom_retries == 0 and parts.split == 1  # cut ahead, not retried; the next steps run as measured
+    assert parts.state.oom_retries == 0 and parts.state.split == 1  # cut ahead, not retried; the next steps as measured
     expected = _parts(cfg, reference)
     train_step(expected, [long])
     for a, b in zip(model.parameters(), reference.parameters(), strict=True):

@@ -14,6 +14,7 @@ from orchestrator.doctor.rules.speed import memory_headroom
 from orchestrator.tracking.view import mlflow_key
 from orchestrator.training import autopilot
 from orchestrator.training.memory import GIB, cuda_memory_stats
+from orchestrator.training.parts import StepState
 
 CUDA = torch.device("cuda", 0)
 
@@ -45,7 +46,7 @@ def allocator(monkeypatch: pytest.MonkeyPatch) -> Allocator:
 def open_candidate() -> None:
     """The autopilot putting its next candidate on a GPU rank (Autopilot._open), its step left out."""
     pilot = SimpleNamespace(knobs=SimpleNamespace(apply=lambda parts, settings: None), fits={}, best=None)
-    parts = SimpleNamespace(eager_model=None, device=CUDA, join=1, split=1, probed=None)
+    parts = SimpleNamespace(eager_model=None, device=CUDA, state=StepState())
     trial = autopilot.Trial(SimpleNamespace(precision="bf16"))  # type: ignore[arg-type]
     autopilot.Autopilot._open(pilot, parts, trial, [{"x": torch.zeros(4, 2)}])  # type: ignore[arg-type]
 

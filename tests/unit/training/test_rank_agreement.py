@@ -86,7 +86,7 @@ def _steps(rank: int, shared: Path) -> dict[str, Any]:
             size = 8 if name == "late" else 16  # late: four micro-batches, so its second one is not the synced one
             train_step(parts, [{"x": x[i:i + size], "labels": y[i:i + size]} for i in range(0, 32, size)])
         out[name] = {"update": [b - p.detach() for b, p in zip(before, parts.model.parameters(), strict=True)],
-                     "split": parts.split, "retries": parts.oom_retries,
+                     "split": parts.state.split, "retries": parts.state.oom_retries,
                      "warnings": [str(w.message) for w in caught]}
     # The reference: the mean cross-entropy gradient over the global batch (both ranks' rows), by autograd alone.
     reference = OomOnce(1000)
