@@ -8,6 +8,7 @@ depends on the final weights: a driver thread pays them after the first step, wh
 
 from __future__ import annotations
 
+import os
 import tempfile
 import threading
 from pathlib import Path
@@ -16,14 +17,19 @@ from orchestrator.config import Config
 
 
 class EndWarmUp:
-    """A driver thread, started once at the run's first progress line (not during start-up, whose processes it
-    would slow), that loads what the end uses: pyplot for the learning curves, and with MLflow tracking the final
-    model's export path, by saving a one-layer model as the end saves the run's. `wait()` before the end's own work,
-    so that the two never export at once; a run that ends before the throwaway export began (a few steps) skips it,
-    the end's own export then paying that cost once. Best-effort: a failure leaves the end to pay it itself."""
+    """A driver thread that loads what the end uses: pyplot for the learning curves, and with MLflow tracking the
+    final model's export path, by saving a one-layer model as the end saves the run's. Started once, at the run's
+    first progress line, or as the worker group starts on a machine with a core to spare (`early`). `wait()` before
+    the end's own work, so that the two never export at once; a run that ends before the throwaway export began (a
+    few steps) skips it, the end's own export then paying that cost once. Best-effort: a failure leaves the end to
+    pay it itself."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, cores: int | None = None) -> None:
         self.model = config.tracking.enabled
+        # With a core to spare beyond the workers' and the driver's, loaded while the worker group starts, so a short
+        # run's end waits for none of it; else from the first step, leaving the start-up's processes the cores.
+        workers = config.scaling.max_workers * config.scaling.cpus_per_worker
+        self.early = (cores or os.cpu_count() or 1) - workers >= 2
         self.thread: threading.Thread | None = None
         self.ending = threading.Event()
 

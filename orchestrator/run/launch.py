@@ -195,6 +195,8 @@ def _train(plan: RunPlan, address: str | None, verbose: bool, clock: StartupCloc
     # for it, the workers do not. From then on Ctrl+C ends it KILLED (an error FAILED), never leaving it RUNNING.
     opening = Alongside(lambda: _open_tracking(plan, log, verbose, fence))
     warm_up = EndWarmUp(config)  # what the end loads, loaded while the run trains (run/ending.py)
+    if warm_up.early:
+        warm_up.start()
     with ended_on_error(opening), interrupted(place, history):
         stopping: threading.Thread | None = None
         try:
