@@ -66,12 +66,17 @@ def choose_cluster(address: str | None, config: Config) -> ClusterChoice:
 
 def connect_ray(address: str | None, config: Config) -> bool:
     """Join `address` / $RAY_ADDRESS if given, else start a private local cluster, or with
-    cluster.keep_warm_minutes join the warm one (started here when none matches): choose_cluster's choice, which a
-    run's plan holds. True for a local cluster of this command's own (private or warm: it cannot grow, and
+    cluster.keep_warm_minutes join the warm one (started here when none matches): choose_cluster's choice, carried
+    out by connect_cluster. True for a local cluster of this command's own (private or warm: it cannot grow, and
     `shutdown_local_ray` leaves it)."""
+    return connect_cluster(choose_cluster(address, config))
+
+
+def connect_cluster(choice: ClusterChoice) -> bool:
+    """Carry out `choice` (a run's plan holds it: run/plan.py): join its cluster, or start or join the local one.
+    True for a local cluster of this command's own (private or warm)."""
     import ray
 
-    choice = choose_cluster(address, config)
     if ray.is_initialized():
         return False
     # Ray's own INFO lines (per-report, per-epoch) would bury the progress lines; warnings still show.

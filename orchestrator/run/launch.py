@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.cluster.local import (
-    connect_ray,
+    connect_cluster,
     outside_job_package,
     report_channel,
     shutdown_local_ray,
@@ -23,7 +23,7 @@ from orchestrator.config import Config, to_yaml
 from orchestrator.errors import ConfigError
 from orchestrator.report.autopilot import achieved_figures
 from orchestrator.report.console import LOG_FILE, RunLog
-from orchestrator.report.cost import build_ledger, largest_world, ledger_across_attempts
+from orchestrator.report.cost import attempt_record, build_ledger, largest_world, ledger_across_attempts
 from orchestrator.report.handlers import AutopilotTable, Console, FailureCounter, RunReports, checkpoint_uri
 from orchestrator.report.plots import plot_history
 from orchestrator.report.progress import ProgressLines, ReportConsumer
@@ -147,14 +147,14 @@ class _Inputs:
     datasets: dict[str, Any]
 
 
-def _start(plan: RunPlan, address: str | None, clock: StartupClock, log: RunLog,
-           history: list[dict[str, Any]]) -> tuple[bool, _Inputs]:
+def _start(plan: RunPlan, clock: StartupClock, log: RunLog, history: list[dict[str, Any]]
+           ) -> tuple[bool, _Inputs]:
     """Ray joined or started here (Ray wants the main thread for its signal handlers, and Ctrl+C reaches only this
     one), then the run's datasets built. Returns whether this process started the cluster, and the run's inputs."""
     with interrupted(plan.place, history):  # Ctrl+C while Ray starts: nothing is opened yet
         started_ray = False
         try:
-            started_ray = connect_ray(address, plan.config)
+            started_ray = connect_cluster(plan.cluster)  # as planned: --address, $RAY_ADDRESS or a local one
             clock.mark("ray start")
             log.attach_ray()
             inputs = _build_inputs(plan, started_ray, log)
@@ -177,7 +177,7 @@ def _build_inputs(plan: RunPlan, started_ray: bool, log: RunLog) -> _Inputs:
         raise ConfigError(f"this run needs {missing}")
     # Rank 0 sends its metrics to the driver itself (no barrier); the controller adds worker failures.
     channel = report_channel()
-    spec, datasets = build_inputs(config, plan.datasets, plan.place.name,
+    spec, datasets = build_inputs(config, plan.in_features, plan.datasets, plan.place.name,
                                   plan.resume.cache_decision if plan.resume else None, channel.sender)
     plan.place.remove(STOP_FILE)  # a stop asked of an earlier attempt (Ctrl+C, then --resume) is not this one's
     spec = replace(spec, stop_request=(plan.place.storage, f"{plan.place.path}/{STOP_FILE}"))
@@ -190,7 +190,7 @@ def _train(plan: RunPlan, address: str | None, verbose: bool, clock: StartupCloc
     config, place = plan.config, plan.place
     history: list[dict[str, Any]] = []
     attempt = AttemptLog(place, clock.started_at, fence.mine.number)
-    started_ray, inputs = _start(plan, address, clock, log, history)
+    started_ray, inputs = _start(plan, clock, log, history)
     # MLflow's run is opened while Ray Train starts the worker group (the driver only waits then); the reports wait
     # for it, the workers do not. From then on Ctrl+C ends it KILLED (an error FAILED), never leaving it RUNNING.
     opening = Alongside(lambda: _open_tracking(plan, log, verbose, fence))
@@ -217,7 +217,7 @@ def _train(plan: RunPlan, address: str | None, verbose: bool, clock: StartupCloc
             elif started_ray:
                 shutdown_local_ray()
             attempt.save(history, force=True)  # this attempt's final record; after a failure or Ctrl+C too
-        _bill(plan, result, clock.since_start(), failures)  # to now, Ray's shutdown included: the user's stopwatch
+        _bill(plan, result, clock.started_at, failures)  # to now, Ray's shutdown included: the user's stopwatch
         logged = (result.run_cost or result.cost).metrics() | {"cost/attempts": float(result.attempts)}
         tracker.log_metrics(logged, step=result.history[-1]["step"] if result.history else 0)
         refuse_if_newer(fence, place, now=True)  # the run's end is its newest attempt's to say
@@ -312,10 +312,12 @@ def _remove_unregistered_checkpoints(result: Any) -> None:
         print(f"warning: could not remove unregistered checkpoints under {result.path}: {exc}", file=sys.stderr)
 
 
-def _bill(plan: RunPlan, result: TrainResult, wall_s: float, failures: int) -> None:
-    """The run's cost ledger over `wall_s`, billed at the largest size an elastic group reached; for a resumed run,
-    also over every attempt (MLflow's run spans them all, so its cost figures do too)."""
-    result.cost = build_ledger(result.history, wall_s, plan.pricing_at(largest_world(result.history)), failures)
-    attempts = plan.place.read_attempts() if plan.resume is not None else []
+def _bill(plan: RunPlan, result: TrainResult, began: float, failures: int) -> None:
+    """The run's cost ledger from `began` (the command's start) to now, billed at the largest size an elastic group
+    reached; for a resumed run, also over every attempt (MLflow's run spans them all, so its cost figures do too):
+    the earlier ones as the plan read them, and this one."""
+    ended = time.time()
+    result.cost = build_ledger(result.history, ended - began, plan.pricing_at(largest_world(result.history)), failures)
+    attempts = [*plan.resume.attempts, attempt_record(began, result.history, ended)] if plan.resume else []
     if len(attempts) > 1:
         result.attempts, result.run_cost = len(attempts), ledger_across_attempts(attempts, result.cost.pricing)

@@ -33,12 +33,14 @@ if TYPE_CHECKING:
 class ResumePoint:
     """What a `--resume` continues: the run's record (its MLflow run), the newest checkpoint Ray Train registered,
     and the cache decision that checkpoint's data position counts rows in; or, for a run that finished, nothing
-    (`finished`: its step, result and final checkpoint, from its record)."""
+    (`finished`: its step, result and final checkpoint, from its record). `attempts`: the records of the attempts
+    before this one (report/cost.py attempt_record), which the run's bill spans with this attempt's."""
 
     record: Mapping[str, Any]
     step: int | None
     cache_decision: str | None
     finished: Mapping[str, Any] | None = None
+    attempts: tuple[Mapping[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,8 @@ class RunPlan:
         return self.elastic_prices.get(world, self.pricing) if world else self.pricing
 
     def describe(self) -> dict[str, Any]:
-        """The plan as plain data: what `show-config --plan` prints and `plan.yaml` in MLflow holds."""
+        """The plan as plain data: what `show-config --plan` prints and `plan.yaml` in MLflow holds (through
+        `to_yaml`, which masks the password of every URI in it)."""
         c = self.config
         resume = None if self.resume is None else {
             "from_step": self.resume.step, "cache_decision": self.resume.cache_decision,
@@ -136,7 +139,7 @@ class RunPlan:
                            if self.resume else None},
             "cost": {"nodes": self.pricing.nodes, "usd_per_node_hour": self.pricing.usd_per_node_hour,
                      "pricing": self.pricing.description},
-            "tracking": {"uri": self.tracking_uri and mask_password(self.tracking_uri),
+            "tracking": {"uri": self.tracking_uri,  # its password masked by to_yaml, with every other URI's
                          "experiment": c.tracking.experiment} if c.tracking.enabled else None,
         }
 
@@ -202,7 +205,7 @@ def plan_run(config: Config, resume: bool | str = False, verbose: bool = True, a
     uri = resolve_uri(config.tracking.uri) if config.tracking.enabled else None
     point = (None if record is None
              else ResumePoint(MappingProxyType(record), place.registered_step(), place.cache_decision(),
-                              record.get("finished")))
+                              record.get("finished"), () if record.get("finished") else tuple(place.read_attempts())))
     # The context is read where the command started (its commit): a Ray job's driver then leaves that directory.
     return RunPlan(config=config, datasets=MappingProxyType(data.datasets), in_features=checked.in_features,
                    memory_budget=checked.memory_budget, advice=checked.advice, pricing=pricing,

@@ -145,14 +145,28 @@ def build_run(config: Config, infos: Mapping[str, DatasetInfo], place: RunPlace,
     trial actor for each Tune trial). Rank 0 sends its metrics to `reports` (the run's channel).
     `saved`: the cache decision of the checkpoint a resumed run loads (RunPlace.cache_decision): it is fed as its
     checkpoints were; None: a new run, decided now."""
-    spec, datasets = build_inputs(config, infos, place.name, saved, reports, node_ranks)
+    spec, datasets = build_inputs(config, _input_width(config, infos), infos, place.name, saved, reports, node_ranks)
     return build_trainer(config, spec, datasets, place, callbacks)
 
 
-def build_inputs(config: Config, infos: dict[str, DatasetInfo], name: str, saved: str | None,
+def trial_inputs(config: Config, infos: dict[str, DatasetInfo], name: str, saved: str | None,
+                 node_ranks: int | None) -> tuple[WorkerSpec, dict[str, Any]]:
+    """build_inputs for a Tune trial that trains in its own process (tuning/trial.py): no report channel (its
+    reports go to Tune), the input width worked out from the trial's config."""
+    return build_inputs(config, _input_width(config, infos), infos, name, saved, None, node_ranks)
+
+
+def _input_width(config: Config, infos: Mapping[str, DatasetInfo]) -> int | None:
+    """The classic model input's width (models.inputs), for a trial's run, which is handed its config: the same
+    figure as its plan's (ConfigPlan.in_features); `train` hands its plan's to build_inputs."""
+    return in_features(config, infos["train"])
+
+
+def build_inputs(config: Config, width: int | None, infos: dict[str, DatasetInfo], name: str, saved: str | None,
                  reports: ChannelSender | None, node_ranks: int | None = None) -> tuple[WorkerSpec, dict[str, Any]]:
     """What the ranks of run `name` are handed (a WorkerSpec) and its datasets, fed under the cache decision
-    of the checkpoint it resumes from (`saved`), else the one data.cache and the object store make now.
+    of the checkpoint it resumes from (`saved`), else the one data.cache and the object store make now. `width`:
+    the classic model input's, as planned (ConfigPlan.in_features; models.inputs).
     `node_ranks`: in a study, the ranks of all its trials that may share a node's memory (memory_plan.ranks_per_node),
     which a CPU rank's `micro_batch_size=auto` divides the node's memory by; else the run's own ranks on the node."""
     import ray
@@ -169,7 +183,7 @@ def build_inputs(config: Config, infos: dict[str, DatasetInfo], name: str, saved
              if config.data.shuffle and decision != REPLAY and config.failure.mode != "replicas" else None)
     if clock:
         create_epoch_clock(clock)
-    spec = WorkerSpec(to_dict(config), in_features(config, infos["train"]), epoch_clock=clock, cache_decision=decision,
+    spec = WorkerSpec(to_dict(config), width, epoch_clock=clock, cache_decision=decision,
                       reports=reports, sample=infos["train"].sample, node_ranks=node_ranks,
                       train_rows=_rows_known(config, infos["train"]))
     context = DataContext.get_current()

@@ -22,7 +22,7 @@ from orchestrator.cluster.local import report_channel, train_environment
 from orchestrator.config import Config
 from orchestrator.report.cost import REPORTED_AT
 from orchestrator.run.place import RunPlace
-from orchestrator.run.trainer import RunFailedError, build_inputs, build_run, root_cause
+from orchestrator.run.trainer import RunFailedError, build_run, root_cause, trial_inputs
 from orchestrator.training.checkpoint import manifest_cache_decision
 from orchestrator.training.resume import loadable_checkpoint
 from orchestrator.training.worker import Seat, Shards, rank_config, rank_shard, state_of, train_rank
@@ -109,7 +109,7 @@ def train_in_trial(config: Config, infos: dict[str, DatasetInfo], name: str, nod
     checkpoint = loadable_checkpoint(tune.get_checkpoint())
     # A resumed trial is fed as its checkpoint counted its data position (trainer.resumed_cache_decision).
     saved = manifest_cache_decision(checkpoint.filesystem, checkpoint.path) if checkpoint is not None else None
-    spec, datasets = build_inputs(config, infos, name, saved, reports=None, node_ranks=node_ranks)
+    spec, datasets = trial_inputs(config, infos, name, saved, node_ranks)
     try:
         cfg = rank_config(spec, world=1)
         seat = Seat(1, 0, trial_device(cfg), entered)
@@ -162,7 +162,8 @@ def run_trial(params: dict[str, Any], *, planner: TrialPlanner, trials: Storage,
     autopilot search this trial runs or applies (tuning/autopilot.py)."""
     from ray import tune as ray_tune
 
-    config = plan_trial(planner, {**params, "storage.path": trials.uri}).config
+    plan = plan_trial(planner, {**params, "storage.path": trials.uri})  # the trial planned as `train` is
+    config = plan.config
     infos = dict(planner.datasets or {})
     trial_id = ray_tune.get_context().get_trial_id()
     board = find_board(shared_search) if shared_search else None

@@ -75,7 +75,7 @@ def test_ctrl_c_during_training_exits_130_and_says_how_to_continue(
             "--set", "scaling.num_workers=1"]
     monkeypatch.setattr(sys, "argv", [str(tmp_path / ".venv/bin/orchestrator"), *argv])  # as the console script
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(launch, "connect_ray", lambda address, config: False)  # no cluster: a joined one, say
+    monkeypatch.setattr(launch, "connect_cluster", lambda cluster: False)  # no cluster: a joined one, say
     monkeypatch.setattr(launch, "_build_inputs", lambda plan, started_ray, log: None)  # no datasets without it
 
     def fit_until_ctrl_c(plan: RunPlan, inputs: Any, handle: Any, *args: Any) -> Any:
@@ -112,7 +112,7 @@ def test_the_mlflow_run_is_opened_while_the_worker_group_starts_and_ctrl_c_then_
     argv = _tracked_cli(tmp_path, digits_dir, monkeypatch)
     times: dict[str, float] = {}
 
-    def ray_start(address: str | None, config: Any) -> bool:
+    def ray_start(cluster: Any) -> bool:
         time.sleep(1.0)  # Ray's own start (seconds): on 2 cores MLflow's set-up beside it slowed it by as much
         return False
 
@@ -129,7 +129,7 @@ def test_the_mlflow_run_is_opened_while_the_worker_group_starts_and_ctrl_c_then_
         times["opened"] = opening.ended
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(launch, "connect_ray", ray_start)
+    monkeypatch.setattr(launch, "connect_cluster", ray_start)
     monkeypatch.setattr(launch, "_build_inputs", build_inputs)
     monkeypatch.setattr(launch, "_fit", fit)
     assert cli.main(argv) == 130
@@ -147,10 +147,10 @@ def test_ctrl_c_while_ray_starts_opens_no_mlflow_run_and_says_how_to_continue(
         tmp_path: Path, digits_dir: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     argv = _tracked_cli(tmp_path, digits_dir, monkeypatch)
 
-    def ray_start_interrupted(address: str | None, config: Any) -> bool:
+    def ray_start_interrupted(cluster: Any) -> bool:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(launch, "connect_ray", ray_start_interrupted)
+    monkeypatch.setattr(launch, "connect_cluster", ray_start_interrupted)
     assert cli.main(argv) == 130
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "interrupted at step 0; no checkpoint yet: a new run starts from step 0")

@@ -18,13 +18,14 @@ LOOSE = {"__init__", "__main__", "cli", "errors", "ray_internals"}
 MAX_LOOSE = 6
 # Each walk the guard follows: where it starts, the value it follows, and its most climbs, returns and entries of one
 # module. `train` to its plan and `tune` plan their configs through the same function (run/plan.py `plan_config`;
-# the study's plan in tuning/plan.py), at the figures issue 60 reached (docs/layout.md has the walks); the launch half
-# (the plan carried out) is held where it stands (2026-12-07) until it reaches issue 60's <= 12, 18 and 3. A walk may
-# only go down.
+# the study's plan in tuning/plan.py); `train` is followed on through its launch (the plan carried out) and `tune`
+# through a trial (`run_trial`, the function Tune runs: the trial planned, then trained), all at the figures issue 60
+# reached (docs/layout.md has the walks). A walk may only go down.
 WALKS = {
     "train": ("orchestrator.run.launch.train", "config", (4, 5, 2)),
-    "launch": ("orchestrator.run.launch._train", "plan", (14, 22, 4)),
+    "launch": ("orchestrator.run.launch._train", "plan", (11, 16, 3)),
     "tune": ("orchestrator.tuning.study.tune", "config", (6, 8, 3)),
+    "trial": ("orchestrator.tuning.trial.run_trial", "planner", (10, 15, 3)),
 }
 
 
@@ -60,6 +61,10 @@ def test_each_walk_through_the_driver_goes_back_and_forth_no_more_than_it_did(na
     assert max(entries.values()) <= most, entries
     if name == "train":  # the data layer: the plan's one inspection, the model's entrypoint, a pretrained config
         assert entries["pipelines"] <= 3 and "orchestrator.run" in entries, entries
+    if name == "launch":  # the model's input width is the plan's: the models are entered for the final model only
+        assert entries.get("orchestrator.models", 0) <= 1 and "orchestrator.cluster" in entries, entries
+    if name == "trial":  # the trial is planned (run/plan.py plan_config), then trained: the walk reaches both
+        assert {"orchestrator.run", "pipelines"} <= set(entries), entries
 
 
 def test_every_module_file_a_product_comment_names_exists() -> None:

@@ -114,11 +114,11 @@ def test_orchestrator_train_says_so_before_ray_starts(tmp_path: Path, digits_dir
     monkeypatch.chdir(tmp_path)
     printed: list[str] = []
 
-    def ray_start(address: str | None, config: Any) -> bool:
+    def ray_start(cluster: Any) -> bool:
         printed.extend(capsys.readouterr().err.splitlines())  # what the user saw before Ray started
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(launch, "connect_ray", ray_start)
+    monkeypatch.setattr(launch, "connect_cluster", ray_start)
     assert cli.main(argv) == 130
     (line,) = [x for x in printed if "train.parallel=fsdp" in x]
     assert line.startswith("memory: with train.parallel=ddp each worker holds 0.3 GiB") and "0.2 GiB" in line

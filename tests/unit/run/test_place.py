@@ -280,7 +280,7 @@ def test_resume_of_a_finished_run_says_where_its_result_is_and_starts_nothing(
     def no_ray(*args: object, **kwargs: object) -> bool:
         raise AssertionError("Ray was started for a finished run")
 
-    monkeypatch.setattr(launch, "connect_ray", no_ray)
+    monkeypatch.setattr(launch, "connect_cluster", no_ray)
     monkeypatch.setattr(sys, "path", list(sys.path))  # cli.main puts the working directory on it
     assert cli.main(["train", "--resume", *[a for s in sets for a in ("--set", s)]]) == 0
     out = capsys.readouterr().out.splitlines()

@@ -137,7 +137,7 @@ def test_ctrl_c_while_the_run_is_being_set_up_ends_it_killed_and_says_how_to_con
                                 "tracking.experiment=setup", "scaling.num_workers=1"])
     params = launch.config_params
     monkeypatch.setattr(launch, "config_params", lambda c: {**params(c), "zz.interrupted": _CtrlC()})
-    monkeypatch.setattr(launch, "connect_ray", lambda address, config: False)  # Ray starts meanwhile: none here
+    monkeypatch.setattr(launch, "connect_cluster", lambda cluster: False)  # Ray starts meanwhile: none here
     monkeypatch.setattr(launch, "_build_inputs", lambda plan, started_ray, log: None)  # no datasets without it
     monkeypatch.setattr(launch, "_fit", lambda plan, inputs, handle, opening, *args: opening.result())  # group starts
     with pytest.raises(KeyboardInterrupt):
