@@ -85,7 +85,7 @@ class ReportChannel:
     def __init__(self, host: str) -> None:
         self.key = secrets.token_bytes(32)
         self.items: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self._listener = socket.create_server((host, 0))
+        self._listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self._closed = threading.Event()
         self._closing = threading.Lock()  # an item is in the queue before the end mark, or refused
         self._readers: set[int] = set()  # the senders' connections (descriptors), shut at close

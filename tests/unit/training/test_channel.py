@@ -42,10 +42,22 @@ def test_what_a_sender_put_is_in_the_queue_in_order_then_the_end() -> None:
     assert channel.items.empty()
 
 
-def test_a_sender_without_the_runs_key_gets_nothing_in() -> None:
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", pytest.param("::1", marks=pytest.mark.skipif(
+    not _ipv6_loopback(), reason="no IPv6 loopback here"))])
+def test_a_sender_without_the_runs_key_gets_nothing_in(host: str) -> None:
     from multiprocessing import AuthenticationError
 
-    with ReportChannel("127.0.0.1") as channel:
+    with ReportChannel(host) as channel:
         stranger = ChannelSender(channel.sender.address, b"x" * 32)
         with pytest.raises(AuthenticationError):
             stranger.put({"event": "checkpoint", "step": 1, "path": "/tmp/evil"})
