@@ -15,8 +15,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from orchestrator.cluster.fingerprint import LISTENS, fingerprint
 from orchestrator.cluster.processes import end_processes, running, started_processes
-from orchestrator.cluster.warm import LISTENS, WarmUse, answers, fingerprint, stop_cluster, take, warm_dir
+from orchestrator.cluster.warm import WarmUse, answers, stop_cluster, take, warm_dir
 from orchestrator.config import Config, TrackingConfig
 from orchestrator.errors import ConfigError, UserError
 from orchestrator.ray_internals import (

@@ -20,7 +20,8 @@ from typing import Any
 import psutil
 import pytest
 
-from orchestrator.cluster.warm import fingerprint, mismatch, start_environment
+from orchestrator.cluster.fingerprint import fingerprint, start_environment
+from orchestrator.cluster.warm import mismatch
 
 PYTHONPATH, AUTH = "/src", "disabled"
 

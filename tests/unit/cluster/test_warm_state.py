@@ -20,7 +20,8 @@ import psutil
 import pytest
 
 from orchestrator.cluster import warm as warm_cluster
-from orchestrator.cluster.warm import IN_USE, STATE, fingerprint, mismatch, read_state, write_state
+from orchestrator.cluster.fingerprint import command_environment, fingerprint
+from orchestrator.cluster.warm import IN_USE, STATE, mismatch, read_state, write_state
 
 
 @pytest.fixture()
@@ -90,7 +91,7 @@ def test_a_recorded_cluster_serves_only_the_environment_it_was_started_in(
         state | {"fingerprint": before_loopback}, fingerprint("/src", "disabled"), 4)
     # What a command has now (the shell's environment, with the credential, endpoint and device variables as this
     # process holds them: an earlier test's mlflow.set_tracking_uri leaves MLFLOW_TRACKING_URI set in it).
-    started = warm_cluster.command_environment()
+    started = command_environment()
     monkeypatch.setenv("SET_IN_THIS_PROCESS", "1")
     assert mismatch(state, fingerprint("/src", "disabled"), 4) is None
     reason = mismatch(state, fingerprint("/src", "disabled", started | {"AWS_ACCESS_KEY_ID": "another-key"}), 4)
