@@ -21,15 +21,16 @@ from orchestrator.errors import UserError
 from orchestrator.training import autopilot, fsdp, ranks
 from orchestrator.training.cadence import Cadence, Due, Notices
 from orchestrator.training.checkpoint import Progress, checkpoint_state, save_state, unwrap
+from orchestrator.training.evaluation import evaluate
 from orchestrator.training.fsdp import is_sharded
-from orchestrator.training.memory import cuda_memory_stats, device_facts, release_if_pressed
+from orchestrator.training.memory import cuda_memory_stats, device_facts
 from orchestrator.training.parts import Parts, rank_bytes
 from orchestrator.training.position import micro_batches
 from orchestrator.training.step import StepResult, first_compiled_step, flops_per_sample, train_step
 from orchestrator.training.sync import average_tensors
 from orchestrator.training.system import node_stats
 from orchestrator.training.timing import PhaseTimer, peak_flops
-from pipelines.tensors import Batch, rows, to_device
+from pipelines.tensors import Batch, rows
 
 if TYPE_CHECKING:  # torchft is an optional extra (`replicas`): only failure.mode=replicas imports it
     from orchestrator.training.replicas import Replicas
@@ -116,57 +117,6 @@ class Interval:
                               (targets * applied).sum()])
         own = torch.stack([torch.where(counted, norm, zero).sum(), counted.sum().double(), skipped.sum()])
         return shared, own
-
-
-@torch.no_grad()
-def evaluate(parts: Parts, batches: Iterable[Batch]) -> dict[str, float]:
-    """The task's validation metrics over this rank's validation shard, their sums added across ranks."""
-    # The bare module: DDP's forward would broadcast buffers, a collective that ranks must not call unevenly.
-    model = unwrap(parts.model)
-    model.eval()
-    totals: dict[str, torch.Tensor] = {}
-    for batch, real in _lockstep(batches, parts) if fsdp.is_sharded(model) else ((b, True) for b in batches):
-        batch = to_device(batch, parts.device)
-        with parts.precision.autocast():
-            output = parts.call(model, batch)
-        if not real:
-            continue
-        for key, value in parts.task.metric_sums(output, batch).items():
-            totals[key] = totals.get(key, 0) + value.double()
-    # Every rank reduces the same keys in the same order; a rank without rows learns them from the others.
-    keys = sorted(ranks.gather_keys(list(totals)))
-    sums = dict(zip(keys, ranks.all_reduce_sum([float(totals.get(k, 0.0)) for k in keys], parts.device),
-                    strict=True))
-    release_if_pressed(parts.device)  # the cache stays unless the device is short
-    if not sums.get("count"):
-        raise UserError("the validation split gave no rows to any worker: add rows or set data.val to null")
-    return parts.task.metrics(sums)
-
-
-def _lockstep(batches: Iterable[Batch], parts: Parts) -> Iterator[tuple[Batch, bool]]:
-    """Under FSDP every forward all-gathers parameters, so every rank must run as many forwards as the others: a
-    rank whose validation shard ran out runs empty (zero-row) batches, marked not real, until no rank has one left.
-    One flag all-reduce per batch; a rank without any rows gets its empty batch's shape from the others."""
-    mine = iter(batches)
-    empty: Batch | None = None
-    while True:
-        batch = next(mine, None)
-        if not ranks.any_rank(batch is not None, parts.device):
-            return
-        if empty is None:  # once: the first batches' shapes (a collective, on every rank at the same iteration)
-            empty = _empty_like_others(batch, parts.device)
-        yield (batch, True) if batch is not None else (empty, False)
-
-
-def _empty_like_others(batch: Batch | None, device: torch.device) -> Batch:
-    """A zero-row batch on `device` shaped like the first batch of a rank that has one. Only shapes and dtypes cross
-    between ranks (plain objects, no tensor): a pickled tensor is unpickled on the device it was on, so a CUDA one
-    made every rank open a CUDA context on the sender's GPU."""
-    mine = None if batch is None else {k: (tuple(v.shape[1:]), v.dtype) for k, v in batch.items()}
-    shapes: list[dict[str, tuple[tuple[int, ...], torch.dtype]] | None] = [None] * ranks.world()[1]
-    dist.all_gather_object(shapes, mine)
-    first = next(s for s in shapes if s is not None)
-    return {k: torch.empty((0, *shape), dtype=dtype, device=device) for k, (shape, dtype) in first.items()}
 
 
 def _check_finite_weights(parts: Parts, step: int) -> None:

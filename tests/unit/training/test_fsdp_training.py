@@ -16,7 +16,7 @@ from orchestrator.errors import ConfigError
 from orchestrator.models.tasks import task_parts
 from orchestrator.models.zoo import build_model
 from orchestrator.training import fsdp
-from orchestrator.training.loop import evaluate
+from orchestrator.training.evaluation import evaluate
 from orchestrator.training.micro_batch import refuse_auto_under_fsdp
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import build_parts, compile_model, rank_bytes

@@ -14,7 +14,8 @@ from test_loop import Recorder, xy
 from orchestrator.config import load_config
 from orchestrator.models.tasks import CausalLM
 from orchestrator.models.zoo import GPT, mlp
-from orchestrator.training.loop import Data, evaluate, run
+from orchestrator.training.evaluation import evaluate
+from orchestrator.training.loop import Data, run
 from orchestrator.training.memory import GIB, cuda_memory_stats, fit_micro_batch_cuda, restart_peak, under_pressure
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts, build_parts

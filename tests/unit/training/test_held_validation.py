@@ -14,8 +14,8 @@ import torch
 from gloo_world import run_ranks
 
 from orchestrator.config import load_config
+from orchestrator.training.evaluation import evaluate
 from orchestrator.training.handoff import WorkerSpec
-from orchestrator.training.loop import evaluate
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts
 from orchestrator.training.precision import Precision

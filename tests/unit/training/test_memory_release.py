@@ -11,7 +11,7 @@ import torch
 from test_loop import config, dataset, make_parts, xy
 
 from orchestrator.training import memory
-from orchestrator.training.loop import evaluate
+from orchestrator.training.evaluation import evaluate
 from orchestrator.training.step import train_step
 
 GIB = 1024**3

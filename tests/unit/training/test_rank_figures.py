@@ -16,7 +16,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator.config import Config, load_config
 from orchestrator.models.tasks import CausalLM
-from orchestrator.training.loop import Data, evaluate, run
+from orchestrator.training.evaluation import evaluate
+from orchestrator.training.loop import Data, run
 from orchestrator.training.parts import Parts
 from orchestrator.training.precision import Precision
 from pipelines.tensors import IGNORE_INDEX

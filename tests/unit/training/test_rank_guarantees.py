@@ -29,7 +29,8 @@ from orchestrator.models.zoo import build_model
 from orchestrator.training import fsdp
 from orchestrator.training.cadence import Notices
 from orchestrator.training.checkpoint import MANIFEST, Progress, ShardedSaver, check_complete
-from orchestrator.training.loop import Data, evaluate, run
+from orchestrator.training.evaluation import evaluate
+from orchestrator.training.loop import Data, run
 from orchestrator.training.memory import GIB, activation_bytes_per_sample, state_bytes
 from orchestrator.training.micro_batch import choose_micro_batch, with_auto_micro_batch
 from orchestrator.training.optim import build_optimizer

@@ -28,7 +28,8 @@ from orchestrator.models.tasks import (
     logits_of,
 )
 from orchestrator.training.checkpoint import Progress, restore
-from orchestrator.training.loop import Data, evaluate, run
+from orchestrator.training.evaluation import evaluate
+from orchestrator.training.loop import Data, run
 from orchestrator.training.optim import build_optimizer
 from orchestrator.training.parts import Parts
 from orchestrator.training.precision import Precision
