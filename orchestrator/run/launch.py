@@ -108,7 +108,7 @@ def _open_tracking(plan: RunPlan, log: RunLog, verbose: bool, fence: Fence | Non
 
         log.divert()
     tracker = start_tracker(config.tracking, plan.run_name, run_id=plan.reopen_run_id, headline=config.tune.metric,
-                            context=dict(plan.context))
+                            context=dict(plan.context), uri=plan.tracking_uri)  # the store as planned
     with closed_on_error(tracker):
         if plan.resume is not None and plan.resume.record:
             tracker.set_tags({f"orchestrator.resume.{time.strftime('%Y%m%d-%H%M%S')}":

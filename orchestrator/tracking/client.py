@@ -63,16 +63,17 @@ class MlflowTracker(Lineage):
 
     def __init__(self, cfg: TrackingConfig, run_name: str, tags: dict[str, str] | None = None,
                  run_id: str | None = None, headline: str | None = None,
-                 context: dict[str, str] | None = None) -> None:
+                 context: dict[str, str] | None = None, uri: str | None = None) -> None:
         """A new run, or with `run_id` the existing run reopened (a resumed Tune study or trial). `headline`: the
         task's validation metric (tune.metric), charted with the loss and samples/s in the headline section.
         `context`: the command's context_tags(), taken by a caller that opens the run after Ray started (in a Ray
-        job, `ray.init` can remove the working directory the commit is read from); else taken here."""
+        job, `ray.init` can remove the working directory the commit is read from); else taken here. `uri`: the
+        store as a run's plan resolved it (run/plan.py RunPlan.tracking_uri); else `cfg.uri` resolved here."""
         for key, value in PROCESS_SETTINGS.items():
             os.environ.setdefault(key, value)
         from mlflow.tracking import MlflowClient
 
-        self.uri = resolve_uri(cfg.uri)  # what connects; `mask_password(self.uri)` is what is shown
+        self.uri = uri or resolve_uri(cfg.uri)  # what connects; `mask_password(self.uri)` is what is shown
         if (warning := credentials_in_clear(self.uri)) is not None and warning not in _WARNED:
             _WARNED.add(warning)  # once per command, not once per trial
             print(warning, file=sys.stderr, flush=True)

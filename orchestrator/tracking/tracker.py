@@ -110,8 +110,9 @@ def closed_on_error(tracker: Tracker) -> Iterator[None]:
 
 def start_tracker(cfg: TrackingConfig, run_name: str, tags: dict[str, str] | None = None,
                   run_id: str | None = None, headline: str | None = None,
-                  context: dict[str, str] | None = None) -> Tracker:
-    return MlflowTracker(cfg, run_name, tags, run_id, headline, context) if cfg.enabled else NullTracker()
+                  context: dict[str, str] | None = None, uri: str | None = None) -> Tracker:
+    """An MLflow run of `cfg`'s store (`uri`: as a run's plan resolved it), or nothing with tracking off."""
+    return MlflowTracker(cfg, run_name, tags, run_id, headline, context, uri) if cfg.enabled else NullTracker()
 
 
 def direct(tracker: Tracker) -> Tracker:
