@@ -94,7 +94,7 @@ def train(config: Config, address: str | None = None, verbose: bool = True, resu
     with outside_job_package(plan.config.tracking):  # a Ray job's driver leaves the package `ray.init` may delete
         clock.mark("data inspection")
         with RunLog(show_logs) as log:
-            return _train(plan, address, verbose, clock, log, fence)
+            return _train(plan, verbose, clock, log, fence)
 
 
 def _open_tracking(plan: RunPlan, log: RunLog, verbose: bool, fence: Fence | None = None) -> Tracker:
@@ -185,8 +185,7 @@ def _build_inputs(plan: RunPlan, started_ray: bool, log: RunLog) -> _Inputs:
     return _Inputs(channel, spec, datasets)
 
 
-def _train(plan: RunPlan, address: str | None, verbose: bool, clock: StartupClock, log: RunLog,
-           fence: Fence) -> TrainResult:
+def _train(plan: RunPlan, verbose: bool, clock: StartupClock, log: RunLog, fence: Fence) -> TrainResult:
     config, place = plan.config, plan.place
     history: list[dict[str, Any]] = []
     attempt = AttemptLog(place, clock.started_at, fence.mine.number)
