@@ -39,8 +39,8 @@ class Alongside:
             raise self._outcome["error"]
         return self._outcome["value"]
 
-    def wait(self, seconds: float) -> bool:
-        """Whether it has ended, waiting `seconds` at most."""
+    def wait(self, seconds: float | None) -> bool:
+        """Whether it has ended, waiting `seconds` at most (None: until it has)."""
         self._thread.join(timeout=seconds)
         return not self._thread.is_alive()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from orchestrator.config import Config
@@ -33,9 +34,10 @@ class EndWarmUp:
         self.thread: threading.Thread | None = None
         self.ending = threading.Event()
 
-    def start(self) -> None:
+    def start(self, after: Callable[[], object] = lambda: None) -> None:
+        """Start loading, once: in its thread, `after()` first (what must be imported before it: see launch)."""
         if self.thread is None:
-            self.thread = threading.Thread(target=self._run, name="end-warm-up", daemon=True)
+            self.thread = threading.Thread(target=self._run, args=(after,), name="end-warm-up", daemon=True)
             self.thread.start()
 
     def wait(self) -> None:
@@ -43,8 +45,9 @@ class EndWarmUp:
         if self.thread is not None:
             self.thread.join()
 
-    def _run(self) -> None:
+    def _run(self, after: Callable[[], object]) -> None:
         try:
+            after()
             import matplotlib
 
             matplotlib.use("Agg")  # as report/plots.py: no display on clusters and CI

@@ -195,7 +195,11 @@ def _train(plan: RunPlan, verbose: bool, clock: StartupClock, log: RunLog, fence
     opening = Alongside(lambda: _open_tracking(plan, log, verbose, fence))
     warm_up = EndWarmUp(config)  # what the end loads, loaded while the run trains (run/ending.py)
     if warm_up.early:
-        warm_up.start()
+        # Not while another thread imports what it does for the first time (a module two threads import at once
+        # can come out half made): torch here, what building the trainer imports next; MLflow in the opening.
+        import ray.train.torch  # noqa: F401
+
+        warm_up.start(after=lambda: opening.wait(None))
     with ended_on_error(opening), interrupted(place, history):
         stopping: threading.Thread | None = None
         try:

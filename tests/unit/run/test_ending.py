@@ -38,3 +38,18 @@ def test_the_warm_up_loads_pyplot_and_a_second_start_is_the_first() -> None:
     warm_up.wait()
     assert thread is not None and not thread.is_alive()
     assert "matplotlib.pyplot" in sys.modules
+
+
+def test_the_warm_up_loads_only_after_what_it_is_started_after() -> None:
+    """Started early, it waits for the driver's own first imports (the launch passes MLflow's opening)."""
+    import threading
+    import time
+
+    gate = threading.Event()
+    warm_up = EndWarmUp(load_config(None, ["tracking.enabled=false"]))
+    warm_up.start(after=gate.wait)
+    time.sleep(0.3)
+    assert warm_up.thread is not None and warm_up.thread.is_alive()  # held until the gate opens
+    gate.set()
+    warm_up.wait()
+    assert not warm_up.thread.is_alive()
