@@ -6,13 +6,11 @@ from __future__ import annotations
 import os
 import sys
 import uuid
-from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.config import Config, to_dict
 from orchestrator.errors import ConfigError, UserError
-from orchestrator.models.inputs import in_features
 from orchestrator.run.place import RunPlace
 from orchestrator.training.channel import ChannelSender
 from orchestrator.training.handoff import WorkerSpec
@@ -22,6 +20,9 @@ from pipelines.held import HeldRows
 from pipelines.order import create_epoch_clock, release_epoch_clock
 from pipelines.sources import DatasetInfo
 from pipelines.storage import Storage
+
+if TYPE_CHECKING:
+    from orchestrator.run.plan import ConfigPlan
 
 
 class RunFailedError(UserError):
@@ -139,27 +140,21 @@ def resumed_cache_decision(data: DataConfig, infos: dict[str, DatasetInfo], stor
     return saved
 
 
-def build_run(config: Config, infos: Mapping[str, DatasetInfo], place: RunPlace, callbacks: list[Any],
-              reports: ChannelSender | None, node_ranks: int | None = None, *, saved: str | None) -> Any:
-    """Datasets and TorchTrainer for one run, in this process's Ray Data context (the driver for `train`, the
-    trial actor for each Tune trial). Rank 0 sends its metrics to `reports` (the run's channel).
-    `saved`: the cache decision of the checkpoint a resumed run loads (RunPlace.cache_decision): it is fed as its
-    checkpoints were; None: a new run, decided now."""
-    spec, datasets = build_inputs(config, _input_width(config, infos), infos, place.name, saved, reports, node_ranks)
-    return build_trainer(config, spec, datasets, place, callbacks)
+def build_run(plan: ConfigPlan, infos: dict[str, DatasetInfo], place: RunPlace, reports: ChannelSender | None,
+              node_ranks: int | None = None) -> Any:
+    """Datasets and TorchTrainer for one planned run, in this process's Ray Data context (a Tune trial's actor).
+    Rank 0 sends its metrics to `reports` (the run's channel). A restarted run is fed as its checkpoints were (the
+    cache decision they recorded: RunPlace.cache_decision)."""
+    spec, datasets = build_inputs(plan.config, plan.in_features, infos, place.name, place.cache_decision(), reports,
+                                  node_ranks)
+    return build_trainer(plan.config, spec, datasets, place, [])
 
 
-def trial_inputs(config: Config, infos: dict[str, DatasetInfo], name: str, saved: str | None,
+def trial_inputs(plan: ConfigPlan, infos: dict[str, DatasetInfo], name: str, saved: str | None,
                  node_ranks: int | None) -> tuple[WorkerSpec, dict[str, Any]]:
     """build_inputs for a Tune trial that trains in its own process (tuning/trial.py): no report channel (its
-    reports go to Tune), the input width worked out from the trial's config."""
-    return build_inputs(config, _input_width(config, infos), infos, name, saved, None, node_ranks)
-
-
-def _input_width(config: Config, infos: Mapping[str, DatasetInfo]) -> int | None:
-    """The classic model input's width (models.inputs), for a trial's run, which is handed its config: the same
-    figure as its plan's (ConfigPlan.in_features); `train` hands its plan's to build_inputs."""
-    return in_features(config, infos["train"])
+    reports go to Tune)."""
+    return build_inputs(plan.config, plan.in_features, infos, name, saved, None, node_ranks)
 
 
 def build_inputs(config: Config, width: int | None, infos: dict[str, DatasetInfo], name: str, saved: str | None,

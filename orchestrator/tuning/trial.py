@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from orchestrator.cluster.local import report_channel, train_environment
 from orchestrator.config import Config
 from orchestrator.report.cost import REPORTED_AT
 from orchestrator.run.place import RunPlace
+from orchestrator.run.plan import ConfigPlan
 from orchestrator.run.trainer import RunFailedError, build_run, root_cause, trial_inputs
 from orchestrator.training.checkpoint import manifest_cache_decision
 from orchestrator.training.resume import loadable_checkpoint
@@ -95,11 +97,11 @@ def trial_device(config: Config) -> torch.device:
     return device
 
 
-def train_in_trial(config: Config, infos: dict[str, DatasetInfo], name: str, node_ranks: int | None = None,
+def train_in_trial(plan: ConfigPlan, infos: dict[str, DatasetInfo], name: str, node_ranks: int | None = None,
                    on_report: Callable[[dict[str, Any]], None] | None = None) -> None:
-    """Train one trial here, resuming from the checkpoint Tune restarts it from, if any. `name`: the trial's id;
-    `node_ranks`: the study's ranks that may share this node's memory (trainer.build_inputs); `on_report`: sees
-    each report before Tune does.
+    """Train one trial, as planned, here, resuming from the checkpoint Tune restarts it from, if any. `name`: the
+    trial's id; `node_ranks`: the study's ranks that may share this node's memory (trainer.build_inputs);
+    `on_report`: sees each report before Tune does.
     The trial owns what it starts in this process, which outlives it (Tune reuses it for the next trial): it starts
     from the process state a fresh process has, and its epoch clock ends with it, also when it fails or is stopped."""
     from ray import tune
@@ -109,7 +111,7 @@ def train_in_trial(config: Config, infos: dict[str, DatasetInfo], name: str, nod
     checkpoint = loadable_checkpoint(tune.get_checkpoint())
     # A resumed trial is fed as its checkpoint counted its data position (trainer.resumed_cache_decision).
     saved = manifest_cache_decision(checkpoint.filesystem, checkpoint.path) if checkpoint is not None else None
-    spec, datasets = trial_inputs(config, infos, name, saved, node_ranks)
+    spec, datasets = trial_inputs(plan, infos, name, saved, node_ranks)
     try:
         cfg = rank_config(spec, world=1)
         seat = Seat(1, 0, trial_device(cfg), entered)
@@ -163,41 +165,41 @@ def run_trial(params: dict[str, Any], *, planner: TrialPlanner, trials: Storage,
     from ray import tune as ray_tune
 
     plan = plan_trial(planner, {**params, "storage.path": trials.uri})  # the trial planned as `train` is
-    config = plan.config
     infos = dict(planner.datasets or {})
     trial_id = ray_tune.get_context().get_trial_id()
     board = find_board(shared_search) if shared_search else None
     if board is None:
-        _train_trial(config, infos, trial_id, private_cluster, trials, node_ranks, None)
+        _train_trial(plan, infos, trial_id, private_cluster, trials, node_ranks, None)
         return
-    config, searching = trial_config_with_choice(board, trial_id, config)
+    config, searching = trial_config_with_choice(board, trial_id, plan.config)
     try:
-        _train_trial(config, infos, trial_id, private_cluster, trials, node_ranks,
+        _train_trial(replace(plan, config=config), infos, trial_id, private_cluster, trials, node_ranks,
                      (lambda metrics: post_choice(board, trial_id, metrics)) if searching else None)
     finally:
         if searching:  # ended before its choice was posted (failed, stopped): another trial searches
             board.release.remote(trial_id)
 
 
-def _train_trial(config: Config, infos: dict[str, DatasetInfo], trial_id: str, private_cluster: bool,
+def _train_trial(plan: ConfigPlan, infos: dict[str, DatasetInfo], trial_id: str, private_cluster: bool,
                  trials: Storage, node_ranks: int | None, on_report: Callable[[dict[str, Any]], None] | None
                  ) -> None:
-    """Train the trial: here, or through its own TorchTrainer. `on_report` sees each report before Tune does."""
+    """Train the trial as planned: here, or through its own TorchTrainer. `on_report` sees each report before Tune
+    does."""
     import threading
 
     import ray.train
     from ray import tune as ray_tune
 
+    config = plan.config
     if in_trial_process(config):  # one worker: trained right here, without a worker group of its own
-        train_in_trial(config, infos, trial_id, node_ranks, on_report)
+        train_in_trial(plan, infos, trial_id, node_ranks, on_report)
         return
     channel = report_channel()
     failed: list[BaseException] = []
 
     def fit() -> None:
         try:
-            place = RunPlace(trials, trial_id)  # a restarted trial is fed as its checkpoints were
-            build_run(config, infos, place, [], channel.sender, node_ranks, saved=place.cache_decision()).fit()
+            build_run(plan, infos, RunPlace(trials, trial_id), channel.sender, node_ranks).fit()
         except BaseException as exc:  # handed to the trial's thread, which raises it
             failed.append(exc)
         finally:

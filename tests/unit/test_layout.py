@@ -25,7 +25,7 @@ WALKS = {
     "train": ("orchestrator.run.launch.train", "config", (4, 5, 2)),
     "launch": ("orchestrator.run.launch._train", "plan", (11, 16, 3)),
     "tune": ("orchestrator.tuning.study.tune", "config", (6, 8, 3)),
-    "trial": ("orchestrator.tuning.trial.run_trial", "planner", (10, 15, 3)),
+    "trial": ("orchestrator.tuning.trial.run_trial", "planner", (9, 14, 3)),
 }
 
 
