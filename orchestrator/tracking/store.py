@@ -40,12 +40,17 @@ def is_outage(exc: BaseException) -> bool:
     """Whether a failed tracking call means the store cannot be reached now (a connection refused, reset or timed
     out, a database locked or that cannot be opened), not that it answered and refused this call (a changed param, a
     bad key, a deleted run, a missing file): MLflow raises MlflowException for both, the cause tells them apart."""
+    import http.client
+
     import requests
     from mlflow.exceptions import MlflowException
     from mlflow.protos.databricks_pb2 import ErrorCode
 
+    # An answer cut off midway (a server killed while it answered: requests' ChunkedEncodingError around urllib3's
+    # ProtocolError, http.client's IncompleteRead) is the store going away too, not a refusal.
     unreachable: tuple[type[BaseException], ...] = (
-        ConnectionError, TimeoutError, requests.ConnectionError, requests.Timeout, requests.exceptions.RetryError)
+        ConnectionError, TimeoutError, requests.ConnectionError, requests.Timeout, requests.exceptions.RetryError,
+        requests.exceptions.ChunkedEncodingError, http.client.HTTPException)
     botocore = sys.modules.get("botocore.exceptions")  # S3 artifacts; raised only once loaded
     if botocore is not None:
         unreachable += (botocore.ConnectionError, botocore.HTTPClientError)

@@ -5,6 +5,7 @@ nothing listens on (an outage); no Ray."""
 from __future__ import annotations
 
 import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,21 @@ def test_only_an_unreachable_store_is_an_outage(store: str, tmp_path: Path, monk
             MlflowClient(f"http://127.0.0.1:{silent.getsockname()[1]}").log_batch(
                 "0" * 32, metrics=[Metric("m", 1.0, 0, 0)])
     assert "timeout" in str(timed_out.value) and is_outage(timed_out.value)
+    with socket.socket() as dying:  # answers, then goes away in the middle of its answer (a server killed)
+        dying.bind(("127.0.0.1", 0))
+        dying.listen()
+
+        def answer_half() -> None:
+            conn, _ = dying.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 400\r\n\r\n{")
+
+        threading.Thread(target=answer_half, daemon=True).start()
+        with pytest.raises(Exception) as cut:
+            MlflowClient(f"http://127.0.0.1:{dying.getsockname()[1]}").log_batch(
+                "0" * 32, metrics=[Metric("m", 1.0, 0, 0)])
+    assert is_outage(cut.value), repr(cut.value)
 
     client = MlflowClient(store)
     run_id = client.create_run(client.create_experiment("refusals")).info.run_id
