@@ -15,9 +15,9 @@ the floor that running beside Ray's processes on this machine sets for any loop.
                    teardown and MLflow included)
 
 Beside each orchestrated line, the CPU share (of one core) of each kind of process between the second and the last
-progress line: the driver (the `orchestrator` command: reports, progress, MLflow), Ray Train's controller, the
-product's report queue actor, Ray's other processes (GCS, raylet, dashboard, Ray Train's synchronization actor, idle
-workers...) and the training workers; `at rest` sums the driver, the controller and the queue actor (target <= 3%).
+progress line: the driver (the `orchestrator` command: reports, progress, MLflow), Ray Train's controller, Ray's
+other processes (GCS, raylet, dashboard, Ray Train's synchronization actor, idle workers...) and the training
+workers; `at rest` sums the driver and the controller (target <= 3%): the product starts no actor of its own.
 
 The bare command runs before and after each round of the orchestrated ones, so drift on a shared machine hits both
 sides. Single runs of the same variant differed by up to 0.25 here: `--repeat 3` gives each line the mean of 3
