@@ -1,6 +1,6 @@
-"""What the driver does with each entry of the run's queue: rank 0's reports, and the checkpoints and worker failures
-Ray Train's controller adds (callbacks.py). Each role is a small handler; the launch composes them into one
-`RunReports`, which the queue's consumer thread (progress.py `ReportConsumer`) calls for every entry."""
+"""What the driver does with each entry of the run's report channel: rank 0's reports, and the checkpoints and
+worker failures Ray Train's controller adds (callbacks.py). Each role is a small handler; the launch composes them
+into one `RunReports`, which the channel's consumer thread (progress.py `ReportConsumer`) calls for every entry."""
 
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def events(previous: dict[str, Any] | None, report: dict[str, Any], n: int) -> l
 
 @dataclass
 class RunReports:
-    """Every entry of the run's queue, in order: a committed checkpoint becomes a LoggedModel of the run, a worker
+    """Every entry of the run's channel, in order: a committed checkpoint becomes a LoggedModel of the run, a worker
     failure is counted, the workers' setup shown; a report marks the start-up clock, shows the autopilot's table,
     tags what it reveals, is stamped with its arrival (the cost ledger's timeline), kept in `history` and the
     attempt's `record`, tracked and shown. `tracker()` waits for MLflow's run; `closed()` says its opening failed

@@ -1,8 +1,8 @@
 """Metrics reach the driver, which prints progress and logs them to MLflow.
 
-Rank 0 puts each interval's metrics on a Ray queue itself (training/reporting.py), and the driver drains it in a
-thread while `fit()` blocks. Ray Train's controller adds what only it sees, a worker's failure and a committed
-checkpoint, through user callbacks (callbacks.py).
+Rank 0 sends each interval's metrics to the driver itself (training/reporting.py, over training/channel.py), and
+the driver hands them on in a thread while `fit()` blocks. Ray Train's controller adds what only it sees, a
+worker's failure and a committed checkpoint, through user callbacks (callbacks.py).
 """
 
 from __future__ import annotations
