@@ -322,7 +322,7 @@ def _run_study(this: _Study, resumed: bool, tracker: Tracker, concurrency: int, 
     config, place = plan.config, plan.place
     metric, mode = config.tune.metric, plan.mode
     study, study_path = place.name, place.uri
-    facts = StudyFacts(study, plan.trials.sizes(), tuple(config.tune.space), metric, plan.max_steps,
+    facts = StudyFacts(study, plan.trials, tuple(config.tune.space), metric, plan.max_steps,
                        shared_search=board is not None)
     parent = (ParentRun(config.tracking, tracker.run_id)
               if config.tracking.enabled and tracker.run_id is not None else None)
