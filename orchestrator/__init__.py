@@ -1,6 +1,7 @@
 """Distributed PyTorch training on Ray, with the speed-up checklist applied automatically.
 
-The Python API the CLI wraps; attributes are imported on first use so `import orchestrator` stays light:
+The Python API the CLI wraps; attributes are imported on first use so `import orchestrator` stays
+light:
 
     from orchestrator import load_config, train
     result = train(load_config("examples/digits.yaml", ["optim.lr=1e-3"]))

@@ -1,13 +1,15 @@
-"""Node-local disk cache of remote shards: the first read of an object downloads it once per node, later reads
-(later epochs, other read tasks on the node) open the local copy.
+"""Node-local disk cache of remote shards: the first read of an object downloads it once per node,
+later reads (later epochs, other read tasks on the node) open the local copy.
 
 Layout under the cache directory (shared by every process on the node):
-    objects/<hash of URI>.<hash of size+ETag>.parquet   complete copies; a changed object gets a new name
-    tmp/                                                downloads in progress (renamed into objects/ when done)
-    tmp/<hash of URI>.lock                              held while that object downloads (one download per node)
-    stats.json                                          hits / misses / bytes, for tests and `orchestrator` users
-Least recently used copies (by mtime, refreshed on every hit) are evicted past the size cap. Processes coordinate
-with an flock; a download happens outside the lock and lands by atomic rename, so a reader never sees half a file.
+    objects/<hash of URI>.<hash of size+ETag>.parquet   complete copies; a changed object gets a new
+    name tmp/                                                downloads in progress (renamed into
+    objects/ when done) tmp/<hash of URI>.lock                              held while that object
+    downloads (one download per node) stats.json                                          hits /
+    misses / bytes, for tests and `orchestrator` users
+Least recently used copies (by mtime, refreshed on every hit) are evicted past the size cap.
+Processes coordinate with an flock; a download happens outside the lock and lands by atomic rename,
+so a reader never sees half a file.
 """
 
 from __future__ import annotations
@@ -50,10 +52,11 @@ class DiskCache:
         self.max_bytes = int((max_gb or DEFAULT_MAX_GB) * 1e9)
 
     def check(self) -> None:
-        """The directory made (0700) if missing, refused (DataError) unless it is this user's own and closed to
-        others: whoever made it decides what is in it, and cached names follow from the bucket listing, so planted
-        Parquet would be trained on as a hit."""
-        private_dir(self.directory, "set data.cache to a directory of your own (e.g. ~/.cache/orchestrator/shards)")
+        """The directory made (0700) if missing, refused (DataError) unless it is this user's own
+        and closed to others: whoever made it decides what is in it, and cached names follow from
+        the bucket listing, so planted Parquet would be trained on as a hit."""
+        private_dir(self.directory, "set data.cache to a directory of your "
+                                    "own (e.g. ~/.cache/orchestrator/shards)")
 
     def _objects(self) -> Path:
         self.check()  # on every use, on every node: each node has its own directory
@@ -78,7 +81,8 @@ class DiskCache:
         stats = CacheStats(**json.loads(path.read_text())) if path.exists() else CacheStats()
         for key, delta in deltas.items():
             setattr(stats, key, getattr(stats, key) + delta)
-        # A fresh name (mkstemp: O_EXCL, never a planted link), renamed over the counters in one step.
+        # A fresh name (mkstemp: O_EXCL, never a planted link), renamed over the counters in one
+        # step.
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".stats.", suffix=".tmp")
         try:
             with os.fdopen(fd, "w") as out:
@@ -95,7 +99,8 @@ class DiskCache:
         return key, f"{key}.{version}.parquet"
 
     def open(self, storage: Storage, obj: ObjectInfo) -> pa.NativeFile:
-        """A readable file for `obj`: the local copy if its size and ETag match, else downloaded first."""
+        """A readable file for `obj`: the local copy if its size and ETag match, else downloaded
+        first."""
         objects = self._objects()
         key, name = self._names(storage, obj)
         path = objects / name
@@ -105,8 +110,9 @@ class DiskCache:
             with self._locked():
                 self._count(bypassed=1)
             return storage.filesystem().open_input_file(obj.path)
-        # One download per object per node: readers that miss at once (the ranks of a node reading the validation
-        # shards together) queue on the object's own lock, and all but the first find its copy there.
+        # One download per object per node: readers that miss at once (the ranks of a node reading
+        # the validation shards together) queue on the object's own lock, and all but the first find
+        # its copy there.
         with self._locked(f"tmp/{key}.lock"):
             if (handle := self._hit(obj, path)) is not None:
                 return handle

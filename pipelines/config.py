@@ -1,6 +1,7 @@
 """Typed configuration of the data layer (embedded in the orchestrator's config as `data`).
 
-No credentials live here: this model is logged as MLflow params. S3 credentials come from the standard AWS chain.
+No credentials live here: this model is logged as MLflow params. S3 credentials come from the
+standard AWS chain.
 """
 
 from __future__ import annotations
@@ -15,16 +16,23 @@ MEMORY_CACHE_VALUES = ("auto", "none", "memory")
 
 
 class S3Config(BaseModel):
-    """Object-store options (AWS S3 or any S3-compatible endpoint). Credentials are never configured here."""
+    """Object-store options (AWS S3 or any S3-compatible endpoint). Credentials are never configured
+    here."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # inf passes gt=0; nan poisons a timeout
+    # inf passes gt=0; nan poisons a timeout
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     endpoint: str | None = Field(None, description="Endpoint URL, e.g. http://minio:9000; null = "
                                  "$AWS_ENDPOINT_URL_S3, else $AWS_ENDPOINT_URL, else AWS.")
-    region: str | None = Field(None, description="null = the AWS chain's region (AWS_REGION, profile), else us-east-1.")
-    anonymous: bool = Field(False, description="Unsigned requests (public buckets); no credentials are looked up.")
-    max_attempts: int = Field(4, ge=1, le=20, description="Attempts per request for transient errors (5xx, SlowDown, "
-                              "dropped connections), with exponential backoff; access errors are never retried.")
+    region: str | None = Field(None, description="null = the AWS chain's region "
+                                                 "(AWS_REGION, profile), else us-east-1.")
+    anonymous: bool = Field(False, description="Unsigned requests (public buckets); "
+                                               "no credentials are looked up.")
+    max_attempts: int = Field(4, ge=1, le=20, description="Attempts per request for "
+                                                          "transient errors (5xx, "
+                                                          "SlowDown, dropped connections), "
+                                                          "with exponential backoff; "
+                                                          "access errors are never retried.")
     connect_timeout_s: float = Field(5.0, gt=0, description="Seconds to wait for a TCP connection.")
     request_timeout_s: float = Field(60.0, gt=0, description="Seconds to wait for one request.")
 
@@ -32,7 +40,8 @@ class S3Config(BaseModel):
 class Normalize(BaseModel):
     """x -> (x - mean) / std on the feature columns (or `columns`)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # would turn every feature into inf/nan
+    # would turn every feature into inf/nan
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     mean: float = 0.0
     std: float = Field(1.0, gt=0)
@@ -49,9 +58,9 @@ class Cast(BaseModel):
 
 
 class Call(BaseModel):
-    """Your own per-batch function, `fn: "module:function"`, called as fn(batch, **kwargs) with the batch as a
-    pyarrow Table; it returns the transformed Table. The module must import on every node (PYTHONPATH, or the
-    job's working_dir)."""
+    """Your own per-batch function, `fn: "module:function"`, called as fn(batch, **kwargs) with the
+    batch as a pyarrow Table; it returns the transformed Table. The module must import on every node
+    (PYTHONPATH, or the job's working_dir)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -75,48 +84,68 @@ class DataConfig(BaseModel):
 
     train: str = Field("data/digits/train", min_length=1,
                        description="Directory, file or s3://bucket/prefix of Parquet shards.")
-    val: str | None = Field("data/digits/val", description="Parquet shards for validation; null disables eval.")
-    features: list[str] = Field(["pixels"], min_length=1, description="Input columns: concatenated in order into "
-                                "one float vector, or handed to the model by name (model.inputs).")
-    label: str | None = Field("label", description="Target column (integer classes, a list of 0/1 labels, or "
-                              "floats, as task.name needs); null = next-token prediction on the single token "
-                              "column in `features` (a language model).")
-    pad_to_multiple_of: int | None = Field(None, ge=1, description="Variable-length token columns are padded to "
-                                           "the longest row of each micro-batch, rounded up to this multiple.")
-    prefetch_batches: int = Field(2, ge=0, description="Fetches (of ~4096 rows, sliced into micro-batches) each "
-                                  "worker prefetches ahead of the loop.")
-    read_parallelism: int | None = Field(None, ge=1, description="Most shard reads running at once (Ray Data "
-                                         "read concurrency); null = as many as Ray has CPUs for.")
+    val: str | None = Field("data/digits/val", description="Parquet shards for validation; "
+                                                           "null disables eval.")
+    features: list[str] = Field(["pixels"], min_length=1, description="Input columns: "
+                                                                      "concatenated in order "
+                                                                      "into one float vector, "
+                                                                      "or handed to the model "
+                                                                      "by name (model.inputs).")
+    label: str | None = Field("label", description="Target column (integer classes, a list of 0/1 "
+                                                   "labels, or floats, as task.name needs); null "
+                                                   "= next-token prediction on the single token "
+                                                   "column in `features` (a language model).")
+    pad_to_multiple_of: int | None = Field(None, ge=1, description="Variable-length token columns "
+                                                                   "are padded to the longest row "
+                                                                   "of each micro-batch, rounded "
+                                                                   "up to this multiple.")
+    prefetch_batches: int = Field(2, ge=0, description="Fetches (of ~4096 rows, sliced "
+                                                       "into micro-batches) each worker "
+                                                       "prefetches ahead of the loop.")
+    read_parallelism: int | None = Field(None, ge=1, description="Most shard reads running "
+                                                                 "at once (Ray Data read "
+                                                                 "concurrency); null = as "
+                                                                 "many as Ray has CPUs for.")
     cache: str = Field(
         "auto",
-        description="memory: decode once and keep the blocks in Ray's object store for later epochs (Ray Data "
-        "otherwise re-reads every epoch); auto: memory when the files use under 5% of the object store; none; "
-        "or a directory: a node-local disk cache of remote (s3://) shards. A resumed run keeps whether its "
-        "checkpoints' data was streamed, held in memory or replayed (its data position counts rows in that order).",
+        description="memory: decode once and keep the blocks in Ray's object store for "
+                    "later epochs (Ray Data otherwise re-reads every epoch); auto: "
+                    "memory when the files use under 5% of the object store; none; or a "
+                    "directory: a node-local disk cache of remote (s3://) shards. A "
+                    "resumed run keeps whether its checkpoints' data was streamed, held "
+                    "in memory or replayed (its data position counts rows in that order).",
     )
-    cache_max_gb: float | None = Field(None, gt=0, description="Size cap of the disk cache per node (LRU "
-                                       "eviction); default 50. Only with cache: DIR.")
-    shuffle: bool = Field(True, description="A new order every epoch, drawn per (train.seed, epoch): the shard "
-                          "order when streamed from storage, the order of the decoded blocks for cache: memory "
-                          "data over 5% of the object store; small in-memory data replayed by the workers is "
-                          "permuted per (seed, epoch, rank) within each worker. false = shards sorted by name.")
-    shuffle_buffer: int | None = Field(None, ge=2, description="Rows in each worker's local shuffle buffer "
-                                       "(seeded per seed, epoch, rank); null = no row shuffle within shards or "
-                                       "blocks. With small in-memory data it replaces the workers' replay.")
+    cache_max_gb: float | None = Field(None, gt=0, description="Size cap of the disk cache per "
+                                                               "node (LRU eviction); default "
+                                                               "50. Only with cache: DIR.")
+    shuffle: bool = Field(True, description="A new order every epoch, drawn per (train.seed, "
+                                            "epoch): the shard order when streamed from "
+                                            "storage, the order of the decoded blocks for "
+                                            "cache: memory data over 5% of the object store; "
+                                            "small in-memory data replayed by the workers is "
+                                            "permuted per (seed, epoch, rank) within each "
+                                            "worker. false = shards sorted by name.")
+    shuffle_buffer: int | None = Field(None, ge=2, description="Rows in each worker's local "
+                                                               "shuffle buffer (seeded per seed, "
+                                                               "epoch, rank); null = no row "
+                                                               "shuffle within shards or blocks. "
+                                                               "With small in-memory data it "
+                                                               "replaces the workers' replay.")
     transforms: list[dict[str, Any]] = Field(
         default_factory=list,
         description="Per-batch transforms run in Ray Data map_batches, in order, e.g. "
         "[{normalize: {mean: 0.5, std: 0.25}}, {cast: float32}, {call: my_module:fn}].",
     )
     s3: S3Config = Field(default_factory=S3Config,  # type: ignore[arg-type]
-                         description="Object-store options for s3:// data and storage; credentials come only from "
-                         "the standard AWS chain, never from the config.")
+                         description="Object-store options for s3:// data and "
+                                     "storage; credentials come only from the "
+                                     "standard AWS chain, never from the config.")
 
     @model_validator(mode="after")
     def _one_token_column(self) -> DataConfig:
         if self.label is None and len(self.features) != 1:
-            raise ValueError(f"data.label=null (next-token prediction) needs exactly one token column in "
-                             f"data.features, got {self.features}")
+            raise ValueError("data.label=null (next-token prediction) needs exactly "
+                             f"one token column in data.features, got {self.features}")
         return self
 
     @property
@@ -139,7 +168,8 @@ class DataConfig(BaseModel):
         parsed = []
         for item in value:
             if not isinstance(item, dict) or len(item) != 1:
-                raise ValueError(f"each transform is a one-key mapping such as {{cast: float32}}, got {item!r}")
+                raise ValueError("each transform is a one-key mapping "
+                                 f"such as {{cast: float32}}, got {item!r}")
             (name, args), = item.items()
             if name not in TRANSFORMS:
                 raise ValueError(f"unknown transform '{name}'; valid: {sorted(TRANSFORMS)}")
@@ -161,15 +191,17 @@ class DataConfig(BaseModel):
     @model_validator(mode="after")
     def _cache_needs_remote(self) -> DataConfig:
         if self.disk_cache is not None and not any(is_remote(p) for p in (self.train, self.val) if p):
-            raise ValueError(f"a disk cache ({self.cache}) has no effect on local data: set data.cache to "
-                             "none/auto/memory, or read from s3://")
+            raise ValueError(f"a disk cache ({self.cache}) has no effect on local data: "
+                             "set data.cache to none/auto/memory, or read from s3://")
         if self.cache_max_gb is not None and self.disk_cache is None:
-            raise ValueError("data.cache_max_gb has no effect without a disk cache (data.cache: DIR); remove it")
+            raise ValueError("data.cache_max_gb has no effect without "
+                             "a disk cache (data.cache: DIR); remove it")
         for item in self.transforms:
             for args in item.values():
                 unknown = [c for c in args.get("columns") or [] if c not in self.features]
                 if unknown:
-                    raise ValueError(f"transform columns {unknown} are not in data.features {self.features}")
+                    raise ValueError(f"transform columns {unknown} are not "
+                                     f"in data.features {self.features}")
         return self
 
     @property

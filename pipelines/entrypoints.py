@@ -1,4 +1,5 @@
-"""Importing a user's `module:function` (model builders, data transforms) with one clear error per mistake."""
+"""Importing a user's `module:function` (model builders, data transforms) with one clear error per
+mistake."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Errors the data layer raises for problems the user can fix (bad path, corrupt file, wrong column)."""
+"""Errors the data layer raises for problems the user can fix (bad path, corrupt file, wrong
+column)."""
 
 
 class DataError(ValueError):
@@ -6,5 +7,6 @@ class DataError(ValueError):
 
 
 def corrupt_parquet(uri: str, exc: BaseException) -> DataError:
-    """The one error for a file that is not readable Parquet (a bad footer, a truncated column chunk)."""
+    """The one error for a file that is not readable Parquet (a bad footer, a truncated column
+    chunk)."""
     return DataError(f"corrupt Parquet file {uri}: {exc}; rewrite or remove it")

@@ -1,10 +1,11 @@
 """Small data to replay, handed to the ranks without Ray Data's streaming split.
 
-The driver reads such data itself (datasets.READ_HERE_BYTES) and holds its blocks in the object store. Each rank
-takes its part of the rows straight from them (equal parts to train on, every row once to validate on): Ray Data's
-split coordinator would start its first execution when the ranks first ask, and every rank would wait at its epoch
-barrier (1.3-2.6 s of the first batch on 2 cores), to hand out rows each worker replays from its own memory after
-the first pass anyway (batches.EpochReplay).
+The driver reads such data itself (datasets.READ_HERE_BYTES) and holds its blocks in the object
+store. Each rank takes its part of the rows straight from them (equal parts to train on, every row
+once to validate on): Ray Data's split coordinator would start its first execution when the ranks
+first ask, and every rank would wait at its epoch barrier (1.3-2.6 s of the first batch on 2 cores),
+to hand out rows each worker replays from its own memory after the first pass anyway
+(batches.EpochReplay).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ if TYPE_CHECKING:  # the driver imports this module before it needs torch
 
 @dataclass(frozen=True)
 class HeldRows:
-    """A small dataset's blocks in the object store (ObjectRefs of Arrow tables), in the dataset's row order."""
+    """A small dataset's blocks in the object store (ObjectRefs of Arrow tables), in the dataset's
+    row order."""
 
     refs: list[Any]
 
@@ -32,8 +34,9 @@ class HeldRows:
 
 
 def rank_rows(rows: int, rank: int, world: int, equal: bool) -> tuple[int, int]:
-    """(first row, row count) of rank `rank`'s contiguous part of `rows` rows. `equal`: `rows // world` each, the
-    last `rows mod world` left out; else every row on exactly one rank, the first `rows mod world` ranks one more."""
+    """(first row, row count) of rank `rank`'s contiguous part of `rows` rows. `equal`: `rows //
+    world` each, the last `rows mod world` left out; else every row on exactly one rank, the first
+    `rows mod world` ranks one more."""
     each, extra = divmod(rows, world)
     if equal:
         return rank * each, each
@@ -41,11 +44,11 @@ def rank_rows(rows: int, rank: int, world: int, equal: bool) -> tuple[int, int]:
 
 
 class HeldShard:
-    """Rank `rank`'s part of the rows, iterated as a Ray Data shard is: the rows in block order cut into `world`
-    contiguous parts. `equal` (training): equal parts, the last `rows mod world` left out (as many as
-    streaming_split(equal=True) leaves out), so the ranks' collectives stay aligned. Not `equal` (validation):
-    every row scored exactly once, the accuracy the same at any world size; `evaluate` adds the ranks' sums, so
-    their row counts may differ by one."""
+    """Rank `rank`'s part of the rows, iterated as a Ray Data shard is: the rows in block order cut
+    into `world` contiguous parts. `equal` (training): equal parts, the last `rows mod world` left
+    out (as many as streaming_split(equal=True) leaves out), so the ranks' collectives stay aligned.
+    Not `equal` (validation): every row scored exactly once, the accuracy the same at any world
+    size; `evaluate` adds the ranks' sums, so their row counts may differ by one."""
 
     def __init__(self, refs: list[Any], rank: int, world: int, device: torch.device, *, equal: bool = True) -> None:
         self.refs, self.rank, self.world, self.device, self.equal = refs, rank, world, device, equal
@@ -63,9 +66,9 @@ class HeldShard:
     def iter_torch_batches(self, *, batch_size: int, collate_fn: Callable[[pa.Table], Batch],
                            local_shuffle_buffer_size: int | None = None, device: Any = "auto",
                            pin_memory: bool = False, **_: Any) -> Iterator[Batch]:
-        """Ray Data's iter_torch_batches over this rank's rows: `batch_size` rows at a time (the last may be
-        shorter), collated, on `device` ("auto": the rank's), pinned when asked. Held data has no shuffle buffer
-        (trainer.build_inputs)."""
+        """Ray Data's iter_torch_batches over this rank's rows: `batch_size` rows at a time (the
+        last may be shorter), collated, on `device` ("auto": the rank's), pinned when asked. Held
+        data has no shuffle buffer (trainer.build_inputs)."""
         from pipelines.tensors import pinned, to_device  # torch: in the rank's process only
 
         assert not local_shuffle_buffer_size, "held data is replayed, never shuffled through a buffer"

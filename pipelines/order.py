@@ -1,11 +1,12 @@
-"""Which shard order an epoch reads: a permutation drawn from (seed, epoch), and the small actor that tells the
-Ray Data read planner which epoch the workers are on.
+"""Which shard order an epoch reads: a permutation drawn from (seed, epoch), and the small actor
+that tells the Ray Data read planner which epoch the workers are on.
 
-Ray Train fixes the datasets when the TorchTrainer is built and re-executes them each epoch, so the epoch cannot be
-baked into the dataset. Instead each worker writes its epoch to a named `EpochClock` before it starts iterating;
-Ray Data asks the datasource for read tasks once per execution, when `streaming_split` starts the epoch, which is
-after every rank has arrived (its epoch barrier). So every execution reads exactly one epoch's permutation, and a
-restarted run gets the permutation of the epoch in its checkpoint, not of a hidden execution counter.
+Ray Train fixes the datasets when the TorchTrainer is built and re-executes them each epoch, so the
+epoch cannot be baked into the dataset. Instead each worker writes its epoch to a named `EpochClock`
+before it starts iterating; Ray Data asks the datasource for read tasks once per execution, when
+`streaming_split` starts the epoch, which is after every rank has arrived (its epoch barrier). So
+every execution reads exactly one epoch's permutation, and a restarted run gets the permutation of
+the epoch in its checkpoint, not of a hidden execution counter.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class ShardOrder:
-    """Which shard order each execution of a dataset reads: permuted by (`seed`, epoch) when `shuffle`, the epoch
-    read from the `epoch_clock` actor (None: epoch 0's order every time); the shards' own order otherwise."""
+    """Which shard order each execution of a dataset reads: permuted by (`seed`, epoch) when
+    `shuffle`, the epoch read from the `epoch_clock` actor (None: epoch 0's order every time); the
+    shards' own order otherwise."""
 
     seed: int = 0
     shuffle: bool = False
@@ -29,7 +31,8 @@ class ShardOrder:
 
 
 def shard_order(items: list[T], seed: int, epoch: int, shuffle: bool = True) -> list[T]:
-    """`items` permuted by (seed, epoch); unchanged when `shuffle` is false. Same inputs, same order."""
+    """`items` permuted by (seed, epoch); unchanged when `shuffle` is false. Same inputs, same
+    order."""
     if not shuffle:
         return list(items)
     permutation = np.random.default_rng([seed, epoch]).permutation(len(items))
@@ -37,7 +40,8 @@ def shard_order(items: list[T], seed: int, epoch: int, shuffle: bool = True) -> 
 
 
 def local_shuffle_seed(seed: int, epoch: int, rank: int) -> int:
-    """Seed of one rank's local shuffle buffer in one epoch (so a re-streamed epoch shuffles identically)."""
+    """Seed of one rank's local shuffle buffer in one epoch (so a re-streamed epoch shuffles
+    identically)."""
     return int(np.random.default_rng([seed, epoch, rank, 7]).integers(2**31 - 1))
 
 
@@ -65,9 +69,9 @@ def create_epoch_clock(name: str) -> Any:
 
 
 def release_epoch_clock(name: str, wait_s: float = 10.0) -> None:
-    """Stop the named clock once its run is over, and wait (at most `wait_s`) until it is gone. Its owner's end stops
-    it too, but a Tune trial's actor outlives the trial (reuse_actors): without this every trial's clock, one Ray
-    worker process each, would stay alive until the study ends."""
+    """Stop the named clock once its run is over, and wait (at most `wait_s`) until it is gone. Its
+    owner's end stops it too, but a Tune trial's actor outlives the trial (reuse_actors): without
+    this every trial's clock, one Ray worker process each, would stay alive until the study ends."""
     import time
 
     import ray

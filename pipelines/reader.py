@@ -1,9 +1,10 @@
-"""The Ray Data source that streams Parquet shards from local disk or S3, optionally through the disk cache.
+"""The Ray Data source that streams Parquet shards from local disk or S3, optionally through the
+disk cache.
 
-One read task per shard, created when an epoch's execution starts (see `order.py`), in that epoch's shard order;
-with `preserve_order` Ray Data hands blocks to `streaming_split` in that order. A task opens its shard through the
-cache (or straight from the store) and yields record batches as it decodes them, so blocks flow through the object
-store and nothing holds the dataset.
+One read task per shard, created when an epoch's execution starts (see `order.py`), in that epoch's
+shard order; with `preserve_order` Ray Data hands blocks to `streaming_split` in that order. A task
+opens its shard through the cache (or straight from the store) and yields record batches as it
+decodes them, so blocks flow through the object store and nothing holds the dataset.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from pipelines.storage import ObjectInfo, Storage, storage_error
 
 def read_shard(storage: Storage, obj: ObjectInfo, cache: DiskCache | None, columns: list[str],
                batch_rows: int, first_row: int | None = None) -> Iterator[pa.Table]:
-    """Decode one shard batch by batch (the read task body); with `first_row` (the shard's first row's index in
-    the dataset) each row carries its id (rest.ROW_ID)."""
+    """Decode one shard batch by batch (the read task body); with `first_row` (the shard's first
+    row's index in the dataset) each row carries its id (rest.ROW_ID)."""
     try:
         source = cache.open(storage, obj) if cache else storage.filesystem().open_input_file(obj.path)
         with source:
@@ -48,9 +49,10 @@ def read_shard(storage: Storage, obj: ObjectInfo, cache: DiskCache | None, colum
 
 
 class ShardDatasource(Datasource):
-    """Parquet shards in (seed, epoch) order; re-lists remote objects each epoch when caching, so a shard whose
-    size/ETag changed is re-fetched rather than served stale. `row_ids`: each row carries its index in the shards
-    in their given (name) order (rest.ROW_ID), whatever the epoch's order."""
+    """Parquet shards in (seed, epoch) order; re-lists remote objects each epoch when caching, so a
+    shard whose size/ETag changed is re-fetched rather than served stale. `row_ids`: each row
+    carries its index in the shards in their given (name) order (rest.ROW_ID), whatever the epoch's
+    order."""
 
     def __init__(self, storage: Storage, objects: list[ObjectInfo], file_rows: list[int], columns: list[str], *,
                  order: ShardOrder | None = None, cache: DiskCache | None = None, block_bytes: int = 16 << 20,
@@ -74,8 +76,8 @@ class ShardDatasource(Datasource):
         listed = {o.path: o for o in self.storage.list_objects(".parquet")}
         gone = [o.path for o in self.objects if o.path not in listed]
         if gone:
-            raise DataError(f"shard(s) {[self.storage.uri_of(p) for p in gone[:3]]} disappeared during the run: "
-                            "do not delete training data while training")
+            raise DataError(f"shard(s) {[self.storage.uri_of(p) for p in gone[:3]]} disappeared "
+                            "during the run: do not delete training data while training")
         return [listed[o.path] for o in self.objects]
 
     def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
@@ -86,7 +88,8 @@ class ShardDatasource(Datasource):
         tasks = []
         for obj in shard_order(self._current_objects(), order.seed, epoch, order.shuffle):
             rows = self.rows.get(obj.path, 0)
-            # Yield blocks near the target block size: small blocks keep memory bounded while streaming.
+            # Yield blocks near the target block size: small blocks keep memory bounded while
+            # streaming.
             batch_rows = max(256, min(65536, target * max(rows, 1) // max(obj.size * 2, 1)))
             read = functools.partial(read_shard, self.storage, obj, self.cache, self.columns, batch_rows,
                                      self.first_rows.get(obj.path))

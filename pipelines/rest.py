@@ -1,16 +1,17 @@
-"""Finishing an epoch with a group of another size: the ids of the rows trained so far, and the rest of the epoch
-cut anew for the group that finishes it.
+"""Finishing an epoch with a group of another size: the ids of the rows trained so far, and the rest
+of the epoch cut anew for the group that finishes it.
 
-Each training row carries its id (ROW_ID: its index in the dataset's shards in name order, set as its shard is
-read) as far as the rank's loop, which records the ids it trains on and drops the column before the model sees the
-batch. A checkpoint keeps the union of every rank's ids of the epoch in progress. A group of another size (an
-elastic resize, `--resume` with another scaling.num_workers), or one fed in another epoch order, cannot use the
-ranks' row counts: Ray Data's equal split hands rows out in blocks whose assignment depends on the worker count.
-Instead every rank reads the interrupted epoch whole, drops the rows already trained on, and cuts what is left
-into rounds of `world x micro-batch` rows, the same on every rank; rank r trains the r-th micro-batch of each round.
-Every row of the epoch is trained exactly once: only the incomplete last round (fewer rows than one micro-step of
-the group) is left out, as the equal split leaves out `rows mod workers` rows and each rank's incomplete last
-micro-batch. The epoch after it starts as usual.
+Each training row carries its id (ROW_ID: its index in the dataset's shards in name order, set as
+its shard is read) as far as the rank's loop, which records the ids it trains on and drops the
+column before the model sees the batch. A checkpoint keeps the union of every rank's ids of the
+epoch in progress. A group of another size (an elastic resize, `--resume` with another
+scaling.num_workers), or one fed in another epoch order, cannot use the ranks' row counts: Ray
+Data's equal split hands rows out in blocks whose assignment depends on the worker count. Instead
+every rank reads the interrupted epoch whole, drops the rows already trained on, and cuts what is
+left into rounds of `world x micro-batch` rows, the same on every rank; rank r trains the r-th
+micro-batch of each round. Every row of the epoch is trained exactly once: only the incomplete last
+round (fewer rows than one micro-step of the group) is left out, as the equal split leaves out `rows
+mod workers` rows and each rank's incomplete last micro-batch. The epoch after it starts as usual.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def with_row_ids(table: pa.Table, first: int) -> pa.Table:
 
 
 def pack_ids(ids: np.ndarray) -> torch.Tensor:
-    """A set of row ids as a compressed bitmap (uint8 tensor: what a checkpoint loads with weights_only)."""
+    """A set of row ids as a compressed bitmap (uint8 tensor: what a checkpoint loads with
+    weights_only)."""
     seen = SeenRows()
     seen.add(ids)
     return _compress(seen.bits)
@@ -50,10 +52,11 @@ def unpack_ids(packed: torch.Tensor) -> np.ndarray:
 
 
 class SeenRows:
-    """The ids of the rows a rank has trained on in the epoch in progress (with those a resumed epoch's checkpoint
-    had seen before), as a bitmap: one bit per row of the dataset however the rows come, so an epoch of a billion
-    rows takes 125 MB at most. `known` turns false for good once a batch comes without ids (a `call` transform that
-    changed the row count): a checkpoint then keeps none, and a resize finishes the epoch early instead."""
+    """The ids of the rows a rank has trained on in the epoch in progress (with those a resumed
+    epoch's checkpoint had seen before), as a bitmap: one bit per row of the dataset however the
+    rows come, so an epoch of a billion rows takes 125 MB at most. `known` turns false for good once
+    a batch comes without ids (a `call` transform that changed the row count): a checkpoint then
+    keeps none, and a resize finishes the epoch early instead."""
 
     def __init__(self) -> None:
         self.bits = np.zeros(0, np.uint8)
@@ -106,9 +109,10 @@ def _bits(packed: torch.Tensor) -> np.ndarray:
 
 def rest_of_epoch(chunks: Iterable[Batch], seen: np.ndarray, rank: int, world: int, micro: Callable[[], int],
                   trim: Callable[[Batch], Batch] = lambda batch: batch) -> Iterator[Batch]:
-    """This rank's micro-batches of the rows of `chunks` (the whole epoch, in the same order on every rank) whose
-    ids are not in `seen` (sorted): rank `rank`'s slice of each complete round of `world * micro()` such rows
-    (`micro` read before each round: an autopilot re-cut takes effect from the next one)."""
+    """This rank's micro-batches of the rows of `chunks` (the whole epoch, in the same order on
+    every rank) whose ids are not in `seen` (sorted): rank `rank`'s slice of each complete round of
+    `world * micro()` such rows (`micro` read before each round: an autopilot re-cut takes effect
+    from the next one)."""
     import torch
 
     from pipelines.tensors import cat_rows, rows, take
@@ -116,7 +120,8 @@ def rest_of_epoch(chunks: Iterable[Batch], seen: np.ndarray, rank: int, world: i
     pending: Batch | None = None
     for chunk in chunks:
         if ROW_ID not in chunk:
-            raise RuntimeError("the epoch's rows came without their ids: it cannot be finished without repeating some")
+            raise RuntimeError("the epoch's rows came without their ids: it "
+                               "cannot be finished without repeating some")
         keep = ~np.isin(chunk[ROW_ID].numpy(), seen)
         if not keep.all():
             chunk = take(chunk, torch.from_numpy(np.flatnonzero(keep)))

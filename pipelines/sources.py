@@ -1,7 +1,7 @@
 """Finding and checking Parquet shards before any cluster resource is taken.
 
-Only Parquet footers are read here (schema, row counts, statistics), never the rows themselves, so the driver
-never loads the dataset.
+Only Parquet footers are read here (schema, row counts, statistics), never the rows themselves, so
+the driver never loads the dataset.
 """
 
 from __future__ import annotations
@@ -25,11 +25,14 @@ class DatasetInfo:
     files: list[str]
     num_rows: int
     num_bytes: int
-    feature_dim: int  # width of the feature columns concatenated (0 when some column is not a fixed-width number)
+    # width of the feature columns concatenated (0 when some column is not a fixed-width number)
+    feature_dim: int
     num_classes: int
     schema: pa.Schema | None = field(default=None, repr=False)
-    sample: pa.Table | None = field(default=None, repr=False)  # the first rows of the configured columns
-    # Where the shards live and each shard's size/version/row count, for the readers (same order as `files`).
+    # the first rows of the configured columns
+    sample: pa.Table | None = field(default=None, repr=False)
+    # Where the shards live and each shard's size/version/row count, for the readers (same order as
+    # `files`).
     storage: Storage | None = field(default=None, repr=False)
     objects: list[ObjectInfo] = field(default_factory=list, repr=False)
     file_rows: list[int] = field(default_factory=list, repr=False)
@@ -43,7 +46,8 @@ def list_parquet_files(path: str, s3: S3Config | None = None) -> tuple[Storage, 
 
 
 def _feature_width(field: pa.Field, file: str, named: bool) -> int:
-    """Values per row of a feature column; 0 for what only named inputs take (variable-length lists, tensors)."""
+    """Values per row of a feature column; 0 for what only named inputs take (variable-length lists,
+    tensors)."""
     width, value_type = 1, field.type
     while pa.types.is_fixed_size_list(value_type):
         width, value_type = width * value_type.list_size, value_type.value_type
@@ -54,7 +58,8 @@ def _feature_width(field: pa.Field, file: str, named: bool) -> int:
         return 0
     raise DataError(
         f"feature column '{field.name}' in {file} has type {field.type}: use a numeric column or a fixed-size list "
-        "of numbers" + ("" if named else " (variable-length token lists and tensor columns need model.inputs)")
+        "of numbers" + ("" if named else " (variable-length token lists and "
+                                         "tensor columns need model.inputs)")
     )
 
 
@@ -64,8 +69,9 @@ def _is_numeric(t: pa.DataType) -> bool:
 
 def read_sample(storage: Storage, files: list[str], rows: list[int], columns: list[str], count: int = 8
                 ) -> pa.Table:
-    """The first `count` rows of `columns` from the first non-empty shard (one row group's pages at most): a real
-    batch for checks on the driver, the memory probe and the logged model's input example."""
+    """The first `count` rows of `columns` from the first non-empty shard (one row group's pages at
+    most): a real batch for checks on the driver, the memory probe and the logged model's input
+    example."""
     file = next(f for f, n in zip(files, rows, strict=True) if n)
     try:
         with storage.filesystem().open_input_file(file) as handle:
@@ -87,7 +93,8 @@ def _label_max(meta: pq.FileMetaData, column: int) -> int | None:
 
 
 def read_footer(storage: Storage, path: str) -> pq.FileMetaData:
-    """One shard's Parquet footer; a corrupt file or an S3 failure becomes a DataError naming the object."""
+    """One shard's Parquet footer; a corrupt file or an S3 failure becomes a DataError naming the
+    object."""
     try:
         with storage.filesystem().open_input_file(path) as handle:
             return pq.read_metadata(handle)
@@ -101,9 +108,10 @@ def read_footer(storage: Storage, path: str) -> pq.FileMetaData:
 
 def inspect_parquet(path: str, features: list[str], label: str | None, s3: S3Config | None = None,
                     named: bool = False) -> DatasetInfo:
-    """Check every shard's footer (readable, same schema, configured columns present) and summarise it, with a
-    sample of its first rows. With `label=None` the single feature column holds token sequences (next-token
-    prediction). `named`: the model takes columns by name, so variable-length token lists are inputs too."""
+    """Check every shard's footer (readable, same schema, configured columns present) and summarise
+    it, with a sample of its first rows. With `label=None` the single feature column holds token
+    sequences (next-token prediction). `named`: the model takes columns by name, so variable-length
+    token lists are inputs too."""
     columns = [*features, *([label] if label else [])]
     storage, objects = list_parquet_files(path, s3)
     files = [o.path for o in objects]
@@ -118,7 +126,8 @@ def inspect_parquet(path: str, features: list[str], label: str | None, s3: S3Con
     widths = [_feature_width(first_schema.field(name), storage.uri_of(files[0]), named) for name in features]
     if label is None:  # named token column: the vocabulary from `prepare text`'s metadata, if any
         num_classes = int((first_schema.metadata or {}).get(b"vocab_size", b"0"))
-    elif pa.types.is_fixed_size_list(first_schema.field(label).type):  # one output per label (multilabel)
+    # one output per label (multilabel)
+    elif pa.types.is_fixed_size_list(first_schema.field(label).type):
         num_classes = first_schema.field(label).type.list_size
     else:
         num_classes = (label_max + 1) if label_max is not None and label_max >= 0 else 0
@@ -139,8 +148,9 @@ def inspect_parquet(path: str, features: list[str], label: str | None, s3: S3Con
 
 def _check_footers(storage: Storage, files: list[str], footers: list[pq.FileMetaData], columns: list[str],
                    label: str | None) -> tuple[pa.Schema, int, int | None]:
-    """Every shard has the configured columns, with the first shard's types: (its schema, the rows in all, the
-    largest integer label the footers' statistics show, None when some shard has none, -1 before any)."""
+    """Every shard has the configured columns, with the first shard's types: (its schema, the rows
+    in all, the largest integer label the footers' statistics show, None when some shard has none,
+    -1 before any)."""
     first_schema: pa.Schema | None = None
     num_rows = 0
     label_max: int | None = -1
@@ -158,9 +168,9 @@ def _check_footers(storage: Storage, files: list[str], footers: list[pq.FileMeta
         for name in columns:
             if not schema.field(name).type.equals(first_schema.field(name).type):
                 raise DataError(
-                    f"schema mismatch in {file}: column '{name}' is {schema.field(name).type} but "
-                    f"{storage.uri_of(files[0])} has {first_schema.field(name).type}; rewrite the shards with one "
-                    "schema"
+                    f"schema mismatch in {file}: column '{name}' is "
+                    f"{schema.field(name).type} but {storage.uri_of(files[0])} has "
+                    f"{first_schema.field(name).type}; rewrite the shards with one schema"
                 )
         num_rows += meta.num_rows
         if label is not None and label_max is not None and meta.num_rows and pa.types.is_integer(
@@ -173,12 +183,13 @@ def _check_footers(storage: Storage, files: list[str], footers: list[pq.FileMeta
 
 def _token_info(path: str, files: list[str], objects: list[ObjectInfo], footers: list[pq.FileMetaData],
                 schema: pa.Schema, column: str, storage: Storage, sample: pa.Table | None) -> DatasetInfo:
-    """Token sequences: a fixed-size list of integers per row; the vocabulary size comes from the schema metadata
-    that `orchestrator prepare text` writes (else model.num_classes must say it)."""
+    """Token sequences: a fixed-size list of integers per row; the vocabulary size comes from the
+    schema metadata that `orchestrator prepare text` writes (else model.num_classes must say it)."""
     field = schema.field(column)
     if not (pa.types.is_fixed_size_list(field.type) and pa.types.is_integer(field.type.value_type)):
-        raise DataError(f"token column '{column}' in {storage.uri_of(files[0])} has type {field.type}: next-token "
-                        "prediction (data.label=null) needs a fixed-size list of integer token ids")
+        raise DataError(f"token column '{column}' in {storage.uri_of(files[0])} has "
+                        f"type {field.type}: next-token prediction (data.label=null) "
+                        "needs a fixed-size list of integer token ids")
     vocab = int((schema.metadata or {}).get(b"vocab_size", b"0"))
     return DatasetInfo(
         path=path, files=files, num_rows=sum(m.num_rows for m in footers), num_bytes=sum(o.size for o in objects),

@@ -1,5 +1,6 @@
-"""Batches of named tensors: Arrow columns to tensors that keep their meaning, and the row operations the readers
-and the loop share (slice, concatenate, trim padding). No Ray here: the loop runs these in-process too."""
+"""Batches of named tensors: Arrow columns to tensors that keep their meaning, and the row
+operations the readers and the loop share (slice, concatenate, trim padding). No Ray here: the loop
+runs these in-process too."""
 
 from __future__ import annotations
 
@@ -14,14 +15,16 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
 Batch = dict[str, torch.Tensor]
-LABELS = "labels"  # the targets' key, whatever the label column is called (the name Hugging Face models take)
+# the targets' key, whatever the label column is called (the name Hugging Face models take)
+LABELS = "labels"
 IGNORE_INDEX = -100  # padding in targets: counted neither in a loss nor in its normaliser
 
 
 @dataclass
 class Epoch:
-    """One epoch's micro-batches from its row `start` on, cut there (set `start` before iterating): a source that can
-    seek, so that a resumed epoch is cut exactly as the interrupted one was (training.loop.micro_batches)."""
+    """One epoch's micro-batches from its row `start` on, cut there (set `start` before iterating):
+    a source that can seek, so that a resumed epoch is cut exactly as the interrupted one was
+    (training.loop.micro_batches)."""
 
     cut: Callable[[int], Iterator[Batch]]
     start: int = 0
@@ -40,30 +43,34 @@ def take(batch: Batch, index: slice | torch.Tensor) -> Batch:
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
-    """The batch on `device`; from pinned host memory the copy is queued without waiting (non_blocking)."""
+    """The batch on `device`; from pinned host memory the copy is queued without waiting
+    (non_blocking)."""
     if device.type == "cpu":
         return batch
     return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
 
 
 def pinned(batch: Batch) -> Batch:
-    """The batch in page-locked, contiguous host memory, from which a copy to a GPU is queued without waiting (from
-    pageable or strided memory torch stages the copy through a pageable buffer, and the host waits for the device).
-    Tensors that are both already are kept as they are (views of a pinned chunk)."""
+    """The batch in page-locked, contiguous host memory, from which a copy to a GPU is queued
+    without waiting (from pageable or strided memory torch stages the copy through a pageable
+    buffer, and the host waits for the device). Tensors that are both already are kept as they are
+    (views of a pinned chunk)."""
     return {key: value if value.is_contiguous() and value.is_pinned() else value.contiguous().pin_memory()
             for key, value in batch.items()}
 
 
 class EpochBuffers:
-    """Host buffers that a replayed pass is gathered into in each later epoch's order (`gather`), reused from epoch
-    to epoch: one gather straight into them, instead of a new copy of the pass per epoch (and, pinned, a second one
-    to pin it). Two of them: the loop still holds the last epoch's final micro-batch when it asks for the next
-    epoch, so each epoch is written into the buffer of the one before the last. A buffer is rewritten only when
-    nothing reads it any more: no tensor views it (its storage's use count: a step may hold micro-batches of several
-    short epochs, and on the CPU they are the very tensors it computes on), and, pinned (a GPU rank), no copy from
-    it to the device is still queued (an event recorded on the current stream, the rank's device's, when the next
-    epoch is asked for: by then the loop has queued the copy of every batch it was handed; usually long passed when
-    the buffer's turn comes again). A buffer still viewed is replaced by a new one, never written."""
+    """Host buffers that a replayed pass is gathered into in each later epoch's order (`gather`),
+    reused from epoch to epoch: one gather straight into them, instead of a new copy of the pass per
+    epoch (and, pinned, a second one to pin it). Two of them: the loop still holds the last epoch's
+    final micro-batch when it asks for the next epoch, so each epoch is written into the buffer of
+    the one before the last. A buffer is rewritten only when nothing reads it any more: no tensor
+    views it (its storage's use count: a step may hold micro-batches of several short epochs, and on
+    the CPU they are the very tensors it computes on), and, pinned (a GPU rank), no copy from it to
+    the device is still queued (an event recorded on the current stream, the rank's device's, when
+    the next epoch is asked for: by then the loop has queued the copy of every batch it was handed;
+    usually long passed when the buffer's turn comes again). A buffer still viewed is replaced by a
+    new one, never written."""
 
     KEPT = 2
 
@@ -72,8 +79,8 @@ class EpochBuffers:
         self.kept: list[_Buffer] = []  # least recently gathered into first
 
     def gather(self, batch: Batch, order: torch.Tensor) -> Batch:
-        """`batch`'s rows in `order` (a permutation of them), in a buffer of these; handed out as views of it, so
-        the epoch's own hand-out counts as a use of the buffer until it ends."""
+        """`batch`'s rows in `order` (a permutation of them), in a buffer of these; handed out as
+        views of it, so the epoch's own hand-out counts as a use of the buffer until it ends."""
         if self.pin and self.kept and torch.cuda.is_available():
             self.kept[-1].copied = torch.cuda.Event()
             self.kept[-1].copied.record()
@@ -84,8 +91,9 @@ class EpochBuffers:
         return {key: value[:] for key, value in buffer.rows.items()}
 
     def _free(self, batch: Batch) -> _Buffer:
-        """A buffer nothing reads, the least recently used first; the last epoch's only once there are two (copies
-        from its last batches may still be queued); else a new one, in place of the oldest when both are viewed."""
+        """A buffer nothing reads, the least recently used first; the last epoch's only once there
+        are two (copies from its last batches may still be queued); else a new one, in place of the
+        oldest when both are viewed."""
         for buffer in self.kept:
             if (buffer is not self.kept[-1] or len(self.kept) == self.KEPT) and buffer.unviewed():
                 self.kept.remove(buffer)
@@ -114,8 +122,9 @@ class _Buffer:
         return _USE_COUNT is not None and all(_uses(value) <= self.alone[key] for key, value in self.rows.items())
 
 
-# How many tensors hold a storage (a tensor and each of its views): torch's own count, private. A torch without it
-# takes no buffer for unviewed: each epoch then gathers into a new one, as a gather per epoch did.
+# How many tensors hold a storage (a tensor and each of its views): torch's own count, private. A
+# torch without it takes no buffer for unviewed: each epoch then gathers into a new one, as a gather
+# per epoch did.
 _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 
 
@@ -134,7 +143,8 @@ def pad_value(key: str) -> int:
 
 
 def cat_rows(batches: list[Batch]) -> Batch:
-    """Rows of several batches in one; padded sequence tensors of different widths are padded to the widest."""
+    """Rows of several batches in one; padded sequence tensors of different widths are padded to the
+    widest."""
     out = {}
     for key in batches[0]:
         values = [b[key] for b in batches]
@@ -147,10 +157,10 @@ def cat_rows(batches: list[Batch]) -> Batch:
 
 @dataclass(frozen=True)
 class Padded:
-    """One variable-length column of a batch, padded to the longest row of its fetch: `column` (its key in the
-    batch), its 0/1 mask under `mask` and the keys padded to the same width with it (`along`: the labels of its
-    tokens). A label column with no tokens to follow (`mask` None) is padded with IGNORE_INDEX, and its real
-    positions are its length."""
+    """One variable-length column of a batch, padded to the longest row of its fetch: `column` (its
+    key in the batch), its 0/1 mask under `mask` and the keys padded to the same width with it
+    (`along`: the labels of its tokens). A label column with no tokens to follow (`mask` None) is
+    padded with IGNORE_INDEX, and its real positions are its length."""
 
     column: str
     mask: str | None = None
@@ -163,10 +173,11 @@ class Padded:
 
 @dataclass(frozen=True)
 class Padding:
-    """Which columns are padded together (`groups`), decided from the schema before iteration, and the multiple
-    their widths are rounded up to. The collate pads each group to the longest row of the fetch; `trim` cuts each
-    micro-batch back to its own longest row. Immutable: Ray Data collates in threads of its own while the training
-    thread trims, so nothing the trim reads may be written during iteration."""
+    """Which columns are padded together (`groups`), decided from the schema before iteration, and
+    the multiple their widths are rounded up to. The collate pads each group to the longest row of
+    the fetch; `trim` cuts each micro-batch back to its own longest row. Immutable: Ray Data
+    collates in threads of its own while the training thread trims, so nothing the trim reads may be
+    written during iteration."""
 
     groups: tuple[Padded, ...] = ()
     multiple: int | None = None
@@ -187,27 +198,34 @@ class Padding:
 
 
 def _longest(batch: Batch, group: Padded) -> int:
-    """The longest row's length, worked out in numpy: batches are trimmed on the host, before they go to the device
-    (RankBatches fetches to the host), so reading a width never waits for a device."""
+    """The longest row's length, worked out in numpy: batches are trimmed on the host, before they
+    go to the device (RankBatches fetches to the host), so reading a width never waits for a
+    device."""
     if group.mask is not None:
         return int(batch[group.mask].numpy().sum(axis=1).max())
-    real = np.flatnonzero((batch[group.column].numpy() != IGNORE_INDEX).any(axis=0))  # positions any row uses
+    # positions any row uses
+    real = np.flatnonzero((batch[group.column].numpy() != IGNORE_INDEX).any(axis=0))
     return int(real[-1]) + 1 if len(real) else 0
 
 
 def column_array(column: pa.ChunkedArray | pa.Array, pad_multiple: int | None = None
                  ) -> tuple[np.ndarray, np.ndarray | None]:
-    """A column as an array that keeps its meaning, and a mask for a variable-length list (else None): integers
-    -> int64, floats and booleans -> float32, fixed-size lists -> one more dimension each, Ray Data tensor
-    columns -> their shape, variable-length integer lists -> padded (rows x longest) with a 0/1 mask."""
-    import pyarrow as pa  # here: the rows' tensor operations run where no Arrow is installed (the GPU check)
+    """A column as an array that keeps its meaning, and a mask for a variable-length list (else
+    None): integers
+    -> int64, floats and booleans -> float32, fixed-size lists -> one more dimension each, Ray Data
+    tensor columns -> their shape, variable-length integer lists -> padded (rows x longest) with a
+    0/1 mask."""
+    # here: the rows' tensor operations run where no Arrow is installed (the GPU check)
+    import pyarrow as pa
 
     array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     mask = None
-    if isinstance(array.type, pa.ExtensionType):  # Ray Data's tensor columns: to_numpy gives (rows, *shape)
+    # Ray Data's tensor columns: to_numpy gives (rows, *shape)
+    if isinstance(array.type, pa.ExtensionType):
         values = np.asarray(array.to_numpy(zero_copy_only=False))
         if values.dtype == object:
-            raise ValueError(f"column of type {array.type} holds tensors of different shapes; pad them to one")
+            raise ValueError(f"column of type {array.type} holds tensors "
+                             "of different shapes; pad them to one")
     elif pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
         values, mask = _padded(array, pad_multiple)
     else:

@@ -1,5 +1,5 @@
-"""Per-batch preprocessing declared in `data.transforms`, run inside Ray Data `map_batches` (on Ray Data's
-CPUs, overlapped with training) rather than in the training loop."""
+"""Per-batch preprocessing declared in `data.transforms`, run inside Ray Data `map_batches` (on Ray
+Data's CPUs, overlapped with training) rather than in the training loop."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ def _cast(dtype: str) -> Any:
 
 
 def apply_transforms(table: pa.Table, transforms: list[dict[str, Any]], features: list[str]) -> pa.Table:
-    """Apply the configured transforms in order to the feature columns (or each transform's `columns`)."""
+    """Apply the configured transforms in order to the feature columns (or each transform's
+    `columns`)."""
     for item in transforms:
         (name, args), = item.items()
         if name == "call":
@@ -54,11 +55,12 @@ def apply_transforms(table: pa.Table, transforms: list[dict[str, Any]], features
 
 
 def _call(table: pa.Table, spec: str, kwargs: dict[str, Any]) -> pa.Table:
-    # The user's function sees only the data's own columns. The rows keep their ids (rest.ROW_ID) when it keeps
-    # their number (and so, by the contract of a map, their order); a function that filters loses them.
+    # The user's function sees only the data's own columns. The rows keep their ids (rest.ROW_ID)
+    # when it keeps their number (and so, by the contract of a map, their order); a function that
+    # filters loses them.
     ids = table.column(ROW_ID) if ROW_ID in table.column_names else None
     out = load_function(spec)(table.drop_columns([ROW_ID]) if ids is not None else table, **kwargs)
     if not isinstance(out, pa.Table):
-        raise DataError(f"transform {spec} returned {type(out).__name__}, not a pyarrow.Table: return the batch "
-                        "it was given, transformed")
+        raise DataError(f"transform {spec} returned {type(out).__name__}, not a "
+                        "pyarrow.Table: return the batch it was given, transformed")
     return out.append_column(ROW_ID, ids) if ids is not None and out.num_rows == table.num_rows else out

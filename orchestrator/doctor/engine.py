@@ -1,6 +1,7 @@
-"""Doctor's rule engine: `RULES`, every rule in the order it runs, and `diagnose`, which runs them over a
-`RunRecord` and sorts the findings by severity, then by how strongly each rule fired. Add a rule by writing it in
-the file of `doctor/rules/` that reads what it reads and appending it to `RULES`."""
+"""Doctor's rule engine: `RULES`, every rule in the order it runs, and `diagnose`, which runs them
+over a `RunRecord` and sorts the findings by severity, then by how strongly each rule fired. Add a
+rule by writing it in the file of `doctor/rules/` that reads what it reads and appending it to
+`RULES`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Doctor's reading of a run from MLflow: `load_run` turns a run id (and tracking URI) into a `RunRecord`, with
-errors that name the store without its password and no download progress bar (`_quiet_downloads`)."""
+"""Doctor's reading of a run from MLflow: `load_run` turns a run id (and tracking URI) into a
+`RunRecord`, with errors that name the store without its password and no download progress bar
+(`_quiet_downloads`)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from orchestrator.tracking.uri import mask_password, resolve_uri
 
 
 def load_run(run_id: str, tracking_uri: str | None = None) -> RunRecord:
-    """The run's params, tags and full metric histories (finished or still running), with the figures of its
-    summary table (start-up breakdown, cost ledger, whole-run shares: written when the run ends) as one-value
-    histories."""
+    """The run's params, tags and full metric histories (finished or still running), with the
+    figures of its summary table (start-up breakdown, cost ledger, whole-run shares: written when
+    the run ends) as one-value histories."""
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
@@ -25,12 +26,14 @@ def load_run(run_id: str, tracking_uri: str | None = None) -> RunRecord:
     client = MlflowClient(tracking_uri=uri)
     try:
         run = client.get_run(run_id)
-    except MlflowException as exc:  # the URI is shown masked, MLflow's own detail (which repeats it) too
+    # the URI is shown masked, MLflow's own detail (which repeats it) too
+    except MlflowException as exc:
         detail = mask_password(str(exc).splitlines()[0][:200])
-        raise UserError(f"MLflow run '{run_id}' not found at {mask_password(uri)} ({detail}): check the run id, or "
-                        "pass --tracking-uri") from None
+        raise UserError(f"MLflow run '{run_id}' not found at {mask_password(uri)} "
+                        f"({detail}): check the run id, or pass --tracking-uri") from None
     except Exception as exc:
-        raise UserError(f"MLflow tracking at '{mask_password(uri)}' is unavailable ({type(exc).__name__}): pass "
+        raise UserError(f"MLflow tracking at '{mask_password(uri)}' "
+                        f"is unavailable ({type(exc).__name__}): pass "
                         "--tracking-uri or start the server") from None
     with _quiet_downloads():
         metrics = read_metrics(client, run_id)
@@ -39,8 +42,8 @@ def load_run(run_id: str, tracking_uri: str | None = None) -> RunRecord:
 
 @contextlib.contextmanager
 def _quiet_downloads() -> Iterator[None]:
-    """No MLflow progress bar for the summary table's download (doctor prints a report, not transfers); the
-    user's own setting of the variable is back as it was afterwards."""
+    """No MLflow progress bar for the summary table's download (doctor prints a report, not
+    transfers); the user's own setting of the variable is back as it was afterwards."""
     name = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
     before = os.environ.get(name)
     os.environ[name] = "false"

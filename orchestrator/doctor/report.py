@@ -1,5 +1,6 @@
-"""Doctor's report and entry points: `doctor` (read a run, diagnose it) and `summary` (the printed report:
-`format_findings`, headed by the run's length, `_length`), as `orchestrator doctor RUN_ID` calls them."""
+"""Doctor's report and entry points: `doctor` (read a run, diagnose it) and `summary` (the printed
+report: `format_findings`, headed by the run's length, `_length`), as `orchestrator doctor RUN_ID`
+calls them."""
 
 from __future__ import annotations
 
@@ -20,13 +21,14 @@ def format_findings(run_id: str, run: RunRecord, findings: list[Finding]) -> str
     if not findings:
         lines.append("no findings: nothing in the recorded metrics points at an easy win")
     elif _command(run, []) is None and any(settings(c) for f in findings for c in f.changes):
-        lines.append("(the run was not started by `orchestrator train` or `tune`: add these --set values to the "
-                     "overrides it was loaded with)")
+        lines.append("(the run was not started by `orchestrator train` or `tune`: "
+                     "add these --set values to the overrides it was loaded with)")
     for i, f in enumerate(findings, 1):
         lines.append(f"{i}. [{_SEVERITY[f.severity]}] {f.rule}: {f.title}")
         for change in f.changes:
-            # A command on a line of its own, as the shell takes it; anything else (its why on the next line, a
-            # check to make, a search-space edit of the study's YAML) a shell comment: the block pastes whole.
+            # A command on a line of its own, as the shell takes it; anything else (its why on the
+            # next line, a check to make, a search-space edit of the study's YAML) a shell comment:
+            # the block pastes whole.
             values = settings(change)
             if values is None:
                 lines.append(f"     # {change}")
@@ -39,12 +41,13 @@ def format_findings(run_id: str, run: RunRecord, findings: list[Finding]) -> str
 
 
 def _command(run: RunRecord, values: list[str]) -> list[str] | None:
-    """The command that started the run (its `orchestrator.command`; for a run from before that tag, MLflow's
-    `mlflow.source.name`) with `values` as `--set` flags after its own (a key they change loses its old value).
-    Without `--resume` (a changed config trains a new run), without `--autopilot` when the values are the
-    autopilot's choice (the flag would win over them), with `--fresh` for a study (one started with another config
-    is refused; its trials so far stay in MLflow), and without a `--set` whose value MLflow keeps masked (`***`).
-    None when `orchestrator train` or `tune` did not start it (Python)."""
+    """The command that started the run (its `orchestrator.command`; for a run from before that tag,
+    MLflow's `mlflow.source.name`) with `values` as `--set` flags after its own (a key they change
+    loses its old value). Without `--resume` (a changed config trains a new run), without
+    `--autopilot` when the values are the autopilot's choice (the flag would win over them), with
+    `--fresh` for a study (one started with another config is refused; its trials so far stay in
+    MLflow), and without a `--set` whose value MLflow keeps masked (`***`). None when `orchestrator
+    train` or `tune` did not start it (Python)."""
     try:
         argv = shlex.split(run.tags.get(COMMAND_TAG) or run.tags.get("mlflow.source.name", ""))
     except ValueError:
@@ -58,7 +61,8 @@ def _command(run: RunRecord, values: list[str]) -> list[str] | None:
         if arg in drop:
             continue
         if "***" in arg or (kept[-1:] == ["--set"] and arg.startswith(tuple(changed))):
-            if kept[-1:] == ["--set"]:  # the run's own value of a key that changes goes with its flag
+            # the run's own value of a key that changes goes with its flag
+            if kept[-1:] == ["--set"]:
                 kept.pop()
             continue
         kept.append(arg)
@@ -68,7 +72,8 @@ def _command(run: RunRecord, values: list[str]) -> list[str] | None:
 
 
 def _length(run: RunRecord) -> str:
-    """'300 steps' for a run; 'study of 4 trials (3 completed, 1 stopped early)' for a study's parent run."""
+    """'300 steps' for a run; 'study of 4 trials (3 completed, 1 stopped early)' for a study's
+    parent run."""
     if not is_study(run):
         return f"{int(run.last('step') or 0)} steps"
     counts = trial_counts(run)

@@ -1,10 +1,11 @@
-"""The autopilot's report on the driver (its contract: docs/autopilot.md): rank 0's first report after the search
-carries it under "autopilot", a plain dict that is never a metric. Here: taking it out of the report, the table
-printed on the terminal, what MLflow keeps of it (the `autopilot.json` table artifact, the chosen settings as
-`autopilot.<key>` params, the predicted speed-up and search seconds as `autopilot/*` rows of the run's summary table)
-and the line the run's summary prints of what it did: what it chose with its predicted speed-up over the
-configuration the user wrote, and one figure per pace, each named as its line names it: samples/s in training steps
-(compute and gradient sync, as the search times them) in the search and after it, beside the throughput line's
+"""The autopilot's report on the driver (its contract: docs/autopilot.md): rank 0's first report
+after the search carries it under "autopilot", a plain dict that is never a metric. Here: taking it
+out of the report, the table printed on the terminal, what MLflow keeps of it (the `autopilot.json`
+table artifact, the chosen settings as `autopilot.<key>` params, the predicted speed-up and search
+seconds as `autopilot/*` rows of the run's summary table) and the line the run's summary prints of
+what it did: what it chose with its predicted speed-up over the configuration the user wrote, and
+one figure per pace, each named as its line names it: samples/s in training steps (compute and
+gradient sync, as the search times them) in the search and after it, beside the throughput line's
 samples/s over the training's wall clock."""
 
 from __future__ import annotations
@@ -18,23 +19,26 @@ from orchestrator.tracking.tracker import Tracker
 
 REPORT_KEY = "autopilot"
 TABLE = "autopilot.json"  # MLflow's table format: `columns` and `data` rows
-PARAM_PREFIX = "autopilot."  # the chosen settings' params; the config's own keys (autopilot.enabled...) differ
+# the chosen settings' params; the config's own keys (autopilot.enabled...) differ
+PARAM_PREFIX = "autopilot."
 FIGURES = "autopilot/"  # the summary table's section (tracking/view.py)
 AT_STEP = "reported_at_step"  # added by the driver: the step of the report that carried it
 COLUMNS = ["candidate", "samples_per_s", "ratio", "peak_memory_gb", "compile_s", "loss", "status", "chosen"]
-# The name of the search's figures and of the training's pace after it, and what such a figure counts; the summary's
-# throughput line is the other samples/s, over the training's wall clock.
+# The name of the search's figures and of the training's pace after it, and what such a figure
+# counts; the summary's throughput line is the other samples/s, over the training's wall clock.
 _IN_STEPS = "samples/s in training steps"
 _STEPS_ARE = "compute and gradient sync"
-_LOSS = "train loss"  # a column of its own once a candidate that changes the math was measured (autopilot.allow)
-# The phases of an interval the search's timed steps measure (a step's forward, backward and gradient sync; its
-# batch is at hand): the achieved pace counts these seconds only, so the two figures compare like with like.
+# a column of its own once a candidate that changes the math was measured (autopilot.allow)
+_LOSS = "train loss"
+# The phases of an interval the search's timed steps measure (a step's forward, backward and
+# gradient sync; its batch is at hand): the achieved pace counts these seconds only, so the two
+# figures compare like with like.
 _STEP_PHASES = ("time/compute_frac", "time/sync_frac")
 
 
 def take_autopilot(report: dict[str, Any]) -> dict[str, Any] | None:
-    """The autopilot's report removed from rank 0's `report` (so it is never charted nor kept in the history's
-    figures), with the step it came at; None when the report carries none."""
+    """The autopilot's report removed from rank 0's `report` (so it is never charted nor kept in the
+    history's figures), with the step it came at; None when the report carries none."""
     found = report.pop(REPORT_KEY, None)
     if not isinstance(found, Mapping):
         return None
@@ -50,7 +54,8 @@ def _number(value: Any, form: str) -> str:
 
 
 def rate(value: float) -> str:
-    """A samples/s figure as every autopilot line writes it (the progress and throughput lines' form)."""
+    """A samples/s figure as every autopilot line writes it (the progress and throughput lines'
+    form)."""
     return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
 
 
@@ -63,8 +68,8 @@ def _kept(autopilot: Mapping[str, Any]) -> bool:
 
 
 def _chosen_name(autopilot: Mapping[str, Any]) -> str:
-    """'chose <the chosen candidate's one-line name, else its settings written out>', or that it kept the
-    configuration as written (no candidate beat it by the noise margin)."""
+    """'chose <the chosen candidate's one-line name, else its settings written out>', or that it
+    kept the configuration as written (no candidate beat it by the noise margin)."""
     if _kept(autopilot):
         return "kept the configuration as written (no candidate beat it)"
     row = next((r for r in autopilot.get("rows") or [] if r.get("chosen")), None)
@@ -72,8 +77,9 @@ def _chosen_name(autopilot: Mapping[str, Any]) -> str:
 
 
 def _columns(measured: list[Mapping[str, Any]], mark: str) -> list[tuple[str, Callable[[Mapping[str, Any]], str]]]:
-    """The table's columns, heading and cell: peak memory and compile seconds only where a measured candidate has
-    the figure, the training loss only where one changes the math (its loss may then differ)."""
+    """The table's columns, heading and cell: peak memory and compile seconds only where a measured
+    candidate has the figure, the training loss only where one changes the math (its loss may then
+    differ)."""
     columns: list[tuple[str, Callable[[Mapping[str, Any]], str]]] = [
         ("candidate", lambda r: str(r.get("candidate"))),
         ("samples/s", lambda r: rate(r["samples_per_s"]) if _is_number(r.get("samples_per_s")) else "-"),
@@ -115,18 +121,19 @@ def _no_compile(autopilot: Mapping[str, Any]) -> str:
 
     budget = autopilot.get("budget_s")
     if _is_number(budget) and budget < COMPILE_GUESS_S:
-        return (f"torch.compile not tried: a compile, assumed to take {COMPILE_GUESS_S:.0f} s, does not fit the "
-                f"search's {budget:.2g} s budget")
+        return ("torch.compile not tried: a compile, assumed to take "
+                f"{COMPILE_GUESS_S:.0f} s, does not fit the search's {budget:.2g} s budget")
     return "torch.compile not tried in this search"
 
 
 def table_lines(autopilot: Mapping[str, Any], mark: str = "✓") -> list[str]:
-    """The terminal's table: its heading (what its samples/s are), one line per measured candidate (samples/s in
-    training steps, ratio to the starting config, peak memory and compile seconds where measured, `mark` on the
-    chosen one), which columns are left out and why, a line per failed candidate, and one closing line (what was
-    chosen and predicted, or why nothing was searched)."""
+    """The terminal's table: its heading (what its samples/s are), one line per measured candidate
+    (samples/s in training steps, ratio to the starting config, peak memory and compile seconds
+    where measured, `mark` on the chosen one), which columns are left out and why, a line per failed
+    candidate, and one closing line (what was chosen and predicted, or why nothing was searched)."""
     if autopilot.get("from_checkpoint"):
-        return [f"autopilot: kept from the checkpoint, nothing searched: {_settings(autopilot.get('chosen'))}"]
+        return ["autopilot: kept from the checkpoint, nothing "
+                f"searched: {_settings(autopilot.get('chosen'))}"]
     rows = list(autopilot.get("rows") or [])
     measured = [r for r in rows if r.get("status", "ok") == "ok"]
     columns = _columns(measured, mark)
@@ -134,28 +141,33 @@ def table_lines(autopilot: Mapping[str, Any], mark: str = "✓") -> list[str]:
     widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
     lines = []
     if measured:
-        lines.append(f"autopilot: candidates measured on the run's own steps, {_IN_STEPS} ({_STEPS_ARE}; the "
-                     "progress lines' samples/s also count data waits)")
+        lines.append(f"autopilot: candidates measured on the run's own steps, {_IN_STEPS} "
+                     f"({_STEPS_ARE}; the progress lines' samples/s also count data waits)")
         lines += [("  " + "  ".join(c[0].ljust(widths[0]) if i == 0 else c[i].rjust(widths[i])
                                     for i in range(len(c)))).rstrip() for c in cells]
         hidden = _not_shown(autopilot, measured)
         lines += [hidden] if hidden else []
-    for r in rows:  # failed on a rank (dropped on all), or not measured (the budget ran out in its warm-up)
+    # failed on a rank (dropped on all), or not measured (the budget ran out in its warm-up)
+    for r in rows:
         status = str(r.get("status", "ok"))
         if status.startswith("failed"):
-            lines.append(f"autopilot: dropped {r.get('candidate')}: {status.removeprefix('failed: ')}")
+            lines.append(f"autopilot: dropped {r.get('candidate')}: "
+                         f"{status.removeprefix('failed: ')}")
         elif status != "ok":
             lines.append(f"autopilot: not measured {r.get('candidate')}: {status}")
     if autopilot.get("skipped"):
-        lines.append(f"autopilot: skipped ({autopilot['skipped']}): training with the configuration as written")
+        lines.append(f"autopilot: skipped ({autopilot['skipped']}): "
+                     "training with the configuration as written")
     else:
-        lines.append(f"autopilot: {_decision(autopilot)}; search {_number(autopilot.get('search_s'), '.1f')} s over "
+        lines.append(f"autopilot: {_decision(autopilot)}; search "
+                     f"{_number(autopilot.get('search_s'), '.1f')} s over "
                      f"{autopilot.get('search_steps', '-')} steps of the run")
     return lines
 
 
 def _decision(autopilot: Mapping[str, Any]) -> str:
-    """What the search chose, with its predicted speed-up (none for the configuration as written: it is 1)."""
+    """What the search chose, with its predicted speed-up (none for the configuration as written: it
+    is 1)."""
     return _chosen_name(autopilot) + ("" if _kept(autopilot) else f", {_predicted(autopilot)}")
 
 
@@ -177,8 +189,8 @@ def print_table(autopilot: Mapping[str, Any]) -> None:
 
 
 def table(autopilot: Mapping[str, Any]) -> tuple[list[str], list[list[Any]]]:
-    """The MLflow table's columns and rows: one per candidate, failed ones included, with its status (a figure
-    that is not finite is left empty: JSON has no NaN)."""
+    """The MLflow table's columns and rows: one per candidate, failed ones included, with its status
+    (a figure that is not finite is left empty: JSON has no NaN)."""
     def cell(value: Any) -> Any:
         return None if isinstance(value, float) and not math.isfinite(value) else value
 
@@ -187,8 +199,8 @@ def table(autopilot: Mapping[str, Any]) -> tuple[list[str], list[list[Any]]]:
 
 
 def record_autopilot(tracker: Tracker, autopilot: Mapping[str, Any], step: int, verbose: bool) -> None:
-    """The autopilot's report shown (`verbose`) and tracked: the table artifact (when candidates were measured),
-    the chosen settings as params, the search's figures in the summary table."""
+    """The autopilot's report shown (`verbose`) and tracked: the table artifact (when candidates
+    were measured), the chosen settings as params, the search's figures in the summary table."""
     if verbose:
         print_table(autopilot)
     if autopilot.get("rows"):
@@ -198,14 +210,14 @@ def record_autopilot(tracker: Tracker, autopilot: Mapping[str, Any], step: int, 
 
 
 def params(autopilot: Mapping[str, Any]) -> dict[str, Any]:
-    """The settings the run trains with as `autopilot.<key>` params (MLflow params never change: the run's config
-    params keep the values the user wrote under their own keys)."""
+    """The settings the run trains with as `autopilot.<key>` params (MLflow params never change: the
+    run's config params keep the values the user wrote under their own keys)."""
     return {PARAM_PREFIX + str(k): v for k, v in (autopilot.get("chosen") or {}).items()}
 
 
 def start_samples_per_s(autopilot: Mapping[str, Any]) -> float | None:
-    """The starting configuration's measured samples/s: its row's, else the chosen row's over the predicted
-    speed-up, else (a choice kept from the checkpoint) what the search measured of it."""
+    """The starting configuration's measured samples/s: its row's, else the chosen row's over the
+    predicted speed-up, else (a choice kept from the checkpoint) what the search measured of it."""
     rows = [r for r in autopilot.get("rows") or [] if r.get("status", "ok") == "ok"
             and isinstance(r.get("samples_per_s"), int | float)]
     start = next((r for r in rows if autopilot.get("start") and r.get("settings") == autopilot.get("start")), None)
@@ -219,9 +231,9 @@ def start_samples_per_s(autopilot: Mapping[str, Any]) -> float | None:
 
 
 def search_figures(autopilot: Mapping[str, Any]) -> dict[str, float]:
-    """The summary table's rows known once the search has ended: predicted speed-up, search seconds and steps, the
-    budget in seconds and what of it the candidates spent, the starting and chosen configurations' measured
-    samples/s, candidates measured and not."""
+    """The summary table's rows known once the search has ended: predicted speed-up, search seconds
+    and steps, the budget in seconds and what of it the candidates spent, the starting and chosen
+    configurations' measured samples/s, candidates measured and not."""
     rows = list(autopilot.get("rows") or [])
     chosen = next((r for r in rows if r.get("chosen")), {})
     figures = {"predicted_speedup": autopilot.get("predicted_speedup"), "search_s": autopilot.get("search_s"),
@@ -236,10 +248,10 @@ def search_figures(autopilot: Mapping[str, Any]) -> dict[str, float]:
 
 
 def achieved_samples_per_s(autopilot: Mapping[str, Any], history: list[dict[str, Any]]) -> float | None:
-    """The training's pace after the search: the samples of every report after the one that carried the
-    autopilot's, over those intervals' seconds in training steps (compute and gradient sync, what the search times;
-    data waits, evaluation, checkpoints and reports left out: doctor's other rules speak of those); a step redone
-    after a restart counts once. None without such a report."""
+    """The training's pace after the search: the samples of every report after the one that carried
+    the autopilot's, over those intervals' seconds in training steps (compute and gradient sync,
+    what the search times; data waits, evaluation, checkpoints and reports left out: doctor's other
+    rules speak of those); a step redone after a restart counts once. None without such a report."""
     after = autopilot.get(AT_STEP)
     kept = {int(r["step"]): r for r in history if "interval_s" in r and "samples_per_s" in r
             and after is not None and int(r["step"]) > int(after)}
@@ -249,8 +261,8 @@ def achieved_samples_per_s(autopilot: Mapping[str, Any], history: list[dict[str,
 
 
 def achieved_figures(autopilot: Mapping[str, Any] | None, history: list[dict[str, Any]]) -> dict[str, float]:
-    """The summary table's rows known when the run ends: the achieved samples/s and its ratio to the starting
-    configuration's measured samples/s."""
+    """The summary table's rows known when the run ends: the achieved samples/s and its ratio to the
+    starting configuration's measured samples/s."""
     if autopilot is None:
         return {}
     achieved, start = achieved_samples_per_s(autopilot, history), start_samples_per_s(autopilot)
@@ -261,10 +273,11 @@ def achieved_figures(autopilot: Mapping[str, Any] | None, history: list[dict[str
 
 
 def gain_line(autopilot: Mapping[str, Any] | None, history: list[dict[str, Any]]) -> str | None:
-    """The summary's line of what the autopilot did: what it chose (with its predicted speed-up over the
-    configuration as written), the samples/s in training steps it measured in its search (the configuration as
-    written's, then the chosen one's) and the training's after it, and what sets them apart from the throughput
-    line's samples/s over the wall clock. None for a run without the autopilot."""
+    """The summary's line of what the autopilot did: what it chose (with its predicted speed-up over
+    the configuration as written), the samples/s in training steps it measured in its search (the
+    configuration as written's, then the chosen one's) and the training's after it, and what sets
+    them apart from the throughput line's samples/s over the wall clock. None for a run without the
+    autopilot."""
     if autopilot is None:
         return None
     if autopilot.get("skipped"):
@@ -281,6 +294,7 @@ def gain_line(autopilot: Mapping[str, Any] | None, history: list[dict[str, Any]]
         head, tail = f"autopilot: {_decision(autopilot)}", f"; search {_number(autopilot.get('search_s'), '.1f')} s"
         after = "after it" if searched else "after the search"
         paces = (" -> ".join(map(rate, searched)) + " in the search, " if searched else "") + (
-            f"{rate(achieved)} {after}" if achieved is not None else f"none measured {after} (no report followed)")
-    return (f"{head}; {_IN_STEPS}: {paces} ({_STEPS_ARE}; the throughput over the training's wall clock also counts "
-            f"data waits, evaluation and checkpoints){tail}")
+            f"{rate(achieved)} {after}" if achieved is not None else f"none measured {after} "
+                                                                     "(no report followed)")
+    return (f"{head}; {_IN_STEPS}: {paces} ({_STEPS_ARE}; the throughput over the training's "
+            f"wall clock also counts data waits, evaluation and checkpoints){tail}")

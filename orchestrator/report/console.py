@@ -1,6 +1,6 @@
-"""What reaches the user's terminal: the product's own lines. Ray's and MLflow's (their loggers, Python warnings,
-the output Ray forwards from the workers and raylets) go to a log file under the run's directory, and to the
-terminal too with `--verbose`. Driver side only."""
+"""What reaches the user's terminal: the product's own lines. Ray's and MLflow's (their loggers,
+Python warnings, the output Ray forwards from the workers and raylets) go to a log file under the
+run's directory, and to the terminal too with `--verbose`. Driver side only."""
 
 from __future__ import annotations
 
@@ -18,14 +18,15 @@ from orchestrator.ray_internals import autoscaler_events, ray_data_logging_confi
 # Loggers of the libraries the driver runs; a logger below these names goes where its parent goes.
 LIBRARIES = ("ray", "mlflow", "alembic", "sqlalchemy", "urllib3", "filelock", "transformers", "huggingface_hub",
              "torch", "py.warnings")
-# What the workers print that is the product's own: shown on the terminal (a worker's warnings.warn from the
-# product's modules is shown as `warning: <message>`).
+# What the workers print that is the product's own: shown on the terminal (a worker's warnings.warn
+# from the product's modules is shown as `warning: <message>`).
 _WORKER_LINE = re.compile(r"^(auto micro-batch: |warning: )")
 _PRODUCT_WARNING = re.compile(r"/(?:orchestrator|pipelines)/[\w/]+\.py:\d+: \w*Warning: (.*)$")
 
 
 def product_line(line: str) -> str | None:
-    """The terminal form of a line a worker printed, or None when it is a library's (it goes to the log only)."""
+    """The terminal form of a line a worker printed, or None when it is a library's (it goes to the
+    log only)."""
     if _WORKER_LINE.match(line):
         return line
     warning = _PRODUCT_WARNING.search(line)
@@ -33,8 +34,9 @@ def product_line(line: str) -> str | None:
 
 
 class _PendingFile(logging.Handler):
-    """The run's log file, opened once the run has a directory (`open`): records before that are kept and written
-    first, so a run refused before it starts (tracking unreachable) leaves no directory behind."""
+    """The run's log file, opened once the run has a directory (`open`): records before that are
+    kept and written first, so a run refused before it starts (tracking unreachable) leaves no
+    directory behind."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -65,8 +67,8 @@ class _PendingFile(logging.Handler):
 
 
 class _ToFile(logging.Filter):
-    """On the libraries' loggers and console handlers: every record goes to the log file once, and on to the
-    console only when `show`."""
+    """On the libraries' loggers and console handlers: every record goes to the log file once, and
+    on to the console only when `show`."""
 
     def __init__(self, log: logging.Handler, show: bool) -> None:
         super().__init__()
@@ -83,10 +85,11 @@ _ACTIVE: list[RunLog] = []  # the run log of the run in progress in this process
 
 
 class RayDataConsole(logging.Handler):
-    """The console handler of Ray Data's loggers in the product's runs. Ray Data sets its handlers up again at
-    every dataset execution (so a filter put on the old ones is lost): the product points it, through
-    RAY_DATA_LOGGING_CONFIG, at a config naming this class. Inside a run its records go where the run log sends
-    library lines; elsewhere (a worker) to stderr, as Ray Data's own handler would."""
+    """The console handler of Ray Data's loggers in the product's runs. Ray Data sets its handlers
+    up again at every dataset execution (so a filter put on the old ones is lost): the product
+    points it, through RAY_DATA_LOGGING_CONFIG, at a config naming this class. Inside a run its
+    records go where the run log sends library lines; elsewhere (a worker) to stderr, as Ray Data's
+    own handler would."""
 
     def emit(self, record: logging.LogRecord) -> None:
         if _ACTIVE and _ACTIVE[-1]._filter is not None and not _ACTIVE[-1]._filter.filter(record):
@@ -98,8 +101,8 @@ class RayDataConsole(logging.Handler):
 
 
 def ray_data_config(directory: Path) -> Path | None:
-    """Ray Data's own logging config with its console handler replaced by RayDataConsole (None where Ray's config
-    moved: Ray Data then logs as it would)."""
+    """Ray Data's own logging config with its console handler replaced by RayDataConsole (None where
+    Ray's config moved: Ray Data then logs as it would)."""
     import copy
 
     import yaml
@@ -119,15 +122,16 @@ def ray_data_config(directory: Path) -> Path | None:
 
 
 def own_ray_data_config() -> bool:
-    """Whether RAY_DATA_LOGGING_CONFIG in this process is the run log's own (a file removed when the run ends), not
-    one the user set."""
+    """Whether RAY_DATA_LOGGING_CONFIG in this process is the run log's own (a file removed when the
+    run ends), not one the user set."""
     return bool(_ACTIVE) and _ACTIVE[-1]._saved.get("ray_data") is None
 
 
 class RunLog:
-    """Diverts the libraries' lines into the run's log file while a run is on (`with RunLog(verbose) as log:
-    ...; log.open(path)` once the run has a directory). Call
-    `divert()` again once a library has set up more loggers or handlers (ray.init, Ray Data on first use)."""
+    """Diverts the libraries' lines into the run's log file while a run is on (`with RunLog(verbose)
+    as log: ...; log.open(path)` once the run has a directory). Call
+    `divert()` again once a library has set up more loggers or handlers (ray.init, Ray Data on first
+    use)."""
 
     def __init__(self, verbose: bool = False) -> None:
         self.verbose = verbose
@@ -141,15 +145,17 @@ class RunLog:
         import ray  # noqa: F401 - its loggers exist from here on, so they are diverted before ray.init logs
 
         self._filter = _ToFile(self._file, self.verbose)
-        # Warnings become records of `py.warnings`; loggers without a handler anywhere (urllib3's retries) end
-        # in logging.lastResort: a fresh one here, diverted like the rest. Handlers that appear on the root logger
-        # during the run are Ray's (ray.init's logging_config), not the user's.
+        # Warnings become records of `py.warnings`; loggers without a handler anywhere (urllib3's
+        # retries) end in logging.lastResort: a fresh one here, diverted like the rest. Handlers
+        # that appear on the root logger during the run are Ray's (ray.init's logging_config), not
+        # the user's.
         logging.captureWarnings(True)
         self._saved["last_resort"] = logging.lastResort
         logging.lastResort = logging.StreamHandler(sys.stderr)
         logging.lastResort.setLevel(logging.WARNING)
         self._saved["root"] = {id(h) for h in logging.root.handlers}
-        # Set in this process, and inherited by the local cluster it starts (a value the user set wins).
+        # Set in this process, and inherited by the local cluster it starts (a value the user set
+        # wins).
         self._saved["ray_data"] = os.environ.get(RAY_DATA_CONFIG)
         if self._saved["ray_data"] is None:
             self._saved["ray_data_dir"] = tempfile.mkdtemp(prefix="orchestrator-")
@@ -165,8 +171,9 @@ class RunLog:
         self.path = path
 
     def divert(self) -> None:
-        """Put the filter on every library logger (the records it creates) and on every console handler they or
-        Ray's root handlers print through (records of loggers created since the last call)."""
+        """Put the filter on every library logger (the records it creates) and on every console
+        handler they or Ray's root handlers print through (records of loggers created since the last
+        call)."""
         assert self._filter is not None
         loggers = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict) if n.split(".")[0] in _ROOTS]
         handlers = [h for lg in loggers for h in lg.handlers]
@@ -179,16 +186,17 @@ class RunLog:
                 self._diverted.append(item)  # type: ignore[arg-type]
 
     def attach_ray(self) -> None:
-        """Route what Ray forwards from workers and raylets: every line to the log, the product's to the terminal
-        (all of it with --verbose, as Ray prints it)."""
+        """Route what Ray forwards from workers and raylets: every line to the log, the product's to
+        the terminal (all of it with --verbose, as Ray prints it)."""
         printer = worker_output()
         if printer is not None and "ray_printer" not in self._saved:
             ray_worker, dispatcher = printer
             self._saved["ray_printer"] = [(n, h) for n, h in dispatcher.handlers if n == "ray_print_logs"]
             dispatcher.remove_handler("ray_print_logs")
             dispatcher.add_handler("orchestrator", self._worker_lines)
-            # Ray's error listener prints what raylets send this driver ("(raylet) WARNING: 12 PYTHON worker
-            # processes have been started ...") through this function, past the dispatcher.
+            # Ray's error listener prints what raylets send this driver ("(raylet) WARNING: 12
+            # PYTHON worker processes have been started ...") through this function, past the
+            # dispatcher.
             self._saved["print_to_stdstream"] = original = ray_worker.print_to_stdstream
 
             def raylets_to_log(data: dict[str, Any], ignore_prefix: bool = False) -> None:
@@ -205,7 +213,8 @@ class RunLog:
         log = self._filter.log
         who = data.get("actor_name") or data.get("task_name") or data.get("pid")
         lines = data.get("lines", [])
-        if who == "autoscaler":  # its periodic status table; Ray's own printer keeps only the events too
+        # its periodic status table; Ray's own printer keeps only the events too
+        if who == "autoscaler":
             lines = autoscaler_events(lines)
         for line in lines:
             log.handle(logging.makeLogRecord({"name": f"ray.worker.{who}", "msg": f"pid={data.get('pid')} {line}",
@@ -223,7 +232,8 @@ class RunLog:
             item.removeFilter(self._filter)  # type: ignore[arg-type]
         logging.lastResort = self._saved["last_resort"]
         logging.captureWarnings(False)
-        if "ray_printer" in self._saved:  # Ray prints what it forwards itself again, as before the run
+        # Ray prints what it forwards itself again, as before the run
+        if "ray_printer" in self._saved:
             ray_worker, dispatcher = worker_output()  # type: ignore[misc]  # found when the printer was saved
             dispatcher.remove_handler("orchestrator")
             for name, handler in self._saved["ray_printer"]:

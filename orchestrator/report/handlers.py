@@ -1,6 +1,7 @@
-"""What the driver does with each entry of the run's report channel: rank 0's reports, and the checkpoints and
-worker failures Ray Train's controller adds (callbacks.py). Each role is a small handler; the launch composes them
-into one `RunReports`, which the channel's consumer thread (progress.py `ReportConsumer`) calls for every entry."""
+"""What the driver does with each entry of the run's report channel: rank 0's reports, and the
+checkpoints and worker failures Ray Train's controller adds (callbacks.py). Each role is a small
+handler; the launch composes them into one `RunReports`, which the channel's consumer thread
+(progress.py `ReportConsumer`) calls for every entry."""
 
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ class Record(Protocol):
 
 @dataclass
 class FailureCounter:
-    """The worker failures Ray Train restarted from, each tagged on the run. One that every restart would repeat,
-    before the first report on a `private_cluster`, is kept in `doomed`: the main thread then stops the run."""
+    """The worker failures Ray Train restarted from, each tagged on the run. One that every restart
+    would repeat, before the first report on a `private_cluster`, is kept in `doomed`: the main
+    thread then stops the run."""
 
     private_cluster: bool
     times: list[float] = field(default_factory=list)  # seconds from the command's start
@@ -35,18 +37,21 @@ class FailureCounter:
     def __call__(self, report: dict[str, Any], tracker: Tracker, history: list[dict[str, Any]], at: float) -> None:
         self.times.append(at)
         step = history[-1]["step"] if history else 0
-        tracker.set_tags({f"orchestrator.failure.{len(self.times)}": f"after step {step}: {report['error']}"})
+        tracker.set_tags({f"orchestrator.failure.{len(self.times)}": f"after step {step}: "
+                                                                     f"{report['error']}"})
         if report.get("repeats") and not history and self.private_cluster:
             self.doomed.append(report["error"] + (f" (at {report['at']})" if report.get("at") else ""))
             return
-        print(f"worker {report['rank']} failed: {report['error']} (restarting from the last checkpoint)",
+        print(f"worker {report['rank']} failed: {report['error']} "
+              "(restarting from the last checkpoint)",
               file=sys.stderr)
 
 
 @dataclass
 class AutopilotTable:
-    """The autopilot's search, shown and tracked once. A restarted worker group sends its choice again, kept from the
-    checkpoint: one line then, and the search this driver saw stays the one the summary speaks of (`found`)."""
+    """The autopilot's search, shown and tracked once. A restarted worker group sends its choice
+    again, kept from the checkpoint: one line then, and the search this driver saw stays the one the
+    summary speaks of (`found`)."""
 
     verbose: bool
     found: dict[str, Any] | None = None
@@ -62,8 +67,8 @@ class AutopilotTable:
 
 @dataclass
 class Console:
-    """What the terminal shows: the workers' setup (once, and again when it changed), the start-up line, each
-    report's progress line; `verbose=False` shows none of them."""
+    """What the terminal shows: the workers' setup (once, and again when it changed), the start-up
+    line, each report's progress line; `verbose=False` shows none of them."""
 
     verbose: bool
     lines: ProgressLines
@@ -81,12 +86,14 @@ class Console:
 
 
 def checkpoint_uri(storage_path: str, path: str) -> str:
-    """Ray's checkpoint path as the user names it: s3://... for S3 storage (Ray keeps it without the scheme)."""
+    """Ray's checkpoint path as the user names it: s3://... for S3 storage (Ray keeps it without the
+    scheme)."""
     return f"s3://{path}" if storage_path.startswith("s3://") and "://" not in path else path
 
 
 def events(previous: dict[str, Any] | None, report: dict[str, Any], n: int) -> list[tuple[dict[str, str], str]]:
-    """MLflow tags (and a printed line) for what a report reveals: a resized worker group, a drain checkpoint."""
+    """MLflow tags (and a printed line) for what a report reveals: a resized worker group, a drain
+    checkpoint."""
     found = []
     world = report.get("world_size")
     if previous is not None and world is not None and previous.get("world_size") not in (None, world):
@@ -102,11 +109,12 @@ def events(previous: dict[str, Any] | None, report: dict[str, Any], n: int) -> l
 
 @dataclass
 class RunReports:
-    """Every entry of the run's channel, in order: a committed checkpoint becomes a LoggedModel of the run, a worker
-    failure is counted, the workers' setup shown; a report marks the start-up clock, shows the autopilot's table,
-    tags what it reveals, is stamped with its arrival (the cost ledger's timeline), kept in `history` and the
-    attempt's `record`, tracked and shown. `tracker()` waits for MLflow's run; `closed()` says its opening failed
-    (the main thread then ends the run). `first_step` runs at each report (the end's warm-up: run/ending.py)."""
+    """Every entry of the run's channel, in order: a committed checkpoint becomes a LoggedModel of
+    the run, a worker failure is counted, the workers' setup shown; a report marks the start-up
+    clock, shows the autopilot's table, tags what it reveals, is stamped with its arrival (the cost
+    ledger's timeline), kept in `history` and the attempt's `record`, tracked and shown. `tracker()`
+    waits for MLflow's run; `closed()` says its opening failed (the main thread then ends the run).
+    `first_step` runs at each report (the end's warm-up: run/ending.py)."""
 
     tracker: Callable[[], Tracker]
     closed: Callable[[], bool]
@@ -139,7 +147,8 @@ class RunReports:
         if clock.take_worker_marks(report):
             tracker.log_metrics(clock.metrics(), step=report["step"])
             self.console.show(clock.line())
-        if autopilot is not None:  # its table after the start-up line: the search ran after the first step
+        # its table after the start-up line: the search ran after the first step
+        if autopilot is not None:
             self.autopilot(autopilot, tracker, report["step"])
         for tag, line in events(history[-1] if history else None, report, len(history)):
             tracker.set_tags(tag)

@@ -23,7 +23,8 @@ def plot_history(history: list[dict[str, Any]], path: str | Path, metric: str = 
     scored = [r for r in val if metric in r]
     if scored:
         ax_metric.plot([r["step"] for r in scored], [r[metric] for r in scored], marker="o")
-    # The axis follows the data (matplotlib's autoscale): 0.97-0.99 must not look flat on a 0-1 scale.
+    # The axis follows the data (matplotlib's autoscale): 0.97-0.99 must not look flat on a 0-1
+    # scale.
     ax_loss.set(xlabel="step", ylabel="loss", yscale="log", title="Loss")
     ax_loss.legend()
     ax_metric.set(xlabel="step", ylabel=metric.removeprefix("val_"), title=f"Validation {metric.removeprefix('val_')}")
@@ -44,10 +45,10 @@ def _pyplot() -> Any:
 
 def plot_lr_sweep(trials: list[Any], keys: list[str], metric: str, path: str | Path,
                   categorical: Collection[str] = ()) -> Path:
-    """Final metric of every trial against its learning rate (log axis), coloured by warmup; hollow markers are
-    trials stopped early. Falls back to the first two searched keys when lr / warmup are not searched. The colour
-    key is drawn as categories with a legend when it is in `categorical` (a choice or grid) or not numeric, and on a
-    colour bar otherwise."""
+    """Final metric of every trial against its learning rate (log axis), coloured by warmup; hollow
+    markers are trials stopped early. Falls back to the first two searched keys when lr / warmup are
+    not searched. The colour key is drawn as categories with a legend when it is in `categorical` (a
+    choice or grid) or not numeric, and on a colour bar otherwise."""
     fig = sweep_figure(trials, keys, metric, categorical)
     fig.savefig(path, dpi=100)
     _pyplot().close(fig)
@@ -70,7 +71,8 @@ def sweep_figure(trials: list[Any], keys: list[str], metric: str, categorical: C
     by_category = bool(values) and (c_key in categorical or not numeric)
     legend: list[Any] = []
     if by_category:
-        # One colour per value the study tried (sorted, so 0 < 10 < 20 reads in order), named in the legend.
+        # One colour per value the study tried (sorted, so 0 < 10 < 20 reads in order), named in the
+        # legend.
         distinct = sorted({_category(v) for v in values}, key=lambda v: (not isinstance(v, int | float), v))
         palette = matplotlib.colormaps["tab10" if len(distinct) <= 10 else "tab20"]
         colour_of = {v: palette(i % palette.N) for i, v in enumerate(distinct)}
@@ -110,19 +112,21 @@ def sweep_figure(trials: list[Any], keys: list[str], metric: str, categorical: C
 
 
 def _category(value: Any) -> Any:
-    """A value as a legend entry: numbers stay numbers (so they sort), anything else becomes its text."""
+    """A value as a legend entry: numbers stay numbers (so they sort), anything else becomes its
+    text."""
     return value if isinstance(value, int | float) and not isinstance(value, bool) else str(value)
 
 
 def trial_labels(trials: list[Any]) -> list[str]:
-    """Each trial's name (its searched values); a name two trials share gets the trial id, so entries differ."""
+    """Each trial's name (its searched values); a name two trials share gets the trial id, so
+    entries differ."""
     names = [getattr(t, "name", "") or t.trial_id for t in trials]
     return [f"{n} ({t.trial_id})" if names.count(n) > 1 else n for n, t in zip(names, trials, strict=True)]
 
 
 def plot_trial_curves(trials: list[Any], metric: str, path: str | Path) -> Path:
-    """`metric` against step for every trial, labelled by its searched values; dashed lines are trials stopped
-    early."""
+    """`metric` against step for every trial, labelled by its searched values; dashed lines are
+    trials stopped early."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for t, label in zip(trials, trial_labels(trials), strict=True):

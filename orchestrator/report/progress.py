@@ -1,8 +1,9 @@
 """Metrics reach the driver, which prints progress and logs them to MLflow.
 
-Rank 0 sends each interval's metrics to the driver itself (training/reporting.py, over training/channel.py), and
-the driver hands them on in a thread while `fit()` blocks. Ray Train's controller adds what only it sees, a
-worker's failure and a committed checkpoint, through user callbacks (callbacks.py).
+Rank 0 sends each interval's metrics to the driver itself (training/reporting.py, over
+training/channel.py), and the driver hands them on in a thread while `fit()` blocks. Ray Train's
+controller adds what only it sees, a worker's failure and a committed checkpoint, through user
+callbacks (callbacks.py).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ SMOOTHING = 0.3  # the newest interval's weight in the progress line's averages 
 
 
 class _Average:
-    """tqdm's smoothed average: exponential, SMOOTHING on the newest value, its start-up bias divided out (the first
-    value is the average, not 30% of it)."""
+    """tqdm's smoothed average: exponential, SMOOTHING on the newest value, its start-up bias
+    divided out (the first value is the average, not 30% of it)."""
 
     def __init__(self) -> None:
         self.sum, self.count = 0.0, 0
@@ -35,7 +36,8 @@ class _Average:
 
 
 def _duration(seconds: float) -> str:
-    seconds = round(max(0.0, seconds))  # to the nearest second: cutting the fraction off would read early
+    # to the nearest second: cutting the fraction off would read early
+    seconds = round(max(0.0, seconds))
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
@@ -47,20 +49,23 @@ def _evals_after(step: int, total: int, every: int | None) -> int:
 
 
 class ProgressLines:
-    """The driver's line per report: 'step 100/300 | loss 0.0789 | lr 2.4e-03 | 15,900 samples/s | data wait 1% |
-    val acc 0.980 (eval 0.2 s) | eta 0:00:03', with the task's headline validation `metric` where the step evaluated.
+    """The driver's line per report: 'step 100/300 | loss 0.0789 | lr 2.4e-03 | 15,900 samples/s |
+    data wait 1% | val acc 0.980 (eval 0.2 s) | eta 0:00:03', with the task's headline validation
+    `metric` where the step evaluated.
 
     samples/s is training's pace (evaluation, checkpoint and report time taken out: the loop's
-    `train_samples_per_s`), smoothed over the reports as tqdm smooths its rate. The ETA is the wall clock left: the
-    steps left at the smoothed training seconds per step, plus the checkpoint and report seconds per step so far,
-    plus the evaluations left (`eval_every`: None without validation data) at their smoothed seconds. Before the
-    first evaluation its cost is unknown, and the ETA says how many it leaves out ('eta 0:00:02 + 3 evals')."""
+    `train_samples_per_s`), smoothed over the reports as tqdm smooths its rate. The ETA is the wall
+    clock left: the steps left at the smoothed training seconds per step, plus the checkpoint and
+    report seconds per step so far, plus the evaluations left (`eval_every`: None without validation
+    data) at their smoothed seconds. Before the first evaluation its cost is unknown, and the ETA
+    says how many it leaves out ('eta 0:00:02 + 3 evals')."""
 
     def __init__(self, total_steps: int, global_batch: int, eval_every: int | None,
                  metric: str = "val_accuracy") -> None:
         self.total, self.batch, self.eval_every, self.metric = total_steps, global_batch, eval_every, metric
         self.step_s, self.eval_s = _Average(), _Average()
-        self.aside_s = self.steps = 0.0  # checkpoint and report seconds, and the steps they were spread over
+        # checkpoint and report seconds, and the steps they were spread over
+        self.aside_s = self.steps = 0.0
 
     def __call__(self, report: dict[str, Any]) -> str:
         step, wall = report["step"], report["interval_s"]
@@ -92,23 +97,26 @@ class ProgressLines:
 
 
 def setup_line(facts: dict[str, Any], train_rows: int | None) -> str:
-    """'run: 85,002 params | fp32 | 2 x cpu | micro-batch 64 per device x accumulation 1 x 2 devices = global batch
-    128 | 300 steps, about 26.7 epochs of 1,438 rows': what the workers' rank 0 said it runs before its first step
-    (training/worker.py `what_runs`); the epochs from the training split's rows."""
+    """'run: 85,002 params | fp32 | 2 x cpu | micro-batch 64 per device x accumulation 1 x 2 devices
+    = global batch 128 | 300 steps, about 26.7 epochs of 1,438 rows': what the workers' rank 0 said
+    it runs before its first step (training/worker.py `what_runs`); the epochs from the training
+    split's rows."""
     steps = f"{facts['max_steps']:,} steps"
     if facts.get("from_step"):
         steps += f" from step {facts['from_step']:,}"
     if train_rows:
         steps += f", about {facts['max_steps'] * facts['global_batch'] / train_rows:,.1f} epochs of {train_rows:,} rows"
     return " | ".join([
-        f"run: {facts['params']:,} params", facts["precision"], f"{facts['workers']} x {facts['device']}",
-        f"micro-batch {facts['micro_batch']} per device x accumulation {facts['grad_accum_steps']} x "
-        f"{facts['workers']} devices = global batch {facts['global_batch']:,}", steps])
+        f"run: {facts['params']:,} params", facts["precision"], f"{facts['workers']} "
+                                                                f"x {facts['device']}",
+        f"micro-batch {facts['micro_batch']} per device x accumulation {facts['grad_accum_steps']} "
+        f"x {facts['workers']} devices = global batch {facts['global_batch']:,}", steps])
 
 
 class ReportConsumer:
-    """Driver thread: hands every item of the run's channel to `handle` while `fit()` blocks. It waits on the
-    channel without polling; leaving closes the channel, whose end mark comes after every item sent until then."""
+    """Driver thread: hands every item of the run's channel to `handle` while `fit()` blocks. It
+    waits on the channel without polling; leaving closes the channel, whose end mark comes after
+    every item sent until then."""
 
     def __init__(self, channel: ReportChannel, handle: Callable[[dict[str, Any]], None]) -> None:
         self.channel = channel
@@ -121,7 +129,8 @@ class ReportConsumer:
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         self.channel.close()
-        # After fit() returned, the last reports are handled; after Ctrl+C or an error the command must end now.
+        # After fit() returned, the last reports are handled; after Ctrl+C or an error the command
+        # must end now.
         self._thread.join(timeout=30 if exc_type is None else 2)
 
     def _loop(self) -> None:

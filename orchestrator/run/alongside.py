@@ -1,5 +1,5 @@
-"""A driver stage run in a thread while the main thread does another (MLflow's run opened while Ray Train starts
-the worker group): the main thread keeps Ctrl+C and Ray's signal handlers."""
+"""A driver stage run in a thread while the main thread does another (MLflow's run opened while Ray
+Train starts the worker group): the main thread keeps Ctrl+C and Ray's signal handlers."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from orchestrator.tracking.tracker import closed_on_error
 
 
 class Alongside:
-    """A driver stage run in a thread while the main thread does another; `result()` waits for it (Ctrl+C still
-    reaching the main thread) and raises what it raised."""
+    """A driver stage run in a thread while the main thread does another; `result()` waits for it
+    (Ctrl+C still reaching the main thread) and raises what it raised."""
 
     def __init__(self, work: Callable[[], Any]) -> None:
         self.began = time.time()
@@ -51,15 +51,17 @@ class Alongside:
 
 @contextmanager
 def ended_on_error(opening: Alongside) -> Iterator[None]:
-    """The MLflow run being opened beside the run ends KILLED on Ctrl+C, FAILED on an error, never left RUNNING
-    (once it is open: a failed opening ended what it opened itself). Ctrl+C before it is open waits for it, saying
-    so: a second Ctrl+C leaves at once."""
+    """The MLflow run being opened beside the run ends KILLED on Ctrl+C, FAILED on an error, never
+    left RUNNING (once it is open: a failed opening ended what it opened itself). Ctrl+C before it
+    is open waits for it, saying so: a second Ctrl+C leaves at once."""
     try:
         yield
     except BaseException as exc:
-        if isinstance(exc, KeyboardInterrupt) and not opening.wait(0.5):  # a wait as long as the opening's
-            print("interrupted: waiting for the MLflow run being opened, to end it as KILLED (Ctrl+C again to leave "
-                  "without waiting: the run may then stay RUNNING in MLflow)", file=sys.stderr, flush=True)
+        # a wait as long as the opening's
+        if isinstance(exc, KeyboardInterrupt) and not opening.wait(0.5):
+            print("interrupted: waiting for the MLflow run being opened, to end "
+                  "it as KILLED (Ctrl+C again to leave without waiting: the run "
+                  "may then stay RUNNING in MLflow)", file=sys.stderr, flush=True)
         try:
             tracker = opening.result()
         except BaseException:  # noqa: BLE001 - its own failure: the error being raised is the one to raise

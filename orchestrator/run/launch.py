@@ -1,6 +1,7 @@
-"""`orchestrator train` on the driver: plan the run once (plan.py: the config checked against the data, the model,
-prices and storage), then run that plan: join or start Ray (cluster/local.py), build and fit the run (trainer.py), show
-progress, track it in MLflow and bill it. Nothing here reads the config's raw form or the data's files again."""
+"""`orchestrator train` on the driver: plan the run once (plan.py: the config checked against the
+data, the model, prices and storage), then run that plan: join or start Ray (cluster/local.py),
+build and fit the run (trainer.py), show progress, track it in MLflow and bill it. Nothing here
+reads the config's raw form or the data's files again."""
 
 from __future__ import annotations
 
@@ -51,21 +52,24 @@ from pipelines.storage import user_cache_dir
 
 def _log_final_artifacts(tracker: Tracker, config: Config, checkpoint_path: str | None,
                          history: list[dict[str, Any]], info: DatasetInfo, checkpoint: Any = None) -> None:
-    """The resolved config, the final weights as an MLflow Model named "model" (tracking/flavour.py; `info`: the
-    training data, whose sample rows give its input example and signature) and the learning curves (top level:
-    the first file the run's Artifacts tab lists after the model)."""
+    """The resolved config, the final weights as an MLflow Model named "model" (tracking/flavour.py;
+    `info`: the training data, whose sample rows give its input example and signature) and the
+    learning curves (top level: the first file the run's Artifacts tab lists after the model)."""
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.yaml").write_text(mask_password(to_yaml(config)))  # no password of a URI
+        # no password of a URI
+        (Path(tmp) / "config.yaml").write_text(mask_password(to_yaml(config)))
         tracker.log_artifact(Path(tmp) / "config.yaml")
         if checkpoint_path:
             from ray.train import Checkpoint
 
-            # The Checkpoint itself when given: it carries its filesystem (an S3 endpoint; no credentials).
+            # The Checkpoint itself when given: it carries its filesystem (an S3 endpoint; no
+            # credentials).
             final = checkpoint or Checkpoint(checkpoint_path)
 
             def final_weights() -> dict[str, Any]:
                 with final.as_directory() as directory:
-                    return checkpoint_weights(directory)  # DDP's state.pt, or FSDP's shards put together
+                    # DDP's state.pt, or FSDP's shards put together
+                    return checkpoint_weights(directory)
 
             log_final_model(direct(tracker), config, info, final_weights)
         if history:
@@ -75,32 +79,37 @@ def _log_final_artifacts(tracker: Tracker, config: Config, checkpoint_path: str 
 
 def train(config: Config, address: str | None = None, verbose: bool = True, resume: bool | str = False,
           started_at: float | None = None, show_logs: bool = False) -> TrainResult:
-    """Run one distributed training job and return its result. Raises UserError subclasses on bad input.
-    With `resume`, continue a run in storage (its Ray Train run from its latest checkpoint, and its MLflow run):
-    True, the newest run of this experiment trained with this config (none: a new run), a run's name, or a run
-    directory's path or s3:// URI; a finished run's result comes back as it was (`already_finished`), nothing
-    run. `started_at` (epoch seconds, the
-    CLI passes its process start) is where the start-up breakdown and the cost ledger's clock begin. Ray's and
-    MLflow's own lines go to the run's log file (console.py), and to the terminal too with `show_logs`.
-    Ctrl+C ends the MLflow run as KILLED and raises KeyboardInterrupt after saying how to continue."""
+    """Run one distributed training job and return its result. Raises UserError subclasses on bad
+    input. With `resume`, continue a run in storage (its Ray Train run from its latest checkpoint,
+    and its MLflow run): True, the newest run of this experiment trained with this config (none: a
+    new run), a run's name, or a run directory's path or s3:// URI; a finished run's result comes
+    back as it was (`already_finished`), nothing run. `started_at` (epoch seconds, the
+    CLI passes its process start) is where the start-up breakdown and the cost ledger's clock begin.
+    Ray's and MLflow's own lines go to the run's log file (console.py), and to the terminal too with
+    `show_logs`. Ctrl+C ends the MLflow run as KILLED and raises KeyboardInterrupt after saying how
+    to continue."""
     clock = StartupClock(started_at or time.time())
     clock.mark("command")
     plan = plan_run(config, resume, verbose, address)  # before any cluster resource is taken
-    if plan.resume is not None and plan.resume.finished:  # nothing to train: no Ray, no MLflow write, no bill
+    # nothing to train: no Ray, no MLflow write, no bill
+    if plan.resume is not None and plan.resume.finished:
         return finished_result(plan.config, plan.place.uri, plan.resume.record,
                                plan.tracking_uri if plan.reopen_run_id else None)
-    # One writer per run: this command's attempt number, before anything of the run is written (run/fencing.py).
+    # One writer per run: this command's attempt number, before anything of the run is written
+    # (run/fencing.py).
     fence = claim_run(plan.place)
-    with outside_job_package(plan.config.tracking):  # a Ray job's driver leaves the package `ray.init` may delete
+    # a Ray job's driver leaves the package `ray.init` may delete
+    with outside_job_package(plan.config.tracking):
         clock.mark("data inspection")
         with RunLog(show_logs) as log:
             return _train(plan, verbose, clock, log, fence)
 
 
 def _open_tracking(plan: RunPlan, log: RunLog, verbose: bool, fence: Fence | None = None) -> Tracker:
-    """The MLflow run opened with its params, plan, datasets and tags, the run's directory, log file and record
-    written. A run it opened and could not finish setting up ends FAILED (KILLED on KeyboardInterrupt). Its writes
-    stop once a newer attempt of the run claimed it (`fence`): none at all if one already has."""
+    """The MLflow run opened with its params, plan, datasets and tags, the run's directory, log file
+    and record written. A run it opened and could not finish setting up ends FAILED (KILLED on
+    KeyboardInterrupt). Its writes stop once a newer attempt of the run claimed it (`fence`): none
+    at all if one already has."""
     config, place = plan.config, plan.place
     refuse_if_newer(fence, place, now=True)
     if config.tracking.enabled:
@@ -108,7 +117,8 @@ def _open_tracking(plan: RunPlan, log: RunLog, verbose: bool, fence: Fence | Non
 
         log.divert()
     tracker = start_tracker(config.tracking, plan.run_name, run_id=plan.reopen_run_id, headline=config.tune.metric,
-                            context=dict(plan.context), uri=plan.tracking_uri)  # the store as planned
+                            # the store as planned
+                            context=dict(plan.context), uri=plan.tracking_uri)
     with closed_on_error(tracker):
         if plan.resume is not None and plan.resume.record:
             tracker.set_tags({f"orchestrator.resume.{time.strftime('%Y%m%d-%H%M%S')}":
@@ -131,8 +141,9 @@ def _open_tracking(plan: RunPlan, log: RunLog, verbose: bool, fence: Fence | Non
 
 
 def _log_path(config: Config, place: RunPlace) -> Path:
-    """The run's log file: in its directory, or for a run stored in S3 a local file named after it, in this user's
-    private cache (a shared temp path would let another user plant a link the log is written through)."""
+    """The run's log file: in its directory, or for a run stored in S3 a local file named after it,
+    in this user's private cache (a shared temp path would let another user plant a link the log is
+    written through)."""
     if is_remote(config.storage.path):
         return Path(user_cache_dir()) / "logs" / f"{place.name}.log"
     return Path(place.path) / LOG_FILE
@@ -140,7 +151,8 @@ def _log_path(config: Config, place: RunPlace) -> Path:
 
 @dataclass
 class _Inputs:
-    """What a run's TorchTrainer is built from: its report channel, the ranks' spec and its datasets."""
+    """What a run's TorchTrainer is built from: its report channel, the ranks' spec and its
+    datasets."""
 
     channel: ReportChannel
     spec: WorkerSpec
@@ -149,12 +161,14 @@ class _Inputs:
 
 def _start(plan: RunPlan, clock: StartupClock, log: RunLog, history: list[dict[str, Any]]
            ) -> tuple[bool, _Inputs]:
-    """Ray joined or started here (Ray wants the main thread for its signal handlers, and Ctrl+C reaches only this
-    one), then the run's datasets built. Returns whether this process started the cluster, and the run's inputs."""
+    """Ray joined or started here (Ray wants the main thread for its signal handlers, and Ctrl+C
+    reaches only this one), then the run's datasets built. Returns whether this process started the
+    cluster, and the run's inputs."""
     with interrupted(plan.place, history):  # Ctrl+C while Ray starts: nothing is opened yet
         started_ray = False
         try:
-            started_ray = connect_cluster(plan.cluster)  # as planned: --address, $RAY_ADDRESS or a local one
+            # as planned: --address, $RAY_ADDRESS or a local one
+            started_ray = connect_cluster(plan.cluster)
             clock.mark("ray start")
             log.attach_ray()
             inputs = _build_inputs(plan, started_ray, log)
@@ -167,7 +181,8 @@ def _start(plan: RunPlan, clock: StartupClock, log: RunLog, history: list[dict[s
 
 
 def _build_inputs(plan: RunPlan, started_ray: bool, log: RunLog) -> _Inputs:
-    """The run's report channel, spec and datasets (Ray Data's pipelines; small data cached in the object store)."""
+    """The run's report channel, spec and datasets (Ray Data's pipelines; small data cached in the
+    object store)."""
     import ray
 
     config = plan.config
@@ -175,11 +190,13 @@ def _build_inputs(plan: RunPlan, started_ray: bool, log: RunLog) -> _Inputs:
     missing = config.scaling.shortfall(ray.cluster_resources()) if started_ray else None
     if missing:
         raise ConfigError(f"this run needs {missing}")
-    # Rank 0 sends its metrics to the driver itself (no barrier); the controller adds worker failures.
+    # Rank 0 sends its metrics to the driver itself (no barrier); the controller adds worker
+    # failures.
     channel = report_channel()
     spec, datasets = build_inputs(config, plan.in_features, plan.datasets, plan.place.name,
                                   plan.resume.cache_decision if plan.resume else None, channel.sender)
-    plan.place.remove(STOP_FILE)  # a stop asked of an earlier attempt (Ctrl+C, then --resume) is not this one's
+    # a stop asked of an earlier attempt (Ctrl+C, then --resume) is not this one's
+    plan.place.remove(STOP_FILE)
     spec = replace(spec, stop_request=(plan.place.storage, f"{plan.place.path}/{STOP_FILE}"))
     log.divert()  # Ray Data sets up its loggers on first use
     return _Inputs(channel, spec, datasets)
@@ -190,13 +207,15 @@ def _train(plan: RunPlan, verbose: bool, clock: StartupClock, log: RunLog, fence
     history: list[dict[str, Any]] = []
     attempt = AttemptLog(place, clock.started_at, fence.mine.number)
     started_ray, inputs = _start(plan, clock, log, history)
-    # MLflow's run is opened while Ray Train starts the worker group (the driver only waits then); the reports wait
-    # for it, the workers do not. From then on Ctrl+C ends it KILLED (an error FAILED), never leaving it RUNNING.
+    # MLflow's run is opened while Ray Train starts the worker group (the driver only waits then);
+    # the reports wait for it, the workers do not. From then on Ctrl+C ends it KILLED (an error
+    # FAILED), never leaving it RUNNING.
     opening = Alongside(lambda: _open_tracking(plan, log, verbose, fence))
     warm_up = EndWarmUp(config)  # what the end loads, loaded while the run trains (run/ending.py)
     if warm_up.early:
-        # Not while another thread imports what it does for the first time (a module two threads import at once
-        # can come out half made): torch here, what building the trainer imports next; MLflow in the opening.
+        # Not while another thread imports what it does for the first time (a module two threads
+        # import at once can come out half made): torch here, what building the trainer imports
+        # next; MLflow in the opening.
         import ray.train.torch  # noqa: F401
 
         warm_up.start(after=lambda: opening.wait(None))
@@ -208,7 +227,8 @@ def _train(plan: RunPlan, verbose: bool, clock: StartupClock, log: RunLog, fence
                 result, failures, checkpoint = _fit(plan, inputs, handle, opening, log, fence)
             tracker = opening.result()
             if started_ray:
-                # The cluster's processes stopped (all of them, cluster/processes.py) while the artifacts are logged.
+                # The cluster's processes stopped (all of them, cluster/processes.py) while the
+                # artifacts are logged.
                 stopping = threading.Thread(target=shutdown_local_ray, name="ray-shutdown")
                 stopping.start()
             warm_up.wait()
@@ -219,8 +239,10 @@ def _train(plan: RunPlan, verbose: bool, clock: StartupClock, log: RunLog, fence
                 stopping.join()
             elif started_ray:
                 shutdown_local_ray()
-            attempt.save(history, force=True)  # this attempt's final record; after a failure or Ctrl+C too
-        _bill(plan, result, clock.started_at, failures)  # to now, Ray's shutdown included: the user's stopwatch
+            # this attempt's final record; after a failure or Ctrl+C too
+            attempt.save(history, force=True)
+        # to now, Ray's shutdown included: the user's stopwatch
+        _bill(plan, result, clock.started_at, failures)
         logged = (result.run_cost or result.cost).metrics() | {"cost/attempts": float(result.attempts)}
         tracker.log_metrics(logged, step=result.history[-1]["step"] if result.history else 0)
         refuse_if_newer(fence, place, now=True)  # the run's end is its newest attempt's to say
@@ -235,8 +257,8 @@ def _reports(plan: RunPlan, opening: Alongside, verbose: bool, clock: StartupClo
     config, t = plan.config, plan.config.train
 
     def tracker() -> Tracker:
-        """The run's tracker, once MLflow's run is open (the first report waits for it; a failed opening is raised
-        by the main thread)."""
+        """The run's tracker, once MLflow's run is open (the first report waits for it; a failed
+        opening is raised by the main thread)."""
         tracker = opening.result()
         if "tracking" not in clock.spans:
             clock.mark_beside("tracking", opening.began, opening.ended or time.time())
@@ -252,18 +274,19 @@ def _reports(plan: RunPlan, opening: Alongside, verbose: bool, clock: StartupClo
 
 def _fit(plan: RunPlan, inputs: _Inputs, handle: RunReports, opening: Alongside, log: RunLog, fence: Fence
          ) -> tuple[TrainResult, int, Any]:
-    """Fit the run while a driver thread hands each entry of its report channel to `handle` (the reports appended to its
-    `history` as they come), and MLflow's run is `opening` in another: a failure to open it ends the run.
-    Returns the result, how many worker failures Ray Train restarted from, and the final Ray Checkpoint. On a
-    private cluster an error every restart would repeat ends the run at once (shutting the cluster down ends Ray
-    Train's restarts too)."""
+    """Fit the run while a driver thread hands each entry of its report channel to `handle` (the
+    reports appended to its `history` as they come), and MLflow's run is `opening` in another: a
+    failure to open it ends the run. Returns the result, how many worker failures Ray Train
+    restarted from, and the final Ray Checkpoint. On a private cluster an error every restart would
+    repeat ends the run at once (shutting the cluster down ends Ray Train's restarts too)."""
     import ray.train
 
     from orchestrator.report.callbacks import ForwardCheckpoints, ForwardFailures
 
     config, place, history, clock = plan.config, plan.place, handle.history, handle.clock
     reports = inputs.channel.sender
-    spec = replace(inputs.spec, attempt=(place.storage, place.path, fence.mine))  # rank 0 watches for a newer claim
+    # rank 0 watches for a newer claim
+    spec = replace(inputs.spec, attempt=(place.storage, place.path, fence.mine))
     trainer = build_trainer(config, spec, inputs.datasets, place,
                             [ForwardFailures(reports), ForwardCheckpoints(reports)])
     log.divert()  # Ray Train sets up its loggers on first use
@@ -273,16 +296,19 @@ def _fit(plan: RunPlan, inputs: _Inputs, handle: RunReports, opening: Alongside,
                                        lambda: stop_at_next_report(place, history))
         tracker = handle.tracker()  # the reports logged: MLflow's run is open
     except ray.train.TrainingFailedError as exc:
-        raise RunFailedError(f"training failed: {root_cause(exc)} (run directory: {place.uri})") from None
+        raise RunFailedError(f"training failed: {root_cause(exc)} "
+                             f"(run directory: {place.uri})") from None
     except Doomed as exc:
-        raise RunFailedError(f"training failed before its first report: {exc}; not retried, as every restart would "
-                             f"fail the same way (traceback in {log.path}; run directory: {place.uri})") from None
-    # A newer attempt claimed the run: its workers stopped at their next report (Cadence); what is in storage now,
-    # the newer attempt's checkpoints included, is not this attempt's to tidy, nor its MLflow run this one's to end.
+        raise RunFailedError(f"training failed before its first report: {exc}; not retried, "
+                             "as every restart would fail the same way (traceback in "
+                             f"{log.path}; run directory: {place.uri})") from None
+    # A newer attempt claimed the run: its workers stopped at their next report (Cadence); what is
+    # in storage now, the newer attempt's checkpoints included, is not this attempt's to tidy, nor
+    # its MLflow run this one's to end.
     refuse_if_newer(fence, place, now=True)
     _remove_unregistered_checkpoints(result)
-    # The checkpoints retention kept, each a LoggedModel of the run (tracking/checkpoint_models.py); the others'
-    # models go.
+    # The checkpoints retention kept, each a LoggedModel of the run (tracking/checkpoint_models.py);
+    # the others' models go.
     storage = config.storage.path
     kept = {checkpoint_uri(storage, c.path): m.get("step") for c, m in result.best_checkpoints or []}
     if result.checkpoint:
@@ -300,25 +326,29 @@ def _fit(plan: RunPlan, inputs: _Inputs, handle: RunReports, opening: Alongside,
 
 
 def _remove_unregistered_checkpoints(result: Any) -> None:
-    """Delete what a worker killed mid-checkpoint left in storage: Ray never registered it, so its retention
-    (`checkpoint.keep`) would never delete it and it would stay forever. Only after a run that finished."""
-    from orchestrator.training.resume import unregistered_checkpoints  # torch and Ray Train: not at the start
+    """Delete what a worker killed mid-checkpoint left in storage: Ray never registered it, so its
+    retention (`checkpoint.keep`) would never delete it and it would stay forever. Only after a run
+    that finished."""
+    # torch and Ray Train: not at the start
+    from orchestrator.training.resume import unregistered_checkpoints
 
     registered = [c.path for c, _ in result.best_checkpoints or []]
     registered += [result.checkpoint.path] if result.checkpoint else []
     try:
         for path in unregistered_checkpoints(result.filesystem, result.path, registered):
             result.filesystem.delete_dir(path)
-            print(f"removed unregistered checkpoint {path} (left by a worker that died while saving it)",
+            print(f"removed unregistered checkpoint {path} "
+                  "(left by a worker that died while saving it)",
                   file=sys.stderr)
     except OSError as exc:  # tidying must not fail a run that finished
-        print(f"warning: could not remove unregistered checkpoints under {result.path}: {exc}", file=sys.stderr)
+        print(f"warning: could not remove unregistered checkpoints under {result.path}: {exc}",
+              file=sys.stderr)
 
 
 def _bill(plan: RunPlan, result: TrainResult, began: float, failures: int) -> None:
-    """The run's cost ledger from `began` (the command's start) to now, billed at the largest size an elastic group
-    reached; for a resumed run, also over every attempt (MLflow's run spans them all, so its cost figures do too):
-    the earlier ones as the plan read them, and this one."""
+    """The run's cost ledger from `began` (the command's start) to now, billed at the largest size
+    an elastic group reached; for a resumed run, also over every attempt (MLflow's run spans them
+    all, so its cost figures do too): the earlier ones as the plan read them, and this one."""
     ended = time.time()
     result.cost = build_ledger(result.history, ended - began, plan.pricing_at(largest_world(result.history)), failures)
     attempts = [*plan.resume.attempts, attempt_record(began, result.history, ended)] if plan.resume else []

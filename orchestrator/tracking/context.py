@@ -1,6 +1,7 @@
-"""What a run is known by besides its figures and its name (runs.run_name): MLflow's context tags for where it came
-from (the command or script, LOCAL or JOB, the user, the git commit), the keys its command changed, and its params
-(the complete resolved config, the model builder's defaults included, a password in a URI masked)."""
+"""What a run is known by besides its figures and its name (runs.run_name): MLflow's context tags
+for where it came from (the command or script, LOCAL or JOB, the user, the git commit), the keys its
+command changed, and its params (the complete resolved config, the model builder's defaults
+included, a password in a URI masked)."""
 
 from __future__ import annotations
 
@@ -20,16 +21,18 @@ from orchestrator.tracking.uri import mask_password
 if TYPE_CHECKING:
     from orchestrator.config import Config, ModelConfig
 
-# The command, exact (a password masked): what `orchestrator doctor` completes. MLflow's Source holds it too.
+# The command, exact (a password masked): what `orchestrator doctor` completes. MLflow's Source
+# holds it too.
 COMMAND_TAG = "orchestrator.command"
 
 
-# Run context: MLflow's own tags for where a run came from (the UI's Source and User columns), set on new runs.
+# Run context: MLflow's own tags for where a run came from (the UI's Source and User columns), set
+# on new runs.
 
 
 def source_name(argv: list[str] | None = None) -> str:
-    """The command (`orchestrator train --config ...`, a password in it masked) or, for a run started from Python,
-    the script."""
+    """The command (`orchestrator train --config ...`, a password in it masked) or, for a run
+    started from Python, the script."""
     argv = sys.argv if argv is None else argv
     if not argv or not argv[0]:
         return "<console>"
@@ -44,9 +47,9 @@ def _is_orchestrator(argv: list[str]) -> bool:
 
 
 def changed_keys(argv: list[str] | None = None) -> list[str]:
-    """The config keys an `orchestrator` command's `--set` flags set (`-s`, `--set=`, `-sKEY=...` too), and
-    `autopilot.enabled` for `--autopilot`, in order: what its run's name shows (runs.run_name). [] for a run started
-    from Python (its script's flags are its own)."""
+    """The config keys an `orchestrator` command's `--set` flags set (`-s`, `--set=`, `-sKEY=...`
+    too), and `autopilot.enabled` for `--autopilot`, in order: what its run's name shows
+    (runs.run_name). [] for a run started from Python (its script's flags are its own)."""
     argv = sys.argv if argv is None else argv
     if not _is_orchestrator(argv):
         return []
@@ -65,10 +68,11 @@ def changed_keys(argv: list[str] | None = None) -> list[str]:
 
 
 def source_type(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> str:
-    """JOB for an `orchestrator` command (it runs a Ray Train job) and for any Ray job's entrypoint (`ray job
-    submit`, a KubeRay RayJob: Ray gives it its job config); LOCAL for a script run by hand. MLflow's UI shows a
-    JOB's source whole and a LOCAL one as its text after the last "/" (a script's file name): the command's Source
-    would read `runs` for `... --set storage.path=/tmp/runs`."""
+    """JOB for an `orchestrator` command (it runs a Ray Train job) and for any Ray job's entrypoint
+    (`ray job submit`, a KubeRay RayJob: Ray gives it its job config); LOCAL for a script run by
+    hand. MLflow's UI shows a JOB's source whole and a LOCAL one as its text after the last "/" (a
+    script's file name): the command's Source would read `runs` for `... --set
+    storage.path=/tmp/runs`."""
     argv = sys.argv if argv is None else argv
     environ = os.environ if environ is None else environ
     return "JOB" if _is_orchestrator(argv) or "RAY_JOB_CONFIG_JSON_ENV_VAR" in environ else "LOCAL"
@@ -83,7 +87,8 @@ def current_user() -> str:
 
 @functools.cache
 def git_commit(directory: str | None = None) -> str | None:
-    """HEAD of the git checkout at `directory` (the working directory), or None: not a checkout, no git."""
+    """HEAD of the git checkout at `directory` (the working directory), or None: not a checkout, no
+    git."""
     try:
         done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=directory or os.getcwd(), capture_output=True,
                               text=True, timeout=10, check=False)
@@ -94,8 +99,9 @@ def git_commit(directory: str | None = None) -> str | None:
 
 
 def context_tags() -> dict[str, str]:
-    """`mlflow.source.name`, `mlflow.source.type`, `mlflow.user`, in a git checkout `mlflow.source.git.commit`, and
-    for an `orchestrator` command the command itself (COMMAND_TAG)."""
+    """`mlflow.source.name`, `mlflow.source.type`, `mlflow.user`, in a git checkout
+    `mlflow.source.git.commit`, and for an `orchestrator` command the command itself
+    (COMMAND_TAG)."""
     source = source_name()
     tags = {"mlflow.source.name": source, "mlflow.source.type": source_type(), "mlflow.user": current_user()}
     if _is_orchestrator(sys.argv):
@@ -110,15 +116,16 @@ def context_tags() -> dict[str, str]:
 
 
 def model_defaults(model: ModelConfig) -> dict[str, Any]:
-    """The builder's own options with their signature defaults (what the model is built with when the config leaves
-    them out); {} when the builder cannot be loaded here."""
+    """The builder's own options with their signature defaults (what the model is built with when
+    the config leaves them out); {} when the builder cannot be loaded here."""
     import inspect
 
     try:
         from orchestrator.models.zoo import model_builder
 
         parameters = inspect.signature(model_builder(model.name, model.entrypoint)).parameters.values()
-    except Exception:  # a checked config loads its builder; anything else is not worth failing tracking over
+    # a checked config loads its builder; anything else is not worth failing tracking over
+    except Exception:
         return {}
     return {p.name: list(p.default) if isinstance(p.default, tuple) else p.default for p in parameters
             if p.default is not inspect.Parameter.empty and p.name not in ("in_features", "num_classes", "self")
@@ -126,10 +133,11 @@ def model_defaults(model: ModelConfig) -> dict[str, Any]:
 
 
 def config_params(config: Config, study: bool = False) -> dict[str, Any]:
-    """The flattened resolved config, defaults included: the model's options from its builder's signature under
-    `model.*`, overridden by the config's (an option set to null means the builder's default). Keys left null are
-    left out, and so is the `tune` section unless `study` (a study's parent run): the full config is the run's
-    `config.yaml`. A password in a URI (tracking.uri) is masked."""
+    """The flattened resolved config, defaults included: the model's options from its builder's
+    signature under `model.*`, overridden by the config's (an option set to null means the builder's
+    default). Keys left null are left out, and so is the `tune` section unless `study` (a study's
+    parent run): the full config is the run's `config.yaml`. A password in a URI (tracking.uri) is
+    masked."""
     tree = to_dict(config)
     model = tree["model"]
     defaults = model_defaults(config.model)

@@ -1,8 +1,8 @@
-"""What a tracked run's figures are linked to: the datasets they are measured on (the run's inputs, the UI's Dataset
-column) and the models of the checkpoints Ray Train commits (external LoggedModels, see checkpoint_models.py). The
-validation figures and the training loss of a step are linked to that step's checkpoint model and dataset, whichever
-of the report and the checkpoint's commit reaches the driver first. MlflowTracker (client.py) takes these methods
-from `Lineage`."""
+"""What a tracked run's figures are linked to: the datasets they are measured on (the run's inputs,
+the UI's Dataset column) and the models of the checkpoints Ray Train commits (external LoggedModels,
+see checkpoint_models.py). The validation figures and the training loss of a step are linked to that
+step's checkpoint model and dataset, whichever of the report and the checkpoint's commit reaches the
+driver first. MlflowTracker (client.py) takes these methods from `Lineage`."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
 
 class Lineage:
-    """MlflowTracker's checkpoint and dataset logging: the state it uses is set up by MlflowTracker.__init__."""
+    """MlflowTracker's checkpoint and dataset logging: the state it uses is set up by
+    MlflowTracker.__init__."""
 
     _client: Any
     writer: Writer
@@ -33,9 +34,10 @@ class Lineage:
     run_id: str | None
 
     def log_checkpoint(self, step: int, uri: str) -> None:
-        """A checkpoint Ray Train committed (at `uri`, of `step`) as an external LoggedModel of the run, with the
-        metrics of its step linked to it: those already logged (the same points again: the store keeps one), the
-        others as they are logged. Made by the writer's thread, after the points queued before it."""
+        """A checkpoint Ray Train committed (at `uri`, of `step`) as an external LoggedModel of the
+        run, with the metrics of its step linked to it: those already logged (the same points again:
+        the store keeps one), the others as they are logged. Made by the writer's thread, after the
+        points queued before it."""
         self.writer.put(("call", "log_checkpoint", lambda: self._create_checkpoint(step, uri)))
 
     def _create_checkpoint(self, step: int, uri: str) -> None:
@@ -51,10 +53,10 @@ class Lineage:
         self.writer.put(*(("metric", metric) for metric in linked))
 
     def keep_checkpoints(self, kept: Mapping[str, int | None]) -> None:
-        """The checkpoints in storage at the run's end ({URI: step}): the models of the others (deleted by
-        retention) are deleted; one the driver never heard of (committed while an earlier attempt's driver was going
-        away) is made now, and one an earlier driver made but was killed before linking gets its links: the run's
-        points of its step."""
+        """The checkpoints in storage at the run's end ({URI: step}): the models of the others
+        (deleted by retention) are deleted; one the driver never heard of (committed while an
+        earlier attempt's driver was going away) is made now, and one an earlier driver made but was
+        killed before linking gets its links: the run's points of its step."""
         from orchestrator.tracking.checkpoint_models import delete_dropped
 
         self.writer.flush()  # the checkpoints' models queued so far exist in the store
@@ -76,7 +78,8 @@ class Lineage:
                 self._safe("log_metrics", self._link_logged, step)
 
     def _link_logged(self, step: int) -> None:
-        """Link the run's points at `step` in the store (an earlier attempt's) to the step's checkpoint model."""
+        """Link the run's points at `step` in the store (an earlier attempt's) to the step's
+        checkpoint model."""
         from mlflow.entities import Metric
 
         keys = [key for key in self._client.get_run(self.run_id).data.metrics if _linkable(canonical_key(key))]
@@ -86,8 +89,9 @@ class Lineage:
             self._client.log_batch(self.run_id, metrics=points)
 
     def _link(self, key: str, step: int) -> dict[str, str]:
-        """Metric(...)'s arguments linking a point of series `key` at `step` to the step's checkpoint model and to
-        the dataset it was measured on: the validation figures and the training loss; {} for anything else."""
+        """Metric(...)'s arguments linking a point of series `key` at `step` to the step's
+        checkpoint model and to the dataset it was measured on: the validation figures and the
+        training loss; {} for anything else."""
         with self._lock:
             model = self._models.get(step)
         if not _linkable(key) or model is None:
@@ -96,7 +100,8 @@ class Lineage:
         return {"model_id": model} | ({"dataset_name": name, "dataset_digest": digest} if name else {})
 
     def _remember(self, key: str, chart: str, value: float, timestamp: int, step: int) -> None:
-        """A linkable point sent to the run, for the checkpoint of its step if that comes later (recent steps)."""
+        """A linkable point sent to the run, for the checkpoint of its step if that comes later
+        (recent steps)."""
         if _linkable(key):
             with self._lock:
                 self._sent.setdefault(step, []).append((key, chart, value, timestamp))
@@ -104,7 +109,8 @@ class Lineage:
                     del self._sent[min(self._sent)]
 
     def log_datasets(self, infos: Mapping[str, DatasetInfo]) -> None:
-        """The training and validation data as the run's inputs (the UI's Dataset column): `dataset_input` of each."""
+        """The training and validation data as the run's inputs (the UI's Dataset column):
+        `dataset_input` of each."""
         from mlflow.entities import DatasetInput, InputTag
 
         entities = {split: dataset_entity(info) for split, info in infos.items()}
@@ -119,15 +125,16 @@ _CONTEXTS = {"train": "training", "val": "validation"}
 
 
 def _linkable(key: str) -> bool:
-    """Whether the series under MLflow key `key` is linked to the checkpoint models of its steps: the validation
-    figures and the training loss."""
+    """Whether the series under MLflow key `key` is linked to the checkpoint models of its steps:
+    the validation figures and the training loss."""
     return key.startswith("val/") or key == mlflow_key("train_loss")
 
 
 def dataset_entity(info: DatasetInfo) -> Any:
-    """An MLflow Dataset for the Parquet data `info` describes: named by its last two path parts (`digits/train`),
-    its URI as source, its columns as schema, its rows, bytes and files as profile; the digest (8 hex digits) of
-    the path, schema and row count tells two datasets apart in the UI."""
+    """An MLflow Dataset for the Parquet data `info` describes: named by its last two path parts
+    (`digits/train`), its URI as source, its columns as schema, its rows, bytes and files as
+    profile; the digest (8 hex digits) of the path, schema and row count tells two datasets apart in
+    the UI."""
     from mlflow.entities import Dataset
 
     path = info.path.rstrip("/")

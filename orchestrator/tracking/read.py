@@ -1,5 +1,6 @@
-"""Reading a run back from MLflow (doctor, tests): its summary table as {figure: value}, and every metric's values
-in step order under its MLflow key, the summary table's numbers as one-value histories."""
+"""Reading a run back from MLflow (doctor, tests): its summary table as {figure: value}, and every
+metric's values in step order under its MLflow key, the summary table's numbers as one-value
+histories."""
 
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ def read_summary(client: Any, run_id: str) -> dict[str, Any]:
 
 
 def read_metrics(client: Any, run_id: str) -> dict[str, list[float]]:
-    """Every metric's values in step order (a headline chart's under its own MLflow key), and each number of the
-    summary table as a one-value history, all under their MLflow keys: what `RunRecord.values(name)` looks up as
-    `mlflow_key(name)`."""
+    """Every metric's values in step order (a headline chart's under its own MLflow key), and each
+    number of the summary table as a one-value history, all under their MLflow keys: what
+    `RunRecord.values(name)` looks up as `mlflow_key(name)`."""
     run = client.get_run(run_id)
     metrics, last_step = {}, None
     for key in run.data.metrics:
@@ -38,6 +39,7 @@ def read_metrics(client: Any, run_id: str) -> dict[str, list[float]]:
     for key, value in read_summary(client, run_id).items():
         if key not in metrics and isinstance(value, int | float) and not isinstance(value, bool):
             metrics[key] = [float(value)]
-    if mlflow_key("step") not in metrics and last_step is not None:  # a run still going: its table comes at the end
+    # a run still going: its table comes at the end
+    if mlflow_key("step") not in metrics and last_step is not None:
         metrics[mlflow_key("step")] = [float(last_step)]
     return metrics

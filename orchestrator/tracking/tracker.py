@@ -1,6 +1,6 @@
-"""The Tracker a run logs through: its protocol, NullTracker (what a run with tracking.enabled=false logs to),
-start_tracker (which of the two a run gets) and closed_on_error (a run that raised or was interrupted never stays
-RUNNING). The MLflow one, MlflowTracker, is in client.py."""
+"""The Tracker a run logs through: its protocol, NullTracker (what a run with tracking.enabled=false
+logs to), start_tracker (which of the two a run gets) and closed_on_error (a run that raised or was
+interrupted never stays RUNNING). The MLflow one, MlflowTracker, is in client.py."""
 
 from __future__ import annotations
 
@@ -47,9 +47,10 @@ class NullTracker:
 
 
 class FencedTracker:
-    """`inner`, whose writes are dropped once `refused()` (a flag: a newer attempt of the run claimed it, see
-    run/fencing.py), so that an attempt that lives on writes nothing into the run its successor continues: what its
-    writer still holds included (the writer asks before each write, and drops it all once refused)."""
+    """`inner`, whose writes are dropped once `refused()` (a flag: a newer attempt of the run
+    claimed it, see run/fencing.py), so that an attempt that lives on writes nothing into the run
+    its successor continues: what its writer still holds included (the writer asks before each
+    write, and drops it all once refused)."""
 
     def __init__(self, inner: Tracker, refused: Callable[[], bool]) -> None:
         self.inner, self.refused = inner, refused
@@ -111,13 +112,14 @@ def closed_on_error(tracker: Tracker) -> Iterator[None]:
 def start_tracker(cfg: TrackingConfig, run_name: str, tags: dict[str, str] | None = None,
                   run_id: str | None = None, headline: str | None = None,
                   context: dict[str, str] | None = None, uri: str | None = None) -> Tracker:
-    """An MLflow run of `cfg`'s store (`uri`: as a run's plan resolved it), or nothing with tracking off."""
+    """An MLflow run of `cfg`'s store (`uri`: as a run's plan resolved it), or nothing with tracking
+    off."""
     return MlflowTracker(cfg, run_name, tags, run_id, headline, context, uri) if cfg.enabled else NullTracker()
 
 
 def direct(tracker: Tracker) -> Tracker:
-    """The tracker that writes, for what goes through MLflow's own client (the final model): a FencedTracker's own,
-    or a NullTracker once it refuses."""
+    """The tracker that writes, for what goes through MLflow's own client (the final model): a
+    FencedTracker's own, or a NullTracker once it refuses."""
     if isinstance(tracker, FencedTracker):
         return NullTracker() if tracker.refused() else tracker.inner
     return tracker

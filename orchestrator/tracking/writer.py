@@ -1,10 +1,11 @@
-"""MLflow writes off the report path: MlflowTracker puts a run's metric points and tags (and the calls that must come
-after them, such as a checkpoint's model) on a queue, and one daemon thread writes them with `log_batch` every
-`every_s` seconds, in the order they were put (a series' steps stay in order), at most MLflow's 1000 entities a
-batch. A store that is slow only delays the thread; one that is down keeps what it did not take for the next try,
-up to `limit` points (past that the oldest go, said in one warning line). `flush()` writes everything now (the
-run's end and Ctrl+C, before its end status); `refused` (a newer attempt claimed the run) empties the queue: nothing
-of it lands after the refusal."""
+"""MLflow writes off the report path: MlflowTracker puts a run's metric points and tags (and the
+calls that must come after them, such as a checkpoint's model) on a queue, and one daemon thread
+writes them with `log_batch` every `every_s` seconds, in the order they were put (a series' steps
+stay in order), at most MLflow's 1000 entities a batch. A store that is slow only delays the thread;
+one that is down keeps what it did not take for the next try, up to `limit` points (past that the
+oldest go, said in one warning line). `flush()` writes everything now (the run's end and Ctrl+C,
+before its end status); `refused` (a newer attempt claimed the run) empties the queue: nothing of it
+lands after the refusal."""
 
 from __future__ import annotations
 
@@ -16,16 +17,19 @@ from typing import Any
 
 BATCH_METRICS = 1000  # MLflow's log_batch limits: 1000 metrics, 100 tags, 1000 entities in all
 BATCH_TAGS = 100
-MAX_PENDING = 100_000  # points and tags kept while the store does not take them (~15 MB): a long outage's oldest go
-# The cadence of the writes, whatever the reports' rate: a SQLite store's log_batch costs ~10 ms of CPU a call
-# plus ~0.2 ms a point, so a call every 5 s (not every second) cuts the driver's CPU at rest for a chart that
-# is at most 5 s behind; the run's end and Ctrl+C write everything at once.
+# points and tags kept while the store does not take them (~15 MB): a long outage's oldest go
+MAX_PENDING = 100_000
+# The cadence of the writes, whatever the reports' rate: a SQLite store's log_batch costs ~10 ms of
+# CPU a call plus ~0.2 ms a point, so a call every 5 s (not every second) cuts the driver's CPU at
+# rest for a chart that is at most 5 s behind; the run's end and Ctrl+C write everything at once.
 EVERY_S = 5.0
 
-# One queued write: ("metric", Metric), ("tag", RunTag), or ("call", what, fn) run alone, in its place.
+# One queued write: ("metric", Metric), ("tag", RunTag), or ("call", what, fn) run alone, in its
+# place.
 Entry = tuple[Any, ...]
-# The tracker's writer of one batch or call: `write(what, call, force)` -> "done", "refused" (the store answered no:
-# warned and dropped) or "down" (kept for the next try). `force` tries while the store is down.
+# The tracker's writer of one batch or call: `write(what, call, force)` -> "done", "refused" (the
+# store answered no: warned and dropped) or "down" (kept for the next try). `force` tries while the
+# store is down.
 Write = Callable[[str, Callable[[], None], bool], str]
 
 
@@ -45,8 +49,10 @@ class Writer:
         self._ended = False  # the run ended: the thread stops (a later put starts another)
         self._thread: threading.Thread | None = None
         self._exit_flush = False
-        self._refused_keys: set[str] = set()  # metric keys the store refused (a name it does not take): not sent again
-        self.lost = 0  # entries the store never took (dropped past `limit`, or left when a flush met it down)
+        # metric keys the store refused (a name it does not take): not sent again
+        self._refused_keys: set[str] = set()
+        # entries the store never took (dropped past `limit`, or left when a flush met it down)
+        self.lost = 0
 
     def put(self, *entries: Entry) -> None:
         """Queue entries; returns at once (the thread starts with the first)."""
@@ -70,8 +76,9 @@ class Writer:
             return len(self._queue) + (1 if self._busy else 0)
 
     def flush(self, end: bool = False) -> int:
-        """Write everything queued now (tried once even while the store is down) and wait for it; returns how many
-        entries the store did not take. At the run's `end` those are left out (counted in `lost`), else kept."""
+        """Write everything queued now (tried once even while the store is down) and wait for it;
+        returns how many entries the store did not take. At the run's `end` those are left out
+        (counted in `lost`), else kept."""
         with self._cond:
             if self._thread is None:
                 return 0
@@ -102,7 +109,8 @@ class Writer:
                 self._cond.notify_all()
 
     def _drain(self, force: bool) -> None:
-        """Write the queue's batches in order until it is empty or the store is down (the batch kept in front)."""
+        """Write the queue's batches in order until it is empty or the store is down (the batch kept
+        in front)."""
         while True:
             with self._cond:
                 if self.refused():
@@ -121,7 +129,8 @@ class Writer:
             force = False  # once the store answered, the next batches go as usual
 
     def _take(self) -> list[Entry]:
-        """The queue's front: one call, or the metrics and tags before the next call, within MLflow's limits."""
+        """The queue's front: one call, or the metrics and tags before the next call, within
+        MLflow's limits."""
         if not self._queue:
             return []
         if self._queue[0][0] == "call":
@@ -137,9 +146,9 @@ class Writer:
         return batch
 
     def _write_batch(self, batch: list[Entry], force: bool) -> bool:
-        """Write `batch`: True once the store took it (or refused it), False when it is down. A refused batch is
-        written again in halves, so that only what the store refuses itself is left out (one bad key among a
-        thousand good points)."""
+        """Write `batch`: True once the store took it (or refused it), False when it is down. A
+        refused batch is written again in halves, so that only what the store refuses itself is left
+        out (one bad key among a thousand good points)."""
         if batch[0][0] == "call":
             _, what, call = batch[0]
             return self._write(what, call, force) != "down"
@@ -147,7 +156,8 @@ class Writer:
         if not batch:
             return True
         metrics = [entry[1] for entry in batch if entry[0] == "metric"]
-        tags = list({entry[1].key: entry[1] for entry in batch if entry[0] == "tag"}.values())  # the last value wins
+        # the last value wins
+        tags = list({entry[1].key: entry[1] for entry in batch if entry[0] == "tag"}.values())
         outcome = self._write("log_metrics" if metrics else "set_tags",
                               lambda: self._log_batch(metrics=metrics, tags=tags), force)
         if outcome != "refused":

@@ -1,1 +1,2 @@
-"""Worker side: the code that runs inside each Ray Train worker. Imports torch and the public ray.train API only."""
+"""Worker side: the code that runs inside each Ray Train worker. Imports torch and the public
+ray.train API only."""

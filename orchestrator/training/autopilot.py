@@ -1,10 +1,11 @@
-"""The autopilot (`autopilot.enabled`): the run's first steps measure the settings that leave the math of training
-unchanged, one dimension at a time (the micro-batch at the fixed global batch, bf16 vs fp32 when train.precision is
-auto, torch.compile, torch threads and flush_denormal on CPU ranks; train.sync and train.tf32, which change it, only
-when autopilot.allow lists them), and the rest of the run trains with the fastest. Every measured step is a real step of
-the run. A step's time is the slowest rank's (an all-reduce max), rank 0 decides and broadcasts, a candidate that
-fails on any rank (out of memory, compile error) is dropped on all, and the choice is kept in Progress: a checkpoint
-carries it and a resume applies it without searching."""
+"""The autopilot (`autopilot.enabled`): the run's first steps measure the settings that leave the
+math of training unchanged, one dimension at a time (the micro-batch at the fixed global batch, bf16
+vs fp32 when train.precision is auto, torch.compile, torch threads and flush_denormal on CPU ranks;
+train.sync and train.tf32, which change it, only when autopilot.allow lists them), and the rest of
+the run trains with the fastest. Every measured step is a real step of the run. A step's time is the
+slowest rank's (an all-reduce max), rank 0 decides and broadcasts, a candidate that fails on any
+rank (out of memory, compile error) is dropped on all, and the choice is kept in Progress: a
+checkpoint carries it and a resume applies it without searching."""
 
 from __future__ import annotations
 
@@ -32,14 +33,19 @@ from orchestrator.training.step import StepResult, cut, first_compiled_step, tra
 from orchestrator.training.timing import PhaseTimer
 from pipelines.tensors import Batch, rows
 
-WARMUP = 1  # steps a candidate runs before it is timed (caches, allocator, a recompile for new shapes)
+# steps a candidate runs before it is timed (caches, allocator, a recompile for new shapes)
+WARMUP = 1
 MIN_TIMED, MAX_TIMED = 3, 8  # timed steps per candidate
-HOPELESS = 1.5  # a candidate this many times slower than the best is dropped after its first timed step
-MARGIN = (0.02, 0.10)  # bounds of the noise margin a candidate must beat the best by (twice the start's spread)
-# What torch.compile is assumed to cost before it is measured: tried only when the budget left covers it.
+# a candidate this many times slower than the best is dropped after its first timed step
+HOPELESS = 1.5
+# bounds of the noise margin a candidate must beat the best by (twice the start's spread)
+MARGIN = (0.02, 0.10)
+# What torch.compile is assumed to cost before it is measured: tried only when the budget left
+# covers it.
 COMPILE_GUESS_S = 30.0
-# Settings torch.compile's guards read (process-wide state: threads, TF32, the autocast around the model): a compiled
-# model stepped under a new value of one recompiles, so such a candidate costs a compile too.
+# Settings torch.compile's guards read (process-wide state: threads, TF32, the autocast around the
+# model): a compiled model stepped under a new value of one recompiles, so such a candidate costs a
+# compile too.
 RECOMPILES = frozenset({"torch_threads", "tf32", "precision"})
 # What rank 0 decides after each search step (bits of one broadcast integer).
 GO_ON, END, ADOPT, STOP = 0, 1, 2, 4
@@ -47,7 +53,8 @@ GO_ON, END, ADOPT, STOP = 0, 1, 2, 4
 
 @dataclass
 class Trial:
-    """A candidate being measured: warm-up steps left and the timed steps' seconds (each the slowest rank's)."""
+    """A candidate being measured: warm-up steps left and the timed steps' seconds (each the slowest
+    rank's)."""
 
     settings: Settings
     warmup: int = WARMUP
@@ -57,7 +64,8 @@ class Trial:
     failed: str | None = None
     started: bool = False
     piece_rows: int = 0  # rows of its largest forward
-    losses: list[float] = field(default_factory=list)  # rank 0's mean training loss of each timed step
+    # rank 0's mean training loss of each timed step
+    losses: list[float] = field(default_factory=list)
 
     @property
     def step_s(self) -> float:
@@ -71,9 +79,10 @@ def _spread(times: list[float]) -> float:
 
 
 def begin(cfg: Config, parts: Parts, progress: Progress) -> tuple[Autopilot | None, dict[str, Any] | None]:
-    """At the loop's start, on every rank: the search to run, or None with what the first report carries (rank 0;
-    None elsewhere): the choice kept from the checkpoint, applied here, or why the run is too short to search. A
-    group resized since the checkpoint keeps its choice but the micro-batch, which it measures again."""
+    """At the loop's start, on every rank: the search to run, or None with what the first report
+    carries (rank 0; None elsewhere): the choice kept from the checkpoint, applied here, or why the
+    run is too short to search. A group resized since the checkpoint keeps its choice but the
+    micro-batch, which it measures again."""
     t = cfg.train
     rank, world = ranks.world()
     per_worker = t.micro_batch_size * t.grad_accum_steps  # type: ignore[operator]
@@ -82,10 +91,12 @@ def begin(cfg: Config, parts: Parts, progress: Progress) -> tuple[Autopilot | No
     saved = progress.autopilot
     resized = saved is not None and saved.get("world") != world
     if saved is not None:
-        # A setting a checkpoint predates (sync, tf32) is the run's as configured, as kept_config builds it.
+        # A setting a checkpoint predates (sync, tf32) is the run's as configured, as kept_config
+        # builds it.
         chosen = Settings(**(asdict(start) | saved["chosen"]))
         if resized or not _joins(chosen.micro_batch_size, knobs.micro, per_worker):
-            # The micro-batch depends on the world size (re-measured below after a resize); the rest holds.
+            # The micro-batch depends on the world size (re-measured below after a resize); the rest
+            # holds.
             chosen = replace(chosen, micro_batch_size=start.micro_batch_size, grad_accum_steps=start.grad_accum_steps)
         knobs.apply(parts, chosen)
         if not resized:
@@ -96,17 +107,19 @@ def begin(cfg: Config, parts: Parts, progress: Progress) -> tuple[Autopilot | No
         start = chosen
     steps = t.max_steps - progress.step  # type: ignore[operator]
     if cfg.autopilot.budget * steps < 2 * (WARMUP + MIN_TIMED):
-        why = (f"run too short to pay for the search: autopilot.budget {cfg.autopilot.budget:g} x {steps} steps is "
-               f"{cfg.autopilot.budget * steps:.1f} steps' time, less than two candidates' measurement "
-               f"({2 * (WARMUP + MIN_TIMED)} steps); training with the config as written")
+        why = (f"run too short to pay for the search: autopilot.budget {cfg.autopilot.budget:g} "
+               f"x {steps} steps is {cfg.autopilot.budget * steps:.1f} steps' time, less than "
+               f"two candidates' measurement ({2 * (WARMUP + MIN_TIMED)} steps); training with "
+               "the config as written")
         return None, (summary(start, start, skipped=why) if rank == 0 else None)
     return Autopilot(cfg, progress, knobs, start, per_worker, micro_only=resized), None
 
 
 def kept_config(cfg: Config, state: dict[str, Any] | None, world: int) -> Config:
-    """The config a resumed or restarted group builds its model and data pipeline with: the sync mode the autopilot
-    chose (its local-SGD state is then restored with the model), and at the world size it chose at, its
-    micro-batch, so the step cuts nothing (`begin` applies the rest of the choice)."""
+    """The config a resumed or restarted group builds its model and data pipeline with: the sync
+    mode the autopilot chose (its local-SGD state is then restored with the model), and at the world
+    size it chose at, its micro-batch, so the step cuts nothing (`begin` applies the rest of the
+    choice)."""
     saved = (state or {}).get("progress", {}).get("autopilot")
     if not cfg.autopilot.enabled or not saved:
         return cfg
@@ -119,8 +132,8 @@ def kept_config(cfg: Config, state: dict[str, Any] | None, world: int) -> Config
 
 
 def _joins(micro: int, pipeline_micro: int, per_worker: int) -> bool:
-    """Whether the step can run `micro` from the pipeline's micro-batches: a multiple of them dividing the
-    per-worker batch, or a divisor of them."""
+    """Whether the step can run `micro` from the pipeline's micro-batches: a multiple of them
+    dividing the per-worker batch, or a divisor of them."""
     if micro >= pipeline_micro:
         return micro % pipeline_micro == 0 and per_worker % micro == 0
     return pipeline_micro % micro == 0
@@ -133,38 +146,45 @@ def summary(start: Settings, chosen: Settings, **figures: Any) -> dict[str, Any]
 
 
 class Autopilot:
-    """The search, driven by loop.run one step at a time (`step`) until `done`; `report` is then rank 0's summary.
-    Every rank runs the same candidates in the same steps: rank 0's decisions are broadcast."""
+    """The search, driven by loop.run one step at a time (`step`) until `done`; `report` is then
+    rank 0's summary. Every rank runs the same candidates in the same steps: rank 0's decisions are
+    broadcast."""
 
     def __init__(self, cfg: Config, progress: Progress, knobs: Knobs, start: Settings, per_worker: int,
                  micro_only: bool = False) -> None:
         self.cfg, self.progress, self.knobs, self.per_worker = cfg, progress, knobs, per_worker
-        self.micro_only = micro_only  # a resized group: the rest of the checkpoint's choice holds at any size
+        # a resized group: the rest of the checkpoint's choice holds at any size
+        self.micro_only = micro_only
         self.start, self.trial = start, Trial(start)
         self.best: Trial | None = None
         self.trials: list[Trial] = []
         self.spent, self.steps = 0.0, 0
-        # Rows of the largest piece that ran, per precision: fp32's activations take about twice bf16's memory, so
-        # a piece known to fit in one precision is not known to fit in a wider one.
+        # Rows of the largest piece that ran, per precision: fp32's activations take about twice
+        # bf16's memory, so a piece known to fit in one precision is not known to fit in a wider
+        # one.
         self.fits: dict[str, int] = {}
-        # The budget pays for the candidates' steps: the start's are the steps the run takes without a search.
+        # The budget pays for the candidates' steps: the start's are the steps the run takes without
+        # a search.
         self.charged = 0.0
         self.steps_left = cfg.train.max_steps - progress.step  # type: ignore[operator]
         self.budget_s, self.margin, self.adopted = math.inf, MARGIN[0], False
-        # False where the CPU cannot flush, or a switch mid-run would not reach torch's intra-op threads.
+        # False where the CPU cannot flush, or a switch mid-run would not reach torch's intra-op
+        # threads.
         self.flush_ok = flush_denormals(start.flush_denormal) and flush_switchable()
         self.walker = self._walk() if ranks.world()[0] == 0 else None
         self.done, self.report = False, None
 
     def step(self, parts: Parts, batch: list[Batch], timer: PhaseTimer) -> StepResult:
-        """One real step of the run under the candidate being measured, timed; then rank 0's decision."""
+        """One real step of the run under the candidate being measured, timed; then rank 0's
+        decision."""
         trial = self.trial
         if not trial.started:
             self._open(parts, trial, batch)
-        # Timed from when every rank is at the step: under DDP a rank still waiting for its data would hold the
-        # others in the gradient all-reduce, and its data wait would be billed to the candidate. Under NCCL the
-        # meeting all-reduce returns before it completes: the clock starts once the device has passed it (a search
-        # step's wait, at both ends of its window; the run's own steps never wait).
+        # Timed from when every rank is at the step: under DDP a rank still waiting for its data
+        # would hold the others in the gradient all-reduce, and its data wait would be billed to the
+        # candidate. Under NCCL the meeting all-reduce returns before it completes: the clock starts
+        # once the device has passed it (a search step's wait, at both ends of its window; the run's
+        # own steps never wait).
         ranks.meet(parts.device)
         if parts.device.type == "cuda":
             torch.cuda.synchronize(parts.device)
@@ -178,7 +198,8 @@ class Autopilot:
         self.spent, self.steps = self.spent + seconds, self.steps + 1
         self.charged += seconds if self.best is not None else 0.0
         trial.peak_gb = max(trial.peak_gb, peak)
-        if ran_out and trial.failed is None and self.best is not None:  # the step's own retry cut its pieces
+        # the step's own retry cut its pieces
+        if ran_out and trial.failed is None and self.best is not None:
             trial.failed = "failed: out of memory (the step was retried with smaller pieces)"
         if not ran_out and trial.failed is None:
             precision = trial.settings.precision
@@ -196,14 +217,16 @@ class Autopilot:
         return result
 
     def _open(self, parts: Parts, trial: Trial, batch: list[Batch]) -> None:
-        """Put the candidate on `parts`. A micro-batch larger than any that ran in its precision is first tried on
-        one piece, off the step (a rank out of memory inside a step's gradient all-reduce could not be undone): if
-        any rank runs out, the candidate is dropped on all, and the step runs with the best settings."""
+        """Put the candidate on `parts`. A micro-batch larger than any that ran in its precision is
+        first tried on one piece, off the step (a rank out of memory inside a step's gradient
+        all-reduce could not be undone): if any rank runs out, the candidate is dropped on all, and
+        the step runs with the best settings."""
         trial.started = True
         self.knobs.apply(parts, trial.settings)
         if parts.eager_model is not None:
             trial.warmup += 1  # the compiling step
-        if parts.device.type == "cuda":  # the candidate's own peak; the report's interval keeps the whole one
+        # the candidate's own peak; the report's interval keeps the whole one
+        if parts.device.type == "cuda":
             restart_peak(parts.device)
         first = cut(parts, batch)[0]
         trial.piece_rows = rows(first)
@@ -225,8 +248,9 @@ class Autopilot:
         return result, True
 
     def _verdict(self, trial: Trial) -> int:
-        """Rank 0's decision after a search step, from figures every rank shares: go on, or end the candidate
-        (adopting it as the best or not), and whether the search stops (budget spent, run near its end)."""
+        """Rank 0's decision after a search step, from figures every rank shares: go on, or end the
+        candidate (adopting it as the best or not), and whether the search stops (budget spent, run
+        near its end)."""
         stop = STOP if self.charged >= self.budget_s or self.steps >= self.steps_left - 1 else GO_ON
         n = len(trial.times)
         if trial.failed or (n == 0 and not stop):
@@ -242,14 +266,16 @@ class Autopilot:
         return GO_ON
 
     def _cost(self, trial: Trial) -> float:
-        """Seconds per step over the rest of the run: the step time, plus compiling spread over the steps left."""
+        """Seconds per step over the rest of the run: the step time, plus compiling spread over the
+        steps left."""
         return trial.step_s + (trial.compile_s or 0.0) / max(self.steps_left - self.steps, 1)
 
     def _close(self, parts: Parts, code: int) -> None:
         """End the candidate on every rank, as rank 0 decided; the next one is rank 0's too."""
         trial = self.trial
         self.trials.append(trial)
-        if self.best is None:  # the start: what it really ran (an out-of-memory retry may have cut it)
+        # the start: what it really ran (an out-of-memory retry may have cut it)
+        if self.best is None:
             trial.settings = self.start = self.knobs.read(parts, self.per_worker)
             self.best = trial
             self.margin = min(max(2 * _spread(trial.times), MARGIN[0]), MARGIN[1]) if trial.times else MARGIN[1]
@@ -270,9 +296,10 @@ class Autopilot:
         self.report = self._summary() if ranks.world()[0] == 0 else None
 
     def recut(self, parts: Parts, resize: Callable[[int], None] | None) -> int | None:
-        """After the search, on every rank: the data cut at the chosen micro-batch (`resize`), so the rest of the
-        run takes whole micro-batches as a run configured with it from the start does, instead of joining or cutting
-        the configured ones at every step. Returns the micro-batches a step now takes; None when nothing changes."""
+        """After the search, on every rank: the data cut at the chosen micro-batch (`resize`), so
+        the rest of the run takes whole micro-batches as a run configured with it from the start
+        does, instead of joining or cutting the configured ones at every step. Returns the
+        micro-batches a step now takes; None when nothing changes."""
         micro = self.best.settings.micro_batch_size  # type: ignore[union-attr]
         if resize is None or micro == self.knobs.micro:
             return None
@@ -281,7 +308,8 @@ class Autopilot:
         return self.per_worker // micro
 
     def _next(self) -> Settings | None:
-        """Rank 0: the next candidate, or None when the budget or the run's steps left cannot measure one more."""
+        """Rank 0: the next candidate, or None when the budget or the run's steps left cannot
+        measure one more."""
         one = (WARMUP + MIN_TIMED) * self.best.step_s  # type: ignore[union-attr]
         if self.charged + one > self.budget_s or self.steps + WARMUP + MIN_TIMED >= self.steps_left - 1:
             return None
@@ -289,11 +317,11 @@ class Autopilot:
         return next((s for s in self.walker if s not in tried), None)  # type: ignore[union-attr]
 
     def _walk(self) -> Iterator[Settings]:
-        """The candidates in order, each from the best so far (rank 0): micro-batches larger than the best's while
-        each beats the best, else smaller ones alike; then sync (allowed), precision (auto only), tf32 (allowed),
-        compile, threads and flush_denormal, each value against the best; then, if one of those changed the best,
-        the micro-batch once more (what pays depends on them: a larger micro-batch may gain only with more
-        threads)."""
+        """The candidates in order, each from the best so far (rank 0): micro-batches larger than
+        the best's while each beats the best, else smaller ones alike; then sync (allowed),
+        precision (auto only), tf32 (allowed), compile, threads and flush_denormal, each value
+        against the best; then, if one of those changed the best, the micro-batch once more (what
+        pays depends on them: a larger micro-batch may gain only with more threads)."""
         yield from self._walk_micro()
         if self.micro_only:
             return
@@ -319,8 +347,9 @@ class Autopilot:
                 break
 
     def _micro_options(self) -> tuple[list[int], list[int]]:
-        """Micro-batches the step can run from the pipeline's (joined or cut), larger than the best's ascending and
-        up to two smaller ones descending. None under FSDP, where running out of memory cannot be survived."""
+        """Micro-batches the step can run from the pipeline's (joined or cut), larger than the
+        best's ascending and up to two smaller ones descending. None under FSDP, where running out
+        of memory cannot be survived."""
         if fsdp.is_sharded(self.knobs.eager):
             return [], []
         m, accum = self.knobs.micro, self.per_worker // self.knobs.micro
@@ -330,9 +359,10 @@ class Autopilot:
         return sorted(o for o in options if o > best), sorted((o for o in options if o < best), reverse=True)
 
     def _worth(self, key: str) -> bool:
-        """Whether a candidate of `key` is measured now, from the best so far: compile, and a setting that recompiles
-        a compiled best, only when the budget left covers a compile; TF32 only while the best trains in fp32 (bf16
-        and fp16 autocast already narrow the matrix products it would change)."""
+        """Whether a candidate of `key` is measured now, from the best so far: compile, and a
+        setting that recompiles a compiled best, only when the budget left covers a compile; TF32
+        only while the best trains in fp32 (bf16 and fp16 autocast already narrow the matrix
+        products it would change)."""
         best = self.best.settings  # type: ignore[union-attr]
         if key == "compile" or (key in RECOMPILES and best.compile):
             if self.charged + COMPILE_GUESS_S > self.budget_s:
@@ -344,24 +374,28 @@ class Autopilot:
         sharded = fsdp.is_sharded(self.knobs.eager)
         options: list[tuple[str, list[Any]]] = []
         if "sync" in self.cfg.autopilot.allow and ranks.world()[1] > 1 and not sharded:
-            options.append(("sync", ["local_sgd" if s.sync == "ddp" else "ddp"]))  # asked for: measured first
+            # asked for: measured first
+            options.append(("sync", ["local_sgd" if s.sync == "ddp" else "ddp"]))
         fp32 = s.precision == "fp32"
         if self.cfg.train.precision == "auto" and s.precision == "bf16" and not sharded:
             options.append(("precision", ["fp32"]))  # auto chose bf16: the device runs it natively
             fp32 = True
         if "tf32" in self.cfg.autopilot.allow and self.knobs.device.type == "cuda" and fp32:
-            # Asked for, on a GPU, where the run trains or may train in fp32 (`_worth`): from the config's setting.
+            # Asked for, on a GPU, where the run trains or may train in fp32 (`_worth`): from the
+            # config's setting.
             options.append(("tf32", [not s.tf32]))
         if not sharded:
             options.append(("compile", [not s.compile]))
-        if cpu:  # a GPU step's kernels run on the device: the host's thread count measures only noise there
+        # a GPU step's kernels run on the device: the host's thread count measures only noise there
+        if cpu:
             cpus = max(1, int(self.cfg.scaling.cpus_per_worker))
             if hasattr(os, "sched_getaffinity"):
                 cpus = min(cpus, len(os.sched_getaffinity(0)))
             options.append(("torch_threads", sorted({1, max(1, cpus // 2), cpus, s.torch_threads}, reverse=True)))
         if cpu and self.flush_ok and not s.flush_denormal:
-            # Only towards on: subnormals appear late in training, so the first steps cannot see what flushing
-            # saves then (4x a step in bench/overhead.py), and turning it off on their figures could cost that.
+            # Only towards on: subnormals appear late in training, so the first steps cannot see
+            # what flushing saves then (4x a step in bench/overhead.py), and turning it off on their
+            # figures could cost that.
             options.append(("flush_denormal", [True]))
         return options
 
@@ -379,7 +413,8 @@ class Autopilot:
                 "samples_per_s": batch / trial.step_s if measured else None,
                 "ratio": start_s / trial.step_s if measured and math.isfinite(start_s) else None,
                 "peak_memory_gb": trial.peak_gb or None, "compile_s": trial.compile_s,
-                "status": trial.failed or ("ok" if trial.times else "stopped: the budget ran out in its warm-up"),
+                "status": trial.failed or ("ok" if trial.times else "stopped: the budget "
+                                                                    "ran out in its warm-up"),
                 "chosen": trial is self.best, "loss": statistics.fmean(trial.losses) if trial.losses else None})
         return summary(self.start, self.best.settings, rows=table,  # type: ignore[union-attr]
                        search_s=self.spent, search_steps=self.steps, predicted_speedup=self._speedup(),
@@ -387,15 +422,17 @@ class Autopilot:
 
 
 def saved(start: Settings, chosen: Settings, speedup: float | None, start_rate: float) -> dict[str, Any]:
-    """What a checkpoint keeps of the choice (Progress.autopilot); the starting configuration's measured samples/s
-    (0 when it was not measured) lets a resumed run's summary say what the choice achieves against it."""
+    """What a checkpoint keeps of the choice (Progress.autopilot); the starting configuration's
+    measured samples/s (0 when it was not measured) lets a resumed run's summary say what the choice
+    achieves against it."""
     return {"start": asdict(start), "chosen": asdict(chosen), "world": ranks.world()[1],
             "predicted_speedup": speedup, "start_samples_per_s": start_rate}
 
 
 def _runs_out(parts: Parts, piece: Batch) -> bool:
-    """Whether forward and backward of `piece` run out of memory on any rank. On the bare module (no DDP hook nor
-    collective fires), with the RNG forked; the gradients are dropped and the buffers put back."""
+    """Whether forward and backward of `piece` run out of memory on any rank. On the bare module (no
+    DDP hook nor collective fires), with the RNG forked; the gradients are dropped and the buffers
+    put back."""
     model = unwrap(parts.model)
     buffers = {name: value.clone() for name, value in model.named_buffers()}
     ran_out = False

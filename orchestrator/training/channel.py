@@ -1,12 +1,14 @@
-"""The run's report channel: rank 0's metrics and the controller's events go straight to the process that drives
-the run (the command's driver, or a Tune trial's actor), over one TCP connection per sender.
+"""The run's report channel: rank 0's metrics and the controller's events go straight to the process
+that drives the run (the command's driver, or a Tune trial's actor), over one TCP connection per
+sender.
 
-Why not a Ray queue actor: one more Ray process for every run (started while the worker group starts, ~1% of a
-core at rest even when nothing is sent, more when polled). The driver is reachable from every node already (Ray's
-workers call back their owner there), so the channel listens on the driver's node address and costs nothing while
-nothing is sent. Senders authenticate with the run's key (HMAC, multiprocessing's handshake) before anything is read.
-Each item is acknowledged once it is in the driver's queue: a sender's `put` returning means the driver has it, so
-everything sent before `fit()` returns is there when it does.
+Why not a Ray queue actor: one more Ray process for every run (started while the worker group
+starts, ~1% of a core at rest even when nothing is sent, more when polled). The driver is reachable
+from every node already (Ray's workers call back their owner there), so the channel listens on the
+driver's node address and costs nothing while nothing is sent. Senders authenticate with the run's
+key (HMAC, multiprocessing's handshake) before anything is read. Each item is acknowledged once it
+is in the driver's queue: a sender's `put` returning means the driver has it, so everything sent
+before `fit()` returns is there when it does.
 """
 
 from __future__ import annotations
@@ -24,13 +26,15 @@ ACK = b"1"
 
 
 class ChannelSender:
-    """A sender's end: the driver's address and the run's key. Picklable (crosses to the workers in the spec and to
-    Ray Train's controller in its callbacks) without its connection, which the first `put` opens."""
+    """A sender's end: the driver's address and the run's key. Picklable (crosses to the workers in
+    the spec and to Ray Train's controller in its callbacks) without its connection, which the first
+    `put` opens."""
 
     def __init__(self, address: tuple[str, int], key: bytes) -> None:
         self.address, self.key = address, key
         self._conn: Connection | None = None
-        self._lock = threading.Lock()  # one item at a time on the connection (the controller's two callbacks share it)
+        # one item at a time on the connection (the controller's two callbacks share it)
+        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"ChannelSender({self.address[0]}:{self.address[1]})"  # never the key
@@ -42,7 +46,8 @@ class ChannelSender:
         self.__init__(state["address"], state["key"])  # type: ignore[misc]
 
     def put(self, item: dict[str, Any]) -> None:
-        """Send `item` and wait until the driver has it. Raises OSError or EOFError when the driver is gone."""
+        """Send `item` and wait until the driver has it. Raises OSError or EOFError when the driver
+        is gone."""
         with self._lock:
             try:
                 if self._conn is None:
@@ -77,8 +82,9 @@ class ChannelSender:
 
 
 class ReportChannel:
-    """The driver's end: a listener on `host` and one reader thread per sender, feeding one in-process queue.
-    `get` blocks on that queue (no polling); `close` ends the listener and gives `get` an end mark."""
+    """The driver's end: a listener on `host` and one reader thread per sender, feeding one
+    in-process queue. `get` blocks on that queue (no polling); `close` ends the listener and gives
+    `get` an end mark."""
 
     END = None
 
@@ -93,11 +99,13 @@ class ReportChannel:
         threading.Thread(target=self._accept, name="orchestrator-reports-listener", daemon=True).start()
 
     def get(self, timeout: float | None = None) -> dict[str, Any] | None:
-        """The next item, or `END` once the channel is closed and emptied. Raises queue.Empty after `timeout`."""
+        """The next item, or `END` once the channel is closed and emptied. Raises queue.Empty after
+        `timeout`."""
         return self.items.get(timeout=timeout)
 
     def close(self) -> None:
-        """No more senders: what was sent is in the queue already (each item was acknowledged), then the end."""
+        """No more senders: what was sent is in the queue already (each item was acknowledged), then
+        the end."""
         with self._closing:
             if self._closed.is_set():
                 return
@@ -123,7 +131,8 @@ class ReportChannel:
             threading.Thread(target=self._read, args=(sock,), name="orchestrator-reports-reader", daemon=True).start()
 
     def _read(self, sock: socket.socket) -> None:
-        """One sender's items, in order. The handshake comes first, here, so a silent peer holds only its thread."""
+        """One sender's items, in order. The handshake comes first, here, so a silent peer holds
+        only its thread."""
         conn = Connection(sock.detach())
         with self._closing:
             self._readers.add(conn.fileno())
@@ -133,11 +142,13 @@ class ReportChannel:
             while True:
                 item = conn.recv()
                 with self._closing:
-                    if self._closed.is_set():  # a late sender is told so by the connection's end, not acknowledged
+                    # a late sender is told so by the connection's end, not acknowledged
+                    if self._closed.is_set():
                         return
                     self.items.put(item)
                 conn.send_bytes(ACK)
-        except (EOFError, OSError, AuthenticationError):  # the sender ended, or failed the handshake
+        # the sender ended, or failed the handshake
+        except (EOFError, OSError, AuthenticationError):
             pass
         finally:
             with self._closing:

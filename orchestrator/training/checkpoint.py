@@ -1,10 +1,11 @@
 """What a checkpoint holds (everything for an exact resume) and how it is written and read.
 
-Two layouts. DDP (and local SGD): rank 0 writes `state.pt` into a local directory that Ray Train copies into run
-storage. FSDP (`train.parallel=fsdp`): no rank holds the whole model, so every rank writes its own shards of the
-model and optimizer with torch.distributed.checkpoint (DCP) straight into the checkpoint directory in run storage,
-and the state every rank shares (schedule, progress, each rank's RNG streams) goes into the same DCP checkpoint.
-Both are committed by the manifest, written last by rank 0: a checkpoint without it is never loaded.
+Two layouts. DDP (and local SGD): rank 0 writes `state.pt` into a local directory that Ray Train
+copies into run storage. FSDP (`train.parallel=fsdp`): no rank holds the whole model, so every rank
+writes its own shards of the model and optimizer with torch.distributed.checkpoint (DCP) straight
+into the checkpoint directory in run storage, and the state every rank shares (schedule, progress,
+each rank's RNG streams) goes into the same DCP checkpoint. Both are committed by the manifest,
+written last by rank 0: a checkpoint without it is never loaded.
 """
 
 from __future__ import annotations
@@ -31,17 +32,19 @@ from orchestrator.training.unpickle import load_state_file
 from pipelines.rest import union_packed
 
 if TYPE_CHECKING:
-    import pyarrow.fs as pafs  # the run's storage; imported where used: a torch-only machine has no Arrow
+    # the run's storage; imported where used: a torch-only machine has no Arrow
+    import pyarrow.fs as pafs
     import torch.distributed.checkpoint as dcp
 
 STATE_FILE = "state.pt"
-# Written last, listing every other file and its size: a checkpoint without it, or whose files do not match it, is
-# incomplete (a crash while writing or copying it) and is never loaded.
+# Written last, listing every other file and its size: a checkpoint without it, or whose files do
+# not match it, is incomplete (a crash while writing or copying it) and is never loaded.
 MANIFEST = "manifest.json"
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The bare module under DDP / torch.compile wrappers, so state_dict keys do not depend on the world size."""
+    """The bare module under DDP / torch.compile wrappers, so state_dict keys do not depend on the
+    world size."""
     while True:
         inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
         if inner is None:
@@ -50,8 +53,9 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def capture_rng(device: torch.device | None = None) -> dict[str, Any]:
-    """This process's RNG streams; of CUDA's, only the training `device`'s: a restarted rank may see other devices,
-    or its device under another index, and a state per visible device would not map onto them."""
+    """This process's RNG streams; of CUDA's, only the training `device`'s: a restarted rank may see
+    other devices, or its device under another index, and a state per visible device would not map
+    onto them."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if device is not None and device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
@@ -59,14 +63,16 @@ def capture_rng(device: torch.device | None = None) -> dict[str, Any]:
 
 
 def restore_rng(state: dict[str, Any], device: torch.device | None = None) -> None:
-    """Put `capture_rng`'s streams back; the CUDA one into the training `device`, whichever index it has now."""
+    """Put `capture_rng`'s streams back; the CUDA one into the training `device`, whichever index it
+    has now."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     cuda = state.get("cuda")
     if cuda is None or device is None or device.type != "cuda":
         return
-    if isinstance(cuda, list):  # written before: one state per visible device, restored by index if it exists
+    # written before: one state per visible device, restored by index if it exists
+    if isinstance(cuda, list):
         index = torch.cuda.current_device() if device.index is None else device.index
         if index >= len(cuda):
             return
@@ -75,8 +81,8 @@ def restore_rng(state: dict[str, Any], device: torch.device | None = None) -> No
 
 
 def save_state(directory: str | Path, state: dict[str, Any]) -> Path:
-    """Write state.pt, then the manifest, each via a temporary name and rename: a crash at any point leaves either
-    a complete checkpoint or one that `check_complete` rejects."""
+    """Write state.pt, then the manifest, each via a temporary name and rename: a crash at any point
+    leaves either a complete checkpoint or one that `check_complete` rejects."""
     path = Path(directory) / STATE_FILE
     tmp = path.with_name(f".{STATE_FILE}.tmp")
     torch.save(state, tmp)
@@ -85,7 +91,8 @@ def save_state(directory: str | Path, state: dict[str, Any]) -> Path:
              and not p.name.startswith(".")}
     manifest = Path(directory) / MANIFEST
     tmp = manifest.with_name(f".{MANIFEST}.tmp")
-    # The cache decision too: the driver reads it (manifest_cache_decision) before it builds the datasets.
+    # The cache decision too: the driver reads it (manifest_cache_decision) before it builds the
+    # datasets.
     tmp.write_text(json.dumps({"format": 1, "step": state["progress"]["step"],
                                "cache_decision": state["progress"].get("cache_decision"),
                                "attempt": state["progress"].get("attempt"), "files": files}))
@@ -94,7 +101,8 @@ def save_state(directory: str | Path, state: dict[str, Any]) -> Path:
 
 
 def check_complete(filesystem: Any, path: str) -> str | None:
-    """None if the checkpoint at `path` (on a pyarrow filesystem: local or S3) is complete, else why not."""
+    """None if the checkpoint at `path` (on a pyarrow filesystem: local or S3) is complete, else why
+    not."""
     import pyarrow.fs as pafs
 
     try:
@@ -120,14 +128,14 @@ def manifest_step(filesystem: Any, path: str) -> int | None:
 
 
 def manifest_attempt(filesystem: Any, path: str) -> str | None:
-    """The claim of the attempt that wrote a checkpoint (training/fence.py); None if it records none (written before
-    attempts were claimed, or by a Tune trial) or the manifest is unreadable."""
+    """The claim of the attempt that wrote a checkpoint (training/fence.py); None if it records none
+    (written before attempts were claimed, or by a Tune trial) or the manifest is unreadable."""
     return _manifest_text(filesystem, path, "attempt")
 
 
 def manifest_cache_decision(filesystem: Any, path: str) -> str | None:
-    """The cache decision a checkpoint's data position counts rows under; None if it records none (written before
-    it was saved) or the manifest is unreadable."""
+    """The cache decision a checkpoint's data position counts rows under; None if it records none
+    (written before it was saved) or the manifest is unreadable."""
     return _manifest_text(filesystem, path, "cache_decision")
 
 
@@ -146,9 +154,9 @@ def load_state(directory: str | Path) -> dict[str, Any]:
 
 
 def checkpoint_state(parts: Parts, progress: Progress, micro_batch_size: int) -> dict[str, Any] | None:
-    """Everything for an exact resume, on rank 0 (None on the others). A collective: every rank calls it, and
-    gives what differs per rank (`rank_state`). `micro_batch_size` lets an auto-sized run resume with the
-    micro-batch it ran with (the same rounding)."""
+    """Everything for an exact resume, on rank 0 (None on the others). A collective: every rank
+    calls it, and gives what differs per rank (`rank_state`). `micro_batch_size` lets an auto-sized
+    run resume with the micro-batch it ran with (the same rounding)."""
     ranks = gather_to_rank0(rank_state(parts, progress))
     if not ranks:
         return None
@@ -163,15 +171,16 @@ def checkpoint_state(parts: Parts, progress: Progress, micro_batch_size: int) ->
         state[SEEN] = seen
     if parts.local_sgd is None:  # DDP: one optimizer state, the same on every rank
         return state | {"optimizer": parts.optimizer.state_dict(), "precision": parts.precision.state_dict()}
-    # Local SGD: each rank's optimizer moments (and fp16 loss scale) follow its own data; keep them all.
+    # Local SGD: each rank's optimizer moments (and fp16 loss scale) follow its own data; keep them
+    # all.
     return state | {"optimizer": [r["optimizer"] for r in ranks], "precision": [r["precision"] for r in ranks],
                     "local_sgd": parts.local_sgd.state_dict()}
 
 
 def rank_state(parts: Parts, progress: Progress) -> dict[str, Any]:
-    """What this rank contributes to a checkpoint beyond the shared model: its RNG streams, the ids of the rows it
-    trained on in the epoch, and under local SGD its own optimizer and precision state (on the CPU, so any rank
-    can load it)."""
+    """What this rank contributes to a checkpoint beyond the shared model: its RNG streams, the ids
+    of the rows it trained on in the epoch, and under local SGD its own optimizer and precision
+    state (on the CPU, so any rank can load it)."""
     state: dict[str, Any] = {"rng": capture_rng(parts.device), "seen": progress.seen.packed()}
     if parts.local_sgd is not None:
         state |= {"optimizer": _to_cpu(parts.optimizer.state_dict()), "precision": parts.precision.state_dict()}
@@ -189,15 +198,16 @@ def _to_cpu(tree: Any) -> Any:
 
 
 def restore(parts: Parts, state: dict[str, Any], cache_decision: str | None = None) -> Progress:
-    """Load a checkpoint written by `checkpoint_state`. At the same world size every rank gets its RNG streams,
-    optimizer state (its own under local SGD) and data position back (an exact resume); after a resize, or when the
-    data is fed under another `cache_decision` than the checkpoint's (another epoch order), the run continues at
-    the next epoch boundary. A sharded checkpoint's state (`read_sharded_state`) goes to `restore_sharded`."""
+    """Load a checkpoint written by `checkpoint_state`. At the same world size every rank gets its
+    RNG streams, optimizer state (its own under local SGD) and data position back (an exact resume);
+    after a resize, or when the data is fed under another `cache_decision` than the checkpoint's
+    (another epoch order), the run continues at the next epoch boundary. A sharded checkpoint's
+    state (`read_sharded_state`) goes to `restore_sharded`."""
     if SHARDS in state:
         return restore_sharded(parts, state, cache_decision)
     if fsdp.is_sharded(parts.model):
-        raise ConfigError("config key 'train.parallel': the checkpoint holds a whole model (written with "
-                          "train.parallel=ddp); resume with --set train.parallel=ddp")
+        raise ConfigError("config key 'train.parallel': the checkpoint holds a whole model "
+                          "(written with train.parallel=ddp); resume with --set train.parallel=ddp")
     rank, size = world()
     same_world = len(state["rng"]) == size
     unwrap(parts.model).load_state_dict(state["model"])
@@ -214,8 +224,9 @@ def restore(parts: Parts, state: dict[str, Any], cache_decision: str | None = No
 
 
 def _position(state: dict[str, Any], cache_decision: str | None, device: torch.device) -> Progress:
-    """The progress of a checkpoint's `state` for this rank (training on `device`): at the same world size its RNG
-    streams and data position; after a resize, or under another cache decision, the next epoch boundary."""
+    """The progress of a checkpoint's `state` for this rank (training on `device`): at the same
+    world size its RNG streams and data position; after a resize, or under another cache decision,
+    the next epoch boundary."""
     rank, size = world()
     progress = Progress(**state["progress"])
     saved, progress.cache_decision = progress.cache_decision, cache_decision or progress.cache_decision
@@ -226,9 +237,9 @@ def _position(state: dict[str, Any], cache_decision: str | None, device: torch.d
     seen = rest_of_epoch(state, cache_decision, size)
     if rank == 0 and progress.rows_in_epoch and not holds(state, cache_decision, size):
         done = f"its {len(seen)} rows trained on are left out" if seen is not None else "finishing it early"
-        print(f"the checkpoint's data position in epoch {progress.epoch} was counted by {len(state['rng'])} "
-              f"worker(s) in the '{saved}' epoch order; {size} worker(s) in the '{progress.cache_decision}' order "
-              f"finish the epoch: {done}", flush=True)
+        print(f"the checkpoint's data position in epoch {progress.epoch} was counted by "
+              f"{len(state['rng'])} worker(s) in the '{saved}' epoch order; {size} worker(s) "
+              f"in the '{progress.cache_decision}' order finish the epoch: {done}", flush=True)
     progress.epoch, progress.rows_in_epoch = data_position(state, cache_decision, size)
     progress.rest = seen is not None
     if seen is not None:
@@ -236,7 +247,8 @@ def _position(state: dict[str, Any], cache_decision: str | None, device: torch.d
     return progress
 
 
-# ---- sharded checkpoints (train.parallel=fsdp) -----------------------------------------------------------------
+# ---- sharded checkpoints (train.parallel=fsdp)
+# -----------------------------------------------------------------
 
 
 def storage_writer(filesystem: pafs.FileSystem, path: str) -> dcp.FileSystemWriter:
@@ -252,7 +264,8 @@ def storage_writer(filesystem: pafs.FileSystem, path: str) -> dcp.FileSystemWrit
 
 
 def storage_reader(filesystem: pafs.FileSystem, path: str) -> dcp.FileSystemReader:
-    """A DCP reader of the checkpoint at `path` on a pyarrow filesystem; every rank reads only what its shards need."""
+    """A DCP reader of the checkpoint at `path` on a pyarrow filesystem; every rank reads only what
+    its shards need."""
     import pyarrow.fs as pafs
     import torch.distributed.checkpoint as dcp
 
@@ -263,8 +276,8 @@ def storage_reader(filesystem: pafs.FileSystem, path: str) -> dcp.FileSystemRead
 
 
 def _arrow_fs(filesystem: pafs.FileSystem) -> Any:
-    # DCP's fsspec adapter over fsspec's wrapper of the pyarrow filesystem: the same S3 client, endpoint and
-    # credential chain as the rest of the run's storage, and no second S3 library.
+    # DCP's fsspec adapter over fsspec's wrapper of the pyarrow filesystem: the same S3 client,
+    # endpoint and credential chain as the rest of the run's storage, and no second S3 library.
     from fsspec.implementations.arrow import ArrowFSWrapper
     from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
 
@@ -274,8 +287,9 @@ def _arrow_fs(filesystem: pafs.FileSystem) -> Any:
 
 
 def shared_state(parts: Parts, progress: Progress, micro_batch_size: int | str | None) -> dict[str, Any]:
-    """What a sharded checkpoint keeps beside the model and optimizer shards, the same on every rank (DCP keeps one
-    copy): schedule, loss scale, progress and every rank's RNG streams. A collective."""
+    """What a sharded checkpoint keeps beside the model and optimizer shards, the same on every rank
+    (DCP keeps one copy): schedule, loss scale, progress and every rank's RNG streams. A
+    collective."""
     mine = (capture_rng(parts.device), progress.seen.packed())
     ranks: list[Any] = [None] * world()[1]
     if world()[1] > 1:
@@ -291,8 +305,8 @@ def shared_state(parts: Parts, progress: Progress, micro_batch_size: int | str |
 
 @dataclass
 class PendingCheckpoint:
-    """A sharded checkpoint whose shards are being written (`written`: DCP's future, None once written).
-    `commit` waits for them and, on rank 0, writes the manifest."""
+    """A sharded checkpoint whose shards are being written (`written`: DCP's future, None once
+    written). `commit` waits for them and, on rank 0, writes the manifest."""
 
     filesystem: pafs.FileSystem
     path: str
@@ -302,24 +316,25 @@ class PendingCheckpoint:
     attempt: str | None = None  # the claim of the attempt that writes it (training/fence.py)
 
     def wait(self) -> None:
-        """Called from two threads (the loop's next save, Ray's upload thread): read the future once."""
+        """Called from two threads (the loop's next save, Ray's upload thread): read the future
+        once."""
         written = self.written
         if written is not None:
             written.result()
 
     def commit(self) -> None:
-        """No collective (it may run in a background thread). On rank 0, DCP's own save ends with the coordinator
-        writing `.metadata` after every rank reported its shards written, so once rank 0's write is done, all of
-        the checkpoint is in storage and the manifest may name it."""
+        """No collective (it may run in a background thread). On rank 0, DCP's own save ends with
+        the coordinator writing `.metadata` after every rank reported its shards written, so once
+        rank 0's write is done, all of the checkpoint is in storage and the manifest may name it."""
         self.wait()
         if world()[0] == 0:
             write_manifest(self.filesystem, self.path, self.step, self.cache_decision, self.attempt)
 
 
 class ShardedSaver:
-    """Saves sharded checkpoints one at a time. `asynchronous`: each rank copies its shards to CPU memory and
-    returns; a background thread writes them (DCP's async save, on a group of its own so that its collectives do
-    not interleave with training's)."""
+    """Saves sharded checkpoints one at a time. `asynchronous`: each rank copies its shards to CPU
+    memory and returns; a background thread writes them (DCP's async save, on a group of its own so
+    that its collectives do not interleave with training's)."""
 
     def __init__(self, asynchronous: bool) -> None:
         self.asynchronous = asynchronous
@@ -328,8 +343,8 @@ class ShardedSaver:
 
     def save(self, filesystem: pafs.FileSystem, path: str, parts: Parts, progress: Progress,
              micro_batch_size: int | str | None) -> PendingCheckpoint:
-        """Start writing the checkpoint of `parts` at `progress` into `path` (the same on every rank). A
-        collective. Call `commit()` on the result (on every rank) before registering it."""
+        """Start writing the checkpoint of `parts` at `progress` into `path` (the same on every
+        rank). A collective. Call `commit()` on the result (on every rank) before registering it."""
         self.close()  # one save at a time: DCP's collectives of two saves must not interleave
         extra = shared_state(parts, progress, micro_batch_size)
         writer = storage_writer(filesystem, path)
@@ -353,8 +368,9 @@ class ShardedSaver:
 
 def write_manifest(filesystem: pafs.FileSystem, path: str, step: int, cache_decision: str | None,
                    attempt: str | None = None) -> None:
-    """The manifest of the checkpoint directory `path` in storage: every file in it (DCP's `.metadata` included)
-    with its size. Written under a temporary name and moved, so it appears whole or not at all."""
+    """The manifest of the checkpoint directory `path` in storage: every file in it (DCP's
+    `.metadata` included) with its size. Written under a temporary name and moved, so it appears
+    whole or not at all."""
     import pyarrow.fs as pafs
 
     infos = filesystem.get_file_info(pafs.FileSelector(path))
@@ -368,7 +384,8 @@ def write_manifest(filesystem: pafs.FileSystem, path: str, step: int, cache_deci
 
 
 def is_sharded_checkpoint(filesystem: pafs.FileSystem, path: str) -> bool:
-    """Whether the checkpoint at `path` was written by FSDP's ranks (DCP) rather than as DDP's state.pt."""
+    """Whether the checkpoint at `path` was written by FSDP's ranks (DCP) rather than as DDP's
+    state.pt."""
     import pyarrow.fs as pafs
 
     return filesystem.get_file_info(f"{path}/.metadata").type == pafs.FileType.File
@@ -378,14 +395,16 @@ SHARDS = "shards"  # the key of a sharded checkpoint's location in what read_sha
 
 
 def read_sharded_state(filesystem: pafs.FileSystem, path: str) -> dict[str, Any]:
-    """The shared state of the sharded checkpoint at `path` (what `checkpoint_state` gives for DDP, less model and
-    optimizer), read by one rank without any collective (its micro-batch and world size are known before the model
-    is restored), with the checkpoint's location under SHARDS for `restore` to load the shards from."""
+    """The shared state of the sharded checkpoint at `path` (what `checkpoint_state` gives for DDP,
+    less model and optimizer), read by one rank without any collective (its micro-batch and world
+    size are known before the model is restored), with the checkpoint's location under SHARDS for
+    `restore` to load the shards from."""
     where = fsdp.stored_in(storage_reader(filesystem, path).read_metadata(), fsdp.EXTRA_KEY)
     with filesystem.open_input_file(f"{path}/{where.relative_path}") as f:
         f.seek(where.offset)
         blob = f.read(where.length)
-    # As DCP's loader reads it (torch.load of the stored bytes gives the buffer fsdp._to_save wrote), then the state.
+    # As DCP's loader reads it (torch.load of the stored bytes gives the buffer fsdp._to_save
+    # wrote), then the state.
     name = f"{path}/{where.relative_path}"
     buffer = load_state_file(io.BytesIO(blob), name)
     buffer.seek(0)
@@ -393,12 +412,13 @@ def read_sharded_state(filesystem: pafs.FileSystem, path: str) -> dict[str, Any]
 
 
 def restore_sharded(parts: Parts, state: dict[str, Any], cache_decision: str | None = None) -> Progress:
-    """Load what `read_sharded_state` gave: the shards into the freshly sharded model and optimizer of `parts` at
-    any world size (the saved shards are cut again for this one), then the shared state; as `restore`, RNG streams
-    and the data position come back at the same world size, the next epoch boundary after a resize. A collective."""
+    """Load what `read_sharded_state` gave: the shards into the freshly sharded model and optimizer
+    of `parts` at any world size (the saved shards are cut again for this one), then the shared
+    state; as `restore`, RNG streams and the data position come back at the same world size, the
+    next epoch boundary after a resize. A collective."""
     if not fsdp.is_sharded(parts.model):
-        raise ConfigError("config key 'train.parallel': the checkpoint holds FSDP shards (written with "
-                          "train.parallel=fsdp); resume with --set train.parallel=fsdp")
+        raise ConfigError("config key 'train.parallel': the checkpoint holds FSDP shards (written "
+                          "with train.parallel=fsdp); resume with --set train.parallel=fsdp")
     filesystem, path = state[SHARDS]
     fsdp.load_sharded(path, parts.model, parts.optimizer, storage=storage_reader(filesystem, path))
     schedule, precision = state["scheduler"], state["precision"]

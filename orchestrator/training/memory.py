@@ -1,4 +1,5 @@
-"""Device-memory care: the largest micro-batch that fits, out-of-memory detection, CUDA memory statistics."""
+"""Device-memory care: the largest micro-batch that fits, out-of-memory detection, CUDA memory
+statistics."""
 
 from __future__ import annotations
 
@@ -16,31 +17,34 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
-# Free device memory below this share of the total counts as pressure: after an evaluation the cache is handed back.
+# Free device memory below this share of the total counts as pressure: after an evaluation the cache
+# is handed back.
 PRESSURE_SHARE = 0.10
 
 
 def release_cached_memory(device: torch.device) -> None:
-    """Hand cached blocks back to the driver: after an out-of-memory error (the step is retried smaller), after
-    probing. Collects garbage first, so blocks that only reference cycles held are cached (then freed) too."""
+    """Hand cached blocks back to the driver: after an out-of-memory error (the step is retried
+    smaller), after probing. Collects garbage first, so blocks that only reference cycles held are
+    cached (then freed) too."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
 def under_pressure(free: int, total: int, share: float = PRESSURE_SHARE) -> bool:
-    """Whether a device with `free` of its `total` bytes free (cudaMemGetInfo's figures: other processes and
-    memory outside torch's allocator count) is short of memory."""
+    """Whether a device with `free` of its `total` bytes free (cudaMemGetInfo's figures: other
+    processes and memory outside torch's allocator count) is short of memory."""
     return free < share * total
 
 
 def release_if_pressed(device: torch.device, share: float = PRESSURE_SHARE) -> bool:
-    """After an evaluation: hand cached blocks back only when the device is short of memory (`under_pressure`), for
-    what allocates outside torch's cache (NCCL, another process). Otherwise the cache stays: emptying it waits for
-    the device and makes the next steps cudaMalloc the same blocks again, and the collection before it costs tens
-    of milliseconds on a big model's Python heap; torch's allocator itself frees cached blocks and retries before
-    it reports out of memory. On the CPU there is no cache: nothing. The figures are the driver's (cudaMemGetInfo,
-    a host-side query that queues nothing and waits for no kernel). Returns whether it released."""
+    """After an evaluation: hand cached blocks back only when the device is short of memory
+    (`under_pressure`), for what allocates outside torch's cache (NCCL, another process). Otherwise
+    the cache stays: emptying it waits for the device and makes the next steps cudaMalloc the same
+    blocks again, and the collection before it costs tens of milliseconds on a big model's Python
+    heap; torch's allocator itself frees cached blocks and retries before it reports out of memory.
+    On the CPU there is no cache: nothing. The figures are the driver's (cudaMemGetInfo, a host-side
+    query that queues nothing and waits for no kernel). Returns whether it released."""
     if device.type != "cuda":
         return False
     free, total = torch.cuda.mem_get_info(device)
@@ -51,8 +55,9 @@ def release_if_pressed(device: torch.device, share: float = PRESSURE_SHARE) -> b
 
 
 def device_facts(device: torch.device) -> dict[str, float]:
-    """Numbers about the device, reported once: is it a GPU, does it run bf16 natively (torch's default also counts
-    pre-Ampere GPUs that only emulate it, slower than fp16), how much memory it has."""
+    """Numbers about the device, reported once: is it a GPU, does it run bf16 natively (torch's
+    default also counts pre-Ampere GPUs that only emulate it, slower than fp16), how much memory it
+    has."""
     if device.type != "cuda":
         return {"device/cuda": 0.0}
     native_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
@@ -60,14 +65,16 @@ def device_facts(device: torch.device) -> dict[str, float]:
             "device/memory_total_gb": torch.cuda.get_device_properties(device).total_memory / GIB}
 
 
-# The allocator keeps one peak counter per device, and two windows read it: a report's interval (cuda_memory_stats)
-# and an autopilot candidate (restart_peak). A candidate's restart keeps the interval's peak so far here.
+# The allocator keeps one peak counter per device, and two windows read it: a report's interval
+# (cuda_memory_stats) and an autopilot candidate (restart_peak). A candidate's restart keeps the
+# interval's peak so far here.
 _interval_peaks: dict[torch.device, int] = {}
 
 
 def cuda_memory_stats(device: torch.device) -> dict[str, float]:
-    """Allocated / reserved GiB now, the interval's peak allocated (since the last report: every candidate the
-    autopilot measured in it included), and the reserved-minus-allocated gap (cached but unused: fragmentation)."""
+    """Allocated / reserved GiB now, the interval's peak allocated (since the last report: every
+    candidate the autopilot measured in it included), and the reserved-minus-allocated gap (cached
+    but unused: fragmentation)."""
     if device.type != "cuda":
         return {}
     allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
@@ -83,8 +90,8 @@ def cuda_memory_stats(device: torch.device) -> dict[str, float]:
 
 
 def restart_peak(device: torch.device) -> None:
-    """Start torch.cuda.max_memory_allocated afresh (an autopilot candidate's own peak), the peak so far kept for
-    the report's interval."""
+    """Start torch.cuda.max_memory_allocated afresh (an autopilot candidate's own peak), the peak so
+    far kept for the report's interval."""
     _interval_peaks[device] = max(_interval_peaks.get(device, 0), torch.cuda.max_memory_allocated(device))
     torch.cuda.reset_peak_memory_stats(device)
 
@@ -94,9 +101,9 @@ def divisors_descending(n: int) -> list[int]:
 
 
 def activation_bytes_per_sample(model: torch.nn.Module, samples: int, loss: Callable[[], torch.Tensor]) -> float:
-    """Bytes autograd keeps for backward per sample, measured on a small batch of `samples` rows whose forward and
-    loss `loss()` computes (each storage counted once; parameters are not activations and are counted in
-    `state_bytes`)."""
+    """Bytes autograd keeps for backward per sample, measured on a small batch of `samples` rows
+    whose forward and loss `loss()` computes (each storage counted once; parameters are not
+    activations and are counted in `state_bytes`)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -114,7 +121,8 @@ def activation_bytes_per_sample(model: torch.nn.Module, samples: int, loss: Call
 
 
 def state_bytes(model: torch.nn.Module, optimizer_slots: int) -> int:
-    """Parameters + gradients + optimizer state (AdamW keeps 2 slots per parameter, SGD with momentum 1)."""
+    """Parameters + gradients + optimizer state (AdamW keeps 2 slots per parameter, SGD with
+    momentum 1)."""
     params = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     return params * (2 + optimizer_slots)
 
@@ -125,15 +133,17 @@ def fit_micro_batch_cpu(per_worker: int, state: int, per_sample: float, budget_b
         if state + size * per_sample <= budget_bytes:
             return size
     raise ConfigError(
-        f"the model needs {state / GIB:.2f} GiB for weights, gradients and optimizer state plus "
-        f"{per_sample / 1024**2:.2f} MiB per sample, more than train.memory_budget_gb={budget_bytes / GIB:g} "
-        "allows even at micro-batch 1: raise the budget or use a smaller model"
+        f"the model needs {state / GIB:.2f} GiB for weights, gradients and "
+        f"optimizer state plus {per_sample / 1024**2:.2f} MiB per sample, "
+        f"more than train.memory_budget_gb={budget_bytes / GIB:g} allows "
+        "even at micro-batch 1: raise the budget or use a smaller model"
     )
 
 
 def fit_micro_batch_cuda(per_worker: int, try_step: Callable[[int], None], device: torch.device) -> int:
-    """Largest divisor of the per-worker batch for which a real forward+backward+optimizer step does not run out
-    of memory. Sizes are tried from small to large (doubling through the divisors), stopping at the first OOM."""
+    """Largest divisor of the per-worker batch for which a real forward+backward+optimizer step does
+    not run out of memory. Sizes are tried from small to large (doubling through the divisors),
+    stopping at the first OOM."""
     sizes = sorted(divisors_descending(per_worker))
 
     def fits(size: int) -> bool:
@@ -158,5 +168,6 @@ def fit_micro_batch_cuda(per_worker: int, try_step: Callable[[int], None], devic
     if failed is not None:  # between the last fit and the first OOM, take the largest that fits
         best = next((s for s in reversed(sizes) if best < s < failed and fits(s)), best)
     if best == 0:
-        raise ConfigError("not even a micro-batch of 1 fits in GPU memory: use a smaller model or a larger GPU")
+        raise ConfigError("not even a micro-batch of 1 fits in GPU "
+                          "memory: use a smaller model or a larger GPU")
     return best

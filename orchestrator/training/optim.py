@@ -30,11 +30,12 @@ def sgd(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.O
 
 
 def kernel(params: list[torch.nn.Parameter], sharded: bool) -> dict[str, bool]:
-    """torch's fused kernel where it has one for every parameter's device and dtype (and, for FSDP's sharded
-    parameters, where torch 2.13 can run it on them: `sharded`, AdamW's but not SGD's), else its default (foreach on
-    GPUs). torch never picks fused by itself, though it is the fastest (one kernel for all parameters: 1.5x the
-    samples/s of the per-tensor loop for bench/overhead.py's MLP on CPU) and the only one that takes a `found_inf`
-    flag, which lets a non-finite step be skipped on the device without a host read (precision.step_unless)."""
+    """torch's fused kernel where it has one for every parameter's device and dtype (and, for FSDP's
+    sharded parameters, where torch 2.13 can run it on them: `sharded`, AdamW's but not SGD's), else
+    its default (foreach on GPUs). torch never picks fused by itself, though it is the fastest (one
+    kernel for all parameters: 1.5x the samples/s of the per-tensor loop for bench/overhead.py's MLP
+    on CPU) and the only one that takes a `found_inf` flag, which lets a non-finite step be skipped
+    on the device without a host read (precision.step_unless)."""
     from torch.distributed.tensor import DTensor
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
@@ -53,8 +54,8 @@ SCHEDULES.register("constant")(lambda p: 1.0)
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
     """Multiplier of cfg.lr for the update made at optimizer step `step` (0-based).
 
-    Indexed by optimizer steps at a fixed global batch, i.e. by samples seen, so a change of micro-batch or
-    worker count that keeps the global batch does not bend the curve.
+    Indexed by optimizer steps at a fixed global batch, i.e. by samples seen, so a change of
+    micro-batch or worker count that keeps the global batch does not bend the curve.
     """
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps

@@ -1,7 +1,8 @@
-"""The collectives the worker side uses to keep its ranks in step. Each is a plain value in a single process (no
-process group), so the loop runs unchanged in-process and under DDP. The tensor collectives take the training device
-explicitly: on GPUs the group is NCCL, which serves `cuda` tensors only, so a value left on the CPU fails there. The
-object collectives (gather_*) use the current CUDA device, which Ray Train sets for each worker."""
+"""The collectives the worker side uses to keep its ranks in step. Each is a plain value in a single
+process (no process group), so the loop runs unchanged in-process and under DDP. The tensor
+collectives take the training device explicitly: on GPUs the group is NCCL, which serves `cuda`
+tensors only, so a value left on the CPU fails there. The object collectives (gather_*) use the
+current CUDA device, which Ray Train sets for each worker."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
 
 
 def all_reduce_max(values: list[float], device: torch.device) -> list[float]:
-    """Element-wise maxima across ranks, in float64: e.g. the slowest rank's step time, the same on every rank."""
+    """Element-wise maxima across ranks, in float64: e.g. the slowest rank's step time, the same on
+    every rank."""
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     if world()[1] > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
@@ -35,8 +37,8 @@ def all_reduce_max(values: list[float], device: torch.device) -> list[float]:
 
 
 def meet(device: torch.device) -> None:
-    """Every rank waits here for the others (a one-element all-reduce on `device`, which a group serving `cuda`
-    tensors only accepts where a CPU barrier would not)."""
+    """Every rank waits here for the others (a one-element all-reduce on `device`, which a group
+    serving `cuda` tensors only accepts where a CPU barrier would not)."""
     if world()[1] > 1:
         dist.all_reduce(torch.zeros(1, device=device))
 
@@ -51,8 +53,8 @@ def any_rank(flag: bool | torch.Tensor, device: torch.device) -> bool:
 
 
 def on_any_rank(flag: torch.Tensor) -> torch.Tensor:
-    """1.0 on every rank if `flag` (a float 0/1 on the training device) is 1 on any rank, left on the device: a MAX
-    all-reduce, never read back (the step decides with it on the device)."""
+    """1.0 on every rank if `flag` (a float 0/1 on the training device) is 1 on any rank, left on
+    the device: a MAX all-reduce, never read back (the step decides with it on the device)."""
     flag = flag.to(torch.float32).reshape(())
     if world()[1] > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -60,8 +62,8 @@ def on_any_rank(flag: torch.Tensor) -> torch.Tensor:
 
 
 def rank0_says(flag: bool, device: torch.device) -> bool:
-    """Rank 0's value on every rank: a decision from a local clock must be the same everywhere, or the ranks'
-    collective calls (checkpoint gather, report) would no longer line up."""
+    """Rank 0's value on every rank: a decision from a local clock must be the same everywhere, or
+    the ranks' collective calls (checkpoint gather, report) would no longer line up."""
     if world()[1] == 1:
         return flag
     tensor = torch.tensor([float(flag)], device=device)

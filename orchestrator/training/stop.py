@@ -1,6 +1,7 @@
-"""The user's stop (Ctrl+C on the driver) reaching rank 0: the driver writes a request file beside the run's
-checkpoints, and a thread of rank 0 looks for it every second, so that the loop reads only a flag, at its report
-steps (Cadence broadcasts rank 0's answer). No actor: one more would cost every run's start a process."""
+"""The user's stop (Ctrl+C on the driver) reaching rank 0: the driver writes a request file beside
+the run's checkpoints, and a thread of rank 0 looks for it every second, so that the loop reads only
+a flag, at its report steps (Cadence broadcasts rank 0's answer). No actor: one more would cost
+every run's start a process."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ STOP_FILE = "stop-requested"  # in the run's directory
 
 
 class StopWatch:
-    """Rank 0's view of the request: True once the file exists. Polls `path` in `storage` every `every_s`."""
+    """Rank 0's view of the request: True once the file exists. Polls `path` in `storage` every
+    `every_s`."""
 
     def __init__(self, storage: Storage, path: str, every_s: float = 1.0) -> None:
         self.storage, self.path, self.every_s = storage, path, every_s

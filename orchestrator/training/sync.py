@@ -1,5 +1,6 @@
-"""How workers agree on the model: DDP's per-step gradient all-reduce, or local SGD's periodic parameter average
-(with an optional DiLoCo-style outer Nesterov step). Also counts the bytes every rank puts into all-reduces."""
+"""How workers agree on the model: DDP's per-step gradient all-reduce, or local SGD's periodic
+parameter average (with an optional DiLoCo-style outer Nesterov step). Also counts the bytes every
+rank puts into all-reduces."""
 
 from __future__ import annotations
 
@@ -13,17 +14,20 @@ from orchestrator.training import ranks
 
 
 def grad_bytes(model: torch.nn.Module) -> int:
-    """Bytes of one DDP gradient all-reduce: every trainable parameter's gradient, in the parameter's dtype."""
+    """Bytes of one DDP gradient all-reduce: every trainable parameter's gradient, in the
+    parameter's dtype."""
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 @dataclass
 class LocalSGD:
-    """Each rank steps alone; every `every` steps the parameters (and floating buffers) are averaged.
+    """Each rank steps alone; every `every` steps the parameters (and floating buffers) are
+    averaged.
 
     With `outer_momentum`, the averaged change since the last sync is treated as an outer gradient
-    (anchor - average) and applied to the anchor with Nesterov momentum and `outer_lr` (DiLoCo); without it,
-    params = anchor - outer_lr * (anchor - average), which is the plain average at outer_lr = 1.
+    (anchor - average) and applied to the anchor with Nesterov momentum and `outer_lr` (DiLoCo);
+    without it, params = anchor - outer_lr * (anchor - average), which is the plain average at
+    outer_lr = 1.
     """
 
     every: int
@@ -38,10 +42,12 @@ class LocalSGD:
 
     @torch.no_grad()
     def average(self, model: torch.nn.Module) -> int:
-        """Average across ranks (a collective: every rank calls it at the same step); returns bytes all-reduced."""
+        """Average across ranks (a collective: every rank calls it at the same step); returns bytes
+        all-reduced."""
         params = [p for p in model.parameters() if p.requires_grad]
         sent = average_tensors(params + [b for b in model.buffers() if b.is_floating_point()])
-        if not self.anchor:  # first sync: the start point every rank shared (DDP broadcast rank 0's weights)
+        # first sync: the start point every rank shared (DDP broadcast rank 0's weights)
+        if not self.anchor:
             self.anchor = [p.detach().clone() for p in params]
         self._outer_step(params)
         self.anchor = [p.detach().clone() for p in params]
@@ -77,8 +83,8 @@ class LocalSGD:
 
 @torch.no_grad()
 def average_tensors(tensors: list[torch.Tensor]) -> int:
-    """Each tensor replaced by its mean across ranks, in one flat all-reduce (a single latency instead of one per
-    tensor); returns the bytes all-reduced (0 alone)."""
+    """Each tensor replaced by its mean across ranks, in one flat all-reduce (a single latency
+    instead of one per tensor); returns the bytes all-reduced (0 alone)."""
     world = ranks.world()[1]
     if world == 1 or not tensors:
         return 0
@@ -93,9 +99,9 @@ def average_tensors(tensors: list[torch.Tensor]) -> int:
 
 
 def average_optimizer_state(optimizer: torch.optim.Optimizer) -> int:
-    """The ranks' optimizer states averaged into one (a collective). Local SGD lets each rank's moments follow its
-    own gradients; DDP after it steps every rank with one gradient, which keeps the replicas one model only if
-    every rank's state is the same. Returns the bytes all-reduced."""
+    """The ranks' optimizer states averaged into one (a collective). Local SGD lets each rank's
+    moments follow its own gradients; DDP after it steps every rank with one gradient, which keeps
+    the replicas one model only if every rank's state is the same. Returns the bytes all-reduced."""
     return average_tensors([v for state in optimizer.state.values() for v in state.values()
                             if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0])
 

@@ -11,9 +11,10 @@ import torch.distributed as dist
 
 
 def local_stats() -> dict[str, float]:
-    """This process's node: CPU and memory use, and its own GPU's utilisation/memory. Only the rank's own device
-    (CUDA's current device, which Ray Train sets to it): the node's workers share CUDA_VISIBLE_DEVICES, and reading
-    another GPU's memory would open a CUDA context on it, in every rank (hundreds of MiB each)."""
+    """This process's node: CPU and memory use, and its own GPU's utilisation/memory. Only the
+    rank's own device (CUDA's current device, which Ray Train sets to it): the node's workers share
+    CUDA_VISIBLE_DEVICES, and reading another GPU's memory would open a CUDA context on it, in every
+    rank (hundreds of MiB each)."""
     memory = psutil.virtual_memory()
     stats = {"cpu_percent": psutil.cpu_percent(interval=None), "memory_used_gb": memory.used / 1024**3,
              "memory_percent": memory.percent}
@@ -29,8 +30,9 @@ def local_stats() -> dict[str, float]:
 
 
 def node_stats(world: int) -> dict[str, float]:
-    """`system/<node>/<metric>` for every node, one sample per node (all ranks take part in the gather): each rank
-    adds its own GPU's figures; CPU and memory are the node's, the same from any of its ranks."""
+    """`system/<node>/<metric>` for every node, one sample per node (all ranks take part in the
+    gather): each rank adds its own GPU's figures; CPU and memory are the node's, the same from any
+    of its ranks."""
     own = (socket.gethostname(), local_stats())
     if world > 1 and dist.is_initialized():
         gathered: list[Any] = [None] * world

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 # Dense bf16/fp16 tensor-core peaks (FLOP/s) by a substring of torch.cuda.get_device_name().
-# Longest match wins ("H100 PCIe" before "H100"). Set train.peak_tflops for anything else (CPUs included).
+# Longest match wins ("H100 PCIe" before "H100"). Set train.peak_tflops for anything else (CPUs
+# included).
 PEAK_FLOPS = {
     "H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "GH200": 989e12, "B200": 2250e12,
     "A100": 312e12, "A10G": 70e12, "A10": 125e12, "L40S": 362e12, "L4": 121e12,
@@ -30,9 +31,9 @@ PHASES = ("compute", "sync", "data_wait", "eval", "checkpoint", "report")
 
 
 def peak_flops(device: torch.device, configured_tflops: float | None, precision: str = "bf16") -> float | None:
-    """Peak FLOP/s of one device in `precision` (the run's: MFU against a faster mode's peak would understate it):
-    the configured value, else the tables for known GPUs (TF32 runs at half the bf16 tensor-core peak on Ampere and
-    later), else unknown."""
+    """Peak FLOP/s of one device in `precision` (the run's: MFU against a faster mode's peak would
+    understate it): the configured value, else the tables for known GPUs (TF32 runs at half the bf16
+    tensor-core peak on Ampere and later), else unknown."""
     if configured_tflops:
         return configured_tflops * 1e12
     if device.type != "cuda":
@@ -52,7 +53,8 @@ def _lookup(table: dict[str, float], name: str) -> float | None:
 
 
 def count_flops(step: Callable[[], None]) -> int:
-    """FLOPs of one call of `step` (forward + backward), counted by torch's flop counter, not estimated."""
+    """FLOPs of one call of `step` (forward + backward), counted by torch's flop counter, not
+    estimated."""
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
@@ -64,18 +66,19 @@ def count_flops(step: Callable[[], None]) -> int:
 class PhaseTimer:
     """Seconds per phase within one report interval, read at the report.
 
-    On CPU a mark is the host's clock. On CUDA kernels run after the host queued them, so a host clock would bill
-    them to whichever phase happens to wait: each mark is instead a CUDA event recorded on the device's stream
-    (queued, no wait), and the report synchronises once (`resolve`) before reading every span of the interval. A
-    step never waits for the device to be timed. `events`: the event factory (CUDA's by default on a CUDA device;
-    tests inject one)."""
+    On CPU a mark is the host's clock. On CUDA kernels run after the host queued them, so a host
+    clock would bill them to whichever phase happens to wait: each mark is instead a CUDA event
+    recorded on the device's stream (queued, no wait), and the report synchronises once (`resolve`)
+    before reading every span of the interval. A step never waits for the device to be timed.
+    `events`: the event factory (CUDA's by default on a CUDA device; tests inject one)."""
 
     def __init__(self, device: torch.device, events: Callable[[], Any] | None = None) -> None:
         if events is None and device.type == "cuda":
             events = partial(torch.cuda.Event, enable_timing=True)
         self.events = events
         self.seconds: dict[str, float] = defaultdict(float)
-        self.pending: list[Callable[[Callable[[Any, Any], float]], None]] = []  # to work out at the report
+        # to work out at the report
+        self.pending: list[Callable[[Callable[[Any, Any], float]], None]] = []
         self.last: Any = None  # the newest event recorded
         self.started = time.perf_counter()
 
@@ -88,8 +91,8 @@ class PhaseTimer:
         return self.last
 
     def later(self, work: Callable[[Callable[[Any, Any], float]], None]) -> None:
-        """Run `work(between)` once the marks it reads are complete: now on the host's clock, at the report on a
-        device's (`between(a, b)`: seconds from mark a to mark b)."""
+        """Run `work(between)` once the marks it reads are complete: now on the host's clock, at the
+        report on a device's (`between(a, b)`: seconds from mark a to mark b)."""
         if self.events is None:
             work(_host_between)
         else:
@@ -108,7 +111,8 @@ class PhaseTimer:
         self.seconds[name] += seconds
 
     def resolve(self) -> None:
-        """At a report: wait once for the device to pass the newest mark, then work out every pending span."""
+        """At a report: wait once for the device to pass the newest mark, then work out every
+        pending span."""
         if not self.pending:
             return
         self.last.synchronize()
@@ -117,7 +121,8 @@ class PhaseTimer:
         self.pending.clear()
 
     def shares(self) -> dict[str, float]:
-        """Share of the interval's wall time per phase; `other` is the rest (metrics, logging, Python)."""
+        """Share of the interval's wall time per phase; `other` is the rest (metrics, logging,
+        Python)."""
         self.resolve()
         wall = max(time.perf_counter() - self.started, 1e-9)
         shares = {f"time/{name}_frac": self.seconds[name] / wall for name in PHASES}

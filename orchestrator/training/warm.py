@@ -1,9 +1,10 @@
-"""What a training worker imports before its training function runs, started while Ray Train still sets the worker
-group up. DDP's constructor imports torch._dynamo (about 3 s of CPU on a 2-core node) and the loop's modules take
-more: in every fresh worker process, so at each start and each restart of the group. `WarmTorchConfig` (Ray
-Train's TorchConfig, same settings) starts those imports in a thread of each worker as the group's process group
-is set up; `train_entry`, the function Ray Train runs, waits for them before it imports anything itself (two
-threads importing the same modules at once can deadlock in Python's import locks)."""
+"""What a training worker imports before its training function runs, started while Ray Train still
+sets the worker group up. DDP's constructor imports torch._dynamo (about 3 s of CPU on a 2-core
+node) and the loop's modules take more: in every fresh worker process, so at each start and each
+restart of the group. `WarmTorchConfig` (Ray Train's TorchConfig, same settings) starts those
+imports in a thread of each worker as the group's process group is set up; `train_entry`, the
+function Ray Train runs, waits for them before it imports anything itself (two threads importing the
+same modules at once can deadlock in Python's import locks)."""
 
 from __future__ import annotations
 
@@ -35,15 +36,15 @@ def _import_training() -> None:
 
 
 def loop_config(spec: WorkerSpec) -> dict[str, Any]:
-    """TorchTrainer's `train_loop_config` for `spec`: Ray Train keeps its run settings as a dict, so the spec
-    crosses inside one, under one key that `train_entry` reads."""
+    """TorchTrainer's `train_loop_config` for `spec`: Ray Train keeps its run settings as a dict, so
+    the spec crosses inside one, under one key that `train_entry` reads."""
     return {"spec": spec}
 
 
 def train_entry(config: dict[str, Any]) -> dict[str, Any]:
-    """The function Ray Train runs on every worker (see orchestrator.training.worker.train_worker), given
-    `loop_config`'s dict. The wait for the imports is worker set-up in the start-up breakdown: what of them Ray's
-    own start did not hide."""
+    """The function Ray Train runs on every worker (see orchestrator.training.worker.train_worker),
+    given `loop_config`'s dict. The wait for the imports is worker set-up in the start-up breakdown:
+    what of them Ray's own start did not hide."""
     entered = time.time()
     if _imports is not None:
         _imports.join()
@@ -54,7 +55,8 @@ def train_entry(config: dict[str, Any]) -> dict[str, Any]:
 
 class _WarmBackend(_TorchBackend):
     def on_start(self, worker_group: Any, backend_config: TorchConfig) -> None:
-        worker_group.execute_async(start_imports)  # not awaited: it runs while the process group is set up
+        # not awaited: it runs while the process group is set up
+        worker_group.execute_async(start_imports)
         super().on_start(worker_group, backend_config)
 
 

@@ -1,15 +1,18 @@
-"""One autopilot search for a whole study (`autopilot.enabled` in `orchestrator tune`): the first trial to start
-measures the candidates on its own first steps (training/autopilot.py) and every other trial trains with its choice
-from its first step, rather than each trial paying a search of its own. A trial that starts while the search runs
-waits for its choice (its resources idle for the search's seconds, at most `autopilot.budget` of one trial's run).
+"""One autopilot search for a whole study (`autopilot.enabled` in `orchestrator tune`): the first
+trial to start measures the candidates on its own first steps (training/autopilot.py) and every
+other trial trains with its choice from its first step, rather than each trial paying a search of
+its own. A trial that starts while the search runs waits for its choice (its resources idle for the
+search's seconds, at most `autopilot.budget` of one trial's run).
 
-The choice is shared only when the space searches nothing that changes what is fastest (the autopilot's own keys, the
-batch, the model, the data, the workers); otherwise each trial searches its own, and the study says why.
+The choice is shared only when the space searches nothing that changes what is fastest (the
+autopilot's own keys, the batch, the model, the data, the workers); otherwise each trial searches
+its own, and the study says why.
 
-A board (a named Ray actor the driver owns, so it ends with the study) holds who searches and the choice: trials ask
-it, the searching trial posts the autopilot's report when it has one, the driver releases a searcher whose trial
-ended without posting (stopped by ASHA, failed) so a waiting trial searches instead, and keeps the report in the
-study's state so a continued study applies it without searching again."""
+A board (a named Ray actor the driver owns, so it ends with the study) holds who searches and the
+choice: trials ask it, the searching trial posts the autopilot's report when it has one, the driver
+releases a searcher whose trial ended without posting (stopped by ASHA, failed) so a waiting trial
+searches instead, and keeps the report in the study's state so a continued study applies it without
+searching again."""
 
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ from orchestrator.report.autopilot import record_autopilot
 from orchestrator.run.place import RunPlace
 from orchestrator.tracking.tracker import Tracker
 
-# Searched keys that change what the autopilot would choose: with one of them, each trial searches its own.
+# Searched keys that change what the autopilot would choose: with one of them, each trial searches
+# its own.
 _PER_TRIAL_KEYS = {"train.micro_batch_size", "train.grad_accum_steps", "train.global_batch_size", "train.compile",
                    "train.torch_threads", "train.flush_denormal", "train.precision", "train.parallel", "train.sync",
                    "train.tf32"}
@@ -34,13 +38,15 @@ def board_name(study: str) -> str:
 
 
 def per_trial_reason(config: Config) -> str | None:
-    """Why each trial of this study searches on its own (None: one search serves the study, or no autopilot)."""
+    """Why each trial of this study searches on its own (None: one search serves the study, or no
+    autopilot)."""
     if not config.autopilot.enabled:
         return None
     keys = [k for k in config.tune.space if k in _PER_TRIAL_KEYS or k.split(".")[0] in _PER_TRIAL_SECTIONS]
     if not keys:
         return None
-    return (f"each trial searches its own: tune.space searches {', '.join(keys)}, which changes what is fastest")
+    return ("each trial searches its own: tune.space searches "
+            f"{', '.join(keys)}, which changes what is fastest")
 
 
 class Board:
@@ -71,37 +77,40 @@ class Board:
 
 
 def study_board(config: Config, study: str, saved: dict[str, Any] | None, verbose: bool) -> Any | None:
-    """The driver's board for the study's one search, holding `saved` (the report a continued study kept); None
-    when the autopilot is off or each trial searches its own (said in one line)."""
+    """The driver's board for the study's one search, holding `saved` (the report a continued study
+    kept); None when the autopilot is off or each trial searches its own (said in one line)."""
     import ray
 
     if not config.autopilot.enabled:
         return None
     reason = per_trial_reason(config)
     if verbose:
-        shared = ("one search for the study, in the first trial to start; every other trial trains with its choice "
-                  "from its first step")
+        shared = ("one search for the study, in the first trial to start; "
+                  "every other trial trains with its choice from its first step")
         print(f"autopilot: {reason or shared}", flush=True)
     return None if reason else ray.remote(num_cpus=0)(Board).options(name=board_name(study)).remote(saved)
 
 
 def record_study_choice(board: Any, place: RunPlace, state_file: str, tracker: Tracker, verbose: bool) -> None:
-    """The study's autopilot report, once a trial posted it: its table printed and logged on the study's run, and
-    kept in the study's state (`state_file`) for a continued study, which recorded it already."""
+    """The study's autopilot report, once a trial posted it: its table printed and logged on the
+    study's run, and kept in the study's state (`state_file`) for a continued study, which recorded
+    it already."""
     import ray
 
     report, state = ray.get(board.result.remote()), place.read_record(state_file) or {}
     if report is None or "autopilot" in state:
         return
     if verbose:
-        print(f"autopilot: searched in trial {report['trial_id']}; every other trial trained with its choice",
+        print(f"autopilot: searched in trial {report['trial_id']}; "
+              "every other trial trained with its choice",
               flush=True)
     record_autopilot(tracker, report, 0, verbose)
     place.write_record(state | {"autopilot": report}, state_file)
 
 
 def find_board(study: str) -> Any | None:
-    """The study's board, from a trial or the driver's callback; None when the study shares no search."""
+    """The study's board, from a trial or the driver's callback; None when the study shares no
+    search."""
     import ray
 
     try:
@@ -111,8 +120,8 @@ def find_board(study: str) -> Any | None:
 
 
 def trial_config_with_choice(board: Any, trial_id: str, config: Config) -> tuple[Config, bool]:
-    """A trial's config: with the study's choice applied (the autopilot off), or as written and True (this trial
-    searches). While another trial searches, waits for its choice."""
+    """A trial's config: with the study's choice applied (the autopilot off), or as written and True
+    (this trial searches). While another trial searches, waits for its choice."""
     import ray
 
     while True:
@@ -125,7 +134,8 @@ def trial_config_with_choice(board: Any, trial_id: str, config: Config) -> tuple
 
 
 def chosen_config(config: Config, chosen: dict[str, Any]) -> Config:
-    """The config that trains with the autopilot's choice from the start: its settings as the train.* keys."""
+    """The config that trains with the autopilot's choice from the start: its settings as the
+    train.* keys."""
     return with_values(config, {f"train.{key}": value for key, value in chosen.items()} | {"autopilot.enabled": False})
 
 

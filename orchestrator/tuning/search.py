@@ -1,5 +1,6 @@
-"""A study's search over its space (grammar in space.py): checks that run before any trial starts, the config each
-trial trains with, and how many trials fit the cluster. Pure Python: Ray Tune is imported only by `to_tune`."""
+"""A study's search over its space (grammar in space.py): checks that run before any trial starts,
+the config each trial trains with, and how many trials fit the cluster. Pure Python: Ray Tune is
+imported only by `to_tune`."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from orchestrator.config.space import Domain, parse_domain
 from orchestrator.errors import ConfigError
 from orchestrator.run.model_checks import check_model_options
 
-# What training/loop.py reports (`_interval_metrics` every log_every steps, `evaluate` at eval steps);
-# tests/unit/tuning/test_search.py runs the loop and fails if this drifts.
+# What training/loop.py reports (`_interval_metrics` every log_every steps, `evaluate` at eval
+# steps); tests/unit/tuning/test_search.py runs the loop and fails if this drifts.
 TRAIN_METRICS = ("step", "epoch", "samples_seen", "train_loss", "lr", "grad_norm", "samples_per_s",
                  "train_samples_per_s", "data_wait_frac", "skipped_steps", "world_size")
 _HIGHER_IS_BETTER = ("val_accuracy", "val_top5_accuracy", "val_f1", "val_r2", "samples_per_s")
@@ -53,8 +54,9 @@ def _plain(value: Any) -> Any:
 
 
 def user_tree(config: Config) -> dict[str, Any]:
-    """Only what the user set (file + --set): derived values (micro-batch, accumulation) are derived again
-    for each trial, so a searched `scaling.num_workers` does not clash with the base config's derivation."""
+    """Only what the user set (file + --set): derived values (micro-batch, accumulation) are derived
+    again for each trial, so a searched `scaling.num_workers` does not clash with the base config's
+    derivation."""
     return config.model_dump(mode="json", exclude_unset=True)
 
 
@@ -88,41 +90,45 @@ def check_study(config: Config) -> None:
     reported = TRAIN_METRICS + (val_metrics(config) if config.data.val is not None else ())
     if t.metric not in reported and config.task.kind is not None:  # a user's task may report more
         if t.metric in val_metrics(config):
-            raise ConfigError(f"tune.metric={t.metric} is only reported with a validation split: set data.val")
-        raise ConfigError(f"tune.metric={t.metric} is never reported by the training loop"
-                          f"{suggest(t.metric, reported, 'tune.metric=')}; reported: {', '.join(reported)}")
+            raise ConfigError(f"tune.metric={t.metric} is only reported "
+                              "with a validation split: set data.val")
+        raise ConfigError(f"tune.metric={t.metric} is never reported by the training "
+                          f"loop{suggest(t.metric, reported, 'tune.metric=')}; "
+                          f"reported: {', '.join(reported)}")
     found = domains(config)
     if t.searcher == "optuna" and any(d.kind == "grid" for d in found.values()):
-        raise ConfigError("tune.space uses grid, which only the random searcher expands: use choice with "
-                          "tune.searcher=optuna, or tune.searcher=random")
+        raise ConfigError("tune.space uses grid, which only the random searcher expands: "
+                          "use choice with tune.searcher=optuna, or tune.searcher=random")
     if t.scheduler == "asha":
         budget = {"train.max_steps", "train.epochs"} & set(found)
         if budget:
-            raise ConfigError(f"tune.space searches {', '.join(sorted(budget))}, but ASHA's budget is the training "
-                              "length: fix it, or set tune.scheduler=fifo")
+            raise ConfigError(f"tune.space searches {', '.join(sorted(budget))}, but ASHA's "
+                              "budget is the training length: fix it, or set tune.scheduler=fifo")
         if config.train.max_steps is not None and t.asha[0] >= config.train.max_steps:
-            raise ConfigError(f"tune.grace_period={t.asha[0]} is not below train.max_steps="
-                              f"{config.train.max_steps}: ASHA could never stop a trial early; lower it or set "
-                              "tune.scheduler=fifo")
+            raise ConfigError(f"tune.grace_period={t.asha[0]} is not below "
+                              f"train.max_steps={config.train.max_steps}: ASHA could never "
+                              "stop a trial early; lower it or set tune.scheduler=fifo")
 
     tree = user_tree(config)
     check_extremes(config, lambda params: check_model_options(trial_config(tree, params).model))
 
 
 def check_extremes(config: Config, check: Callable[[dict[str, Any]], object]) -> None:
-    """`check` on the sampled values of a trial at each end of every searched range (at every listed value); a
-    ConfigError from it (building that trial's config, planning it) names the searched key and value."""
+    """`check` on the sampled values of a trial at each end of every searched range (at every listed
+    value); a ConfigError from it (building that trial's config, planning it) names the searched key
+    and value."""
     for key, domain in domains(config).items():
         for value in domain.extremes():
             try:
                 check({key: value})
             except ConfigError as exc:
-                raise ConfigError(f"tune.space.{key}: a trial with {key}={value!r} would be invalid ({exc}); "
-                                  "narrow the range") from None
+                raise ConfigError(f"tune.space.{key}: a trial with {key}={value!r} would "
+                                  f"be invalid ({exc}); narrow the range") from None
 
 
 def widest_trial(config: Config) -> Config:
-    """The config of the trial that asks for the most CPUs (for sizing a local cluster and capacity checks)."""
+    """The config of the trial that asks for the most CPUs (for sizing a local cluster and capacity
+    checks)."""
     found = domains(config)
     params = {k: max(found[k].extremes()) for k in ("scaling.num_workers", "scaling.cpus_per_worker") if k in found}
     return trial_config(user_tree(config), params) if params else config
@@ -138,11 +144,11 @@ class Concurrency:
 
 def max_concurrent(widest_config: Config, resources: dict[str, float]) -> Concurrency:
     """As many trials as the cluster's `resources` (ray.cluster_resources()) hold at once, at most
-    tune.max_concurrent_trials: a trial started beyond that waits for its workers inside its own (billed) time.
-    CPUs keep one for Ray Data's read tasks (ingest waits forever when workers hold every CPU); with
-    scaling.use_gpu every worker takes one GPU (Ray's ScalingConfig). Sized, like check_capacity, for the widest
-    trial's largest group (`widest_config`: the study's widest trial, widest_trial), so an elastic trial has room
-    to grow."""
+    tune.max_concurrent_trials: a trial started beyond that waits for its workers inside its own
+    (billed) time. CPUs keep one for Ray Data's read tasks (ingest waits forever when workers hold
+    every CPU); with scaling.use_gpu every worker takes one GPU (Ray's ScalingConfig). Sized, like
+    check_capacity, for the widest trial's largest group (`widest_config`: the study's widest trial,
+    widest_trial), so an elastic trial has room to grow."""
     config, widest = widest_config, widest_config.scaling
     per_trial = widest.max_workers * widest.cpus_per_worker
     cpus, gpus = resources.get("CPU", 0.0), resources.get("GPU", 0.0)
@@ -153,31 +159,35 @@ def max_concurrent(widest_config: Config, resources: dict[str, float]) -> Concur
     if widest.use_gpu:
         limits.append((int(gpus // widest.max_workers),
                        f"GPUs: {gpus:g} in the cluster, {widest.max_workers} per trial"))
-    limits.append((int((cpus - 1) // per_trial), f"CPUs: {cpus:g} in the cluster, 1 kept for Ray Data, "
-                                                 f"{per_trial:g} per trial"))
+    limits.append((int((cpus - 1) // per_trial), f"CPUs: {cpus:g} in the cluster, 1 kept "
+                                                 f"for Ray Data, {per_trial:g} per trial"))
     trials, bound = min(limits, key=lambda limit: limit[0])
     return Concurrency(max(1, trials), bound)
 
 
 def ranks_per_node(trials_at_once: int, workers: int, cpus_per_worker: float, node_cpus: float) -> int:
-    """Training ranks of a study that may share one node's memory at once: the trials it runs at once times each
-    trial's workers, at most as many as the node's CPUs hold (each rank holds `cpus_per_worker` of them). A one-worker
-    trial that trains in its own process has no LOCAL_WORLD_SIZE, and a wider trial's counts only its own run: what
+    """Training ranks of a study that may share one node's memory at once: the trials it runs at
+    once times each trial's workers, at most as many as the node's CPUs hold (each rank holds
+    `cpus_per_worker` of them). A one-worker trial that trains in its own process has no
+    LOCAL_WORLD_SIZE, and a wider trial's counts only its own run: what
     `train.micro_batch_size=auto` divides a CPU node's memory by in a study."""
     at_once = trials_at_once * workers
     fit = int(node_cpus // cpus_per_worker) if cpus_per_worker > 0 else at_once
     return max(1, min(at_once, fit))
 
 
-# Trial names: the last part of a searched key, or a shorter word for the long ones people search often.
+# Trial names: the last part of a searched key, or a shorter word for the long ones people search
+# often.
 _SHORT = {"warmup_steps": "warmup", "weight_decay": "wd", "num_workers": "workers", "cpus_per_worker": "cpus",
           "global_batch_size": "batch", "micro_batch_size": "micro_batch", "max_grad_norm": "clip"}
-_UNSAFE = re.compile(r"[^A-Za-z0-9._+-]+")  # a name is a directory and a legend entry: nothing else in a value
+# a name is a directory and a legend entry: nothing else in a value
+_UNSAFE = re.compile(r"[^A-Za-z0-9._+-]+")
 MAX_NAME = 64
 
 
 def short_keys(keys: Iterable[str]) -> dict[str, str]:
-    """`optim.lr` -> `lr`, `optim.warmup_steps` -> `warmup`; keys whose short forms clash keep their dotted form."""
+    """`optim.lr` -> `lr`, `optim.warmup_steps` -> `warmup`; keys whose short forms clash keep their
+    dotted form."""
     keys = list(keys)
     leaf = {k: _SHORT.get(k.rsplit(".", 1)[-1], k.rsplit(".", 1)[-1]) for k in keys}
     counts = Counter(leaf.values())
@@ -186,9 +196,10 @@ def short_keys(keys: Iterable[str]) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class TrialNamer:
-    """Names a trial by its searched values, `lr=3.2e-03,warmup=20`: short, readable in a table, a plot legend or
-    an MLflow run list, and safe as a directory name (local, S3, Windows). Values of keys searched on a log scale
-    are always in scientific notation, so names of one study line up. Picklable: Tune keeps it with the study."""
+    """Names a trial by its searched values, `lr=3.2e-03,warmup=20`: short, readable in a table, a
+    plot legend or an MLflow run list, and safe as a directory name (local, S3, Windows). Values of
+    keys searched on a log scale are always in scientific notation, so names of one study line up.
+    Picklable: Tune keeps it with the study."""
 
     keys: tuple[tuple[str, str], ...]  # (searched key, its short name), in the order of tune.space
     scientific: frozenset[str] = frozenset()
@@ -218,18 +229,20 @@ class TrialNamer:
 
 
 def peak_concurrency(spans: Iterable[tuple[float, float]]) -> int:
-    """The most (start, end) spans open at one instant; a span ending when another starts does not overlap it."""
+    """The most (start, end) spans open at one instant; a span ending when another starts does not
+    overlap it."""
     events = sorted((t, step) for start, end in spans for t, step in ((start, 1), (end, -1)))
     peak = running = 0
-    for _, step in events:  # at equal times -1 sorts first: an end frees its place before a start takes it
+    # at equal times -1 sorts first: an end frees its place before a start takes it
+    for _, step in events:
         running += step
         peak = max(peak, running)
     return peak
 
 
 def check_capacity(widest: Config, resources: dict[str, float]) -> None:
-    """Refuse a study whose trials could never be scheduled on this cluster (`widest`: its widest trial,
-    widest_trial)."""
+    """Refuse a study whose trials could never be scheduled on this cluster (`widest`: its widest
+    trial, widest_trial)."""
     missing = widest.scaling.shortfall(resources)
     if missing:
         raise ConfigError(f"a trial needs {missing}")

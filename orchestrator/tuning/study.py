@@ -1,10 +1,11 @@
 """Driver side of `orchestrator tune` (the study): a Ray Tune study of training runs.
 
-The study is named from the experiment (`<experiment>-tune`) and lives at `<storage.path>/<study>`: running the
-same command again continues it (Tuner.restore) unless `fresh`. Each trial is a Tune function trainable: a one-worker
-trial trains in the trial's own process (trial.py: no worker group to start per trial); a wider one builds and fits
-its own TorchTrainer and hands rank 0's metrics to Tune (the Train V2 pattern; `Tuner(TorchTrainer)` is not
-supported). MLflow holds one parent run per study and one child run per trial (see trials.py).
+The study is named from the experiment (`<experiment>-tune`) and lives at `<storage.path>/<study>`:
+running the same command again continues it (Tuner.restore) unless `fresh`. Each trial is a Tune
+function trainable: a one-worker trial trains in the trial's own process (trial.py: no worker group
+to start per trial); a wider one builds and fits its own TorchTrainer and hands rank 0's metrics to
+Tune (the Train V2 pattern; `Tuner(TorchTrainer)` is not supported). MLflow holds one parent run per
+study and one child run per trial (see trials.py).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ STATE_FILE = "orchestrator-study.json"
 
 @dataclass(frozen=True)
 class _Study:
-    """One study: its plan (plan.py), and how this command carries it out: `verbose`, on a cluster it started
-    itself (`private_cluster`), since `began` (epoch seconds)."""
+    """One study: its plan (plan.py), and how this command carries it out: `verbose`, on a cluster
+    it started itself (`private_cluster`), since `began` (epoch seconds)."""
 
     plan: StudyPlan
     verbose: bool
@@ -66,18 +67,20 @@ def _delete(storage: Storage, path: str) -> None:
 
 
 def _fingerprint(config: Config) -> dict[str, Any]:
-    """The config as the study's state keeps it in storage (often a shared bucket): the password of every URI in
-    it masked (tracking.uri, data.s3.endpoint, ...), so a rotated password continues the same study."""
+    """The config as the study's state keeps it in storage (often a shared bucket): the password of
+    every URI in it masked (tracking.uri, data.s3.endpoint, ...), so a rotated password continues
+    the same study."""
     return dict(mask_passwords(config.dotted))
 
 
 def _check_same_study(state: dict[str, Any], config: Config, study: str, study_path: str) -> None:
-    old, new = mask_passwords(state.get("config", {})), _fingerprint(config)  # masked too: an older state's
+    # masked too: an older state's
+    old, new = mask_passwords(state.get("config", {})), _fingerprint(config)
     changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
     if changed:
         raise ConfigError(f"study '{study}' at {study_path} was started with a different config "
-                          f"({', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''} differ): pass --fresh "
-                          "to start it over, or set a new experiment name")
+                          f"({', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''} "
+                          "differ): pass --fresh to start it over, or set a new experiment name")
 
 
 # ---- building and running the Tuner ----
@@ -88,15 +91,17 @@ def _scheduler(config: Config, max_steps: int) -> Any:
     t = config.tune
     if t.scheduler != "asha":
         return FIFOScheduler()
-    # time_attr=step (not Tune's iteration count): a trial resumed from its Train checkpoint keeps its position.
+    # time_attr=step (not Tune's iteration count): a trial resumed from its Train checkpoint keeps
+    # its position.
     grace_period, reduction_factor = t.asha
     return ASHAScheduler(time_attr="step", max_t=max_steps, grace_period=grace_period,
                          reduction_factor=reduction_factor)
 
 
 def _searcher(config: Config, concurrency: int) -> Any:
-    """The search algorithm, holding the study to `concurrency` trials at once. The limit lives here, not in
-    TuneConfig.max_concurrent_trials: Ray ignores that one (with a warning) when given a BasicVariantGenerator."""
+    """The search algorithm, holding the study to `concurrency` trials at once. The limit lives
+    here, not in TuneConfig.max_concurrent_trials: Ray ignores that one (with a warning) when given
+    a BasicVariantGenerator."""
     t = config.tune
     if t.searcher == "random":
         from ray.tune.search import BasicVariantGenerator
@@ -106,10 +111,12 @@ def _searcher(config: Config, concurrency: int) -> Any:
     try:
         from ray.tune.search.optuna import OptunaSearch
     except ImportError:
-        raise UserError("tune.searcher=optuna needs the optuna package: pip install 'orchestrator[tune]'") from None
+        raise UserError("tune.searcher=optuna needs the optuna package: "
+                        "pip install 'orchestrator[tune]'") from None
 
     class IntervalOptunaSearch(OptunaSearch):
-        """Validation metrics come only at eval steps; Optuna's pruning reports need them, so skip the rest."""
+        """Validation metrics come only at eval steps; Optuna's pruning reports need them, so skip
+        the rest."""
 
         def on_trial_result(self, trial_id: str, result: dict[str, Any]) -> None:
             if self.metric in result:
@@ -135,8 +142,9 @@ class _TrialResources:
 
 @dataclass(frozen=True)
 class _TrialName:
-    """Tune's trial_name_creator / trial_dirname_creator: the trial's searched values (its directory: the trial id
-    first, unique even when two trials drew the same values). Pickled with the study, so Tuner.restore finds it."""
+    """Tune's trial_name_creator / trial_dirname_creator: the trial's searched values (its
+    directory: the trial id first, unique even when two trials drew the same values). Pickled with
+    the study, so Tuner.restore finds it."""
 
     namer: TrialNamer
     directory: bool = False
@@ -148,10 +156,10 @@ class _TrialName:
 
 @contextmanager
 def _quiet_tune() -> Iterator[None]:
-    """Ray Tune's console output off while it runs the study: the product prints its own trial table. Tune's
-    default engine prints its configuration box and a TensorBoard hint even at verbose=0; its legacy engine
-    (RAY_AIR_NEW_OUTPUT=0, read when fit() starts) prints nothing at verbose=0. Set for this process only and
-    restored afterwards; a value the user exported wins."""
+    """Ray Tune's console output off while it runs the study: the product prints its own trial
+    table. Tune's default engine prints its configuration box and a TensorBoard hint even at
+    verbose=0; its legacy engine (RAY_AIR_NEW_OUTPUT=0, read when fit() starts) prints nothing at
+    verbose=0. Set for this process only and restored afterwards; a value the user exported wins."""
     name = "RAY_AIR_NEW_OUTPUT"
     saved = os.environ.get(name)
     if saved is None:
@@ -165,10 +173,11 @@ def _quiet_tune() -> Iterator[None]:
 
 @contextmanager
 def _credentials_stay_home() -> Iterator[None]:
-    """Stop Ray Tune from copying the driver's AWS_* credential variables into every trial actor's runtime_env
-    (ray.tune.execution.class_cache), where each node's runtime-env agent logs them in plain text, the dashboard
-    shows them and they stay frozen for the whole study (an STS/SSO token then expires mid-study). Trials, like
-    every other process, resolve credentials from their own node's standard chain."""
+    """Stop Ray Tune from copying the driver's AWS_* credential variables into every trial actor's
+    runtime_env (ray.tune.execution.class_cache), where each node's runtime-env agent logs them in
+    plain text, the dashboard shows them and they stay frozen for the whole study (an STS/SSO token
+    then expires mid-study). Trials, like every other process, resolve credentials from their own
+    node's standard chain."""
     try:
         from ray.tune.execution import class_cache
 
@@ -185,7 +194,8 @@ def _credentials_stay_home() -> Iterator[None]:
 
 
 def _node_ranks(plan: StudyPlan, concurrency: int) -> int:
-    """memory_plan.ranks_per_node for this study on this cluster: its widest trial on its largest node."""
+    """memory_plan.ranks_per_node for this study on this cluster: its widest trial on its largest
+    node."""
     import ray
 
     widest = plan.widest.scaling
@@ -208,9 +218,9 @@ def _fit(this: _Study, resume: bool, callback: StudyCallback, concurrency: int, 
     )
     storage = storage_args(place.storage)
     if resume:
-        # Finished trials stay finished; unfinished ones restart and their Train runs resume from checkpoints.
-        # Errored ones stay errored: the same config would fail the same way. The saved callback (tuner.pkl) has
-        # its passwords masked: it becomes this command's `callback`.
+        # Finished trials stay finished; unfinished ones restart and their Train runs resume from
+        # checkpoints. Errored ones stay errored: the same config would fail the same way. The saved
+        # callback (tuner.pkl) has its passwords masked: it becomes this command's `callback`.
         with restored_as(callback):
             restored = ray_tune.Tuner.restore(place.path, trainable, resume_unfinished=True,
                                               storage_filesystem=storage.get("storage_filesystem"))
@@ -225,15 +235,17 @@ def _fit(this: _Study, resume: bool, callback: StudyCallback, concurrency: int, 
             metric=t.metric, mode=plan.mode, num_samples=t.num_samples,
             scheduler=_scheduler(config, plan.max_steps), search_alg=_searcher(config, concurrency),
             trial_name_creator=_TrialName(namer), trial_dirname_creator=_TrialName(namer, directory=True),
-            # Trials that train in their own process start the next trial in the same one when theirs ends:
-            # imports and Ray Data's start paid once per actor, not per trial. A trial stopped mid-interval whose
-            # thread does not reach its next report within Tune's 2 s gets a fresh actor instead.
+            # Trials that train in their own process start the next trial in the same one when
+            # theirs ends: imports and Ray Data's start paid once per actor, not per trial. A trial
+            # stopped mid-interval whose thread does not reach its next report within Tune's 2 s
+            # gets a fresh actor instead.
             reuse_actors=in_process,
         ),
         run_config=ray_tune.RunConfig(
             name=place.name, **storage, callbacks=[callback],
             verbose=0,  # the callback prints the trial table
-            # What Ray Train's run config holds for a wider trial, for the trials that train in their own process.
+            # What Ray Train's run config holds for a wider trial, for the trials that train in
+            # their own process.
             checkpoint_config=ray_tune.CheckpointConfig(num_to_keep=config.checkpoint.keep),
             failure_config=ray_tune.FailureConfig(
                 max_failures=config.failure.max_failures if in_process else 0),
@@ -245,19 +257,22 @@ def _fit(this: _Study, resume: bool, callback: StudyCallback, concurrency: int, 
 
 def tune(config: Config, address: str | None = None, fresh: bool = False, verbose: bool = True,
          show_logs: bool = False, started_at: float | None = None) -> TuneResult:
-    """Run (or resume) the hyperparameter study described by `config.tune`. Bad input raises ConfigError
-    before any trial starts; an interrupted study raises KeyboardInterrupt after saving its state. Ray's, Tune's
-    and MLflow's own lines, and what the trials' workers print, go to the study's log file (console.py), and to
-    the terminal too with `show_logs`. `started_at` (epoch seconds, the CLI passes its process start) is where the
-    study's wall clock begins (its goodput)."""
+    """Run (or resume) the hyperparameter study described by `config.tune`. Bad input raises
+    ConfigError before any trial starts; an interrupted study raises KeyboardInterrupt after saving
+    its state. Ray's, Tune's and MLflow's own lines, and what the trials' workers print, go to the
+    study's log file (console.py), and to the terminal too with `show_logs`. `started_at` (epoch
+    seconds, the CLI passes its process start) is where the study's wall clock begins (its
+    goodput)."""
     began = started_at or time.time()
     plan = plan_study(config)  # the study checked, its data inspected, where it lives
-    # Validation metrics arrive only at eval steps; Tune would otherwise fail every report without one.
-    # check_study has already made sure the loop reports the metric.
+    # Validation metrics arrive only at eval steps; Tune would otherwise fail every report without
+    # one. check_study has already made sure the loop reports the metric.
     os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
 
-    # The run log's file opens once the study may write (_start_study): a study refused before then writes none.
-    with outside_job_package(plan.config.tracking), RunLog(show_logs) as log:  # a Ray job's package: at ray.init
+    # The run log's file opens once the study may write (_start_study): a study refused before then
+    # writes none.
+    # a Ray job's package: at ray.init
+    with outside_job_package(plan.config.tracking), RunLog(show_logs) as log:
         started_ray = connect_ray(address, plan.widest)
         try:
             return _start_study(_Study(plan, verbose, started_ray, began), fresh, log)
@@ -267,8 +282,8 @@ def tune(config: Config, address: str | None = None, fresh: bool = False, verbos
 
 
 def _start_study(this: _Study, fresh: bool, log: RunLog) -> TuneResult:
-    """On the cluster: the checks that need it, the study's state (new, or the saved one to continue), its parent
-    MLflow run, then the study itself."""
+    """On the cluster: the checks that need it, the study's state (new, or the saved one to
+    continue), its parent MLflow run, then the study itself."""
     import ray
     from ray import tune as ray_tune
 
@@ -293,9 +308,11 @@ def _start_study(this: _Study, fresh: bool, log: RunLog) -> TuneResult:
         _check_same_study(state, config, study, place.uri)
     tracker = start_tracker(config.tracking, study, run_id=state.get("parent_run_id") if state else None,
                             tags={"orchestrator.study": study, "orchestrator.role": "study"},
-                            headline=config.tune.metric)  # the best trial's headline figures (results.record)
+                            # the best trial's headline figures (results.record)
+                            headline=config.tune.metric)
     if state is None:
-        with closed_on_error(tracker):  # Ctrl+C or an error while the parent run is set up: never left RUNNING
+        # Ctrl+C or an error while the parent run is set up: never left RUNNING
+        with closed_on_error(tracker):
             tracker.log_params(config_params(config, study=True))
             tracker.log_datasets(this.plan.trials.datasets or {})
             tracker.set_tags({"orchestrator.scheduler": config.tune.scheduler,
@@ -304,15 +321,16 @@ def _start_study(this: _Study, fresh: bool, log: RunLog) -> TuneResult:
             place.write_record({"config": _fingerprint(config), "parent_run_id": tracker.run_id}, STATE_FILE)
     if verbose:
         what = "resuming" if state else "starting"
-        print(f"{what} study {study} at {place.uri}: {config.tune.num_samples} samples, up to {concurrency} "
-              f"trials at once (bound by {at_once.bound}), scheduler {config.tune.scheduler}, searcher "
-              f"{config.tune.searcher}", flush=True)
+        print(f"{what} study {study} at {place.uri}: {config.tune.num_samples} samples, "
+              f"up to {concurrency} trials at once (bound by {at_once.bound}), scheduler "
+              f"{config.tune.scheduler}, searcher {config.tune.searcher}", flush=True)
         print(f"Ray and MLflow logs: {log_path}", flush=True)
     board = study_board(config, place.name, (state or {}).get("autopilot"), verbose)
     try:
         return _run_study(this, state is not None, tracker, concurrency, log_path, board)
     finally:
-        if board is not None:  # its name is the study's: a study run again in this process opens its own
+        # its name is the study's: a study run again in this process opens its own
+        if board is not None:
             ray.kill(board)
 
 
@@ -335,7 +353,8 @@ def _run_study(this: _Study, resumed: bool, tracker: Tracker, concurrency: int, 
         trials = summaries(grid, plan.trials, metric, plan.namer)
     if any(t.status == "running" for t in trials):  # Tune caught Ctrl+C and saved the study
         tracker.finish("KILLED")
-        print(f"study {study} interrupted: run the same command again to continue it", file=sys.stderr)
+        print(f"study {study} interrupted: run the same "
+              "command again to continue it", file=sys.stderr)
         raise KeyboardInterrupt
     best = pick_best(trials, mode, config.tune.rank_by)
     if best is None:

@@ -1,12 +1,13 @@
-"""A study's trial, run in its Tune trial's actor (`run_trial`, the study's trainable). A one-worker trial trains in
-that process: no Ray Train run, so no worker group to start per trial (about 10 s on a small machine, for trials that
-often train for seconds).
+"""A study's trial, run in its Tune trial's actor (`run_trial`, the study's trainable). A one-worker
+trial trains in that process: no Ray Train run, so no worker group to start per trial (about 10 s on
+a small machine, for trials that often train for seconds).
 
-The rank is set up and trained by the same code a Ray Train worker runs (`training.worker.train_rank`): same config,
-seed, device, data order and loop, so the trial reports the figures a 1-worker `orchestrator train` run reports.
-Its reports go to Tune directly, checkpoints included (Tune persists them into the trial's directory, keeps
-`checkpoint.keep` of them and hands the newest back when the trial restarts); trials wider than one worker keep
-their own Ray Train run (`run_trial`).
+The rank is set up and trained by the same code a Ray Train worker runs
+(`training.worker.train_rank`): same config, seed, device, data order and loop, so the trial reports
+the figures a 1-worker `orchestrator train` run reports. Its reports go to Tune directly,
+checkpoints included (Tune persists them into the trial's directory, keeps `checkpoint.keep` of them
+and hands the newest back when the trial restarts); trials wider than one worker keep their own Ray
+Train run (`run_trial`).
 """
 
 from __future__ import annotations
@@ -36,14 +37,15 @@ from pipelines.storage import Storage
 
 
 def in_trial_process(config: Config) -> bool:
-    """Whether a trial with this (resolved) config trains in its own process: one worker, never more, and not
-    sharded (train.parallel=fsdp writes its checkpoints through Ray Train's reporting)."""
+    """Whether a trial with this (resolved) config trains in its own process: one worker, never
+    more, and not sharded (train.parallel=fsdp writes its checkpoints through Ray Train's
+    reporting)."""
     return config.scaling.max_workers == 1 and config.train.parallel == "ddp"
 
 
 def trial_resources(config: Config) -> dict[str, float]:
-    """What the trial's actor holds: its one worker's CPUs (and GPU) when it trains itself; else next to nothing,
-    as it only waits on its Ray Train run, whose workers hold their own."""
+    """What the trial's actor holds: its one worker's CPUs (and GPU) when it trains itself; else
+    next to nothing, as it only waits on its Ray Train run, whose workers hold their own."""
     s = config.scaling
     if not in_trial_process(config):
         return {"CPU": 0.01}  # {"CPU": 0} is refused
@@ -54,8 +56,9 @@ def trial_resources(config: Config) -> dict[str, float]:
 
 
 class TrialReporter:
-    """The loop's `Reporter` in a Tune trial: every report goes to `ray.tune.report`, a checkpoint step's once, with
-    its checkpoint (Tune copies the directory into the trial's storage before report returns)."""
+    """The loop's `Reporter` in a Tune trial: every report goes to `ray.tune.report`, a checkpoint
+    step's once, with its checkpoint (Tune copies the directory into the trial's storage before
+    report returns)."""
 
     def __init__(self, on_report: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.checkpointed: dict[str, Any] | None = None
@@ -82,8 +85,8 @@ class TrialReporter:
 
 
 def stamped(metrics: dict[str, Any]) -> dict[str, Any]:
-    """A report with when it was made (epoch seconds): the trial's cost ledger places it on a clock that a restart
-    does not rewind (trials.trial_ledger), as Tune's time_total_s is."""
+    """A report with when it was made (epoch seconds): the trial's cost ledger places it on a clock
+    that a restart does not rewind (trials.trial_ledger), as Tune's time_total_s is."""
     return dict(metrics) | {REPORTED_AT: time.time()}
 
 
@@ -99,17 +102,19 @@ def trial_device(config: Config) -> torch.device:
 
 def train_in_trial(plan: ConfigPlan, infos: dict[str, DatasetInfo], name: str, node_ranks: int | None = None,
                    on_report: Callable[[dict[str, Any]], None] | None = None) -> None:
-    """Train one trial, as planned, here, resuming from the checkpoint Tune restarts it from, if any. `name`: the
-    trial's id; `node_ranks`: the study's ranks that may share this node's memory (trainer.build_inputs);
-    `on_report`: sees each report before Tune does.
-    The trial owns what it starts in this process, which outlives it (Tune reuses it for the next trial): it starts
-    from the process state a fresh process has, and its epoch clock ends with it, also when it fails or is stopped."""
+    """Train one trial, as planned, here, resuming from the checkpoint Tune restarts it from, if
+    any. `name`: the trial's id; `node_ranks`: the study's ranks that may share this node's memory
+    (trainer.build_inputs); `on_report`: sees each report before Tune does.
+    The trial owns what it starts in this process, which outlives it (Tune reuses it for the next
+    trial): it starts from the process state a fresh process has, and its epoch clock ends with it,
+    also when it fails or is stopped."""
     from ray import tune
 
     entered = time.time()
     start_as_fresh_process()
     checkpoint = loadable_checkpoint(tune.get_checkpoint())
-    # A resumed trial is fed as its checkpoint counted its data position (trainer.resumed_cache_decision).
+    # A resumed trial is fed as its checkpoint counted its data position
+    # (trainer.resumed_cache_decision).
     saved = manifest_cache_decision(checkpoint.filesystem, checkpoint.path) if checkpoint is not None else None
     spec, datasets = trial_inputs(plan, infos, name, saved, node_ranks)
     try:
@@ -132,11 +137,12 @@ _FRESH: dict[str, Any] = {}  # the process-global torch settings this process st
 
 
 def start_as_fresh_process() -> None:
-    """Give this trial the process-global state its process had before any trial ran in it: a previous trial (its
-    model builder, its settings) may have changed torch's default dtype, thread count, float32 matmul precision or
-    deterministic mode, and used up dynamo's recompile limit on code objects trials share (a model class's forward:
-    past the limit torch.compile silently runs eager). The first trial records that state. The denormal setting
-    needs nothing here: each trial runs in a new thread, whose intra-op threads are its own (rank_config sets it)."""
+    """Give this trial the process-global state its process had before any trial ran in it: a
+    previous trial (its model builder, its settings) may have changed torch's default dtype, thread
+    count, float32 matmul precision or deterministic mode, and used up dynamo's recompile limit on
+    code objects trials share (a model class's forward: past the limit torch.compile silently runs
+    eager). The first trial records that state. The denormal setting needs nothing here: each trial
+    runs in a new thread, whose intra-op threads are its own (rank_config sets it)."""
     state = {"dtype": torch.get_default_dtype(), "threads": torch.get_num_threads(),
              "matmul": torch.get_float32_matmul_precision(),
              "deterministic": torch.are_deterministic_algorithms_enabled()}
@@ -153,18 +159,21 @@ def start_as_fresh_process() -> None:
 
 def run_trial(params: dict[str, Any], *, planner: TrialPlanner, trials: Storage, private_cluster: bool,
               node_ranks: int | None = None, shared_search: str | None = None) -> None:
-    """The Tune trainable, run in the trial's actor. A one-worker trial trains right here (trial.py). A wider one
-    fits its own TorchTrainer in a thread while this one hands rank 0's metrics to Tune as they arrive (they come
-    straight from rank 0, not through Ray Train's report). `planner`: what the study plans its trials from, the
-    data's full facts included (the trial trains on them).
+    """The Tune trainable, run in the trial's actor. A one-worker trial trains right here
+    (trial.py). A wider one fits its own TorchTrainer in a thread while this one hands rank 0's
+    metrics to Tune as they arrive (they come straight from rank 0, not through Ray Train's report).
+    `planner`: what the study plans its trials from, the data's full facts included (the trial
+    trains on them).
 
-    Its Train run is named by the trial id under `trials`, so a trial restarted by a resumed study continues
-    from its own latest checkpoint. `node_ranks`: how many ranks of the study's trials may share a node's memory
-    (memory_plan.ranks_per_node), for `train.micro_batch_size=auto` on CPU. `shared_search`: the study whose one
-    autopilot search this trial runs or applies (tuning/autopilot.py)."""
+    Its Train run is named by the trial id under `trials`, so a trial restarted by a resumed study
+    continues from its own latest checkpoint. `node_ranks`: how many ranks of the study's trials may
+    share a node's memory (memory_plan.ranks_per_node), for `train.micro_batch_size=auto` on CPU.
+    `shared_search`: the study whose one autopilot search this trial runs or applies
+    (tuning/autopilot.py)."""
     from ray import tune as ray_tune
 
-    plan = plan_trial(planner, {**params, "storage.path": trials.uri})  # the trial planned as `train` is
+    # the trial planned as `train` is
+    plan = plan_trial(planner, {**params, "storage.path": trials.uri})
     infos = dict(planner.datasets or {})
     trial_id = ray_tune.get_context().get_trial_id()
     board = find_board(shared_search) if shared_search else None
@@ -176,22 +185,24 @@ def run_trial(params: dict[str, Any], *, planner: TrialPlanner, trials: Storage,
         _train_trial(replace(plan, config=config), infos, trial_id, private_cluster, trials, node_ranks,
                      (lambda metrics: post_choice(board, trial_id, metrics)) if searching else None)
     finally:
-        if searching:  # ended before its choice was posted (failed, stopped): another trial searches
+        # ended before its choice was posted (failed, stopped): another trial searches
+        if searching:
             board.release.remote(trial_id)
 
 
 def _train_trial(plan: ConfigPlan, infos: dict[str, DatasetInfo], trial_id: str, private_cluster: bool,
                  trials: Storage, node_ranks: int | None, on_report: Callable[[dict[str, Any]], None] | None
                  ) -> None:
-    """Train the trial as planned: here, or through its own TorchTrainer. `on_report` sees each report before Tune
-    does."""
+    """Train the trial as planned: here, or through its own TorchTrainer. `on_report` sees each
+    report before Tune does."""
     import threading
 
     import ray.train
     from ray import tune as ray_tune
 
     config = plan.config
-    if in_trial_process(config):  # one worker: trained right here, without a worker group of its own
+    # one worker: trained right here, without a worker group of its own
+    if in_trial_process(config):
         train_in_trial(plan, infos, trial_id, node_ranks, on_report)
         return
     channel = report_channel()
@@ -203,13 +214,15 @@ def _train_trial(plan: ConfigPlan, infos: dict[str, DatasetInfo], trial_id: str,
         except BaseException as exc:  # handed to the trial's thread, which raises it
             failed.append(exc)
         finally:
-            channel.close()  # after the workers' last metrics (each was in the channel before they returned)
+            # after the workers' last metrics (each was in the channel before they returned)
+            channel.close()
 
     # This actor fits the trial's TorchTrainer: Ray passes the settings on from here.
     with train_environment(config, private_cluster):
         thread = threading.Thread(target=fit, name="orchestrator-trial-fit", daemon=True)
         thread.start()
-        # Until fit() is done and its last metrics are in (the workers send theirs before they return).
+        # Until fit() is done and its last metrics are in (the workers send theirs before they
+        # return).
         while (metrics := channel.get()) is not channel.END:
             if on_report is not None:
                 on_report(metrics)

@@ -1,7 +1,9 @@
-"""What the driver does while a study runs: one MLflow child run per trial, and a live table of trials.
+"""What the driver does while a study runs: one MLflow child run per trial, and a live table of
+trials.
 
-A `ray.tune.Callback` runs in the driver process (DESIGN: only the driver talks to MLflow). ASHA stops a trial by
-killing its actor, so nothing after the trial's last report runs inside it: the callback closes child runs from here.
+A `ray.tune.Callback` runs in the driver process (DESIGN: only the driver talks to MLflow). ASHA
+stops a trial by killing its actor, so nothing after the trial's last report runs inside it: the
+callback closes child runs from here.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ _LEDGER_KEYS = {"step", "interval_s", "time_total_s", "world_size", RESTART_MARK
 
 
 def trial_status(last: dict[str, Any], max_steps: int, errored: bool = False) -> str:
-    """completed (reached max_steps) | stopped (early, by the scheduler) | error | running (no final result yet)."""
+    """completed (reached max_steps) | stopped (early, by the scheduler) | error | running (no final
+    result yet)."""
     if errored:
         return "error"
     if not last.get("done"):
@@ -41,11 +44,12 @@ def trial_status(last: dict[str, Any], max_steps: int, errored: bool = False) ->
 
 def trial_ledger(rows: list[dict[str, Any]], started: float | None, ended: float | None,
                  pricing: Pricing) -> Ledger:
-    """A trial's cost ledger over the time it ran: from when Tune started it to its last result (`started`, `ended`:
-    Tune's record, epoch seconds), restarts included. Tune's time_total_s cannot be that clock: on a restart Tune
-    rewinds it to the checkpoint's, so the time lost since that checkpoint and the restart itself would be billed
-    to nobody. Each report is placed at when it was made (REPORTED_AT, stamped by the trial's reporter); reports
-    without the stamp (a wider trial's, whose restarts happen inside its own Train run) keep time_total_s."""
+    """A trial's cost ledger over the time it ran: from when Tune started it to its last result
+    (`started`, `ended`: Tune's record, epoch seconds), restarts included. Tune's time_total_s
+    cannot be that clock: on a restart Tune rewinds it to the checkpoint's, so the time lost since
+    that checkpoint and the restart itself would be billed to nobody. Each report is placed at when
+    it was made (REPORTED_AT, stamped by the trial's reporter); reports without the stamp (a wider
+    trial's, whose restarts happen inside its own Train run) keep time_total_s."""
     def elapsed(row: dict[str, Any]) -> float:
         if REPORTED_AT in row and started is not None:
             return float(row[REPORTED_AT]) - started
@@ -59,7 +63,8 @@ def trial_ledger(rows: list[dict[str, Any]], started: float | None, ended: float
 
 
 def format_table(rows: list[dict[str, Any]], keys: list[str], metric: str) -> str:
-    """Fixed-width table: trial, status, each searched key, step, metric (and $ when rows carry `usd`)."""
+    """Fixed-width table: trial, status, each searched key, step, metric (and $ when rows carry
+    `usd`)."""
     priced = any(row.get("usd") is not None for row in rows)
     header = ["trial", "status", *keys, "step", metric, *(["$"] if priced else [])]
     cells = [header]
@@ -80,9 +85,10 @@ def _short(value: Any) -> str:
 
 @dataclass(frozen=True)
 class StudyFacts:
-    """What the study's callback knows of its study: its name, what its trials are planned from (the user's tree,
-    the data's sizes: None, no cost ledger), the searched keys (the table's columns), its metric and step count, and
-    whether its trials share one autopilot search (tuning/autopilot.py)."""
+    """What the study's callback knows of its study: its name, what its trials are planned from (the
+    user's tree, the data's sizes: None, no cost ledger), the searched keys (the table's columns),
+    its metric and step count, and whether its trials share one autopilot search
+    (tuning/autopilot.py)."""
 
     name: str
     trials: TrialPlanner
@@ -94,20 +100,23 @@ class StudyFacts:
 
 @dataclass(frozen=True)
 class ParentRun:
-    """The study's parent MLflow run, under which each trial's child run goes, and the store it is in."""
+    """The study's parent MLflow run, under which each trial's child run goes, and the store it is
+    in."""
 
     tracking: TrackingConfig
     run_id: str
 
 
-# The resuming command's callback of each study while Tuner.restore unpickles the saved one (`restored_as`).
+# The resuming command's callback of each study while Tuner.restore unpickles the saved one
+# (`restored_as`).
 _RESTORING: dict[str, StudyCallback] = {}
 
 
 @contextmanager
 def restored_as(callback: StudyCallback) -> Iterator[None]:
-    """While Tune restores a study (Tuner.restore unpickles its tuner.pkl, in this process): its saved callback
-    becomes `callback`, the resuming command's, whose URIs carry the passwords the saved one has masked."""
+    """While Tune restores a study (Tuner.restore unpickles its tuner.pkl, in this process): its
+    saved callback becomes `callback`, the resuming command's, whose URIs carry the passwords the
+    saved one has masked."""
     _RESTORING[callback.study.name] = callback
     try:
         yield
@@ -116,17 +125,17 @@ def restored_as(callback: StudyCallback) -> Iterator[None]:
 
 
 class StudyCallback(Callback):
-    """Child runs (tag mlflow.parentRunId: the UI nests them under the study's parent run) with params and step
-    metrics (under the tracker's MLflow keys; the trial's cost and other facts in its summary table), closed with a
-    terminal status and an `orchestrator.stop_reason` tag. On a terminal, one table of the trials (named by their
-    values) redrawn in place on every status change and at most every `table_every_s`; on a pipe or a log (`live`
-    false), one line per trial that ends. The study's summary prints the final table once. `parent`: None, tracking
-    off."""
+    """Child runs (tag mlflow.parentRunId: the UI nests them under the study's parent run) with
+    params and step metrics (under the tracker's MLflow keys; the trial's cost and other facts in
+    its summary table), closed with a terminal status and an `orchestrator.stop_reason` tag. On a
+    terminal, one table of the trials (named by their values) redrawn in place on every status
+    change and at most every `table_every_s`; on a pipe or a log (`live` false), one line per trial
+    that ends. The study's summary prints the final table once. `parent`: None, tracking off."""
 
     def __init__(self, study: StudyFacts, parent: ParentRun | None = None, verbose: bool = True,
                  table_every_s: float = 2.0, live: bool | None = None) -> None:
-        # What planning a trial needs of the data: only the sizes. The callback is pickled into the study's saved
-        # state, which has no use for shard lists or storage handles.
+        # What planning a trial needs of the data: only the sizes. The callback is pickled into the
+        # study's saved state, which has no use for shard lists or storage handles.
         self.study = replace(study, trials=study.trials.sizes())
         self.parent = parent
         self.verbose, self.table_every_s, self.live = verbose, table_every_s, live
@@ -134,7 +143,8 @@ class StudyCallback(Callback):
 
     def _runtime(self) -> None:
         self._runs: dict[str, MlflowTracker] = {}
-        self._timeline: dict[str, list[dict[str, Any]]] = {}  # per trial: what its cost ledger needs
+        # per trial: what its cost ledger needs
+        self._timeline: dict[str, list[dict[str, Any]]] = {}
         self._parent: MlflowTracker | None = None
         self._printed = 0.0
         self._started = time.monotonic()
@@ -144,9 +154,10 @@ class StudyCallback(Callback):
         """What the callback is made of, without its clients and open runs."""
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
-    # Tune pickles its callbacks into the study's tuner.pkl (often in a shared bucket) for Tuner.restore: settings
-    # only, with no password of any URI (the config tree's, the tracking store's). Restored, the callback takes the
-    # resuming command's own settings (`restored_as`), real passwords included, a rotated one too.
+    # Tune pickles its callbacks into the study's tuner.pkl (often in a shared bucket) for
+    # Tuner.restore: settings only, with no password of any URI (the config tree's, the tracking
+    # store's). Restored, the callback takes the resuming command's own settings (`restored_as`),
+    # real passwords included, a rotated one too.
     def __getstate__(self) -> dict[str, Any]:
         state = self.settings() | {"study": replace(self.study, trials=self.study.trials.masked())}
         if self.parent is not None and self.parent.tracking.uri is not None:
@@ -167,14 +178,16 @@ class StudyCallback(Callback):
             return self._runs[trial.trial_id]
         study, parent = self.study.name, self.parent
         try:
-            if self._parent is None:  # reopening the parent only to search it; its status is the driver's
+            # reopening the parent only to search it; its status is the driver's
+            if self._parent is None:
                 self._parent = MlflowTracker(parent.tracking, study, run_id=parent.run_id)
             tags = {"mlflow.parentRunId": parent.run_id, "orchestrator.study": study,
                     "orchestrator.trial_id": trial.trial_id}
             existing = self._parent.find_run({"orchestrator.trial_id": trial.trial_id, "orchestrator.study": study})
             # Named by its searched values (study.py's trial names); the trial id is a tag.
             run = MlflowTracker(parent.tracking, str(trial), tags=tags, run_id=existing, headline=self.study.metric)
-            if existing is None:  # the trial's resolved config, model defaults included; the study's tune.* not
+            # the trial's resolved config, model defaults included; the study's tune.* not
+            if existing is None:
                 run.log_params(config_params(trial_config(self.study.trials.tree, trial.config)))
                 run.log_datasets(dict(self.study.trials.datasets or {}))
         except Exception as exc:  # tracking never stops the study
@@ -202,13 +215,14 @@ class StudyCallback(Callback):
         run.finish({"completed": "FINISHED", "stopped": "FINISHED", "error": "FAILED"}.get(status, "KILLED"))
 
     def _pricing(self, trial: Any) -> Pricing | None:
-        """The trial's nodes and price, from its own plan: a searched scaling.num_workers (or cost key) changes what
-        the trial holds, so the study's base config cannot price it."""
+        """The trial's nodes and price, from its own plan: a searched scaling.num_workers (or cost
+        key) changes what the trial holds, so the study's base config cannot price it."""
         if self.study.trials.datasets is None:
             return None
         try:
             return plan_trial(self.study.trials, trial.config).pricing
-        except ConfigError:  # a trial whose config is invalid has already failed; tracking never stops the study
+        # a trial whose config is invalid has already failed; tracking never stops the study
+        except ConfigError:
             return None
 
     def on_trial_start(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
@@ -229,8 +243,8 @@ class StudyCallback(Callback):
         self._table(trials)
 
     def _release(self, trial: Any) -> None:
-        """A trial that ended while it ran the study's autopilot search (ASHA stops a trial by killing its actor):
-        a waiting trial searches instead."""
+        """A trial that ended while it ran the study's autopilot search (ASHA stops a trial by
+        killing its actor): a waiting trial searches instead."""
         board = find_board(self.study.name) if self.study.shared_search else None
         if board is not None:
             board.release.remote(trial.trial_id)
@@ -248,13 +262,15 @@ class StudyCallback(Callback):
         self._table(trials, force=True)
 
     def on_experiment_end(self, trials: list[Any], **info: Any) -> None:
-        for trial_id in list(self._runs):  # still open: the study was interrupted; resuming reopens them
+        # still open: the study was interrupted; resuming reopens them
+        for trial_id in list(self._runs):
             run = self._runs.pop(trial_id)
             run.set_tags({"orchestrator.stop_reason": "interrupted"})
             run.finish("KILLED")
 
     def rows(self, trials: list[Any]) -> list[dict[str, Any]]:
-        """One row per trial, named by its searched values (its Tune trial name), as the final table names it."""
+        """One row per trial, named by its searched values (its Tune trial name), as the final table
+        names it."""
         rows = []
         for trial in trials:
             last = trial.last_result or {}
@@ -268,7 +284,8 @@ class StudyCallback(Callback):
         return sys.stdout.isatty() if self.live is None else self.live
 
     def _ended(self, trial: Any, errored: bool) -> None:
-        """Off a terminal: the one line a trial's end gets (the table comes once, in the study's summary)."""
+        """Off a terminal: the one line a trial's end gets (the table comes once, in the study's
+        summary)."""
         if not self.verbose or self._live():
             return
         last = trial.last_result or {}
@@ -279,7 +296,8 @@ class StudyCallback(Callback):
         print(f"trial {trial} {status} at step {last.get('step', 0)}{figure}", flush=True)
 
     def _table(self, trials: list[Any], force: bool = False) -> None:
-        """On a terminal: the trial table, drawn over the one before (cursor up its lines, clear to the end)."""
+        """On a terminal: the trial table, drawn over the one before (cursor up its lines, clear to
+        the end)."""
         now = time.monotonic()
         if not self.verbose or not self._live() or (not force and now - self._printed < self.table_every_s):
             return

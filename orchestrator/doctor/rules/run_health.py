@@ -1,7 +1,8 @@
-"""Doctor's rules on the run around its steps: non-finite steps skipped (`nonfinite_steps`), a start-up long
-for the run (`startup`), workers blocked registering checkpoints (`report_blocking`), a checkpoint interval far from
-the one its failures call for (`checkpoint_interval`), validation passes (`evaluation`) and time in no timed phase
-(`bookkeeping`), with the ASHA helpers the last two share (`under_asha`, `_fewer_reports`)."""
+"""Doctor's rules on the run around its steps: non-finite steps skipped (`nonfinite_steps`), a
+start-up long for the run (`startup`), workers blocked registering checkpoints (`report_blocking`),
+a checkpoint interval far from the one its failures call for (`checkpoint_interval`), validation
+passes (`evaluation`) and time in no timed phase (`bookkeeping`), with the ASHA helpers the last two
+share (`under_asha`, `_fewer_reports`)."""
 
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ from orchestrator.training.checkpoint_interval import auto_interval
 
 
 def nonfinite_steps(run: RunRecord) -> Finding | None:
-    """Many steps skipped for a NaN/inf loss or gradient: the LR is too hot early on. Not `skipped_steps`: fp16's
-    GradScaler skips a step each time it lowers its loss scale (at the start, then ~1 per 2000 steps), which is
-    how it calibrates, not divergence."""
+    """Many steps skipped for a NaN/inf loss or gradient: the LR is too hot early on. Not
+    `skipped_steps`: fp16's GradScaler skips a step each time it lowers its loss scale (at the
+    start, then ~1 per 2000 steps), which is how it calibrates, not divergence."""
     skipped = run.last("nonfinite_skipped") or 0
     steps = run.last("step") or 0
     if not steps or skipped / steps < 0.01 or skipped < 2:
@@ -38,16 +39,18 @@ def nonfinite_steps(run: RunRecord) -> Finding | None:
     if run.param("optim.max_grad_norm") is None:
         changes.append("optim.max_grad_norm=1.0")
     return Finding("non-finite steps", HIGH if skipped / steps >= 0.05 else MEDIUM, skipped / steps,
-                   f"{int(skipped)} of {int(steps)} steps skipped for a non-finite loss or gradient", tuple(changes))
+                   f"{int(skipped)} of {int(steps)} steps skipped for "
+                   "a non-finite loss or gradient", tuple(changes))
 
 
 def startup(run: RunRecord) -> Finding | None:
-    """Most of the run's wall clock went before the first step: the run is too short for its start-up, or the
-    start-up has one slow stage to fix."""
+    """Most of the run's wall clock went before the first step: the run is too short for its
+    start-up, or the start-up has one slow stage to fix."""
     share = run.last("cost/startup_frac")
     if share is None or share < 0.3:
         return None
-    # MLflow's opening runs beside the others (while the worker group starts): it does not hold the first step.
+    # MLflow's opening runs beside the others (while the worker group starts): it does not hold the
+    # first step.
     stages = {stage: seconds for stage in STAGES if stage != "tracking"
               and (seconds := run.last(f"startup/{stage.replace(' ', '_').replace('-', '_')}_s")) is not None}
     slowest = max(stages, key=stages.__getitem__) if stages else None
@@ -59,8 +62,9 @@ def startup(run: RunRecord) -> Finding | None:
                  f"{stages[slowest]:.1f} s)"
     per = "trial" if study else "run"
     changes = [*([longer] if (longer := _longer(run, share, per)) else []),
-               "cluster.keep_warm_minutes=10 (the next command joins this one's local cluster instead of starting "
-               "one; or run on a running cluster, with --address or ray job submit: no Ray start per command)"]
+               "cluster.keep_warm_minutes=10 (the next command joins this one's "
+               "local cluster instead of starting one; or run on a running cluster, "
+               "with --address or ray job submit: no Ray start per command)"]
     if slowest == "datasets" and run.param("data.cache", "auto") in ("auto", "memory"):
         changes.append("data.cache=none (the memory cache reads every row before the first step)")
     return Finding("start-up", HIGH if share >= 0.5 else MEDIUM, share, title, tuple(changes))
@@ -70,11 +74,12 @@ STARTUP_SHARE = 0.1  # of the wall clock: what a run long enough for its start-u
 
 
 def _longer(run: RunRecord, share: float, per: str) -> str | None:
-    """train.max_steps (or train.epochs) long enough that a start-up taking `share` of the wall clock now would take
-    STARTUP_SHARE of it: the training scaled by share x (1 - S) / (S x (1 - share)); steps rounded up to a report."""
+    """train.max_steps (or train.epochs) long enough that a start-up taking `share` of the wall
+    clock now would take STARTUP_SHARE of it: the training scaled by share x (1 - S) / (S x (1 -
+    share)); steps rounded up to a report."""
     factor = share * (1 - STARTUP_SHARE) / (STARTUP_SHARE * (1 - share))
-    why = (f" (start-up is paid once per {per}, not per step: this makes it about {STARTUP_SHARE:.0%} of the wall "
-           "clock)")
+    why = (f" (start-up is paid once per {per}, not per step: this "
+           f"makes it about {STARTUP_SHARE:.0%} of the wall clock)")
     steps, epochs = _int_param(run, "train.max_steps"), run.param("train.epochs")
     if steps:
         every = _int_param(run, "train.log_every") or 1
@@ -85,7 +90,8 @@ def _longer(run: RunRecord, share: float, per: str) -> str | None:
 
 
 def report_blocking(run: RunRecord) -> Finding | None:
-    """Workers sat blocked registering checkpoints with Ray Train (a barrier that waits for the controller)."""
+    """Workers sat blocked registering checkpoints with Ray Train (a barrier that waits for the
+    controller)."""
     share = run.last("cost/report_frac")
     if share is None:
         share = run.mean("time/report_frac")
@@ -95,19 +101,23 @@ def report_blocking(run: RunRecord) -> Finding | None:
     changes = [] if every == "auto" else [f"checkpoint.every={2 * int(every)}"]
     if run.param("checkpoint.upload") == "sync":
         changes.append("checkpoint.upload=async")
-    changes.append("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S: unset it, or lower it (the product runs at 0.2 s)")
+    changes.append("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S: unset "
+                   "it, or lower it (the product runs at 0.2 s)")
     return Finding("checkpoint reports", HIGH if share >= 0.3 else MEDIUM, share,
-                   f"workers were blocked registering checkpoints {share:.0%} of the time", tuple(changes))
+                   f"workers were blocked registering checkpoints {share:.0%} of the time",
+                   tuple(changes))
 
 
 def checkpoint_interval(run: RunRecord) -> Finding | None:
-    """A run that failed: checkpoints so rare that each failure redoes much work, or so frequent that saving them
-    costs more than failures lose. The interval that loses least is about sqrt(2 x checkpoint cost x mean time
-    between failures) (Young's approximation), clamped as checkpoint.every=auto clamps it
-    (training/checkpoint_interval.py), measured here from the run's own ledger and failures."""
+    """A run that failed: checkpoints so rare that each failure redoes much work, or so frequent
+    that saving them costs more than failures lose. The interval that loses least is about sqrt(2 x
+    checkpoint cost x mean time between failures) (Young's approximation), clamped as
+    checkpoint.every=auto clamps it (training/checkpoint_interval.py), measured here from the run's
+    own ledger and failures."""
     failures = sum(1 for tag in run.tags if tag.startswith("orchestrator.failure."))
     wall, steps = run.last("cost/wall_s"), _int_param(run, "train.max_steps")
-    every = _int_param(run, "checkpoint.every")  # None under auto: it sets the interval from these figures itself
+    # None under auto: it sets the interval from these figures itself
+    every = _int_param(run, "checkpoint.every")
     if not failures or not wall or not steps or not every:
         return None
     saves = max(1, steps // every)
@@ -121,40 +131,45 @@ def checkpoint_interval(run: RunRecord) -> Finding | None:
     best = max(1, round(interval.seconds / step_s))
     if every / 2 <= best <= every * 2:
         return None
-    title = (f"{failures} failure{'s' * (failures > 1)} in {wall:.0f} s: the interval that loses least is "
-             f"{interval.why()} = {interval.seconds:.0f} s, {best} steps (checkpoint.every is {every})")
+    title = (f"{failures} failure{'s' * (failures > 1)} in {wall:.0f} s: the "
+             f"interval that loses least is {interval.why()} = "
+             f"{interval.seconds:.0f} s, {best} steps (checkpoint.every is {every})")
     return Finding("checkpoint interval", MEDIUM, abs(math.log(best / every)), title,
-                   ("checkpoint.every=auto (sets it from these figures as the run goes)", f"checkpoint.every={best}"))
+                   ("checkpoint.every=auto (sets it from these figures as the run goes)",
+                    f"checkpoint.every={best}"))
 
 
 def under_asha(run: RunRecord) -> bool:
-    """A study whose ASHA scheduler ranks trials by a validation metric at every report: each report must then
-    validate (docs/tune.md's rule), so the evaluation cadence follows the report cadence."""
+    """A study whose ASHA scheduler ranks trials by a validation metric at every report: each report
+    must then validate (docs/tune.md's rule), so the evaluation cadence follows the report
+    cadence."""
     scheduler = run.param("tune.scheduler", run.tags.get("orchestrator.scheduler"))
     metric = run.param("tune.metric") or "val_"  # null: the task's metric, a validation one
     return is_study(run) and scheduler == "asha" and metric.startswith("val_")
 
 
 def _fewer_reports(run: RunRecord) -> str | None:
-    """Under ASHA: reports (each one validating) half as often, as one change of both cadences; None without
-    a report cadence."""
+    """Under ASHA: reports (each one validating) half as often, as one change of both cadences; None
+    without a report cadence."""
     log_every = _int_param(run, "train.log_every")
     if not log_every:
         return None
     new = 2 * max(log_every, _int_param(run, "train.eval_every") or log_every)
-    return (f"train.log_every={new} --set train.eval_every={new} (ASHA compares trials at every report, so each "
-            "report validates: fewer reports, fewer passes)")
+    return (f"train.log_every={new} --set train.eval_every={new} (ASHA compares trials "
+            "at every report, so each report validates: fewer reports, fewer passes)")
 
 
-# A validation pass as long as this many training steps reads roughly 3x that many global batches of rows (a
-# forward pass is about a third of a training step): a large split, whatever the run's length.
+# A validation pass as long as this many training steps reads roughly 3x that many global batches of
+# rows (a forward pass is about a third of a training step): a large split, whatever the run's
+# length.
 LARGE_PASS_STEPS = 100
 
 
 def evaluation(run: RunRecord) -> Finding | None:
-    """Validation passes took a large share of the training: evaluate less often, or on a smaller split. Under
-    ASHA every report validates, so fewer reports; a run validating only at its end paid for one pass, a fixed
-    cost that a short run's few steps do not spread thin, so the split is named only when that pass is long."""
+    """Validation passes took a large share of the training: evaluate less often, or on a smaller
+    split. Under ASHA every report validates, so fewer reports; a run validating only at its end
+    paid for one pass, a fixed cost that a short run's few steps do not spread thin, so the split is
+    named only when that pass is long."""
     share = training_share(run, "eval")
     if share is None or share < 0.15:
         return None
@@ -172,9 +187,10 @@ def evaluation(run: RunRecord) -> Finding | None:
         pass_steps = share / (1 - share) * steps  # the one pass, in training steps
         if pass_steps < LARGE_PASS_STEPS:
             return Finding("evaluation", LOW, share,
-                           f"the one validation pass, at the end of the run, took {share:.0%} of its training time "
-                           f"(as long as ~{pass_steps:.0f} training steps): a fixed cost per run, nothing to change "
-                           "for a longer run, which spreads it thinner", ())
+                           "the one validation pass, at the end of the run, took "
+                           f"{share:.0%} of its training time (as long as ~{pass_steps:.0f} "
+                           "training steps): a fixed cost per run, nothing to change for a "
+                           "longer run, which spreads it thinner", ())
     changes = []
     if every is not None and not end_only:
         changes.append("train.eval_every=null (validate at the end only)" if steps and 2 * every >= steps else
@@ -184,9 +200,10 @@ def evaluation(run: RunRecord) -> Finding | None:
 
 
 def bookkeeping(run: RunRecord) -> Finding | None:
-    """Much of the training in no timed phase ("other"): per-report work (the interval's all-reduce, every node's
-    system stats, metric assembly) and per-step work outside compute (the step's target-count all-reduce, Python
-    between kernels). Both shrink per sample with fewer reports and more samples per step."""
+    """Much of the training in no timed phase ("other"): per-report work (the interval's all-reduce,
+    every node's system stats, metric assembly) and per-step work outside compute (the step's
+    target-count all-reduce, Python between kernels). Both shrink per sample with fewer reports and
+    more samples per step."""
     share = training_share(run, "other")
     if share is None or share < 0.15:
         return None
@@ -195,12 +212,13 @@ def bookkeeping(run: RunRecord) -> Finding | None:
     if under_asha(run) and (fewer := _fewer_reports(run)):
         changes.append(fewer)
     elif log_every:
-        changes.append(f"train.log_every={2 * log_every} (each report gathers figures and node stats from every "
-                       "worker outside the timed phases)")
+        changes.append(f"train.log_every={2 * log_every} (each report gathers figures "
+                       "and node stats from every worker outside the timed phases)")
     batch = _int_param(run, "train.global_batch_size")
     if batch and (doubled := batch_split(run, 2 * batch)):
-        changes.append(f"{doubled} (the fixed cost of a step spread over twice the samples; that changes the "
-                       "optimisation, so retune optim.lr and compare the loss)")
+        changes.append(f"{doubled} (the fixed cost of a step spread over twice the samples; "
+                       "that changes the optimisation, so retune optim.lr and compare the loss)")
     return Finding("other overhead", HIGH if share >= 0.3 else MEDIUM, share,
-                   f"{share:.0%} of the training time was in no timed phase (reports, per-step bookkeeping)",
+                   f"{share:.0%} of the training time was in no "
+                   "timed phase (reports, per-step bookkeeping)",
                    tuple(changes))

@@ -1,6 +1,6 @@
-"""Doctor's rules on a study (its parent run): too few trials for the searched keys (`study_size`), and a best
-value at the edge of a searched range or choice list (`search_space_edge`), widened within the key's own config
-bounds (`field_bounds`, `_clamp`, `_widened`, `_extended`)."""
+"""Doctor's rules on a study (its parent run): too few trials for the searched keys (`study_size`),
+and a best value at the edge of a searched range or choice list (`search_space_edge`), widened
+within the key's own config bounds (`field_bounds`, `_clamp`, `_widened`, `_extended`)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ OPTUNA_STARTUP_TRIALS = 10  # Optuna's TPE samples at random until it has this m
 
 
 def study_size(run: RunRecord) -> Finding | None:
-    """Too few trials for the searched keys: fewer than 4 per sampled key leaves each range seen at a couple of
-    points, so the best trial is mostly luck (a grid key multiplies the trials instead of needing samples)."""
+    """Too few trials for the searched keys: fewer than 4 per sampled key leaves each range seen at
+    a couple of points, so the best trial is mostly luck (a grid key multiplies the trials instead
+    of needing samples)."""
     space = run.tags.get("orchestrator.search_space")
     trials = sum(trial_counts(run).values())
     if not space or not trials:
@@ -35,8 +36,9 @@ def study_size(run: RunRecord) -> Finding | None:
         samples = max(samples, 2 * OPTUNA_STARTUP_TRIALS)
         notes.append(f"Optuna's TPE samples at random for its first {OPTUNA_STARTUP_TRIALS} trials")
     return Finding("study size", HIGH if trials <= len(sampled) * grid else MEDIUM, 1 - trials / needed,
-                   f"study of {trials} trials for {len(sampled)} searched keys ({', '.join(sampled)}): under "
-                   f"{TRIALS_PER_PARAMETER} per key, the best trial is mostly luck",
+                   f"study of {trials} trials for {len(sampled)} searched keys "
+                   f"({', '.join(sampled)}): under {TRIALS_PER_PARAMETER} per "
+                   "key, the best trial is mostly luck",
                    (f"tune.num_samples={samples} ({'; '.join(notes)})",))
 
 
@@ -44,8 +46,8 @@ Bound = tuple[float, bool]  # (value, exclusive): ge/le -> False, gt/lt -> True
 
 
 def field_bounds(key: str) -> tuple[Bound | None, Bound | None]:
-    """(lower, upper) bound of a dotted config key, from its pydantic field's Ge/Gt/Le/Lt; (None, None) for keys
-    the config does not bound (a model's own kwargs)."""
+    """(lower, upper) bound of a dotted config key, from its pydantic field's Ge/Gt/Le/Lt; (None,
+    None) for keys the config does not bound (a model's own kwargs)."""
     import annotated_types
     from pydantic import BaseModel
 
@@ -70,9 +72,9 @@ def field_bounds(key: str) -> tuple[Bound | None, Bound | None]:
 
 
 def _clamp(new: float, edge: float, bound: Bound, integer: bool, lower: bool) -> float:
-    """`new` (a range end moved past `edge`) kept on the valid side of the lower (or upper) `bound`: at an
-    inclusive bound; short of an exclusive one, which is itself invalid (halfway from the edge, one step for
-    integers)."""
+    """`new` (a range end moved past `edge`) kept on the valid side of the lower (or upper) `bound`:
+    at an inclusive bound; short of an exclusive one, which is itself invalid (halfway from the
+    edge, one step for integers)."""
     value, exclusive = bound
     side = 1 if lower else -1
     if (new - value) * side > 0:
@@ -83,12 +85,13 @@ def _clamp(new: float, edge: float, bound: Bound, integer: bool, lower: bool) ->
 
 
 def _widened(key: str, kind: str, low: float, high: float, lower_edge: bool) -> float | None:
-    """The new low (or high) of a range whose best value sits at that edge, kept within the field's bounds;
-    None when the range already reaches the bound."""
+    """The new low (or high) of a range whose best value sits at that edge, kept within the field's
+    bounds; None when the range already reaches the bound."""
     integer = kind == "randint"
     lower, upper = field_bounds(key)
     if lower is None and upper is None and low >= 0:
-        lower = (0.0, False)  # no bounds known (a model kwarg): sizes, rates, dropout do not turn negative
+        # no bounds known (a model kwarg): sizes, rates, dropout do not turn negative
+        lower = (0.0, False)
     if lower_edge:
         new = low / 10 if kind == "loguniform" else low - (high - low)
         new = _clamp(new, low, lower, integer, lower=True) if lower is not None else new
@@ -99,9 +102,10 @@ def _widened(key: str, kind: str, low: float, high: float, lower_edge: bool) -> 
 
 
 def _extended(key: str, values: list[Any], best: Any) -> list[Any] | None:
-    """A numeric choice list (3 values or more: 2 are a comparison, not a scan) whose best value is its smallest or
-    largest, with one value more past that edge: spaced like the last two (by their ratio when they are 2x apart or
-    more, else by their difference) and kept within the key's bounds. None otherwise."""
+    """A numeric choice list (3 values or more: 2 are a comparison, not a scan) whose best value is
+    its smallest or largest, with one value more past that edge: spaced like the last two (by their
+    ratio when they are 2x apart or more, else by their difference) and kept within the key's
+    bounds. None otherwise."""
     def number(v: Any) -> bool:
         return isinstance(v, int | float) and not isinstance(v, bool)
 
@@ -112,7 +116,8 @@ def _extended(key: str, values: list[Any], best: Any) -> list[Any] | None:
     edge, near = (ordered[-1], ordered[-2]) if up else (ordered[0], ordered[1])
     new = edge * (edge / near) if edge * near > 0 and max(edge / near, near / edge) >= 2 else 2 * edge - near
     integer = all(isinstance(v, int) for v in values)
-    new = round(new) if integer else float(f"{new:.6g}")  # as printed: 0.9999999999999999 would print as 1
+    # as printed: 0.9999999999999999 would print as 1
+    new = round(new) if integer else float(f"{new:.6g}")
     lower, upper = field_bounds(key)
     if lower is None and upper is None and ordered[0] >= 0:
         lower = (0.0, False)  # as for ranges: a model kwarg's sizes and rates do not turn negative
@@ -124,9 +129,9 @@ def _extended(key: str, values: list[Any], best: Any) -> list[Any] | None:
 
 
 def search_space_edge(run: RunRecord) -> Finding | None:
-    """A study whose best value sits at the edge of a searched range, or is the smallest or largest value of a
-    numeric choice list: the optimum may lie outside it. The wider range (or the value added to the list) stays
-    within the key's own bounds (momentum < 1, weight decay >= 0)."""
+    """A study whose best value sits at the edge of a searched range, or is the smallest or largest
+    value of a numeric choice list: the optimum may lie outside it. The wider range (or the value
+    added to the list) stays within the key's own bounds (momentum < 1, weight decay >= 0)."""
     space, best = run.tags.get("orchestrator.search_space"), run.tags.get("orchestrator.best_params")
     if not space or not best:
         return None
@@ -157,5 +162,6 @@ def search_space_edge(run: RunRecord) -> Finding | None:
         worst = max(worst, abs(position - 0.5))
     if not changes:
         return None
-    return Finding("search space", HIGH, worst, "the best trial's value lies at the edge of what was searched",
+    return Finding("search space", HIGH, worst, "the best trial's value lies at "
+                                                "the edge of what was searched",
                    tuple(changes))
