@@ -21,7 +21,8 @@ class Alongside:
         self.began = time.time()
         self.ended: float | None = None
         self._outcome: dict[str, Any] = {}
-        self._thread = threading.Thread(target=self._run, args=(work,), name="orchestrator-alongside", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(work,),
+                                        name="orchestrator-alongside", daemon=True)
         self._thread.start()
 
     def _run(self, work: Callable[[], Any]) -> None:
@@ -64,7 +65,8 @@ def ended_on_error(opening: Alongside) -> Iterator[None]:
                   "may then stay RUNNING in MLflow)", file=sys.stderr, flush=True)
         try:
             tracker = opening.result()
-        except BaseException:  # noqa: BLE001 - its own failure: the error being raised is the one to raise
+        # its own failure: the error being raised is the one to raise
+        except BaseException:  # noqa: BLE001
             tracker = None
         if tracker is None:
             raise

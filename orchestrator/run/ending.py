@@ -41,7 +41,8 @@ class EndWarmUp:
         """Start loading, once: in its thread, `after()` first (what must be imported before it: see
         launch)."""
         if self.thread is None:
-            self.thread = threading.Thread(target=self._run, args=(after,), name="end-warm-up", daemon=True)
+            self.thread = threading.Thread(target=self._run, args=(after,), name="end-warm-up",
+                                           daemon=True)
             self.thread.start()
 
     def wait(self) -> None:

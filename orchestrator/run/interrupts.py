@@ -21,7 +21,8 @@ class Doomed(Exception):
     """A worker raised an error that a restart would raise again, before the run's first report."""
 
 
-def fit_interruptibly(trainer: Any, doomed: list[str], opening: Alongside, stop: Callable[[], float]) -> Any:
+def fit_interruptibly(trainer: Any, doomed: list[str], opening: Alongside,
+                      stop: Callable[[], float]) -> Any:
     """`trainer.fit()` in a thread, so that Ctrl+C reaches this (main) thread as KeyboardInterrupt,
     and so that a run whose first attempt failed in the user's code or config (`doomed`, filled by
     the report handler) stops now instead of after every restart Ray Train would make; so does a run
@@ -80,7 +81,8 @@ def stop_at_next_report(place: RunPlace, history: list[dict[str, Any]]) -> float
         print(f"interrupted: could not ask the workers to save ({exc}); stopping now",
               file=sys.stderr, flush=True)
         return 0.0
-    wait_s = min(120.0, max(10.0, 2 * float(history[-1].get("interval_s", 0.0)) if history else 30.0))
+    wait_s = min(120.0, max(10.0, 2 * float(history[-1].get("interval_s", 0.0))
+                            if history else 30.0))
     print(f"interrupted: saving a checkpoint at the next report (at most {wait_s:.0f} "
           "s; Ctrl+C again to stop without it)", file=sys.stderr, flush=True)
     return wait_s
@@ -102,7 +104,8 @@ def interrupted(place: RunPlace, history: list[dict[str, Any]]) -> Iterator[None
         # A checkpoint can register before its step's report reaches this driver: the run got at
         # least that far.
         step = max(history[-1]["step"] if history else 0, saved or 0)
-        command = ["orchestrator", *sys.argv[1:]] if sys.argv[1:2] == ["train"] else ["orchestrator", "train", "..."]
+        command = (["orchestrator", *sys.argv[1:]] if sys.argv[1:2] == ["train"]
+                   else ["orchestrator", "train", "..."])
         again = shlex.join(command + ([] if "--resume" in command else ["--resume"]))
         print(f"interrupted at step {step}; " + (f"last checkpoint step {saved}; "
                                                  f"continue with: {again}"

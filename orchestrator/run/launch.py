@@ -24,8 +24,19 @@ from orchestrator.config import Config, to_yaml
 from orchestrator.errors import ConfigError
 from orchestrator.report.autopilot import achieved_figures
 from orchestrator.report.console import LOG_FILE, RunLog
-from orchestrator.report.cost import attempt_record, build_ledger, largest_world, ledger_across_attempts
-from orchestrator.report.handlers import AutopilotTable, Console, FailureCounter, RunReports, checkpoint_uri
+from orchestrator.report.cost import (
+    attempt_record,
+    build_ledger,
+    largest_world,
+    ledger_across_attempts,
+)
+from orchestrator.report.handlers import (
+    AutopilotTable,
+    Console,
+    FailureCounter,
+    RunReports,
+    checkpoint_uri,
+)
 from orchestrator.report.plots import plot_history
 from orchestrator.report.progress import ProgressLines, ReportConsumer
 from orchestrator.report.startup import StartupClock
@@ -39,7 +50,13 @@ from orchestrator.run.result import TrainResult, finished_result, run_summary
 from orchestrator.run.trainer import RunFailedError, build_inputs, build_trainer, root_cause
 from orchestrator.tracking.context import config_params
 from orchestrator.tracking.flavour import checkpoint_weights, log_final_model
-from orchestrator.tracking.tracker import FencedTracker, Tracker, closed_on_error, direct, start_tracker
+from orchestrator.tracking.tracker import (
+    FencedTracker,
+    Tracker,
+    closed_on_error,
+    direct,
+    start_tracker,
+)
 from orchestrator.tracking.uri import mask_password
 from orchestrator.training.channel import ReportChannel
 from orchestrator.training.fence import Fence
@@ -51,7 +68,8 @@ from pipelines.storage import user_cache_dir
 
 
 def _log_final_artifacts(tracker: Tracker, config: Config, checkpoint_path: str | None,
-                         history: list[dict[str, Any]], info: DatasetInfo, checkpoint: Any = None) -> None:
+                         history: list[dict[str, Any]], info: DatasetInfo,
+                         checkpoint: Any = None) -> None:
     """The resolved config, the final weights as an MLflow Model named "model" (tracking/flavour.py;
     `info`: the training data, whose sample rows give its input example and signature) and the
     learning curves (top level: the first file the run's Artifacts tab lists after the model)."""
@@ -73,12 +91,14 @@ def _log_final_artifacts(tracker: Tracker, config: Config, checkpoint_path: str 
 
             log_final_model(direct(tracker), config, info, final_weights)
         if history:
-            metric = config.tune.metric if (config.tune.metric or "").startswith("val_") else "val_loss"
+            metric = (config.tune.metric if (config.tune.metric or "").startswith("val_")
+                      else "val_loss")
             tracker.log_artifact(plot_history(history, Path(tmp) / "learning_curves.png", metric))
 
 
-def train(config: Config, address: str | None = None, verbose: bool = True, resume: bool | str = False,
-          started_at: float | None = None, show_logs: bool = False) -> TrainResult:
+def train(config: Config, address: str | None = None, verbose: bool = True,
+          resume: bool | str = False, started_at: float | None = None,
+          show_logs: bool = False) -> TrainResult:
     """Run one distributed training job and return its result. Raises UserError subclasses on bad
     input. With `resume`, continue a run in storage (its Ray Train run from its latest checkpoint,
     and its MLflow run): True, the newest run of this experiment trained with this config (none: a
@@ -105,7 +125,8 @@ def train(config: Config, address: str | None = None, verbose: bool = True, resu
             return _train(plan, verbose, clock, log, fence)
 
 
-def _open_tracking(plan: RunPlan, log: RunLog, verbose: bool, fence: Fence | None = None) -> Tracker:
+def _open_tracking(plan: RunPlan, log: RunLog, verbose: bool,
+                   fence: Fence | None = None) -> Tracker:
     """The MLflow run opened with its params, plan, datasets and tags, the run's directory, log file
     and record written. A run it opened and could not finish setting up ends FAILED (KILLED on
     KeyboardInterrupt). Its writes stop once a newer attempt of the run claimed it (`fence`): none
@@ -113,10 +134,12 @@ def _open_tracking(plan: RunPlan, log: RunLog, verbose: bool, fence: Fence | Non
     config, place = plan.config, plan.place
     refuse_if_newer(fence, place, now=True)
     if config.tracking.enabled:
-        import mlflow  # noqa: F401 - its loggers exist from here on: diverted before the store logs its set-up
+        # its loggers exist from here on: diverted before the store logs its set-up
+        import mlflow  # noqa: F401
 
         log.divert()
-    tracker = start_tracker(config.tracking, plan.run_name, run_id=plan.reopen_run_id, headline=config.tune.metric,
+    tracker = start_tracker(config.tracking, plan.run_name, run_id=plan.reopen_run_id,
+                            headline=config.tune.metric,
                             # the store as planned
                             context=dict(plan.context), uri=plan.tracking_uri)
     with closed_on_error(tracker):
@@ -133,10 +156,11 @@ def _open_tracking(plan: RunPlan, log: RunLog, verbose: bool, fence: Fence | Non
         place.write_config(config)  # its password masked: run storage is often shared
         log.open(log_path := _log_path(config, place))  # the run's directory exists from here on
         if verbose:
-            print(f"Ray and MLflow logs: {log_path}" + ("" if log.verbose else " (--verbose shows them here)"),
-                  flush=True)
+            print(f"Ray and MLflow logs: {log_path}"
+                  + ("" if log.verbose else " (--verbose shows them here)"), flush=True)
+        masked_uri = mask_password(getattr(tracker, "uri", None) or "") or None
         place.write_record({"run_name": plan.run_name, "mlflow_run_id": tracker.run_id,
-                            "tracking_uri": mask_password(getattr(tracker, "uri", None) or "") or None})
+                            "tracking_uri": masked_uri})
     return tracker if fence is None else FencedTracker(tracker, fence)
 
 
@@ -194,7 +218,8 @@ def _build_inputs(plan: RunPlan, started_ray: bool, log: RunLog) -> _Inputs:
     # failures.
     channel = report_channel()
     spec, datasets = build_inputs(config, plan.in_features, plan.datasets, plan.place.name,
-                                  plan.resume.cache_decision if plan.resume else None, channel.sender)
+                                  plan.resume.cache_decision if plan.resume else None,
+                                  channel.sender)
     # a stop asked of an earlier attempt (Ctrl+C, then --resume) is not this one's
     plan.place.remove(STOP_FILE)
     spec = replace(spec, stop_request=(plan.place.storage, f"{plan.place.path}/{STOP_FILE}"))
@@ -202,7 +227,8 @@ def _build_inputs(plan: RunPlan, started_ray: bool, log: RunLog) -> _Inputs:
     return _Inputs(channel, spec, datasets)
 
 
-def _train(plan: RunPlan, verbose: bool, clock: StartupClock, log: RunLog, fence: Fence) -> TrainResult:
+def _train(plan: RunPlan, verbose: bool, clock: StartupClock, log: RunLog,
+           fence: Fence) -> TrainResult:
     config, place = plan.config, plan.place
     history: list[dict[str, Any]] = []
     attempt = AttemptLog(place, clock.started_at, fence.mine.number)
@@ -223,7 +249,8 @@ def _train(plan: RunPlan, verbose: bool, clock: StartupClock, log: RunLog, fence
         stopping: threading.Thread | None = None
         try:
             with train_environment(config, private_cluster=started_ray):
-                handle = _reports(plan, opening, verbose, clock, history, started_ray, attempt, warm_up)
+                handle = _reports(plan, opening, verbose, clock, history, started_ray, attempt,
+                                  warm_up)
                 result, failures, checkpoint = _fit(plan, inputs, handle, opening, log, fence)
             tracker = opening.result()
             if started_ray:
@@ -232,8 +259,8 @@ def _train(plan: RunPlan, verbose: bool, clock: StartupClock, log: RunLog, fence
                 stopping = threading.Thread(target=shutdown_local_ray, name="ray-shutdown")
                 stopping.start()
             warm_up.wait()
-            _log_final_artifacts(tracker, config, result.checkpoint_path, history, plan.datasets["train"],
-                                 checkpoint)
+            _log_final_artifacts(tracker, config, result.checkpoint_path, history,
+                                 plan.datasets["train"], checkpoint)
         finally:
             if stopping is not None:
                 stopping.join()
@@ -243,7 +270,8 @@ def _train(plan: RunPlan, verbose: bool, clock: StartupClock, log: RunLog, fence
             attempt.save(history, force=True)
         # to now, Ray's shutdown included: the user's stopwatch
         _bill(plan, result, clock.started_at, failures)
-        logged = (result.run_cost or result.cost).metrics() | {"cost/attempts": float(result.attempts)}
+        ledger = result.run_cost or result.cost
+        logged = ledger.metrics() | {"cost/attempts": float(result.attempts)}
         tracker.log_metrics(logged, step=result.history[-1]["step"] if result.history else 0)
         refuse_if_newer(fence, place, now=True)  # the run's end is its newest attempt's to say
     tracker.finish("FINISHED")
@@ -251,8 +279,9 @@ def _train(plan: RunPlan, verbose: bool, clock: StartupClock, log: RunLog, fence
     return result
 
 
-def _reports(plan: RunPlan, opening: Alongside, verbose: bool, clock: StartupClock, history: list[dict[str, Any]],
-             private_cluster: bool, attempt: AttemptLog, warm_up: EndWarmUp) -> RunReports:
+def _reports(plan: RunPlan, opening: Alongside, verbose: bool, clock: StartupClock,
+             history: list[dict[str, Any]], private_cluster: bool, attempt: AttemptLog,
+             warm_up: EndWarmUp) -> RunReports:
     """The driver's handlers of the run's reports (report/handlers.py), composed for this run."""
     config, t = plan.config, plan.config.train
 
@@ -264,7 +293,8 @@ def _reports(plan: RunPlan, opening: Alongside, verbose: bool, clock: StartupClo
             clock.mark_beside("tracking", opening.began, opening.ended or time.time())
         return tracker
 
-    lines = ProgressLines(t.max_steps or 0, t.global_batch_size, t.eval_every if config.data.val is not None else None,
+    lines = ProgressLines(t.max_steps or 0, t.global_batch_size,
+                          t.eval_every if config.data.val is not None else None,
                           config.tune.metric or "")
     return RunReports(tracker, opening.failed, clock, history, attempt,
                       Console(verbose, lines, plan.datasets["train"].num_rows), config.storage.path,
@@ -272,8 +302,8 @@ def _reports(plan: RunPlan, opening: Alongside, verbose: bool, clock: StartupClo
                       autopilot=AutopilotTable(verbose))
 
 
-def _fit(plan: RunPlan, inputs: _Inputs, handle: RunReports, opening: Alongside, log: RunLog, fence: Fence
-         ) -> tuple[TrainResult, int, Any]:
+def _fit(plan: RunPlan, inputs: _Inputs, handle: RunReports, opening: Alongside, log: RunLog,
+         fence: Fence) -> tuple[TrainResult, int, Any]:
     """Fit the run while a driver thread hands each entry of its report channel to `handle` (the
     reports appended to its `history` as they come), and MLflow's run is `opening` in another: a
     failure to open it ends the run. Returns the result, how many worker failures Ray Train
@@ -310,18 +340,21 @@ def _fit(plan: RunPlan, inputs: _Inputs, handle: RunReports, opening: Alongside,
     # The checkpoints retention kept, each a LoggedModel of the run (tracking/checkpoint_models.py);
     # the others' models go.
     storage = config.storage.path
-    kept = {checkpoint_uri(storage, c.path): m.get("step") for c, m in result.best_checkpoints or []}
+    kept = {checkpoint_uri(storage, c.path): m.get("step")
+            for c, m in result.best_checkpoints or []}
     if result.checkpoint:
-        kept.setdefault(checkpoint_uri(storage, result.checkpoint.path), (result.metrics or {}).get("step"))
+        kept.setdefault(checkpoint_uri(storage, result.checkpoint.path),
+                        (result.metrics or {}).get("step"))
     tracker.keep_checkpoints(kept)
     checkpoint_path = checkpoint_uri(storage, result.checkpoint.path) if result.checkpoint else None
     if history:
         figures = run_summary(history) | achieved_figures(handle.autopilot.found, history)
         tracker.log_metrics(figures, step=history[-1]["step"])
     return TrainResult(
-        config=config, metrics=dict(result.metrics or {}), checkpoint_path=checkpoint_path, run_dir=place.uri,
-        run_id=tracker.run_id, tracking_uri=getattr(tracker, "uri", None), history=history, startup=clock.seconds(),
-        startup_alongside=clock.alongside(), autopilot=handle.autopilot.found,
+        config=config, metrics=dict(result.metrics or {}), checkpoint_path=checkpoint_path,
+        run_dir=place.uri, run_id=tracker.run_id, tracking_uri=getattr(tracker, "uri", None),
+        history=history, startup=clock.seconds(), startup_alongside=clock.alongside(),
+        autopilot=handle.autopilot.found,
     ), len(handle.failures.times), result.checkpoint
 
 
@@ -350,7 +383,10 @@ def _bill(plan: RunPlan, result: TrainResult, began: float, failures: int) -> No
     an elastic group reached; for a resumed run, also over every attempt (MLflow's run spans them
     all, so its cost figures do too): the earlier ones as the plan read them, and this one."""
     ended = time.time()
-    result.cost = build_ledger(result.history, ended - began, plan.pricing_at(largest_world(result.history)), failures)
-    attempts = [*plan.resume.attempts, attempt_record(began, result.history, ended)] if plan.resume else []
+    result.cost = build_ledger(result.history, ended - began,
+                               plan.pricing_at(largest_world(result.history)), failures)
+    attempts = ([*plan.resume.attempts, attempt_record(began, result.history, ended)]
+                if plan.resume else [])
     if len(attempts) > 1:
-        result.attempts, result.run_cost = len(attempts), ledger_across_attempts(attempts, result.cost.pricing)
+        result.attempts = len(attempts)
+        result.run_cost = ledger_across_attempts(attempts, result.cost.pricing)

@@ -18,8 +18,9 @@ _COMPUTE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 MASTER_BYTES = 4  # parameters, gradients and optimizer slots stay fp32 under every precision mode
 
 
-def estimate_bytes_per_rank(n_params: int, world: int, parallel: Parallel, optimizer: str, precision: str, *,
-                            block_params: int = 0, defer_sync: bool = False) -> dict[str, int]:
+def estimate_bytes_per_rank(n_params: int, world: int, parallel: Parallel, optimizer: str,
+                            precision: str, *, block_params: int = 0,
+                            defer_sync: bool = False) -> dict[str, int]:
     """Bytes one rank holds for `n_params` trainable parameters at `world` ranks, without
     activations.
 
@@ -68,8 +69,8 @@ def fsdp_advice(n_params: int, block_params: int, world: int, optimizer: str, pr
     one worker has nothing to shard over)."""
     limit, basis = budget
     ddp = estimate_bytes_per_rank(n_params, world, "ddp", optimizer, precision)["total"]
-    fsdp = estimate_bytes_per_rank(n_params, world, "fsdp", optimizer, precision, block_params=block_params,
-                                   defer_sync=defer_sync)["total"]
+    fsdp = estimate_bytes_per_rank(n_params, world, "fsdp", optimizer, precision,
+                                   block_params=block_params, defer_sync=defer_sync)["total"]
     if world < 2 or ddp <= limit or fsdp > limit:
         return None
     return (f"memory: with train.parallel=ddp each worker holds {ddp / GIB:.1f} GiB of "

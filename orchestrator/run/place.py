@@ -39,9 +39,10 @@ RAY_CHECKPOINTS = "checkpoint_manager_snapshot.json"
 # What `--resume` may change: how the run is watched, fed, placed and billed, and how the global
 # batch is split (as after an elastic resize). Everything else (model, data, global batch,
 # precision, optimizer and schedule, step budget) defines the training the checkpoints are part of.
-RESUMABLE_CHANGES = ("train.log_every", "train.eval_every", "train.max_nonfinite_steps", "train.micro_batch_size",
-                     "train.grad_accum_steps", "checkpoint.", "storage.", "tracking.", "failure.", "cost.", "scaling.",
-                     "data.prefetch_batches", "data.read_parallelism", "data.cache", "data.cache_max_gb", "data.s3.")
+RESUMABLE_CHANGES = ("train.log_every", "train.eval_every", "train.max_nonfinite_steps",
+                     "train.micro_batch_size", "train.grad_accum_steps", "checkpoint.", "storage.",
+                     "tracking.", "failure.", "cost.", "scaling.", "data.prefetch_batches",
+                     "data.read_parallelism", "data.cache", "data.cache_max_gb", "data.s3.")
 
 
 def open_run_storage(config: Config) -> Storage:
@@ -68,7 +69,8 @@ class RunPlace:
         """The step of the newest checkpoint Ray Train registered for this run (what a resume
         continues from), from Ray's own record of them beside the checkpoints; None before the
         first."""
-        steps = [int(s) for s in re.findall(r"checkpoint_(\d{8})_", self.read_text(RAY_CHECKPOINTS) or "")]
+        snapshot = self.read_text(RAY_CHECKPOINTS) or ""
+        steps = [int(s) for s in re.findall(r"checkpoint_(\d{8})_", snapshot)]
         return max(steps, default=None)
 
     def read_record(self, name: str = RUN_RECORD) -> dict[str, Any] | None:
@@ -100,8 +102,10 @@ class RunPlace:
         """Every attempt's record written so far (an unreadable one, cut by a kill mid-write, is
         left out)."""
         fs = self.storage.filesystem()
-        infos = fs.get_file_info(pafs.FileSelector(f"{self.path}/{ATTEMPTS_DIR}", allow_not_found=True))
-        attempts = [self.read_record(f"{ATTEMPTS_DIR}/{i.base_name}") for i in infos if i.base_name.endswith(".json")]
+        infos = fs.get_file_info(pafs.FileSelector(f"{self.path}/{ATTEMPTS_DIR}",
+                                                   allow_not_found=True))
+        attempts = [self.read_record(f"{ATTEMPTS_DIR}/{i.base_name}") for i in infos
+                    if i.base_name.endswith(".json")]
         return [a for a in attempts if a]
 
     def read_text(self, name: str) -> str | None:
@@ -149,12 +153,15 @@ class RunPlace:
         """'exp-20261206-051238 (step 40, started 2026-12-06 05:12:38; optim.lr: 0.1 -> 0.003)': the
         step it reached (its attempts' last report, or its newest checkpoint), its start (from its
         name) and what `config` would change of it."""
-        steps = [int(r["step"]) for a in self.read_attempts() for r in a.get("reports", []) if "step" in r]
+        steps = [int(r["step"]) for a in self.read_attempts() for r in a.get("reports", [])
+                 if "step" in r]
         reached = max([*steps, self.registered_step() or 0])
         stamp = re.search(rf"({_STAMP})(?:-\d+)?$", self.name)
-        started = time.strftime("%Y-%m-%d %H:%M:%S", time.strptime(stamp.group(1), "%Y%m%d-%H%M%S")) if stamp else "?"
+        began = time.strptime(stamp.group(1), "%Y%m%d-%H%M%S") if stamp else None
+        started = time.strftime("%Y-%m-%d %H:%M:%S", began) if began else "?"
         changed = self.config_changes(config)
-        return f"{self.name} (step {reached}, started {started}{'; ' + changed[0] if changed else ''})"
+        return (f"{self.name} (step {reached}, started {started}"
+                f"{'; ' + changed[0] if changed else ''})")
 
     def cache_decision(self) -> str | None:
         """The cache decision of the checkpoint a resume of this run loads (training.resume); None
@@ -163,7 +170,8 @@ class RunPlace:
         # the command's start.
         from orchestrator.training.resume import checkpointed_cache_decision
 
-        return checkpointed_cache_decision(self.storage.filesystem(), self.path, self.registered_step())
+        return checkpointed_cache_decision(self.storage.filesystem(), self.path,
+                                           self.registered_step())
 
     def remove(self, name: str) -> None:
         """Delete file `name` of the run, if it is there."""
@@ -186,12 +194,14 @@ class AttemptLog:
     killed by SIGKILL loses at most that much of its record, and the time is still billed (as
     recovery) by the attempt after it."""
 
-    def __init__(self, place: RunPlace, began: float, number: int | None = None, every_s: float = 5.0) -> None:
+    def __init__(self, place: RunPlace, began: float, number: int | None = None,
+                 every_s: float = 5.0) -> None:
         self.place, self.began, self.every_s = place, began, every_s
         self.number = number  # the attempt's number (training/fence.py): recorded with it
         self._saved_at = 0.0
 
-    def save(self, history: list[dict[str, Any]], ended: float | None = None, force: bool = False) -> None:
+    def save(self, history: list[dict[str, Any]], ended: float | None = None,
+             force: bool = False) -> None:
         now = time.time()
         if not force and now - self._saved_at < self.every_s:
             return
@@ -206,13 +216,16 @@ class AttemptLog:
 
 # What a run's name leaves out of what its command changed: where the run lives and how it is
 # watched, fed and billed (its directory and MLflow say that), and the model (named on its own).
-UNNAMED = ("experiment", "model.name", "model.entrypoint", "data.", "storage.", "tracking.", "cluster.",
-           "checkpoint.", "failure.", "cost.", "tune.", "train.log_every", "train.eval_every")
-SHORT = {"warmup_steps": "warmup", "weight_decay": "wd", "global_batch_size": "batch", "micro_batch_size": "micro",
-         "max_steps": "steps", "num_workers": "workers", "grad_accum_steps": "accum", "max_grad_norm": "clip"}
+UNNAMED = ("experiment", "model.name", "model.entrypoint", "data.", "storage.", "tracking.",
+           "cluster.", "checkpoint.", "failure.", "cost.", "tune.", "train.log_every",
+           "train.eval_every")
+SHORT = {"warmup_steps": "warmup", "weight_decay": "wd", "global_batch_size": "batch",
+         "micro_batch_size": "micro", "max_steps": "steps", "num_workers": "workers",
+         "grad_accum_steps": "accum", "max_grad_norm": "clip"}
 # characters of the name for what changed: a glance, not the params (MLflow has them all)
 CHANGED_MAX = 24
-GENERIC_BUILDERS = ("build", "make", "create", "model", "main", "get_model", "build_model", "make_model")
+GENERIC_BUILDERS = ("build", "make", "create", "model", "main", "get_model", "build_model",
+                    "make_model")
 _STAMP = r"\d{8}-\d{6}"
 
 
@@ -233,7 +246,8 @@ def run_name(config: Config, changed: Sequence[str] = (), started: float | None 
         if token and len("-".join([*tokens, token])) > CHANGED_MAX:
             break  # the first changes, in the command's order
         tokens += [token] if token else []
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() if started is None else started))
+    stamp = time.strftime("%Y%m%d-%H%M%S",
+                          time.localtime(time.time() if started is None else started))
     return "-".join([*tokens, *parts, stamp])
 
 
@@ -287,10 +301,12 @@ def _run_names(storage: Storage, experiment: str) -> list[str]:
     names (an experiment whose name holds this one's, `exp-other` or `lr0.1-my-exp`, may match:
     latest_run tells them apart)."""
     pattern = re.compile(rf"^(?:.+-)?{re.escape(experiment)}-(?:.+-)?({_STAMP})(?:-(\d+))?$")
-    infos = storage.filesystem().get_file_info(pafs.FileSelector(storage.root, allow_not_found=True))
+    selector = pafs.FileSelector(storage.root, allow_not_found=True)
+    infos = storage.filesystem().get_file_info(selector)
     found = [(m, i.base_name) for i in infos
              if i.type == pafs.FileType.Directory and (m := pattern.match(i.base_name))]
-    return [name for m, name in sorted(found, key=lambda f: (f[0].group(1), int(f[0].group(2) or 0)))]
+    oldest_first = sorted(found, key=lambda f: (f[0].group(1), int(f[0].group(2) or 0)))
+    return [name for m, name in oldest_first]
 
 
 def experiment_runs(storage: Storage, experiment: str) -> list[RunPlace]:
@@ -351,8 +367,8 @@ def place_run(config: Config, resume: bool | str, verbose: bool, changed: Sequen
     return place_in(open_run_storage(config), config, resume, verbose, changed)
 
 
-def place_in(storage: Storage, config: Config, resume: bool | str, verbose: bool, changed: Sequence[str] = ()
-             ) -> tuple[RunPlace, dict[str, Any] | None]:
+def place_in(storage: Storage, config: Config, resume: bool | str, verbose: bool,
+             changed: Sequence[str] = ()) -> tuple[RunPlace, dict[str, Any] | None]:
     """place_run in `storage` already opened (storage.path: the plan's data inspection opens it with
     the data)."""
     if isinstance(resume, str):
@@ -385,7 +401,8 @@ _SHOWN = 5  # runs a refused --resume lists
 def _named_run(storage: Storage, config: Config, name: str) -> RunPlace:
     place = RunPlace(storage, name)
     if not place.exists():
-        runs = ", ".join(run.describe(config) for run in experiment_runs(storage, config.experiment)[:_SHOWN])
+        runs = ", ".join(run.describe(config)
+                         for run in experiment_runs(storage, config.experiment)[:_SHOWN])
         raise ConfigError(f"--resume {name}: no run of that name in {storage.uri} (storage.path); "
                           f"runs of experiment '{config.experiment}' there: {runs or 'none'}")
     return place

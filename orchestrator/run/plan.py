@@ -72,7 +72,8 @@ class ConfigPlan:
         reached)."""
         workers = self.config.scaling.num_workers
         low, high = workers if isinstance(workers, list) else (1, 0)
-        return MappingProxyType({world: resolve_pricing(self.config, world) for world in range(low, high + 1)})
+        return MappingProxyType({world: resolve_pricing(self.config, world)
+                                 for world in range(low, high + 1)})
 
 
 def plan_config(config: Config, datasets: Mapping[str, DatasetInfo],
@@ -134,8 +135,8 @@ class RunPlan:
             "mlflow_run_id": self.reopen_run_id,
             "finished_at_step": self.resume.finished.get("step") if self.resume.finished else None}
         return {
-            "run": {"experiment": c.experiment, "place": self.place.uri, "mlflow_run_name": self.run_name,
-                    "resume": resume},
+            "run": {"experiment": c.experiment, "place": self.place.uri,
+                    "mlflow_run_name": self.run_name, "resume": resume},
             "data": {split: {"path": info.path, "files": len(info.files), "rows": info.num_rows,
                              "bytes": info.num_bytes, "feature_values_per_row": info.feature_dim,
                              "classes": info.num_classes} for split, info in self.datasets.items()},
@@ -154,9 +155,11 @@ class RunPlan:
                        "advice": self.advice},
             "autopilot": dict(self.autopilot),
             "cluster": self.cluster.describe(),
-            "data_cache": {"setting": c.data.cache, "kept_from_checkpoint": self.resume.cache_decision
-                           if self.resume else None},
-            "cost": {"nodes": self.pricing.nodes, "usd_per_node_hour": self.pricing.usd_per_node_hour,
+            "data_cache": {"setting": c.data.cache,
+                           "kept_from_checkpoint": self.resume.cache_decision if self.resume
+                           else None},
+            "cost": {"nodes": self.pricing.nodes,
+                     "usd_per_node_hour": self.pricing.usd_per_node_hour,
                      "pricing": self.pricing.description},
             # its password masked by to_yaml, with every other URI's
             "tracking": {"uri": self.tracking_uri,
@@ -165,7 +168,8 @@ class RunPlan:
 
     def to_yaml(self) -> str:
         """`describe` as YAML, the password of every URI in it masked (it is logged to MLflow)."""
-        return yaml.safe_dump(mask_passwords(self.describe()), sort_keys=False, default_flow_style=False)
+        return yaml.safe_dump(mask_passwords(self.describe()), sort_keys=False,
+                              default_flow_style=False)
 
 
 def planned_precision(requested: str, use_gpu: bool) -> str:
@@ -197,14 +201,15 @@ def _autopilot(c: Config) -> dict[str, Any]:
     searches += [] if c.scaling.use_gpu else ["train.torch_threads", "train.flush_denormal"]
     searches += ["train.precision"] if c.train.precision == "auto" else []
     # Opted in (autopilot.allow): changes the math, measured with the loss beside the speed.
-    searches += ["train.sync (allowed)"] if "sync" in c.autopilot.allow and c.scaling.max_workers > 1 else []
+    searches += (["train.sync (allowed)"]
+                 if "sync" in c.autopilot.allow and c.scaling.max_workers > 1 else [])
     # refused without a GPU, in bf16
     searches += ["train.tf32 (allowed)"] if "tf32" in c.autopilot.allow else []
     return {"enabled": True, "budget_share_of_wall_clock": c.autopilot.budget, "searches": searches}
 
 
-def plan_run(config: Config, resume: bool | str = False, verbose: bool = True, address: str | None = None
-             ) -> RunPlan:
+def plan_run(config: Config, resume: bool | str = False, verbose: bool = True,
+             address: str | None = None) -> RunPlan:
     """Check the config against the data, the model, the price table and the tracking store, and
     find the run's place (with `resume`: True, the newest run of the experiment this config trained;
     a run's name; or a run directory's path or s3:// URI); raises UserError subclasses on bad input.
@@ -230,20 +235,24 @@ def plan_run(config: Config, resume: bool | str = False, verbose: bool = True, a
     place, record = place_in(data.run_storage, config, resume, verbose, changed_keys())
     uri = resolve_uri(config.tracking.uri) if config.tracking.enabled else None
     point = (None if record is None
-             else ResumePoint(MappingProxyType(record), place.registered_step(), place.cache_decision(),
-                              record.get("finished"), () if record.get("finished") else tuple(place.read_attempts())))
+             else ResumePoint(MappingProxyType(record), place.registered_step(),
+                              place.cache_decision(), record.get("finished"),
+                              () if record.get("finished") else tuple(place.read_attempts())))
     # The context is read where the command started (its commit): a Ray job's driver then leaves
     # that directory.
-    return RunPlan(config=config, datasets=MappingProxyType(data.datasets), in_features=checked.in_features,
-                   memory_budget=checked.memory_budget, advice=checked.advice, pricing=pricing,
-                   elastic_prices=elastic_prices, place=place,
-                   resume=point, run_name=place.name, tracking_uri=uri,
-                   reopen_run_id=_reopen_id(uri, record), context=MappingProxyType(context_tags() if uri else {}),
-                   autopilot=MappingProxyType(_autopilot(config)), cluster=choose_cluster(address, config))
+    return RunPlan(config=config, datasets=MappingProxyType(data.datasets),
+                   in_features=checked.in_features, memory_budget=checked.memory_budget,
+                   advice=checked.advice, pricing=pricing, elastic_prices=elastic_prices,
+                   place=place, resume=point, run_name=place.name, tracking_uri=uri,
+                   reopen_run_id=_reopen_id(uri, record),
+                   context=MappingProxyType(context_tags() if uri else {}),
+                   autopilot=MappingProxyType(_autopilot(config)),
+                   cluster=choose_cluster(address, config))
 
 
 def _reopen_id(uri: str | None, record: Mapping[str, Any] | None) -> str | None:
-    """The MLflow run to continue: the resumed run's, if it was tracked at the same store (`uri`)."""
+    """The MLflow run to continue: the resumed run's, if it was tracked at the same store
+    (`uri`)."""
     if not record or not record.get("mlflow_run_id") or uri is None:
         return None
     uri = mask_password(uri)  # as the record keeps it

@@ -52,7 +52,8 @@ class TrainResult:
                 "metrics": _result_figures(self.metrics)}
 
 
-def finished_result(config: Config, run_dir: str, record: Mapping[str, Any], tracking_uri: str | None) -> TrainResult:
+def finished_result(config: Config, run_dir: str, record: Mapping[str, Any],
+                    tracking_uri: str | None) -> TrainResult:
     """A finished run's result from its record (`TrainResult.finished_record`): what `--resume` of
     it returns. `tracking_uri`: the store the run's MLflow run is in, when this command tracks to it
     (else the record's)."""
@@ -81,7 +82,8 @@ def run_summary(history: list[dict[str, Any]]) -> dict[str, float]:
         keys = {k for r in kept for k in r if k.startswith("time/")} | {"samples_per_s"}
         keys |= {k for k in ("tokens_per_s", "mfu") if all(k in r for r in kept)}
         for key in sorted(keys):
-            summary[f"summary/{key}"] = sum(r.get(key, 0.0) * r["interval_s"] for r in kept) / seconds
+            weighted = sum(r.get(key, 0.0) * r["interval_s"] for r in kept)
+            summary[f"summary/{key}"] = weighted / seconds
     if any("compile_s" in r for r in history):
         summary["summary/compile_s"] = sum(r.get("compile_s", 0.0) for r in history)
     evaluated = [r for r in history if "val_loss" in r]
@@ -99,7 +101,8 @@ def parallel_line(history: list[dict[str, Any]]) -> str | None:
     if facts is None:
         return None
     world = facts.get("world_size")
-    workers = ", each" if world is None else " on 1 worker," if world == 1 else f" over {world} workers, each"
+    workers = (", each" if world is None else " on 1 worker," if world == 1
+               else f" over {world} workers, each")
     return (f"parallel: {facts.get('parallel', 'ddp')}{workers} holding "
             f"{_bytes(facts['param_bytes_per_rank'])} of parameters and "
             f"{_bytes(facts.get('optimizer_bytes_per_rank', 0))} of optimizer state")
@@ -114,11 +117,15 @@ def checkpoint_interval_line(config: Config, history: list[dict[str, Any]]) -> s
     last = next((r for r in reversed(history) if "checkpoint/interval_s" in r), None)
     if config.checkpoint.every != "auto" or last is None:
         return None
-    interval = auto_interval(last["checkpoint/cost_s"], last["checkpoint/mtbf_s"], config.checkpoint.every_minutes)
+    interval = auto_interval(last["checkpoint/cost_s"], last["checkpoint/mtbf_s"],
+                             config.checkpoint.every_minutes)
     rate = last.get("samples_per_s")
-    steps = f" (about {interval.seconds * rate / config.train.global_batch_size:,.0f} steps)" if rate else ""
-    origin = mtbf_origin(interval.mtbf_s, int(last.get("checkpoint/interruptions", 0)), config.failure.mtbf_minutes)
-    return f"checkpoint interval: auto, {interval.seconds:,.1f} s{steps}: {interval.why()}; {origin}"
+    steps = (f" (about {interval.seconds * rate / config.train.global_batch_size:,.0f} steps)"
+             if rate else "")
+    origin = mtbf_origin(interval.mtbf_s, int(last.get("checkpoint/interruptions", 0)),
+                         config.failure.mtbf_minutes)
+    return (f"checkpoint interval: auto, {interval.seconds:,.1f} s{steps}: "
+            f"{interval.why()}; {origin}")
 
 
 def _bytes(n: float) -> str:
@@ -134,18 +141,22 @@ def summary(result: TrainResult) -> str:
     m = result.metrics
     if result.already_finished:
         figures = sorted(_result_figures(m).items(), key=lambda kv: (kv[0] != "train_loss", kv[0]))
-        shown = ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in figures) or "no figures recorded"
+        shown = (", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in figures)
+                 or "no figures recorded")
         return "\n".join([f"{result.run_name} finished at step {m.get('step')} (its "
                           f"result: {shown}): nothing to "
                           "resume", f"run directory: {result.run_dir}", *_where(result)])
     lines = [f"finished {result.run_name}: step {m.get('step')}, "
              f"train loss {m.get('train_loss', float('nan')):.4f}"]
-    if "val_accuracy" in m and result.config.task.kind is not None and result.config.task.kind.label == "classes":
+    if ("val_accuracy" in m and result.config.task.kind is not None
+            and result.config.task.kind.label == "classes"):
         lines.append(f"final validation accuracy: {m['val_accuracy']:.4f} "
                      f"(val loss {m['val_loss']:.4f})")
     elif "val_loss" in m:  # every validation figure of the task, its headline first
-        keys = sorted((k for k in m if k.startswith("val_")), key=lambda k: (k != result.config.tune.metric, k))
-        lines.append("final validation: " + " | ".join(f"{k.removeprefix('val_')} {m[k]:.4f}" for k in keys))
+        keys = sorted((k for k in m if k.startswith("val_")),
+                      key=lambda k: (k != result.config.tune.metric, k))
+        lines.append("final validation: "
+                     + " | ".join(f"{k.removeprefix('val_')} {m[k]:.4f}" for k in keys))
     if result.cost is not None:
         lines.append(result.cost.time_line())
     if result.history:

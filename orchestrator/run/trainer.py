@@ -61,8 +61,9 @@ def build_trainer(config: Config, spec: WorkerSpec, datasets: dict[str, Any], pl
         train_entry,
         train_loop_config=loop_config(spec),
         scaling_config=ray.train.ScalingConfig(
-            num_workers=(s.min_workers, s.max_workers) if s.elastic else s.num_workers, use_gpu=s.use_gpu,
-            resources_per_worker={"CPU": s.cpus_per_worker}, accelerator_type=s.accelerator_type,
+            num_workers=(s.min_workers, s.max_workers) if s.elastic else s.num_workers,
+            use_gpu=s.use_gpu, resources_per_worker={"CPU": s.cpus_per_worker},
+            accelerator_type=s.accelerator_type,
             **({"elastic_resize_monitor_interval_s": s.resize_check_s} if s.resize_check_s else {}),
         ),
         run_config=ray.train.RunConfig(
@@ -88,7 +89,8 @@ def build_trainer(config: Config, spec: WorkerSpec, datasets: dict[str, Any], pl
         dataset_config=ray.train.DataConfig(datasets_to_split=["train"], execution_options=options),
         # The workers import the training side while the group starts (training/warm.py); under
         # failure.mode=replicas, torchft's replica groups instead.
-        torch_config=replica_torch_config() if config.failure.mode == "replicas" else WarmTorchConfig(),
+        torch_config=(replica_torch_config() if config.failure.mode == "replicas"
+                      else WarmTorchConfig()),
     )
 
 
@@ -118,7 +120,8 @@ def _rows_known(config: Config, train: Any) -> int | None:
     """failure.mode=replicas: the training split's rows, from which a replica that joins in a later
     epoch finds its step's rows without reading the epochs before (training/replicas.py); None where
     a `call` transform may change the count."""
-    if config.failure.mode != "replicas" or any("call" in item for item in config.data.transforms or []):
+    if (config.failure.mode != "replicas"
+            or any("call" in item for item in config.data.transforms or [])):
         return None
     return train.num_rows
 
@@ -151,13 +154,13 @@ def resumed_cache_decision(data: DataConfig, infos: dict[str, DatasetInfo], stor
     return saved
 
 
-def build_run(plan: ConfigPlan, infos: dict[str, DatasetInfo], place: RunPlace, reports: ChannelSender | None,
-              node_ranks: int | None = None) -> Any:
+def build_run(plan: ConfigPlan, infos: dict[str, DatasetInfo], place: RunPlace,
+              reports: ChannelSender | None, node_ranks: int | None = None) -> Any:
     """Datasets and TorchTrainer for one planned run, in this process's Ray Data context (a Tune
     trial's actor). Rank 0 sends its metrics to `reports` (the run's channel). A restarted run is
     fed as its checkpoints were (the cache decision they recorded: RunPlace.cache_decision)."""
-    spec, datasets = build_inputs(plan.config, plan.in_features, infos, place.name, place.cache_decision(), reports,
-                                  node_ranks)
+    spec, datasets = build_inputs(plan.config, plan.in_features, infos, place.name,
+                                  place.cache_decision(), reports, node_ranks)
     return build_trainer(plan.config, spec, datasets, place, [])
 
 
@@ -168,8 +171,9 @@ def trial_inputs(plan: ConfigPlan, infos: dict[str, DatasetInfo], name: str, sav
     return build_inputs(plan.config, plan.in_features, infos, name, saved, None, node_ranks)
 
 
-def build_inputs(config: Config, width: int | None, infos: dict[str, DatasetInfo], name: str, saved: str | None,
-                 reports: ChannelSender | None, node_ranks: int | None = None) -> tuple[WorkerSpec, dict[str, Any]]:
+def build_inputs(config: Config, width: int | None, infos: dict[str, DatasetInfo], name: str,
+                 saved: str | None, reports: ChannelSender | None,
+                 node_ranks: int | None = None) -> tuple[WorkerSpec, dict[str, Any]]:
     """What the ranks of run `name` are handed (a WorkerSpec) and its datasets, fed under the cache
     decision of the checkpoint it resumes from (`saved`), else the one data.cache and the object
     store make now. `width`: the classic model input's, as planned (ConfigPlan.in_features;
@@ -188,7 +192,8 @@ def build_inputs(config: Config, width: int | None, infos: dict[str, DatasetInfo
     # no clock actor to start. Replicas read on their own (a restarted one from epoch 0): one clock
     # for all would be moved back and forth.
     clock = (f"orchestrator-epoch-{name}-{uuid.uuid4().hex[:8]}"
-             if config.data.shuffle and decision != REPLAY and config.failure.mode != "replicas" else None)
+             if config.data.shuffle and decision != REPLAY and config.failure.mode != "replicas"
+             else None)
     if clock:
         create_epoch_clock(clock)
     spec = WorkerSpec(to_dict(config), width, epoch_clock=clock, cache_decision=decision,
@@ -202,8 +207,9 @@ def build_inputs(config: Config, width: int | None, infos: dict[str, DatasetInfo
     # shuffle buffer streams it every epoch or each replica reads it whole.
     hold = not config.data.shuffle_buffer and config.failure.mode != "replicas"
     try:
-        datasets = build_datasets(config.data, infos, store_bytes, seed=config.train.seed, epoch_clock=clock,
-                                  decision=decision, hold=hold, row_ids=config.failure.mode != "replicas")
+        datasets = build_datasets(config.data, infos, store_bytes, seed=config.train.seed,
+                                  epoch_clock=clock, decision=decision, hold=hold,
+                                  row_ids=config.failure.mode != "replicas")
     except BaseException:
         if clock:  # no run to end it with (a Tune trial's process outlives the trial)
             release_epoch_clock(clock)

@@ -115,8 +115,8 @@ class MlflowTracker(Lineage):
         self._tags: dict[str, str] = {}
         self._dropped_warned = False  # the writer's one line for points dropped during an outage
         self.run_id: str | None = None  # from when the run exists
-        self.writer = Writer(lambda **batch: self._client.log_batch(self.run_id, **batch), self._attempt,
-                             self._dropping)
+        self.writer = Writer(lambda **batch: self._client.log_batch(self.run_id, **batch),
+                             self._attempt, self._dropping)
         try:
             self._open(cfg.experiment, run_name, tags, run_id, context)
         # Ctrl+C once the run is RUNNING: it ends KILLED, as after the set-up
@@ -127,13 +127,14 @@ class MlflowTracker(Lineage):
         except Exception as exc:  # unreachable server, bad URI, locked database...
             raise unavailable(self.uri, exc) from None
 
-    def _open(self, experiment_name: str, run_name: str, tags: dict[str, str] | None, run_id: str | None,
-              context: dict[str, str] | None) -> None:
+    def _open(self, experiment_name: str, run_name: str, tags: dict[str, str] | None,
+              run_id: str | None, context: dict[str, str] | None) -> None:
         """The experiment found (tagged, or made) and the run created, or reopened RUNNING with what
         it charted."""
         experiment = self._client.get_experiment_by_name(experiment_name)
         if experiment is None:
-            self.experiment_id = self._client.create_experiment(experiment_name, tags=EXPERIMENT_TAGS)
+            self.experiment_id = self._client.create_experiment(experiment_name,
+                                                                tags=EXPERIMENT_TAGS)
             kept: dict[str, str] = dict(EXPERIMENT_TAGS)
         else:
             self.experiment_id, kept = experiment.experiment_id, experiment.tags
@@ -143,7 +144,8 @@ class MlflowTracker(Lineage):
                     self._client.set_experiment_tag(self.experiment_id, key, value)
         # The runs table's columns: the headline, the validation metric first (what runs are
         # compared by).
-        headline = sorted(self._headline.values(), key=lambda key: not key.startswith(f"{HEADLINE}val_"))
+        headline = sorted(self._headline.values(),
+                          key=lambda key: not key.startswith(f"{HEADLINE}val_"))
         view = runs_view(headline, kept.get(RUNS_VIEW_TAG))
         if view != kept.get(RUNS_VIEW_TAG):
             self._client.set_experiment_tag(self.experiment_id, RUNS_VIEW_TAG, view)
@@ -153,8 +155,9 @@ class MlflowTracker(Lineage):
             # What an earlier session charted stays charted, constant or not from here on.
             self._charted |= {canonical_key(k) for k in self._client.get_run(run_id).data.metrics}
         else:
+            run_tags = (context or context_tags()) | (tags or {})
             run_id = self._client.create_run(self.experiment_id, run_name=run_name,
-                                             tags=(context or context_tags()) | (tags or {})).info.run_id
+                                             tags=run_tags).info.run_id
         self.run_id = run_id
         _EXPERIMENT_OF[run_id] = self.experiment_id
 
@@ -217,7 +220,8 @@ class MlflowTracker(Lineage):
                 if what in self._failed:  # warn once per kind of call, not once per step
                     return None
                 self._failed.add(what)
-                return f"MLflow {what} was refused by '{mask_password(self.uri)}' ({detail}); training continues"
+                return (f"MLflow {what} was refused by '{mask_password(self.uri)}' ({detail}); "
+                        "training continues")
             first = self._down_until is None
             self._down_until = time.monotonic() + OUTAGE_RETRY_S
             if not first:  # still down: one warning per outage
@@ -232,7 +236,8 @@ class MlflowTracker(Lineage):
             if self._down_until is None:
                 return None
             skipped, self._down_until, self._skipped = self._skipped, None, 0
-        skipped_line = f"; {skipped} other tracking calls were skipped while it was down" if skipped else ""
+        skipped_line = (f"; {skipped} other tracking calls were skipped while it was down"
+                        if skipped else "")
         return (f"MLflow tracking at '{mask_password(self.uri)}' answers again: "
                 f"the points and tags kept meanwhile are written{skipped_line}")
 
@@ -255,8 +260,8 @@ class MlflowTracker(Lineage):
         batch = [Param(k, v) for k, v in values.items() if k not in logged]
         for i in range(0, len(batch), 100):  # MLflow caps a batch at 100 params
             self._safe("log_params", self._client.log_batch, self.run_id, params=batch[i:i + 100])
-        changed = [RunTag(PARAM_CHANGED + k, f"{logged[k][:3900]} -> {v[:3900]}") for k, v in values.items()
-                   if k in logged and logged[k] != v]
+        changed = [RunTag(PARAM_CHANGED + k, f"{logged[k][:3900]} -> {v[:3900]}")
+                   for k, v in values.items() if k in logged and logged[k] != v]
         for i in range(0, len(changed), 100):
             self._safe("set_tags", self._client.log_batch, self.run_id, tags=changed[i:i + 100])
         for key in stale:
@@ -326,7 +331,8 @@ class MlflowTracker(Lineage):
                 else:
                     single += [(key, value, t, s) for t, s in points]
             self._held.clear()
-        once = [Metric(self._headline.get(key, key), value, t, s, **self._link(key, s)) for key, value, t, s in single]
+        once = [Metric(self._headline.get(key, key), value, t, s, **self._link(key, s))
+                for key, value, t, s in single]
         self.writer.put(*(("metric", metric) for metric in once))
         figures = self.summary()
         if not figures:
@@ -354,7 +360,8 @@ class MlflowTracker(Lineage):
         tables = json.loads(tags.get("mlflow.loggedArtifacts", "[]"))
         entry = {"path": name, "type": "table"}
         if entry not in tables:
-            self._client.set_tag(self.run_id, "mlflow.loggedArtifacts", json.dumps([*tables, entry]))
+            self._client.set_tag(self.run_id, "mlflow.loggedArtifacts",
+                                 json.dumps([*tables, entry]))
 
     def set_tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
@@ -376,7 +383,8 @@ class MlflowTracker(Lineage):
         self._log_summary()
         left = self.writer.flush(end=True)
         if self.writer.lost:
-            why = f"{left:,} of them as the run ended: it did not answer" if left else "dropped while it did not answer"
+            why = (f"{left:,} of them as the run ended: it did not answer" if left
+                   else "dropped while it did not answer")
             print(f"warning: {self.writer.lost:,} metric points and tags of this run "
                   f"were not written to MLflow at '{mask_password(self.uri)}' ({why})",
                   file=sys.stderr, flush=True)

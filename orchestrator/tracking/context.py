@@ -43,7 +43,8 @@ def source_name(argv: list[str] | None = None) -> str:
 
 def _is_orchestrator(argv: list[str]) -> bool:
     program = Path(argv[0]) if argv and argv[0] else Path()
-    return program.name == "orchestrator" or (program.name == "__main__.py" and program.parent.name == "orchestrator")
+    return (program.name == "orchestrator"
+            or (program.name == "__main__.py" and program.parent.name == "orchestrator"))
 
 
 def changed_keys(argv: list[str] | None = None) -> list[str]:
@@ -90,8 +91,8 @@ def git_commit(directory: str | None = None) -> str | None:
     """HEAD of the git checkout at `directory` (the working directory), or None: not a checkout, no
     git."""
     try:
-        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=directory or os.getcwd(), capture_output=True,
-                              text=True, timeout=10, check=False)
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=directory or os.getcwd(),
+                              capture_output=True, text=True, timeout=10, check=False)
     except (OSError, subprocess.SubprocessError):
         return None
     commit = done.stdout.strip()
@@ -103,7 +104,8 @@ def context_tags() -> dict[str, str]:
     `mlflow.source.git.commit`, and for an `orchestrator` command the command itself
     (COMMAND_TAG)."""
     source = source_name()
-    tags = {"mlflow.source.name": source, "mlflow.source.type": source_type(), "mlflow.user": current_user()}
+    tags = {"mlflow.source.name": source, "mlflow.source.type": source_type(),
+            "mlflow.user": current_user()}
     if _is_orchestrator(sys.argv):
         tags[COMMAND_TAG] = source
     commit = git_commit(os.getcwd())
@@ -123,12 +125,14 @@ def model_defaults(model: ModelConfig) -> dict[str, Any]:
     try:
         from orchestrator.models.zoo import model_builder
 
-        parameters = inspect.signature(model_builder(model.name, model.entrypoint)).parameters.values()
+        builder = model_builder(model.name, model.entrypoint)
+        parameters = inspect.signature(builder).parameters.values()
     # a checked config loads its builder; anything else is not worth failing tracking over
     except Exception:
         return {}
-    return {p.name: list(p.default) if isinstance(p.default, tuple) else p.default for p in parameters
-            if p.default is not inspect.Parameter.empty and p.name not in ("in_features", "num_classes", "self")
+    return {p.name: list(p.default) if isinstance(p.default, tuple) else p.default
+            for p in parameters if p.default is not inspect.Parameter.empty
+            and p.name not in ("in_features", "num_classes", "self")
             and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)}
 
 
@@ -141,8 +145,9 @@ def config_params(config: Config, study: bool = False) -> dict[str, Any]:
     tree = to_dict(config)
     model = tree["model"]
     defaults = model_defaults(config.model)
-    tree["model"] = {**model, **{key: value for key, value in defaults.items() if model.get(key) is None}}
+    from_builder = {key: value for key, value in defaults.items() if model.get(key) is None}
+    tree["model"] = {**model, **from_builder}
     if not study:
         tree.pop("tune", None)
-    return {key: mask_password(value) if isinstance(value, str) else value for key, value in flatten(tree).items()
-            if value is not None}
+    return {key: mask_password(value) if isinstance(value, str) else value
+            for key, value in flatten(tree).items() if value is not None}

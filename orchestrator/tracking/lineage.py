@@ -82,9 +82,11 @@ class Lineage:
         checkpoint model."""
         from mlflow.entities import Metric
 
-        keys = [key for key in self._client.get_run(self.run_id).data.metrics if _linkable(canonical_key(key))]
-        points = [Metric(key, m.value, m.timestamp, step, **self._link(canonical_key(key), step)) for key in keys
-                  for m in self._client.get_metric_history(self.run_id, key) if m.step == step]
+        keys = [key for key in self._client.get_run(self.run_id).data.metrics
+                if _linkable(canonical_key(key))]
+        points = [Metric(key, m.value, m.timestamp, step, **self._link(canonical_key(key), step))
+                  for key in keys for m in self._client.get_metric_history(self.run_id, key)
+                  if m.step == step]
         if points:
             self._client.log_batch(self.run_id, metrics=points)
 
@@ -96,8 +98,10 @@ class Lineage:
             model = self._models.get(step)
         if not _linkable(key) or model is None:
             return {}
-        name, digest = self._datasets.get("val" if key.startswith("val/") else "train", (None, None))
-        return {"model_id": model} | ({"dataset_name": name, "dataset_digest": digest} if name else {})
+        split = "val" if key.startswith("val/") else "train"
+        name, digest = self._datasets.get(split, (None, None))
+        dataset = {"dataset_name": name, "dataset_digest": digest} if name else {}
+        return {"model_id": model} | dataset
 
     def _remember(self, key: str, chart: str, value: float, timestamp: int, step: int) -> None:
         """A linkable point sent to the run, for the checkpoint of its step if that comes later
@@ -114,8 +118,10 @@ class Lineage:
         from mlflow.entities import DatasetInput, InputTag
 
         entities = {split: dataset_entity(info) for split, info in infos.items()}
-        self._datasets |= {split: (entity.name, entity.digest) for split, entity in entities.items()}
-        inputs = [DatasetInput(entity, [InputTag("mlflow.data.context", _CONTEXTS.get(split, split))])
+        self._datasets |= {split: (entity.name, entity.digest)
+                           for split, entity in entities.items()}
+        inputs = [DatasetInput(entity, [InputTag("mlflow.data.context",
+                                                 _CONTEXTS.get(split, split))])
                   for split, entity in entities.items()]
         if inputs:
             self._safe("log_inputs", self._client.log_inputs, self.run_id, datasets=inputs)
@@ -139,10 +145,12 @@ def dataset_entity(info: DatasetInfo) -> Any:
 
     path = info.path.rstrip("/")
     name = "/".join(path.split("/")[-2:])
-    columns = [{"name": f.name, "type": str(f.type)} for f in info.schema] if info.schema is not None else []
+    columns = ([{"name": f.name, "type": str(f.type)} for f in info.schema]
+               if info.schema is not None else [])
     schema = json.dumps({"mlflow_colspec": columns})
     digest = hashlib.sha256(f"{path}|{schema}|{info.num_rows}".encode()).hexdigest()[:8]
     profile = json.dumps({"num_rows": info.num_rows, "num_bytes": info.num_bytes}
                          | ({"num_files": len(info.files)} if info.files else {}))
-    return Dataset(name=name, digest=digest, source_type="s3" if path.startswith("s3://") else "local",
+    return Dataset(name=name, digest=digest,
+                   source_type="s3" if path.startswith("s3://") else "local",
                    source=json.dumps({"uri": path}), schema=schema, profile=profile)

@@ -39,7 +39,8 @@ _WIDTHS = {"name": 280, "source": 480, "metric": 170}
 def ui_base(uri: str, port: int = UI_PORT) -> str:
     """Where the UI for the store `uri` answers: the tracking server itself (without credentials),
     else the local `orchestrator ui`."""
-    return without_userinfo(uri).rstrip("/") if uri.startswith(("http://", "https://")) else f"http://127.0.0.1:{port}"
+    return (without_userinfo(uri).rstrip("/") if uri.startswith(("http://", "https://"))
+            else f"http://127.0.0.1:{port}")
 
 
 def ui_command(uri: str, experiment: str | None = None) -> str:
@@ -50,9 +51,11 @@ def ui_command(uri: str, experiment: str | None = None) -> str:
     if uri.startswith(("http://", "https://")):
         return f"open {ui_base(uri)}"
     shown = mask_password(uri)
-    command = f"{orchestrator_program()} ui" + (f" --tracking-uri {shlex.quote(uri)}" if shown == uri else "")
+    command = f"{orchestrator_program()} ui"
+    command += f" --tracking-uri {shlex.quote(uri)}" if shown == uri else ""
     command += f" --experiment {shlex.quote(experiment)}" if experiment else ""
-    return command if shown == uri else f"{command}  # with MLFLOW_TRACKING_URI={shown} exported, password filled in"
+    return (command if shown == uri
+            else f"{command}  # with MLFLOW_TRACKING_URI={shown} exported, password filled in")
 
 
 def orchestrator_program() -> str:
@@ -83,7 +86,8 @@ def runs_view(metrics: Iterable[str], saved: str | None = None) -> str:
     Source widened to show the command; `saved` itself when that is what it holds already."""
     try:
         envelope = json.loads(saved) if saved else {}
-        before = [c for c in json.loads(envelope["state"])["selectedColumns"] if c.startswith("metrics.")]
+        before = [c for c in json.loads(envelope["state"])["selectedColumns"]
+                  if c.startswith("metrics.")]
     except (ValueError, KeyError, TypeError):  # none yet, or a view edited by hand: made again
         envelope, before = {}, []
     columns = list(dict.fromkeys([*before, *(f"metrics.`{key}`" for key in metrics)]))
@@ -95,8 +99,8 @@ def runs_view(metrics: Iterable[str], saved: str | None = None) -> str:
     if saved and envelope.get("state") == state:
         return saved
     now = int(time.time() * 1000)
-    return json.dumps({"name": RUNS_VIEW_NAME, "createdAt": envelope.get("createdAt", now), "updatedAt": now,
-                       "state": state})
+    return json.dumps({"name": RUNS_VIEW_NAME, "createdAt": envelope.get("createdAt", now),
+                       "updatedAt": now, "state": state})
 
 
 def run_url(uri: str, run_id: str, experiment_id: str | None = None, tab: str = "model-metrics",

@@ -33,7 +33,8 @@ def read_metrics(client: Any, run_id: str) -> dict[str, list[float]]:
     run = client.get_run(run_id)
     metrics, last_step = {}, None
     for key in run.data.metrics:
-        history = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
+        history = sorted(client.get_metric_history(run_id, key),
+                         key=lambda m: (m.step, m.timestamp))
         metrics[canonical_key(key)] = [m.value for m in history]
         last_step = max([last_step or 0, *(m.step for m in history)])
     for key, value in read_summary(client, run_id).items():

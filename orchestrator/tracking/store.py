@@ -53,8 +53,9 @@ def is_outage(exc: BaseException) -> bool:
     # around urllib3's ProtocolError, http.client's IncompleteRead) is the store going away too, not
     # a refusal.
     unreachable: tuple[type[BaseException], ...] = (
-        ConnectionError, TimeoutError, requests.ConnectionError, requests.Timeout, requests.exceptions.RetryError,
-        requests.exceptions.ChunkedEncodingError, http.client.HTTPException)
+        ConnectionError, TimeoutError, requests.ConnectionError, requests.Timeout,
+        requests.exceptions.RetryError, requests.exceptions.ChunkedEncodingError,
+        http.client.HTTPException)
     botocore = sys.modules.get("botocore.exceptions")  # S3 artifacts; raised only once loaded
     if botocore is not None:
         unreachable += (botocore.ConnectionError, botocore.HTTPClientError)
@@ -65,7 +66,8 @@ def is_outage(exc: BaseException) -> bool:
     # MLflow wraps the requests or SQLAlchemy error
     while cause is not None and id(cause) not in seen:
         seen.add(id(cause))
-        if isinstance(cause, unreachable) or (isinstance(cause, MlflowException) and cause.error_code == unavailable):
+        if (isinstance(cause, unreachable)
+                or (isinstance(cause, MlflowException) and cause.error_code == unavailable)):
             return True
         cause = cause.__cause__ or cause.__context__
     return False

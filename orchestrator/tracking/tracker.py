@@ -114,7 +114,8 @@ def start_tracker(cfg: TrackingConfig, run_name: str, tags: dict[str, str] | Non
                   context: dict[str, str] | None = None, uri: str | None = None) -> Tracker:
     """An MLflow run of `cfg`'s store (`uri`: as a run's plan resolved it), or nothing with tracking
     off."""
-    return MlflowTracker(cfg, run_name, tags, run_id, headline, context, uri) if cfg.enabled else NullTracker()
+    return (MlflowTracker(cfg, run_name, tags, run_id, headline, context, uri) if cfg.enabled
+            else NullTracker())
 
 
 def direct(tracker: Tracker) -> Tracker:

@@ -18,7 +18,8 @@ _PASSWORD = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://[^\s/@:]*):[^\s/]*@")
 # `?password=SECRET`, `&token=SECRET`: a secret as a query parameter (libpq's and SQLAlchemy's
 # password, an API token or key, a presigned URL's signature), by the common names; other parameters
 # (sslmode, sslkey=<path>) stay.
-_QUERY_SECRET = re.compile(r"([?&](?:[\w.-]*(?:password|passwd|pwd|secret|token|signature|api_?key)[\w.-]*"
+_QUERY_SECRET = re.compile(r"([?&](?:[\w.-]*"
+                           r"(?:password|passwd|pwd|secret|token|signature|api_?key)[\w.-]*"
                            r"|pass|sig|key)=)[^&#\s'\"]+", re.IGNORECASE)
 
 
@@ -47,7 +48,8 @@ def without_userinfo(url: str) -> str:
     from urllib.parse import urlsplit, urlunsplit
 
     parts = urlsplit(url)
-    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2])) if "@" in parts.netloc else url
+    return (urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+            if "@" in parts.netloc else url)
 
 
 def resolve_uri(uri: str | None) -> str:
@@ -56,7 +58,8 @@ def resolve_uri(uri: str | None) -> str:
     command use the same file."""
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
     store = sqlite_file(uri)
-    return "sqlite:///" + os.path.abspath(store) if store is not None and not os.path.isabs(store) else uri
+    return ("sqlite:///" + os.path.abspath(store)
+            if store is not None and not os.path.isabs(store) else uri)
 
 
 def sqlite_file(uri: str | None) -> str | None:
@@ -89,7 +92,8 @@ def credentials_in_clear(uri: str, environ: Mapping[str, str] | None = None) -> 
 
     environ = os.environ if environ is None else environ
     parts = urlsplit(uri)
-    sent = parts.password or environ.get("MLFLOW_TRACKING_PASSWORD") or environ.get("MLFLOW_TRACKING_TOKEN")
+    sent = (parts.password or environ.get("MLFLOW_TRACKING_PASSWORD")
+            or environ.get("MLFLOW_TRACKING_TOKEN"))
     if parts.scheme != "http" or not sent or is_loopback(parts.hostname):
         return None
     return (f"warning: the MLflow credentials go unencrypted (http://) to {parts.hostname}: anyone "

@@ -24,7 +24,8 @@ _KEYS = {
     "skipped_steps": "train/skipped_steps", "nonfinite_skipped": "train/nonfinite_skipped",
     "oom_retries": "train/oom_retries", "micro_batch_size": "train/micro_batch_size",
     "grad_accum_steps": "train/grad_accum_steps", "global_batch": "train/global_batch",
-    "precision": "train/precision", "world_size": "train/world_size", "worker_pid": "train/worker_pid",
+    "precision": "train/precision", "world_size": "train/world_size",
+    "worker_pid": "train/worker_pid",
     # train.parallel's facts: ddp or fsdp, and the fp32 parameter and optimizer-state bytes one
     # worker holds.
     "parallel": "train/parallel", "param_bytes_per_rank": "train/param_bytes_per_rank",
@@ -41,23 +42,26 @@ _KEYS = {
     "interval_s": "time/interval_s", "eval_s": "time/eval_s",
     # checkpoint.every=auto's interval and its inputs: not a `checkpoint/` section, which the run
     # page would list before the headline one (it orders sections by name).
-    "checkpoint/interval_s": "time/checkpoint_interval_s", "checkpoint/cost_s": "time/checkpoint_cost_s",
+    "checkpoint/interval_s": "time/checkpoint_interval_s",
+    "checkpoint/cost_s": "time/checkpoint_cost_s",
     "checkpoint/mtbf_s": "time/mtbf_s", "checkpoint/interruptions": "train/interruptions",
 }
 # Keys whose value does not change from report to report (or that only count rare events): the
 # summary table's.
-_FACTS = {"train/step", "train/epoch", "train/samples_seen", "train/skipped_steps", "train/nonfinite_skipped",
-          "train/oom_retries", "train/micro_batch_size", "train/grad_accum_steps", "train/global_batch",
-          "train/precision", "train/world_size", "train/worker_pid", "perf/comm_bytes", "perf/flops_per_sample",
-          "perf/compile_s", "train/parallel", "train/param_bytes_per_rank", "train/optimizer_bytes_per_rank",
-          "train/interruptions"}
+_FACTS = {"train/step", "train/epoch", "train/samples_seen", "train/skipped_steps",
+          "train/nonfinite_skipped", "train/oom_retries", "train/micro_batch_size",
+          "train/grad_accum_steps", "train/global_batch",
+          "train/precision", "train/world_size", "train/worker_pid", "perf/comm_bytes",
+          "perf/flops_per_sample", "perf/compile_s", "train/parallel", "train/param_bytes_per_rank",
+          "train/optimizer_bytes_per_rank", "train/interruptions"}
 # Sections of whole-run figures, of a study's (`study/`) and of the autopilot's search
 # (`autopilot/`, its predicted and achieved speed-up: report/autopilot.py): rows of the summary
 # table, never charted.
 _SUMMARY_SECTIONS = ("final/", "cost/", "startup/", "device/", "study/", "autopilot/")
 # The summary table's groups, in the order a reader wants them; a figure of another section comes
 # after.
-_SUMMARY_ORDER = ("final", "autopilot", "study", "cost", "startup", "train", "val", "perf", "device")
+_SUMMARY_ORDER = ("final", "autopilot", "study", "cost", "startup", "train", "val", "perf",
+                  "device")
 # What only the driver uses: when a report arrived, the worker's start-up marks, which rank
 # reported, events, the autopilot's report (a table, never a metric: report/autopilot.py takes it
 # out of the report).
@@ -103,7 +107,8 @@ def headline_keys(metric: str | None) -> dict[str, str]:
     validation figure) and training's samples/s (evaluation and checkpoints taken out, so a steady
     run charts a flat line)."""
     val = metric if metric and metric.startswith("val_") else "val_loss"
-    return {mlflow_key(name): HEADLINE + name for name in ("train_loss", val, "train_samples_per_s")}
+    return {mlflow_key(name): HEADLINE + name
+            for name in ("train_loss", val, "train_samples_per_s")}
 
 
 def canonical_key(key: str) -> str:
@@ -131,7 +136,8 @@ def summary_rows(figures: Mapping[str, Any]) -> list[list[Any]]:
     first), by name within one, each value rounded."""
     def order(key: str) -> tuple[int, str]:
         section = key.split("/")[0]
-        return (_SUMMARY_ORDER.index(section) if section in _SUMMARY_ORDER else len(_SUMMARY_ORDER), key)
+        rank = _SUMMARY_ORDER.index(section) if section in _SUMMARY_ORDER else len(_SUMMARY_ORDER)
+        return (rank, key)
 
     return [[key.split("/")[0] if "/" in key else "run", key, rounded(figures[key])]
             for key in sorted(figures, key=order)]
@@ -141,7 +147,8 @@ def headline_note(figures: Mapping[str, Any], metric: str | None = None) -> str:
     """The run's description: its headline figures in one line, from the summary table's figures (by
     MLflow key), the task's validation `metric` first."""
     parts = []
-    val = {k.removeprefix("final/val/"): v for k, v in figures.items() if k.startswith("final/val/")}
+    val = {k.removeprefix("final/val/"): v for k, v in figures.items()
+           if k.startswith("final/val/")}
     head = (metric or "").removeprefix("val_")
     if val:
         names = sorted(val, key=lambda n: (n != head, n != "loss", n))[:2]

@@ -62,7 +62,8 @@ class Writer:
             for _ in range(max(0, over)):
                 self._queue.popleft()
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="orchestrator-mlflow", daemon=True)
+                self._thread = threading.Thread(target=self._loop, name="orchestrator-mlflow",
+                                                daemon=True)
                 self._thread.start()
                 if not self._exit_flush:  # a run never finished (a crash) still writes what it had
                     self._exit_flush = True
@@ -98,7 +99,8 @@ class Writer:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._asked > self._done or self._ended, timeout=self.every_s)
+                self._cond.wait_for(lambda: self._asked > self._done or self._ended,
+                                    timeout=self.every_s)
                 if self._ended and not self._queue and self._asked == self._done:
                     self._thread, self._ended = None, False
                     return
@@ -139,7 +141,8 @@ class Writer:
         metrics = tags = 0
         while self._queue and self._queue[0][0] != "call" and metrics + tags < BATCH_METRICS:
             kind = self._queue[0][0]
-            if (kind == "metric" and metrics == BATCH_METRICS) or (kind == "tag" and tags == BATCH_TAGS):
+            if ((kind == "metric" and metrics == BATCH_METRICS)
+                    or (kind == "tag" and tags == BATCH_TAGS)):
                 break
             batch.append(self._queue.popleft())
             metrics, tags = metrics + (kind == "metric"), tags + (kind == "tag")
@@ -152,7 +155,8 @@ class Writer:
         if batch[0][0] == "call":
             _, what, call = batch[0]
             return self._write(what, call, force) != "down"
-        batch = [entry for entry in batch if entry[0] != "metric" or entry[1].key not in self._refused_keys]
+        batch = [entry for entry in batch
+                 if entry[0] != "metric" or entry[1].key not in self._refused_keys]
         if not batch:
             return True
         metrics = [entry[1] for entry in batch if entry[0] == "metric"]
