@@ -290,7 +290,7 @@ MUTANTS = (
            ("tests/unit/tuning/test_search.py::"
             "test_a_study_shares_one_autopilot_search_unless_it_searches_what_the_search_depends_on",)),
     Mutant("a study's trials each search their own", "orchestrator/tuning/autopilot.py",
-           "    return None if reason else ray.remote(", "    return None if True else ray.remote(",
+           "    if reason:\n        return None\n", "    if True:\n        return None\n",
            ("tests/integration/test_tune.py::"
             "test_a_study_with_the_autopilot_searches_once_and_every_trial_trains_with_its_choice",)),
     Mutant("the data not cut at the autopilot's micro-batch once it chose", AUTOPILOT,
@@ -388,8 +388,8 @@ MUTANTS = (
            ("tests/unit/training/test_autopilot_decisions.py::"
             "test_the_saved_choice_is_the_chosen_one_when_the_budget_stops_a_slower_candidate",)),
     Mutant("a study searching the global batch shares one autopilot choice", "orchestrator/tuning/autopilot.py",
-           '"train.grad_accum_steps", "train.global_batch_size", "train.compile",',
-           '"train.grad_accum_steps", "train.compile",', ("tests/unit/tuning/test_study_autopilot.py",)),
+           '"train.grad_accum_steps", "train.global_batch_size",', '"train.grad_accum_steps",',
+           ("tests/unit/tuning/test_study_autopilot.py",)),
     Mutant("a study searching a key under data. shares one autopilot choice", "orchestrator/tuning/autopilot.py",
            '_PER_TRIAL_SECTIONS = {"model", "data", "scaling", "autopilot"}',
            '_PER_TRIAL_SECTIONS = {"model", "scaling", "autopilot"}', ("tests/unit/tuning/test_study_autopilot.py",)),

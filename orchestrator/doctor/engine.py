@@ -26,9 +26,10 @@ from orchestrator.doctor.rules.speed import (
 )
 from orchestrator.doctor.rules.study import search_space_edge, study_size
 
-RULES: list[Rule] = [startup, report_blocking, checkpoint_interval, data_pipeline, evaluation, bookkeeping,
-                     gradient_sync, uneven_workers, memory_headroom, model_state, precision, compile_small_kernels,
-                     nonfinite_steps, study_size, search_space_edge, autopilot_gain]
+RULES: list[Rule] = [startup, report_blocking, checkpoint_interval, data_pipeline, evaluation,
+                     bookkeeping, gradient_sync, uneven_workers, memory_headroom, model_state,
+                     precision, compile_small_kernels, nonfinite_steps, study_size,
+                     search_space_edge, autopilot_gain]
 
 
 def diagnose(run: RunRecord, rules: list[Rule] | None = None) -> list[Finding]:

@@ -136,9 +136,12 @@ def _elastic(run: RunRecord) -> bool:
 
 
 def _world_sizes(run: RunRecord) -> range:
-    """Every world size the config allows (one, or `[min, max]`'s range), else the largest reported."""
+    """Every world size the config allows (one, or `[min, max]`'s range), else the largest
+    reported."""
     configured = [int(n) for n in re.findall(r"\d+", run.param("scaling.num_workers") or "")]
-    return range(min(configured), max(configured) + 1) if configured else range(_world(run), _world(run) + 1)
+    if configured:
+        return range(min(configured), max(configured) + 1)
+    return range(_world(run), _world(run) + 1)
 
 
 def batch_split(run: RunRecord, global_batch: int | None = None, micro: int | None = None,
@@ -150,12 +153,14 @@ def batch_split(run: RunRecord, global_batch: int | None = None, micro: int | No
     batch = _int_param(run, "train.global_batch_size")
     if batch is None:
         return None
-    target, sizes = global_batch or batch, range(workers, workers + 1) if workers else _world_sizes(run)
+    target = global_batch or batch
+    sizes = range(workers, workers + 1) if workers else _world_sizes(run)
     changed = [*([f"scaling.num_workers={workers}"] if workers else []),
                *([f"train.global_batch_size={target}"] if target != batch else [])]
     if micro is None and run.param("train.micro_batch_size") == "auto":
         return " --set ".join(changed) or None  # auto: each worker derives its accumulation
-    micro = micro or _int_param(run, "train.micro_batch_size") or int(run.last("micro_batch_size") or 0)
+    micro = (micro or _int_param(run, "train.micro_batch_size")
+             or int(run.last("micro_batch_size") or 0))
     if not micro or any(target % size or (target // size) % micro for size in sizes):
         return None
     accum = str(target // (micro * sizes[0])) if len(sizes) == 1 else "null"

@@ -8,7 +8,17 @@ import shlex
 
 from orchestrator.doctor.engine import diagnose
 from orchestrator.doctor.load import load_run
-from orchestrator.doctor.record import HIGH, LOW, MEDIUM, Finding, RunRecord, is_study, reason, settings, trial_counts
+from orchestrator.doctor.record import (
+    HIGH,
+    LOW,
+    MEDIUM,
+    Finding,
+    RunRecord,
+    is_study,
+    reason,
+    settings,
+    trial_counts,
+)
 from orchestrator.tracking.context import COMMAND_TAG
 
 _SEVERITY = {HIGH: "high", MEDIUM: "medium", LOW: "low"}
@@ -54,7 +64,8 @@ def _command(run: RunRecord, values: list[str]) -> list[str] | None:
         return None
     if argv[:1] != ["orchestrator"] or argv[1:2] not in (["train"], ["tune"]):
         return None
-    drop = {"--resume", *(["--autopilot"] if any(v.startswith("autopilot.") for v in values) else [])}
+    autopilot_set = any(v.startswith("autopilot.") for v in values)
+    drop = {"--resume", *(["--autopilot"] if autopilot_set else [])}
     changed = {value.split("=", 1)[0] + "=" for value in values}
     kept: list[str] = []
     for arg in argv:

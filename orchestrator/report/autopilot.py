@@ -23,7 +23,8 @@ TABLE = "autopilot.json"  # MLflow's table format: `columns` and `data` rows
 PARAM_PREFIX = "autopilot."
 FIGURES = "autopilot/"  # the summary table's section (tracking/view.py)
 AT_STEP = "reported_at_step"  # added by the driver: the step of the report that carried it
-COLUMNS = ["candidate", "samples_per_s", "ratio", "peak_memory_gb", "compile_s", "loss", "status", "chosen"]
+COLUMNS = ["candidate", "samples_per_s", "ratio", "peak_memory_gb", "compile_s", "loss", "status",
+           "chosen"]
 # The name of the search's figures and of the training's pace after it, and what such a figure
 # counts; the summary's throughput line is the other samples/s, over the training's wall clock.
 _IN_STEPS = "samples/s in training steps"
@@ -76,14 +77,20 @@ def _chosen_name(autopilot: Mapping[str, Any]) -> str:
     return "chose " + (str(row["candidate"]) if row else _settings(autopilot.get("chosen")))
 
 
-def _columns(measured: list[Mapping[str, Any]], mark: str) -> list[tuple[str, Callable[[Mapping[str, Any]], str]]]:
+# A column of the terminal's table: its heading, and its cell of a candidate's row.
+_Column = tuple[str, Callable[[Mapping[str, Any]], str]]
+
+
+def _columns(measured: list[Mapping[str, Any]], mark: str) -> list[_Column]:
     """The table's columns, heading and cell: peak memory and compile seconds only where a measured
     candidate has the figure, the training loss only where one changes the math (its loss may then
     differ)."""
-    columns: list[tuple[str, Callable[[Mapping[str, Any]], str]]] = [
+    columns: list[_Column] = [
         ("candidate", lambda r: str(r.get("candidate"))),
-        ("samples/s", lambda r: rate(r["samples_per_s"]) if _is_number(r.get("samples_per_s")) else "-"),
-        ("vs start", lambda r: _number(r.get("ratio"), ".2f") + ("x" if _is_number(r.get("ratio")) else ""))]
+        ("samples/s",
+         lambda r: rate(r["samples_per_s"]) if _is_number(r.get("samples_per_s")) else "-"),
+        ("vs start",
+         lambda r: _number(r.get("ratio"), ".2f") + ("x" if _is_number(r.get("ratio")) else ""))]
     if _has_peak(measured):
         columns.append(("peak memory", lambda r: _number(r.get("peak_memory_gb"), ".2f")
                         + (" GB" if _is_number(r.get("peak_memory_gb")) else "")))
@@ -106,7 +113,8 @@ def _has_compile(measured: list[Mapping[str, Any]]) -> bool:
 
 
 def _not_shown(autopilot: Mapping[str, Any], measured: list[Mapping[str, Any]]) -> str | None:
-    """The line that says which of the table's columns are left out, and why (they would be empty)."""
+    """The line that says which of the table's columns are left out, and why (they would be
+    empty)."""
     why = [] if _has_peak(measured) else ["peak memory (measured on GPUs only)"]
     if not _has_compile(measured):
         why.append(f"compile s ({_no_compile(autopilot)})")
@@ -137,7 +145,8 @@ def table_lines(autopilot: Mapping[str, Any], mark: str = "✓") -> list[str]:
     rows = list(autopilot.get("rows") or [])
     measured = [r for r in rows if r.get("status", "ok") == "ok"]
     columns = _columns(measured, mark)
-    cells = [[heading for heading, _ in columns]] + [[cell(r) for _, cell in columns] for r in measured]
+    cells = ([[heading for heading, _ in columns]]
+             + [[cell(r) for _, cell in columns] for r in measured])
     widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
     lines = []
     if measured:
@@ -198,7 +207,8 @@ def table(autopilot: Mapping[str, Any]) -> tuple[list[str], list[list[Any]]]:
     return list(COLUMNS), rows
 
 
-def record_autopilot(tracker: Tracker, autopilot: Mapping[str, Any], step: int, verbose: bool) -> None:
+def record_autopilot(tracker: Tracker, autopilot: Mapping[str, Any], step: int,
+                     verbose: bool) -> None:
     """The autopilot's report shown (`verbose`) and tracked: the table artifact (when candidates
     were measured), the chosen settings as params, the search's figures in the summary table."""
     if verbose:
@@ -220,14 +230,17 @@ def start_samples_per_s(autopilot: Mapping[str, Any]) -> float | None:
     predicted speed-up, else (a choice kept from the checkpoint) what the search measured of it."""
     rows = [r for r in autopilot.get("rows") or [] if r.get("status", "ok") == "ok"
             and isinstance(r.get("samples_per_s"), int | float)]
-    start = next((r for r in rows if autopilot.get("start") and r.get("settings") == autopilot.get("start")), None)
+    start = next((r for r in rows
+                  if autopilot.get("start") and r.get("settings") == autopilot.get("start")), None)
     if start is not None:
         return float(start["samples_per_s"])
-    chosen, speedup = next((r for r in rows if r.get("chosen")), None), autopilot.get("predicted_speedup")
+    chosen, speedup = (next((r for r in rows if r.get("chosen")), None),
+                       autopilot.get("predicted_speedup"))
     if chosen is not None and isinstance(speedup, int | float) and speedup > 0:
         return float(chosen["samples_per_s"]) / speedup
     kept = autopilot.get("start_samples_per_s")
-    return float(kept) if isinstance(kept, int | float) and math.isfinite(kept) and kept > 0 else None
+    return (float(kept) if isinstance(kept, int | float) and math.isfinite(kept) and kept > 0
+            else None)
 
 
 def search_figures(autopilot: Mapping[str, Any]) -> dict[str, float]:
@@ -236,18 +249,22 @@ def search_figures(autopilot: Mapping[str, Any]) -> dict[str, float]:
     configurations' measured samples/s, candidates measured and not."""
     rows = list(autopilot.get("rows") or [])
     chosen = next((r for r in rows if r.get("chosen")), {})
-    figures = {"predicted_speedup": autopilot.get("predicted_speedup"), "search_s": autopilot.get("search_s"),
-               "search_steps": autopilot.get("search_steps"), "start_samples_per_s": start_samples_per_s(autopilot),
+    figures = {"predicted_speedup": autopilot.get("predicted_speedup"),
+               "search_s": autopilot.get("search_s"),
+               "search_steps": autopilot.get("search_steps"),
+               "start_samples_per_s": start_samples_per_s(autopilot),
                "chosen_samples_per_s": chosen.get("samples_per_s"),
                "candidates": sum(r.get("status", "ok") == "ok" for r in rows),
                "dropped": sum(r.get("status", "ok") != "ok" for r in rows),
-               "budget_s": autopilot.get("budget_s"), "budget_spent_s": autopilot.get("budget_spent_s"),
+               "budget_s": autopilot.get("budget_s"),
+               "budget_spent_s": autopilot.get("budget_spent_s"),
                "skipped": float(bool(autopilot.get("skipped"))),
                "from_checkpoint": float(bool(autopilot.get("from_checkpoint")))}
     return {FIGURES + k: float(v) for k, v in figures.items() if isinstance(v, int | float)}
 
 
-def achieved_samples_per_s(autopilot: Mapping[str, Any], history: list[dict[str, Any]]) -> float | None:
+def achieved_samples_per_s(autopilot: Mapping[str, Any],
+                           history: list[dict[str, Any]]) -> float | None:
     """The training's pace after the search: the samples of every report after the one that carried
     the autopilot's, over those intervals' seconds in training steps (compute and gradient sync,
     what the search times; data waits, evaluation, checkpoints and reports left out: doctor's other
@@ -260,7 +277,8 @@ def achieved_samples_per_s(autopilot: Mapping[str, Any], history: list[dict[str,
     return samples / seconds if seconds > 0 else None
 
 
-def achieved_figures(autopilot: Mapping[str, Any] | None, history: list[dict[str, Any]]) -> dict[str, float]:
+def achieved_figures(autopilot: Mapping[str, Any] | None,
+                     history: list[dict[str, Any]]) -> dict[str, float]:
     """The summary table's rows known when the run ends: the achieved samples/s and its ratio to the
     starting configuration's measured samples/s."""
     if autopilot is None:
@@ -281,17 +299,23 @@ def gain_line(autopilot: Mapping[str, Any] | None, history: list[dict[str, Any]]
     if autopilot is None:
         return None
     if autopilot.get("skipped"):
-        return f"autopilot: skipped ({autopilot['skipped']}): trained with the configuration as written"
+        return (f"autopilot: skipped ({autopilot['skipped']}): trained with the configuration "
+                "as written")
     achieved = achieved_samples_per_s(autopilot, history)
     if autopilot.get("from_checkpoint"):
-        head = f"autopilot: settings kept from the checkpoint ({_settings(autopilot.get('chosen'))})"
-        head += f", {_predicted(autopilot)}" if _is_number(autopilot.get("predicted_speedup")) else ""
+        head = ("autopilot: settings kept from the checkpoint "
+                f"({_settings(autopilot.get('chosen'))})")
+        head += (f", {_predicted(autopilot)}" if _is_number(autopilot.get("predicted_speedup"))
+                 else "")
         paces, tail = (f"{rate(achieved)} since the resume" if achieved is not None
                        else "not measured since the resume (no report after the first)"), ""
     else:
-        start, chosen = start_samples_per_s(autopilot), search_figures(autopilot).get(FIGURES + "chosen_samples_per_s")
-        searched = [] if not (start and chosen) else [start] if _kept(autopilot) else [start, chosen]
-        head, tail = f"autopilot: {_decision(autopilot)}", f"; search {_number(autopilot.get('search_s'), '.1f')} s"
+        start, chosen = (start_samples_per_s(autopilot),
+                         search_figures(autopilot).get(FIGURES + "chosen_samples_per_s"))
+        searched = ([] if not (start and chosen)
+                    else [start] if _kept(autopilot) else [start, chosen])
+        head, tail = (f"autopilot: {_decision(autopilot)}",
+                      f"; search {_number(autopilot.get('search_s'), '.1f')} s")
         after = "after it" if searched else "after the search"
         paces = (" -> ".join(map(rate, searched)) + " in the search, " if searched else "") + (
             f"{rate(achieved)} {after}" if achieved is not None else f"none measured {after} "

@@ -15,13 +15,13 @@ from orchestrator.training.channel import ChannelSender
 # Errors in the user's code or config that every restart would raise again (a missing key, a bad
 # option, a non-finite loss): not worth a restart when they come before the run's first report. A
 # crash, a network error or a collective's RuntimeError may be transient and is retried.
-DETERMINISTIC = (TypeError, ValueError, AttributeError, KeyError, IndexError, NameError, ImportError,
-                 NotImplementedError, UserError)
+DETERMINISTIC = (TypeError, ValueError, AttributeError, KeyError, IndexError, NameError,
+                 ImportError, NotImplementedError, UserError)
 # ...and these too when raised in the model's own code (the user's, or the product's models): a
 # shape that does not multiply, an assertion, a file the builder cannot find. Never out of memory (a
 # retry may fit), nor a collective's.
-IN_MODEL_CODE = (RuntimeError, AssertionError, ArithmeticError, FileNotFoundError, IsADirectoryError,
-                 NotADirectoryError, PermissionError)
+IN_MODEL_CODE = (RuntimeError, AssertionError, ArithmeticError, FileNotFoundError,
+                 IsADirectoryError, NotADirectoryError, PermissionError)
 
 
 def repeats(raised: BaseException, where: str | None) -> bool:
@@ -60,8 +60,8 @@ class ForwardFailures(UserCallback):
         error = text if text.startswith(name) else f"{name}: {text}"
         # marked by the worker, or in Ray's text
         where = raised_in_model_code(raised) or raised_in_model_code(exc)
-        forward(self.reports, {"event": "worker_failure", "rank": rank, "error": error[:300], "at": where,
-                               "repeats": repeats(raised, where)})
+        forward(self.reports, {"event": "worker_failure", "rank": rank, "error": error[:300],
+                               "at": where, "repeats": repeats(raised, where)})
 
 
 class ForwardCheckpoints(UserCallback):
@@ -72,7 +72,8 @@ class ForwardCheckpoints(UserCallback):
     def __init__(self, reports: ChannelSender) -> None:
         self.reports = reports
 
-    def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
+    def after_report(self, run_context: Any, metrics: list[dict[str, Any]],
+                     checkpoint: Any) -> None:
         step = metrics[0].get("step") if metrics and metrics[0] else None
         if checkpoint is not None and isinstance(step, int):
             forward(self.reports, {"event": "checkpoint", "step": step, "path": checkpoint.path})

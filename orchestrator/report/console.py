@@ -16,8 +16,8 @@ from typing import Any
 from orchestrator.ray_internals import autoscaler_events, ray_data_logging_config, worker_output
 
 # Loggers of the libraries the driver runs; a logger below these names goes where its parent goes.
-LIBRARIES = ("ray", "mlflow", "alembic", "sqlalchemy", "urllib3", "filelock", "transformers", "huggingface_hub",
-             "torch", "py.warnings")
+LIBRARIES = ("ray", "mlflow", "alembic", "sqlalchemy", "urllib3", "filelock", "transformers",
+             "huggingface_hub", "torch", "py.warnings")
 # What the workers print that is the product's own: shown on the terminal (a worker's warnings.warn
 # from the product's modules is shown as `warning: <message>`).
 _WORKER_LINE = re.compile(r"^(auto micro-batch: |warning: )")
@@ -111,8 +111,8 @@ def ray_data_config(directory: Path) -> Path | None:
     if found is None:
         return None
     config = copy.deepcopy(found)
-    config["handlers"]["console"] = {"class": f"{__name__}.RayDataConsole", "formatter": "ray", "level": "INFO",
-                                     "filters": ["console_filter"]}
+    config["handlers"]["console"] = {"class": f"{__name__}.RayDataConsole", "formatter": "ray",
+                                     "level": "INFO", "filters": ["console_filter"]}
     from pipelines.storage import owner_only
 
     path = directory / "ray-data-logging.yaml"
@@ -142,7 +142,8 @@ class RunLog:
         self._saved: dict[str, Any] = {}
 
     def __enter__(self) -> RunLog:
-        import ray  # noqa: F401 - its loggers exist from here on, so they are diverted before ray.init logs
+        # its loggers exist from here on, so they are diverted before ray.init logs
+        import ray  # noqa: F401
 
         self._filter = _ToFile(self._file, self.verbose)
         # Warnings become records of `py.warnings`; loggers without a handler anywhere (urllib3's
@@ -175,9 +176,11 @@ class RunLog:
         handler they or Ray's root handlers print through (records of loggers created since the last
         call)."""
         assert self._filter is not None
-        loggers = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict) if n.split(".")[0] in _ROOTS]
+        loggers = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict)
+                   if n.split(".")[0] in _ROOTS]
         handlers = [h for lg in loggers for h in lg.handlers]
-        handlers += [h for h in logging.root.handlers if id(h) not in self._saved["root"]] + [logging.lastResort]
+        handlers += ([h for h in logging.root.handlers if id(h) not in self._saved["root"]]
+                     + [logging.lastResort])
         consoles = [h for h in handlers if isinstance(h, logging.StreamHandler) and not isinstance(
             h, logging.FileHandler)]
         for item in [*loggers, *consoles]:
@@ -191,7 +194,8 @@ class RunLog:
         printer = worker_output()
         if printer is not None and "ray_printer" not in self._saved:
             ray_worker, dispatcher = printer
-            self._saved["ray_printer"] = [(n, h) for n, h in dispatcher.handlers if n == "ray_print_logs"]
+            self._saved["ray_printer"] = [(n, h) for n, h in dispatcher.handlers
+                                          if n == "ray_print_logs"]
             dispatcher.remove_handler("ray_print_logs")
             dispatcher.add_handler("orchestrator", self._worker_lines)
             # Ray's error listener prints what raylets send this driver ("(raylet) WARNING: 12
@@ -217,8 +221,9 @@ class RunLog:
         if who == "autoscaler":
             lines = autoscaler_events(lines)
         for line in lines:
-            log.handle(logging.makeLogRecord({"name": f"ray.worker.{who}", "msg": f"pid={data.get('pid')} {line}",
-                                              "levelname": "stderr" if data.get("is_err") else "stdout"}))
+            record = {"name": f"ray.worker.{who}", "msg": f"pid={data.get('pid')} {line}",
+                      "levelname": "stderr" if data.get("is_err") else "stdout"}
+            log.handle(logging.makeLogRecord(record))
             shown = line if self.verbose else product_line(line)
             if shown is not None:
                 print(shown, file=sys.stderr if data.get("is_err") else sys.stdout, flush=True)
@@ -234,7 +239,8 @@ class RunLog:
         logging.captureWarnings(False)
         # Ray prints what it forwards itself again, as before the run
         if "ray_printer" in self._saved:
-            ray_worker, dispatcher = worker_output()  # type: ignore[misc]  # found when the printer was saved
+            # found when the printer was saved
+            ray_worker, dispatcher = worker_output()  # type: ignore[misc]
             dispatcher.remove_handler("orchestrator")
             for name, handler in self._saved["ray_printer"]:
                 dispatcher.add_handler(name, handler)

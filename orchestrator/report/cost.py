@@ -29,16 +29,17 @@ from orchestrator.errors import ConfigError
 # Ledger parts, in display order; they add up to the wall clock. Compute + sync is the training
 # itself (`productive`); `report` is time the workers spent blocked registering checkpoints with Ray
 # Train.
-PARTS = ("startup", "compute", "sync", "data_wait", "eval", "checkpoint", "report", "wasted", "recovery", "resize",
-         "other", "shutdown")
+PARTS = ("startup", "compute", "sync", "data_wait", "eval", "checkpoint", "report", "wasted",
+         "recovery", "resize", "other", "shutdown")
 PRODUCTIVE = ("compute", "sync")
 RESTARTS = ("wasted", "recovery", "resize")  # what failures and resizes cost
 # in the first report of every (re)start only (training/worker.py's facts)
 RESTART_MARK = "worker_pid"
 REPORTED_AT = "at/report"  # when a Tune trial made a report (epoch seconds; tuning/trial.py)
-_LABELS = {"startup": "start-up", "compute": "compute", "sync": "sync", "data_wait": "data wait", "eval": "eval",
-           "checkpoint": "checkpoint", "report": "report", "wasted": "wasted progress", "recovery": "recovery",
-           "resize": "resize", "other": "other", "shutdown": "shutdown"}
+_LABELS = {"startup": "start-up", "compute": "compute", "sync": "sync", "data_wait": "data wait",
+           "eval": "eval", "checkpoint": "checkpoint", "report": "report",
+           "wasted": "wasted progress", "recovery": "recovery", "resize": "resize",
+           "other": "other", "shutdown": "shutdown"}
 _PHASES = ("compute", "sync", "data_wait", "eval", "checkpoint", "report", "other")
 
 
@@ -71,11 +72,13 @@ def resolve_pricing(config: Config, world_size: int | None = None) -> Pricing:
     seen) overrides the config's."""
     cost: CostConfig = config.cost
     s = config.scaling
-    workers = world_size or (s.num_workers if isinstance(s.num_workers, int) else min(s.num_workers))
+    workers = world_size or (s.num_workers if isinstance(s.num_workers, int)
+                             else min(s.num_workers))
     if cost.node_type is None:
         nodes = cost.nodes or 1
         price = cost.price_per_hour
-        what = f"{nodes} node{'s' * (nodes > 1)}" + (f" at ${price:g}/h" if price is not None else "")
+        what = (f"{nodes} node{'s' * (nodes > 1)}"
+                + (f" at ${price:g}/h" if price is not None else ""))
         return Pricing(nodes, price, what)
     table = load_prices(cost.prices_file).get(cost.cloud) or {}
     entry = table.get(cost.node_type)
@@ -133,7 +136,8 @@ class Ledger:
         """Effective training time ratio: productive seconds over the wall clock up to the last kept
         step (the shutdown after it is not training time lost)."""
         until_done = self.wall_s - self.seconds.get("shutdown", 0.0)
-        return sum(self.seconds.get(p, 0.0) for p in PRODUCTIVE) / until_done if until_done > 0 else 0.0
+        return (sum(self.seconds.get(p, 0.0) for p in PRODUCTIVE) / until_done
+                if until_done > 0 else 0.0)
 
     def frac(self, part: str) -> float:
         if part == "productive":
@@ -143,12 +147,14 @@ class Ledger:
     def metrics(self) -> dict[str, float]:
         """MLflow metrics: cost/usd, cost/productive_usd, cost/overhead_usd, cost/node_hours,
         cost/<part>_frac."""
-        out = {"cost/wall_s": self.wall_s, "cost/node_hours": self.node_hours, "cost/nodes": float(self.pricing.nodes)}
+        out = {"cost/wall_s": self.wall_s, "cost/node_hours": self.node_hours,
+               "cost/nodes": float(self.pricing.nodes)}
         out |= {f"cost/{part}_frac": self.frac(part) for part in (*PARTS, "productive")}
         out["cost/ettr"] = self.ettr
         usd = self.usd
         if usd is not None:
-            out |= {"cost/usd": usd, "cost/usd_per_node_hour": float(self.pricing.usd_per_node_hour or 0.0),
+            out |= {"cost/usd": usd,
+                    "cost/usd_per_node_hour": float(self.pricing.usd_per_node_hour or 0.0),
                     "cost/productive_usd": usd * self.frac("productive"),
                     "cost/overhead_usd": usd * (1 - self.frac("productive"))}
         return out
@@ -156,15 +162,17 @@ class Ledger:
     def time_line(self) -> str:
         """'time: 31.2 s | start-up 40% | compute 31% | sync 4% | data wait 2% | ... | shutdown 6%':
         the wall clock from the command's start to its end, every part of it."""
-        shares = [f"{_LABELS[p]} {self.frac(p):.0%}" for p in PARTS if p in PRODUCTIVE or self.frac(p) >= 0.005]
+        shares = [f"{_LABELS[p]} {self.frac(p):.0%}" for p in PARTS
+                  if p in PRODUCTIVE or self.frac(p) >= 0.005]
         return " | ".join([f"time: {self.wall_s:.1f} s", *shares])
 
     def line(self) -> str:
         """'cost: $0.0183 for 0.0022 node-hours (2 x gpu_a100 ...) | productive 41% ($0.0075)'"""
         usd = self.usd
-        head = (f"cost: ${usd:.4f}" if usd is not None else "cost: unpriced (set cost.node_type or "
-                "cost.price_per_hour)") + f" for {self.node_hours:.4f} node-hours ({self.pricing.description}, " \
-                                          f"{self.wall_s:.0f} s)"
+        priced = (f"cost: ${usd:.4f}" if usd is not None
+                  else "cost: unpriced (set cost.node_type or cost.price_per_hour)")
+        head = (f"{priced} for {self.node_hours:.4f} node-hours ({self.pricing.description}, "
+                f"{self.wall_s:.0f} s)")
         productive = f"productive {self.frac('productive'):.0%}"
         if usd is not None:
             productive += f" (${usd * self.frac('productive'):.4f})"
@@ -187,7 +195,8 @@ def build_ledger(history: list[dict[str, Any]], wall_s: float, pricing: Pricing,
     for report in kept:
         for phase in _PHASES:
             seconds[phase] += report.get(f"time/{phase}_frac", 0.0) * report["interval_s"]
-    seconds["wasted"] = sum(r["interval_s"] for i, r in enumerate(timed) if last_index[int(r["step"])] != i)
+    seconds["wasted"] = sum(r["interval_s"] for i, r in enumerate(timed)
+                            if last_index[int(r["step"])] != i)
     # Between two reports, what the later one's interval does not cover: report transport in a
     # healthy run; a restart's recovery (or resize) before the first report of a (re)start.
     # Histories without the restart mark bill every gap of a run that failed or redid steps as
@@ -218,8 +227,10 @@ def attempt_record(began: float, history: list[dict[str, Any]], ended: float) ->
     phase shares and restart marks, their arrival made absolute. Kept in storage beside the run
     (runs.ATTEMPTS_DIR) so a later `--resume` can bill the whole run; plain JSON."""
     keep = ("step", "interval_s", "world_size", RESTART_MARK)
-    reports = [{k: v for k, v in r.items() if k in keep or (k.startswith("time/") and k.endswith("_frac"))}
-               | {"at": began + r["elapsed_s"]} for r in history if "elapsed_s" in r and "interval_s" in r]
+    reports = [{k: v for k, v in r.items()
+                if k in keep or (k.startswith("time/") and k.endswith("_frac"))}
+               | {"at": began + r["elapsed_s"]}
+               for r in history if "elapsed_s" in r and "interval_s" in r]
     return {"began": began, "ended": ended, "reports": reports}
 
 
@@ -245,7 +256,8 @@ def study_metrics(ledgers: list[Ledger]) -> dict[str, float]:
     if not ledgers:
         return {}
     wall = sum(ledger.wall_s * ledger.pricing.nodes for ledger in ledgers)
-    out = {"cost/node_hours": sum(ledger.node_hours for ledger in ledgers), "cost/trials": float(len(ledgers))}
+    out = {"cost/node_hours": sum(ledger.node_hours for ledger in ledgers),
+           "cost/trials": float(len(ledgers))}
     if wall > 0:
         for part in PARTS:
             out[f"cost/{part}_frac"] = sum(ledger.seconds.get(part, 0.0) * ledger.pricing.nodes
@@ -254,6 +266,7 @@ def study_metrics(ledgers: list[Ledger]) -> dict[str, float]:
     usds = [ledger.usd for ledger in ledgers]
     if all(u is not None for u in usds):
         total = sum(u for u in usds if u is not None)
-        out |= {"cost/usd": total, "cost/productive_usd": total * out.get("cost/productive_frac", 0.0),
+        out |= {"cost/usd": total,
+                "cost/productive_usd": total * out.get("cost/productive_frac", 0.0),
                 "cost/overhead_usd": total * (1 - out.get("cost/productive_frac", 0.0))}
     return out

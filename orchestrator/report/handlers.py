@@ -34,13 +34,15 @@ class FailureCounter:
     times: list[float] = field(default_factory=list)  # seconds from the command's start
     doomed: list[str] = field(default_factory=list)
 
-    def __call__(self, report: dict[str, Any], tracker: Tracker, history: list[dict[str, Any]], at: float) -> None:
+    def __call__(self, report: dict[str, Any], tracker: Tracker, history: list[dict[str, Any]],
+                 at: float) -> None:
         self.times.append(at)
         step = history[-1]["step"] if history else 0
         tracker.set_tags({f"orchestrator.failure.{len(self.times)}": f"after step {step}: "
                                                                      f"{report['error']}"})
         if report.get("repeats") and not history and self.private_cluster:
-            self.doomed.append(report["error"] + (f" (at {report['at']})" if report.get("at") else ""))
+            self.doomed.append(report["error"]
+                               + (f" (at {report['at']})" if report.get("at") else ""))
             return
         print(f"worker {report['rank']} failed: {report['error']} "
               "(restarting from the last checkpoint)",
@@ -91,15 +93,18 @@ def checkpoint_uri(storage_path: str, path: str) -> str:
     return f"s3://{path}" if storage_path.startswith("s3://") and "://" not in path else path
 
 
-def events(previous: dict[str, Any] | None, report: dict[str, Any], n: int) -> list[tuple[dict[str, str], str]]:
+def events(previous: dict[str, Any] | None, report: dict[str, Any],
+           n: int) -> list[tuple[dict[str, str], str]]:
     """MLflow tags (and a printed line) for what a report reveals: a resized worker group, a drain
     checkpoint."""
     found = []
     world = report.get("world_size")
-    if previous is not None and world is not None and previous.get("world_size") not in (None, world):
+    if (previous is not None and world is not None
+            and previous.get("world_size") not in (None, world)):
         text = f"step {report['step']}: {previous['world_size']} -> {world} workers"
         if "global_batch" in report:
-            text += f", global batch {report['global_batch']} (accumulation {report.get('grad_accum_steps')})"
+            text += (f", global batch {report['global_batch']} "
+                     f"(accumulation {report.get('grad_accum_steps')})")
         found.append(({f"orchestrator.resize.{n}": text}, f"worker group resized at {text}"))
     if report.get("drain_checkpoint"):
         text = f"step {report['step']}: a node is being drained; checkpoint saved"
@@ -133,7 +138,8 @@ class RunReports:
         tracker, history, clock = self.tracker(), self.history, self.clock
         event = report.get("event")
         if event == "checkpoint":  # committed by Ray Train
-            tracker.log_checkpoint(report["step"], checkpoint_uri(self.storage_path, report["path"]))
+            tracker.log_checkpoint(report["step"],
+                                   checkpoint_uri(self.storage_path, report["path"]))
         elif event == "worker_failure":
             self.failures(report, tracker, history, clock.since_start())
         elif event == "setup":  # before the first step of each (re)start

@@ -1,4 +1,5 @@
-"""Plots a person would rather look at than read, saved as PNG (and logged to MLflow by the driver)."""
+"""Plots a person would rather look at than read, saved as PNG (and logged to MLflow by the
+driver)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 
-def plot_history(history: list[dict[str, Any]], path: str | Path, metric: str = "val_accuracy") -> Path:
+def plot_history(history: list[dict[str, Any]], path: str | Path,
+                 metric: str = "val_accuracy") -> Path:
     """Training and validation loss, and the task's validation `metric`, against step."""
     import matplotlib
 
@@ -27,7 +29,8 @@ def plot_history(history: list[dict[str, Any]], path: str | Path, metric: str = 
     # scale.
     ax_loss.set(xlabel="step", ylabel="loss", yscale="log", title="Loss")
     ax_loss.legend()
-    ax_metric.set(xlabel="step", ylabel=metric.removeprefix("val_"), title=f"Validation {metric.removeprefix('val_')}")
+    ax_metric.set(xlabel="step", ylabel=metric.removeprefix("val_"),
+                  title=f"Validation {metric.removeprefix('val_')}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -55,7 +58,8 @@ def plot_lr_sweep(trials: list[Any], keys: list[str], metric: str, path: str | P
     return Path(path)
 
 
-def sweep_figure(trials: list[Any], keys: list[str], metric: str, categorical: Collection[str] = ()) -> Any:
+def sweep_figure(trials: list[Any], keys: list[str], metric: str,
+                 categorical: Collection[str] = ()) -> Any:
     """The figure of `plot_lr_sweep` (a matplotlib Figure, left open)."""
     plt = _pyplot()
     import matplotlib
@@ -63,22 +67,18 @@ def sweep_figure(trials: list[Any], keys: list[str], metric: str, categorical: C
 
     x_key = "optim.lr" if "optim.lr" in keys else keys[0]
     others = [k for k in keys if k != x_key]
-    c_key = "optim.warmup_steps" if "optim.warmup_steps" in others else (others[0] if others else None)
-    scored = [t for t in trials if t.metric is not None and isinstance(t.params.get(x_key), int | float)]
+    c_key = ("optim.warmup_steps" if "optim.warmup_steps" in others
+             else (others[0] if others else None))
+    scored = [t for t in trials
+              if t.metric is not None and isinstance(t.params.get(x_key), int | float)]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     values = [t.params.get(c_key) for t in scored] if c_key else []
-    numeric = bool(values) and all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
+    numeric = bool(values) and all(isinstance(v, int | float) and not isinstance(v, bool)
+                                   for v in values)
     by_category = bool(values) and (c_key in categorical or not numeric)
     legend: list[Any] = []
     if by_category:
-        # One colour per value the study tried (sorted, so 0 < 10 < 20 reads in order), named in the
-        # legend.
-        distinct = sorted({_category(v) for v in values}, key=lambda v: (not isinstance(v, int | float), v))
-        palette = matplotlib.colormaps["tab10" if len(distinct) <= 10 else "tab20"]
-        colour_of = {v: palette(i % palette.N) for i, v in enumerate(distinct)}
-        colours = [colour_of[_category(v)] for v in values]
-        legend += [Line2D([], [], marker="o", linestyle="", color=colour_of[v], markeredgecolor="black",
-                          label=f"{c_key}={v}") for v in distinct]
+        colours, legend = _category_colours(values, c_key)
     elif numeric:
         norm = plt.Normalize(min(values), max(values))
         cmap = matplotlib.colormaps["viridis"]
@@ -94,10 +94,11 @@ def sweep_figure(trials: list[Any], keys: list[str], metric: str, categorical: C
             continue
         face = [colours[i] for i in pick] if ran_to_end else "none"  # hollow: stopped early
         edge = "black" if ran_to_end else [colours[i] for i in pick]
-        ax.scatter([x[i] for i in pick], [y[i] for i in pick], s=60, facecolors=face, edgecolors=edge,
-                   linewidths=1.0 if ran_to_end else 1.8)
-        legend.append(Line2D([], [], marker="o", linestyle="", markerfacecolor="grey" if ran_to_end else "none",
-                             markeredgecolor="black", label="ran to the end" if ran_to_end else "stopped early"))
+        ax.scatter([x[i] for i in pick], [y[i] for i in pick], s=60, facecolors=face,
+                   edgecolors=edge, linewidths=1.0 if ran_to_end else 1.8)
+        legend.append(Line2D([], [], marker="o", linestyle="", markeredgecolor="black",
+                             markerfacecolor="grey" if ran_to_end else "none",
+                             label="ran to the end" if ran_to_end else "stopped early"))
     if numeric and not by_category:
         bar = plt.cm.ScalarMappable(norm=norm, cmap=cmap)
         fig.colorbar(bar, ax=ax, label=c_key)
@@ -111,6 +112,21 @@ def sweep_figure(trials: list[Any], keys: list[str], metric: str, categorical: C
     return fig
 
 
+def _category_colours(values: list[Any], c_key: str | None) -> tuple[list[Any], list[Any]]:
+    """One colour per value the study tried (sorted, so 0 < 10 < 20 reads in order), each value's
+    colour, and the legend entries that name them."""
+    import matplotlib
+    from matplotlib.lines import Line2D
+
+    distinct = sorted({_category(v) for v in values},
+                      key=lambda v: (not isinstance(v, int | float), v))
+    palette = matplotlib.colormaps["tab10" if len(distinct) <= 10 else "tab20"]
+    colour_of = {v: palette(i % palette.N) for i, v in enumerate(distinct)}
+    legend = [Line2D([], [], marker="o", linestyle="", color=colour_of[v], markeredgecolor="black",
+                     label=f"{c_key}={v}") for v in distinct]
+    return [colour_of[_category(v)] for v in values], legend
+
+
 def _category(value: Any) -> Any:
     """A value as a legend entry: numbers stay numbers (so they sort), anything else becomes its
     text."""
@@ -121,7 +137,8 @@ def trial_labels(trials: list[Any]) -> list[str]:
     """Each trial's name (its searched values); a name two trials share gets the trial id, so
     entries differ."""
     names = [getattr(t, "name", "") or t.trial_id for t in trials]
-    return [f"{n} ({t.trial_id})" if names.count(n) > 1 else n for n, t in zip(names, trials, strict=True)]
+    return [f"{n} ({t.trial_id})" if names.count(n) > 1 else n
+            for n, t in zip(names, trials, strict=True)]
 
 
 def plot_trial_curves(trials: list[Any], metric: str, path: str | Path) -> Path:
@@ -133,7 +150,8 @@ def plot_trial_curves(trials: list[Any], metric: str, path: str | Path) -> Path:
         points = [(r["step"], r[metric]) for r in t.history if metric in r]
         if points:
             steps, values = zip(*points, strict=True)
-            ax.plot(steps, values, marker=".", linestyle="-" if t.status == "completed" else "--", label=label)
+            ax.plot(steps, values, marker=".", linestyle="-" if t.status == "completed" else "--",
+                    label=label)
     ax.set(xlabel="step", ylabel=metric, title=f"{metric} of every trial")
     if len(trials) <= 12:
         ax.legend(fontsize="small")

@@ -62,7 +62,8 @@ class ProgressLines:
 
     def __init__(self, total_steps: int, global_batch: int, eval_every: int | None,
                  metric: str = "val_accuracy") -> None:
-        self.total, self.batch, self.eval_every, self.metric = total_steps, global_batch, eval_every, metric
+        self.total, self.batch = total_steps, global_batch
+        self.eval_every, self.metric = eval_every, metric
         self.step_s, self.eval_s = _Average(), _Average()
         # checkpoint and report seconds, and the steps they were spread over
         self.aside_s = self.steps = 0.0
@@ -105,7 +106,8 @@ def setup_line(facts: dict[str, Any], train_rows: int | None) -> str:
     if facts.get("from_step"):
         steps += f" from step {facts['from_step']:,}"
     if train_rows:
-        steps += f", about {facts['max_steps'] * facts['global_batch'] / train_rows:,.1f} epochs of {train_rows:,} rows"
+        epochs = facts["max_steps"] * facts["global_batch"] / train_rows
+        steps += f", about {epochs:,.1f} epochs of {train_rows:,} rows"
     return " | ".join([
         f"run: {facts['params']:,} params", facts["precision"], f"{facts['workers']} "
                                                                 f"x {facts['device']}",

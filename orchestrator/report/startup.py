@@ -29,7 +29,8 @@ STAGES = (
     "worker set-up",  # model, optimizer and data shards built in the workers; a checkpoint loaded
     "first batch",  # the first batch read, decoded and handed to the loop
 )
-_WORKER_MARKS = {"worker group": "at/worker", "worker set-up": "at/loop", "first batch": "at/first_batch"}
+_WORKER_MARKS = {"worker group": "at/worker", "worker set-up": "at/loop",
+                 "first batch": "at/first_batch"}
 
 
 def process_started_at() -> float:
@@ -99,7 +100,8 @@ class StartupClock:
         """The part of the series each stage run beside it ended in (the last part, if it ended
         after them all)."""
         parts = [stage for stage in STAGES if stage in self.marks]
-        return {stage: next((part for part in parts if self.marks[part] >= ended), parts[-1] if parts else stage)
+        return {stage: next((part for part in parts if self.marks[part] >= ended),
+                            parts[-1] if parts else stage)
                 for stage, (_, ended) in self.spans.items()}
 
     def line(self) -> str:

@@ -18,7 +18,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from orchestrator.errors import UserError
-from orchestrator.tracking.links import RUNS_VIEW_TAG, TRAINING_VIEW, UI_PORT, experiment_url, ui_base
+from orchestrator.tracking.links import (
+    RUNS_VIEW_TAG,
+    TRAINING_VIEW,
+    UI_PORT,
+    experiment_url,
+    ui_base,
+)
 from orchestrator.tracking.uri import mask_password, resolve_uri
 
 JOB_EXECUTION = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"
@@ -66,10 +72,11 @@ def start(uri: str, port: int, log_path: Path) -> subprocess.Popen[bytes]:
     user of the machine can read (`ps`): a SQL store's password would be theirs for as long as the
     UI runs. MLflow hands it on to its server workers the same way."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "mlflow", "ui", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+    command = [sys.executable, "-m", "mlflow", "ui", "--host", "127.0.0.1", "--port", str(port),
+               "--workers", "1"]
     with open(log_path, "ab") as log:
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=ui_environment(uri))
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=ui_environment(uri))
 
 
 def ui_environment(uri: str) -> dict[str, str]:
@@ -88,7 +95,8 @@ def wait_until_up(process: subprocess.Popen[bytes], port: int, log_path: Path,
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] if log_path.is_file() else []
+            tail = (log_path.read_text(errors="replace").strip().splitlines()[-1:]
+                    if log_path.is_file() else [])
             raise UserError(f"the MLflow UI exited with status {process.returncode} "
                             f"({' '.join(tail)[:300]}): see {log_path}")
         try:

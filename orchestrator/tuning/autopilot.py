@@ -26,9 +26,9 @@ from orchestrator.tracking.tracker import Tracker
 
 # Searched keys that change what the autopilot would choose: with one of them, each trial searches
 # its own.
-_PER_TRIAL_KEYS = {"train.micro_batch_size", "train.grad_accum_steps", "train.global_batch_size", "train.compile",
-                   "train.torch_threads", "train.flush_denormal", "train.precision", "train.parallel", "train.sync",
-                   "train.tf32"}
+_PER_TRIAL_KEYS = {"train.micro_batch_size", "train.grad_accum_steps", "train.global_batch_size",
+                   "train.compile", "train.torch_threads", "train.flush_denormal",
+                   "train.precision", "train.parallel", "train.sync", "train.tf32"}
 _PER_TRIAL_SECTIONS = {"model", "data", "scaling", "autopilot"}
 _WAIT_S = 0.5  # how often a waiting trial asks again
 
@@ -42,7 +42,8 @@ def per_trial_reason(config: Config) -> str | None:
     autopilot)."""
     if not config.autopilot.enabled:
         return None
-    keys = [k for k in config.tune.space if k in _PER_TRIAL_KEYS or k.split(".")[0] in _PER_TRIAL_SECTIONS]
+    keys = [k for k in config.tune.space
+            if k in _PER_TRIAL_KEYS or k.split(".")[0] in _PER_TRIAL_SECTIONS]
     if not keys:
         return None
     return ("each trial searches its own: tune.space searches "
@@ -76,7 +77,8 @@ class Board:
         return self.report
 
 
-def study_board(config: Config, study: str, saved: dict[str, Any] | None, verbose: bool) -> Any | None:
+def study_board(config: Config, study: str, saved: dict[str, Any] | None,
+                verbose: bool) -> Any | None:
     """The driver's board for the study's one search, holding `saved` (the report a continued study
     kept); None when the autopilot is off or each trial searches its own (said in one line)."""
     import ray
@@ -88,10 +90,13 @@ def study_board(config: Config, study: str, saved: dict[str, Any] | None, verbos
         shared = ("one search for the study, in the first trial to start; "
                   "every other trial trains with its choice from its first step")
         print(f"autopilot: {reason or shared}", flush=True)
-    return None if reason else ray.remote(num_cpus=0)(Board).options(name=board_name(study)).remote(saved)
+    if reason:
+        return None
+    return ray.remote(num_cpus=0)(Board).options(name=board_name(study)).remote(saved)
 
 
-def record_study_choice(board: Any, place: RunPlace, state_file: str, tracker: Tracker, verbose: bool) -> None:
+def record_study_choice(board: Any, place: RunPlace, state_file: str, tracker: Tracker,
+                        verbose: bool) -> None:
     """The study's autopilot report, once a trial posted it: its table printed and logged on the
     study's run, and kept in the study's state (`state_file`) for a continued study, which recorded
     it already."""
@@ -136,7 +141,8 @@ def trial_config_with_choice(board: Any, trial_id: str, config: Config) -> tuple
 def chosen_config(config: Config, chosen: dict[str, Any]) -> Config:
     """The config that trains with the autopilot's choice from the start: its settings as the
     train.* keys."""
-    return with_values(config, {f"train.{key}": value for key, value in chosen.items()} | {"autopilot.enabled": False})
+    return with_values(config, {f"train.{key}": value for key, value in chosen.items()}
+                       | {"autopilot.enabled": False})
 
 
 def post_choice(board: Any, trial_id: str, metrics: dict[str, Any]) -> None:

@@ -53,8 +53,9 @@ class TrialPlanner:
         shard lists or storage handles."""
         if self.datasets is None:
             return self
-        return replace(self, datasets={split: replace(info, files=[], storage=None, objects=[], file_rows=[])
-                                       for split, info in self.datasets.items()})
+        sizes_only = {split: replace(info, files=[], storage=None, objects=[], file_rows=[])
+                      for split, info in self.datasets.items()}
+        return replace(self, datasets=sizes_only)
 
     def masked(self) -> TrialPlanner:
         """The tree with the password of every URI in it masked (the study's saved state is often in
@@ -132,5 +133,5 @@ def plan_study(config: Config) -> StudyPlan:
     check_trials(config, base.config, trials)
     # The widest trial from the user's tree, not the resolved one's: that one holds the micro-batch
     # the study's own worker count derived, which a searched scaling.num_workers would contradict.
-    return StudyPlan(config, base, trials, RunPlace(data.run_storage, study_name(config)), widest_trial(config),
-                     TrialNamer.for_config(config), resolved_mode(config))
+    return StudyPlan(config, base, trials, RunPlace(data.run_storage, study_name(config)),
+                     widest_trial(config), TrialNamer.for_config(config), resolved_mode(config))

@@ -113,7 +113,8 @@ def _tune_trials(grid: Any) -> dict[str, tuple[str, float | None, float | None]]
     for trial in getattr(getattr(grid, "_experiment_analysis", None), "trials", None) or []:
         meta = getattr(trial, "run_metadata", None)
         start, last = getattr(meta, "start_time", None), getattr(meta, "last_result_time", None)
-        found[str(trial.path)] = (trial.trial_id, start, last if isinstance(last, float) and last > 0 else None)
+        found[str(trial.path)] = (trial.trial_id, start,
+                                  last if isinstance(last, float) and last > 0 else None)
     return found
 
 
@@ -149,21 +150,24 @@ def summaries(grid: Any, trials_plan: TrialPlanner, metric: str, namer: TrialNam
             rows = [{k: v for k, v in row.items() if v == v} for row in frame.to_dict("records")]
             ledger = trial_ledger(rows, started, ended, plan.pricing)
         if frame is not None and "step" in frame:
-            keep = [c for c in ("step", "train_loss", "val_loss", "val_accuracy", metric, "samples_per_s",
-                                "train_samples_per_s") if c in frame]
-            history = [{k: v for k, v in row.items() if v == v} for row in frame[list(dict.fromkeys(keep))]
-                       .to_dict("records")]  # v == v drops NaN (reports without eval)
+            keep = [c for c in ("step", "train_loss", "val_loss", "val_accuracy", metric,
+                                "samples_per_s", "train_samples_per_s") if c in frame]
+            # v == v drops NaN (reports without eval)
+            history = [{k: v for k, v in row.items() if v == v}
+                       for row in frame[list(dict.fromkeys(keep))].to_dict("records")]
         name = (namer or TrialNamer(tuple(short_keys(params).items())))(params)
         trials.append(TrialSummary(
             trial_id=trial_id, params=params,
             status=trial_status(last, max_steps, errored=result.error is not None),
             steps=int(last.get("step", 0)), metric=last.get(metric), history=history,
-            cost=ledger, name=name, started_at=started, ended_at=ended, error=_error_line(result.error),
+            cost=ledger, name=name, started_at=started, ended_at=ended,
+            error=_error_line(result.error),
         ))
     return trials
 
 
-def pick_best(trials: list[TrialSummary], mode: str, rank_by: str = "metric") -> TrialSummary | None:
+def pick_best(trials: list[TrialSummary], mode: str,
+              rank_by: str = "metric") -> TrialSummary | None:
     """Best final metric among trials that ran to the end (an early-stopped trial's value is from
     fewer steps); among all trials with a value when none completed. rank_by=metric_per_dollar:
     metric / the trial's $."""
@@ -175,7 +179,8 @@ def pick_best(trials: list[TrialSummary], mode: str, rank_by: str = "metric") ->
         return None
     if rank_by == "metric_per_dollar":
         return max(pool, key=lambda t: t.metric / t.usd)  # type: ignore[operator]
-    return (max if mode == "max" else min)(pool, key=lambda t: t.metric)  # type: ignore[arg-type,return-value]
+    pick = max if mode == "max" else min
+    return pick(pool, key=lambda t: t.metric)  # type: ignore[arg-type,return-value]
 
 
 def local_dir(place: RunPlace) -> Path:
@@ -184,8 +189,8 @@ def local_dir(place: RunPlace) -> Path:
     return Path(place.path) if "://" not in place.uri else Path.cwd() / place.name
 
 
-def record(plan: StudyPlan, trials: list[TrialSummary], best: TrialSummary, tracker: Tracker, resumed: bool,
-           began: float | None = None) -> TuneResult:
+def record(plan: StudyPlan, trials: list[TrialSummary], best: TrialSummary, tracker: Tracker,
+           resumed: bool, began: float | None = None) -> TuneResult:
     """best.yaml, plots and the best trial (by tune.metric, in its resolved mode) on the parent run.
     `began`: when the command started (epoch seconds): the study's goodput is over its wall clock
     since then, and the trials it started (a resumed study's earlier trials ran in another
@@ -223,14 +228,17 @@ def record(plan: StudyPlan, trials: list[TrialSummary], best: TrialSummary, trac
     # table compares studies with each other and with runs by them. Summary rows below.
     tracker.log_metrics(headline_figures(best, metric), step=best.steps)
     tracker.log_metrics({f"study/best_{metric}": best.metric or 0.0,
-                         **{f"study/trials_{s}": n for s, n in counts.items()}, **cost, **goodput}, step=best.steps)
-    tracker.set_tags({"orchestrator.best_trial": best.trial_id, "orchestrator.best_params": json.dumps(best.params),
-                      "orchestrator.best_config": str(best_path), NOTE_TAG: study_note(trials, best, metric, cost)})
+                         **{f"study/trials_{s}": n for s, n in counts.items()}, **cost, **goodput},
+                        step=best.steps)
+    tracker.set_tags({"orchestrator.best_trial": best.trial_id,
+                      "orchestrator.best_params": json.dumps(best.params),
+                      "orchestrator.best_config": str(best_path),
+                      NOTE_TAG: study_note(trials, best, metric, cost)})
     return TuneResult(
         config=trial_config(tree, best.params), best=best, trials=trials, metric=metric, mode=mode,
         best_config_path=str(best_path), study_path=study_path, parent_run_id=tracker.run_id,
-        tracking_uri=getattr(tracker, "uri", None), resumed=resumed, rank_by=config.tune.rank_by, cost=cost,
-        goodput=goodput,
+        tracking_uri=getattr(tracker, "uri", None), resumed=resumed, rank_by=config.tune.rank_by,
+        cost=cost, goodput=goodput,
     )
 
 
@@ -239,7 +247,8 @@ def headline_figures(trial: TrialSummary, metric: str) -> dict[str, float]:
     samples/s) at its last report that has each."""
     figures: dict[str, float] = {}
     for row in trial.history:
-        figures |= {k: v for k, v in row.items() if k in ("train_loss", metric, "train_samples_per_s")}
+        figures |= {k: v for k, v in row.items()
+                    if k in ("train_loss", metric, "train_samples_per_s")}
     return figures
 
 
@@ -249,7 +258,8 @@ def study_goodput(trials: list[TrialSummary], wall_s: float) -> dict[str, float]
     the trials it ran at once, at most). What the trials ASHA stopped held, and the productive part
     of it, are shown apart. {} without ledgers."""
     priced = [t for t in trials if t.cost is not None]
-    spans = [(t.started_at, t.ended_at) for t in priced if t.started_at is not None and t.ended_at is not None]
+    spans = [(t.started_at, t.ended_at) for t in priced
+             if t.started_at is not None and t.ended_at is not None]
     slots = peak_concurrency(spans) or 1  # type: ignore[arg-type]
     held = wall_s * slots
     if not priced or held <= 0:
@@ -259,12 +269,14 @@ def study_goodput(trials: list[TrialSummary], wall_s: float) -> dict[str, float]
         return sum(t.cost.seconds.get(p, 0.0) for p in PRODUCTIVE)
 
     stopped = [t for t in priced if t.status == "stopped"]
-    return {"study/goodput": sum(map(productive, priced)) / held, "study/wall_s": wall_s, "study/slots": float(slots),
+    return {"study/goodput": sum(map(productive, priced)) / held, "study/wall_s": wall_s,
+            "study/slots": float(slots),
             "study/stopped_trials_frac": sum(t.cost.wall_s for t in stopped) / held,
             "study/stopped_productive_frac": sum(map(productive, stopped)) / held}
 
 
-def study_note(trials: list[TrialSummary], best: TrialSummary, metric: str, cost: dict[str, float]) -> str:
+def study_note(trials: list[TrialSummary], best: TrialSummary, metric: str,
+               cost: dict[str, float]) -> str:
     """The parent run's description: the best trial and its figure, how the trials ended, what the
     study cost."""
     counts = {s: sum(t.status == s for t in trials) for s in ("completed", "stopped", "error")}
@@ -281,17 +293,21 @@ def study_note(trials: list[TrialSummary], best: TrialSummary, metric: str, cost
 def summary(result: TuneResult) -> str:
     """The lines printed after a study: the table, the best trial, and how to train it."""
     lines = [final_table(result), ""]
-    counts = {s: sum(t.status == s for t in result.trials) for s in ("completed", "stopped", "error")}
-    spans = [(t.started_at, t.ended_at) for t in result.trials if t.started_at is not None and t.ended_at is not None]
+    counts = {s: sum(t.status == s for t in result.trials)
+              for s in ("completed", "stopped", "error")}
+    spans = [(t.started_at, t.ended_at) for t in result.trials
+             if t.started_at is not None and t.ended_at is not None]
     at_once = f" (at most {peak_concurrency(spans)} at once)" if spans else ""
     b = result.best
     lines += [f"study {Path(result.study_path).name}{' (resumed)' if result.resumed else ''}: "
               f"{len(result.trials)} trials{at_once}, {counts['completed']} completed, "
               f"{counts['stopped']} stopped early, {counts['error']} failed",
-             *[f"trial {t.label} ({t.trial_id}) failed: {t.error}" for t in result.trials if t.error],
+             *[f"trial {t.label} ({t.trial_id}) failed: {t.error}"
+               for t in result.trials if t.error],
              f"best trial {b.label} ({b.trial_id}): {result.metric} "
              f"{b.metric:.4f} at step {b.steps} with "
-             + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in b.params.items()),
+             + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                         for k, v in b.params.items()),
              *([f"ranked by {result.metric} per dollar: "
                 f"{b.metric / b.usd:.4g} per $ (${b.usd:.4f})"]
                if result.rank_by == "metric_per_dollar" and b.usd else []),
@@ -318,8 +334,10 @@ def ranked(trials: list[TrialSummary], mode: str, rank_by: str = "metric") -> li
     def key(t: TrialSummary) -> tuple[int, float]:
         if t.metric is None or (rank_by == "metric_per_dollar" and not t.usd):
             return (2, 0.0)
-        value = t.metric / t.usd if rank_by == "metric_per_dollar" else t.metric  # type: ignore[operator]
-        return (0 if t.status == "completed" else 1, -value if mode == "max" or rank_by != "metric" else value)
+        per_dollar = rank_by == "metric_per_dollar"
+        value = t.metric / t.usd if per_dollar else t.metric  # type: ignore[operator]
+        return (0 if t.status == "completed" else 1,
+                -value if mode == "max" or rank_by != "metric" else value)
 
     return sorted(trials, key=key)
 
@@ -329,13 +347,15 @@ def final_table(result: TuneResult) -> str:
     one marked; named by their values, then the id that finds their directory and MLflow run."""
     keys = list(result.best.params)
     short = short_keys(keys)
-    rows = [{"trial_id": t.label, "status": t.status, "params": {short[k]: t.params.get(k) for k in keys},
+    rows = [{"trial_id": t.label, "status": t.status,
+             "params": {short[k]: t.params.get(k) for k in keys},
              "step": t.steps, "metric": t.metric, "usd": t.usd}
             for t in ranked(result.trials, result.mode, result.rank_by)]
     table = format_table(rows, list(short.values()), result.metric).splitlines()
     ids = ["id"] + [t.trial_id for t in ranked(result.trials, result.mode, result.rank_by)]
     width = max(map(len, table))
-    return "\n".join(f"{line.ljust(width)}  {tid}" + ("  <- best" if tid == result.best.trial_id else "")
+    return "\n".join(f"{line.ljust(width)}  {tid}"
+                     + ("  <- best" if tid == result.best.trial_id else "")
                      for line, tid in zip(table, ids, strict=True))
 
 
@@ -350,8 +370,10 @@ def _share(frac: float) -> str:
 def goodput_line(g: dict[str, float]) -> str:
     """'study goodput 30%: productive trial time over 100 s x 2 trial slots | trials ASHA stopped
     held 12% (5% productive)'."""
-    line = f"study goodput {_percent(g['study/goodput'])}: productive trial time over {g['study/wall_s']:.0f} s"
-    line += f" x {g['study/slots']:.0f} trial slots" if g["study/slots"] > 1 else " of the study's wall clock"
+    line = (f"study goodput {_percent(g['study/goodput'])}: productive trial time over "
+            f"{g['study/wall_s']:.0f} s")
+    line += (f" x {g['study/slots']:.0f} trial slots" if g["study/slots"] > 1
+             else " of the study's wall clock")
     if g["study/stopped_trials_frac"] > 0:
         line += (f" | trials ASHA stopped held {_share(g['study/stopped_trials_frac'])} "
                  f"({_percent(g['study/stopped_productive_frac'])} productive)")
@@ -370,10 +392,11 @@ def study_cost_line(cost: dict[str, float]) -> str:
     productive); every other part of at least 0.5% follows, largest first, so a small productive
     share comes with what took the time."""
     usd = f"${cost['cost/usd']:.4f}" if "cost/usd" in cost else "unpriced"
-    head = f"study cost: {usd} over {cost['cost/trials']:.0f} trials, {cost['cost/node_hours']:.4f} node-hours"
+    head = (f"study cost: {usd} over {cost['cost/trials']:.0f} trials, "
+            f"{cost['cost/node_hours']:.4f} node-hours")
     if "cost/productive_frac" not in cost:
         return f"{head} | productive share unknown: no trial ran long enough to report its timings"
     others = sorted((cost.get(f"cost/{p}_frac", 0.0), p) for p in PARTS if p not in PRODUCTIVE)
-    shares = [f"{p.replace('startup', 'start-up').replace('_', ' ')} {_share(f)}" for f, p in reversed(others)
-              if f >= 0.005]
+    shares = [f"{p.replace('startup', 'start-up').replace('_', ' ')} {_share(f)}"
+              for f, p in reversed(others) if f >= 0.005]
     return " | ".join([head, f"productive {_share(cost['cost/productive_frac'])}", *shares])

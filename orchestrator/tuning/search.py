@@ -130,13 +130,15 @@ def widest_trial(config: Config) -> Config:
     """The config of the trial that asks for the most CPUs (for sizing a local cluster and capacity
     checks)."""
     found = domains(config)
-    params = {k: max(found[k].extremes()) for k in ("scaling.num_workers", "scaling.cpus_per_worker") if k in found}
+    params = {k: max(found[k].extremes())
+              for k in ("scaling.num_workers", "scaling.cpus_per_worker") if k in found}
     return trial_config(user_tree(config), params) if params else config
 
 
 @dataclass(frozen=True)
 class Concurrency:
-    """How many trials a study runs at once, and what holds it there (for the study's first line)."""
+    """How many trials a study runs at once, and what holds it there (for the study's first
+    line)."""
 
     trials: int
     bound: str
@@ -165,7 +167,8 @@ def max_concurrent(widest_config: Config, resources: dict[str, float]) -> Concur
     return Concurrency(max(1, trials), bound)
 
 
-def ranks_per_node(trials_at_once: int, workers: int, cpus_per_worker: float, node_cpus: float) -> int:
+def ranks_per_node(trials_at_once: int, workers: int, cpus_per_worker: float,
+                   node_cpus: float) -> int:
     """Training ranks of a study that may share one node's memory at once: the trials it runs at
     once times each trial's workers, at most as many as the node's CPUs hold (each rank holds
     `cpus_per_worker` of them). A one-worker trial that trains in its own process has no
@@ -178,8 +181,9 @@ def ranks_per_node(trials_at_once: int, workers: int, cpus_per_worker: float, no
 
 # Trial names: the last part of a searched key, or a shorter word for the long ones people search
 # often.
-_SHORT = {"warmup_steps": "warmup", "weight_decay": "wd", "num_workers": "workers", "cpus_per_worker": "cpus",
-          "global_batch_size": "batch", "micro_batch_size": "micro_batch", "max_grad_norm": "clip"}
+_SHORT = {"warmup_steps": "warmup", "weight_decay": "wd", "num_workers": "workers",
+          "cpus_per_worker": "cpus", "global_batch_size": "batch",
+          "micro_batch_size": "micro_batch", "max_grad_norm": "clip"}
 # a name is a directory and a legend entry: nothing else in a value
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+-]+")
 MAX_NAME = 64
@@ -207,10 +211,12 @@ class TrialNamer:
     @classmethod
     def for_config(cls, config: Config) -> TrialNamer:
         found = domains(config)
-        return cls(tuple(short_keys(found).items()), frozenset(k for k, d in found.items() if d.kind == "loguniform"))
+        return cls(tuple(short_keys(found).items()),
+                   frozenset(k for k, d in found.items() if d.kind == "loguniform"))
 
     def __call__(self, params: dict[str, Any]) -> str:
-        name = ",".join(f"{short}={self._value(key, params.get(key))}" for key, short in self.keys if key in params)
+        name = ",".join(f"{short}={self._value(key, params.get(key))}"
+                        for key, short in self.keys if key in params)
         if len(name) > MAX_NAME:  # still unique: the cut is replaced by a hash of the whole
             name = f"{name[:MAX_NAME - 9]}~{hashlib.sha1(name.encode()).hexdigest()[:8]}"
         return name

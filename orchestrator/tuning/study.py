@@ -32,7 +32,14 @@ from orchestrator.tracking.uri import mask_passwords
 from orchestrator.tuning.autopilot import record_study_choice, study_board
 from orchestrator.tuning.plan import StudyPlan, TrialPlanner, plan_study, plan_trial
 from orchestrator.tuning.results import TuneResult, local_dir, pick_best, record, summaries
-from orchestrator.tuning.search import TrialNamer, check_capacity, domains, max_concurrent, ranks_per_node, to_tune
+from orchestrator.tuning.search import (
+    TrialNamer,
+    check_capacity,
+    domains,
+    max_concurrent,
+    ranks_per_node,
+    to_tune,
+)
 from orchestrator.tuning.trial import in_trial_process, run_trial, trial_resources
 from orchestrator.tuning.trials import ParentRun, StudyCallback, StudyFacts, restored_as
 from pipelines.storage import Storage
@@ -199,7 +206,8 @@ def _node_ranks(plan: StudyPlan, concurrency: int) -> int:
     import ray
 
     widest = plan.widest.scaling
-    node_cpus = max((n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")), default=0.0)
+    node_cpus = max((n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")),
+                    default=0.0)
     return ranks_per_node(concurrency, widest.max_workers, widest.cpus_per_worker, node_cpus)
 
 
@@ -234,7 +242,8 @@ def _fit(this: _Study, resume: bool, callback: StudyCallback, concurrency: int, 
         tune_config=ray_tune.TuneConfig(
             metric=t.metric, mode=plan.mode, num_samples=t.num_samples,
             scheduler=_scheduler(config, plan.max_steps), search_alg=_searcher(config, concurrency),
-            trial_name_creator=_TrialName(namer), trial_dirname_creator=_TrialName(namer, directory=True),
+            trial_name_creator=_TrialName(namer),
+            trial_dirname_creator=_TrialName(namer, directory=True),
             # Trials that train in their own process start the next trial in the same one when
             # theirs ends: imports and Ray Data's start paid once per actor, not per trial. A trial
             # stopped mid-interval whose thread does not reach its next report within Tune's 2 s
@@ -290,7 +299,8 @@ def _start_study(this: _Study, fresh: bool, log: RunLog) -> TuneResult:
     config, place, verbose = this.plan.config, this.plan.place, this.verbose
 
     if config.tracking.enabled:
-        import mlflow  # noqa: F401 - its loggers exist from here on, so the run log diverts them too
+        # its loggers exist from here on, so the run log diverts them too
+        import mlflow  # noqa: F401
     log.attach_ray()
     study = place.name
     resources = ray.cluster_resources()
@@ -302,11 +312,13 @@ def _start_study(this: _Study, fresh: bool, log: RunLog) -> TuneResult:
         _delete(place.storage, _trials(place).root)
     log_path = local_dir(place) / LOG_FILE
     log.open(log_path)
-    restorable = ray_tune.Tuner.can_restore(place.path, storage_args(place.storage).get("storage_filesystem"))
+    restorable = ray_tune.Tuner.can_restore(place.path,
+                                            storage_args(place.storage).get("storage_filesystem"))
     state = place.read_record(STATE_FILE) if restorable else None
     if state is not None:
         _check_same_study(state, config, study, place.uri)
-    tracker = start_tracker(config.tracking, study, run_id=state.get("parent_run_id") if state else None,
+    tracker = start_tracker(config.tracking, study,
+                            run_id=state.get("parent_run_id") if state else None,
                             tags={"orchestrator.study": study, "orchestrator.role": "study"},
                             # the best trial's headline figures (results.record)
                             headline=config.tune.metric)
@@ -318,7 +330,8 @@ def _start_study(this: _Study, fresh: bool, log: RunLog) -> TuneResult:
             tracker.set_tags({"orchestrator.scheduler": config.tune.scheduler,
                               "orchestrator.searcher": config.tune.searcher,
                               "orchestrator.search_space": json.dumps(config.tune.space)})
-            place.write_record({"config": _fingerprint(config), "parent_run_id": tracker.run_id}, STATE_FILE)
+            place.write_record({"config": _fingerprint(config), "parent_run_id": tracker.run_id},
+                               STATE_FILE)
     if verbose:
         what = "resuming" if state else "starting"
         print(f"{what} study {study} at {place.uri}: {config.tune.num_samples} samples, "
@@ -361,7 +374,8 @@ def _run_study(this: _Study, resumed: bool, tracker: Tracker, concurrency: int, 
         tracker.finish("FAILED")
         errors = sorted({t.error for t in trials if t.error})
         raise UserError(f"no trial of study {study} reported {metric}"
-                        + (f" ({len(errors)} distinct errors; the first: {errors[0]})" if errors else "")
+                        + (f" ({len(errors)} distinct errors; the first: {errors[0]})"
+                           if errors else "")
                         + f": see {log_path} and the trials' error files under {study_path}")
     result = record(plan, trials, best, tracker, resumed, this.began)
     tracker.finish("FINISHED")

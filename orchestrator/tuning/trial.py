@@ -100,7 +100,8 @@ def trial_device(config: Config) -> torch.device:
     return device
 
 
-def train_in_trial(plan: ConfigPlan, infos: dict[str, DatasetInfo], name: str, node_ranks: int | None = None,
+def train_in_trial(plan: ConfigPlan, infos: dict[str, DatasetInfo], name: str,
+                   node_ranks: int | None = None,
                    on_report: Callable[[dict[str, Any]], None] | None = None) -> None:
     """Train one trial, as planned, here, resuming from the checkpoint Tune restarts it from, if
     any. `name`: the trial's id; `node_ranks`: the study's ranks that may share this node's memory
@@ -115,7 +116,8 @@ def train_in_trial(plan: ConfigPlan, infos: dict[str, DatasetInfo], name: str, n
     checkpoint = loadable_checkpoint(tune.get_checkpoint())
     # A resumed trial is fed as its checkpoint counted its data position
     # (trainer.resumed_cache_decision).
-    saved = manifest_cache_decision(checkpoint.filesystem, checkpoint.path) if checkpoint is not None else None
+    saved = (manifest_cache_decision(checkpoint.filesystem, checkpoint.path)
+             if checkpoint is not None else None)
     spec, datasets = trial_inputs(plan, infos, name, saved, node_ranks)
     try:
         cfg = rank_config(spec, world=1)
@@ -157,8 +159,9 @@ def start_as_fresh_process() -> None:
         torch._dynamo.reset()
 
 
-def run_trial(params: dict[str, Any], *, planner: TrialPlanner, trials: Storage, private_cluster: bool,
-              node_ranks: int | None = None, shared_search: str | None = None) -> None:
+def run_trial(params: dict[str, Any], *, planner: TrialPlanner, trials: Storage,
+              private_cluster: bool, node_ranks: int | None = None,
+              shared_search: str | None = None) -> None:
     """The Tune trainable, run in the trial's actor. A one-worker trial trains right here
     (trial.py). A wider one fits its own TorchTrainer in a thread while this one hands rank 0's
     metrics to Tune as they arrive (they come straight from rank 0, not through Ray Train's report).
@@ -182,17 +185,18 @@ def run_trial(params: dict[str, Any], *, planner: TrialPlanner, trials: Storage,
         return
     config, searching = trial_config_with_choice(board, trial_id, plan.config)
     try:
-        _train_trial(replace(plan, config=config), infos, trial_id, private_cluster, trials, node_ranks,
-                     (lambda metrics: post_choice(board, trial_id, metrics)) if searching else None)
+        posting = (lambda metrics: post_choice(board, trial_id, metrics)) if searching else None
+        _train_trial(replace(plan, config=config), infos, trial_id, private_cluster, trials,
+                     node_ranks, posting)
     finally:
         # ended before its choice was posted (failed, stopped): another trial searches
         if searching:
             board.release.remote(trial_id)
 
 
-def _train_trial(plan: ConfigPlan, infos: dict[str, DatasetInfo], trial_id: str, private_cluster: bool,
-                 trials: Storage, node_ranks: int | None, on_report: Callable[[dict[str, Any]], None] | None
-                 ) -> None:
+def _train_trial(plan: ConfigPlan, infos: dict[str, DatasetInfo], trial_id: str,
+                 private_cluster: bool, trials: Storage, node_ranks: int | None,
+                 on_report: Callable[[dict[str, Any]], None] | None) -> None:
     """Train the trial as planned: here, or through its own TorchTrainer. `on_report` sees each
     report before Tune does."""
     import threading

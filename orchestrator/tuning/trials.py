@@ -74,7 +74,8 @@ def format_table(rows: list[dict[str, Any]], keys: list[str], metric: str) -> st
         cells.append([row["trial_id"], row["status"], *(_short(row["params"].get(k)) for k in keys),
                       str(row.get("step") or "-"), "-" if value is None else f"{value:.4f}", *usd])
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                     for r in cells)
 
 
 def _short(value: Any) -> str:
@@ -161,7 +162,8 @@ class StudyCallback(Callback):
     def __getstate__(self) -> dict[str, Any]:
         state = self.settings() | {"study": replace(self.study, trials=self.study.trials.masked())}
         if self.parent is not None and self.parent.tracking.uri is not None:
-            tracking = self.parent.tracking.model_copy(update={"uri": mask_password(self.parent.tracking.uri)})
+            uri = mask_password(self.parent.tracking.uri)
+            tracking = self.parent.tracking.model_copy(update={"uri": uri})
             state["parent"] = replace(self.parent, tracking=tracking)
         return state
 
@@ -183,9 +185,11 @@ class StudyCallback(Callback):
                 self._parent = MlflowTracker(parent.tracking, study, run_id=parent.run_id)
             tags = {"mlflow.parentRunId": parent.run_id, "orchestrator.study": study,
                     "orchestrator.trial_id": trial.trial_id}
-            existing = self._parent.find_run({"orchestrator.trial_id": trial.trial_id, "orchestrator.study": study})
+            existing = self._parent.find_run({"orchestrator.trial_id": trial.trial_id,
+                                              "orchestrator.study": study})
             # Named by its searched values (study.py's trial names); the trial id is a tag.
-            run = MlflowTracker(parent.tracking, str(trial), tags=tags, run_id=existing, headline=self.study.metric)
+            run = MlflowTracker(parent.tracking, str(trial), tags=tags, run_id=existing,
+                                headline=self.study.metric)
             # the trial's resolved config, model defaults included; the study's tune.* not
             if existing is None:
                 run.log_params(config_params(trial_config(self.study.trials.tree, trial.config)))
@@ -201,7 +205,8 @@ class StudyCallback(Callback):
         if run is None:
             return
         status = trial_status(trial.last_result or {}, self.study.max_steps, errored)
-        reason = {"completed": "max_steps", "stopped": "asha", "error": "error", "running": "interrupted"}[status]
+        reason = {"completed": "max_steps", "stopped": "asha", "error": "error",
+                  "running": "interrupted"}[status]
         tags = {"orchestrator.stop_reason": reason}
         timeline = self._timeline.pop(trial.trial_id, [])
         pricing = self._pricing(trial) if timeline else None
@@ -212,7 +217,8 @@ class StudyCallback(Callback):
         if errored and trial.error_file:
             tags["orchestrator.error_file"] = str(trial.error_file)
         run.set_tags(tags)
-        run.finish({"completed": "FINISHED", "stopped": "FINISHED", "error": "FAILED"}.get(status, "KILLED"))
+        run.finish({"completed": "FINISHED", "stopped": "FINISHED",
+                    "error": "FAILED"}.get(status, "KILLED"))
 
     def _pricing(self, trial: Any) -> Pricing | None:
         """The trial's nodes and price, from its own plan: a searched scaling.num_workers (or cost
@@ -299,11 +305,13 @@ class StudyCallback(Callback):
         """On a terminal: the trial table, drawn over the one before (cursor up its lines, clear to
         the end)."""
         now = time.monotonic()
-        if not self.verbose or not self._live() or (not force and now - self._printed < self.table_every_s):
+        if (not self.verbose or not self._live()
+                or (not force and now - self._printed < self.table_every_s)):
             return
         self._printed = now
         rows = self.rows(trials)
-        counts = {s: sum(r["status"] == s for r in rows) for s in ("running", "completed", "stopped", "error")}
+        counts = {s: sum(r["status"] == s for r in rows)
+                  for s in ("running", "completed", "stopped", "error")}
         elapsed = int(now - self._started)
         text = (f"[{elapsed // 60}:{elapsed % 60:02d}] {self.study.name}: "
                 + ", ".join(f"{n} {s}" for s, n in counts.items()) + "\n"

@@ -52,14 +52,15 @@ def startup(run: RunRecord) -> Finding | None:
     # MLflow's opening runs beside the others (while the worker group starts): it does not hold the
     # first step.
     stages = {stage: seconds for stage in STAGES if stage != "tracking"
-              and (seconds := run.last(f"startup/{stage.replace(' ', '_').replace('-', '_')}_s")) is not None}
+              and (seconds := run.last(f"startup/{stage.replace(' ', '_').replace('-', '_')}_s"))
+              is not None}
     slowest = max(stages, key=stages.__getitem__) if stages else None
     study = is_study(run)
     whose = "the trials'" if study else "the run's"
     title = f"start-up took {share:.0%} of {whose} wall clock"
     if slowest:
-        title += f" ({run.last('startup/total_s') or 0:.1f} s to the first step; slowest: {slowest} " \
-                 f"{stages[slowest]:.1f} s)"
+        title += (f" ({run.last('startup/total_s') or 0:.1f} s to the first step; "
+                  f"slowest: {slowest} {stages[slowest]:.1f} s)")
     per = "trial" if study else "run"
     changes = [*([longer] if (longer := _longer(run, share, per)) else []),
                "cluster.keep_warm_minutes=10 (the next command joins this one's "
@@ -122,12 +123,14 @@ def checkpoint_interval(run: RunRecord) -> Finding | None:
         return None
     saves = max(1, steps // every)
     # The checkpoint's blocked part: writing it, then registering it with Ray Train.
-    cost_s = ((run.last("cost/checkpoint_frac") or 0.0) + (run.last("cost/report_frac") or 0.0)) * wall / saves
+    cost_s = ((run.last("cost/checkpoint_frac") or 0.0)
+              + (run.last("cost/report_frac") or 0.0)) * wall / saves
     step_s = sum(run.last(f"cost/{p}_frac") or 0.0 for p in _TRAINING_PARTS) * wall / steps
     if cost_s <= 0 or step_s <= 0:
         return None
     minutes = run.param("checkpoint.every_minutes")
-    interval = auto_interval(cost_s, wall / failures, float(minutes) if minutes not in (None, "None") else None)
+    interval = auto_interval(cost_s, wall / failures,
+                             float(minutes) if minutes not in (None, "None") else None)
     best = max(1, round(interval.seconds / step_s))
     if every / 2 <= best <= every * 2:
         return None
@@ -178,11 +181,14 @@ def evaluation(run: RunRecord) -> Finding | None:
         f" ({passes} pass{'es' * (passes > 1)} over the validation split)" if passes else "")
     every = _int_param(run, "train.eval_every")
     steps = _int_param(run, "train.max_steps") or int(run.last("step") or 0)
-    smaller = "a smaller validation split: each pass reads all of data.val (point it at a few of its shards)"
+    smaller = ("a smaller validation split: each pass reads all of data.val (point it at a few of "
+               "its shards)")
     severity = HIGH if share >= 0.3 else MEDIUM
     if under_asha(run):
-        return Finding("evaluation", severity, share, title, tuple(c for c in (_fewer_reports(run), smaller) if c))
-    end_only = steps and ("train.eval_every" in run.params and every is None or every is not None and every >= steps)
+        return Finding("evaluation", severity, share, title,
+                       tuple(c for c in (_fewer_reports(run), smaller) if c))
+    end_only = steps and ("train.eval_every" in run.params and every is None
+                          or every is not None and every >= steps)
     if end_only and share < 1:
         pass_steps = share / (1 - share) * steps  # the one pass, in training steps
         if pass_steps < LARGE_PASS_STEPS:
@@ -193,8 +199,8 @@ def evaluation(run: RunRecord) -> Finding | None:
                            "longer run, which spreads it thinner", ())
     changes = []
     if every is not None and not end_only:
-        changes.append("train.eval_every=null (validate at the end only)" if steps and 2 * every >= steps else
-                       f"train.eval_every={2 * every}")
+        changes.append("train.eval_every=null (validate at the end only)"
+                       if steps and 2 * every >= steps else f"train.eval_every={2 * every}")
     changes.append(smaller)
     return Finding("evaluation", severity, share, title, tuple(changes))
 

@@ -43,8 +43,9 @@ def data_pipeline(run: RunRecord) -> Finding | None:
                        "object storage wait on the network: four at once per CPU of the run)")
     cache = run.param("data.cache", "auto")
     if cache in ("none", "auto"):
-        changes.append("data.cache=~/.cache/orchestrator/shards (each node keeps the remote shards on its disk: "
-                       "later epochs read them from there)" if remote else "data.cache=memory")
+        changes.append("data.cache=~/.cache/orchestrator/shards (each node keeps the remote "
+                       "shards on its disk: later epochs read them from there)"
+                       if remote else "data.cache=memory")
     if run.param("data.transforms") not in (None, "[]"):
         changes.append("data.transforms: cheaper or fewer per-batch "
                        "transforms (they run in the read path)")
@@ -61,12 +62,13 @@ def memory_headroom(run: RunRecord) -> Finding | None:
     used = max(peak) / total
     if used >= 0.5:
         return None
-    micro, batch = int(run.last("micro_batch_size") or 0), _int_param(run, "train.global_batch_size")
+    micro, batch = (int(run.last("micro_batch_size") or 0),
+                    _int_param(run, "train.global_batch_size"))
     # auto probes memory outside the step: fsdp and replica groups refuse it; it derives the
     # accumulation itself.
     probes = run.param("train.parallel") != "fsdp" and run.param("failure.mode") != "replicas"
-    changes = ["train.micro_batch_size=auto --set train.grad_accum_steps=null (the largest micro-batch that fits, "
-               "measured on the device)"] if probes else []
+    changes = ["train.micro_batch_size=auto --set train.grad_accum_steps=null (the largest "
+               "micro-batch that fits, measured on the device)"] if probes else []
     # global = micro x accumulation x workers: a doubled micro-batch halves an even accumulation,
     # else it needs a doubled global batch (the config refuses a micro-batch that does not divide
     # it).
@@ -109,17 +111,20 @@ def model_state(run: RunRecord) -> Finding | None:
     # the gradients are as large as the parameters (fp32 master copies)
     state = 2 * params + optimizer
     share, sharded = state / (memory_gb * GIB), state / world
-    failures = " ".join(v for k, v in run.tags.items() if k.startswith("orchestrator.failure.")).lower()
+    failures = " ".join(v for k, v in run.tags.items()
+                        if k.startswith("orchestrator.failure.")).lower()
     oom = bool(run.last("oom_retries")) or "out of memory" in failures
     if sharded > memory_gb * GIB / 2 or (share <= 0.5 and not oom):
         return None
-    title = (f"under ddp each worker holds {state / GIB:.1f} GiB of model state (parameters, gradients, optimizer "
-             f"state), {share:.0%} of its {memory_gb:g} GiB" + (" and ran out of memory" if oom else "")
+    title = (f"under ddp each worker holds {state / GIB:.1f} GiB of model state (parameters, "
+             f"gradients, optimizer state), {share:.0%} of its {memory_gb:g} GiB"
+             + (" and ran out of memory" if oom else "")
              + f"; fsdp over {world} workers would hold {sharded / GIB:.1f} GiB")
     # What fsdp refuses goes with it: local SGD, compile, the auto micro-batch, replica groups.
     extra = [*(["train.sync=ddp"] if run.param("train.sync") == "local_sgd" else []),
              *(["train.compile=false"] if run.param("train.compile") in ("True", "true") else []),
-             *([f"train.micro_batch_size={int(micro)}"] if run.param("train.micro_batch_size") == "auto"
+             *([f"train.micro_batch_size={int(micro)}"]
+               if run.param("train.micro_batch_size") == "auto"
                and (micro := run.last("micro_batch_size")) else []),
              *(["failure.mode=restart"] if run.param("failure.mode") == "replicas" else [])]
     return Finding("model state", HIGH if oom or share >= 1 else MEDIUM, share, title,
@@ -143,7 +148,8 @@ def compile_small_kernels(run: RunRecord) -> Finding | None:
     """Low MFU with little work per micro-batch: launch overhead dominates, which torch.compile
     fuses away."""
     mfu, flops, micro = run.mean("mfu"), run.last("flops_per_sample"), run.last("micro_batch_size")
-    if mfu is None or mfu >= 0.2 or run.param("train.compile") in ("True", "true") or measured(run, "compile"):
+    compiled = run.param("train.compile") in ("True", "true")
+    if mfu is None or mfu >= 0.2 or compiled or measured(run, "compile"):
         # compiled already, or the autopilot measured compile on this run and kept the faster
         return None
     if run.param("train.parallel") == "fsdp":
@@ -169,35 +175,38 @@ def gradient_sync(run: RunRecord) -> Finding | None:
     share, world = training_share(run, "sync"), _world(run)
     if share is None or share < 0.1 or world < 2:
         return None
-    per_sample, batch = run.values("comm_bytes_per_sample"), _int_param(run, "train.global_batch_size")
+    per_sample, batch = (run.values("comm_bytes_per_sample"),
+                         _int_param(run, "train.global_batch_size"))
     grad_bytes = statistics.median(per_sample) * batch if per_sample and batch else None
     size = f", {grad_bytes / 1e6:.2g} MB of gradients per step" if grad_bytes else ""
     title = f"gradient sync took {share:.0%} of the training time ({world} workers{size})"
     doubled = batch_split(run, 2 * batch) if batch else None
-    halve = [f"{doubled} (half the all-reduces per sample; twice the samples per step changes the optimisation, so "
-             "retune optim.lr and compare the loss)"] if doubled else []
+    halve = [f"{doubled} (half the all-reduces per sample; twice the samples per step changes the "
+             "optimisation, so retune optim.lr and compare the loss)"] if doubled else []
     # Local SGD averages whole replicas every few steps: fsdp's shards and replica groups' per-step
     # quorum refuse it.
-    local_sgd = [] if run.param("train.parallel") == "fsdp" or run.param("failure.mode") == "replicas" else [
+    refused = run.param("train.parallel") == "fsdp" or run.param("failure.mode") == "replicas"
+    local_sgd = [] if refused else [
         "train.sync=local_sgd (each worker steps alone and the workers average their "
         f"parameters every {LOCAL_SGD_EVERY} steps, not their gradients every step: this "
         "changes the optimisation, so compare the validation loss as well as samples/s)"]
     if run.param("train.parallel") == "fsdp":
         accumulates = (_int_param(run, "train.grad_accum_steps", 1) or 1) > 1
         deferred = run.param("train.fsdp.defer_sync") == "True"
-        changes = [*(["train.fsdp.defer_sync=true (one reduce-scatter per optimizer step, not one per "
-                      "micro-batch; each worker then holds unsharded gradients)"] if accumulates and not deferred
-                     else []), *halve]
+        changes = [*(["train.fsdp.defer_sync=true (one reduce-scatter per optimizer step, not "
+                      "one per micro-batch; each worker then holds unsharded gradients)"]
+                     if accumulates and not deferred else []), *halve]
     elif run.param("train.sync") == "local_sgd":
         every = _int_param(run, "train.sync_every", LOCAL_SGD_EVERY) or LOCAL_SGD_EVERY
         changes = [f"train.sync_every={2 * every} (average the parameters "
                    "half as often: this changes the optimisation further, "
                    "so compare the validation loss as well as samples/s)"]
     elif grad_bytes is not None and grad_bytes < SMALL_MODEL_BYTES:
-        fewer = (batch_split(run, workers=world // 2) if world // 2 >= (2 if run.param("failure.mode") == "replicas"
-                                                                       else 1) and not _elastic(run) else None)
-        changes = [*([f"{fewer} (a model this small is latency-bound: compare samples/s)"] if fewer else []),
-                   *local_sgd]
+        smallest = 2 if run.param("failure.mode") == "replicas" else 1  # a group the mode allows
+        fewer = (batch_split(run, workers=world // 2)
+                 if world // 2 >= smallest and not _elastic(run) else None)
+        changes = [*([f"{fewer} (a model this small is latency-bound: compare samples/s)"]
+                     if fewer else []), *local_sgd]
     else:
         changes = [*local_sgd, *halve]
     if not changes:

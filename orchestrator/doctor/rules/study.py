@@ -31,11 +31,13 @@ def study_size(run: RunRecord) -> Finding | None:
         return None
     samples = TRIALS_PER_PARAMETER * len(sampled)
     notes = ["ASHA stops weak trials early, so extra ones cost less than full runs"
-             if run.param("tune.scheduler", run.tags.get("orchestrator.scheduler")) == "asha" else "each is a full run"]
+             if run.param("tune.scheduler", run.tags.get("orchestrator.scheduler")) == "asha"
+             else "each is a full run"]
     if run.param("tune.searcher", run.tags.get("orchestrator.searcher")) == "optuna":
         samples = max(samples, 2 * OPTUNA_STARTUP_TRIALS)
         notes.append(f"Optuna's TPE samples at random for its first {OPTUNA_STARTUP_TRIALS} trials")
-    return Finding("study size", HIGH if trials <= len(sampled) * grid else MEDIUM, 1 - trials / needed,
+    return Finding("study size", HIGH if trials <= len(sampled) * grid else MEDIUM,
+                   1 - trials / needed,
                    f"study of {trials} trials for {len(sampled)} searched keys "
                    f"({', '.join(sampled)}): under {TRIALS_PER_PARAMETER} per "
                    "key, the best trial is mostly luck",
@@ -114,7 +116,8 @@ def _extended(key: str, values: list[Any], best: Any) -> list[Any] | None:
         return None
     up = best == ordered[-1]
     edge, near = (ordered[-1], ordered[-2]) if up else (ordered[0], ordered[1])
-    new = edge * (edge / near) if edge * near > 0 and max(edge / near, near / edge) >= 2 else 2 * edge - near
+    new = (edge * (edge / near) if edge * near > 0 and max(edge / near, near / edge) >= 2
+           else 2 * edge - near)
     integer = all(isinstance(v, int) for v in values)
     # as printed: 0.9999999999999999 would print as 1
     new = round(new) if integer else float(f"{new:.6g}")
@@ -132,7 +135,8 @@ def search_space_edge(run: RunRecord) -> Finding | None:
     """A study whose best value sits at the edge of a searched range, or is the smallest or largest
     value of a numeric choice list: the optimum may lie outside it. The wider range (or the value
     added to the list) stays within the key's own bounds (momentum < 1, weight decay >= 0)."""
-    space, best = run.tags.get("orchestrator.search_space"), run.tags.get("orchestrator.best_params")
+    space, best = (run.tags.get("orchestrator.search_space"),
+                   run.tags.get("orchestrator.best_params"))
     if not space or not best:
         return None
     space_d, best_d = json.loads(space), json.loads(best)
