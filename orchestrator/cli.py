@@ -15,7 +15,8 @@ from pipelines.errors import DataError
 def _config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", "-c", help="experiment YAML (default: the "
                                                "built-in digits experiment)")
-    parser.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+    parser.add_argument("--set", "-s", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE",
                         help="override a config key, e.g. --set optim.lr=1e-3 (repeatable; the "
                              "value is YAML; model.KEY=null drops a model option the file sets)")
 
@@ -23,7 +24,8 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
 class _Version(argparse.Action):
     """`--version`: the installed package's version, looked up only when asked for."""
 
-    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS,
+                 **kwargs: object) -> None:
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
                          help="print the orchestrator version and exit")
 
@@ -56,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
 # Where `train --help` and `tune --help` send a reader who wants every key;
 # RawDescriptionHelpFormatter keeps it on one line, as written (the options' help is wrapped as
 # before).
-CONFIG_EPILOG = "Every configuration key with its meaning: orchestrator show-config --explain (or docs/config.md)"
+CONFIG_EPILOG = ("Every configuration key with its meaning: orchestrator show-config --explain "
+                 "(or docs/config.md)")
 
 
 def _add_train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -89,7 +92,8 @@ def _add_train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def _add_tune_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     tune = sub.add_parser("tune", help="search hyperparameters (tune section): "
                                        "every trial a distributed run",
-                          epilog=CONFIG_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                          epilog=CONFIG_EPILOG,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
     _config_args(tune)
     tune.add_argument("--address", help="join this Ray cluster (default: "
                                         "$RAY_ADDRESS, else start a local one)")
@@ -152,7 +156,8 @@ def _add_cluster_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
 # Help texts the `prepare` datasets share.
 _OUT_HELP = "directory (or s3://bucket/prefix) to write the train/ and val/ splits into"
 _SEED_HELP = "random seed of the train/val split (default: %(default)s)"
-_SHARDS_HELP = "Parquet files per training split; validation gets half as many (default: %(default)s)"
+_SHARDS_HELP = ("Parquet files per training split; validation gets half as many "
+                "(default: %(default)s)")
 
 
 def _add_prepare_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -262,7 +267,8 @@ def run_command(args: argparse.Namespace) -> int:
         return 0
     # `--autopilot` is `--set autopilot.enabled=true`, last: it wins over the file and the other
     # overrides.
-    overrides = [*args.overrides, *(["autopilot.enabled=true"] if getattr(args, "autopilot", False) else [])]
+    overrides = [*args.overrides,
+                 *(["autopilot.enabled=true"] if getattr(args, "autopilot", False) else [])]
     config = load_config(args.config, overrides)
     if args.command == "show-config":
         return _show_config(args, config)
@@ -293,7 +299,8 @@ def _prepare(args: argparse.Namespace) -> int:
     if args.dataset == "digits":
         counts = prepare_digits(args.out, shards=args.shards, seed=args.seed)
     elif args.dataset == "diabetes":
-        counts = prepare_diabetes(args.out, shards=args.shards, val_fraction=args.val_fraction, seed=args.seed)
+        counts = prepare_diabetes(args.out, shards=args.shards, val_fraction=args.val_fraction,
+                                  seed=args.seed)
     elif args.dataset == "sequences":
         counts = prepare_sequences(args.out, rows=args.rows, vocab=args.vocab,
                                    lengths=(args.min_len, args.max_len), shards=args.shards,
@@ -302,8 +309,9 @@ def _prepare(args: argparse.Namespace) -> int:
         counts = prepare_text(args.input, args.out, seq_len=args.seq_len, shards=args.shards,
                               val_fraction=args.val_fraction)
     else:
-        counts = prepare_synthetic(args.out, rows=args.rows, shards=args.shards, features=args.features,
-                                   classes=args.classes, val_rows=args.val_rows, seed=args.seed)
+        counts = prepare_synthetic(args.out, rows=args.rows, shards=args.shards,
+                                   features=args.features, classes=args.classes,
+                                   val_rows=args.val_rows, seed=args.seed)
     print(f"wrote {', '.join(f'{n} {split} rows' for split, n in counts.items())} to {args.out}")
     return 0
 
@@ -315,7 +323,8 @@ def _show_config(args: argparse.Namespace, config: Config) -> int:
     if args.plan:  # the config resolved for the data, and what the run would be
         plan = plan_run(config, resume=args.resume, verbose=False)
         print(reference.explain(plan.config) if args.explain else to_yaml(plan.config), end="")
-        print("---\n# The run's plan: what `train` decided before Ray starts.\n" + plan.to_yaml(), end="")
+        print("---\n# The run's plan: what `train` decided before Ray starts.\n" + plan.to_yaml(),
+              end="")
         return 0
     check_model_options(config.model)  # what train and tune check before they take any resource
     print(reference.explain(config) if args.explain else to_yaml(config), end="")
@@ -329,8 +338,8 @@ def _ui(args: argparse.Namespace, config: Config) -> int:
     from pipelines.storage import user_cache_dir
 
     log = Path(user_cache_dir()) / "logs" / "mlflow-ui.log"
-    return serve(args.tracking_uri or config.tracking.uri, args.experiment or config.tracking.experiment,
-                 args.port, log)
+    return serve(args.tracking_uri or config.tracking.uri,
+                 args.experiment or config.tracking.experiment, args.port, log)
 
 
 def _tune(args: argparse.Namespace, config: Config) -> int:
@@ -349,8 +358,8 @@ def _train(args: argparse.Namespace, config: Config) -> int:
     from orchestrator.run.result import summary
 
     # The clock starts with this process, as a stopwatch around the command would.
-    print(summary(train(config, address=args.address, resume=args.resume, started_at=process_started_at(),
-                        show_logs=args.verbose)))
+    print(summary(train(config, address=args.address, resume=args.resume,
+                        started_at=process_started_at(), show_logs=args.verbose)))
     return 0
 
 

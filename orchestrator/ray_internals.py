@@ -71,7 +71,9 @@ def token_auth_by_default() -> None:
     otherwise. Where it moved: nothing (the Ray of that version decides, as for its own local
     clusters)."""
     try:
-        from ray._private.authentication.authentication_token_setup import enable_token_auth_by_default
+        from ray._private.authentication.authentication_token_setup import (
+            enable_token_auth_by_default,
+        )
     except ImportError:
         return
     enable_token_auth_by_default()
@@ -144,7 +146,8 @@ def shutdown_leaving_processes() -> bool:
         ray.shutdown()
         return False
     node = getattr(worker, "_global_node", None)
-    if node is None or not getattr(node, "all_processes", None) or not hasattr(node, "destroy_external_storage"):
+    if (node is None or not getattr(node, "all_processes", None)
+            or not hasattr(node, "destroy_external_storage")):
         ray.shutdown()
         return False
     worker._global_node = None  # ray.shutdown() stops only the processes of the node it finds here

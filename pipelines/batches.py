@@ -92,7 +92,8 @@ def collate_arrow(table: pa.Table, features: list[str], label: str | None, named
     `padding`: the layout decided before iteration (`padding_of`); this batch must have it
     (DataError else). Nothing shared is written here: Ray Data runs this in threads of its own while
     the training thread trims."""
-    expected = padding_of(table.schema, features, label, named, padding.multiple if padding else None)
+    expected = padding_of(table.schema, features, label, named,
+                          padding.multiple if padding else None)
     if padding is not None and padding != expected:
         raise DataError(f"this batch pads {_padded_keys(expected)} but the train sample's "
                         f"schema, read before iteration, padded {_padded_keys(padding)}: a "
@@ -104,7 +105,8 @@ def collate_arrow(table: pa.Table, features: list[str], label: str | None, named
         if label is None:
             tokens = column_array(table.column(features[0]))[0]
             return {"x": tensor(tokens[:, :-1]), LABELS: tensor(tokens[:, 1:])}
-        parts = [column_array(table.column(name))[0].reshape(table.num_rows, -1).astype(np.float32, copy=False)
+        parts = [column_array(table.column(name))[0].reshape(table.num_rows, -1)
+                 .astype(np.float32, copy=False)
                  for name in features]
         x = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
         return {"x": tensor(x), LABELS: tensor(_labels(table, label, padding, {}))}
@@ -130,7 +132,8 @@ def collate_arrow(table: pa.Table, features: list[str], label: str | None, named
     return {key: tensor(value) for key, value in arrays.items()}
 
 
-def _labels(table: pa.Table, label: str, padding: Padding, masks: dict[str, np.ndarray]) -> np.ndarray:
+def _labels(table: pa.Table, label: str, padding: Padding,
+            masks: dict[str, np.ndarray]) -> np.ndarray:
     """The label column; a variable-length one padded with IGNORE_INDEX to the width of the tokens
     it tags."""
     values, mask = column_array(table.column(label), padding.multiple)
@@ -148,7 +151,8 @@ def _labels(table: pa.Table, label: str, padding: Padding, masks: dict[str, np.n
         raise DataError(f"label column '{label}' has more labels than '{tokens.column}' has "
                         f"tokens in {len(longer)} row(s): a variable-length label tags the "
                         "tokens of its row, one each; pad or cut the labels to the tokens")
-    return np.pad(values, ((0, 0), (0, token_mask.shape[1] - values.shape[1])), constant_values=IGNORE_INDEX)
+    return np.pad(values, ((0, 0), (0, token_mask.shape[1] - values.shape[1])),
+                  constant_values=IGNORE_INDEX)
 
 
 def _padded_keys(padding: Padding) -> list[list[str]]:
@@ -178,7 +182,8 @@ def inspect_sample(table: pa.Table, data: DataConfig, named: bool) -> Sample:
     """collate_sample, kept with its padding's masks or its error: what the driver's model checks
     read."""
     try:
-        padding = padding_of(table.schema, data.features, data.label, named, data.pad_to_multiple_of)
+        padding = padding_of(table.schema, data.features, data.label, named,
+                             data.pad_to_multiple_of)
         batch = collate_arrow(table, data.features, data.label, named, padding)
     except ValueError as exc:
         return Sample(None, str(exc))
@@ -275,8 +280,9 @@ class EpochReplay:
     the device takes without waiting: a view of pinned rows as it is, a trimmed (strided) view or
     one joined across two chunks copied into pinned memory."""
 
-    def __init__(self, keep: bool, reshuffle: Callable[[int], int] | None = None, micro: int | None = None,
-                 padding: Padding | None = None, pin: bool = False) -> None:
+    def __init__(self, keep: bool, reshuffle: Callable[[int], int] | None = None,
+                 micro: int | None = None, padding: Padding | None = None,
+                 pin: bool = False) -> None:
         self.keep, self.pin = keep, pin
         self.reshuffle = reshuffle
         self.micro = micro
@@ -285,14 +291,16 @@ class EpochReplay:
         self.buffers = EpochBuffers(pin)  # a later epoch's order of it
         self.size = micro  # rows per batch handed out: `micro`, else the first streamed batch's
 
-    def __call__(self, stream: Callable[[], Iterable[Batch]], epoch: int = 0, start: int = 0) -> Iterator[Batch]:
+    def __call__(self, stream: Callable[[], Iterable[Batch]], epoch: int = 0,
+                 start: int = 0) -> Iterator[Batch]:
         """`epoch`'s micro-batches from its row `start` on: the kept pass in that epoch's order if
         there is one; else a new `stream()`, kept when `keep`. A pass left unfinished (training
         ended mid-epoch) is not kept."""
         batches = self._batches(stream, epoch, start)
         return map(pinned, batches) if self.pin else batches
 
-    def _batches(self, stream: Callable[[], Iterable[Batch]], epoch: int, start: int) -> Iterator[Batch]:
+    def _batches(self, stream: Callable[[], Iterable[Batch]], epoch: int,
+                 start: int) -> Iterator[Batch]:
         if not self.keep:
             yield from self._cut(stream(), start)
             return
@@ -319,7 +327,8 @@ class EpochReplay:
         if self.micro is None:  # handed out as streamed
             assert start == 0, "only micro-batches of a known size start mid-epoch"
             return iter(batches)
-        return (batch for batch in split_batches(batches, lambda: self.micro, False, self.padding, start)  # type: ignore[arg-type, return-value]
+        return (batch  # type: ignore[arg-type, return-value]
+                for batch in split_batches(batches, lambda: self.micro, False, self.padding, start)
                 if rows(batch) == self.micro)
 
     def _ordered(self, epoch: int) -> Batch:
@@ -327,7 +336,8 @@ class EpochReplay:
         assert self.rows is not None
         if self.reshuffle is None or epoch == 0:
             return self.rows
-        order = torch.randperm(rows(self.rows), generator=torch.Generator().manual_seed(self.reshuffle(epoch)))
+        generator = torch.Generator().manual_seed(self.reshuffle(epoch))
+        order = torch.randperm(rows(self.rows), generator=generator)
         return self.buffers.gather(self.rows, order)  # pinned like the kept rows
 
     def _serve(self, epoch_rows: Batch, start: int) -> Iterator[Batch]:

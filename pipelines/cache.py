@@ -154,7 +154,8 @@ class DiskCache:
                 os.unlink(tmp)
 
     def _evict(self, keep: Path) -> None:
-        """Delete least recently used copies until the cache fits its cap (caller holds the lock)."""
+        """Delete least recently used copies until the cache fits its cap (caller holds the
+        lock)."""
         entries = []
         for entry in self._objects().iterdir():
             with contextlib.suppress(FileNotFoundError):

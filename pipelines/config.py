@@ -190,7 +190,8 @@ class DataConfig(BaseModel):
 
     @model_validator(mode="after")
     def _cache_needs_remote(self) -> DataConfig:
-        if self.disk_cache is not None and not any(is_remote(p) for p in (self.train, self.val) if p):
+        if (self.disk_cache is not None
+                and not any(is_remote(p) for p in (self.train, self.val) if p)):
             raise ValueError(f"a disk cache ({self.cache}) has no effect on local data: "
                              "set data.cache to none/auto/memory, or read from s3://")
         if self.cache_max_gb is not None and self.disk_cache is None:

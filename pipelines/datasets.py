@@ -52,7 +52,8 @@ def inspect_run(cfg: DataConfig, named: bool, run_path: str) -> Inspection:
 
     infos = inspect_datasets(cfg, named)
     rows = infos["train"].sample
-    sample = inspect_sample(rows, cfg, named) if rows is not None and (named or cfg.label is None) else None
+    needs_sample = rows is not None and (named or cfg.label is None)
+    sample = inspect_sample(rows, cfg, named) if needs_sample else None
     # a local path takes no S3 settings
     return Inspection(infos, sample, open_storage(run_path, cfg.s3))
 
@@ -66,13 +67,15 @@ def is_small(infos: dict[str, DatasetInfo], object_store_bytes: float) -> bool:
     return sum(info.num_bytes for info in infos.values()) < AUTO_CACHE_SHARE * object_store_bytes
 
 
-def use_memory_cache(cfg: DataConfig, infos: dict[str, DatasetInfo], object_store_bytes: float) -> bool:
+def use_memory_cache(cfg: DataConfig, infos: dict[str, DatasetInfo],
+                     object_store_bytes: float) -> bool:
     if cfg.cache != "auto":
         return cfg.cache == "memory"
     return is_small(infos, object_store_bytes)
 
 
-def replay_epochs(cfg: DataConfig, infos: dict[str, DatasetInfo], object_store_bytes: float) -> bool:
+def replay_epochs(cfg: DataConfig, infos: dict[str, DatasetInfo],
+                  object_store_bytes: float) -> bool:
     """Whether workers may keep their first pass and replay it every epoch: the dataset is held in
     memory (so every epoch has epoch 0's order) and small (a worker's copy is cheap even when
     `cache: memory` is forced)."""
@@ -96,7 +99,8 @@ CACHE_DECISIONS = {STREAM: "streamed from storage", MEMORY: "held in memory and 
                    REPLAY: "held in memory and replayed by the workers"}
 
 
-def cache_decision(cfg: DataConfig, infos: dict[str, DatasetInfo], object_store_bytes: float) -> str:
+def cache_decision(cfg: DataConfig, infos: dict[str, DatasetInfo],
+                   object_store_bytes: float) -> str:
     """What `data.cache` and the object store's size decide (STREAM, MEMORY or REPLAY)."""
     if not use_memory_cache(cfg, infos, object_store_bytes):
         return STREAM
@@ -126,7 +130,8 @@ def _read_block(block: MemoryBlock) -> list[pa.Table]:
     import ray
 
     table = ray.get(block.ref)
-    return [table if block.start == 0 and block.rows == table.num_rows else table.slice(block.start, block.rows)]
+    whole = block.start == 0 and block.rows == table.num_rows
+    return [table if whole else table.slice(block.start, block.rows)]
 
 
 def memory_blocks(ds: ray.data.Dataset) -> list[MemoryBlock]:
@@ -176,8 +181,9 @@ def _memory_blocks_class() -> type:
                            data_context: Any = None) -> list[ReadTask]:
             order = shard_order(self.blocks, self.seed, current_epoch(self.epoch_clock))
             return [ReadTask(functools.partial(_read_block, b),
-                             BlockMetadata(num_rows=b.rows, size_bytes=b.size_bytes, input_files=None,
-                                           exec_stats=None), per_task_row_limit=per_task_row_limit)
+                             BlockMetadata(num_rows=b.rows, size_bytes=b.size_bytes,
+                                           input_files=None, exec_stats=None),
+                             per_task_row_limit=per_task_row_limit)
                     for b in order]
 
     # not a local of this function
@@ -216,7 +222,8 @@ def _read_here(source: Any, cfg: DataConfig, hold: bool) -> ray.data.Dataset | H
     tables = []
     for task in source.get_read_tasks(1, data_context=DataContext.get_current()):
         table = pa.concat_tables(list(task()))
-        tables.append(apply_transforms(table, cfg.transforms, cfg.features) if cfg.transforms else table)
+        tables.append(apply_transforms(table, cfg.transforms, cfg.features) if cfg.transforms
+                      else table)
     if hold:
         return HeldRows([ray.put(table) for table in tables])
     # metadata taken here: from_arrow computes it in remote tasks
@@ -225,7 +232,8 @@ def _read_here(source: Any, cfg: DataConfig, hold: bool) -> ray.data.Dataset | H
 
 def build_datasets(
     cfg: DataConfig, infos: dict[str, DatasetInfo], object_store_bytes: float, *, seed: int = 0,
-    epoch_clock: str | None = None, decision: str | None = None, hold: bool = False, row_ids: bool = False,
+    epoch_clock: str | None = None, decision: str | None = None, hold: bool = False,
+    row_ids: bool = False,
 ) -> dict[str, ray.data.Dataset | HeldRows]:
     """Streaming readers over the already-checked shards (nothing is read until a worker iterates),
     with the configured transforms in `map_batches`. The train shards are read in (seed, epoch)
@@ -241,14 +249,14 @@ def build_datasets(
     import ray.data
 
     from pipelines.reader import ShardDatasource
-    from pipelines.transforms import apply_transforms
 
     if decision is None:
         decision = cache_decision(cfg, infos, object_store_bytes)
     columns = cfg.columns
     cache = DiskCache(cfg.disk_cache, cfg.cache_max_gb) if cfg.disk_cache else None
     reorder = epoch_clock is not None and reorders_memory_blocks(cfg, decision)
-    read_here = decision == REPLAY and sum(info.num_bytes for info in infos.values()) <= READ_HERE_BYTES
+    read_here = (decision == REPLAY
+                 and sum(info.num_bytes for info in infos.values()) <= READ_HERE_BYTES)
     datasets = {}
     for name, info in infos.items():
         assert info.storage is not None  # set by inspect_parquet
@@ -263,23 +271,37 @@ def build_datasets(
         if read_here:
             datasets[name] = _read_here(source, cfg, hold)
             continue
-        # One output block per shard (split further only by DataContext.target_max_block_size): Ray
-        # Data would otherwise cut every shard into pieces to reach its 200-block minimum, and each
-        # block costs a fixed overhead on its way to the workers (measured: 1.6x the rows/s with 16
-        # shards).
-        ds = ray.data.read_datasource(source, concurrency=cfg.read_parallelism, override_num_blocks=len(info.objects))
-        if cfg.transforms:
-            # batch_size=None: whole blocks, fused into the read task (no extra hop through the
-            # object store).
-            ds = ds.map_batches(functools.partial(apply_transforms, transforms=cfg.transforms, features=cfg.features),
-                                batch_format="pyarrow", batch_size=None, zero_copy_batch=True)
-        datasets[name] = ds
+        datasets[name] = _stream(source, cfg, len(info.objects))
     if decision != STREAM and not read_here:
         datasets = {name: ds.materialize() for name, ds in datasets.items()}
     if reorder:
         blocks = memory_blocks(datasets["train"])
         # The materialised dataset is dropped; the block references keep its blocks in the object
         # store.
-        datasets["train"] = ray.data.read_datasource(memory_blocks_source(blocks, seed, epoch_clock),
+        reordered = memory_blocks_source(blocks, seed, epoch_clock)
+        datasets["train"] = ray.data.read_datasource(reordered,
                                                      override_num_blocks=max(len(blocks), 1))
     return datasets
+
+
+def _stream(source: Any, cfg: DataConfig, shards: int) -> ray.data.Dataset:
+    """One split's streaming dataset over its `shards` shards (`source`: their ShardDatasource),
+    with the configured transforms fused into the read."""
+    import ray.data
+
+    from pipelines.transforms import apply_transforms
+
+    # One output block per shard (split further only by DataContext.target_max_block_size): Ray
+    # Data would otherwise cut every shard into pieces to reach its 200-block minimum, and each
+    # block costs a fixed overhead on its way to the workers (measured: 1.6x the rows/s with 16
+    # shards).
+    ds = ray.data.read_datasource(source, concurrency=cfg.read_parallelism,
+                                  override_num_blocks=shards)
+    if cfg.transforms:
+        # batch_size=None: whole blocks, fused into the read task (no extra hop through the
+        # object store).
+        transform = functools.partial(apply_transforms, transforms=cfg.transforms,
+                                      features=cfg.features)
+        ds = ds.map_batches(transform, batch_format="pyarrow", batch_size=None,
+                            zero_copy_batch=True)
+    return ds

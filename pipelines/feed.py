@@ -68,14 +68,16 @@ class RankBatches:
     (the driver's sample's), from which the padded columns are decided before iteration (None only
     for data without rows)."""
 
-    def __init__(self, data: DataConfig, train_shard: Any, val_shard: Any | None, micro_batch_size: int,
-                 order: RankOrder, named: bool = False, schema: pa.Schema | None = None,
-                 pin_memory: bool = False) -> None:
+    def __init__(self, data: DataConfig, train_shard: Any, val_shard: Any | None,
+                 micro_batch_size: int, order: RankOrder, named: bool = False,
+                 schema: pa.Schema | None = None, pin_memory: bool = False) -> None:
         self.data, self.train_shard, self.val_shard = data, train_shard, val_shard
         self.pin_memory = pin_memory
         seed, rank, replay = order.seed, order.rank, order.replay
-        self.micro, self.seed, self.rank, self.epoch_clock = micro_batch_size, seed, rank, order.epoch_clock
-        self.padding = (padding_of(schema, data.features, data.label, named, data.pad_to_multiple_of)
+        self.micro, self.seed, self.rank = micro_batch_size, seed, rank
+        self.epoch_clock = order.epoch_clock
+        self.padding = (padding_of(schema, data.features, data.label, named,
+                                   data.pad_to_multiple_of)
                         if schema is not None else Padding(multiple=data.pad_to_multiple_of))
         self.collate = FeatureCollate(data.features, data.label, named, self.padding)
         # Replayed only without a shuffle buffer (its order changes per epoch as it streams); with
@@ -84,8 +86,9 @@ class RankBatches:
         reshuffle = (lambda epoch: local_shuffle_seed(seed, epoch, rank)) if data.shuffle else None
         # Streamed whole, the incomplete last micro-batch included: EpochReplay hands out whole
         # micro-batches only.
-        self.replay_train = EpochReplay(keep=replay and not data.shuffle_buffer, reshuffle=reshuffle,
-                                        micro=micro_batch_size, padding=self.padding, pin=pin_memory)
+        self.replay_train = EpochReplay(keep=replay and not data.shuffle_buffer,
+                                        reshuffle=reshuffle, micro=micro_batch_size,
+                                        padding=self.padding, pin=pin_memory)
         self.replay_val = EpochReplay(keep=replay, pin=pin_memory)
         # the first batches, fetched while the model is built (prefetch)
         self.ahead: _Ahead | None = None
@@ -108,7 +111,8 @@ class RankBatches:
         execution, the split's epoch barrier) then overlaps the set-up instead of following it. The
         loop's `train(epoch)` from that row begins with them."""
         ahead = _Ahead(epoch, start, self._pass(epoch, start))
-        ahead.thread = threading.Thread(target=ahead.fetch, args=(count,), name="first batches", daemon=True)
+        ahead.thread = threading.Thread(target=ahead.fetch, args=(count,), name="first batches",
+                                        daemon=True)
         ahead.thread.start()
         self.ahead = ahead
 
@@ -129,7 +133,8 @@ class RankBatches:
         assert start == 0, "the rest of an epoch is counted from its own start"
         if self.epoch_clock:  # the whole data read in the interrupted epoch's shard order
             set_epoch(self.epoch_clock, epoch)
-        batches = rest_of_epoch(self._chunks(whole), seen, self.rank, world, lambda: self.micro, self.padding.trim)
+        batches = rest_of_epoch(self._chunks(whole), seen, self.rank, world, lambda: self.micro,
+                                self.padding.trim)
         return map(pinned, batches) if self.pin_memory else batches
 
     def resize(self, micro: int) -> None:
@@ -160,9 +165,10 @@ class RankBatches:
         # On the host: micro-batches are cut, trimmed and replayed there, and the loop copies each
         # to the device.
         return shard.iter_torch_batches(
-            batch_size=fetch_size(self.micro), prefetch_batches=self.data.prefetch_batches, collate_fn=self.collate,
-            device="cpu", pin_memory=self.pin_memory,
-            local_shuffle_buffer_size=self.data.shuffle_buffer if shuffle_seed is not None else None,
+            batch_size=fetch_size(self.micro), prefetch_batches=self.data.prefetch_batches,
+            collate_fn=self.collate, device="cpu", pin_memory=self.pin_memory,
+            local_shuffle_buffer_size=(self.data.shuffle_buffer if shuffle_seed is not None
+                                       else None),
             local_shuffle_seed=shuffle_seed)
 
     def _batches(self, shard: Any, drop_last: bool) -> Iterator[Batch]:

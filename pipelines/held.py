@@ -29,7 +29,8 @@ class HeldRows:
 
     refs: list[Any]
 
-    def shard(self, rank: int, world: int, device: torch.device, *, equal: bool = True) -> HeldShard:
+    def shard(self, rank: int, world: int, device: torch.device, *,
+              equal: bool = True) -> HeldShard:
         return HeldShard(self.refs, rank, world, device, equal=equal)
 
 
@@ -50,7 +51,8 @@ class HeldShard:
     Not `equal` (validation): every row scored exactly once, the accuracy the same at any world
     size; `evaluate` adds the ranks' sums, so their row counts may differ by one."""
 
-    def __init__(self, refs: list[Any], rank: int, world: int, device: torch.device, *, equal: bool = True) -> None:
+    def __init__(self, refs: list[Any], rank: int, world: int, device: torch.device, *,
+                 equal: bool = True) -> None:
         self.refs, self.rank, self.world, self.device, self.equal = refs, rank, world, device, equal
         self._rows: pa.Table | None = None
 
@@ -71,8 +73,10 @@ class HeldShard:
         data has no shuffle buffer (trainer.build_inputs)."""
         from pipelines.tensors import pinned, to_device  # torch: in the rank's process only
 
-        assert not local_shuffle_buffer_size, "held data is replayed, never shuffled through a buffer"
+        assert not local_shuffle_buffer_size, ("held data is replayed, never shuffled through a "
+                                               "buffer")
         rows = self.rows()
         for start in range(0, rows.num_rows, batch_size):
             batch = collate_fn(rows.slice(start, batch_size))
-            yield to_device(batch, self.device) if device == "auto" else pinned(batch) if pin_memory else batch
+            yield (to_device(batch, self.device) if device == "auto"
+                   else pinned(batch) if pin_memory else batch)

@@ -60,7 +60,8 @@ _handles: dict[str, Any] = {}
 
 
 def create_epoch_clock(name: str) -> Any:
-    """Start the named clock actor (call on the driver; keep the returned handle alive for the run)."""
+    """Start the named clock actor (call on the driver; keep the returned handle alive for the
+    run)."""
     import ray
 
     handle = ray.remote(num_cpus=0)(_Clock).options(name=name, get_if_exists=True).remote()

@@ -1,4 +1,5 @@
-"""Writers for the bundled datasets: real digits images and a learnable synthetic set of any size."""
+"""Writers for the bundled datasets: real digits images and a learnable synthetic set of any
+size."""
 
 from __future__ import annotations
 
@@ -24,10 +25,12 @@ def _table(x: np.ndarray, y: np.ndarray, feature_column: str) -> pa.Table:
 
 
 def write_shard(table: pa.Table, storage: Storage, path: str) -> None:
-    """Write one shard so that readers see the old object or the complete new one, never half of it."""
+    """Write one shard so that readers see the old object or the complete new one, never half of
+    it."""
     buffer = pa.BufferOutputStream()
     # Random floats barely compress and dictionary encoding inflates them, so it is off.
-    pq.write_table(table, buffer, use_dictionary=False, row_group_size=max(1, min(len(table), 65536)))
+    pq.write_table(table, buffer, use_dictionary=False,
+                   row_group_size=max(1, min(len(table), 65536)))
     data = buffer.getvalue()
     fs = storage.filesystem()
     if storage.remote:
@@ -116,8 +119,8 @@ def _synthetic_split(
 
 
 def prepare_synthetic(
-    out: str, rows: int, shards: int, features: int = 64, classes: int = 10, val_rows: int = 0, seed: int = 0,
-    s3: S3Config | None = None,
+    out: str, rows: int, shards: int, features: int = 64, classes: int = 10, val_rows: int = 0,
+    seed: int = 0, s3: S3Config | None = None,
 ) -> dict[str, int]:
     """A learnable classification set of any size (for benchmarks and streaming tests), local or
     s3://."""
@@ -125,7 +128,8 @@ def prepare_synthetic(
     if rows < shards:
         raise DataError(f"--rows ({rows}) must be at least --shards ({shards})")
     # Train and val share the class centres (same task) but draw their rows from different streams.
-    centres = np.random.default_rng(seed).normal(0.0, 1.0, size=(classes, features)).astype(np.float32)
+    centres = (np.random.default_rng(seed).normal(0.0, 1.0, size=(classes, features))
+               .astype(np.float32))
     _synthetic_split(root, "train", rows, shards, centres, seed, stream=0)
     if val_rows:
         _synthetic_split(root, "val", val_rows, 1, centres, seed, stream=1)
@@ -135,8 +139,8 @@ def prepare_synthetic(
 VOCAB_SIZE = 256  # byte-level tokens
 
 
-def prepare_text(inputs: list[str], out: str, seq_len: int, shards: int = 4, val_fraction: float = 0.1,
-                 s3: S3Config | None = None) -> dict[str, int]:
+def prepare_text(inputs: list[str], out: str, seq_len: int, shards: int = 4,
+                 val_fraction: float = 0.1, s3: S3Config | None = None) -> dict[str, int]:
     """Byte-tokenise local text files into fixed-length sequences of seq_len + 1 tokens (inputs and
     next-token targets), consecutive sequences overlapping by one token so every byte transition is
     a target once. The last `val_fraction` of the sequences is the validation split."""
@@ -188,7 +192,8 @@ def _write_table(out: Storage, split: str, table: pa.Table, shards: int) -> None
 
 
 def _fixed_list(x: np.ndarray) -> pa.FixedSizeListArray:
-    return pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(x, dtype=np.float32).ravel()), x.shape[1])
+    values = pa.array(np.ascontiguousarray(x, dtype=np.float32).ravel())
+    return pa.FixedSizeListArray.from_arrays(values, x.shape[1])
 
 
 def prepare_diabetes(out: str, shards: int = 2, val_fraction: float = 0.2, seed: int = 0,
@@ -206,7 +211,8 @@ def prepare_diabetes(out: str, shards: int = 2, val_fraction: float = 0.2, seed:
     sex = np.unique(x[:, 1], return_inverse=True)[1].astype(np.int64)
     # Edges at the deciles of the whole set; searchsorted(right) keeps equal ages in one bucket, ids
     # 0..9.
-    age_bucket = np.searchsorted(np.quantile(x[:, 0], np.linspace(0.1, 0.9, 9)), x[:, 0], side="right")
+    deciles = np.quantile(x[:, 0], np.linspace(0.1, 0.9, 9))
+    age_bucket = np.searchsorted(deciles, x[:, 0], side="right")
     mean, std = float(y.mean()), float(y.std())
     table = pa.table({
         "features": _fixed_list(x),
@@ -224,7 +230,8 @@ def prepare_diabetes(out: str, shards: int = 2, val_fraction: float = 0.2, seed:
 PAD_ID, CLS_ID = 0, 1  # reserved token ids in `prepare sequences`; real tokens start at 2
 
 
-def _sequence_table(rng: np.random.Generator, rows: int, vocab: int, min_len: int, max_len: int) -> pa.Table:
+def _sequence_table(rng: np.random.Generator, rows: int, vocab: int, min_len: int,
+                    max_len: int) -> pa.Table:
     """Rows [CLS, t1, ...] labelled 1 when token 2 occurs more often than token 3 (ties 0): a
     bag-of-tokens model can learn it exactly, but only by counting two ids among noise."""
     lengths = rng.integers(min_len, max_len + 1, size=rows)
@@ -245,13 +252,16 @@ def _sequence_table(rng: np.random.Generator, rows: int, vocab: int, min_len: in
     tokens[starts] = CLS_ID
     count_two = np.add.reduceat(tokens == 2, starts)
     count_three = np.add.reduceat(tokens == 3, starts)
-    input_ids = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(tokens.astype(np.int64)))
-    table = pa.table({"input_ids": input_ids, "label": pa.array((count_two > count_three).astype(np.int64))})
+    input_ids = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)),
+                                         pa.array(tokens.astype(np.int64)))
+    label = pa.array((count_two > count_three).astype(np.int64))
+    table = pa.table({"input_ids": input_ids, "label": label})
     return table.replace_schema_metadata({"vocab_size": str(vocab)})
 
 
-def prepare_sequences(out: str, rows: int = 2000, vocab: int = 64, lengths: tuple[int, int] = (4, 24),
-                      shards: int = 2, val_fraction: float = 0.2, seed: int = 0,
+def prepare_sequences(out: str, rows: int = 2000, vocab: int = 64,
+                      lengths: tuple[int, int] = (4, 24), shards: int = 2,
+                      val_fraction: float = 0.2, seed: int = 0,
                       s3: S3Config | None = None) -> dict[str, int]:
     """A learnable synthetic sequence-classification set: variable-length token lists (list<int64>,
     each starting with the [CLS]-like id 1; 0 is left for padding; each row's length drawn from
@@ -272,6 +282,7 @@ def prepare_sequences(out: str, rows: int = 2000, vocab: int = 64, lengths: tupl
         directory = root.join(split)
         root.filesystem().create_dir(directory, recursive=True)
         for i, part in enumerate(np.array_split(np.arange(count), min(parts, count))):
-            table = _sequence_table(np.random.default_rng([seed, stream, i]), len(part), vocab, min_len, max_len)
+            rng = np.random.default_rng([seed, stream, i])
+            table = _sequence_table(rng, len(part), vocab, min_len, max_len)
             write_shard(table, root, f"{directory}/part-{i:05d}.parquet")
     return {"train": rows - n_val, "val": n_val}

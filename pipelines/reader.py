@@ -31,11 +31,13 @@ def read_shard(storage: Storage, obj: ObjectInfo, cache: DiskCache | None, colum
     """Decode one shard batch by batch (the read task body); with `first_row` (the shard's first
     row's index in the dataset) each row carries its id (rest.ROW_ID)."""
     try:
-        source = cache.open(storage, obj) if cache else storage.filesystem().open_input_file(obj.path)
+        source = (cache.open(storage, obj) if cache
+                  else storage.filesystem().open_input_file(obj.path))
         with source:
             # pre_buffer coalesces the column-chunk reads: fewer round trips to an object store.
             parquet = pq.ParquetFile(source, pre_buffer=storage.remote)
-            for batch in parquet.iter_batches(batch_size=batch_rows, columns=columns, use_threads=False):
+            for batch in parquet.iter_batches(batch_size=batch_rows, columns=columns,
+                                              use_threads=False):
                 table = pa.Table.from_batches([batch])
                 if first_row is not None:
                     table, first_row = with_row_ids(table, first_row), first_row + table.num_rows
@@ -54,8 +56,9 @@ class ShardDatasource(Datasource):
     carries its index in the shards in their given (name) order (rest.ROW_ID), whatever the epoch's
     order."""
 
-    def __init__(self, storage: Storage, objects: list[ObjectInfo], file_rows: list[int], columns: list[str], *,
-                 order: ShardOrder | None = None, cache: DiskCache | None = None, block_bytes: int = 16 << 20,
+    def __init__(self, storage: Storage, objects: list[ObjectInfo], file_rows: list[int],
+                 columns: list[str], *, order: ShardOrder | None = None,
+                 cache: DiskCache | None = None, block_bytes: int = 16 << 20,
                  row_ids: bool = False) -> None:
         self.storage = storage
         self.objects = objects
@@ -84,16 +87,17 @@ class ShardDatasource(Datasource):
                        data_context: Any = None) -> list[ReadTask]:
         order = self.order
         epoch = current_epoch(order.epoch_clock) if order.shuffle else 0
-        target = min(self.block_bytes, getattr(data_context, "target_max_block_size", None) or self.block_bytes)
+        context_max = getattr(data_context, "target_max_block_size", None)
+        target = min(self.block_bytes, context_max or self.block_bytes)
         tasks = []
         for obj in shard_order(self._current_objects(), order.seed, epoch, order.shuffle):
             rows = self.rows.get(obj.path, 0)
             # Yield blocks near the target block size: small blocks keep memory bounded while
             # streaming.
             batch_rows = max(256, min(65536, target * max(rows, 1) // max(obj.size * 2, 1)))
-            read = functools.partial(read_shard, self.storage, obj, self.cache, self.columns, batch_rows,
-                                     self.first_rows.get(obj.path))
-            meta = BlockMetadata(num_rows=rows, size_bytes=obj.size, input_files=(self.storage.uri_of(obj.path),),
-                                 exec_stats=None)
+            read = functools.partial(read_shard, self.storage, obj, self.cache, self.columns,
+                                     batch_rows, self.first_rows.get(obj.path))
+            meta = BlockMetadata(num_rows=rows, size_bytes=obj.size,
+                                 input_files=(self.storage.uri_of(obj.path),), exec_stats=None)
             tasks.append(ReadTask(read, meta, per_task_row_limit=per_task_row_limit))
         return tasks

@@ -35,7 +35,8 @@ def with_row_ids(table: pa.Table, first: int) -> pa.Table:
     """`table` with ROW_ID numbering its rows from `first` on."""
     import pyarrow as pa
 
-    return table.append_column(ROW_ID, pa.array(np.arange(first, first + table.num_rows, dtype=np.int64)))
+    ids = np.arange(first, first + table.num_rows, dtype=np.int64)
+    return table.append_column(ROW_ID, pa.array(ids))
 
 
 def pack_ids(ids: np.ndarray) -> torch.Tensor:
@@ -70,8 +71,8 @@ class SeenRows:
         if not self.known or not len(ids):
             return
         if (need := int(ids.max()) // 8 + 1) > len(self.bits):  # grown by half at least: few copies
-            self.bits = np.concatenate([self.bits, np.zeros(max(need - len(self.bits), len(self.bits) // 2),
-                                                            np.uint8)])
+            grown = np.zeros(max(need - len(self.bits), len(self.bits) // 2), np.uint8)
+            self.bits = np.concatenate([self.bits, grown])
         np.bitwise_or.at(self.bits, ids >> 3, (128 >> (ids & 7)).astype(np.uint8))
 
     def clear(self) -> None:
@@ -107,7 +108,8 @@ def _bits(packed: torch.Tensor) -> np.ndarray:
     return np.frombuffer(zlib.decompress(packed.numpy().tobytes()), dtype=np.uint8)
 
 
-def rest_of_epoch(chunks: Iterable[Batch], seen: np.ndarray, rank: int, world: int, micro: Callable[[], int],
+def rest_of_epoch(chunks: Iterable[Batch], seen: np.ndarray, rank: int, world: int,
+                  micro: Callable[[], int],
                   trim: Callable[[Batch], Batch] = lambda batch: batch) -> Iterator[Batch]:
     """This rank's micro-batches of the rows of `chunks` (the whole epoch, in the same order on
     every rank) whose ids are not in `seen` (sorted): rank `rank`'s slice of each complete round of

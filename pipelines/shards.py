@@ -1,4 +1,5 @@
-"""A rank's share of a dataset that every rank reads whole, for the splits Ray Train does not split."""
+"""A rank's share of a dataset that every rank reads whole, for the splits Ray Train does not
+split."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ class StridedShard:
     def __init__(self, shard: Any, rank: int, world: int) -> None:
         self.shard, self.rank, self.world = shard, rank, world
 
-    def iter_torch_batches(self, *, batch_size: int, pin_memory: bool = False, **options: Any) -> Iterator[Batch]:
+    def iter_torch_batches(self, *, batch_size: int, pin_memory: bool = False,
+                           **options: Any) -> Iterator[Batch]:
         """The whole dataset's batches of `batch_size * world` rows (about `batch_size` of them this
         rank's), each cut to this rank's rows, contiguous (pinned when asked). `options`: the
         wrapped iter_torch_batches'."""
@@ -32,4 +34,5 @@ class StridedShard:
             if first < rows(batch):
                 # a strided view: copied once, below
                 mine = take(batch, slice(first, None, self.world))
-                yield pinned(mine) if pin_memory else {key: value.contiguous() for key, value in mine.items()}
+                yield (pinned(mine) if pin_memory
+                       else {key: value.contiguous() for key, value in mine.items()})

@@ -53,13 +53,14 @@ def _feature_width(field: pa.Field, file: str, named: bool) -> int:
         width, value_type = width * value_type.list_size, value_type.value_type
     if _is_numeric(value_type):
         return width
-    if named and (isinstance(field.type, pa.ExtensionType) or ((pa.types.is_list(field.type) or pa.types.is_large_list(
-            field.type)) and pa.types.is_integer(field.type.value_type))):
+    if named and (isinstance(field.type, pa.ExtensionType)
+                  or ((pa.types.is_list(field.type) or pa.types.is_large_list(field.type))
+                      and pa.types.is_integer(field.type.value_type))):
         return 0
     raise DataError(
-        f"feature column '{field.name}' in {file} has type {field.type}: use a numeric column or a fixed-size list "
-        "of numbers" + ("" if named else " (variable-length token lists and "
-                                         "tensor columns need model.inputs)")
+        f"feature column '{field.name}' in {file} has type {field.type}: use a numeric column "
+        "or a fixed-size list of numbers"
+        + ("" if named else " (variable-length token lists and tensor columns need model.inputs)")
     )
 
 
@@ -67,8 +68,8 @@ def _is_numeric(t: pa.DataType) -> bool:
     return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
 
 
-def read_sample(storage: Storage, files: list[str], rows: list[int], columns: list[str], count: int = 8
-                ) -> pa.Table:
+def read_sample(storage: Storage, files: list[str], rows: list[int], columns: list[str],
+                count: int = 8) -> pa.Table:
     """The first `count` rows of `columns` from the first non-empty shard (one row group's pages at
     most): a real batch for checks on the driver, the memory probe and the logged model's input
     example."""
@@ -122,8 +123,10 @@ def inspect_parquet(path: str, features: list[str], label: str | None, s3: S3Con
     file_rows = [meta.num_rows for meta in footers]
     sample = read_sample(storage, files, file_rows, columns) if num_rows else None
     if label is None and not named:
-        return _token_info(path, files, objects, footers, first_schema, features[0], storage, sample)
-    widths = [_feature_width(first_schema.field(name), storage.uri_of(files[0]), named) for name in features]
+        return _token_info(path, files, objects, footers, first_schema, features[0], storage,
+                           sample)
+    widths = [_feature_width(first_schema.field(name), storage.uri_of(files[0]), named)
+              for name in features]
     if label is None:  # named token column: the vocabulary from `prepare text`'s metadata, if any
         num_classes = int((first_schema.metadata or {}).get(b"vocab_size", b"0"))
     # one output per label (multilabel)
@@ -146,8 +149,8 @@ def inspect_parquet(path: str, features: list[str], label: str | None, s3: S3Con
     )
 
 
-def _check_footers(storage: Storage, files: list[str], footers: list[pq.FileMetaData], columns: list[str],
-                   label: str | None) -> tuple[pa.Schema, int, int | None]:
+def _check_footers(storage: Storage, files: list[str], footers: list[pq.FileMetaData],
+                   columns: list[str], label: str | None) -> tuple[pa.Schema, int, int | None]:
     """Every shard has the configured columns, with the first shard's types: (its schema, the rows
     in all, the largest integer label the footers' statistics show, None when some shard has none,
     -1 before any)."""
@@ -181,8 +184,9 @@ def _check_footers(storage: Storage, files: list[str], footers: list[pq.FileMeta
     return first_schema, num_rows, label_max
 
 
-def _token_info(path: str, files: list[str], objects: list[ObjectInfo], footers: list[pq.FileMetaData],
-                schema: pa.Schema, column: str, storage: Storage, sample: pa.Table | None) -> DatasetInfo:
+def _token_info(path: str, files: list[str], objects: list[ObjectInfo],
+                footers: list[pq.FileMetaData], schema: pa.Schema, column: str, storage: Storage,
+                sample: pa.Table | None) -> DatasetInfo:
     """Token sequences: a fixed-size list of integers per row; the vocabulary size comes from the
     schema metadata that `orchestrator prepare text` writes (else model.num_classes must say it)."""
     field = schema.field(column)
@@ -192,7 +196,8 @@ def _token_info(path: str, files: list[str], objects: list[ObjectInfo], footers:
                         "needs a fixed-size list of integer token ids")
     vocab = int((schema.metadata or {}).get(b"vocab_size", b"0"))
     return DatasetInfo(
-        path=path, files=files, num_rows=sum(m.num_rows for m in footers), num_bytes=sum(o.size for o in objects),
-        feature_dim=field.type.list_size, num_classes=vocab, schema=schema, sample=sample, storage=storage,
-        objects=objects, file_rows=[m.num_rows for m in footers],
+        path=path, files=files, num_rows=sum(m.num_rows for m in footers),
+        num_bytes=sum(o.size for o in objects), feature_dim=field.type.list_size,
+        num_classes=vocab, schema=schema, sample=sample, storage=storage, objects=objects,
+        file_rows=[m.num_rows for m in footers],
     )

@@ -87,15 +87,18 @@ class Storage:
 
         assert self.s3 is not None
         config = Config(retries={"total_max_attempts": self.s3.max_attempts, "mode": "standard"},
-                        connect_timeout=self.s3.connect_timeout_s, read_timeout=self.s3.request_timeout_s,
+                        connect_timeout=self.s3.connect_timeout_s,
+                        read_timeout=self.s3.request_timeout_s,
                         signature_version=UNSIGNED if self.s3.anonymous else None)
         # A fresh Session: botocore caches credentials per session, so rotated ones in the
         # environment or the shared files are seen; refreshable ones (SSO, role, web identity)
         # refresh inside it.
-        return boto3.Session().client("s3", endpoint_url=self.endpoint, region_name=self.region, config=config)
+        return boto3.Session().client("s3", endpoint_url=self.endpoint, region_name=self.region,
+                                      config=config)
 
     def uri_of(self, path: str) -> str:
-        """The user-facing name of a path inside this storage (s3://bucket/key or the local path)."""
+        """The user-facing name of a path inside this storage (s3://bucket/key or the local
+        path)."""
         return f"s3://{path}" if self.remote else path
 
     def join(self, *parts: str) -> str:
@@ -118,7 +121,8 @@ class Storage:
             raise DataError(f"data path '{self.uri}' does not exist: create it with "
                             "`orchestrator prepare digits --out DIR` (or s3://bucket/prefix) "
                             "or point data.train / data.val at your Parquet shards")
-        picked = [o for o in objects if o.path.endswith(suffix) and not os.path.basename(o.path).startswith((".", "_"))]
+        picked = [o for o in objects if o.path.endswith(suffix)
+                  and not os.path.basename(o.path).startswith((".", "_"))]
         if not picked:
             raise DataError(f"data path '{self.uri}' holds no {suffix} "
                             "files: write shards there first")
@@ -132,7 +136,8 @@ class Storage:
             return None
         entries = [info] if info.type == pafs.FileType.File else fs.get_file_info(
             pafs.FileSelector(self.root, recursive=True))
-        return [ObjectInfo(e.path, e.size or 0, str(e.mtime_ns)) for e in entries if e.type == pafs.FileType.File]
+        return [ObjectInfo(e.path, e.size or 0, str(e.mtime_ns)) for e in entries
+                if e.type == pafs.FileType.File]
 
     def _list_s3(self) -> list[ObjectInfo] | None:
         """Objects under the prefix; None when there are none (S3 has no empty directories)."""
@@ -140,21 +145,25 @@ class Storage:
         client = self.client()
         found = []
         try:
-            for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+            for page in pages:
                 for obj in page.get("Contents", []):
                     key = obj["Key"]
                     # "s3://b/p" means the object p or the "folder" p/, not p-other.parquet.
                     if prefix and key != prefix and not key.startswith(prefix.rstrip("/") + "/"):
                         continue
-                    found.append(ObjectInfo(f"{bucket}/{key}", int(obj["Size"]), obj["ETag"].strip('"')))
+                    found.append(ObjectInfo(f"{bucket}/{key}", int(obj["Size"]),
+                                            obj["ETag"].strip('"')))
         except Exception as exc:
             raise storage_error(exc, self, "listing") from None
         return found or None
 
 
 def resolve_endpoint(s3: S3Config) -> str | None:
-    """The endpoint URL, honouring the variables boto3 itself honours (service-specific one first)."""
-    return s3.endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+    """The endpoint URL, honouring the variables boto3 itself honours (service-specific one
+    first)."""
+    return (s3.endpoint or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL") or None)
 
 
 def open_storage(uri: str, s3: S3Config | None = None) -> Storage:
@@ -191,15 +200,18 @@ def resolve_filesystem(uri: str, s3: S3Config | None = None) -> tuple[pafs.FileS
 # for HEAD requests, which have no body) and pyarrow's S3 error type. Never substrings of the
 # message: it may name a key such as part-00500.parquet.
 _NO_BUCKET = {"NoSuchBucket", "NO_SUCH_BUCKET"}
-_DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "AllAccessDisabled",
-           "ACCESS_DENIED", "INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH", "INVALID_CLIENT_TOKEN_ID",
-           "INVALID_SIGNATURE", "MISSING_AUTHENTICATION_TOKEN", "UNRECOGNIZED_CLIENT"}
-_TRANSIENT = {"SlowDown", "ServiceUnavailable", "InternalError", "Throttling", "RequestTimeout", "SLOW_DOWN",
-              "SERVICE_UNAVAILABLE", "INTERNAL_FAILURE", "THROTTLING", "REQUEST_TIMEOUT"}
+_DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
+           "AllAccessDisabled", "ACCESS_DENIED", "INVALID_ACCESS_KEY_ID",
+           "SIGNATURE_DOES_NOT_MATCH", "INVALID_CLIENT_TOKEN_ID", "INVALID_SIGNATURE",
+           "MISSING_AUTHENTICATION_TOKEN", "UNRECOGNIZED_CLIENT"}
+_TRANSIENT = {"SlowDown", "ServiceUnavailable", "InternalError", "Throttling", "RequestTimeout",
+              "SLOW_DOWN", "SERVICE_UNAVAILABLE", "INTERNAL_FAILURE", "THROTTLING",
+              "REQUEST_TIMEOUT"}
 _UNREACHABLE = {"NETWORK_CONNECTION"}
 # Connection failures raise no code: botocore's and Python's connection and timeout errors, by
 # class.
-_UNREACHABLE_TYPES = {"EndpointConnectionError", "ConnectionError", "HTTPClientError", "TimeoutError"}
+_UNREACHABLE_TYPES = {"EndpointConnectionError", "ConnectionError", "HTTPClientError",
+                      "TimeoutError"}
 # pyarrow: "... AWS Error SLOW_DOWN during GetObject operation: ...", and for a code the SDK does
 # not know, "AWS Error UNKNOWN (HTTP status 503) during ..." (arrow/filesystem/s3_internal.h).
 _ARROW_ERROR = r"AWS Error (\[code \d+\]|\w+)(?: \(HTTP status (\d{3})\))? during "
@@ -213,14 +225,16 @@ def _error_code(exc: BaseException) -> tuple[str, int | None]:
     response = getattr(exc, "response", None)
     if isinstance(response, dict):  # botocore ClientError
         status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        return str(response.get("Error", {}).get("Code", "")), status if isinstance(status, int) else None
+        code = str(response.get("Error", {}).get("Code", ""))
+        return code, status if isinstance(status, int) else None
     found = re.search(_ARROW_ERROR, str(exc))
     if found:
         return found[1], int(found[2]) if found[2] else None
     return "", None
 
 
-def storage_error(exc: BaseException, storage: Storage, action: str, path: str | None = None) -> DataError:
+def storage_error(exc: BaseException, storage: Storage, action: str,
+                  path: str | None = None) -> DataError:
     """Turn a boto3/pyarrow failure into one DataError that names the object and the fix."""
     what = storage.uri_of(path) if path else storage.uri
     code, status = _error_code(exc)
@@ -282,9 +296,12 @@ def private_dir(path: str, instead: str = "set XDG_CACHE_HOME to a directory of 
     except FileExistsError:
         pass  # a file or a link to one: refused below
     st = os.lstat(path)
-    what = ("a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory" if not stat.S_ISDIR(st.st_mode)
-            else f"owned by uid {st.st_uid}, not this user ({os.getuid()})" if st.st_uid != os.getuid()
-            else f"writable by others (mode {stat.S_IMODE(st.st_mode):o})" if st.st_mode & 0o022 else "")
+    what = ("a symlink" if stat.S_ISLNK(st.st_mode)
+            else "not a directory" if not stat.S_ISDIR(st.st_mode)
+            else f"owned by uid {st.st_uid}, not this user ({os.getuid()})"
+            if st.st_uid != os.getuid()
+            else f"writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+            if st.st_mode & 0o022 else "")
     if what:
         raise DataError(f"cache directory {path} is {what}: refused; remove it, or {instead}")
     if st.st_mode & 0o077:
@@ -299,7 +316,8 @@ def local_name(rest: str, key: str) -> str:
     absolute path, `..` (and `.` and empty segments, which the SDK normalises away on the request,
     so they would fetch a different object), backslashes (a separator on Windows), NUL."""
     parts = rest.split("/")
-    if not rest or rest.startswith("/") or "\\" in rest or "\0" in rest or any(p in ("", ".", "..") for p in parts):
+    if (not rest or rest.startswith("/") or "\\" in rest or "\0" in rest
+            or any(p in ("", ".", "..") for p in parts)):
         raise DataError(f"object key '{key}' refused: it is absolute or holds '..', "
                         "'.', an empty segment, a backslash or NUL, so it could be "
                         "written outside the download directory; rename or remove "
@@ -344,7 +362,8 @@ def fetch_prefix(uri: str, s3: S3Config | None = None, root: str | None = None) 
 
     storage = open_storage(uri, s3)
     objects = storage.list_objects("")
-    key = hashlib.sha256("\n".join(f"{o.path} {o.version}" for o in objects).encode()).hexdigest()[:16]
+    listing = "\n".join(f"{o.path} {o.version}" for o in objects)
+    key = hashlib.sha256(listing.encode()).hexdigest()[:16]
     prefix = storage.root.rstrip("/") + "/"
     # (object, path below the copy, whether it only names a directory: "folder" markers such as
     # "sub/", made by consoles, hold no bytes), every key checked before anything is written.
@@ -355,7 +374,7 @@ def fetch_prefix(uri: str, s3: S3Config | None = None, root: str | None = None) 
         if folder and not rest.removesuffix("/"):
             continue  # the prefix's own marker
         plan.append((obj, local_name(rest.removesuffix("/") if folder else rest, obj.path), folder))
-    base = os.path.join(root, "pretrained") if root else os.path.join(user_cache_dir(), "pretrained")
+    base = os.path.join(root or user_cache_dir(), "pretrained")
     os.makedirs(base, mode=0o700, exist_ok=True)
     target = os.path.join(base, key)
     lock = open_lock(os.path.join(base, f".{key}.lock"))

@@ -55,7 +55,8 @@ def pinned(batch: Batch) -> Batch:
     without waiting (from pageable or strided memory torch stages the copy through a pageable
     buffer, and the host waits for the device). Tensors that are both already are kept as they are
     (views of a pinned chunk)."""
-    return {key: value if value.is_contiguous() and value.is_pinned() else value.contiguous().pin_memory()
+    return {key: (value if value.is_contiguous() and value.is_pinned()
+                  else value.contiguous().pin_memory())
             for key, value in batch.items()}
 
 
@@ -119,7 +120,8 @@ class _Buffer:
         return cls(rows, {key: _uses(value) for key, value in rows.items()})
 
     def unviewed(self) -> bool:
-        return _USE_COUNT is not None and all(_uses(value) <= self.alone[key] for key, value in self.rows.items())
+        return _USE_COUNT is not None and all(_uses(value) <= self.alone[key]
+                                              for key, value in self.rows.items())
 
 
 # How many tensors hold a storage (a tensor and each of its views): torch's own count, private. A
@@ -150,7 +152,8 @@ def cat_rows(batches: list[Batch]) -> Batch:
         values = [b[key] for b in batches]
         width = max(v.shape[1] if v.dim() > 1 else 0 for v in values)
         if any(v.dim() > 1 and v.shape[1] != width for v in values):
-            values = [torch.nn.functional.pad(v, (0, width - v.shape[1]), value=pad_value(key)) for v in values]
+            values = [torch.nn.functional.pad(v, (0, width - v.shape[1]), value=pad_value(key))
+                      for v in values]
         out[key] = torch.cat(values)
     return out
 

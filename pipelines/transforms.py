@@ -39,7 +39,8 @@ def _cast(dtype: str) -> Any:
     return lambda values: values.cast(_DTYPES[dtype])
 
 
-def apply_transforms(table: pa.Table, transforms: list[dict[str, Any]], features: list[str]) -> pa.Table:
+def apply_transforms(table: pa.Table, transforms: list[dict[str, Any]],
+                     features: list[str]) -> pa.Table:
     """Apply the configured transforms in order to the feature columns (or each transform's
     `columns`)."""
     for item in transforms:
@@ -47,7 +48,8 @@ def apply_transforms(table: pa.Table, transforms: list[dict[str, Any]], features
         if name == "call":
             table = _call(table, args["fn"], args.get("kwargs") or {})
             continue
-        fn = _normalize(args.get("mean", 0.0), args.get("std", 1.0)) if name == "normalize" else _cast(args["dtype"])
+        fn = (_normalize(args.get("mean", 0.0), args.get("std", 1.0)) if name == "normalize"
+              else _cast(args["dtype"]))
         for column in args.get("columns") or features:
             index = table.schema.get_field_index(column)
             table = table.set_column(index, column, _map_values(table.column(index), fn))
@@ -63,4 +65,5 @@ def _call(table: pa.Table, spec: str, kwargs: dict[str, Any]) -> pa.Table:
     if not isinstance(out, pa.Table):
         raise DataError(f"transform {spec} returned {type(out).__name__}, not a "
                         "pyarrow.Table: return the batch it was given, transformed")
-    return out.append_column(ROW_ID, ids) if ids is not None and out.num_rows == table.num_rows else out
+    kept = ids is not None and out.num_rows == table.num_rows
+    return out.append_column(ROW_ID, ids) if kept else out

@@ -353,7 +353,8 @@ MUTANTS = (
            "        return rank * each, each\n", "        return rank * each, rows - rank * each\n",
            (f"{DATA_ORDER}::test_held_small_data_gives_each_rank_an_equal_disjoint_part_in_row_order",)),
     Mutant("small data read by the driver without its transforms", "pipelines/datasets.py",
-           "tables.append(apply_transforms(table, cfg.transforms, cfg.features) if cfg.transforms else table)",
+           "tables.append(apply_transforms(table, cfg.transforms, cfg.features) if cfg.transforms\n"
+           "                      else table)",
            "tables.append(table)",
            (f"{DATA_ORDER}::test_small_data_read_by_the_driver_makes_the_blocks_ray_datas_read_tasks_make",)),
     # Issue 48: what the newest modes promise (docs/autopilot.md, docs/guarantees.md, docs/doctor.md, the README),

@@ -18,9 +18,10 @@ LISTENS = "127.0.0.1"  # where every server of the warm cluster listens (warm.st
 # and those Ray or the product set in a driver, which say nothing of what a Ray worker computes:
 # commands that differ only in these share a warm cluster. Every other variable must match.
 SESSION_VARIABLES = frozenset({
-    "_", "PWD", "OLDPWD", "SHLVL", "COLUMNS", "LINES", "TERM", "COLORTERM", "PS1", "PS2", "PROMPT_COMMAND",
-    "LS_COLORS", "DISPLAY", "WINDOWID", "TMUX", "TMUX_PANE", "STY", "WINDOW", "MAKEFLAGS", "MFLAGS", "MAKELEVEL",
-    "MAKEOVERRIDES", "MAKE_TERMOUT", "MAKE_TERMERR", "HISTFILE", "HISTSIZE", "HISTCONTROL",
+    "_", "PWD", "OLDPWD", "SHLVL", "COLUMNS", "LINES", "TERM", "COLORTERM", "PS1", "PS2",
+    "PROMPT_COMMAND", "LS_COLORS", "DISPLAY", "WINDOWID", "TMUX", "TMUX_PANE", "STY", "WINDOW",
+    "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "MAKE_TERMOUT", "MAKE_TERMERR",
+    "HISTFILE", "HISTSIZE", "HISTCONTROL",
     "PYTHONPATH", "RAY_AUTH_MODE", "RAY_API_SERVER_ADDRESS", "PYTHONBREAKPOINT",
 })
 SESSION_PREFIXES = ("SSH_", "TERM_", "XDG_SESSION_", "PYTEST_")
@@ -56,13 +57,15 @@ def command_environment() -> dict[str, str]:
             | {k: v for k, v in os.environ.items() if live(k)})
 
 
-def fingerprint(pythonpath: str, auth_mode: str, environment: dict[str, str] | None = None) -> dict[str, Any]:
+def fingerprint(pythonpath: str, auth_mode: str,
+                environment: dict[str, str] | None = None) -> dict[str, Any]:
     """What a warm cluster must share with the command that joins it: its workers import the user's
     modules from the working directory and PYTHONPATH, with this Python and Ray, and inherit the
     environment it was started in (`environment`, by default `command_environment()`; each variable
     kept as a digest: the state file holds no secret)."""
     given = command_environment() if environment is None else environment
-    env = {name: hashlib.sha256(value.encode()).hexdigest()[:16] for name, value in sorted(given.items())
+    env = {name: hashlib.sha256(value.encode()).hexdigest()[:16]
+           for name, value in sorted(given.items())
            if name not in SESSION_VARIABLES and not name.startswith(SESSION_PREFIXES)}
-    return {"ray": version("ray"), "python": sys.executable, "cwd": os.getcwd(), "pythonpath": pythonpath,
-            "auth_mode": auth_mode, "env": env, "listens": LISTENS}
+    return {"ray": version("ray"), "python": sys.executable, "cwd": os.getcwd(),
+            "pythonpath": pythonpath, "auth_mode": auth_mode, "env": env, "listens": LISTENS}

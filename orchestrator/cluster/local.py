@@ -102,7 +102,8 @@ def connect_cluster(choice: ClusterChoice) -> bool:
     # once, however many runs
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([os.getcwd(), *paths]))
     num_cpus = max(os.cpu_count() or 1, needed)
-    if choice.kind == "warm" and _join_warm(choice.keep_warm_minutes, num_cpus, needed, logging_config):
+    if (choice.kind == "warm"
+            and _join_warm(choice.keep_warm_minutes, num_cpus, needed, logging_config)):
         return True
     start_private(num_cpus, logging_config)
     return True
@@ -131,7 +132,8 @@ def init_local(tries: int = 3, **options: Any) -> None:
 
     for attempt in range(1, tries + 1):
         try:
-            ray.init(address="local", include_dashboard=True, dashboard_port=pin_state_api(), **options)
+            ray.init(address="local", include_dashboard=True, dashboard_port=pin_state_api(),
+                     **options)
             return
         except Exception as exc:
             if "valid port for dashboard" not in str(exc) or attempt == tries:
@@ -146,7 +148,8 @@ def private_temp_dir() -> str:
     session's logs). Ray makes its temp dir and every directory in it 0777 (sockets, logs, runtime
     envs): behind the 0700 one, no other user reaches them."""
     mine = os.path.join(system_temp_dir(), f"orchestrator-{os.getuid()}")
-    return os.path.join(private_dir(mine, instead="set RAY_TMPDIR to a directory of your own"), "ray")
+    private = private_dir(mine, instead="set RAY_TMPDIR to a directory of your own")
+    return os.path.join(private, "ray")
 
 
 def join_cluster(address: str, logging_config: Any) -> None:
@@ -178,15 +181,17 @@ def join_refused(address: str, exc: BaseException, environ: Mapping[str, str]) -
     while cause is not None and cause not in chain:
         chain.append(cause)
         cause = cause.__cause__ or cause.__context__
-    if any(type(e).__name__ == "AuthenticationError" or "InvalidAuthToken" in str(e) for e in chain):
+    if any(type(e).__name__ == "AuthenticationError" or "InvalidAuthToken" in str(e)
+           for e in chain):
         mode = "" if environ.get("RAY_AUTH_MODE") == "token" else "export RAY_AUTH_MODE=token and "
         return (f"could not join the Ray cluster at {address}: it runs with token "
                 "auth and refused this command's token (none found, or another): "
                 f"{mode}set RAY_AUTH_TOKEN to the cluster's token, or put it in the "
                 "file ~/.ray/auth_token (or the file RAY_AUTH_TOKEN_PATH names); "
                 "`ray get-auth-token` on its head prints it (cluster/README.md)")
-    hint = ("; if it runs with token auth (`ray start` turns it on where ~/.ray/auth_token exists), export "
-            "RAY_AUTH_MODE=token here too (cluster/README.md)" if "RAY_AUTH_MODE" not in environ else "")
+    hint = ("; if it runs with token auth (`ray start` turns it on where ~/.ray/auth_token "
+            "exists), export RAY_AUTH_MODE=token here too (cluster/README.md)"
+            if "RAY_AUTH_MODE" not in environ else "")
     first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return f"could not join the Ray cluster at {address}: {first}{hint}"
 
@@ -327,7 +332,8 @@ def train_environment(config: Config, private_cluster: bool) -> Iterator[None]:
     if private_cluster or not config.checkpoint.on_preemption:
         wanted["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
     if config.failure.worker_start_timeout_s is not None:
-        wanted["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(config.failure.worker_start_timeout_s)
+        timeout_s = config.failure.worker_start_timeout_s
+        wanted["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(timeout_s)
     if config.checkpoint.preemption_poll_s is not None:
         wanted["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = str(config.checkpoint.preemption_poll_s)
     saved = {name: os.environ.get(name) for name in wanted}

@@ -31,7 +31,8 @@ from orchestrator.cluster.fingerprint import LISTENS
 from orchestrator.report.console import RAY_DATA_CONFIG, own_ray_data_config, ray_data_config
 from pipelines.storage import owner_only, private_dir, user_cache_dir
 
-STATE, IN_USE, STARTING, HEAD_LOG, KEEPER_LOG = "state.json", "in-use.lock", "start.lock", "head.log", "keeper.log"
+STATE, IN_USE, STARTING, HEAD_LOG, KEEPER_LOG = ("state.json", "in-use.lock", "start.lock",
+                                                 "head.log", "keeper.log")
 HEAD_READY_S = 90.0  # `ray start` on a busy 2-core machine takes 5-15 s
 KEEPER_POLL_S = 1.0
 # a keeper whose head was never recorded (its command died first) stops it after this
@@ -49,7 +50,8 @@ def warm_dir() -> Path:
 def mismatch(state: dict[str, Any], wanted: dict[str, Any], needed_cpus: int) -> str | None:
     """Why the recorded cluster cannot serve this command (a phrase), or None."""
     have = state["fingerprint"]
-    names = {"ray": "Ray", "python": "Python", "cwd": "working directory", "pythonpath": "PYTHONPATH",
+    names = {"ray": "Ray", "python": "Python", "cwd": "working directory",
+             "pythonpath": "PYTHONPATH",
              # one started before it listened on loopback
              "auth_mode": "RAY_AUTH_MODE", "listens": "listening address"}
     for key, name in names.items():
@@ -73,7 +75,8 @@ def alive(pid: int, created: float) -> bool:
     same PID)."""
     try:
         process = psutil.Process(pid)
-        return abs(process.create_time() - created) < 0.5 and process.status() != psutil.STATUS_ZOMBIE
+        return (abs(process.create_time() - created) < 0.5
+                and process.status() != psutil.STATUS_ZOMBIE)
     except psutil.Error:
         return False
 
@@ -87,8 +90,8 @@ def answers(address: str) -> bool:
         return False
 
 
-RECORDED = ("address", "dashboard", "head_pid", "head_created", "temp_dir", "num_cpus", "keep_warm_minutes",
-            "started_at", "fingerprint")
+RECORDED = ("address", "dashboard", "head_pid", "head_created", "temp_dir", "num_cpus",
+            "keep_warm_minutes", "started_at", "fingerprint")
 
 
 def read_state(directory: Path) -> dict[str, Any] | None:
@@ -102,7 +105,8 @@ def read_state(directory: Path) -> dict[str, Any] | None:
 
 
 def write_state(directory: Path, state: dict[str, Any]) -> None:
-    """Atomically (the keeper reads it meanwhile); its modification time is the cluster's last use."""
+    """Atomically (the keeper reads it meanwhile); its modification time is the cluster's last
+    use."""
     temporary = directory / f".{STATE}.{os.getpid()}"
     with open(temporary, "w", opener=owner_only) as out:
         out.write(json.dumps(state, indent=1))
@@ -133,7 +137,8 @@ class WarmUse:
     reused: bool
 
     def release(self) -> None:
-        """The command leaves the cluster: its idle time starts now; says so, with how to stop it."""
+        """The command leaves the cluster: its idle time starts now; says so, with how to stop
+        it."""
         if self.lock.closed:
             return
         touch(self.lock_dir)
@@ -156,14 +161,16 @@ def take(minutes: float, num_cpus: int, needed_cpus: int, wanted: dict[str, Any]
     directory = warm_dir()
     with open(directory / STARTING, "a+b", opener=owner_only) as starting:
         fcntl.flock(starting, fcntl.LOCK_EX)  # one command at a time finds or starts it
-        lock = open(directory / IN_USE, "a+b", opener=owner_only)  # noqa: SIM115 - held until release
+        # held until release
+        lock = open(directory / IN_USE, "a+b", opener=owner_only)  # noqa: SIM115
         try:
             state = read_state(directory)
             reason = mismatch(state, wanted, needed_cpus) if state else None
             if state is not None and reason is None:
                 touch(directory)  # a keeper about to stop it sees it used
                 fcntl.flock(lock, fcntl.LOCK_SH)  # waits while a keeper stops it
-                if read_state(directory) == state and alive(state["head_pid"], state["head_created"]):
+                if (read_state(directory) == state
+                        and alive(state["head_pid"], state["head_created"])):
                     # the latest command's idle time holds
                     if state["keep_warm_minutes"] != minutes:
                         state["keep_warm_minutes"] = minutes
@@ -234,19 +241,24 @@ def start(directory: Path, minutes: float, num_cpus: int, wanted: dict[str, Any]
     if own_ray_data_config() and (config := ray_data_config(directory)) is not None:
         # this run's file goes with the run: the cluster's workers get a copy
         env[RAY_DATA_CONFIG] = str(config)
-    command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--port", str(gcs),
-               "--node-ip-address", LISTENS, "--num-cpus", str(num_cpus), "--include-dashboard", "true",
+    command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+               "--port", str(gcs), "--node-ip-address", LISTENS, "--num-cpus", str(num_cpus),
+               "--include-dashboard", "true",
                "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard),
                "--ray-client-server-port", str(client), "--dashboard-agent-listen-port", str(agent),
-               "--metrics-export-port", str(metrics), "--min-worker-port", "0", "--max-worker-port", "0",
+               "--metrics-export-port", str(metrics),
+               "--min-worker-port", "0", "--max-worker-port", "0",
                "--temp-dir", str(temp_dir), "--disable-usage-stats"]
     with open(directory / HEAD_LOG, "wb", opener=owner_only) as log:
-        head = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-    state: dict[str, Any] = {"address": f"127.0.0.1:{gcs}", "dashboard": env["RAY_API_SERVER_ADDRESS"],
-                             "head_pid": head.pid, "head_created": psutil.Process(head.pid).create_time(),
-                             "temp_dir": str(temp_dir), "num_cpus": num_cpus, "keep_warm_minutes": minutes,
-                             "started_at": time.time(), "fingerprint": wanted}
+        head = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    state: dict[str, Any] = {"address": f"127.0.0.1:{gcs}",
+                             "dashboard": env["RAY_API_SERVER_ADDRESS"],
+                             "head_pid": head.pid,
+                             "head_created": psutil.Process(head.pid).create_time(),
+                             "temp_dir": str(temp_dir), "num_cpus": num_cpus,
+                             "keep_warm_minutes": minutes, "started_at": time.time(),
+                             "fingerprint": wanted}
     try:
         deadline = time.time() + HEAD_READY_S
         while not answers(state["address"]):
@@ -256,10 +268,11 @@ def start(directory: Path, minutes: float, num_cpus: int, wanted: dict[str, Any]
                                    f"(log {directory / HEAD_LOG}):\n{tail}")
             time.sleep(0.1)
         with open(directory / KEEPER_LOG, "ab", opener=owner_only) as log:
-            keeper = subprocess.Popen([sys.executable, "-m", "orchestrator.cluster.warm", "keep", str(head.pid)],
-                                      stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
-        state |= {"keeper_pid": keeper.pid, "keeper_created": psutil.Process(keeper.pid).create_time()}
+            keep = [sys.executable, "-m", "orchestrator.cluster.warm", "keep", str(head.pid)]
+            keeper = subprocess.Popen(keep, stdin=subprocess.DEVNULL, stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True)
+        state |= {"keeper_pid": keeper.pid,
+                  "keeper_created": psutil.Process(keeper.pid).create_time()}
         write_state(directory, state)
     except BaseException:
         stop_cluster(state, directory)
@@ -278,7 +291,8 @@ def _processes(state: dict[str, Any]) -> list[psutil.Process]:
     for process in psutil.process_iter(["cmdline", "uids"]):
         try:
             line = process.info["cmdline"] or []
-            ray_program = any("/ray/" in a or os.path.basename(a) in ("gcs_server", "raylet") for a in line[:2])
+            ray_program = any("/ray/" in a or os.path.basename(a) in ("gcs_server", "raylet")
+                              for a in line[:2])
             if (process.info["uids"].real == os.getuid() and ray_program
                     and any(a.endswith(temp_dir) or temp_dir + os.sep in a for a in line)):
                 found.setdefault(process.pid, process)
@@ -303,12 +317,13 @@ def stop_cluster(state: dict[str, Any], directory: Path) -> None:
     deadline = time.time() + 10
     while any(_running(p) for p in processes) and time.time() < deadline:
         time.sleep(0.05)
-    if read_state(directory) == state or (read_state(directory) or {}).get("head_pid") == state["head_pid"]:
+    if (read_state(directory) == state
+            or (read_state(directory) or {}).get("head_pid") == state["head_pid"]):
         (directory / STATE).unlink(missing_ok=True)
     if not state["temp_dir"].startswith(str(directory)):  # with the private directory it lies in
         temp_dir = Path(state["temp_dir"])
-        shutil.rmtree(temp_dir.parent if temp_dir.parent.name.startswith(PRIVATE_TEMP) else temp_dir,
-                      ignore_errors=True)
+        shutil.rmtree(temp_dir.parent if temp_dir.parent.name.startswith(PRIVATE_TEMP)
+                      else temp_dir, ignore_errors=True)
 
 
 def _running(process: psutil.Process) -> bool:
@@ -343,7 +358,8 @@ def _in_use(directory: Path) -> bool:
 
 
 def status() -> str:
-    """`orchestrator cluster status`: the recorded cluster, whether it answers, and when it stops."""
+    """`orchestrator cluster status`: the recorded cluster, whether it answers, and when it
+    stops."""
     directory = warm_dir()
     state = read_state(directory)
     if state is None:
@@ -387,8 +403,8 @@ def keep(head_pid: int) -> None:
             return
         if not ours:
             if time.time() - began > UNRECORDED_S:  # never recorded, or replaced: never left behind
-                stop_cluster({"head_pid": head_pid, "head_created": created, "temp_dir": _head_temp_dir(head_pid)},
-                     directory)
+                stop_cluster({"head_pid": head_pid, "head_created": created,
+                              "temp_dir": _head_temp_dir(head_pid)}, directory)
                 return
             continue
         assert state is not None

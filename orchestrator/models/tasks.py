@@ -194,8 +194,8 @@ class Regression(Task):
         prediction, y = prediction.double().flatten(1), y.double().flatten(1)
         sums = super().metric_sums(output, batch) | {"abs": (prediction - y).abs().sum(),
                                                      "rows": y.new_tensor(float(len(y)))}
-        # R² per target column needs each column's own sums: one variance pooled over columns counts
-        # the gaps between the columns' means as variance the model explains.
+        # R² per target column needs each column's own sums: one variance pooled over columns
+        # counts the gaps between the columns' means as variance the model explains.
         columns = (("y", y.sum(0)), ("y2", (y * y).sum(0)), ("se", ((prediction - y) ** 2).sum(0)))
         for name, column_sums in columns:
             sums |= {f"{name}/{j}": value for j, value in enumerate(column_sums)}
