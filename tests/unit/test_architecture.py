@@ -270,6 +270,17 @@ def test_no_function_or_file_is_over_its_size_limit() -> None:
     assert not over, f"split these (limits: {MAX_FUNCTION_LINES} lines a function, {MAX_FILE_LINES} a file): {named}"
 
 
+MAX_LINE_COLUMNS = 100  # product code only (pyproject.toml's ruff line length; tests and scripts keep 120)
+
+
+def test_no_product_line_is_over_100_columns() -> None:
+    """Files are kept under their size by splitting them by role, not by packing lines: a long line is wrapped."""
+    files = sorted(p for pkg in PRODUCT for p in (ROOT / pkg).rglob("*.py"))
+    long = [f"{path.relative_to(ROOT)}:{number}" for path in files
+            for number, line in enumerate(path.read_text().splitlines(), 1) if len(line) > MAX_LINE_COLUMNS]
+    assert not long, f"wrap these lines at {MAX_LINE_COLUMNS} columns: {long}"
+
+
 def test_size_check_counts_from_the_def_to_the_end_and_names_each_offender(tmp_path: Path,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     def body(indent: int) -> str:  # one line short of the limit, with the def line
