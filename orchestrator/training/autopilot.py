@@ -10,7 +10,6 @@ checkpoint carries it and a resume applies it without searching."""
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import time
 import warnings
@@ -22,7 +21,8 @@ import torch
 
 from orchestrator.config import Config
 from orchestrator.models.tasks import step_loss_sum
-from orchestrator.training import fsdp, ranks
+from orchestrator.training import ranks
+from orchestrator.training.candidates import micro_options, other_options
 from orchestrator.training.checkpoint import Progress, unwrap
 from orchestrator.training.knobs import Knobs, Settings, flush_switchable
 from orchestrator.training.memory import GIB, is_oom, release_cached_memory, restart_peak
@@ -78,7 +78,8 @@ def _spread(times: list[float]) -> float:
     return statistics.median(abs(t - middle) for t in times) / middle if middle > 0 else 0.0
 
 
-def begin(cfg: Config, parts: Parts, progress: Progress) -> tuple[Autopilot | None, dict[str, Any] | None]:
+def begin(cfg: Config, parts: Parts,
+          progress: Progress) -> tuple[Autopilot | None, dict[str, Any] | None]:
     """At the loop's start, on every rank: the search to run, or None with what the first report
     carries (rank 0; None elsewhere): the choice kept from the checkpoint, applied here, or why the
     run is too short to search. A group resized since the checkpoint keeps its choice but the
@@ -86,7 +87,8 @@ def begin(cfg: Config, parts: Parts, progress: Progress) -> tuple[Autopilot | No
     t = cfg.train
     rank, world = ranks.world()
     per_worker = t.micro_batch_size * t.grad_accum_steps  # type: ignore[operator]
-    knobs = Knobs(parts, t.micro_batch_size, t.flush_denormal, t.local_sgd)  # type: ignore[arg-type]
+    knobs = Knobs(parts, t.micro_batch_size, t.flush_denormal,  # type: ignore[arg-type]
+                  t.local_sgd)
     start = knobs.read(parts, per_worker)
     saved = progress.autopilot
     resized = saved is not None and saved.get("world") != world
@@ -97,7 +99,8 @@ def begin(cfg: Config, parts: Parts, progress: Progress) -> tuple[Autopilot | No
         if resized or not _joins(chosen.micro_batch_size, knobs.micro, per_worker):
             # The micro-batch depends on the world size (re-measured below after a resize); the rest
             # holds.
-            chosen = replace(chosen, micro_batch_size=start.micro_batch_size, grad_accum_steps=start.grad_accum_steps)
+            chosen = replace(chosen, micro_batch_size=start.micro_batch_size,
+                             grad_accum_steps=start.grad_accum_steps)
         knobs.apply(parts, chosen)
         if not resized:
             kept = summary(Settings(**(asdict(start) | saved["start"])), chosen,
@@ -141,8 +144,9 @@ def _joins(micro: int, pipeline_micro: int, per_worker: int) -> bool:
 
 def summary(start: Settings, chosen: Settings, **figures: Any) -> dict[str, Any]:
     """The report's "autopilot" dict (the contract the driver prints and logs)."""
-    return {"rows": [], "start": asdict(start), "chosen": asdict(chosen), "from_checkpoint": False, "search_s": 0.0,
-            "search_steps": 0, "predicted_speedup": None, "skipped": None} | figures
+    return {"rows": [], "start": asdict(start), "chosen": asdict(chosen), "from_checkpoint": False,
+            "search_s": 0.0, "search_steps": 0, "predicted_speedup": None,
+            "skipped": None} | figures
 
 
 class Autopilot:
@@ -150,8 +154,8 @@ class Autopilot:
     rank 0's summary. Every rank runs the same candidates in the same steps: rank 0's decisions are
     broadcast."""
 
-    def __init__(self, cfg: Config, progress: Progress, knobs: Knobs, start: Settings, per_worker: int,
-                 micro_only: bool = False) -> None:
+    def __init__(self, cfg: Config, progress: Progress, knobs: Knobs, start: Settings,
+                 per_worker: int, micro_only: bool = False) -> None:
         self.cfg, self.progress, self.knobs, self.per_worker = cfg, progress, knobs, per_worker
         # a resized group: the rest of the checkpoint's choice holds at any size
         self.micro_only = micro_only
@@ -192,9 +196,11 @@ class Autopilot:
         result, compiled = self._run(parts, batch, timer, trial)
         if parts.device.type == "cuda":
             torch.cuda.synchronize(parts.device)
-        peak = torch.cuda.max_memory_allocated(parts.device) / GIB if parts.device.type == "cuda" else 0.0
+        peak = (torch.cuda.max_memory_allocated(parts.device) / GIB if parts.device.type == "cuda"
+                else 0.0)
         seconds, ran_out, peak = ranks.all_reduce_max(
-            [time.perf_counter() - started, float(parts.state.oom_retries > retries), peak], parts.device)
+            [time.perf_counter() - started, float(parts.state.oom_retries > retries), peak],
+            parts.device)
         self.spent, self.steps = self.spent + seconds, self.steps + 1
         self.charged += seconds if self.best is not None else 0.0
         trial.peak_gb = max(trial.peak_gb, peak)
@@ -211,7 +217,8 @@ class Autopilot:
         elif trial.failed is None:
             trial.times.append(seconds)
             trial.losses.append(float(result.loss_sum) / max(float(result.targets), 1.0))
-        code = ranks.rank0_int(self._verdict(trial) if ranks.world()[0] == 0 else GO_ON, parts.device)
+        verdict = self._verdict(trial) if ranks.world()[0] == 0 else GO_ON
+        code = ranks.rank0_int(verdict, parts.device)
         if code & END:
             self._close(parts, code)
         return result
@@ -235,7 +242,8 @@ class Autopilot:
             trial.failed = f"failed: out of memory at {trial.piece_rows} rows per forward"
             self.knobs.apply(parts, self.best.settings)
 
-    def _run(self, parts: Parts, batch: list[Batch], timer: PhaseTimer, trial: Trial) -> tuple[StepResult, bool]:
+    def _run(self, parts: Parts, batch: list[Batch], timer: PhaseTimer,
+             trial: Trial) -> tuple[StepResult, bool]:
         """The step; True with it when the step compiled the model."""
         if parts.eager_model is None:
             return train_step(parts, batch, timer), False
@@ -243,7 +251,8 @@ class Autopilot:
             warnings.simplefilter("always")
             result, _ = first_compiled_step(parts, batch)
         if parts.model is not self.knobs.compiled:  # every rank fell back to eager, together
-            why = next((str(w.message) for w in caught if "torch.compile" in str(w.message)), "torch.compile failed")
+            why = next((str(w.message) for w in caught if "torch.compile" in str(w.message)),
+                       "torch.compile failed")
             trial.failed, self.knobs.compiled = f"failed: {why.splitlines()[0][:200]}", None
         return result, True
 
@@ -260,7 +269,8 @@ class Autopilot:
             return END | stop if stable or stop else GO_ON
         ratio = self._cost(trial) / self._cost(self.best)
         adopt = ADOPT if ratio < 1 - self.margin and n >= MIN_TIMED else GO_ON
-        decided = ratio >= 1 - self.margin / 2 or ratio <= 1 - 2 * self.margin or _spread(trial.times) <= self.margin
+        decided = (ratio >= 1 - self.margin / 2 or ratio <= 1 - 2 * self.margin
+                   or _spread(trial.times) <= self.margin)
         if stop or ratio >= HOPELESS or n >= MAX_TIMED or (n >= MIN_TIMED and decided):
             return END | stop | adopt
         return GO_ON
@@ -278,7 +288,8 @@ class Autopilot:
         if self.best is None:
             trial.settings = self.start = self.knobs.read(parts, self.per_worker)
             self.best = trial
-            self.margin = min(max(2 * _spread(trial.times), MARGIN[0]), MARGIN[1]) if trial.times else MARGIN[1]
+            self.margin = (min(max(2 * _spread(trial.times), MARGIN[0]), MARGIN[1]) if trial.times
+                           else MARGIN[1])
             budget_s = self.cfg.autopilot.budget * self.steps_left * trial.step_s
             self.budget_s = budget_s if math.isfinite(budget_s) else 0.0
         elif code & ADOPT:
@@ -311,7 +322,8 @@ class Autopilot:
         """Rank 0: the next candidate, or None when the budget or the run's steps left cannot
         measure one more."""
         one = (WARMUP + MIN_TIMED) * self.best.step_s  # type: ignore[union-attr]
-        if self.charged + one > self.budget_s or self.steps + WARMUP + MIN_TIMED >= self.steps_left - 1:
+        out_of_budget = self.charged + one > self.budget_s
+        if out_of_budget or self.steps + WARMUP + MIN_TIMED >= self.steps_left - 1:
             return None
         tried = {t.settings for t in self.trials}
         return next((s for s in self.walker if s not in tried), None)  # type: ignore[union-attr]
@@ -326,7 +338,7 @@ class Autopilot:
         if self.micro_only:
             return
         searched = self.best.settings  # type: ignore[union-attr]
-        for key, values in self._other_options():
+        for key, values in other_options(self.cfg, self.start, self.knobs, self.flush_ok):
             for value in values:
                 if value != getattr(self.best.settings, key) and self._worth(key):
                     yield replace(self.best.settings, **{key: value})  # type: ignore[union-attr]
@@ -334,29 +346,18 @@ class Autopilot:
             yield from self._walk_micro()
 
     def _walk_micro(self) -> Iterator[Settings]:
-        larger, smaller = self._micro_options()
+        best = self.best.settings.micro_batch_size  # type: ignore[union-attr]
+        larger, smaller = micro_options(self.knobs, self.per_worker, best)
         for direction in (larger, smaller):
             improved = False
             for micro in direction:
-                yield replace(self.best.settings, micro_batch_size=micro,  # type: ignore[union-attr]
-                              grad_accum_steps=self.per_worker // micro)
+                yield replace(self.best.settings,  # type: ignore[union-attr]
+                              micro_batch_size=micro, grad_accum_steps=self.per_worker // micro)
                 if not self.adopted:
                     break
                 improved = True
             if improved:
                 break
-
-    def _micro_options(self) -> tuple[list[int], list[int]]:
-        """Micro-batches the step can run from the pipeline's (joined or cut), larger than the
-        best's ascending and up to two smaller ones descending. None under FSDP, where running out
-        of memory cannot be survived."""
-        if fsdp.is_sharded(self.knobs.eager):
-            return [], []
-        m, accum = self.knobs.micro, self.per_worker // self.knobs.micro
-        options = {m * k for k in range(2, accum + 1) if accum % k == 0 and (k & (k - 1) == 0 or k == accum)}
-        options |= {m // k for k in (2, 4) if m % k == 0}
-        best = self.best.settings.micro_batch_size  # type: ignore[union-attr]
-        return sorted(o for o in options if o > best), sorted((o for o in options if o < best), reverse=True)
 
     def _worth(self, key: str) -> bool:
         """Whether a candidate of `key` is measured now, from the best so far: compile, and a
@@ -368,36 +369,6 @@ class Autopilot:
             if self.charged + COMPILE_GUESS_S > self.budget_s:
                 return False
         return key != "tf32" or best.precision == "fp32"
-
-    def _other_options(self) -> list[tuple[str, list[Any]]]:
-        s, cpu = self.start, self.knobs.device.type == "cpu"
-        sharded = fsdp.is_sharded(self.knobs.eager)
-        options: list[tuple[str, list[Any]]] = []
-        if "sync" in self.cfg.autopilot.allow and ranks.world()[1] > 1 and not sharded:
-            # asked for: measured first
-            options.append(("sync", ["local_sgd" if s.sync == "ddp" else "ddp"]))
-        fp32 = s.precision == "fp32"
-        if self.cfg.train.precision == "auto" and s.precision == "bf16" and not sharded:
-            options.append(("precision", ["fp32"]))  # auto chose bf16: the device runs it natively
-            fp32 = True
-        if "tf32" in self.cfg.autopilot.allow and self.knobs.device.type == "cuda" and fp32:
-            # Asked for, on a GPU, where the run trains or may train in fp32 (`_worth`): from the
-            # config's setting.
-            options.append(("tf32", [not s.tf32]))
-        if not sharded:
-            options.append(("compile", [not s.compile]))
-        # a GPU step's kernels run on the device: the host's thread count measures only noise there
-        if cpu:
-            cpus = max(1, int(self.cfg.scaling.cpus_per_worker))
-            if hasattr(os, "sched_getaffinity"):
-                cpus = min(cpus, len(os.sched_getaffinity(0)))
-            options.append(("torch_threads", sorted({1, max(1, cpus // 2), cpus, s.torch_threads}, reverse=True)))
-        if cpu and self.flush_ok and not s.flush_denormal:
-            # Only towards on: subnormals appear late in training, so the first steps cannot see
-            # what flushing saves then (4x a step in bench/overhead.py), and turning it off on their
-            # figures could cost that.
-            options.append(("flush_denormal", [True]))
-        return options
 
     def _speedup(self) -> float | None:
         start, best = self.trials[0].step_s, self.best.step_s  # type: ignore[union-attr]
@@ -413,15 +384,18 @@ class Autopilot:
                 "samples_per_s": batch / trial.step_s if measured else None,
                 "ratio": start_s / trial.step_s if measured and math.isfinite(start_s) else None,
                 "peak_memory_gb": trial.peak_gb or None, "compile_s": trial.compile_s,
-                "status": trial.failed or ("ok" if trial.times else "stopped: the budget "
-                                                                    "ran out in its warm-up"),
-                "chosen": trial is self.best, "loss": statistics.fmean(trial.losses) if trial.losses else None})
+                "status": trial.failed or ("ok" if trial.times
+                                           else "stopped: the budget ran out in its warm-up"),
+                "chosen": trial is self.best,
+                "loss": statistics.fmean(trial.losses) if trial.losses else None})
         return summary(self.start, self.best.settings, rows=table,  # type: ignore[union-attr]
-                       search_s=self.spent, search_steps=self.steps, predicted_speedup=self._speedup(),
-                       budget_s=self.budget_s, budget_spent_s=self.charged)
+                       search_s=self.spent, search_steps=self.steps,
+                       predicted_speedup=self._speedup(), budget_s=self.budget_s,
+                       budget_spent_s=self.charged)
 
 
-def saved(start: Settings, chosen: Settings, speedup: float | None, start_rate: float) -> dict[str, Any]:
+def saved(start: Settings, chosen: Settings, speedup: float | None,
+          start_rate: float) -> dict[str, Any]:
     """What a checkpoint keeps of the choice (Progress.autopilot); the starting configuration's
     measured samples/s (0 when it was not measured) lets a resumed run's summary say what the choice
     achieves against it."""

@@ -57,7 +57,8 @@ class Cadence:
                  progress: Progress, clock: Callable[[], float] = time.monotonic) -> None:
         self.t, self.ckpt, self.mtbf_minutes = cfg.train, cfg.checkpoint, cfg.failure.mtbf_minutes
         notices = notices or Notices()
-        self.has_val, self.preempted, self.stop_requested = has_val, notices.preempted, notices.stop_requested
+        self.has_val, self.preempted, self.stop_requested = (has_val, notices.preempted,
+                                                             notices.stop_requested)
         self.superseded = notices.superseded
         # stopped: the user's stop saved at a report, or a newer attempt claimed the run; the loop
         # ends there.
@@ -70,9 +71,10 @@ class Cadence:
         self.auto = cfg.checkpoint.every == "auto"
         # Every report step is a multiple of this (log_every, eval_every and a fixed
         # checkpoint.every divide it).
-        self.every = math.gcd(cfg.train.log_every, *(n for n in (cfg.train.eval_every if has_val else None,
-                                                                  None if self.auto else cfg.checkpoint.every)
-                                                     if isinstance(n, int)))
+        self.every = math.gcd(cfg.train.log_every,
+                              *(n for n in (cfg.train.eval_every if has_val else None,
+                                            None if self.auto else cfg.checkpoint.every)
+                                if isinstance(n, int)))
         # Restarted from a checkpoint: an interruption (failure, resize, --resume), unless the
         # user's own stop saved it (Ctrl+C is no failure: it would shorten the interval for the rest
         # of the run).
@@ -85,8 +87,10 @@ class Cadence:
         if step % self.every and step != self.t.max_steps:
             return None
         last = step == self.t.max_steps
-        due = Due(eval=self.has_val and (last or (self.t.eval_every is not None and step % self.t.eval_every == 0)),
-                  checkpoint=last or (not self.auto and step % self.ckpt.every == 0),  # type: ignore[operator]
+        due = Due(eval=self.has_val and (last or (self.t.eval_every is not None
+                                                  and step % self.t.eval_every == 0)),
+                  checkpoint=last or (not self.auto
+                                      and step % self.ckpt.every == 0),  # type: ignore[operator]
                   last=last)
         if not (due.eval or due.checkpoint or step % self.t.log_every == 0):
             return None
@@ -143,4 +147,5 @@ class Cadence:
         if interval is None:
             return {}
         return {"checkpoint/interval_s": interval.seconds, "checkpoint/cost_s": interval.cost_s,
-                "checkpoint/mtbf_s": interval.mtbf_s, "checkpoint/interruptions": self.progress.interruptions}
+                "checkpoint/mtbf_s": interval.mtbf_s,
+                "checkpoint/interruptions": self.progress.interruptions}

@@ -91,12 +91,14 @@ class ReportChannel:
     def __init__(self, host: str) -> None:
         self.key = secrets.token_bytes(32)
         self.items: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self._listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, 0), family=family)
         self._closed = threading.Event()
         self._closing = threading.Lock()  # an item is in the queue before the end mark, or refused
         self._readers: set[int] = set()  # the senders' connections (descriptors), shut at close
         self.sender = ChannelSender(self._listener.getsockname()[:2], self.key)
-        threading.Thread(target=self._accept, name="orchestrator-reports-listener", daemon=True).start()
+        threading.Thread(target=self._accept, name="orchestrator-reports-listener",
+                         daemon=True).start()
 
     def get(self, timeout: float | None = None) -> dict[str, Any] | None:
         """The next item, or `END` once the channel is closed and emptied. Raises queue.Empty after
@@ -128,7 +130,8 @@ class ReportChannel:
                 sock, _ = self._listener.accept()
             except OSError:  # closed
                 return
-            threading.Thread(target=self._read, args=(sock,), name="orchestrator-reports-reader", daemon=True).start()
+            threading.Thread(target=self._read, args=(sock,), name="orchestrator-reports-reader",
+                             daemon=True).start()
 
     def _read(self, sock: socket.socket) -> None:
         """One sender's items, in order. The handshake comes first, here, so a silent peer holds

@@ -56,7 +56,8 @@ def capture_rng(device: torch.device | None = None) -> dict[str, Any]:
     """This process's RNG streams; of CUDA's, only the training `device`'s: a restarted rank may see
     other devices, or its device under another index, and a state per visible device would not map
     onto them."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
     if device is not None and device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
@@ -87,8 +88,8 @@ def save_state(directory: str | Path, state: dict[str, Any]) -> Path:
     tmp = path.with_name(f".{STATE_FILE}.tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
-    files = {p.name: p.stat().st_size for p in Path(directory).iterdir() if p.is_file() and p.name != MANIFEST
-             and not p.name.startswith(".")}
+    files = {p.name: p.stat().st_size for p in Path(directory).iterdir()
+             if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")}
     manifest = Path(directory) / MANIFEST
     tmp = manifest.with_name(f".{MANIFEST}.tmp")
     # The cache decision too: the driver reads it (manifest_cache_decision) before it builds the
@@ -153,7 +154,8 @@ def load_state(directory: str | Path) -> dict[str, Any]:
     return load_state_file(str(path), str(path))
 
 
-def checkpoint_state(parts: Parts, progress: Progress, micro_batch_size: int) -> dict[str, Any] | None:
+def checkpoint_state(parts: Parts, progress: Progress,
+                     micro_batch_size: int) -> dict[str, Any] | None:
     """Everything for an exact resume, on rank 0 (None on the others). A collective: every rank
     calls it, and gives what differs per rank (`rank_state`). `micro_batch_size` lets an auto-sized
     run resume with the micro-batch it ran with (the same rounding)."""
@@ -170,10 +172,12 @@ def checkpoint_state(parts: Parts, progress: Progress, micro_batch_size: int) ->
     if (seen := union_packed([r["seen"] for r in ranks])) is not None:
         state[SEEN] = seen
     if parts.local_sgd is None:  # DDP: one optimizer state, the same on every rank
-        return state | {"optimizer": parts.optimizer.state_dict(), "precision": parts.precision.state_dict()}
+        return state | {"optimizer": parts.optimizer.state_dict(),
+                        "precision": parts.precision.state_dict()}
     # Local SGD: each rank's optimizer moments (and fp16 loss scale) follow its own data; keep them
     # all.
-    return state | {"optimizer": [r["optimizer"] for r in ranks], "precision": [r["precision"] for r in ranks],
+    return state | {"optimizer": [r["optimizer"] for r in ranks],
+                    "precision": [r["precision"] for r in ranks],
                     "local_sgd": parts.local_sgd.state_dict()}
 
 
@@ -183,7 +187,8 @@ def rank_state(parts: Parts, progress: Progress) -> dict[str, Any]:
     state (on the CPU, so any rank can load it)."""
     state: dict[str, Any] = {"rng": capture_rng(parts.device), "seen": progress.seen.packed()}
     if parts.local_sgd is not None:
-        state |= {"optimizer": _to_cpu(parts.optimizer.state_dict()), "precision": parts.precision.state_dict()}
+        state |= {"optimizer": _to_cpu(parts.optimizer.state_dict()),
+                  "precision": parts.precision.state_dict()}
     return state
 
 
@@ -214,7 +219,8 @@ def restore(parts: Parts, state: dict[str, Any], cache_decision: str | None = No
     optimizer, precision = state["optimizer"], state["precision"]
     if parts.local_sgd is not None:
         # After a resize there is no state of "this rank": every rank starts from rank 0's.
-        optimizer, precision = optimizer[rank if same_world else 0], precision[rank if same_world else 0]
+        source_rank = rank if same_world else 0
+        optimizer, precision = optimizer[source_rank], precision[source_rank]
     parts.optimizer.load_state_dict(optimizer)
     parts.scheduler.load_state_dict(state["scheduler"])
     parts.precision.load_state_dict(precision)
@@ -229,14 +235,16 @@ def _position(state: dict[str, Any], cache_decision: str | None, device: torch.d
     the next epoch boundary."""
     rank, size = world()
     progress = Progress(**state["progress"])
-    saved, progress.cache_decision = progress.cache_decision, cache_decision or progress.cache_decision
+    saved, progress.cache_decision = (progress.cache_decision,
+                                      cache_decision or progress.cache_decision)
     if len(state["rng"]) == size:
         restore_rng(state["rng"][rank], device)
     else:  # resized: new RNG streams, drawn per (step, rank)
         torch.manual_seed(int(np.random.default_rng([progress.step, rank]).integers(2**62)))
     seen = rest_of_epoch(state, cache_decision, size)
     if rank == 0 and progress.rows_in_epoch and not holds(state, cache_decision, size):
-        done = f"its {len(seen)} rows trained on are left out" if seen is not None else "finishing it early"
+        done = (f"its {len(seen)} rows trained on are left out" if seen is not None
+                else "finishing it early")
         print(f"the checkpoint's data position in epoch {progress.epoch} was counted by "
               f"{len(state['rng'])} worker(s) in the '{saved}' epoch order; {size} worker(s) "
               f"in the '{progress.cache_decision}' order finish the epoch: {done}", flush=True)
@@ -247,8 +255,7 @@ def _position(state: dict[str, Any], cache_decision: str | None, device: torch.d
     return progress
 
 
-# ---- sharded checkpoints (train.parallel=fsdp)
-# -----------------------------------------------------------------
+# ---- sharded checkpoints (train.parallel=fsdp) ---------------------------------------------------
 
 
 def storage_writer(filesystem: pafs.FileSystem, path: str) -> dcp.FileSystemWriter:
@@ -286,7 +293,8 @@ def _arrow_fs(filesystem: pafs.FileSystem) -> Any:
     return adapter
 
 
-def shared_state(parts: Parts, progress: Progress, micro_batch_size: int | str | None) -> dict[str, Any]:
+def shared_state(parts: Parts, progress: Progress,
+                 micro_batch_size: int | str | None) -> dict[str, Any]:
     """What a sharded checkpoint keeps beside the model and optimizer shards, the same on every rank
     (DCP keeps one copy): schedule, loss scale, progress and every rank's RNG streams. A
     collective."""
@@ -297,7 +305,8 @@ def shared_state(parts: Parts, progress: Progress, micro_batch_size: int | str |
     else:
         ranks = [mine]
     state = {"scheduler": parts.scheduler.state_dict(), "precision": parts.precision.state_dict(),
-             "progress": progress.saved(), "rng": [r[0] for r in ranks], "micro_batch_size": micro_batch_size}
+             "progress": progress.saved(), "rng": [r[0] for r in ranks],
+             "micro_batch_size": micro_batch_size}
     if (seen := union_packed([r[1] for r in ranks])) is not None:
         state[SEEN] = seen
     return state
@@ -352,12 +361,12 @@ class ShardedSaver:
         if self.asynchronous:
             if self.group is None:
                 self.group = fsdp.checkpoint_group()  # a collective: first checkpoint, every rank
-            written = fsdp.async_save_sharded(path, parts.model, parts.optimizer, extra, group=self.group,
-                                              storage=writer)
+            written = fsdp.async_save_sharded(path, parts.model, parts.optimizer, extra,
+                                              group=self.group, storage=writer)
         else:
             fsdp.save_sharded(path, parts.model, parts.optimizer, extra, storage=writer)
-        self.last = PendingCheckpoint(filesystem, path, progress.step, progress.cache_decision, written,
-                                      progress.attempt)
+        self.last = PendingCheckpoint(filesystem, path, progress.step, progress.cache_decision,
+                                      written, progress.attempt)
         return self.last
 
     def close(self) -> None:
@@ -374,12 +383,13 @@ def write_manifest(filesystem: pafs.FileSystem, path: str, step: int, cache_deci
     import pyarrow.fs as pafs
 
     infos = filesystem.get_file_info(pafs.FileSelector(path))
-    files = {i.base_name: i.size for i in infos if i.type == pafs.FileType.File and i.base_name != MANIFEST
+    files = {i.base_name: i.size for i in infos
+             if i.type == pafs.FileType.File and i.base_name != MANIFEST
              and not i.base_name.endswith(".tmp")}
     tmp = f"{path}/.{MANIFEST}.tmp"
     with filesystem.open_output_stream(tmp) as f:
-        f.write(json.dumps({"format": 2, "step": step, "cache_decision": cache_decision, "sharded": True,
-                            "attempt": attempt, "files": files}).encode())
+        f.write(json.dumps({"format": 2, "step": step, "cache_decision": cache_decision,
+                            "sharded": True, "attempt": attempt, "files": files}).encode())
     filesystem.move(tmp, f"{path}/{MANIFEST}")
 
 
@@ -411,7 +421,8 @@ def read_sharded_state(filesystem: pafs.FileSystem, path: str) -> dict[str, Any]
     return load_state_file(buffer, name) | {SHARDS: (filesystem, path)}
 
 
-def restore_sharded(parts: Parts, state: dict[str, Any], cache_decision: str | None = None) -> Progress:
+def restore_sharded(parts: Parts, state: dict[str, Any],
+                    cache_decision: str | None = None) -> Progress:
     """Load what `read_sharded_state` gave: the shards into the freshly sharded model and optimizer
     of `parts` at any world size (the saved shards are cut again for this one), then the shared
     state; as `restore`, RNG streams and the data position come back at the same world size, the

@@ -29,12 +29,14 @@ class AutoInterval:
     bound: str | None
 
     def why(self) -> str:
-        formula = f"sqrt(2 x {self.cost_s:.2g} s a checkpoint x {self.mtbf_s:,.0f} s between interruptions)"
+        formula = (f"sqrt(2 x {self.cost_s:.2g} s a checkpoint x {self.mtbf_s:,.0f} s "
+                   "between interruptions)")
         if self.bound == "cost":
-            return f"{formula} = {young(self.cost_s, self.mtbf_s):.1f} s, raised so checkpoints block at most " \
-                   f"{MAX_COST_SHARE:.0%} of the time"
+            return (f"{formula} = {young(self.cost_s, self.mtbf_s):.1f} s, raised so checkpoints "
+                    f"block at most {MAX_COST_SHARE:.0%} of the time")
         if self.bound == "cap":
-            return f"{formula} = {young(self.cost_s, self.mtbf_s):,.0f} s, capped by checkpoint.every_minutes"
+            return (f"{formula} = {young(self.cost_s, self.mtbf_s):,.0f} s, "
+                    "capped by checkpoint.every_minutes")
         return formula
 
 

@@ -25,7 +25,8 @@ def evaluate(parts: Parts, batches: Iterable[Batch]) -> dict[str, float]:
     model = unwrap(parts.model)
     model.eval()
     totals: dict[str, torch.Tensor] = {}
-    for batch, real in _lockstep(batches, parts) if fsdp.is_sharded(model) else ((b, True) for b in batches):
+    for batch, real in (_lockstep(batches, parts) if fsdp.is_sharded(model)
+                        else ((b, True) for b in batches)):
         batch = to_device(batch, parts.device)
         with parts.precision.autocast():
             output = parts.call(model, batch)
@@ -36,7 +37,8 @@ def evaluate(parts: Parts, batches: Iterable[Batch]) -> dict[str, float]:
     # Every rank reduces the same keys in the same order; a rank without rows learns them from the
     # others.
     keys = sorted(ranks.gather_keys(list(totals)))
-    sums = dict(zip(keys, ranks.all_reduce_sum([float(totals.get(k, 0.0)) for k in keys], parts.device),
+    sums = dict(zip(keys,
+                    ranks.all_reduce_sum([float(totals.get(k, 0.0)) for k in keys], parts.device),
                     strict=True))
     release_if_pressed(parts.device)  # the cache stays unless the device is short
     if not sums.get("count"):
@@ -70,4 +72,5 @@ def _empty_like_others(batch: Batch | None, device: torch.device) -> Batch:
     shapes: list[dict[str, tuple[tuple[int, ...], torch.dtype]] | None] = [None] * ranks.world()[1]
     dist.all_gather_object(shapes, mine)
     first = next(s for s in shapes if s is not None)
-    return {k: torch.empty((0, *shape), dtype=dtype, device=device) for k, (shape, dtype) in first.items()}
+    return {k: torch.empty((0, *shape), dtype=dtype, device=device)
+            for k, (shape, dtype) in first.items()}

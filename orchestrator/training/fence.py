@@ -61,7 +61,8 @@ def claims_in(filesystem: pafs.FileSystem, run_path: str) -> list[Claim]:
     """read_claims on a pyarrow filesystem."""
     import pyarrow.fs as pafs
 
-    infos = filesystem.get_file_info(pafs.FileSelector(f"{run_path}/{CLAIMS_DIR}", allow_not_found=True))
+    infos = filesystem.get_file_info(pafs.FileSelector(f"{run_path}/{CLAIMS_DIR}",
+                                                       allow_not_found=True))
     found = [Claim.parse(i.base_name, i.mtime.timestamp() if i.mtime else 0.0) for i in infos
              if i.type == pafs.FileType.File]
     return sorted(c for c in found if c is not None)

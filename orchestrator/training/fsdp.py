@@ -129,7 +129,8 @@ def shard_model(model: nn.Module, *, mesh: DeviceMesh, blocks: Sequence[str] | N
     # modules() is pre-order: reversed, an inner block comes before its holder
     for block in reversed(found):
         if not isinstance(block, FSDPModule):
-            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+            fully_shard(block, mesh=mesh, mp_policy=policy,
+                        reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     return model
 
@@ -200,11 +201,11 @@ def recover(model: nn.Module) -> None:
                         unsharded.grad = None
 
 
-# ---- state
-# -----------------------------------------------------------------------------------------------------
+# ---- state ---------------------------------------------------------------------------------------
 
 
-def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+def state_dicts(model: nn.Module,
+                optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
     """(model, optimizer) state dicts of this rank's shards (DTensor values, keyed by parameter
     name, so the same keys at every world size)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -212,15 +213,16 @@ def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dic
     return get_state_dict(model, optimizer)
 
 
-def load_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict[str, Any],
-                     optim_state: dict[str, Any]) -> None:
+def load_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer,
+                     model_state: dict[str, Any], optim_state: dict[str, Any]) -> None:
     """Load what `state_dicts` gave (or DCP filled in) into the sharded model and its optimizer."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
 
 
-def _to_save(model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any] | None) -> dict[str, Any]:
+def _to_save(model: nn.Module, optimizer: torch.optim.Optimizer,
+             extra: dict[str, Any] | None) -> dict[str, Any]:
     model_state, optim_state = state_dicts(model, optimizer)
     state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
     if extra is not None:
@@ -234,7 +236,8 @@ def _to_save(model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str
 
 
 def save_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 extra: dict[str, Any] | None = None, *, storage: StorageWriter | None = None) -> None:
+                 extra: dict[str, Any] | None = None, *,
+                 storage: StorageWriter | None = None) -> None:
     """Write a sharded checkpoint into the directory `path`: every rank its own shards
     (`__<rank>_0.distcp`), the coordinator (rank 0) the `.metadata` file last. A collective: every
     rank calls it. `extra` (scheduler, progress, precision state...) must be the same on every rank:
@@ -242,7 +245,8 @@ def save_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Opti
     (checkpoint.storage_writer); by default a local one."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_to_save(model, optimizer, extra), checkpoint_id=None if storage else str(path), storage_writer=storage)
+    dcp.save(_to_save(model, optimizer, extra), checkpoint_id=None if storage else str(path),
+             storage_writer=storage)
 
 
 def checkpoint_group() -> dist.ProcessGroup:
@@ -253,7 +257,8 @@ def checkpoint_group() -> dist.ProcessGroup:
 
 
 def async_save_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                       extra: dict[str, Any] | None = None, *, group: dist.ProcessGroup | None = None,
+                       extra: dict[str, Any] | None = None, *,
+                       group: dist.ProcessGroup | None = None,
                        storage: StorageWriter | None = None) -> Future:
     """`save_sharded` in a background thread. The state is first copied to CPU memory (before this
     returns), so training may go on changing the parameters; `.result()` on the returned future
@@ -262,7 +267,8 @@ def async_save_sharded(path: str | Path, model: nn.Module, optimizer: torch.opti
     import torch.distributed.checkpoint as dcp
 
     return dcp.async_save(_to_save(model, optimizer, extra),  # type: ignore[return-value]
-                          checkpoint_id=None if storage else str(path), storage_writer=storage, process_group=group)
+                          checkpoint_id=None if storage else str(path), storage_writer=storage,
+                          process_group=group)
 
 
 def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -285,7 +291,8 @@ def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Opti
     if EXTRA_KEY not in state:
         return None
     state[EXTRA_KEY].seek(0)
-    return load_state_file(state[EXTRA_KEY], f"{path}/{stored_in(metadata, EXTRA_KEY).relative_path}")
+    return load_state_file(state[EXTRA_KEY],
+                           f"{path}/{stored_in(metadata, EXTRA_KEY).relative_path}")
 
 
 def stored_in(metadata: Any, key: str) -> Any:
@@ -314,13 +321,15 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return _unaliased(get_optimizer_state_dict(model, optimizer, options=whole), _live(model, optimizer))
+    return _unaliased(get_optimizer_state_dict(model, optimizer, options=whole),
+                      _live(model, optimizer))
 
 
 def _live(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> set[int]:
     tensors = [*model.parameters(), *model.buffers()]
     if optimizer is not None:
-        tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        tensors += [v for state in optimizer.state.values() for v in state.values()
+                    if isinstance(v, torch.Tensor)]
     return {local_tensor(t).data_ptr() for t in tensors if local_tensor(t).numel()}
 
 
@@ -338,8 +347,7 @@ def _unaliased(tree: Any, live: set[int]) -> Any:
     return tree
 
 
-# ---- memory
-# ----------------------------------------------------------------------------------------------------
+# ---- memory --------------------------------------------------------------------------------------
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,8 @@ class Settings:
         return (f"micro {self.micro_batch_size} x {self.grad_accum_steps} | "
                 f"compile {_on(self.compile)} | threads {self.torch_threads} "
                 f"| flush {_on(self.flush_denormal)} | {self.precision}"
-                + (" | tf32" if self.tf32 else "") + (f" | {self.sync}" if self.sync != "ddp" else ""))
+                + (" | tf32" if self.tf32 else "")
+                + (f" | {self.sync}" if self.sync != "ddp" else ""))
 
 
 def _on(flag: bool) -> str:
@@ -51,7 +52,8 @@ class Knobs:
     """Puts a candidate's settings on the running Parts. `micro`: the micro-batch the data pipeline
     cuts; a larger candidate joins its micro-batches, a smaller one cuts them (step.cut)."""
 
-    def __init__(self, parts: Parts, micro: int, flush: bool, local_sgd: tuple[int, float, float | None]) -> None:
+    def __init__(self, parts: Parts, micro: int, flush: bool,
+                 local_sgd: tuple[int, float, float | None]) -> None:
         self.micro, self.flush, self.device, self.local_sgd = micro, flush, parts.device, local_sgd
         # a run configured compiled: its eager fallback
         self.eager = parts.eager_model or parts.model
@@ -60,9 +62,11 @@ class Knobs:
     def read(self, parts: Parts, per_worker: int) -> Settings:
         """The settings `parts` runs with now."""
         micro = self.micro * parts.state.join // parts.state.split
-        return Settings(micro, per_worker // micro, self.compiled is not None and parts.model is self.compiled,
+        return Settings(micro, per_worker // micro,
+                        self.compiled is not None and parts.model is self.compiled,
                         torch.get_num_threads(), self.flush, parts.precision.mode,
-                        "local_sgd" if parts.local_sgd is not None else "ddp", torch.backends.cuda.matmul.allow_tf32)
+                        "local_sgd" if parts.local_sgd is not None else "ddp",
+                        torch.backends.cuda.matmul.allow_tf32)
 
     def apply(self, parts: Parts, s: Settings) -> None:
         if s.micro_batch_size >= self.micro:
@@ -143,7 +147,8 @@ def _omp_pause() -> Callable[[int], int] | None:
     if not torch.backends.openmp.is_available():
         return None
     lib = Path(torch.__file__).parent / "lib"
-    bundled = [str(p) for pattern in ("libgomp*", "libomp*", "libiomp*") for p in sorted(lib.glob(pattern))]
+    bundled = [str(p) for pattern in ("libgomp*", "libomp*", "libiomp*")
+               for p in sorted(lib.glob(pattern))]
     for name in [*bundled, None]:
         try:
             pause = ctypes.CDLL(name).omp_pause_resource_all

@@ -10,7 +10,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -23,6 +23,7 @@ from orchestrator.training.cadence import Cadence, Due, Notices
 from orchestrator.training.checkpoint import Progress, checkpoint_state, save_state, unwrap
 from orchestrator.training.evaluation import evaluate
 from orchestrator.training.fsdp import is_sharded
+from orchestrator.training.interval import Interval
 from orchestrator.training.memory import cuda_memory_stats, device_facts
 from orchestrator.training.parts import Parts, rank_bytes
 from orchestrator.training.position import micro_batches
@@ -49,7 +50,8 @@ class Reporter(Protocol):
         rank 0 only. Under train.parallel=fsdp every rank passes what its `save_sharded` returned
         instead."""
 
-    def save_sharded(self, parts: Parts, progress: Progress, micro_batch_size: int | str | None) -> Any:
+    def save_sharded(self, parts: Parts, progress: Progress,
+                     micro_batch_size: int | str | None) -> Any:
         """train.parallel=fsdp only, checkpoint steps, every rank: start writing this rank's shards
         into the next checkpoint directory (training/checkpoint.py `ShardedSaver`); returns what
         `checkpoint` then registers."""
@@ -83,46 +85,6 @@ class _Run:
     reporter: Reporter
     progress: Progress
     replicas: Replicas | None
-
-
-@dataclass
-class Interval:
-    """The steps since the last report. Their results stay on the device, kept as they came: adding
-    them up is left to the report, which reads everything back at once, so no step waits for the
-    device or pays for the sums."""
-
-    timer: PhaseTimer
-    results: list[StepResult] = field(default_factory=list)
-    samples: int = 0
-    micro: int = 0  # micro-batch size actually run (smaller after an out-of-memory retry)
-    comm_start: int = 0  # StepState.comm_bytes when the interval began
-
-    def add(self, result: StepResult, micro: int) -> None:
-        self.results.append(result)
-        self.samples += result.samples
-        self.micro = micro
-
-    def sums(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """On the device, in float64 (token counts pass 2**24): the sums every rank adds up (loss
-        over the applied steps, targets, samples, targets of the applied steps) and this rank's own
-        (gradient norms of the steps that applied an update, how many did, non-finite steps). A
-        skipped (non-finite) step adds its targets but no loss or gradient norm; a step the fp16
-        scaler skipped adds its loss but not its overflowed norm."""
-        if not self.results:
-            return (torch.zeros(4, dtype=torch.float64, device=device),
-                    torch.zeros(3, dtype=torch.float64, device=device))
-        figures = torch.stack([torch.stack([r.loss_sum.double().reshape(()), r.grad_norm.double().reshape(()),
-                                            r.targets.double().reshape(()), r.skipped.double().reshape(()),
-                                            r.overflowed.double().reshape(())]) for r in self.results])
-        loss, norm, targets, skipped, overflowed = figures.unbind(1)
-        applied = skipped == 0
-        counted = applied & (overflowed == 0)
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        shared = torch.stack([torch.where(applied, loss, zero).sum(), targets.sum(),
-                              torch.tensor(float(self.samples), dtype=torch.float64, device=device),
-                              (targets * applied).sum()])
-        own = torch.stack([torch.where(counted, norm, zero).sum(), counted.sum().double(), skipped.sum()])
-        return shared, own
 
 
 def _check_finite_weights(parts: Parts, step: int) -> None:
@@ -169,7 +131,8 @@ def run(
     # Waiting for the first batch is start-up (the pipeline's first read), not part of the first
     # interval.
     pieces = t.grad_accum_steps  # the data's micro-batches a step takes
-    first = [next(stream) for _ in range(pieces)] if progress.step < t.max_steps and replicas is None else None
+    first = ([next(stream) for _ in range(pieces)]
+             if progress.step < t.max_steps and replicas is None else None)
     once["at/first_batch"] = time.time()
     interval = Interval(PhaseTimer(parts.device))
     while progress.step < t.max_steps and not cadence.stopped:
@@ -179,35 +142,55 @@ def run(
             if flops is None:  # this process's first step, also after a resume
                 flops, result, interval = _first_step(parts, batch, interval, once)
             elif pilot is not None:
-                result, pilot, pieces = _search_step(pilot, parts, batch, interval.timer, once, data.resize, pieces)
+                result, pilot, pieces = _search_step(pilot, parts, batch, interval.timer, once,
+                                                     data.resize, pieces)
             else:
                 result = train_step(parts, batch, interval.timer)
-            if replicas is not None and not replicas.step_done(result, t.global_batch_size):
+            if not _count_step(this, interval, result, batch):
                 # the quorum dropped the step (a peer failed in it): the same step again, the same
                 # rows
                 continue
-            progress.step += 1
-            progress.samples_seen += t.global_batch_size
-            interval.add(result, micro=-(-rows(batch[0]) * parts.state.join // parts.state.split))
         due = cadence.at(progress.step)
-        if parts.local_sgd is not None and (parts.local_sgd.due(progress.step) or progress.step == t.max_steps):
-            # The configured period (and the run's end, which leaves one model): never where a clock
-            # decides.
-            with interval.timer.phase("sync"):
-                parts.state.comm_bytes += parts.local_sgd.average(unwrap(parts.model))
+        _sync_local_sgd(parts, progress.step, t.max_steps, interval.timer)
         if due is None:
             continue
-        metrics, interval = _report(this, due, interval, once | cadence.figures() | {"flops_per_sample": flops})
+        metrics, interval = _report(this, due, interval,
+                                    once | cadence.figures() | {"flops_per_sample": flops})
         once = {}
     return metrics
 
 
-def _group_peak(parts: Parts, configured_tflops: float | None, replicas: Replicas | None) -> float | None:
+def _count_step(this: _Run, interval: Interval, result: StepResult, batch: list[Batch]) -> bool:
+    """Moves run `this` on by the step just taken: its progress and its interval's figures. False
+    where the step's quorum dropped it (failure.mode=replicas: a peer failed in it); the step is
+    then taken again."""
+    progress, global_batch = this.progress, this.cfg.train.global_batch_size
+    if this.replicas is not None and not this.replicas.step_done(result, global_batch):
+        return False
+    progress.step += 1
+    progress.samples_seen += global_batch
+    state = this.parts.state
+    interval.add(result, micro=-(-rows(batch[0]) * state.join // state.split))
+    return True
+
+
+def _sync_local_sgd(parts: Parts, step: int, max_steps: int, timer: PhaseTimer) -> None:
+    """Local SGD's averaging of the ranks' models: at the configured period (and the run's end,
+    which leaves one model), never where a clock decides."""
+    sgd = parts.local_sgd
+    if sgd is not None and (sgd.due(step) or step == max_steps):
+        with timer.phase("sync"):
+            parts.state.comm_bytes += sgd.average(unwrap(parts.model))
+
+
+def _group_peak(parts: Parts, configured_tflops: float | None,
+                replicas: Replicas | None) -> float | None:
     """Peak FLOP/s of every device whose rows a report's samples count: the group's ranks, or under
     replicas the last quorum's live replicas (a replica's own group is of one, yet it counts the
     global batch all of them trained)."""
     peak = peak_flops(parts.device, configured_tflops, parts.precision.mode)
-    return peak * (replicas.participants if replicas is not None else ranks.world()[1]) if peak else None
+    return (peak * (replicas.participants if replicas is not None else ranks.world()[1]) if peak
+            else None)
 
 
 def _take(stream: Iterator[Batch], pieces: int, first: list[Batch] | None, timer: PhaseTimer,
@@ -303,34 +286,22 @@ def _one_model(parts: Parts, step: int, last: bool, timer: PhaseTimer) -> Iterat
                 tensor.copy_(mine)
 
 
-def _report(this: _Run, due: Due, interval: Interval, once: dict[str, Any]) -> tuple[dict[str, Any], Interval]:
+def _report(this: _Run, due: Due, interval: Interval,
+            once: dict[str, Any]) -> tuple[dict[str, Any], Interval]:
     """A report step of run `this`: the interval's figures summed over ranks, evaluation and a
     checkpoint when due, then the report. Returns its metrics and the next interval, which starts
     before the report so that time blocked in registering the checkpoint is billed to it as
     "report". `once`: figures sent with this report only."""
     parts, progress, reporter, t = this.parts, this.progress, this.reporter, this.cfg.train
     world, peak = ranks.world()[1], _group_peak(parts, t.peak_tflops, this.replicas)
-    max_nonfinite, micro_batch_size = t.max_nonfinite_steps, t.micro_batch_size
+    max_nonfinite = t.max_nonfinite_steps
     # Raises on a non-finite loss before anything is evaluated or saved: a broken model is never
     # persisted.
     metrics, samples, targets = _interval_metrics(interval, progress, parts, world, max_nonfinite)
     if due.drain:
         metrics["drain_checkpoint"] = 1
-    checkpoint_dir: Any = None
-    with _one_model(parts, progress.step, due.last, interval.timer) if due.eval or due.checkpoint else nullcontext():
-        if due.eval:
-            with interval.timer.phase("eval"):
-                metrics |= evaluate(parts, this.data.val())  # type: ignore[misc]
-        with interval.timer.phase("checkpoint"):
-            if due.checkpoint:
-                _check_finite_weights(parts, progress.step)
-                # no rank holds the whole model: each writes its shards into storage
-                if is_sharded(parts.model):
-                    checkpoint_dir = reporter.save_sharded(parts, progress, micro_batch_size)
-                # a collective
-                elif (state := checkpoint_state(parts, progress, micro_batch_size)) is not None:
-                    checkpoint_dir = tempfile.mkdtemp(prefix="orchestrator-ckpt-")
-                    save_state(checkpoint_dir, state)
+    evaluated, checkpoint_dir = _evaluate_and_save(this, due, interval.timer)
+    metrics |= evaluated
     metrics |= interval.timer.shares() | cuda_memory_stats(parts.device) | node_stats(world)
     metrics |= _worker_paces(interval, parts.device)
     # Throughput is the wall clock's: the interval from the end of the previous report to now, with
@@ -360,12 +331,38 @@ def _report(this: _Run, due: Due, interval: Interval, once: dict[str, Any]) -> t
                 reporter.checkpoint(metrics, checkpoint_dir)
                 # What the checkpoint blocked training for (checkpoint.every=auto's cost): writing,
                 # then registering.
-                progress.checkpoint_cost_s = interval.timer.seconds["checkpoint"] + time.perf_counter() - registered
+                registering = time.perf_counter() - registered
+                progress.checkpoint_cost_s = interval.timer.seconds["checkpoint"] + registering
         finally:
             if isinstance(checkpoint_dir, str):
                 shutil.rmtree(checkpoint_dir, ignore_errors=True)
         reporter.publish(metrics)
     return metrics, following
+
+
+def _evaluate_and_save(this: _Run, due: Due, timer: PhaseTimer) -> tuple[dict[str, Any], Any]:
+    """A report step's evaluation and checkpoint, each when due, on the ranks' one model: the
+    validation metrics, and what `Reporter.checkpoint` registers (a directory on rank 0, what
+    `save_sharded` returned under train.parallel=fsdp; None without a checkpoint)."""
+    parts, progress, micro_batch_size = this.parts, this.progress, this.cfg.train.micro_batch_size
+    metrics: dict[str, Any] = {}
+    checkpoint_dir: Any = None
+    with (_one_model(parts, progress.step, due.last, timer) if due.eval or due.checkpoint
+          else nullcontext()):
+        if due.eval:
+            with timer.phase("eval"):
+                metrics |= evaluate(parts, this.data.val())  # type: ignore[misc]
+        with timer.phase("checkpoint"):
+            if due.checkpoint:
+                _check_finite_weights(parts, progress.step)
+                # no rank holds the whole model: each writes its shards into storage
+                if is_sharded(parts.model):
+                    checkpoint_dir = this.reporter.save_sharded(parts, progress, micro_batch_size)
+                # a collective
+                elif (state := checkpoint_state(parts, progress, micro_batch_size)) is not None:
+                    checkpoint_dir = tempfile.mkdtemp(prefix="orchestrator-ckpt-")
+                    save_state(checkpoint_dir, state)
+    return metrics, checkpoint_dir
 
 
 def _worker_paces(interval: Interval, device: torch.device) -> dict[str, float]:
@@ -378,11 +375,12 @@ def _worker_paces(interval: Interval, device: torch.device) -> dict[str, float]:
     busy = interval.timer.seconds["compute"] + interval.timer.seconds["data_wait"]
     paces = [0.0] * world
     paces[rank] = interval.samples / max(busy, 1e-9)
-    return {f"worker/{r}/samples_per_s": p for r, p in enumerate(ranks.all_reduce_sum(paces, device))}
+    return {f"worker/{r}/samples_per_s": p
+            for r, p in enumerate(ranks.all_reduce_sum(paces, device))}
 
 
-def _interval_metrics(interval: Interval, progress: Progress, parts: Parts, world: int, max_nonfinite: int
-                      ) -> tuple[dict[str, Any], float, float]:
+def _interval_metrics(interval: Interval, progress: Progress, parts: Parts, world: int,
+                      max_nonfinite: int) -> tuple[dict[str, Any], float, float]:
     """The interval's figures summed over ranks, with its sample and target counts (throughput comes
     later, once the interval's wall time is known): the interval's one read of the device. Its
     non-finite steps are counted here, so train.max_nonfinite_steps stops a run at the first report
@@ -390,7 +388,8 @@ def _interval_metrics(interval: Interval, progress: Progress, parts: Parts, worl
     shared, own = interval.sums(parts.device)
     if world > 1:
         dist.all_reduce(shared)
-    loss_sum_, targets, samples, loss_targets, norm_sum, norms, skipped = torch.cat([shared, own]).tolist()
+    figures = torch.cat([shared, own]).tolist()
+    loss_sum_, targets, samples, loss_targets, norm_sum, norms, skipped = figures
     progress.nonfinite_skipped += int(skipped)
     if progress.nonfinite_skipped > max_nonfinite:
         raise _too_many_non_finite(progress, max_nonfinite)

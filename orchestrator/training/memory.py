@@ -92,7 +92,8 @@ def cuda_memory_stats(device: torch.device) -> dict[str, float]:
 def restart_peak(device: torch.device) -> None:
     """Start torch.cuda.max_memory_allocated afresh (an autopilot candidate's own peak), the peak so
     far kept for the report's interval."""
-    _interval_peaks[device] = max(_interval_peaks.get(device, 0), torch.cuda.max_memory_allocated(device))
+    _interval_peaks[device] = max(_interval_peaks.get(device, 0),
+                                  torch.cuda.max_memory_allocated(device))
     torch.cuda.reset_peak_memory_stats(device)
 
 
@@ -100,7 +101,8 @@ def divisors_descending(n: int) -> list[int]:
     return sorted((d for d in range(1, n + 1) if n % d == 0), reverse=True)
 
 
-def activation_bytes_per_sample(model: torch.nn.Module, samples: int, loss: Callable[[], torch.Tensor]) -> float:
+def activation_bytes_per_sample(model: torch.nn.Module, samples: int,
+                                loss: Callable[[], torch.Tensor]) -> float:
     """Bytes autograd keeps for backward per sample, measured on a small batch of `samples` rows
     whose forward and loss `loss()` computes (each storage counted once; parameters are not
     activations and are counted in `state_bytes`)."""
@@ -140,7 +142,8 @@ def fit_micro_batch_cpu(per_worker: int, state: int, per_sample: float, budget_b
     )
 
 
-def fit_micro_batch_cuda(per_worker: int, try_step: Callable[[int], None], device: torch.device) -> int:
+def fit_micro_batch_cuda(per_worker: int, try_step: Callable[[int], None],
+                         device: torch.device) -> int:
     """Largest divisor of the per-worker batch for which a real forward+backward+optimizer step does
     not run out of memory. Sizes are tried from small to large (doubling through the divisors),
     stopping at the first OOM."""

@@ -38,7 +38,8 @@ def probe_batch(sample: Batch, size: int, device: torch.device) -> Batch:
     return to_device(take(sample, index), device)
 
 
-def choose_micro_batch(cfg: Config, parts: Parts, sample: Batch, node_ranks: int | None = None) -> int:
+def choose_micro_batch(cfg: Config, parts: Parts, sample: Batch,
+                       node_ranks: int | None = None) -> int:
     """The largest micro-batch (a divisor of the per-worker batch) that fits, agreed by all ranks
     (their minimum). `node_ranks`: see cpu_budget."""
     world, device = ranks.world()[1], parts.device
@@ -100,14 +101,16 @@ def for_world_size(cfg: Config, world: int, micro: int | None = None) -> Config:
     and global batch across resizes), with `micro` when measured (auto): the accumulation derived
     once more, in batching.py."""
     t = cfg.train
-    micro = micro if micro is not None else t.micro_batch_size if isinstance(t.micro_batch_size, int) else None
+    micro = (micro if micro is not None
+             else t.micro_batch_size if isinstance(t.micro_batch_size, int) else None)
     if micro is None:
         return cfg  # auto: measured later, at this world size
     try:
         micro, accum = split_batch(t.global_batch_size, world, micro)
     except ValueError as exc:
         raise ConfigError(f"{exc}: fix scaling.num_workers") from None
-    return cfg.model_copy(update={"train": t.model_copy(update={"micro_batch_size": micro, "grad_accum_steps": accum})})
+    return cfg.model_copy(update={"train": t.model_copy(update={"micro_batch_size": micro,
+                                                                "grad_accum_steps": accum})})
 
 
 def cpu_budget(budget_gb: float | None, node_ranks: int | None = None) -> tuple[float, str]:
@@ -156,6 +159,7 @@ def with_auto_micro_batch(cfg: Config, parts: Parts, state: dict[str, Any] | Non
     # What the size was measured on, per row (the sample's, padded to its longest row): the step
     # cuts a micro-batch padded longer into pieces no larger (step.wider), as the checkpoint's size
     # was measured on the same rows.
-    parts.state.probed = {key: value.numel() // rows(sample) for key, value in sample.items() if value.numel()}
+    parts.state.probed = {key: value.numel() // rows(sample) for key, value in sample.items()
+                          if value.numel()}
     release_cached_memory(parts.device)
     return for_world_size(cfg, world, micro)

@@ -18,15 +18,16 @@ SCHEDULES: Registry[Callable[[float], float]] = Registry("schedule")
 @OPTIMIZERS.register("adamw")
 def adamw(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
     params = list(params)
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **kernel(params, sharded=True))
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                             **kernel(params, sharded=True))
 
 
 @OPTIMIZERS.register("sgd")
 def sgd(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
     params = list(params)
     momentum = 0.9 if cfg.momentum is None else cfg.momentum
-    return torch.optim.SGD(params, lr=cfg.lr, momentum=momentum, weight_decay=cfg.weight_decay, nesterov=momentum > 0,
-                           **kernel(params, sharded=False))
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=momentum, weight_decay=cfg.weight_decay,
+                           nesterov=momentum > 0, **kernel(params, sharded=False))
 
 
 def kernel(params: list[torch.nn.Parameter], sharded: bool) -> dict[str, bool]:
@@ -68,5 +69,6 @@ def build_optimizer(
     model: torch.nn.Module, cfg: OptimConfig, total_steps: int
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     optimizer = OPTIMIZERS.get(cfg.name)(model.parameters(), cfg)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, total_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
+                                                  lambda step: lr_factor(step, cfg, total_steps))
     return optimizer, scheduler

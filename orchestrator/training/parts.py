@@ -82,7 +82,8 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_parts(cfg: Config, in_features: int | None, device: torch.device, pretrained: str | None = None) -> Parts:
+def build_parts(cfg: Config, in_features: int | None, device: torch.device,
+                pretrained: str | None = None) -> Parts:
     """Model (wrapped in DDP by Ray Train for more than one worker, or sharded over all ranks under
     train.parallel=fsdp), optimizer, LR schedule, precision and the local-SGD state, on this
     worker's device. `pretrained`: a local directory to load the weights from."""
@@ -90,8 +91,8 @@ def build_parts(cfg: Config, in_features: int | None, device: torch.device, pret
     # Same seed on every rank: identical initial weights (DDP also broadcasts rank 0's at wrap time;
     # FSDP does not, each rank keeps its shard of the weights it built).
     seed_everything(t.seed)
-    model = build_model(cfg.model.name, cfg.model.entrypoint, in_features, cfg.model.num_classes, cfg.model.kwargs,
-                        pretrained)
+    model = build_model(cfg.model.name, cfg.model.entrypoint, in_features, cfg.model.num_classes,
+                        cfg.model.kwargs, pretrained)
     task, call, model_loss = task_parts(cfg)
     if model_loss:
         align_model_loss(model, task)
@@ -110,11 +111,12 @@ def build_parts(cfg: Config, in_features: int | None, device: torch.device, pret
     # only.
     optimizer, scheduler = build_optimizer(model, cfg.optim, t.max_steps)  # type: ignore[arg-type]
     return Parts(model, optimizer, scheduler, precision, device, cfg.optim.max_grad_norm,
-                 local_sgd=build_local_sgd(t.sync, *t.local_sgd), task=task, call=call, model_loss=model_loss,
-                 defer_sync=t.fsdp.defer_sync)
+                 local_sgd=build_local_sgd(t.sync, *t.local_sgd), task=task, call=call,
+                 model_loss=model_loss, defer_sync=t.fsdp.defer_sync)
 
 
-def shard(model: torch.nn.Module, device: torch.device, mode: Mode, blocks: list[str] | None) -> torch.nn.Module:
+def shard(model: torch.nn.Module, device: torch.device, mode: Mode,
+          blocks: list[str] | None) -> torch.nn.Module:
     """`fully_shard` on each block then the root, over every rank of the process group: the shards
     on `device`."""
     import torch.distributed as dist
@@ -124,7 +126,8 @@ def shard(model: torch.nn.Module, device: torch.device, mode: Mode, blocks: list
                           "run): run it through orchestrator train, or set train.parallel=ddp")
     # Not moved to the device first: each fully_shard call moves its unit's parameters to the mesh's
     # device and shards them, so the device holds one whole block at a time, never the whole model.
-    return fsdp.shard_model(model, mesh=fsdp.mesh_of_all_ranks(device), blocks=blocks, precision=mode)
+    return fsdp.shard_model(model, mesh=fsdp.mesh_of_all_ranks(device), blocks=blocks,
+                            precision=mode)
 
 
 def rank_bytes(parts: Parts) -> dict[str, str | int]:

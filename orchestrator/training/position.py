@@ -60,7 +60,8 @@ class Progress:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "seen"}
 
 
-def data_position(state: dict[str, Any] | None, cache_decision: str | None, world_size: int) -> tuple[int, int]:
+def data_position(state: dict[str, Any] | None, cache_decision: str | None,
+                  world_size: int) -> tuple[int, int]:
     """(epoch, rows into it) where a rank of a `world_size` group resumes the data from a
     checkpoint's `state` ((0, 0) without one): the checkpoint's position at the same world size and
     epoch order. A position that describes another split or order would miss some rows and repeat
@@ -73,7 +74,8 @@ def data_position(state: dict[str, Any] | None, cache_decision: str | None, worl
     epoch, rows = progress["epoch"], progress["rows_in_epoch"]
     if holds(state, cache_decision, world_size):
         return epoch, rows
-    return (epoch, 0) if rest_of_epoch(state, cache_decision, world_size) is not None else (epoch + 1, 0)
+    return ((epoch, 0) if rest_of_epoch(state, cache_decision, world_size) is not None
+            else (epoch + 1, 0))
 
 
 def holds(state: dict[str, Any], cache_decision: str | None, world_size: int) -> bool:
@@ -81,11 +83,14 @@ def holds(state: dict[str, Any], cache_decision: str | None, world_size: int) ->
     `cache_decision`: the same world size and epoch order, and an epoch not in a rest pass (or none
     of it trained yet)."""
     progress = state["progress"]
-    same = len(state["rng"]) == world_size and _same_order(progress.get("cache_decision"), cache_decision)
-    return (same and not progress.get("rest")) or not (progress["rows_in_epoch"] or progress.get("rest"))
+    same = (len(state["rng"]) == world_size
+            and _same_order(progress.get("cache_decision"), cache_decision))
+    return ((same and not progress.get("rest"))
+            or not (progress["rows_in_epoch"] or progress.get("rest")))
 
 
-def rest_of_epoch(state: dict[str, Any] | None, cache_decision: str | None, world_size: int) -> np.ndarray | None:
+def rest_of_epoch(state: dict[str, Any] | None, cache_decision: str | None,
+                  world_size: int) -> np.ndarray | None:
     """The ids of the rows the checkpoint's epoch has trained on, when a `world_size` group finishes
     that epoch as a rest pass (pipelines/rest.py): its position does not hold there, and the
     checkpoint knows them. None else (a checkpoint without ids, written before they were kept or of

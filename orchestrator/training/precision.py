@@ -19,7 +19,8 @@ def cpu_supports_bf16() -> bool:
     """True where the CPU has native bf16 kernels (avx512_bf16 / AMX); emulated bf16 is slower than
     fp32."""
     try:
-        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return bool(torch.backends.mkldnn.is_available()
+                    and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
 
@@ -103,7 +104,8 @@ class Precision:
         with _no_state_from_a_dropped_step(optimizer, dropped) as needs_read:
             # needs_read: GradScaler's own path for an optimizer without a kernel (one host read, on
             # such steps only)
-            with _attribute(optimizer, "_step_supports_amp_scaling", False) if needs_read else contextlib.nullcontext():
+            with (_attribute(optimizer, "_step_supports_amp_scaling", False) if needs_read
+                  else contextlib.nullcontext()):
                 self.scaler.step(optimizer)
         self.scaler.update()
         overflowed = (overflow > 0) & (skip == 0)
@@ -156,7 +158,8 @@ def _attribute(obj: object, name: str, value: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _no_state_from_a_dropped_step(optimizer: torch.optim.Optimizer, dropped: torch.Tensor) -> Iterator[bool]:
+def _no_state_from_a_dropped_step(optimizer: torch.optim.Optimizer,
+                                  dropped: torch.Tensor) -> Iterator[bool]:
     """Around a step the device may drop (`dropped` 1.0): the optimizer state that step creates is
     left as a fresh optimizer's would be, so the next applied step is the optimizer's true first
     one.

@@ -82,7 +82,8 @@ def gather_to_rank0(obj: Any) -> list[Any]:
 
 
 def gather_keys(keys: list[str]) -> set[str]:
-    """The union of every rank's `keys` on every rank (a rank that saw no rows has none of its own)."""
+    """The union of every rank's `keys` on every rank (a rank that saw no rows has none of its
+    own)."""
     if world()[1] == 1:
         return set(keys)
     everyone: list[list[str] | None] = [None] * world()[1]

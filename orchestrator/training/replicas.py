@@ -56,15 +56,16 @@ class StepRows:
     (then a replica that joins in a later epoch goes straight there), else learnt from the first
     epoch read whole, and checked on every later one."""
 
-    def __init__(self, epochs: Callable[[int], Iterable[Batch]], per_step: int, micro: int, per_epoch: int | None,
-                 device: torch.device) -> None:
+    def __init__(self, epochs: Callable[[int], Iterable[Batch]], per_step: int, micro: int,
+                 per_epoch: int | None, device: torch.device) -> None:
         self.epochs, self.per_step, self.micro, self.device = epochs, per_step, micro, device
         self.per_epoch = per_epoch
         self.batches: Iterator[tuple[int, Batch]] | None = None
         self.next = 0  # the number of the micro-batch `batches` gives next
 
     def share(self, step: int, rank: int, participants: int) -> list[Batch]:
-        """Replica `rank`'s part of step `step` among `participants` live replicas, on the device."""
+        """Replica `rank`'s part of step `step` among `participants` live replicas, on the
+        device."""
         count = self.per_step // participants
         first = step * self.per_step + rank * count
         return [to_device(self._at(number), self.device) for number in range(first, first + count)]
@@ -119,8 +120,9 @@ class _QuorumDDP(DistributedDataParallel):
     by peer"), killing the survivor too. Here the error stays with the manager, whose
     `should_commit` then drops the step."""
 
+    # No annotations: DDP refuses string annotations (ours, lazy).
     @staticmethod
-    def _comm_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP refuses string annotations (ours, lazy)
+    def _comm_hook(state, bucket):  # type: ignore[no-untyped-def]
         # averaged over the quorum in place, or left as is after an error
         state.allreduce(bucket.buffer()).wait()
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
@@ -147,7 +149,8 @@ class _CommitOptimizer(OptimizerWrapper):
         self.optim.zero_grad(set_to_none)
 
     def step(self, closure: object = None) -> None:
-        flags = {name: getattr(self, name) for name in ("found_inf", "grad_scale") if hasattr(self, name)}
+        flags = {name: getattr(self, name) for name in ("found_inf", "grad_scale")
+                 if hasattr(self, name)}
         self.committed = self.manager.should_commit()
         if not self.committed:
             self.dropped += 1
@@ -166,7 +169,8 @@ class _CommitOptimizer(OptimizerWrapper):
 
 
 class _CommitSchedule:
-    """The LR schedule, moved on only by a committed step: a dropped step is redone at the same LR."""
+    """The LR schedule, moved on only by a committed step: a dropped step is redone at the same
+    LR."""
 
     def __init__(self, schedule: Any, optimizer: _CommitOptimizer) -> None:
         self.schedule, self.optimizer = schedule, optimizer
@@ -231,7 +235,8 @@ class Replicas:
         position of the next step."""
         if self.committed:
             result.samples = global_batch
-            self.progress.epoch, self.progress.rows_in_epoch = self.rows.position(self.manager.current_step())
+            position = self.rows.position(self.manager.current_step())
+            self.progress.epoch, self.progress.rows_in_epoch = position
         return self.committed
 
     def report(self, metrics: dict[str, Any]) -> dict[str, Any]:
@@ -239,8 +244,8 @@ class Replicas:
         steps its quorum did not commit (each redone), and the run's workers (the loop's own world
         is this replica's process group of one). After taking finished peers' state, their last
         report is repeated (this replica trained no step)."""
-        figures = {"replicas/live": self.participants, "replicas/dropped_steps": self.optimizer.dropped,
-                   "world_size": self.workers}
+        figures = {"replicas/live": self.participants,
+                   "replicas/dropped_steps": self.optimizer.dropped, "world_size": self.workers}
         return metrics | (self.last_report if self.took_final else {}) | figures
 
     def count_sum(self, count: torch.Tensor) -> Any:
@@ -285,7 +290,8 @@ class ReplicaReporter:
                              "(the config refuses train.parallel=fsdp)")
 
 
-def join_replicas(parts: Parts, progress: Progress, rank: int, workers: int, rows: StepRows) -> Replicas:
+def join_replicas(parts: Parts, progress: Progress, rank: int, workers: int,
+                  rows: StepRows) -> Replicas:
     """Wrap `parts` (built for a process group of one) for replica `rank` of `workers`: gradients
     averaged over the quorum, optimizer steps and LR moves committed by it, the token normaliser
     summed over it, and the state a restarted peer copies from this one. Call before the first step,
@@ -295,8 +301,9 @@ def join_replicas(parts: Parts, progress: Progress, rank: int, workers: int, row
     holder: list[Replicas] = []
 
     def state_dict() -> dict[str, Any]:
-        return {"model": model.state_dict(), "optimizer": inner.state_dict(), "scheduler": schedule.state_dict(),
-                "precision": parts.precision.state_dict(), "report": holder[0].last_report,
+        return {"model": model.state_dict(), "optimizer": inner.state_dict(),
+                "scheduler": schedule.state_dict(), "precision": parts.precision.state_dict(),
+                "report": holder[0].last_report,
                 "progress": {"step": progress.step, "samples_seen": progress.samples_seen}}
 
     def load_state_dict(state: dict[str, Any]) -> None:
@@ -306,15 +313,17 @@ def join_replicas(parts: Parts, progress: Progress, rank: int, workers: int, row
         inner.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["scheduler"])
         parts.precision.load_state_dict(state["precision"])
-        progress.step, progress.samples_seen = state["progress"]["step"], state["progress"]["samples_seen"]
+        peer = state["progress"]
+        progress.step, progress.samples_seen = peer["step"], peer["samples_seen"]
         holder[0].last_report = state["report"]
 
     pg = ProcessGroupGloo(timeout=TIMEOUT)
     # A synchronous quorum: a restarted replica takes its peer's state before its forward, so it
     # trains its share of that very step like any other (with torchft's asynchronous quorum it would
     # run the step on stale weights and its share would be zeroed: rows dropped).
-    manager = Manager(pg=pg, min_replica_size=1, load_state_dict=load_state_dict, state_dict=state_dict,
-                      world_size=1, rank=0, replica_id=f"replica_{rank}", timeout=TIMEOUT * 2, use_async_quorum=False,
+    manager = Manager(pg=pg, min_replica_size=1, load_state_dict=load_state_dict,
+                      state_dict=state_dict, world_size=1, rank=0, replica_id=f"replica_{rank}",
+                      timeout=TIMEOUT * 2, use_async_quorum=False,
                       checkpoint_transport=PGTransport(pg, timeout=TIMEOUT, device=parts.device))
     # A checkpoint's step count, so that a whole group resumed from one agrees on where it is.
     manager.load_state_dict({"step": progress.step, "batches_committed": 0})

@@ -91,10 +91,12 @@ class RayReporter:
         name = [checkpoint_dir_name(progress.step)]
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(name, src=0)
-        return self.sharded.save(storage.storage_filesystem, storage.build_checkpoint_path_from_name(name[0]), parts,
-                                 progress, micro_batch_size)
+        return self.sharded.save(storage.storage_filesystem,
+                                 storage.build_checkpoint_path_from_name(name[0]), parts, progress,
+                                 micro_batch_size)
 
-    def checkpoint(self, metrics: dict[str, Any], checkpoint_dir: str | PendingCheckpoint | None) -> None:
+    def checkpoint(self, metrics: dict[str, Any],
+                   checkpoint_dir: str | PendingCheckpoint | None) -> None:
         if isinstance(checkpoint_dir, PendingCheckpoint):
             self._register_sharded(metrics, checkpoint_dir)
             return
@@ -113,7 +115,8 @@ class RayReporter:
             os.rename(handed, checkpoint_dir)
             mode = ray.train.CheckpointUploadMode.ASYNC
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(checkpoint_dir),
-                         checkpoint_dir_name=checkpoint_dir_name(metrics["step"]), checkpoint_upload_mode=mode)
+                         checkpoint_dir_name=checkpoint_dir_name(metrics["step"]),
+                         checkpoint_upload_mode=mode)
 
     def _register_sharded(self, metrics: dict[str, Any], pending: PendingCheckpoint) -> None:
         """Every rank reports the checkpoint directory its shards go to. Ray's "upload" is the
@@ -127,9 +130,11 @@ class RayReporter:
             pending.commit()
             return in_storage
 
-        mode = ray.train.CheckpointUploadMode.ASYNC if self.upload == "async" else ray.train.CheckpointUploadMode.SYNC
+        mode = (ray.train.CheckpointUploadMode.ASYNC if self.upload == "async"
+                else ray.train.CheckpointUploadMode.SYNC)
         name = pending.path.rstrip("/").rsplit("/", 1)[-1]
-        ray.train.report(metrics, checkpoint=in_storage, checkpoint_dir_name=name, checkpoint_upload_mode=mode,
+        ray.train.report(metrics, checkpoint=in_storage, checkpoint_dir_name=name,
+                         checkpoint_upload_mode=mode,
                          # the one in storage
                          checkpoint_upload_fn=commit, delete_local_checkpoint_after_upload=False)
 

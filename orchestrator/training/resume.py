@@ -49,11 +49,13 @@ def unregistered_checkpoints(filesystem: Any, run_path: str, registered: list[st
     writing or copying them) and so never deletes: what is left beside the `registered` ones."""
     kept = {p.rstrip("/") for p in registered}
     infos = filesystem.get_file_info(pafs.FileSelector(run_path.rstrip("/"), allow_not_found=True))
-    return sorted(i.path for i in infos if i.type == pafs.FileType.Directory and _OURS.match(i.base_name)
+    return sorted(i.path for i in infos
+                  if i.type == pafs.FileType.Directory and _OURS.match(i.base_name)
                   and i.path.rstrip("/") not in kept)
 
 
-def checkpointed_cache_decision(filesystem: Any, run_path: str, registered_step: int | None = None) -> str | None:
+def checkpointed_cache_decision(filesystem: Any, run_path: str,
+                                registered_step: int | None = None) -> str | None:
     """The cache decision of the checkpoint a resumed run at `run_path` loads (read by the driver
     before it builds the datasets): the newest complete one at or before `registered_step` (the
     newest checkpoint Ray Train registered, `RunPlace.registered_step`), as `loadable_checkpoint`
@@ -61,7 +63,8 @@ def checkpointed_cache_decision(filesystem: Any, run_path: str, registered_step:
     did not register; the newest complete one when no step is known. None for a run without one, or
     whose checkpoint records none (then the current decision applies)."""
     try:
-        infos = filesystem.get_file_info(pafs.FileSelector(run_path.rstrip("/"), allow_not_found=True))
+        infos = filesystem.get_file_info(pafs.FileSelector(run_path.rstrip("/"),
+                                                           allow_not_found=True))
     except OSError:
         # the workers then check the decision against the checkpoint they load (`restore`)
         return None
@@ -88,7 +91,8 @@ def loadable_checkpoint(checkpoint: ray.train.Checkpoint | None) -> ray.train.Ch
     parent = path.rsplit("/", 1)[0]
     candidates = []
     for info in fs.get_file_info(pafs.FileSelector(parent, allow_not_found=True)):
-        step = _step(fs, info.path) if info.type == pafs.FileType.Directory and info.path != path else None
+        sibling = info.type == pafs.FileType.Directory and info.path != path
+        step = _step(fs, info.path) if sibling else None
         if step is not None and (limit is None or step < limit):
             candidates.append((step, info.path))
     for step, candidate in sorted(candidates, reverse=True):
@@ -113,7 +117,8 @@ def unloadable(filesystem: Any, path: str) -> str | None:
     committed = filesystem.get_file_info(f"{path}/{MANIFEST}").mtime
     if writer is None or committed is None:
         return None
-    newer = [c for c in claims_in(filesystem, path.rsplit("/", 1)[0]) if c > writer and c.at < committed.timestamp()]
+    newer = [c for c in claims_in(filesystem, path.rsplit("/", 1)[0])
+             if c > writer and c.at < committed.timestamp()]
     return (f"was committed by attempt {writer.number} after "
             f"attempt {newer[0].number} of the run had claimed it"
             if newer else None)

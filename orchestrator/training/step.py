@@ -30,7 +30,8 @@ class DeviceMemoryError(UserError):
     """Even the smallest micro-batch does not fit in device memory."""
 
 
-def train_step(parts: Parts, micro_batches: list[Batch], timer: PhaseTimer | None = None) -> StepResult:
+def train_step(parts: Parts, micro_batches: list[Batch],
+               timer: PhaseTimer | None = None) -> StepResult:
     """Forward/backward every micro-batch, then one optimizer step, all queued without waiting for
     the device: no value is read back and nothing synchronises it (what a report needs stays on the
     device, see StepResult).
@@ -95,13 +96,14 @@ class Normaliser:
         # targets too. failure.mode=replicas: the gradient mean is over the step's quorum of
         # replicas (each a group of one).
         quorum = parts.state.replicas
-        self.world = quorum.participants if quorum is not None else ranks.world()[1] if parts.local_sgd is None else 1
+        self.world = (quorum.participants if quorum is not None
+                      else ranks.world()[1] if parts.local_sgd is None else 1)
         self.work: Any = None
         self._scale: torch.Tensor | None = None
         if self.world > 1 and getattr(parts.task, "counts_tokens", True):
             self.total = self.local.clone()
-            self.work = quorum.count_sum(self.total) if quorum is not None else dist.all_reduce(self.total,
-                                                                                                 async_op=True)
+            self.work = (quorum.count_sum(self.total) if quorum is not None
+                         else dist.all_reduce(self.total, async_op=True))
             parts.state.comm_bytes += self.total.element_size()
         else:
             self.total = self.local * self.world
@@ -126,10 +128,12 @@ def cut(parts: Parts, micro_batches: list[Batch]) -> list[Batch]:
     in as many more as it is wider than the batch train.micro_batch_size=auto measured (`wider`)."""
     state = parts.state
     if state.join > 1:
-        micro_batches = [cat_rows(micro_batches[i:i + state.join]) for i in range(0, len(micro_batches), state.join)]
+        micro_batches = [cat_rows(micro_batches[i:i + state.join])
+                         for i in range(0, len(micro_batches), state.join)]
     if state.split == 1 and state.probed is None:
         return micro_batches
-    return [piece for batch in micro_batches for piece in chunk(batch, state.split * wider(state.probed, batch))]
+    return [piece for batch in micro_batches
+            for piece in chunk(batch, state.split * wider(state.probed, batch))]
 
 
 def wider(probed: dict[str, int] | None, batch: Batch) -> int:
@@ -148,7 +152,8 @@ def wider(probed: dict[str, int] | None, batch: Batch) -> int:
     return max([1, *ratios])
 
 
-def _non_finite_anywhere(step_loss: torch.Tensor, grad_norm: torch.Tensor, parts: Parts) -> torch.Tensor:
+def _non_finite_anywhere(step_loss: torch.Tensor, grad_norm: torch.Tensor,
+                         parts: Parts) -> torch.Tensor:
     """1.0 on every rank if any rank's loss (or the gradient) is NaN/inf, else 0.0, on the device
     (never read here). Losses differ per rank, and skipping on one rank only would leave the ranks'
     weights apart: so the flag is all-reduced. With fp16 the GradScaler already skips overflowing
@@ -204,8 +209,8 @@ def _forward_backward(parts: Parts, pieces: list[Batch], norm: Normaliser,
         # a retry would redo the identical step forever
         if max(rows(batch) for batch in pieces) <= 1:
             raise DeviceMemoryError(
-                "out of memory even with a micro-batch of 1 row: use a smaller model or shorter sequences, "
-                "train.precision=bf16, or a device with more memory") from exc
+                "out of memory even with a micro-batch of 1 row: use a smaller model or shorter "
+                "sequences, train.precision=bf16, or a device with more memory") from exc
         # DDP broadcast its buffers in this step's first forward, and a forward that raised never
         # told it so: the redone forward must not broadcast again, which the other ranks would not
         # match.
@@ -230,8 +235,8 @@ def _forward_backward(parts: Parts, pieces: list[Batch], norm: Normaliser,
     return total
 
 
-def _piece(parts: Parts, batch: Batch, norm: Normaliser, synced: bool, sharded: bool, total: torch.Tensor,
-           marks: list[tuple[Any, Any, Any]], timer: PhaseTimer) -> None:
+def _piece(parts: Parts, batch: Batch, norm: Normaliser, synced: bool, sharded: bool,
+           total: torch.Tensor, marks: list[tuple[Any, Any, Any]], timer: PhaseTimer) -> None:
     """Forward and backward of one piece (`synced`: the one whose backward reduces the gradients
     across ranks). Adds its loss into `total` (in place, on the device) and its start, end of
     forward and end of backward (the timer's marks, never waited for) to `marks`."""
@@ -331,10 +336,11 @@ def _compile_failure(parts: Parts, batch: Batch) -> str | None:
     buffers = {name: value.clone() for name, value in unwrap(model).named_buffers()}
     model.train()
     pieces = chunk(batch, parts.state.split)
+    rng_devices = [parts.device] if parts.device.type == "cuda" else []
     try:
         while True:
             try:
-                with torch.random.fork_rng(devices=[parts.device] if parts.device.type == "cuda" else []), \
+                with torch.random.fork_rng(devices=rng_devices), \
                         model.no_sync() if hasattr(model, "no_sync") else nullcontext():
                     with parts.precision.autocast():
                         output = parts.call(model, pieces[0])

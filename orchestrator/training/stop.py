@@ -30,7 +30,8 @@ class StopWatch:
     def _watch(self) -> None:
         while not self.seen.wait(self.every_s):
             try:
-                if self.storage.filesystem().get_file_info(self.path).type != pafs.FileType.NotFound:
+                found = self.storage.filesystem().get_file_info(self.path).type
+                if found != pafs.FileType.NotFound:
                     self.seen.set()
                     return
             except OSError:  # storage briefly unreachable: look again at the next tick

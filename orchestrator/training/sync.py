@@ -103,9 +103,11 @@ def average_optimizer_state(optimizer: torch.optim.Optimizer) -> int:
     moments follow its own gradients; DDP after it steps every rank with one gradient, which keeps
     the replicas one model only if every rank's state is the same. Returns the bytes all-reduced."""
     return average_tensors([v for state in optimizer.state.values() for v in state.values()
-                            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0])
+                            if isinstance(v, torch.Tensor) and v.is_floating_point()
+                            and v.dim() > 0])
 
 
-def build_local_sgd(sync: str, every: int, outer_lr: float, outer_momentum: float | None) -> LocalSGD | None:
+def build_local_sgd(sync: str, every: int, outer_lr: float,
+                    outer_momentum: float | None) -> LocalSGD | None:
     """The local-SGD state for train.sync=local_sgd, else None (DDP)."""
     return LocalSGD(every, outer_lr, outer_momentum) if sync == "local_sgd" else None

@@ -16,8 +16,8 @@ def local_stats() -> dict[str, float]:
     CUDA_VISIBLE_DEVICES, and reading another GPU's memory would open a CUDA context on it, in every
     rank (hundreds of MiB each)."""
     memory = psutil.virtual_memory()
-    stats = {"cpu_percent": psutil.cpu_percent(interval=None), "memory_used_gb": memory.used / 1024**3,
-             "memory_percent": memory.percent}
+    stats = {"cpu_percent": psutil.cpu_percent(interval=None),
+             "memory_used_gb": memory.used / 1024**3, "memory_percent": memory.percent}
     if torch.cuda.is_available():
         index = torch.cuda.current_device()
         try:
@@ -42,4 +42,5 @@ def node_stats(world: int) -> dict[str, float]:
     by_node: dict[str, dict[str, float]] = {}
     for node, stats in gathered:
         by_node.setdefault(node, {}).update(stats)
-    return {f"system/{node}/{key}": value for node, stats in by_node.items() for key, value in stats.items()}
+    return {f"system/{node}/{key}": value for node, stats in by_node.items()
+            for key, value in stats.items()}

@@ -22,15 +22,16 @@ PEAK_FLOPS = {
 
 # Dense fp32 peaks without tensor cores (FLOP/s), for runs in fp32 with TF32 off.
 FP32_FLOPS = {
-    "H200": 67e12, "H100 PCIe": 51e12, "H100": 67e12, "GH200": 67e12, "A100": 19.5e12, "A10G": 31.2e12,
-    "A10": 31.2e12, "L40S": 91.6e12, "L4": 30.3e12, "V100": 15.7e12, "T4": 8.1e12, "RTX 4090": 82.6e12,
-    "RTX 3090": 35.6e12,
+    "H200": 67e12, "H100 PCIe": 51e12, "H100": 67e12, "GH200": 67e12, "A100": 19.5e12,
+    "A10G": 31.2e12, "A10": 31.2e12, "L40S": 91.6e12, "L4": 30.3e12, "V100": 15.7e12,
+    "T4": 8.1e12, "RTX 4090": 82.6e12, "RTX 3090": 35.6e12,
 }
 
 PHASES = ("compute", "sync", "data_wait", "eval", "checkpoint", "report")
 
 
-def peak_flops(device: torch.device, configured_tflops: float | None, precision: str = "bf16") -> float | None:
+def peak_flops(device: torch.device, configured_tflops: float | None,
+               precision: str = "bf16") -> float | None:
     """Peak FLOP/s of one device in `precision` (the run's: MFU against a faster mode's peak would
     understate it): the configured value, else the tables for known GPUs (TF32 runs at half the bf16
     tensor-core peak on Ampere and later), else unknown."""

@@ -20,8 +20,8 @@ from orchestrator.errors import UserError
 
 # numpy 2 renamed the module its arrays pickle through
 _NUMPY_CORE = np._core if hasattr(np, "_core") else np.core
-SAFE_TYPES = [_NUMPY_CORE.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32)), io.BytesIO,
-              dict, list, set, frozenset]
+SAFE_TYPES = [_NUMPY_CORE.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32)),
+              io.BytesIO, dict, list, set, frozenset]
 
 
 class CheckpointRefused(UserError):
@@ -36,7 +36,8 @@ def load_state_file(source: str | IO[bytes], name: str) -> Any:
         with torch.serialization.safe_globals(SAFE_TYPES):
             return torch.load(source, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        found = re.search(r"GLOBAL (\S+)", str(exc)) or re.search(r"Unsupported global: (\S+)", str(exc))
+        found = (re.search(r"GLOBAL (\S+)", str(exc))
+                 or re.search(r"Unsupported global: (\S+)", str(exc)))
         what = found[1] if found else "something other than tensors and the product's own state"
         raise CheckpointRefused(
             f"checkpoint file {name} refused: it holds {what}, which loading would run "

@@ -25,7 +25,8 @@ def start_imports() -> None:
     """In a worker process: import the training side in a background thread, once."""
     global _imports
     if _imports is None:
-        _imports = threading.Thread(target=_import_training, name="orchestrator-imports", daemon=True)
+        _imports = threading.Thread(target=_import_training, name="orchestrator-imports",
+                                    daemon=True)
         _imports.start()
 
 
@@ -61,7 +62,8 @@ class _WarmBackend(_TorchBackend):
 
 
 class WarmTorchConfig(TorchConfig):
-    """Ray Train's TorchConfig whose workers start importing the training side as the group starts."""
+    """Ray Train's TorchConfig whose workers start importing the training side as the group
+    starts."""
 
     @property
     def backend_cls(self) -> type[_TorchBackend]:

@@ -55,12 +55,14 @@ def train_worker(spec: WorkerSpec, entered: float) -> dict[str, Any]:
         val_shard = datasets["val"].iterator() if cfg.data.val is not None else None
     else:
         train_shard = rank_shard(spec, "train", seat, ray.train.get_dataset_shard)
-        val_shard = rank_shard(spec, "val", seat, ray.train.get_dataset_shard) if cfg.data.val is not None else None
+        val_shard = (rank_shard(spec, "val", seat, ray.train.get_dataset_shard)
+                     if cfg.data.val is not None else None)
     try:
         return train_rank(spec, cfg, seat, checkpoint_to_resume,
                           Shards(train_shard, val_shard, lambda: whole_train(spec, seat)), reporter,
                           Notices(preempted if cfg.checkpoint.on_preemption else None,
-                                  stop_asked(spec.stop_request, rank), rank_fence(spec.attempt, rank)),
+                                  stop_asked(spec.stop_request, rank),
+                                  rank_fence(spec.attempt, rank)),
                           announce=reporter.publish)
     except Exception as exc:
         # the driver decides from it whether a restart would fail the same way
@@ -103,7 +105,8 @@ def rank_shard(spec: WorkerSpec, name: str, seat: Seat, otherwise: Callable[[str
     if held is not None:
         return held.shard(seat.rank, seat.world, seat.device, equal=name == "train")
     shard = otherwise(name)
-    return StridedShard(shard, seat.rank, seat.world) if name != "train" and seat.world > 1 else shard
+    return (StridedShard(shard, seat.rank, seat.world) if name != "train" and seat.world > 1
+            else shard)
 
 
 def rank_config(spec: WorkerSpec, world: int) -> Config:
@@ -120,8 +123,9 @@ def rank_config(spec: WorkerSpec, world: int) -> Config:
     return cfg
 
 
-def train_rank(spec: WorkerSpec, cfg: Config, seat: Seat, load_state: Callable[[], dict[str, Any] | None],
-               shards: Shards, reporter: Reporter, notices: Notices | None,
+def train_rank(spec: WorkerSpec, cfg: Config, seat: Seat,
+               load_state: Callable[[], dict[str, Any] | None], shards: Shards,
+               reporter: Reporter, notices: Notices | None,
                announce: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """One rank from its device on: model, optimizer and data (`shards`) wired from `spec`, the
     checkpoint `load_state` returns restored, then `loop.run`. Shared by Ray Train's workers and a
@@ -129,26 +133,16 @@ def train_rank(spec: WorkerSpec, cfg: Config, seat: Seat, load_state: Callable[[
     same loop, same figures. `announce` gets `what_runs` before the first step (rank 0's goes to the
     driver's terminal)."""
     device = seat.device
-    pretrained = fetch_pretrained(cfg.model.pretrained, cfg.data.s3) if cfg.model.pretrained else None
+    pretrained = (fetch_pretrained(cfg.model.pretrained, cfg.data.s3) if cfg.model.pretrained
+                  else None)
     state = load_state()
     read_at = time.time()
     # the autopilot's choice of sync and (at this size) micro-batch
     cfg = kept_config(cfg, state, seat.world)
     decision = spec.cache_decision
     epoch, start = data_position(state, decision, seat.world)
-    rest = None
-    if (seen := rest_of_epoch(state, decision, seat.world)) is not None:
-        if shards.whole_train is None:
-            raise RuntimeError(f"epoch {epoch} was begun by another "
-                               "group: this rank cannot read its rest")
-        rest = (epoch, seen, shards.whole_train)
-    data = None
-    if isinstance(cfg.train.micro_batch_size, int) and cfg.failure.mode != "replicas":
-        # The micro-batch is known before the model: the first step's data is fetched while the
-        # model is built.
-        data = rank_batches(spec, cfg, seat, shards.train, shards.val, rest)
-        if (state or {}).get("progress", {}).get("step", 0) < cfg.train.max_steps:  # type: ignore[operator]
-            data.prefetch(epoch, start, cfg.train.grad_accum_steps)  # type: ignore[arg-type]
+    rest = epoch_rest(state, decision, seat.world, epoch, shards.whole_train)
+    data = batches_ahead(spec, cfg, seat, shards, rest, state, (epoch, start))
     parts = build_parts(cfg, spec.in_features, device, pretrained)
     # When the group's last worker entered (the ranks have met in the model's first broadcast by
     # now, so this waits for none): a restart's stages then tell a late worker's start (on a
@@ -162,28 +156,60 @@ def train_rank(spec: WorkerSpec, cfg: Config, seat: Seat, load_state: Callable[[
                                     spec.node_ranks)
     if cfg.train.compile:
         compile_model(parts)
-    progress = restore(parts, state, decision) if state is not None else Progress(cache_decision=decision)
+    progress = (restore(parts, state, decision) if state is not None
+                else Progress(cache_decision=decision))
     # this attempt's claim, which its checkpoints' manifests name (resume.unloadable)
     attempt = spec.attempt
     progress.attempt = attempt[2].name if attempt else None
     # A restart's recovery stages: the checkpoint read, then the model built and the checkpoint
     # restored into it.
-    restored = {"at/checkpoint_read": read_at, "at/checkpoint_loaded": time.time()} if state is not None else {}
+    restored = ({"at/checkpoint_read": read_at, "at/checkpoint_loaded": time.time()}
+                if state is not None else {})
     del state  # the model and optimizer hold their copies now
 
     t = cfg.train
     data = data or rank_batches(spec, cfg, seat, shards.train, shards.val, rest)
     # Facts only a worker knows, sent with the first report of every (re)start.
+    global_batch = t.micro_batch_size * t.grad_accum_steps * seat.world  # type: ignore[operator]
     facts = {"precision": parts.precision.mode, "grad_accum_steps": t.grad_accum_steps,
-             "global_batch": t.micro_batch_size * t.grad_accum_steps * seat.world,  # type: ignore[operator]
-             "worker_pid": os.getpid(), "world_rank": seat.rank, "at/worker": seat.entered,
-             "at/last_worker": last_in} | restored
+             "global_batch": global_batch, "worker_pid": os.getpid(), "world_rank": seat.rank,
+             "at/worker": seat.entered, "at/last_worker": last_in} | restored
     if announce is not None:
         announce(what_runs(parts, cfg, seat, progress.step))
     if cfg.failure.mode == "replicas":
         return run_replica(cfg, parts, data, reporter, progress, facts, seat, spec.train_rows)
-    return run(cfg, parts, Data(data.train, data.val if cfg.data.val is not None else None, data.resize), reporter,
-               progress, notices, facts)
+    return run(cfg, parts,
+               Data(data.train, data.val if cfg.data.val is not None else None, data.resize),
+               reporter, progress, notices, facts)
+
+
+def epoch_rest(state: dict[str, Any] | None, decision: str | None, world: int, epoch: int,
+               whole_train: Callable[[], Any] | None
+               ) -> tuple[int, np.ndarray, Callable[[], Any]] | None:
+    """The rest this rank finishes of the checkpoint's epoch `epoch` when a group of another size
+    began it (`rank_batches`'s `rest`: the epoch, the ids it has trained on, `whole_train`), else
+    None."""
+    if (seen := rest_of_epoch(state, decision, world)) is None:
+        return None
+    if whole_train is None:
+        raise RuntimeError(f"epoch {epoch} was begun by another group: "
+                           "this rank cannot read its rest")
+    return (epoch, seen, whole_train)
+
+
+def batches_ahead(spec: WorkerSpec, cfg: Config, seat: Seat, shards: Shards,
+                  rest: tuple[int, np.ndarray, Callable[[], Any]] | None,
+                  state: dict[str, Any] | None, position: tuple[int, int]) -> RankBatches | None:
+    """The rank's data when its micro-batch is known before the model: the first step's data (from
+    `position`, the epoch and the rows into it) is fetched while the model is built. None under
+    train.micro_batch_size=auto and failure.mode=replicas."""
+    if not (isinstance(cfg.train.micro_batch_size, int) and cfg.failure.mode != "replicas"):
+        return None
+    data = rank_batches(spec, cfg, seat, shards.train, shards.val, rest)
+    resumed_step = (state or {}).get("progress", {}).get("step", 0)
+    if resumed_step < cfg.train.max_steps:  # type: ignore[operator]
+        data.prefetch(*position, cfg.train.grad_accum_steps)  # type: ignore[arg-type]
+    return data
 
 
 def what_runs(parts: Parts, cfg: Config, seat: Seat, step: int) -> dict[str, Any]:
@@ -191,14 +217,16 @@ def what_runs(parts: Parts, cfg: Config, seat: Seat, step: int) -> dict[str, Any
     built model's parameters, the precision `auto` resolved to on this device, the devices, the
     micro-batch (`auto` found by now), the accumulation and the steps, from `step` on."""
     t = cfg.train
-    device = torch.cuda.get_device_name(seat.device) if seat.device.type == "cuda" else seat.device.type
+    device = (torch.cuda.get_device_name(seat.device) if seat.device.type == "cuda"
+              else seat.device.type)
     micro, accumulation = t.micro_batch_size, t.grad_accum_steps
     # resolved for the world size by now
     assert isinstance(micro, int) and isinstance(accumulation, int)
     return {"event": "setup", "params": sum(p.numel() for p in unwrap(parts.model).parameters()),
-            "precision": parts.precision.mode, "device": device, "workers": seat.world, "micro_batch": micro,
-            "grad_accum_steps": accumulation, "global_batch": micro * accumulation * seat.world,
-            "max_steps": t.max_steps, "from_step": step}
+            "precision": parts.precision.mode, "device": device, "workers": seat.world,
+            "micro_batch": micro, "grad_accum_steps": accumulation,
+            "global_batch": micro * accumulation * seat.world, "max_steps": t.max_steps,
+            "from_step": step}
 
 
 def rank_batches(spec: WorkerSpec, cfg: Config, seat: Seat, train_shard: Any, val_shard: Any | None,
@@ -211,7 +239,8 @@ def rank_batches(spec: WorkerSpec, cfg: Config, seat: Seat, train_shard: Any, va
     # StepRows): rank 0's.
     rank = 0 if cfg.failure.mode == "replicas" else seat.rank
     order = RankOrder(t.seed, rank, spec.epoch_clock, replay=spec.cache_decision == REPLAY)
-    data = RankBatches(cfg.data, train_shard, val_shard, t.micro_batch_size, order,  # type: ignore[arg-type]
+    data = RankBatches(cfg.data, train_shard, val_shard,
+                       t.micro_batch_size, order,  # type: ignore[arg-type]
                        named=cfg.model.inputs is not None,
                        schema=getattr(spec.sample, "schema", None),  # decides the padded columns
                        pin_memory=seat.device.type == "cuda")
@@ -225,7 +254,8 @@ def whole_train(spec: WorkerSpec, seat: Seat) -> Any:
     """The training data unsplit, as every rank of a Ray Train group reads it for a rest pass: held
     small data whole, else Ray Train's unsplit iterator of it (trainer.WHOLE_TRAIN)."""
     held = spec.held.get("train")
-    return held.shard(0, 1, seat.device) if held is not None else ray.train.get_dataset_shard(WHOLE_TRAIN)
+    return (held.shard(0, 1, seat.device) if held is not None
+            else ray.train.get_dataset_shard(WHOLE_TRAIN))
 
 
 def run_replica(cfg: Config, parts: Any, data: RankBatches, reporter: Reporter, progress: Progress,
@@ -240,9 +270,10 @@ def run_replica(cfg: Config, parts: Any, data: RankBatches, reporter: Reporter, 
 
     t = cfg.train
     micro: int = t.micro_batch_size  # type: ignore[assignment]  # fixed under replicas (config)
-    cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"every": t.max_steps})})
-    rows = StepRows(data.train, t.global_batch_size // micro, micro, train_rows // micro if train_rows else None,
-                    seat.device)
+    last_step_only = cfg.checkpoint.model_copy(update={"every": t.max_steps})
+    cfg = cfg.model_copy(update={"checkpoint": last_step_only})
+    rows = StepRows(data.train, t.global_batch_size // micro, micro,
+                    train_rows // micro if train_rows else None, seat.device)
     replicas = join_replicas(parts, progress, seat.rank, cfg.scaling.max_workers, rows)
     try:
         metrics = run(cfg, parts, Data(data.train, data.val if cfg.data.val is not None else None),

@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_autopilot import _config, _parts
 from test_autopilot import one_thread as one_thread  # its autouse fixture: one torch thread, flushing on
-from test_autopilot_tf32 import _pilot
+from test_autopilot_tf32 import _options, _pilot
 from test_peaks import tf32_flags as tf32_flags  # torch's TF32 flags as they were, after each test
 from torch._dynamo.utils import counters
 
@@ -55,8 +55,8 @@ def _changed(start: Settings, candidates: list[Settings]) -> list[str]:
 def test_threads_are_searched_on_a_cpu_rank_and_never_on_a_gpu() -> None:
     cfg = _config("scaling.cpus_per_worker=2")
     gpu_cfg = _config("scaling.use_gpu=true", "scaling.cpus_per_worker=8")
-    assert [k for k, _ in _pilot(cfg, "cpu", "fp32")._other_options() if k == "torch_threads"] == ["torch_threads"]
-    assert "torch_threads" not in [k for k, _ in _pilot(gpu_cfg, "cuda", "fp32")._other_options()]
+    assert [k for k, _ in _options(_pilot(cfg, "cpu", "fp32")) if k == "torch_threads"] == ["torch_threads"]
+    assert "torch_threads" not in [k for k, _ in _options(_pilot(gpu_cfg, "cuda", "fp32"))]
     assert "torch_threads" not in _changed(_pilot(gpu_cfg, "cuda", "fp32").start,
                                            _walked(_pilot(gpu_cfg, "cuda", "fp32"), 1e9))
 

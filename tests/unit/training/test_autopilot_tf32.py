@@ -19,6 +19,7 @@ from test_peaks import tf32_flags as tf32_flags  # torch's TF32 flags as they we
 from orchestrator.config import Config, load_config
 from orchestrator.errors import ConfigError
 from orchestrator.training import autopilot
+from orchestrator.training.candidates import other_options
 from orchestrator.training.checkpoint import Progress
 from orchestrator.training.knobs import Knobs, Settings
 
@@ -43,8 +44,13 @@ def _pilot(cfg: Config, device: str, precision: str, tf32: bool = False) -> auto
     return autopilot.Autopilot(cfg, Progress(), knobs, start, PER_WORKER)
 
 
+def _options(pilot: autopilot.Autopilot) -> list[tuple[str, list[Any]]]:
+    """The settings besides the micro-batch that `pilot` may measure, with their values."""
+    return other_options(pilot.cfg, pilot.start, pilot.knobs, pilot.flush_ok)
+
+
 def _tf32_options(pilot: autopilot.Autopilot) -> list[list[Any]]:
-    return [values for key, values in pilot._other_options() if key == "tf32"]
+    return [values for key, values in _options(pilot) if key == "tf32"]
 
 
 def test_tf32_is_a_candidate_only_when_allowed_on_a_gpu_in_fp32() -> None:
