@@ -281,6 +281,39 @@ def test_no_product_line_is_over_100_columns() -> None:
     assert not long, f"wrap these lines at {MAX_LINE_COLUMNS} columns: {long}"
 
 
+MAX_PARAMETERS = 8  # self and cls not counted; *args and **kwargs count one each
+
+
+def too_many_parameters() -> list[str]:
+    """'path::name (n)' for every product function or method taking more than MAX_PARAMETERS."""
+    found = []
+    for path in sorted(p for pkg in PRODUCT for p in (ROOT / pkg).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                a = node.args
+                names = [*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, (a.vararg, a.kwarg))]
+                count = len([n for n in names if n.arg not in ("self", "cls")])
+                if count > MAX_PARAMETERS:
+                    found.append(f"{path.relative_to(ROOT)}::{node.name} ({count})")
+    return found
+
+
+def test_no_function_takes_more_than_8_parameters() -> None:
+    """A function taking more is handed a group of them that belongs together (a plan, a spec, a dataclass)."""
+    assert not too_many_parameters(), f"regroup their parameters: {too_many_parameters()}"
+
+
+def test_the_parameter_count_sees_keyword_only_and_star_arguments(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "orchestrator").mkdir()
+    (tmp_path / "orchestrator" / "m.py").write_text(
+        "def fits(a, b, c, d, e, f, g, h): ...\n"
+        "def over(a, b, c, d, e, f, *args, g, **kwargs): ...\n"
+        "class C:\n    def method(self, a, b, c, d, e, f, g, h): ...\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert too_many_parameters() == ["orchestrator/m.py::over (9)"]
+
+
 def test_size_check_counts_from_the_def_to_the_end_and_names_each_offender(tmp_path: Path,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     def body(indent: int) -> str:  # one line short of the limit, with the def line
