@@ -74,19 +74,14 @@ def _add_train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
                             "run: the newest run of this experiment in storage.path trained "
                             "with this config (a new run if the experiment has none), or "
                             "RUN: a run's name, or its directory's path or s3:// URI")
-    train.add_argument("--verbose", "-v", action="store_true", help="also show Ray's and "
-                                                                    "MLflow's own log "
-                                                                    "lines (always written "
-                                                                    "to the run's log file)")
-    train.add_argument("--autopilot", action="store_true", help="measure the speed settings "
-                                                                "that leave the math unchanged "
-                                                                "(micro-batch split, compile, "
-                                                                "torch threads, flush_denormal, "
-                                                                "precision when auto) on the "
-                                                                "run's first steps, then train "
-                                                                "with the fastest "
-                                                                "(autopilot.enabled=true; "
-                                                                "docs/autopilot.md)")
+    train.add_argument("--verbose", "-v", action="store_true",
+                       help="also show Ray's and MLflow's own log lines "
+                            "(always written to the run's log file)")
+    train.add_argument("--autopilot", action="store_true",
+                       help="measure the speed settings that leave the math unchanged "
+                            "(micro-batch split, compile, torch threads, flush_denormal, "
+                            "precision when auto) on the run's first steps, then train "
+                            "with the fastest (autopilot.enabled=true; docs/autopilot.md)")
 
 
 def _add_tune_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -97,20 +92,19 @@ def _add_tune_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     _config_args(tune)
     tune.add_argument("--address", help="join this Ray cluster (default: "
                                         "$RAY_ADDRESS, else start a local one)")
-    tune.add_argument("--fresh", action="store_true", help="delete the study's saved state "
-                                                           "and start it over (default: "
-                                                           "continue an interrupted study)")
-    tune.add_argument("--verbose", "-v", action="store_true", help="also show Ray's, Tune's "
-                                                                   "and MLflow's own log "
-                                                                   "lines (always written "
-                                                                   "to the study's log file)")
+    tune.add_argument("--fresh", action="store_true",
+                      help="delete the study's saved state and start it "
+                           "over (default: continue an interrupted study)")
+    tune.add_argument("--verbose", "-v", action="store_true",
+                      help="also show Ray's, Tune's and MLflow's own log "
+                           "lines (always written to the study's log file)")
 
 
 def _add_doctor_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     doctor = sub.add_parser("doctor", help="diagnose a finished or running run from its "
                                            "MLflow record and print the config changes to try")
-    doctor.add_argument("run_id", metavar="RUN_ID", help="MLflow run id (printed at "
-                                                         "the end of train and tune)")
+    doctor.add_argument("run_id", metavar="RUN_ID",
+                        help="MLflow run id (printed at the end of train and tune)")
     doctor.add_argument("--tracking-uri", help="MLflow tracking URI (default: "
                                                "$MLFLOW_TRACKING_URI, else "
                                                "sqlite:///mlruns.db in the working directory)")
@@ -132,13 +126,12 @@ def _add_ui_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 def _add_show_config_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     show = sub.add_parser("show-config", help="print the resolved config as YAML")
     _config_args(show)
-    show.add_argument("--explain", action="store_true", help="write each key's meaning "
-                                                             "above it as a # comment")
-    show.add_argument("--plan", action="store_true", help="check the config against the data, "
-                                                          "the model, the price table and "
-                                                          "storage, as `train` does before Ray "
-                                                          "starts, and print the run's plan "
-                                                          "(what MLflow keeps as plan.yaml)")
+    show.add_argument("--explain", action="store_true",
+                      help="write each key's meaning above it as a # comment")
+    show.add_argument("--plan", action="store_true",
+                      help="check the config against the data, the model, the price "
+                           "table and storage, as `train` does before Ray starts, "
+                           "and print the run's plan (what MLflow keeps as plan.yaml)")
     show.add_argument("--resume", nargs="?", const=True, default=False, metavar="RUN",
                       help="with --plan: plan the resume of a run, as `train --resume [RUN]` would")
 
@@ -179,43 +172,40 @@ def _add_digits_parser(kinds: argparse._SubParsersAction[argparse.ArgumentParser
 
 
 def _add_synthetic_parser(kinds: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    synthetic = kinds.add_parser("synthetic", help="a learnable synthetic "
-                                                   "classification set of any size")
+    synthetic = kinds.add_parser("synthetic",
+                                 help="a learnable synthetic classification set of any size")
     synthetic.add_argument("--out", required=True, help=_OUT_HELP)
     synthetic.add_argument("--rows", type=int, required=True, help="training rows to generate")
-    synthetic.add_argument("--shards", type=int, default=8, help="Parquet files of the training "
-                                                                 "split (default: %(default)s)")
-    synthetic.add_argument("--features", type=int, default=64, help="float features per row, "
-                                                                    "in one 'features' column "
-                                                                    "(default: %(default)s)")
-    synthetic.add_argument("--classes", type=int, default=10, help="classes of the 'label' "
-                                                                   "column (default: %(default)s)")
-    synthetic.add_argument("--val-rows", type=int, default=0, help="validation rows, one file; "
-                                                                   "0 writes no val/ split "
-                                                                   "(default: %(default)s)")
-    synthetic.add_argument("--seed", type=int, default=0, help="random seed of the class "
-                                                               "centres and the rows "
-                                                               "(default: %(default)s)")
+    synthetic.add_argument("--shards", type=int, default=8,
+                           help="Parquet files of the training split (default: %(default)s)")
+    synthetic.add_argument("--features", type=int, default=64,
+                           help="float features per row, in one "
+                                "'features' column (default: %(default)s)")
+    synthetic.add_argument("--classes", type=int, default=10,
+                           help="classes of the 'label' column (default: %(default)s)")
+    synthetic.add_argument("--val-rows", type=int, default=0,
+                           help="validation rows, one file; 0 writes "
+                                "no val/ split (default: %(default)s)")
+    synthetic.add_argument("--seed", type=int, default=0,
+                           help="random seed of the class centres "
+                                "and the rows (default: %(default)s)")
 
 
 def _add_text_parser(kinds: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     text = kinds.add_parser("text", help="byte-tokenised local text files "
                                          "as fixed-length token sequences")
-    text.add_argument("--input", nargs="+", required=True, metavar="FILE", help="local text "
-                                                                                "files, read as "
-                                                                                "bytes and joined")
+    text.add_argument("--input", nargs="+", required=True, metavar="FILE",
+                      help="local text files, read as bytes and joined")
     text.add_argument("--out", required=True, help=_OUT_HELP)
-    text.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence; "
-                                                               "each row holds seq-len + 1 "
-                                                               "for the shifted targets "
-                                                               "(default: %(default)s)")
-    text.add_argument("--shards", type=int, default=4, help="Parquet files of the training "
-                                                            "split; validation is one file "
-                                                            "(default: %(default)s)")
-    text.add_argument("--val-fraction", type=float, default=0.1, help="the last fraction of "
-                                                                      "the sequences, kept "
-                                                                      "for validation "
-                                                                      "(default: %(default)s)")
+    text.add_argument("--seq-len", type=int, default=128,
+                      help="tokens per training sequence; each row holds seq-len "
+                           "+ 1 for the shifted targets (default: %(default)s)")
+    text.add_argument("--shards", type=int, default=4,
+                      help="Parquet files of the training split; "
+                           "validation is one file (default: %(default)s)")
+    text.add_argument("--val-fraction", type=float, default=0.1,
+                      help="the last fraction of the sequences, kept "
+                           "for validation (default: %(default)s)")
 
 
 def _add_diabetes_parser(kinds: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -224,35 +214,34 @@ def _add_diabetes_parser(kinds: argparse._SubParsersAction[argparse.ArgumentPars
                                                  "category ids and a standardised target")
     diabetes.add_argument("--out", required=True, help=_OUT_HELP)
     diabetes.add_argument("--shards", type=int, default=2, help=_SHARDS_HELP)
-    diabetes.add_argument("--val-fraction", type=float, default=0.2, help="fraction of the rows "
-                                                                          "kept for validation, "
-                                                                          "between 0 and 1 "
-                                                                          "(default: %(default)s)")
+    diabetes.add_argument("--val-fraction", type=float, default=0.2,
+                          help="fraction of the rows kept for validation, "
+                               "between 0 and 1 (default: %(default)s)")
     diabetes.add_argument("--seed", type=int, default=0, help=_SEED_HELP)
 
 
 def _add_sequences_parser(kinds: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    sequences = kinds.add_parser("sequences", help="a learnable synthetic classification "
-                                                   "set of variable-length token lists")
+    sequences = kinds.add_parser("sequences",
+                                 help="a learnable synthetic classification "
+                                      "set of variable-length token lists")
     sequences.add_argument("--out", required=True, help=_OUT_HELP)
-    sequences.add_argument("--rows", type=int, default=2000, help="rows to generate, train "
-                                                                  "and validation together "
-                                                                  "(default: %(default)s)")
-    sequences.add_argument("--vocab", type=int, default=64, help="token ids 0..vocab-1, at least "
-                                                                 "4: 0 pads, 1 starts each row "
-                                                                 "(default: %(default)s)")
-    sequences.add_argument("--min-len", type=int, default=4, help="fewest tokens in a row, its "
-                                                                  "start token included; at "
-                                                                  "least 2 (default: %(default)s)")
-    sequences.add_argument("--max-len", type=int, default=24, help="most tokens in a row "
-                                                                   "(default: %(default)s)")
+    sequences.add_argument("--rows", type=int, default=2000,
+                           help="rows to generate, train and validation "
+                                "together (default: %(default)s)")
+    sequences.add_argument("--vocab", type=int, default=64,
+                           help="token ids 0..vocab-1, at least 4: 0 pads, "
+                                "1 starts each row (default: %(default)s)")
+    sequences.add_argument("--min-len", type=int, default=4,
+                           help="fewest tokens in a row, its start token "
+                                "included; at least 2 (default: %(default)s)")
+    sequences.add_argument("--max-len", type=int, default=24,
+                           help="most tokens in a row (default: %(default)s)")
     sequences.add_argument("--shards", type=int, default=2, help=_SHARDS_HELP)
-    sequences.add_argument("--val-fraction", type=float, default=0.2, help="fraction of the rows "
-                                                                           "kept for validation, "
-                                                                           "between 0 and 1 "
-                                                                           "(default: %(default)s)")
-    sequences.add_argument("--seed", type=int, default=0, help="random seed of the rows "
-                                                               "(default: %(default)s)")
+    sequences.add_argument("--val-fraction", type=float, default=0.2,
+                           help="fraction of the rows kept for validation, "
+                                "between 0 and 1 (default: %(default)s)")
+    sequences.add_argument("--seed", type=int, default=0,
+                           help="random seed of the rows (default: %(default)s)")
 
 
 def run_command(args: argparse.Namespace) -> int:
