@@ -41,8 +41,8 @@ class _Version(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="orchestrator", description="Distributed PyTorch "
-                                                                      "training on Ray.")
+    parser = argparse.ArgumentParser(prog="orchestrator",
+                                     description="Distributed PyTorch training on Ray.")
     parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train_parser(sub)

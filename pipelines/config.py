@@ -22,17 +22,18 @@ class S3Config(BaseModel):
     # inf passes gt=0; nan poisons a timeout
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    endpoint: str | None = Field(None, description="Endpoint URL, e.g. http://minio:9000; null = "
-                                 "$AWS_ENDPOINT_URL_S3, else $AWS_ENDPOINT_URL, else AWS.")
+    endpoint: str | None = Field(None,
+                                 description="Endpoint URL, e.g. http://minio:9000; "
+                                             "null = $AWS_ENDPOINT_URL_S3, else "
+                                             "$AWS_ENDPOINT_URL, else AWS.")
     region: str | None = Field(None, description="null = the AWS chain's region "
                                                  "(AWS_REGION, profile), else us-east-1.")
     anonymous: bool = Field(False, description="Unsigned requests (public buckets); "
                                                "no credentials are looked up.")
-    max_attempts: int = Field(4, ge=1, le=20, description="Attempts per request for "
-                                                          "transient errors (5xx, "
-                                                          "SlowDown, dropped connections), "
-                                                          "with exponential backoff; "
-                                                          "access errors are never retried.")
+    max_attempts: int = Field(4, ge=1, le=20,
+                              description="Attempts per request for transient errors (5xx, "
+                                          "SlowDown, dropped connections), with exponential "
+                                          "backoff; access errors are never retried.")
     connect_timeout_s: float = Field(5.0, gt=0, description="Seconds to wait for a TCP connection.")
     request_timeout_s: float = Field(60.0, gt=0, description="Seconds to wait for one request.")
 
@@ -84,28 +85,28 @@ class DataConfig(BaseModel):
 
     train: str = Field("data/digits/train", min_length=1,
                        description="Directory, file or s3://bucket/prefix of Parquet shards.")
-    val: str | None = Field("data/digits/val", description="Parquet shards for validation; "
-                                                           "null disables eval.")
-    features: list[str] = Field(["pixels"], min_length=1, description="Input columns: "
-                                                                      "concatenated in order "
-                                                                      "into one float vector, "
-                                                                      "or handed to the model "
-                                                                      "by name (model.inputs).")
-    label: str | None = Field("label", description="Target column (integer classes, a list of 0/1 "
-                                                   "labels, or floats, as task.name needs); null "
-                                                   "= next-token prediction on the single token "
-                                                   "column in `features` (a language model).")
-    pad_to_multiple_of: int | None = Field(None, ge=1, description="Variable-length token columns "
-                                                                   "are padded to the longest row "
-                                                                   "of each micro-batch, rounded "
-                                                                   "up to this multiple.")
-    prefetch_batches: int = Field(2, ge=0, description="Fetches (of ~4096 rows, sliced "
-                                                       "into micro-batches) each worker "
-                                                       "prefetches ahead of the loop.")
-    read_parallelism: int | None = Field(None, ge=1, description="Most shard reads running "
-                                                                 "at once (Ray Data read "
-                                                                 "concurrency); null = as "
-                                                                 "many as Ray has CPUs for.")
+    val: str | None = Field("data/digits/val",
+                            description="Parquet shards for validation; null disables eval.")
+    features: list[str] = Field(["pixels"], min_length=1,
+                                description="Input columns: concatenated in order "
+                                            "into one float vector, or handed to "
+                                            "the model by name (model.inputs).")
+    label: str | None = Field("label",
+                              description="Target column (integer classes, a list of 0/1 "
+                                          "labels, or floats, as task.name needs); null "
+                                          "= next-token prediction on the single token "
+                                          "column in `features` (a language model).")
+    pad_to_multiple_of: int | None = Field(None, ge=1,
+                                           description="Variable-length token columns are padded "
+                                                       "to the longest row of each micro-batch, "
+                                                       "rounded up to this multiple.")
+    prefetch_batches: int = Field(2, ge=0,
+                                  description="Fetches (of ~4096 rows, sliced into micro-batches) "
+                                              "each worker prefetches ahead of the loop.")
+    read_parallelism: int | None = Field(None, ge=1,
+                                         description="Most shard reads running at once "
+                                                     "(Ray Data read concurrency); null "
+                                                     "= as many as Ray has CPUs for.")
     cache: str = Field(
         "auto",
         description="memory: decode once and keep the blocks in Ray's object store for "
@@ -115,9 +116,9 @@ class DataConfig(BaseModel):
                     "resumed run keeps whether its checkpoints' data was streamed, held "
                     "in memory or replayed (its data position counts rows in that order).",
     )
-    cache_max_gb: float | None = Field(None, gt=0, description="Size cap of the disk cache per "
-                                                               "node (LRU eviction); default "
-                                                               "50. Only with cache: DIR.")
+    cache_max_gb: float | None = Field(None, gt=0,
+                                       description="Size cap of the disk cache per node (LRU "
+                                                   "eviction); default 50. Only with cache: DIR.")
     shuffle: bool = Field(True, description="A new order every epoch, drawn per (train.seed, "
                                             "epoch): the shard order when streamed from "
                                             "storage, the order of the decoded blocks for "
@@ -125,12 +126,12 @@ class DataConfig(BaseModel):
                                             "small in-memory data replayed by the workers is "
                                             "permuted per (seed, epoch, rank) within each "
                                             "worker. false = shards sorted by name.")
-    shuffle_buffer: int | None = Field(None, ge=2, description="Rows in each worker's local "
-                                                               "shuffle buffer (seeded per seed, "
-                                                               "epoch, rank); null = no row "
-                                                               "shuffle within shards or blocks. "
-                                                               "With small in-memory data it "
-                                                               "replaces the workers' replay.")
+    shuffle_buffer: int | None = Field(None, ge=2,
+                                       description="Rows in each worker's local shuffle "
+                                                   "buffer (seeded per seed, epoch, rank); "
+                                                   "null = no row shuffle within shards or "
+                                                   "blocks. With small in-memory data it "
+                                                   "replaces the workers' replay.")
     transforms: list[dict[str, Any]] = Field(
         default_factory=list,
         description="Per-batch transforms run in Ray Data map_batches, in order, e.g. "

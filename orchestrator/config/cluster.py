@@ -15,15 +15,18 @@ class ScalingConfig(_Section):
                                          "with the cluster.")
     use_gpu: bool = Field(False, description="One GPU per worker (nccl); false: CPU workers "
                                              "(gloo).")
-    accelerator_type: str | None = Field(None, description="GPU type every worker must run on, "
-                                         "e.g. A100, H100, A10G (Ray's accelerator_type:<T> node "
-                                         "resource; the cluster YAMLs in cluster/ declare it per "
-                                         "node type). null: any GPU.")
-    cpus_per_worker: float = Field(1.0, gt=0, description="Logical CPUs per worker (also its torch "
-                                                          "threads).")
-    resize_check_s: float | None = Field(None, gt=0, description="Elastic only: seconds between "
-                                         "Ray Train's checks for room to grow the group (Ray's "
-                                         "default: 60).")
+    accelerator_type: str | None = Field(None,
+                                         description="GPU type every worker must run on, "
+                                                     "e.g. A100, H100, A10G (Ray's "
+                                                     "accelerator_type:<T> node resource; "
+                                                     "the cluster YAMLs in cluster/ declare "
+                                                     "it per node type). null: any GPU.")
+    cpus_per_worker: float = Field(1.0, gt=0,
+                                   description="Logical CPUs per worker (also its torch threads).")
+    resize_check_s: float | None = Field(None, gt=0,
+                                         description="Elastic only: seconds between Ray "
+                                                     "Train's checks for room to grow "
+                                                     "the group (Ray's default: 60).")
 
     @field_validator("num_workers")
     @classmethod
@@ -89,12 +92,15 @@ class ClusterConfig(_Section):
     """The local Ray cluster a command starts when it is given no cluster (no --address, no
     $RAY_ADDRESS)."""
 
-    keep_warm_minutes: float = Field(0.0, ge=0, description="Leave the local Ray cluster running "
-                                     "this many minutes after the command (and after each later "
-                                     "command that joins it), so that the next train or tune "
-                                     "command in the same environment joins it instead of starting "
-                                     "one: its `ray start` stage is then only the join. The idle "
-                                     "cluster keeps its processes' memory (`orchestrator cluster "
-                                     "status` shows it) and uses no CPU to speak of; it is stopped "
-                                     "when idle that long, or now with `orchestrator cluster "
-                                     "stop`. 0: each command starts and stops its own cluster.")
+    keep_warm_minutes: float = Field(0.0, ge=0,
+                                     description="Leave the local Ray cluster running this many "
+                                                 "minutes after the command (and after each later "
+                                                 "command that joins it), so that the next train "
+                                                 "or tune command in the same environment joins "
+                                                 "it instead of starting one: its `ray start` "
+                                                 "stage is then only the join. The idle cluster "
+                                                 "keeps its processes' memory (`orchestrator "
+                                                 "cluster status` shows it) and uses no CPU to "
+                                                 "speak of; it is stopped when idle that long, or "
+                                                 "now with `orchestrator cluster stop`. 0: each "
+                                                 "command starts and stops its own cluster.")

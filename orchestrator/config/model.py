@@ -21,13 +21,16 @@ class ModelConfig(BaseModel):
     _origins: dict[str, str] = PrivateAttr(default_factory=dict)
 
     name: str = Field("mlp", description="Registered model: mlp, cnn, gpt.")
-    entrypoint: str | None = Field(None, description="'module:function' building a torch Module (a "
-                                   "Hugging Face `transformers` model too); overrides name. It is "
-                                   "called with the options below, plus in_features and "
-                                   "num_classes where its signature takes them.")
-    num_classes: int | None = Field(None, ge=1, description="Outputs: classes (null = from the "
-                                    "label column's max), labels (multilabel), targets "
-                                    "(regression: 1 per target column).")
+    entrypoint: str | None = Field(None,
+                                   description="'module:function' building a torch Module "
+                                               "(a Hugging Face `transformers` model too); "
+                                               "overrides name. It is called with the "
+                                               "options below, plus in_features and "
+                                               "num_classes where its signature takes them.")
+    num_classes: int | None = Field(None, ge=1,
+                                    description="Outputs: classes (null = from the label "
+                                                "column's max), labels (multilabel), "
+                                                "targets (regression: 1 per target column).")
     inputs: list[str] | dict[str, str] | None = Field(
         None,
         json_schema_extra={"accepts": "a list of argument names, {argument: column}, or null"},
@@ -35,9 +38,11 @@ class ModelConfig(BaseModel):
         "attention_mask] (argument = column), or {argument: column}. A variable-length token "
         "column also gives `attention_mask`. null: forward(x) with the feature columns "
         "concatenated into one float vector.")
-    pretrained: str | None = Field(None, description="Directory or s3://prefix saved with "
-                                   "save_pretrained: the built Hugging Face model's weights are "
-                                   "loaded from it (fetched once per node).")
+    pretrained: str | None = Field(None,
+                                   description="Directory or s3://prefix saved with "
+                                               "save_pretrained: the built Hugging "
+                                               "Face model's weights are loaded "
+                                               "from it (fetched once per node).")
 
     @property
     def input_map(self) -> dict[str, str] | None:

@@ -44,9 +44,10 @@ class TaskConfig(_Section):
     name: str | None = Field(None, description="classification | multilabel | regression | "
                              "causal_lm | 'module:Class'; null: classification with data.label, "
                              "causal_lm without.")
-    loss: Literal["task", "model"] = Field("task", description="task: the task's loss on the "
-                                           "model's logits; model: the loss the model returns when "
-                                           "given `labels` (Hugging Face).")
+    loss: Literal["task", "model"] = Field("task",
+                                           description="task: the task's loss on the model's "
+                                                       "logits; model: the loss the model returns "
+                                                       "when given `labels` (Hugging Face).")
 
     @property
     def kind(self) -> TaskKind | None:

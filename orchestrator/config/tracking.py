@@ -15,8 +15,9 @@ class TrackingConfig(_Section):
     uri: str | None = Field(None, description="MLflow tracking URI (SQLite file or http server); "
                             "null = $MLFLOW_TRACKING_URI, else sqlite:///mlruns.db in the working "
                             "directory.")
-    experiment: str = Field("default", min_length=1, description="The MLflow experiment the runs "
-                            "are listed under; runs of several configs can share one.")
+    experiment: str = Field("default", min_length=1,
+                            description="The MLflow experiment the runs are listed "
+                                        "under; runs of several configs can share one.")
 
 
 class CostConfig(_Section):
@@ -24,20 +25,23 @@ class CostConfig(_Section):
     cluster/prices.yaml or a price given here), split into productive training and overheads.
     Unpriced, only node-hours are logged."""
 
-    node_type: str | None = Field(None, description="A node type of the price table (head, "
-                                  "gpu_a100, gpu_h100, gpu_spot); also decides how many nodes the "
-                                  "workers occupy.")
+    node_type: str | None = Field(None,
+                                  description="A node type of the price table (head, "
+                                              "gpu_a100, gpu_h100, gpu_spot); also "
+                                              "decides how many nodes the workers occupy.")
     cloud: Literal["aws", "gcp", "azure"] = Field("aws", description="Which cloud's prices to use.")
     spot: bool | None = Field(None, description="Spot price instead of on-demand; null = how the "
                               "launcher YAML starts that node type (gpu_spot: spot).")
-    price_per_hour: float | None = Field(None, ge=0, description="$ per node-hour; overrides the "
-                                                                 "price table.")
-    prices_file: str | None = Field(None, description="Price table YAML; null = "
-                                    "cluster/prices.yaml of the checkout (or of the working "
-                                    "directory on a cluster).")
-    nodes: int | None = Field(None, ge=1, description="Nodes the run occupies; null = the workers' "
-                              "GPUs (or CPUs) over the node type's, rounded up; 1 without a node "
-                              "type.")
+    price_per_hour: float | None = Field(None, ge=0,
+                                         description="$ per node-hour; overrides the price table.")
+    prices_file: str | None = Field(None,
+                                    description="Price table YAML; null = "
+                                                "cluster/prices.yaml of the checkout (or "
+                                                "of the working directory on a cluster).")
+    nodes: int | None = Field(None, ge=1,
+                              description="Nodes the run occupies; null = the "
+                                          "workers' GPUs (or CPUs) over the node "
+                                          "type's, rounded up; 1 without a node type.")
 
     @model_validator(mode="after")
     def _no_dead_options(self) -> CostConfig:

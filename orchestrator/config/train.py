@@ -18,10 +18,12 @@ MAX_SEED = 2**32 - 1  # numpy's global seed (set on every worker) takes no more
 class FSDPConfig(_Section):
     """train.parallel=fsdp: how the model is cut into sharded units (training/fsdp.py)."""
 
-    blocks: list[str] | None = Field(None, description="Class names of the blocks sharded one by "
-                                     "one (e.g. [MyBlock]); null: a Hugging Face model's "
-                                     "_no_split_modules or the built-in gpt's Block, else the "
-                                     "whole model as one unit (no memory saved in compute).")
+    blocks: list[str] | None = Field(None,
+                                     description="Class names of the blocks sharded one by "
+                                                 "one (e.g. [MyBlock]); null: a Hugging Face "
+                                                 "model's _no_split_modules or the built-in "
+                                                 "gpt's Block, else the whole model as one "
+                                                 "unit (no memory saved in compute).")
     defer_sync: bool = Field(False, description="With grad_accum_steps > 1, reduce-scatter "
                              "gradients once per optimizer step instead of once per micro-batch: "
                              "less communication, but each rank holds unsharded gradients (the "
@@ -32,48 +34,53 @@ class TrainConfig(_Section):
     """Length of training, batch arithmetic, precision and cadence of logging/eval."""
 
     max_steps: int | None = Field(300, ge=1, description="Optimizer steps; or set epochs instead.")
-    epochs: float | None = Field(None, gt=0, description="Passes over the training set (converted "
-                                                         "to steps).")
-    global_batch_size: int = Field(128, ge=1, description="Samples per optimizer step, summed over "
-                                                          "all workers.")
+    epochs: float | None = Field(None, gt=0,
+                                 description="Passes over the training set (converted to steps).")
+    global_batch_size: int = Field(128, ge=1,
+                                   description="Samples per optimizer step, "
+                                               "summed over all workers.")
     micro_batch_size: int | Literal["auto"] | None = Field(
         None, json_schema_extra={"accepts": "a count, auto, or null to derive it"},
         description="Samples per forward pass per worker; derived, or `auto`: the largest that "
                     "fits memory.",
     )
-    grad_accum_steps: int | None = Field(None, ge=1, description="Micro-batches per optimizer "
-                                                                 "step; derived.")
-    precision: Precision = Field("auto", description="auto picks bf16 where the device supports "
-                                                     "it.")
+    grad_accum_steps: int | None = Field(None, ge=1,
+                                         description="Micro-batches per optimizer step; derived.")
+    precision: Precision = Field("auto",
+                                 description="auto picks bf16 where the device supports it.")
     compile: bool = Field(False, description="Wrap the model in torch.compile (falls back to eager "
                                              "on failure).")
-    flush_denormal: bool = Field(True, description="On CPU, treat subnormal floats as zero: late "
-                                 "in training tiny gradients and optimizer moments make float math "
-                                 "on them several times slower.")
-    torch_threads: int | None = Field(None, ge=1, description="torch's intra-op threads per "
-                                      "worker; null: Ray's default, the worker's CPUs "
-                                      "(scaling.cpus_per_worker).")
+    flush_denormal: bool = Field(True,
+                                 description="On CPU, treat subnormal floats as zero: late in "
+                                             "training tiny gradients and optimizer moments "
+                                             "make float math on them several times slower.")
+    torch_threads: int | None = Field(None, ge=1,
+                                      description="torch's intra-op threads per worker; "
+                                                  "null: Ray's default, the worker's "
+                                                  "CPUs (scaling.cpus_per_worker).")
     memory_budget_gb: float | None = Field(
         None, gt=0, description="CPU only, with micro_batch_size=auto: memory one worker may use "
         "for the model, its gradients, optimizer state and activations (default: half the node's "
         "RAM over its workers)."
     )
-    peak_tflops: float | None = Field(None, gt=0, description="Peak TFLOP/s of one device in the "
-                                      "precision the run uses, for MFU on devices missing from the "
-                                      "built-in tables (CPUs, new GPUs).")
+    peak_tflops: float | None = Field(None, gt=0,
+                                      description="Peak TFLOP/s of one device in the precision "
+                                                  "the run uses, for MFU on devices missing "
+                                                  "from the built-in tables (CPUs, new GPUs).")
     tf32: bool = Field(False, description="GPU only: fp32 matrix products and convolutions on TF32 "
                        "tensor cores (Ampere and later: about 8x fp32's peak, a 10-bit mantissa, "
                        "so slightly different math). Off: fp32 stays fp32 (cuDNN's convolutions "
                        "included, which torch otherwise runs in TF32).")
-    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seeds the model init, the data order and "
-                                                        "the workers' RNGs.")
-    max_nonfinite_steps: int = Field(10, ge=0, description="Steps with a NaN/inf loss or gradient "
-                                     "that are skipped (no update) before training stops with an "
-                                     "error.")
+    seed: int = Field(0, ge=0, le=MAX_SEED,
+                      description="Seeds the model init, the data order and the workers' RNGs.")
+    max_nonfinite_steps: int = Field(10, ge=0,
+                                     description="Steps with a NaN/inf loss or gradient "
+                                                 "that are skipped (no update) before "
+                                                 "training stops with an error.")
     log_every: int = Field(25, ge=1, description="Steps between reports (each report is a barrier; "
                                                  "keep it >= 10).")
-    eval_every: int | None = Field(100, ge=1, description="Steps between validation passes; also "
-                                                          "at the end.")
+    eval_every: int | None = Field(100, ge=1,
+                                   description="Steps between validation passes; also at the end.")
     parallel: Literal["ddp", "fsdp"] = Field(
         "ddp", description="ddp: every worker holds the whole model, its gradients and optimizer "
         "state; fsdp: they are sharded across the workers (FSDP2), for models bigger than one "
@@ -86,16 +93,20 @@ class TrainConfig(_Section):
         "sync_every optimizer steps alone, then the workers average their parameters (~sync_every "
         "x less communication)."
     )
-    sync_every: int | None = Field(None, ge=1, description="local_sgd: optimizer steps between "
-                                   "parameter averages (null = 8). Only these steps and the last "
-                                   "average the replicas: evaluation and checkpoints between two "
-                                   "see their average and leave each replica as it was.")
-    outer_lr: float | None = Field(None, gt=0, description="local_sgd: step size on the averaged "
-                                   "change since the last sync (null = 1.0, plain averaging; 0.7 "
-                                   "with outer_momentum, DiLoCo's).")
-    outer_momentum: float | None = Field(None, gt=0, lt=1, description="local_sgd: Nesterov "
-                                         "momentum of the outer step on the averaged change "
-                                         "(DiLoCo uses 0.9); null = none.")
+    sync_every: int | None = Field(None, ge=1,
+                                   description="local_sgd: optimizer steps between parameter "
+                                               "averages (null = 8). Only these steps and "
+                                               "the last average the replicas: evaluation "
+                                               "and checkpoints between two see their "
+                                               "average and leave each replica as it was.")
+    outer_lr: float | None = Field(None, gt=0,
+                                   description="local_sgd: step size on the averaged change "
+                                               "since the last sync (null = 1.0, plain "
+                                               "averaging; 0.7 with outer_momentum, DiLoCo's).")
+    outer_momentum: float | None = Field(None, gt=0, lt=1,
+                                         description="local_sgd: Nesterov momentum of the "
+                                                     "outer step on the averaged change "
+                                                     "(DiLoCo uses 0.9); null = none.")
 
     @field_validator("micro_batch_size")
     @classmethod
@@ -155,17 +166,18 @@ class OptimConfig(_Section):
     name: Literal["adamw", "sgd"] = Field("adamw", description="adamw, or sgd (Nesterov momentum).")
     lr: float = Field(3.0e-3, gt=0, description="Peak learning rate, reached at the end of the "
                                                 "warmup.")
-    weight_decay: float = Field(0.01, ge=0, description="Weight decay, given to the optimizer as "
-                                                        "is.")
+    weight_decay: float = Field(0.01, ge=0,
+                                description="Weight decay, given to the optimizer as is.")
     momentum: float | None = Field(None, ge=0, lt=1, description="SGD only (default 0.9).")
     warmup_steps: int = Field(20, ge=0, description="Linear warmup from 0 to lr.")
     schedule: Literal["cosine", "linear", "constant"] = Field(
         "cosine", description="Decay after the warmup, indexed by optimizer step at a fixed global "
         "batch (i.e. by samples), so a resize or another micro-batch does not bend it.")
-    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final lr as a fraction of lr "
-                                                             "(cosine/linear).")
-    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm; "
-                                                               "null = no clip.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1,
+                                description="Final lr as a fraction of lr (cosine/linear).")
+    max_grad_norm: float | None = Field(1.0, gt=0,
+                                        description="Clip the global gradient "
+                                                    "norm; null = no clip.")
 
     @model_validator(mode="after")
     def _no_dead_options(self) -> OptimConfig:
@@ -188,9 +200,10 @@ class AutopilotConfig(_Section):
                           "threads, flush_denormal, precision when auto) on the run's first steps, "
                           "then train with the fastest; the choice is saved in the checkpoint and "
                           "kept on resume.")
-    budget: float = Field(0.05, gt=0, le=0.5, description="Most of the run's expected wall clock "
-                          "(max_steps x the starting config's step time) the search may spend; a "
-                          "run too short to pay for it trains with its config.")
+    budget: float = Field(0.05, gt=0, le=0.5,
+                          description="Most of the run's expected wall clock (max_steps x the "
+                                      "starting config's step time) the search may spend; a "
+                                      "run too short to pay for it trains with its config.")
     allow: list[Literal["sync", "tf32"]] = Field(
         default_factory=list, description="Settings that change the math of training, measured too "
         "only when listed here: sync (train.sync local_sgd against ddp, on 2 workers or more; "

@@ -25,31 +25,38 @@ class TuneConfig(_Section):
     """`orchestrator tune`: a search space over dotted config keys; each trial is a full training
     run."""
 
-    space: dict[str, Any] = Field(default_factory=dict, description="Dotted key -> "
-                                  "{loguniform|uniform|randint: [low, high]} or {choice|grid: "
-                                  "[values]}, e.g. optim.lr: {loguniform: [1e-4, 0.1]}.")
+    space: dict[str, Any] = Field(default_factory=dict,
+                                  description="Dotted key -> {loguniform|uniform|randint: "
+                                              "[low, high]} or {choice|grid: [values]}, "
+                                              "e.g. optim.lr: {loguniform: [1e-4, 0.1]}.")
     metric: str | None = Field(None, description="A metric the training loop reports; its last "
                                "value ranks trials. null: the task's (val_accuracy, val_f1, "
                                "val_rmse, val_loss).")
-    mode: Literal["max", "min"] | None = Field(None, description="null: the task's for its metric; "
-                                               "else max for accuracy, F1, R² and throughput, min "
-                                               "for the rest.")
+    mode: Literal["max", "min"] | None = Field(None,
+                                               description="null: the task's for its metric; "
+                                                           "else max for accuracy, F1, R² "
+                                                           "and throughput, min for the rest.")
     num_samples: int = Field(8, ge=1, description="Trials to sample (a grid is expanded once per "
                                                   "sample).")
-    scheduler: Literal["asha", "fifo", "none"] = Field("asha", description="asha stops weak trials "
-                                                       "early; fifo/none runs every trial to the "
-                                                       "end.")
-    grace_period: int | None = Field(None, ge=1, description="ASHA: steps every trial runs before "
-                                     "it may be stopped; null = 50.")
-    reduction_factor: float | None = Field(None, gt=1, description="ASHA: keep the top "
-                                           "1/reduction_factor at each rung; null = 3.")
-    searcher: Literal["random", "optuna"] = Field("random", description="random sampling, or "
-                                                  "Optuna's TPE.")
-    max_concurrent_trials: int | None = Field(None, ge=1, description="An upper bound; at most "
-                                         "what the cluster holds: (CPUs - 1) / CPUs per trial, and "
-                                         "GPUs / workers per trial with scaling.use_gpu.")
-    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Seed of the searcher's "
-                             "sampling, for a repeatable study.")
+    scheduler: Literal["asha", "fifo", "none"] = Field("asha",
+                                                       description="asha stops weak trials "
+                                                                   "early; fifo/none runs "
+                                                                   "every trial to the end.")
+    grace_period: int | None = Field(None, ge=1,
+                                     description="ASHA: steps every trial runs before "
+                                                 "it may be stopped; null = 50.")
+    reduction_factor: float | None = Field(None, gt=1,
+                                           description="ASHA: keep the top 1/reduction_factor "
+                                                       "at each rung; null = 3.")
+    searcher: Literal["random", "optuna"] = Field("random",
+                                                  description="random sampling, or Optuna's TPE.")
+    max_concurrent_trials: int | None = Field(None, ge=1,
+                                              description="An upper bound; at most what the "
+                                                          "cluster holds: (CPUs - 1) / CPUs "
+                                                          "per trial, and GPUs / workers "
+                                                          "per trial with scaling.use_gpu.")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED,
+                             description="Seed of the searcher's sampling, for a repeatable study.")
     rank_by: Literal["metric", "metric_per_dollar"] = Field(
         "metric", description="Pick the best trial by its metric, or by metric per dollar of its "
         "run (needs a priced cost section and a metric to maximise).")
@@ -83,9 +90,10 @@ class Config(_Section):
                             "(<experiment>-tune); --resume finds its latest run.")
     # The sections' descriptions head their part of docs/config.md and of `show-config --explain`
     # (reference.py).
-    model: ModelConfig = Field(default_factory=ModelConfig, description="The model: a built-in one "
-                               "by name, or your own builder; any other key is an option of the "
-                               "builder (e.g. hidden for mlp).")
+    model: ModelConfig = Field(default_factory=ModelConfig,
+                               description="The model: a built-in one by name, or your "
+                                           "own builder; any other key is an option of "
+                                           "the builder (e.g. hidden for mlp).")
     task: TaskConfig = Field(default_factory=TaskConfig,  # type: ignore[arg-type]
                              description="What is learned: the loss, the validation metrics, what "
                              "Tune and doctor rank by. `task: regression` is short for `task: "
