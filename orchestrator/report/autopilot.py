@@ -318,7 +318,7 @@ def gain_line(autopilot: Mapping[str, Any] | None, history: list[dict[str, Any]]
                       f"; search {_number(autopilot.get('search_s'), '.1f')} s")
         after = "after it" if searched else "after the search"
         paces = (" -> ".join(map(rate, searched)) + " in the search, " if searched else "") + (
-            f"{rate(achieved)} {after}" if achieved is not None else f"none measured {after} "
-                                                                     "(no report followed)")
+            f"{rate(achieved)} {after}" if achieved is not None
+            else f"none measured {after} (no report followed)")
     return (f"{head}; {_IN_STEPS}: {paces} ({_STEPS_ARE}; the throughput over the training's "
             f"wall clock also counts data waits, evaluation and checkpoints){tail}")

@@ -55,10 +55,10 @@ def autopilot_gain(run: RunRecord) -> Finding | None:
     if predicted is None and achieved is None:
         return None
     search = run.last("autopilot/search_s")
-    parts = [f"predicted {predicted:.2f}x" if predicted is not None else "no prediction (kept "
-                                                                         "from the checkpoint)",
-             f"achieved {achieved:.2f}x" if achieved is not None else "no achieved figure (no "
-                                                                      "report after the search)"]
+    parts = [f"predicted {predicted:.2f}x" if predicted is not None
+             else "no prediction (kept from the checkpoint)",
+             f"achieved {achieved:.2f}x" if achieved is not None
+             else "no achieved figure (no report after the search)"]
     title = (f"{parts[0]} over the configuration as written, {parts[1]}"
              + (f"; its search took {search:.1f} s" if search is not None else ""))
     settings = chosen_settings(run)

@@ -80,11 +80,9 @@ def memory_headroom(run: RunRecord) -> Finding | None:
     if accum and accum % 2 == 0:
         doubled, why = batch_split(run, micro=2 * micro), "half the accumulation steps"
     elif micro and batch:
-        doubled, why = batch_split(run, 2 * batch, 2 * micro), ("no accumulation left to "
-                                                                "trade: twice the samples per "
-                                                                "step changes the "
-                                                                "optimisation, so retune "
-                                                                "optim.lr and compare the loss")
+        doubled = batch_split(run, 2 * batch, 2 * micro)
+        why = ("no accumulation left to trade: twice the samples per step changes the "
+               "optimisation, so retune optim.lr and compare the loss")
     if doubled:
         changes.append(f"{doubled} ({why})")
     if accum > 1:  # an accumulation to trade: the split is the autopilot's to measure
