@@ -273,7 +273,7 @@ def beside_floor(command: Command, floor: Floor) -> None:
     s, f = stages(command.line), floor.parts
     if not s:
         return
-    pairs = [(("command", "data inspection"), ("python", "import ray")), (("ray start",), ("ray.init",)),
+    pairs = [(("command", "data inspection", "checks"), ("python", "import ray")), (("ray start",), ("ray.init",)),
              (("worker group",), ("fit", "function"))]
     shown = [f"{' + '.join(ours)} {sum(s.get(p, 0.0) for p in ours):.1f} / {' + '.join(theirs)} "
              f"{sum(f[p] for p in theirs):.1f}" for ours, theirs in pairs]

@@ -47,13 +47,14 @@ class Inspection:
 def inspect_run(cfg: DataConfig, named: bool, run_path: str) -> Inspection:
     """inspect_datasets, the train sample collated (inspect_sample), and `run_path` opened with the
     data's S3 settings; raises `DataError` naming the problem."""
-    # torch: the driver's checks need it, `prepare` does not
-    from pipelines.batches import inspect_sample
-
     infos = inspect_datasets(cfg, named)
     rows = infos["train"].sample
-    needs_sample = rows is not None and (named or cfg.label is None)
-    sample = inspect_sample(rows, cfg, named) if needs_sample else None
+    sample = None
+    if rows is not None and (named or cfg.label is None):
+        # torch: only these checks need the sample collated before the model's (`prepare`, none)
+        from pipelines.batches import inspect_sample
+
+        sample = inspect_sample(rows, cfg, named)
     # a local path takes no S3 settings
     return Inspection(infos, sample, open_storage(run_path, cfg.s3))
 

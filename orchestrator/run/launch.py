@@ -110,7 +110,7 @@ def train(config: Config, address: str | None = None, verbose: bool = True,
     to continue."""
     clock = StartupClock(started_at or time.time())
     clock.mark("command")
-    plan = plan_run(config, resume, verbose, address)  # before any cluster resource is taken
+    plan = plan_run(config, resume, verbose, address, clock)  # before any cluster resource is taken
     # nothing to train: no Ray, no MLflow write, no bill
     if plan.resume is not None and plan.resume.finished:
         return finished_result(plan.config, plan.place.uri, plan.resume.record,
@@ -120,7 +120,7 @@ def train(config: Config, address: str | None = None, verbose: bool = True,
     fence = claim_run(plan.place)
     # a Ray job's driver leaves the package `ray.init` may delete
     with outside_job_package(plan.config.tracking):
-        clock.mark("data inspection")
+        clock.mark("checks")
         with RunLog(show_logs) as log:
             return _train(plan, verbose, clock, log, fence)
 

@@ -27,6 +27,7 @@ from pipelines.datasets import inspect_run
 from pipelines.sources import DatasetInfo
 
 if TYPE_CHECKING:
+    from orchestrator.report.startup import StartupClock
     from pipelines.batches import Sample
 
 
@@ -209,17 +210,21 @@ def _autopilot(c: Config) -> dict[str, Any]:
 
 
 def plan_run(config: Config, resume: bool | str = False, verbose: bool = True,
-             address: str | None = None) -> RunPlan:
+             address: str | None = None, clock: StartupClock | None = None) -> RunPlan:
     """Check the config against the data, the model, the price table and the tracking store, and
     find the run's place (with `resume`: True, the newest run of the experiment this config trained;
     a run's name; or a run directory's path or s3:// URI); raises UserError subclasses on bad input.
     Prints the memory advice and where a resume continues from when `verbose`. `address`: the Ray
-    cluster to join (--address; else $RAY_ADDRESS, else a local one)."""
+    cluster to join (--address; else $RAY_ADDRESS, else a local one). `clock`: the start-up line's,
+    its `data inspection` marked once the data are read (the checks after it are the launch's next
+    stage)."""
     # a run directory's path: its parent is storage.path
     config, resume = resume_target(config, resume)
     # Every file the plan reads, once: the data's facts, the sample rows collated, the run's storage
     # opened.
     data = inspect_run(config.data, config.model.inputs is not None, config.storage.path)
+    if clock is not None:
+        clock.mark("data inspection")
     # the model built once, on the meta device
     checked = plan_config(config, data.datasets, data.sample)
     config = checked.config

@@ -14,18 +14,18 @@ from orchestrator.run.result import run_summary
 
 def test_stages_tile_the_time_to_the_first_step() -> None:
     clock = StartupClock(started_at=100.0)
-    clock.marks = {"command": 101.5, "data inspection": 102.0, "ray start": 106.0, "datasets": 107.0}
+    clock.marks = {"command": 101.5, "data inspection": 101.7, "checks": 102.0, "ray start": 106.0, "datasets": 107.0}
     clock.mark_beside("tracking", 107.0, 109.0)  # MLflow's run opened while the worker group started
     report = {"step": 25, "at/worker": 114.0, "at/loop": 116.5, "at/first_batch": 117.0, "train_loss": 1.0}
     assert clock.take_worker_marks(report)
     assert report["at/worker"] == 114.0 and report["train_loss"] == 1.0  # kept: MLflow leaves `at/*` out
     seconds = clock.seconds()
     assert list(seconds) == [stage for stage in STAGES if stage != "tracking"]
-    assert seconds == pytest.approx({"command": 1.5, "data inspection": 0.5, "ray start": 4.0, "datasets": 1.0,
-                                     "worker group": 7.0, "worker set-up": 2.5, "first batch": 0.5})
-    assert clock.line() == ("start-up 17.0 s to the first step: command 1.5 s | data inspection 0.5 s | ray start "
-                            "4.0 s | datasets 1.0 s | worker group 7.0 s (tracking 2.0 s alongside) | worker set-up "
-                            "2.5 s | first batch 0.5 s")
+    assert seconds == pytest.approx({"command": 1.5, "data inspection": 0.2, "checks": 0.3, "ray start": 4.0,
+                                     "datasets": 1.0, "worker group": 7.0, "worker set-up": 2.5, "first batch": 0.5})
+    assert clock.line() == ("start-up 17.0 s to the first step: command 1.5 s | data inspection 0.2 s | checks 0.3 s "
+                            "| ray start 4.0 s | datasets 1.0 s | worker group 7.0 s (tracking 2.0 s alongside) "
+                            "| worker set-up 2.5 s | first batch 0.5 s")
     metrics = clock.metrics()
     assert metrics["startup/total_s"] == pytest.approx(17.0)  # the series only: tracking ran beside it
     assert metrics["startup/worker_set_up_s"] == pytest.approx(2.5) and metrics["startup/tracking_s"] == 2.0

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -139,3 +140,47 @@ def test_an_elastic_plan_prices_every_size_its_group_may_reach(tmp_path: Path, d
     assert sorted(plan.elastic_prices) == [2, 3, 4, 5, 6]
     assert (plan.pricing.nodes, plan.pricing_at(None).nodes, plan.pricing_at(4).nodes) == (2, 2, 4)
     assert plan.pricing_at(4).usd_per_node_hour == spot and plan.pricing_at(4) == resolve_pricing(plan.config, 4)
+
+
+BUILT_AT: list[float] = []
+
+
+def timed_mlp(in_features: int, num_classes: int) -> Any:
+    """The plan's model check builds this: when it did is recorded."""
+    import time
+
+    from torch import nn
+
+    BUILT_AT.append(time.time())
+    return nn.Linear(in_features, num_classes)
+
+
+def test_the_start_up_lines_data_inspection_is_the_data_read_and_the_model_check_a_stage_of_its_own(
+        tmp_path: Path, digits_dir: str) -> None:
+    """`data inspection` is what its name says (the Parquet footers and sample rows read): the model's build on the
+    meta device, torch's import with it, and the plan's other checks are the `checks` stage after it. The order of
+    the marks against the build, not a duration: nothing here times the machine."""
+    from orchestrator.report.startup import StartupClock
+
+    BUILT_AT.clear()
+    clock = StartupClock()
+    clock.mark("command")
+    plan_run(_config(tmp_path, digits_dir, "model.entrypoint=test_plan:timed_mlp"), verbose=False, clock=clock)
+    assert len(BUILT_AT) == 1
+    assert clock.marks["command"] <= clock.marks["data inspection"] <= BUILT_AT[0]
+    clock.mark("checks")
+    assert BUILT_AT[0] <= clock.marks["checks"]
+    assert list(clock.seconds()) == ["command", "data inspection", "checks"]
+
+
+def test_the_data_inspection_of_labelled_columns_imports_no_torch(digits_dir: str) -> None:
+    """Reading Parquet footers and sample rows needs Arrow only: torch's import (seconds) belongs to the model's
+    check, the `checks` stage, and a fresh process is where the command pays it."""
+    code = ("import sys; from pipelines.config import DataConfig; from pipelines.datasets import inspect_run; "
+            f"cfg = DataConfig(train='{digits_dir}/train', val='{digits_dir}/val', features=['pixels'], label='label'); "
+            "inspection = inspect_run(cfg, False, sys.argv[1]); "
+            "print(inspection.datasets['train'].num_rows, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(ROOT / "runs")], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    rows = pq.ParquetDataset(f"{digits_dir}/train").read().num_rows
+    assert out.stdout.split() == [str(rows), "False"]
