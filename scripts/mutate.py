@@ -350,6 +350,20 @@ MUTANTS = (
            "orchestrator/report/startup.py",
            "        self.spans[stage] = (began, ended)", "        self.marks[stage] = ended",
            ("tests/unit/report/test_startup.py",)),
+    Mutant("the data's inspection imports torch and Ray Data for every run", "pipelines/datasets.py",
+           "    sample = None\n    if rows is not None and (named or cfg.label is None):\n",
+           "    import pipelines.batches  # noqa: F401\n    sample = None\n"
+           "    if rows is not None and (named or cfg.label is None):\n",
+           ("tests/unit/run/test_plan.py::test_the_data_inspection_of_labelled_columns_imports_no_torch",)),
+    Mutant("the model's check counted in the start-up's data inspection", "orchestrator/run/plan.py",
+           '    if clock is not None:\n        clock.mark("data inspection")\n'
+           "    # the model built once, on the meta device\n"
+           "    checked = plan_config(config, data.datasets, data.sample)\n",
+           "    # the model built once, on the meta device\n"
+           "    checked = plan_config(config, data.datasets, data.sample)\n"
+           '    if clock is not None:\n        clock.mark("data inspection")\n',
+           ("tests/unit/run/test_plan.py::test_the_start_up_lines_data_inspection_is_the_data_read_and_the_model_check_"
+            "a_stage_of_its_own",)),
     Mutant("held small data: each rank's part runs on into the next rank's rows", "pipelines/held.py",
            "        return rank * each, each\n", "        return rank * each, rows - rank * each\n",
            (f"{DATA_ORDER}::test_held_small_data_gives_each_rank_an_equal_disjoint_part_in_row_order",)),
