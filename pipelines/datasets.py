@@ -51,7 +51,8 @@ def inspect_run(cfg: DataConfig, named: bool, run_path: str) -> Inspection:
     rows = infos["train"].sample
     sample = None
     if rows is not None and (named or cfg.label is None):
-        # torch: only these checks need the sample collated before the model's (`prepare`, none)
+        # the collate imports torch and Ray Data: only named inputs and token windows need the
+        # sample collated before the model's check
         from pipelines.batches import inspect_sample
 
         sample = inspect_sample(rows, cfg, named)
